@@ -1,1 +1,3 @@
+//! kvtier-server: the tiered block store and (next) the sidecar daemon around it.
 
+pub mod tier;
