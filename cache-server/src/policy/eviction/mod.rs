@@ -1,0 +1,224 @@
+//! Eviction: which block a full tier gives up. Policies track slots (dense `u32` indices of
+//! one tier) in arrays sized at construction, so nothing is allocated per block.
+//!
+//! Every policy:
+//! * never returns a slot the caller's `evictable` check refuses (pinned blocks);
+//! * returns each tracked slot at most once per insertion (the store calls `on_remove` next).
+
+/// What the store knows about a block when it is inserted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InsertContext {
+    /// The slot, in the same tier, of the block's parent (the previous block of its chain),
+    /// when the parent is cached there.
+    pub parent: Option<u32>,
+}
+
+/// The eviction policy of one tier. Not thread safe; the store serialises calls per tier.
+pub trait EvictionPolicy: Send {
+    fn name(&self) -> &'static str;
+    /// A block was stored in `slot`.
+    fn on_insert(&mut self, slot: u32, ctx: InsertContext);
+    /// The block in `slot` was read (or looked up for reading).
+    fn on_hit(&mut self, slot: u32);
+    /// The block in `slot` left the tier (evicted or removed).
+    fn on_remove(&mut self, slot: u32);
+    /// A slot to evict among those `evictable` accepts, or `None` when none is found within
+    /// the policy's scan bound.
+    fn victim(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32>;
+}
+
+/// Which eviction policy a tier runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum EvictionKind {
+    /// Plain least-recently-used (the baseline).
+    Lru,
+    /// The default; see [`ChainAware`].
+    #[default]
+    ChainAware,
+}
+
+impl EvictionKind {
+    pub fn build(self, slots: u32) -> Box<dyn EvictionPolicy> {
+        match self {
+            EvictionKind::Lru => Box::new(Lru::new(slots)),
+            EvictionKind::ChainAware => Box::new(ChainAware::new(slots)),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            EvictionKind::Lru => "lru",
+            EvictionKind::ChainAware => "chain-aware",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        [EvictionKind::Lru, EvictionKind::ChainAware]
+            .into_iter()
+            .find(|k| k.name() == s)
+    }
+}
+
+/// How many candidates a victim search looks at before giving up (all pinned, say).
+pub const MAX_VICTIM_SCAN: usize = 512;
+
+const NIL: u32 = u32::MAX;
+
+/// Intrusive doubly-linked lists over slot indices; a slot is in at most one list.
+pub(crate) struct SlotLists {
+    prev: Box<[u32]>,
+    next: Box<[u32]>,
+    list_of: Box<[u8]>,
+    heads: Vec<(u32, u32)>,
+    lens: Vec<usize>,
+}
+
+const NO_LIST: u8 = u8::MAX;
+
+impl SlotLists {
+    pub(crate) fn new(slots: u32, lists: usize) -> Self {
+        let n = slots as usize;
+        Self {
+            prev: vec![NIL; n].into(),
+            next: vec![NIL; n].into(),
+            list_of: vec![NO_LIST; n].into(),
+            heads: vec![(NIL, NIL); lists],
+            lens: vec![0; lists],
+        }
+    }
+
+    pub(crate) fn list_of(&self, slot: u32) -> Option<usize> {
+        let l = self.list_of[slot as usize];
+        (l != NO_LIST).then_some(l as usize)
+    }
+
+    pub(crate) fn len(&self, list: usize) -> usize {
+        self.lens[list]
+    }
+
+    /// Pushes `slot` at the most-recent end of `list` (removing it from any list first).
+    pub(crate) fn push_front(&mut self, list: usize, slot: u32) {
+        self.unlink(slot);
+        let (head, tail) = self.heads[list];
+        self.prev[slot as usize] = NIL;
+        self.next[slot as usize] = head;
+        if head != NIL {
+            self.prev[head as usize] = slot;
+        }
+        self.heads[list] = (slot, if tail == NIL { slot } else { tail });
+        self.list_of[slot as usize] = list as u8;
+        self.lens[list] += 1;
+    }
+
+    pub(crate) fn unlink(&mut self, slot: u32) {
+        let Some(list) = self.list_of(slot) else {
+            return;
+        };
+        let (p, n) = (self.prev[slot as usize], self.next[slot as usize]);
+        if p != NIL {
+            self.next[p as usize] = n;
+        } else {
+            self.heads[list].0 = n;
+        }
+        if n != NIL {
+            self.prev[n as usize] = p;
+        } else {
+            self.heads[list].1 = p;
+        }
+        self.list_of[slot as usize] = NO_LIST;
+        self.lens[list] -= 1;
+    }
+
+    /// Slots of `list` from the least-recent end, at most `limit` of them.
+    pub(crate) fn oldest(&self, list: usize, limit: usize) -> impl Iterator<Item = u32> + '_ {
+        let mut cur = self.heads[list].1;
+        std::iter::from_fn(move || {
+            (cur != NIL).then(|| {
+                let s = cur;
+                cur = self.prev[s as usize];
+                s
+            })
+        })
+        .take(limit)
+    }
+}
+
+/// Plain LRU: evicts the least recently inserted or hit block.
+pub struct Lru {
+    lists: SlotLists,
+}
+
+impl Lru {
+    pub fn new(slots: u32) -> Self {
+        Self {
+            lists: SlotLists::new(slots, 1),
+        }
+    }
+}
+
+impl EvictionPolicy for Lru {
+    fn name(&self) -> &'static str {
+        "lru"
+    }
+    fn on_insert(&mut self, slot: u32, _ctx: InsertContext) {
+        self.lists.push_front(0, slot);
+    }
+    fn on_hit(&mut self, slot: u32) {
+        if self.lists.list_of(slot).is_some() {
+            self.lists.push_front(0, slot);
+        }
+    }
+    fn on_remove(&mut self, slot: u32) {
+        self.lists.unlink(slot);
+    }
+    fn victim(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+        self.lists.oldest(0, MAX_VICTIM_SCAN).find(|&s| evictable(s))
+    }
+}
+
+pub use chain::ChainAware;
+
+mod chain;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Drives a policy through inserts and hits, then lists its eviction order.
+    pub(crate) fn eviction_order(p: &mut dyn EvictionPolicy, slots: u32) -> Vec<u32> {
+        let mut out = Vec::new();
+        while let Some(v) = p.victim(&mut |_| true) {
+            p.on_remove(v);
+            out.push(v);
+            assert!(out.len() <= slots as usize, "victim returned a removed slot");
+        }
+        out
+    }
+
+    #[test]
+    fn lru_evicts_least_recent_first_and_skips_pinned() {
+        let mut p = Lru::new(4);
+        for s in 0..4 {
+            p.on_insert(s, InsertContext::default());
+        }
+        p.on_hit(0);
+        assert_eq!(p.victim(&mut |s| s != 1), Some(2));
+        assert_eq!(eviction_order(&mut p, 4), vec![1, 2, 3, 0]);
+        assert_eq!(p.victim(&mut |_| true), None);
+    }
+
+    #[test]
+    fn lists_stay_consistent() {
+        let mut l = SlotLists::new(5, 2);
+        l.push_front(0, 1);
+        l.push_front(0, 2);
+        l.push_front(1, 3);
+        l.push_front(1, 1);
+        assert_eq!((l.len(0), l.len(1)), (1, 2));
+        assert_eq!(l.oldest(1, 10).collect::<Vec<_>>(), vec![3, 1]);
+        l.unlink(3);
+        l.unlink(3);
+        assert_eq!(l.oldest(1, 10).collect::<Vec<_>>(), vec![1]);
+        assert_eq!(l.oldest(0, 10).collect::<Vec<_>>(), vec![2]);
+    }
+}

@@ -1,0 +1,98 @@
+//! Counters per tier, readable at any time without locks.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::tier::TierKind;
+
+/// Live counters of one tier.
+#[derive(Default, Debug)]
+pub struct TierCounters {
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub bytes_out: AtomicU64,
+    pub evictions: AtomicU64,
+    pub demotions: AtomicU64,
+    pub demotions_dropped: AtomicU64,
+    pub promotions: AtomicU64,
+    pub admissions_refused: AtomicU64,
+    pub corrupt_dropped: AtomicU64,
+    pub io_errors: AtomicU64,
+}
+
+impl TierCounters {
+    pub(crate) fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub(crate) fn inc(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A point-in-time copy of one tier's counters and gauges.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TierStats {
+    pub tier: Option<TierKind>,
+    pub hits: u64,
+    pub misses: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    pub evictions: u64,
+    pub demotions: u64,
+    pub demotions_dropped: u64,
+    pub promotions: u64,
+    pub admissions_refused: u64,
+    pub corrupt_dropped: u64,
+    pub io_errors: u64,
+    /// Slots holding a block.
+    pub used_slots: u64,
+    pub capacity_slots: u64,
+    pub slot_bytes: u64,
+    /// Slots held by a reader, a lease or an in-flight copy.
+    pub pins_outstanding: u64,
+}
+
+impl TierStats {
+    pub(crate) fn from_counters(kind: TierKind, c: &TierCounters) -> Self {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Self {
+            tier: Some(kind),
+            hits: l(&c.hits),
+            misses: l(&c.misses),
+            bytes_in: l(&c.bytes_in),
+            bytes_out: l(&c.bytes_out),
+            evictions: l(&c.evictions),
+            demotions: l(&c.demotions),
+            demotions_dropped: l(&c.demotions_dropped),
+            promotions: l(&c.promotions),
+            admissions_refused: l(&c.admissions_refused),
+            corrupt_dropped: l(&c.corrupt_dropped),
+            io_errors: l(&c.io_errors),
+            ..Self::default()
+        }
+    }
+
+    /// Hits over hits + misses (0 when nothing was asked).
+    pub fn hit_rate(&self) -> f64 {
+        let total = self.hits + self.misses;
+        if total == 0 { 0.0 } else { self.hits as f64 / total as f64 }
+    }
+}
+
+/// Every tier's stats plus store-wide gauges.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    pub tiers: Vec<TierStats>,
+    /// Keys in the index.
+    pub blocks: u64,
+    pub leases_outstanding: u64,
+    /// Background jobs queued or running.
+    pub io_backlog: u64,
+}
+
+impl StoreStats {
+    pub fn tier(&self, kind: TierKind) -> Option<&TierStats> {
+        self.tiers.iter().find(|t| t.tier == Some(kind))
+    }
+}

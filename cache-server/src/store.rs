@@ -1,0 +1,1138 @@
+//! The tiered store: a sharded index over a DRAM tier and an optional NVMe tier, with the
+//! policies deciding what lives where.
+//!
+//! Locking: an index shard lock (key -> locations) and one lock per tier (free list, slot ->
+//! key, eviction policy). The only nesting is tier -> shard (eviction); no lock is held across
+//! I/O. Each slot has an atomic pin count: a slot is never reused while pinned, so a reader
+//! holding a pin reads its block without any lock. Pins are taken only under the shard lock
+//! of the key that references the slot, which is what lets eviction decide under that lock.
+//!
+//! **Invariant:** a slot is in exactly one of: the free list, a tier's policy (referenced by
+//! the index or being filled by its pinned writer), or retired (referenced by nobody, freed by
+//! the last unpin).
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use kvtier_core::BlockKey;
+
+use crate::config::StoreConfig;
+use crate::error::StoreError;
+use crate::io_pool::IoPool;
+use crate::policy::admission::RejectReason;
+use crate::policy::{Admission, EvictionPolicy, InsertContext, PromotionPolicy};
+use crate::stats::{StoreStats, TierCounters, TierStats};
+use crate::tier::nvme::FileWrapper;
+use crate::tier::nvme::file::BufferPool;
+use crate::tier::{
+    DramTier, DramTierConfig, NvmeOpenReport, NvmeTier, NvmeTierConfig, SlotId, Tier, TierError,
+    TierKind,
+};
+
+const NONE: u32 = u32::MAX;
+/// Pin-word bits: the low bits count pins; RETIRED means "free me at zero"; ERASE means
+/// "erase my on-disk header before freeing".
+const RETIRED: u32 = 1 << 31;
+const ERASE: u32 = 1 << 30;
+const COUNT: u32 = ERASE - 1;
+/// How often expired leases are reaped.
+pub const LEASE_REAP_INTERVAL: Duration = Duration::from_millis(100);
+/// Write-backs a single allocation may start before it evicts without one.
+const MAX_WRITEBACKS_PER_ALLOC: usize = 4;
+/// Victims an allocation may try before it gives up.
+const MAX_EVICT_ATTEMPTS: usize = 16;
+/// Under write-back, DRAM keeps about 1/this of its slots free (at least one).
+const WRITEBACK_RESERVE_DIVISOR: usize = 64;
+
+enum Evicted {
+    /// The slot is free for the caller.
+    Freed(u32),
+    /// A write-back started; the slot frees itself when the copy is done.
+    WritingBack,
+    /// The victim could not be taken; ask again.
+    Retry,
+}
+
+/// Where a get was served from, or why not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GetOutcome {
+    Hit(TierKind),
+    Miss(MissReason),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MissReason {
+    NotCached,
+    /// The stored copy failed its checks; it was dropped and counted.
+    Corrupt,
+    /// The tier returned an I/O error; the copy was dropped and counted.
+    IoError,
+    /// No I/O thread could take the read.
+    Busy,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PutOutcome {
+    Stored(TierKind),
+    AlreadyPresent,
+    /// Dropped under pressure (counted); the caller carries on.
+    Rejected(RejectReason),
+}
+
+/// Blocks pinned in the DRAM arena for a reader, until released or the deadline passes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    pub id: u64,
+    pub deadline: Instant,
+    /// The longest cached prefix of the keys asked for, each pinned in DRAM.
+    pub blocks: Vec<PinnedBlock>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PinnedBlock {
+    pub key: BlockKey,
+    pub slot: SlotId,
+    /// Byte offset in the DRAM arena (see [`TieredStore::dram`]).
+    pub offset: u64,
+    pub len: u64,
+}
+
+#[derive(Clone, Copy)]
+struct Entry {
+    dram: u32,
+    nvme: u32,
+    hits: u32,
+}
+
+impl Entry {
+    fn loc(&self, t: TierKind) -> u32 {
+        match t {
+            TierKind::Nvme => self.nvme,
+            _ => self.dram,
+        }
+    }
+    fn set(&mut self, t: TierKind, v: u32) {
+        match t {
+            TierKind::Nvme => self.nvme = v,
+            _ => self.dram = v,
+        }
+    }
+    fn is_empty(&self) -> bool {
+        self.dram == NONE && self.nvme == NONE
+    }
+}
+
+/// Keys are uniform hashes already: fold them instead of hashing again.
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for c in bytes.chunks(8) {
+            let mut b = [0u8; 8];
+            b[..c.len()].copy_from_slice(c);
+            self.0 = self.0.rotate_left(29) ^ u64::from_le_bytes(b);
+        }
+    }
+    fn write_usize(&mut self, _: usize) {}
+}
+
+type Shard = HashMap<BlockKey, Entry, BuildHasherDefault<KeyHasher>>;
+
+struct TierState {
+    free: Vec<u32>,
+    keys: Box<[BlockKey]>,
+    policy: Box<dyn EvictionPolicy>,
+}
+
+struct Slots<T> {
+    tier: T,
+    state: Mutex<TierState>,
+    pins: Box<[AtomicU32]>,
+    counters: TierCounters,
+}
+
+struct LeaseRecord {
+    deadline: Instant,
+    slots: Vec<u32>,
+}
+
+struct Inner {
+    block_bytes: usize,
+    shard_mask: u64,
+    shards: Box<[Mutex<Shard>]>,
+    dram: Slots<DramTier>,
+    nvme: Option<Slots<NvmeTier>>,
+    pool: IoPool,
+    bounce: BufferPool,
+    leases: Mutex<HashMap<u64, LeaseRecord>>,
+    next_lease: AtomicU64,
+    writebacks_inflight: std::sync::atomic::AtomicUsize,
+    config: StoreConfig,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding a lock leaves plain data behind; keep serving.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn slots_for<T: Tier>(tier: T, config: &StoreConfig) -> Slots<T> {
+    let n = tier.slot_count();
+    Slots {
+        state: Mutex::new(TierState {
+            free: (0..n).rev().collect(),
+            keys: vec![BlockKey::default(); n as usize].into(),
+            policy: config.eviction.build(n),
+        }),
+        pins: (0..n).map(|_| AtomicU32::new(0)).collect(),
+        counters: TierCounters::default(),
+        tier,
+    }
+}
+
+/// What opening the store found.
+#[derive(Clone, Debug, Default)]
+pub struct OpenReport {
+    pub nvme: Option<NvmeOpenReport>,
+    /// Recovered NVMe blocks whose size did not match the layout (dropped).
+    pub wrong_size_dropped: usize,
+}
+
+/// The tiered block store. Cheap to share behind an `Arc`; every method takes `&self`.
+///
+/// Calls may block briefly on tier I/O (NVMe reads run on the store's I/O threads while the
+/// caller waits): call them from ordinary threads or an async runtime's blocking pool.
+pub struct TieredStore {
+    inner: Arc<Inner>,
+    reaper: Option<(crossbeam::channel::Sender<()>, std::thread::JoinHandle<()>)>,
+}
+
+impl TieredStore {
+    pub fn open(config: StoreConfig) -> Result<(Self, OpenReport), StoreError> {
+        Self::open_with(config, &|f, _| Arc::new(f))
+    }
+
+    /// Opens the store with each NVMe slot file wrapped by `wrap` (fault injection in tests,
+    /// or instrumented I/O).
+    pub fn open_with(
+        config: StoreConfig,
+        wrap: &FileWrapper,
+    ) -> Result<(Self, OpenReport), StoreError> {
+        let block_bytes = usize::try_from(config.layout.block_bytes()).map_err(|_| {
+            StoreError::Config {
+                setting: "layout",
+                reason: "block larger than the address space".into(),
+            }
+        })?;
+        let dram = DramTierConfig::new(config.dram_capacity_bytes, block_bytes)
+            .prefault(config.dram_prefault)
+            .open()?;
+        let slot_bytes = dram.slot_bytes();
+        let mut report = OpenReport::default();
+        let nvme = match &config.nvme {
+            None => None,
+            Some(n) => {
+                let t = NvmeTierConfig::new(
+                    &n.dir,
+                    n.capacity_bytes,
+                    slot_bytes as u64,
+                    config.layout.fingerprint(),
+                )
+                .direct_io(n.direct_io)
+                .file_bytes(n.file_bytes);
+                let (t, r) = NvmeTier::open_with(&t, wrap)?;
+                report.nvme = Some(r);
+                Some(t)
+            }
+        };
+        if config.io_threads == 0 {
+            return Err(StoreError::Config {
+                setting: "io_threads",
+                reason: "must be at least 1".into(),
+            });
+        }
+        let shards = config.shards.clamp(1, 1 << 16).next_power_of_two();
+        let pool = IoPool::new(config.io_threads, "kvtier-io").map_err(StoreError::Threads)?;
+        let inner = Arc::new(Inner {
+            block_bytes,
+            shard_mask: shards as u64 - 1,
+            shards: (0..shards).map(|_| Mutex::new(Shard::default())).collect(),
+            dram: slots_for(dram, &config),
+            nvme: nvme.map(|t| slots_for(t, &config)),
+            pool,
+            bounce: BufferPool::new(slot_bytes, config.io_threads),
+            leases: Mutex::new(HashMap::new()),
+            next_lease: AtomicU64::new(1),
+            writebacks_inflight: std::sync::atomic::AtomicUsize::new(0),
+            config,
+        });
+        report.wrong_size_dropped = inner.recover();
+        let (stop, rx) = crossbeam::channel::bounded::<()>(1);
+        let weak = Arc::downgrade(&inner);
+        let reaper = std::thread::Builder::new()
+            .name("kvtier-reaper".into())
+            .spawn(move || {
+                while let Err(crossbeam::channel::RecvTimeoutError::Timeout) =
+                    rx.recv_timeout(LEASE_REAP_INTERVAL)
+                {
+                    let Some(inner) = weak.upgrade() else { break };
+                    inner.reap_leases(Instant::now());
+                }
+            })
+            .map_err(StoreError::Threads)?;
+        Ok((
+            Self {
+                inner,
+                reaper: Some((stop, reaper)),
+            },
+            report,
+        ))
+    }
+
+    /// Size of every block, in bytes.
+    pub fn block_bytes(&self) -> usize {
+        self.inner.block_bytes
+    }
+
+    /// The DRAM tier (its arena can be handed to a local client).
+    pub fn dram(&self) -> &DramTier {
+        &self.inner.dram.tier
+    }
+
+    /// The NVMe tier, if configured.
+    pub fn nvme(&self) -> Option<&NvmeTier> {
+        self.inner.nvme.as_ref().map(|s| &s.tier)
+    }
+
+    /// Stores `data` as block `key`, whose chain parent is `parent` (None for a first block).
+    pub fn put(
+        &self,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+        data: &[u8],
+    ) -> Result<PutOutcome, StoreError> {
+        self.inner.put(key, parent, data)
+    }
+
+    /// Copies block `key` into `buf` (exactly one block long).
+    pub fn get(&self, key: &BlockKey, buf: &mut [u8]) -> Result<GetOutcome, StoreError> {
+        self.inner.get(*key, buf)
+    }
+
+    /// The longest cached prefix of `keys`: the tier of each leading cached block (the
+    /// fastest tier holding it), stopping at the first miss.
+    pub fn lookup(&self, keys: &[BlockKey]) -> Vec<TierKind> {
+        let mut out = Vec::new();
+        for k in keys {
+            match self.inner.locate(*k) {
+                Some(t) => out.push(t),
+                None => break,
+            }
+        }
+        out
+    }
+
+    /// Whether `key` is cached in any tier.
+    pub fn contains(&self, key: &BlockKey) -> bool {
+        self.inner.locate(*key).is_some()
+    }
+
+    /// Pins the longest cached prefix of `keys` in DRAM (promoting NVMe blocks) for at most
+    /// `lease` (capped by the configured maximum). Release with [`TieredStore::release`];
+    /// pins that outlive their deadline are released by the store.
+    pub fn pin(&self, keys: &[BlockKey], lease: Duration) -> Lease {
+        self.inner.pin(keys, lease)
+    }
+
+    /// Releases a lease; false if it was unknown or already expired.
+    pub fn release(&self, lease_id: u64) -> bool {
+        self.inner.release_lease(lease_id)
+    }
+
+    /// Releases every lease whose deadline is before `now`; returns how many. The store also
+    /// does this on its own every [`LEASE_REAP_INTERVAL`].
+    pub fn reap_expired(&self, now: Instant) -> usize {
+        self.inner.reap_leases(now)
+    }
+
+    /// Queues promotion of NVMe-only blocks among `keys` into DRAM; returns how many were
+    /// queued (the rest were cached in DRAM already, missing, or refused by a full queue).
+    pub fn prefetch(&self, keys: &[BlockKey]) -> usize {
+        self.inner.prefetch(keys)
+    }
+
+    /// Forgets `key` in every tier; false if it was not cached.
+    pub fn remove(&self, key: &BlockKey) -> bool {
+        self.inner.remove(*key)
+    }
+
+    /// Forgets every block (NVMe included, across restarts).
+    pub fn clear(&self) -> Result<(), StoreError> {
+        self.inner.clear()
+    }
+
+    /// Waits until background copies (demotions, prefetches) queued so far have finished.
+    pub fn flush(&self) {
+        self.inner.pool.drain();
+    }
+
+    pub fn stats(&self) -> StoreStats {
+        self.inner.stats()
+    }
+}
+
+impl Drop for TieredStore {
+    fn drop(&mut self) {
+        if let Some((stop, handle)) = self.reaper.take() {
+            let _ = stop.send(());
+            let _ = handle.join();
+        }
+        // Background jobs hold the inner state; let them finish so it drops here.
+        self.inner.pool.drain();
+    }
+}
+
+impl Inner {
+    fn shard(&self, key: &BlockKey) -> MutexGuard<'_, Shard> {
+        lock(&self.shards[((key.to_u128() >> 64) as u64 & self.shard_mask) as usize])
+    }
+
+    fn counters(&self, t: TierKind) -> &TierCounters {
+        match t {
+            TierKind::Nvme => &self.nvme.as_ref().expect("nvme slot without an nvme tier").counters,
+            _ => &self.dram.counters,
+        }
+    }
+
+    /// (state, pins) of tier `t`. Only DRAM and NVMe hold slots in the store.
+    fn parts(&self, t: TierKind) -> (&Mutex<TierState>, &[AtomicU32]) {
+        match t {
+            TierKind::Nvme => {
+                let s = self.nvme.as_ref().expect("nvme slot without an nvme tier");
+                (&s.state, &s.pins)
+            }
+            _ => (&self.dram.state, &self.dram.pins),
+        }
+    }
+
+    fn recover(&self) -> usize {
+        let Some(nvme) = &self.nvme else { return 0 };
+        let mut dropped = 0;
+        let mut st = lock(&nvme.state);
+        let mut used = vec![false; nvme.tier.slot_count() as usize];
+        for r in nvme.tier.recover() {
+            if r.len as usize != self.block_bytes {
+                dropped += 1;
+                continue;
+            }
+            used[r.slot.index()] = true;
+            st.keys[r.slot.index()] = r.key;
+            st.policy.on_insert(r.slot.0, InsertContext::default());
+            self.shard(&r.key).insert(
+                r.key,
+                Entry {
+                    dram: NONE,
+                    nvme: r.slot.0,
+                    hits: 0,
+                },
+            );
+        }
+        st.free.retain(|s| !used[*s as usize]);
+        dropped
+    }
+
+    fn locate(&self, key: BlockKey) -> Option<TierKind> {
+        let shard = self.shard(&key);
+        let e = shard.get(&key)?;
+        if e.dram != NONE {
+            Some(TierKind::Dram)
+        } else if e.nvme != NONE {
+            Some(TierKind::Nvme)
+        } else {
+            None
+        }
+    }
+
+    fn unpin(self: &Arc<Self>, t: TierKind, slot: u32) {
+        let (_, pins) = self.parts(t);
+        let prev = pins[slot as usize].fetch_sub(1, Ordering::AcqRel);
+        debug_assert!(prev & COUNT != 0, "unpin of an unpinned slot");
+        if prev & COUNT == 1 && prev & RETIRED != 0 {
+            self.free(t, slot, prev & ERASE != 0);
+        }
+    }
+
+    /// Takes `slot` out of tier `t`'s policy and frees it once no pin holds it.
+    fn retire(self: &Arc<Self>, t: TierKind, slot: u32, erase: bool) {
+        let (state, pins) = self.parts(t);
+        lock(state).policy.on_remove(slot);
+        let bits = RETIRED | if erase { ERASE } else { 0 };
+        let prev = pins[slot as usize].fetch_or(bits, Ordering::AcqRel);
+        if prev & COUNT == 0 {
+            self.free(t, slot, erase);
+        }
+    }
+
+    fn free(self: &Arc<Self>, t: TierKind, slot: u32, erase: bool) {
+        if erase && t == TierKind::Nvme {
+            // The header goes before the slot can be reused, so a restart cannot bring the
+            // removed block back. On a full queue, erase here: removal is rare.
+            let me = self.clone();
+            let job = move || me.erase_then_free(slot);
+            if self.pool.try_spawn(job).is_err() {
+                self.erase_then_free(slot);
+            }
+            return;
+        }
+        let (state, pins) = self.parts(t);
+        let mut st = lock(state);
+        pins[slot as usize].store(0, Ordering::Release);
+        st.free.push(slot);
+    }
+
+    fn erase_then_free(self: &Arc<Self>, slot: u32) {
+        if let Some(n) = &self.nvme {
+            if n.tier.erase(SlotId(slot)).is_err() {
+                TierCounters::inc(&n.counters.io_errors);
+            }
+        }
+        self.free(TierKind::Nvme, slot, false);
+    }
+
+    /// A slot of tier `t` for `key`, pinned once (the caller's writer pin) and tracked by the
+    /// policy. Evicts to make room; under write-back, dirty DRAM victims are copied down in
+    /// the background first and a small reserve of free slots is kept so puts rarely wait on
+    /// (or are refused because of) a copy in flight.
+    fn alloc(self: &Arc<Self>, t: TierKind, key: BlockKey, ctx: InsertContext) -> Option<u32> {
+        let (state, pins) = self.parts(t);
+        let mut st = lock(state);
+        let writeback = self.writeback_mode(t);
+        let slot = match st.free.pop() {
+            Some(s) => s,
+            None => {
+                let mut started = 0;
+                let mut found = None;
+                for _ in 0..MAX_EVICT_ATTEMPTS {
+                    let allow_writeback = writeback && started < MAX_WRITEBACKS_PER_ALLOC;
+                    match self.evict_one(t, &mut st, pins, allow_writeback)? {
+                        Evicted::Freed(v) => {
+                            found = Some(v);
+                            break;
+                        }
+                        Evicted::WritingBack => started += 1,
+                        Evicted::Retry => {}
+                    }
+                }
+                found?
+            }
+        };
+        pins[slot as usize].store(1, Ordering::Release);
+        st.keys[slot as usize] = key;
+        st.policy.on_insert(slot, ctx);
+        if writeback {
+            let reserve = (st.keys.len() / WRITEBACK_RESERVE_DIVISOR).max(1);
+            let mut budget = MAX_WRITEBACKS_PER_ALLOC;
+            while budget > 0
+                && st.free.len() + self.writebacks_inflight.load(Ordering::Acquire) < reserve
+            {
+                budget -= 1;
+                match self.evict_one(t, &mut st, pins, true) {
+                    Some(Evicted::Freed(v)) => st.free.push(v),
+                    Some(Evicted::WritingBack | Evicted::Retry) => {}
+                    None => break,
+                }
+            }
+        }
+        Some(slot)
+    }
+
+    fn writeback_mode(&self, t: TierKind) -> bool {
+        t == TierKind::Dram && self.nvme.is_some() && self.config.demotion.on_evict()
+    }
+
+    /// Handles the policy's next victim. `None`: no evictable slot at all.
+    fn evict_one(
+        self: &Arc<Self>,
+        t: TierKind,
+        st: &mut TierState,
+        pins: &[AtomicU32],
+        allow_writeback: bool,
+    ) -> Option<Evicted> {
+        let v = st
+            .policy
+            .victim(&mut |s| pins[s as usize].load(Ordering::Acquire) == 0)?;
+        let vkey = st.keys[v as usize];
+        let mut shard = self.shard(&vkey);
+        let Some(e) = shard.get_mut(&vkey).filter(|e| e.loc(t) == v) else {
+            // Tracked but referenced by no key: nothing can reach it; reclaim it.
+            drop(shard);
+            st.policy.on_remove(v);
+            return Some(Evicted::Freed(v));
+        };
+        if pins[v as usize].load(Ordering::Acquire) != 0 {
+            return Some(Evicted::Retry); // pinned after the policy looked
+        }
+        if allow_writeback && e.nvme == NONE {
+            // Stays readable in DRAM while it is copied down; the copy job frees it.
+            pins[v as usize].store(1 | RETIRED, Ordering::Release);
+            drop(shard);
+            st.policy.on_remove(v);
+            self.writebacks_inflight.fetch_add(1, Ordering::AcqRel);
+            let me = self.clone();
+            if self.pool.try_spawn(move || me.demote(vkey, v, true)).is_ok() {
+                return Some(Evicted::WritingBack);
+            }
+            // No room to copy: drop it instead.
+            self.writebacks_inflight.fetch_sub(1, Ordering::AcqRel);
+            TierCounters::inc(&self.dram.counters.demotions_dropped);
+            let mut shard = self.shard(&vkey);
+            if let Some(e) = shard.get_mut(&vkey).filter(|e| e.dram == v) {
+                e.dram = NONE;
+                if e.is_empty() {
+                    shard.remove(&vkey);
+                }
+            }
+            drop(shard);
+            TierCounters::inc(&self.dram.counters.evictions);
+            return match pins[v as usize].compare_exchange(
+                1 | RETIRED,
+                0,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => Some(Evicted::Freed(v)),
+                Err(_) => {
+                    // A reader pinned it meanwhile; its last unpin frees it.
+                    pins[v as usize].fetch_sub(1, Ordering::AcqRel);
+                    Some(Evicted::Retry)
+                }
+            };
+        }
+        e.set(t, NONE);
+        if e.is_empty() {
+            shard.remove(&vkey);
+        }
+        drop(shard);
+        st.policy.on_remove(v);
+        TierCounters::inc(&self.counters(t).evictions);
+        Some(Evicted::Freed(v))
+    }
+
+    fn put(
+        self: &Arc<Self>,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+        data: &[u8],
+    ) -> Result<PutOutcome, StoreError> {
+        if data.len() != self.block_bytes {
+            return Err(StoreError::WrongSize {
+                what: "put payload",
+                got: data.len(),
+                expected: self.block_bytes,
+            });
+        }
+        let parent_slot = match parent {
+            Some(p) => {
+                let shard = self.shard(&p);
+                shard.get(&p).map(|e| e.dram).filter(|&s| s != NONE)
+            }
+            None => None,
+        };
+        if self.shard(&key).contains_key(&key) {
+            return Ok(PutOutcome::AlreadyPresent);
+        }
+        let c = &self.dram.counters;
+        if let Admission::Reject(why) = self.config.admission.admit(self.pool.backlog()) {
+            TierCounters::inc(&c.admissions_refused);
+            return Ok(PutOutcome::Rejected(why));
+        }
+        let ctx = InsertContext {
+            parent: parent_slot,
+        };
+        let Some(slot) = self.alloc(TierKind::Dram, key, ctx) else {
+            TierCounters::inc(&c.admissions_refused);
+            return Ok(PutOutcome::Rejected(RejectReason::NoEvictableSlot));
+        };
+        // The slot is ours (pinned, unreferenced): no lock needed to fill it.
+        self.dram.tier.write(SlotId(slot), key, data)?;
+        {
+            let mut shard = self.shard(&key);
+            if shard.contains_key(&key) {
+                drop(shard);
+                self.retire(TierKind::Dram, slot, false);
+                self.unpin(TierKind::Dram, slot);
+                return Ok(PutOutcome::AlreadyPresent);
+            }
+            shard.insert(
+                key,
+                Entry {
+                    dram: slot,
+                    nvme: NONE,
+                    hits: 0,
+                },
+            );
+        }
+        TierCounters::add(&c.bytes_in, data.len() as u64);
+        if self.nvme.is_some() && self.config.demotion.on_put() {
+            self.spawn_demotion(key, slot);
+        }
+        self.unpin(TierKind::Dram, slot);
+        Ok(PutOutcome::Stored(TierKind::Dram))
+    }
+
+    /// Copies DRAM slot `slot` (pinned by the caller, who keeps its own pin) to NVMe in the
+    /// background; a full queue drops the copy and counts it.
+    fn spawn_demotion(self: &Arc<Self>, key: BlockKey, slot: u32) {
+        self.dram.pins[slot as usize].fetch_add(1, Ordering::AcqRel);
+        let me = self.clone();
+        if self.pool.try_spawn(move || me.demote(key, slot, false)).is_err() {
+            TierCounters::inc(&self.dram.counters.demotions_dropped);
+            self.unpin(TierKind::Dram, slot);
+        }
+    }
+
+    /// Runs on the I/O pool. Copies DRAM slot `ds` (pinned for this job) to a new NVMe slot.
+    /// With `evicting`, the DRAM copy is dropped afterwards (write-back); its slot was retired
+    /// by the evictor and is freed by the final unpin.
+    fn demote(self: &Arc<Self>, key: BlockKey, ds: u32, evicting: bool) {
+        let Some(nvme) = &self.nvme else { return };
+        let dc = &self.dram.counters;
+        let stored = match self.alloc(TierKind::Nvme, key, InsertContext::default()) {
+            None => {
+                TierCounters::inc(&dc.demotions_dropped);
+                None
+            }
+            Some(ns) => {
+                let r = self
+                    .dram
+                    .tier
+                    .read_with(SlotId(ds), key, self.block_bytes, |bytes| {
+                        nvme.tier.write(SlotId(ns), key, bytes)
+                    });
+                match r {
+                    Ok(Ok(())) => Some(ns),
+                    Ok(Err(e)) | Err(e) => {
+                        tracing::debug!(%key, "demotion failed: {e}");
+                        TierCounters::inc(&nvme.counters.io_errors);
+                        self.retire(TierKind::Nvme, ns, false);
+                        self.unpin(TierKind::Nvme, ns);
+                        None
+                    }
+                }
+            }
+        };
+        let mut orphan_nvme = None;
+        {
+            let mut shard = self.shard(&key);
+            match shard.get_mut(&key) {
+                Some(e) => {
+                    if let Some(ns) = stored {
+                        if e.nvme == NONE {
+                            e.nvme = ns;
+                        } else {
+                            orphan_nvme = Some(ns);
+                        }
+                    }
+                    if evicting && e.dram == ds {
+                        e.dram = NONE;
+                        if e.is_empty() {
+                            shard.remove(&key);
+                        }
+                    }
+                }
+                None => orphan_nvme = stored,
+            }
+        }
+        if let Some(ns) = stored {
+            TierCounters::inc(&dc.demotions);
+            TierCounters::add(&nvme.counters.bytes_in, self.block_bytes as u64);
+            if orphan_nvme.is_some() {
+                self.retire(TierKind::Nvme, ns, false);
+            }
+            self.unpin(TierKind::Nvme, ns);
+        }
+        if evicting {
+            TierCounters::inc(&dc.evictions);
+            self.writebacks_inflight.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.unpin(TierKind::Dram, ds);
+    }
+
+    /// Pins the location of `key`: DRAM if present there, else NVMe. Counts the hit.
+    fn pin_location(&self, key: BlockKey) -> Option<(TierKind, u32, u32)> {
+        let mut shard = self.shard(&key);
+        let e = shard.get_mut(&key)?;
+        e.hits = e.hits.saturating_add(1);
+        let (t, s) = if e.dram != NONE {
+            (TierKind::Dram, e.dram)
+        } else {
+            (TierKind::Nvme, e.nvme)
+        };
+        self.parts(t).1[s as usize].fetch_add(1, Ordering::AcqRel);
+        Some((t, s, e.hits))
+    }
+
+    fn touch(&self, t: TierKind, slot: u32) {
+        lock(self.parts(t).0).policy.on_hit(slot);
+    }
+
+    fn get(self: &Arc<Self>, key: BlockKey, buf: &mut [u8]) -> Result<GetOutcome, StoreError> {
+        if buf.len() != self.block_bytes {
+            return Err(StoreError::WrongSize {
+                what: "get buffer",
+                got: buf.len(),
+                expected: self.block_bytes,
+            });
+        }
+        let dc = &self.dram.counters;
+        let Some((t, slot, hits)) = self.pin_location(key) else {
+            TierCounters::inc(&dc.misses);
+            return Ok(GetOutcome::Miss(MissReason::NotCached));
+        };
+        if t == TierKind::Dram {
+            let r = self.dram.tier.read(SlotId(slot), key, buf);
+            self.touch(t, slot);
+            if r.is_ok() && self.nvme.is_some() && self.config.demotion.on_hit(hits) {
+                self.spawn_demotion(key, slot);
+            }
+            self.unpin(t, slot);
+            return Ok(match r {
+                Ok(()) => {
+                    TierCounters::inc(&dc.hits);
+                    TierCounters::add(&dc.bytes_out, buf.len() as u64);
+                    GetOutcome::Hit(TierKind::Dram)
+                }
+                // A DRAM slot referenced by the index always holds its key; a failure here is
+                // a bug, reported as a miss rather than wrong bytes.
+                Err(e) => {
+                    tracing::error!(%key, "DRAM read failed: {e}");
+                    TierCounters::inc(&dc.misses);
+                    GetOutcome::Miss(MissReason::Busy)
+                }
+            });
+        }
+        TierCounters::inc(&dc.misses);
+        match self.promote_pinned(key, slot, false) {
+            Ok(Some(ds)) => {
+                let r = self.dram.tier.read(SlotId(ds), key, buf);
+                self.unpin(TierKind::Dram, ds);
+                Ok(match r {
+                    Ok(()) => GetOutcome::Hit(TierKind::Nvme),
+                    Err(_) => GetOutcome::Miss(MissReason::Busy),
+                })
+            }
+            Ok(None) => {
+                // No DRAM slot (or promotion off): read through a bounce buffer.
+                let me = self.clone();
+                let r = self.pool.run(move || {
+                    let (mut b, _) = me.bounce.take();
+                    let n = me.block_bytes;
+                    let r = me
+                        .nvme
+                        .as_ref()
+                        .map(|n| n.tier.read(SlotId(slot), key, &mut b[..me.block_bytes]));
+                    let r = r.unwrap_or(Err(TierError::Unavailable {
+                        reason: "no NVMe tier".into(),
+                    }));
+                    (r, b, n)
+                });
+                let outcome = match r {
+                    Ok((Ok(()), b, n)) => {
+                        buf.copy_from_slice(&b[..n]);
+                        self.bounce.give(b);
+                        self.nvme_hit(slot);
+                        GetOutcome::Hit(TierKind::Nvme)
+                    }
+                    Ok((Err(e), b, _)) => {
+                        self.bounce.give(b);
+                        GetOutcome::Miss(self.nvme_failed(key, slot, &e))
+                    }
+                    Err(_) => GetOutcome::Miss(MissReason::Busy),
+                };
+                self.unpin(TierKind::Nvme, slot);
+                Ok(outcome)
+            }
+            Err(reason) => Ok(GetOutcome::Miss(reason)),
+        }
+    }
+
+    fn nvme_hit(&self, slot: u32) {
+        if let Some(n) = &self.nvme {
+            TierCounters::inc(&n.counters.hits);
+            TierCounters::add(&n.counters.bytes_out, self.block_bytes as u64);
+            self.touch(TierKind::Nvme, slot);
+        }
+    }
+
+    /// Drops the NVMe copy of `key` in `slot` after a failed read, counting why.
+    fn nvme_failed(self: &Arc<Self>, key: BlockKey, slot: u32, e: &TierError) -> MissReason {
+        let Some(n) = &self.nvme else {
+            return MissReason::IoError;
+        };
+        let reason = match e {
+            TierError::Corrupt { .. } => {
+                TierCounters::inc(&n.counters.corrupt_dropped);
+                tracing::warn!(%key, slot, "dropping corrupt NVMe block: {e}");
+                MissReason::Corrupt
+            }
+            TierError::Mismatch { .. } => {
+                // Stale header (cleared or overwritten on disk): not damage, but not ours.
+                TierCounters::inc(&n.counters.misses);
+                MissReason::NotCached
+            }
+            _ => {
+                TierCounters::inc(&n.counters.io_errors);
+                tracing::warn!(%key, slot, "NVMe read failed: {e}");
+                MissReason::IoError
+            }
+        };
+        let mut shard = self.shard(&key);
+        if let Some(ent) = shard.get_mut(&key).filter(|ent| ent.nvme == slot) {
+            ent.nvme = NONE;
+            if ent.is_empty() {
+                shard.remove(&key);
+            }
+            drop(shard);
+            // Erase the bad header so a restart does not index it again.
+            self.retire(TierKind::Nvme, slot, true);
+        }
+        reason
+    }
+
+    /// Promotes NVMe slot `ns` (pinned by the caller) into a new DRAM slot. `Ok(Some(ds))`:
+    /// promoted, `ds` returned pinned and `ns` unpinned. `Ok(None)`: not promoted (policy, or
+    /// no DRAM slot), `ns` still pinned for the caller's fallback. `Err`: the NVMe copy was bad
+    /// and is dropped, `ns` unpinned. `inline` is for callers already on the I/O pool.
+    fn promote_pinned(
+        self: &Arc<Self>,
+        key: BlockKey,
+        ns: u32,
+        inline: bool,
+    ) -> Result<Option<u32>, MissReason> {
+        if self.config.promotion == PromotionPolicy::Never {
+            return Ok(None);
+        }
+        let Some(ds) = self.alloc(TierKind::Dram, key, InsertContext::default()) else {
+            return Ok(None);
+        };
+        let r = if inline {
+            self.promote_io(key, ns, ds)
+        } else {
+            let me = self.clone();
+            self.pool
+                .run(move || me.promote_io(key, ns, ds))
+                .unwrap_or_else(|_| {
+                    Err(TierError::Unavailable {
+                        reason: "I/O pool stopped".into(),
+                    })
+                })
+        };
+        let out = match r {
+            Ok(()) => {
+                let adopted = {
+                    let mut shard = self.shard(&key);
+                    match shard.get_mut(&key) {
+                        Some(e) if e.dram == NONE => {
+                            e.dram = ds;
+                            true
+                        }
+                        _ => false,
+                    }
+                };
+                if !adopted {
+                    // Promoted twice at once, or removed meanwhile: this copy is spare. It
+                    // stays readable under our pin and is freed when it is unpinned.
+                    self.retire(TierKind::Dram, ds, false);
+                }
+                TierCounters::inc(&self.dram.counters.promotions);
+                self.nvme_hit(ns);
+                Ok(Some(ds))
+            }
+            Err(e) => {
+                self.retire(TierKind::Dram, ds, false);
+                self.unpin(TierKind::Dram, ds);
+                Err(self.nvme_failed(key, ns, &e))
+            }
+        };
+        self.unpin(TierKind::Nvme, ns);
+        out
+    }
+
+    /// Reads NVMe slot `ns` straight into DRAM slot `ds` (both pinned by the caller).
+    fn promote_io(&self, key: BlockKey, ns: u32, ds: u32) -> Result<(), TierError> {
+        let Some(n) = &self.nvme else {
+            return Err(TierError::Unavailable {
+                reason: "no NVMe tier".into(),
+            });
+        };
+        self.dram
+            .tier
+            .write_with(SlotId(ds), key, self.block_bytes, |b| {
+                n.tier.read(SlotId(ns), key, b)
+            })
+            .and_then(|r| r)
+    }
+
+    fn pin(self: &Arc<Self>, keys: &[BlockKey], lease: Duration) -> Lease {
+        let deadline = Instant::now() + lease.min(self.config.max_lease);
+        let mut blocks = Vec::new();
+        let mut slots = Vec::new();
+        for &key in keys {
+            let Some((t, slot, _)) = self.pin_location(key) else { break };
+            let ds = if t == TierKind::Dram {
+                self.touch(t, slot);
+                TierCounters::inc(&self.dram.counters.hits);
+                slot
+            } else {
+                TierCounters::inc(&self.dram.counters.misses);
+                match self.promote_pinned(key, slot, false) {
+                    Ok(Some(ds)) => ds,
+                    Ok(None) => {
+                        self.unpin(TierKind::Nvme, slot);
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            };
+            slots.push(ds);
+            blocks.push(PinnedBlock {
+                key,
+                slot: SlotId(ds),
+                offset: self.dram.tier.slot_offset(SlotId(ds)),
+                len: self.block_bytes as u64,
+            });
+        }
+        let id = self.next_lease.fetch_add(1, Ordering::Relaxed);
+        if !slots.is_empty() {
+            lock(&self.leases).insert(id, LeaseRecord { deadline, slots });
+        }
+        Lease {
+            id,
+            deadline,
+            blocks,
+        }
+    }
+
+    fn release_lease(self: &Arc<Self>, id: u64) -> bool {
+        let Some(rec) = lock(&self.leases).remove(&id) else {
+            return false;
+        };
+        for s in rec.slots {
+            self.unpin(TierKind::Dram, s);
+        }
+        true
+    }
+
+    fn reap_leases(self: &Arc<Self>, now: Instant) -> usize {
+        let expired: Vec<LeaseRecord> = {
+            let mut leases = lock(&self.leases);
+            let ids: Vec<u64> = leases
+                .iter()
+                .filter(|(_, l)| l.deadline <= now)
+                .map(|(id, _)| *id)
+                .collect();
+            ids.iter().filter_map(|id| leases.remove(id)).collect()
+        };
+        for rec in &expired {
+            for &s in &rec.slots {
+                self.unpin(TierKind::Dram, s);
+            }
+        }
+        expired.len()
+    }
+
+    fn prefetch(self: &Arc<Self>, keys: &[BlockKey]) -> usize {
+        if self.nvme.is_none() {
+            return 0;
+        }
+        let mut queued = 0;
+        for &key in keys {
+            let ns = {
+                let shard = self.shard(&key);
+                match shard.get(&key) {
+                    Some(e) if e.dram == NONE && e.nvme != NONE => {
+                        self.parts(TierKind::Nvme).1[e.nvme as usize]
+                            .fetch_add(1, Ordering::AcqRel);
+                        e.nvme
+                    }
+                    _ => continue,
+                }
+            };
+            let me = self.clone();
+            let job = move || match me.promote_pinned(key, ns, true) {
+                Ok(Some(ds)) => me.unpin(TierKind::Dram, ds),
+                Ok(None) => me.unpin(TierKind::Nvme, ns),
+                Err(_) => {}
+            };
+            if self.pool.try_spawn(job).is_ok() {
+                queued += 1;
+            } else {
+                self.unpin(TierKind::Nvme, ns);
+            }
+        }
+        queued
+    }
+
+    fn remove(self: &Arc<Self>, key: BlockKey) -> bool {
+        let Some(e) = self.shard(&key).remove(&key) else {
+            return false;
+        };
+        if e.dram != NONE {
+            self.retire(TierKind::Dram, e.dram, false);
+        }
+        if e.nvme != NONE {
+            self.retire(TierKind::Nvme, e.nvme, true);
+        }
+        true
+    }
+
+    fn clear(self: &Arc<Self>) -> Result<(), StoreError> {
+        for shard in self.shards.iter() {
+            let entries: Vec<Entry> = lock(shard).drain().map(|(_, e)| e).collect();
+            for e in entries {
+                if e.dram != NONE {
+                    self.retire(TierKind::Dram, e.dram, false);
+                }
+                if e.nvme != NONE {
+                    self.retire(TierKind::Nvme, e.nvme, false);
+                }
+            }
+        }
+        if let Some(n) = &self.nvme {
+            n.tier.clear_all()?;
+        }
+        Ok(())
+    }
+
+    fn stats(&self) -> StoreStats {
+        let mut tiers = vec![tier_stats(TierKind::Dram, &self.dram)];
+        if let Some(n) = &self.nvme {
+            tiers.push(tier_stats(TierKind::Nvme, n));
+        }
+        StoreStats {
+            tiers,
+            blocks: self.shards.iter().map(|s| lock(s).len() as u64).sum(),
+            leases_outstanding: lock(&self.leases).len() as u64,
+            io_backlog: self.pool.backlog() as u64,
+        }
+    }
+}
+
+fn tier_stats<T: Tier>(kind: TierKind, slots: &Slots<T>) -> TierStats {
+    let mut s = TierStats::from_counters(kind, &slots.counters);
+    s.capacity_slots = u64::from(slots.tier.slot_count());
+    s.slot_bytes = slots.tier.slot_bytes() as u64;
+    s.used_slots = s.capacity_slots - lock(&slots.state).free.len() as u64;
+    s.pins_outstanding = slots
+        .pins
+        .iter()
+        .filter(|p| p.load(Ordering::Relaxed) & COUNT != 0)
+        .count() as u64;
+    s
+}

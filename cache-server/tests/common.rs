@@ -1,0 +1,48 @@
+#![allow(dead_code)]
+//! Helpers shared by the store tests.
+
+use std::path::Path;
+use std::time::Duration;
+
+use kvtier_core::{BlockKey, Dtype, KvLayout};
+use kvtier_server::tier::conformance::fill_block;
+use kvtier_server::{GetOutcome, NvmeSettings, StoreConfig};
+
+/// 4 KiB blocks: 1 layer x 2 x 16 tokens x 4 heads x 16 dim x f16.
+pub fn layout() -> KvLayout {
+    KvLayout::new(1, 4, 16, Dtype::F16, 16).unwrap()
+}
+
+pub const BLOCK: usize = 4096;
+
+pub fn config(dram_blocks: u64, nvme: Option<(&Path, u64)>) -> StoreConfig {
+    let mut c = StoreConfig::new(layout(), dram_blocks * BLOCK as u64);
+    c.dram_prefault = false;
+    c.io_threads = 2;
+    c.shards = 4;
+    c.max_lease = Duration::from_secs(5);
+    if let Some((dir, blocks)) = nvme {
+        c.nvme = Some(NvmeSettings::new(dir, blocks * (BLOCK as u64 + 4096)));
+    }
+    c
+}
+
+pub fn key(i: u64) -> BlockKey {
+    BlockKey::from_u128(u128::from(i).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835) | 1)
+}
+
+pub fn data(k: BlockKey) -> Vec<u8> {
+    let mut v = vec![0u8; BLOCK];
+    fill_block(k, &mut v);
+    v
+}
+
+/// Gets `k`; on a hit, asserts the bytes are exactly `data(k)`.
+pub fn get(store: &kvtier_server::TieredStore, k: BlockKey) -> GetOutcome {
+    let mut buf = vec![0u8; BLOCK];
+    let o = store.get(&k, &mut buf).unwrap();
+    if let GetOutcome::Hit(_) = o {
+        assert!(buf == data(k), "wrong bytes served for {k}");
+    }
+    o
+}

@@ -1,0 +1,226 @@
+//! Behaviour of the tiered store through its public API.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvtier_server::policy::admission::RejectReason;
+use kvtier_server::{GetOutcome, MissReason, PutOutcome, StoreError, TierKind, TieredStore};
+
+#[test]
+fn put_get_lookup_in_dram() {
+    let (s, _) = TieredStore::open(config(16, None)).unwrap();
+    let keys: Vec<_> = (0..5).map(key).collect();
+    for (i, k) in keys.iter().enumerate() {
+        let parent = i.checked_sub(1).map(|p| keys[p]);
+        assert_eq!(s.put(*k, parent, &data(*k)).unwrap(), PutOutcome::Stored(TierKind::Dram));
+    }
+    assert_eq!(s.put(keys[0], None, &data(keys[0])).unwrap(), PutOutcome::AlreadyPresent);
+    assert_eq!(get(&s, keys[3]), GetOutcome::Hit(TierKind::Dram));
+    assert_eq!(get(&s, key(99)), GetOutcome::Miss(MissReason::NotCached));
+    // Longest prefix stops at the first miss.
+    let mut probe = keys.clone();
+    probe.insert(3, key(77));
+    assert_eq!(s.lookup(&probe), vec![TierKind::Dram; 3]);
+    assert!(s.remove(&keys[1]));
+    assert!(!s.remove(&keys[1]));
+    assert_eq!(s.lookup(&keys).len(), 1);
+    let st = s.stats();
+    let d = st.tier(TierKind::Dram).unwrap();
+    assert_eq!((d.hits, d.misses, st.blocks), (1, 1, 4));
+}
+
+#[test]
+fn wrong_sizes_are_errors() {
+    let (s, _) = TieredStore::open(config(4, None)).unwrap();
+    let e = s.put(key(1), None, &[0u8; 100]).unwrap_err();
+    assert!(matches!(e, StoreError::WrongSize { got: 100, .. }), "{e}");
+    let e = s.get(&key(1), &mut [0u8; 5000]).unwrap_err();
+    assert!(e.to_string().contains("5000"), "{e}");
+}
+
+#[test]
+fn dram_never_holds_more_than_its_capacity() {
+    let cap_blocks = 8;
+    let (s, _) = TieredStore::open(config(cap_blocks, None)).unwrap();
+    assert!(s.dram().arena_bytes() <= cap_blocks * BLOCK as u64);
+    for i in 0..200 {
+        let k = key(i);
+        s.put(k, None, &data(k)).unwrap();
+        let d = s.stats();
+        let d = d.tier(TierKind::Dram).unwrap();
+        assert!(d.used_slots <= cap_blocks);
+    }
+    let st = s.stats();
+    assert_eq!(st.blocks, cap_blocks);
+    assert_eq!(st.tier(TierKind::Dram).unwrap().evictions, 200 - cap_blocks);
+}
+
+#[test]
+fn pinned_blocks_are_never_evicted_and_leases_expire() {
+    let (s, _) = TieredStore::open(config(4, None)).unwrap();
+    let pinned = [key(1), key(2)];
+    for k in pinned {
+        s.put(k, None, &data(k)).unwrap();
+    }
+    let lease = s.pin(&pinned, Duration::from_millis(300));
+    assert_eq!(lease.blocks.len(), 2);
+    for b in &lease.blocks {
+        assert_eq!(b.offset, s.dram().slot_offset(b.slot));
+    }
+    for i in 10..100 {
+        let k = key(i);
+        s.put(k, None, &data(k)).unwrap();
+    }
+    for k in pinned {
+        assert_eq!(get(&s, k), GetOutcome::Hit(TierKind::Dram));
+    }
+    // With every slot pinned, new blocks are refused, not waited for.
+    let other = s.pin(&[key(98), key(99)], Duration::from_secs(5));
+    assert_eq!(other.blocks.len(), 2);
+    assert_eq!(
+        s.put(key(500), None, &data(key(500))).unwrap(),
+        PutOutcome::Rejected(RejectReason::NoEvictableSlot)
+    );
+    assert!(s.release(other.id));
+    assert!(!s.release(other.id));
+    // The first lease expires on its own (the reaper runs every 100 ms).
+    let t0 = Instant::now();
+    while s.stats().leases_outstanding > 0 {
+        assert!(t0.elapsed() < Duration::from_secs(5), "lease never expired");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(s.stats().tier(TierKind::Dram).unwrap().pins_outstanding, 0);
+    assert_eq!(s.put(key(500), None, &data(key(500))).unwrap(), PutOutcome::Stored(TierKind::Dram));
+}
+
+#[test]
+fn write_through_survives_restart_and_promotes_on_hit() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys: Vec<_> = (0..6).map(key).collect();
+    {
+        let (s, _) = TieredStore::open(config(4, Some((dir.path(), 16)))).unwrap();
+        for k in &keys {
+            s.put(*k, None, &data(*k)).unwrap();
+            // A DRAM slot is busy until its copy to NVMe is done; without waiting, a burst
+            // larger than DRAM is refused (counted), never stalled.
+            s.flush();
+        }
+        let st = s.stats();
+        assert_eq!(st.tier(TierKind::Dram).unwrap().demotions, 6);
+        // Two of six were evicted from DRAM but are still on NVMe.
+        assert_eq!(s.lookup(&keys).len(), 6);
+    }
+    let (s, report) = TieredStore::open(config(4, Some((dir.path(), 16)))).unwrap();
+    assert_eq!(report.nvme.unwrap().recovered, 6);
+    assert_eq!(s.lookup(&keys), vec![TierKind::Nvme; 6]);
+    assert_eq!(get(&s, keys[2]), GetOutcome::Hit(TierKind::Nvme));
+    assert_eq!(s.lookup(&keys[2..3]), vec![TierKind::Dram]);
+    assert_eq!(get(&s, keys[2]), GetOutcome::Hit(TierKind::Dram));
+    let st = s.stats();
+    assert_eq!(st.tier(TierKind::Dram).unwrap().promotions, 1);
+    assert_eq!(st.tier(TierKind::Nvme).unwrap().hits, 1);
+    // Prefetch promotes ahead of need.
+    assert_eq!(s.prefetch(&keys[3..5]), 2);
+    s.flush();
+    assert_eq!(s.lookup(&keys[3..5]), vec![TierKind::Dram; 2]);
+}
+
+#[test]
+fn remove_and_clear_hold_across_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys: Vec<_> = (0..4).map(key).collect();
+    {
+        let (s, _) = TieredStore::open(config(8, Some((dir.path(), 8)))).unwrap();
+        for k in &keys {
+            s.put(*k, None, &data(*k)).unwrap();
+        }
+        s.flush();
+        assert!(s.remove(&keys[0]));
+        s.flush();
+    }
+    {
+        let (s, _) = TieredStore::open(config(8, Some((dir.path(), 8)))).unwrap();
+        assert!(!s.contains(&keys[0]));
+        assert!(s.contains(&keys[1]));
+        s.clear().unwrap();
+        assert!(!s.contains(&keys[1]));
+        let k = key(50);
+        s.put(k, None, &data(k)).unwrap();
+        s.flush();
+    }
+    let (s, _) = TieredStore::open(config(8, Some((dir.path(), 8)))).unwrap();
+    assert_eq!(s.lookup(&keys).len(), 0);
+    assert_eq!(get(&s, key(50)), GetOutcome::Hit(TierKind::Nvme));
+}
+
+#[test]
+fn write_back_demotes_only_on_eviction() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(4, Some((dir.path(), 8)));
+    c.demotion = kvtier_server::policy::DemotionPolicy::WriteBack;
+    let (s, _) = TieredStore::open(c).unwrap();
+    for i in 0..2 {
+        s.put(key(i), None, &data(key(i))).unwrap();
+    }
+    s.flush();
+    assert_eq!(s.stats().tier(TierKind::Nvme).unwrap().used_slots, 0);
+    for i in 2..8 {
+        s.put(key(i), None, &data(key(i))).unwrap();
+        s.flush();
+    }
+    let st = s.stats();
+    assert!(st.tier(TierKind::Dram).unwrap().demotions >= 2, "{st:?}");
+    for i in 0..8 {
+        assert!(matches!(get(&s, key(i)), GetOutcome::Hit(_)), "block {i} lost");
+        s.flush();
+    }
+}
+
+#[test]
+fn selective_write_through_waits_for_hits() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(4, Some((dir.path(), 8)));
+    c.demotion = kvtier_server::policy::DemotionPolicy::SelectiveWriteThrough { after_hits: 2 };
+    let (s, _) = TieredStore::open(c).unwrap();
+    let k = key(1);
+    s.put(k, None, &data(k)).unwrap();
+    get(&s, k);
+    s.flush();
+    assert_eq!(s.stats().tier(TierKind::Dram).unwrap().demotions, 0);
+    get(&s, k);
+    s.flush();
+    assert_eq!(s.stats().tier(TierKind::Dram).unwrap().demotions, 1);
+}
+
+#[test]
+fn corrupt_nvme_blocks_are_misses_counted_and_erased() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys: Vec<_> = (0..4).map(key).collect();
+    {
+        let (s, _) = TieredStore::open(config(4, Some((dir.path(), 4)))).unwrap();
+        for k in &keys {
+            s.put(*k, None, &data(*k)).unwrap();
+        }
+        s.flush();
+    }
+    // Flip one payload bit in every slot.
+    let file = dir.path().join("slots-00000.kvt");
+    let mut bytes = std::fs::read(&file).unwrap();
+    for slot in 0..4 {
+        bytes[slot * 8192 + 4096 + 1000] ^= 0x04;
+    }
+    std::fs::write(&file, &bytes).unwrap();
+    let (s, _) = TieredStore::open(config(4, Some((dir.path(), 4)))).unwrap();
+    for k in &keys {
+        assert_eq!(get(&s, *k), GetOutcome::Miss(MissReason::Corrupt));
+        assert!(!s.contains(k));
+    }
+    s.flush();
+    assert_eq!(s.stats().tier(TierKind::Nvme).unwrap().corrupt_dropped, 4);
+    drop(s);
+    let (s, r) = TieredStore::open(config(4, Some((dir.path(), 4)))).unwrap();
+    assert_eq!(r.nvme.unwrap().recovered, 0, "corrupt blocks were indexed again");
+    assert_eq!(s.stats().blocks, 0);
+}
