@@ -7,18 +7,14 @@
 
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, FromRawFd};
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use kvtier_core::BlockKey;
 use memmap2::MmapRaw;
 
-use super::slot_lock::SlotLock;
+use super::slot_lock::SlotTable;
 use super::{RecoveredSlot, SlotId, Tier, TierError, TierKind};
 
 /// Slot sizes are rounded to this; it is also the alignment O_DIRECT needs.
 pub const PAGE_BYTES: usize = 4096;
-
-const EMPTY_LEN: u64 = u64::MAX;
 
 /// Builds a [`DramTier`].
 #[derive(Clone, Debug)]
@@ -51,20 +47,13 @@ impl DramTierConfig {
     }
 }
 
-struct SlotMeta {
-    lock: SlotLock,
-    key_lo: AtomicU64,
-    key_hi: AtomicU64,
-    len: AtomicU64,
-}
-
 /// See the module documentation.
 pub struct DramTier {
     file: File,
     map: MmapRaw,
     slot_bytes: usize,
     slots: u32,
-    meta: Box<[SlotMeta]>,
+    meta: SlotTable,
 }
 
 fn config_err(setting: &'static str, reason: impl Into<String>) -> TierError {
@@ -122,14 +111,7 @@ impl DramTier {
             }
         }
         let map = MmapRaw::map_raw(&file).map_err(io)?;
-        let meta = (0..slots)
-            .map(|_| SlotMeta {
-                lock: SlotLock::default(),
-                key_lo: AtomicU64::new(0),
-                key_hi: AtomicU64::new(0),
-                len: AtomicU64::new(EMPTY_LEN),
-            })
-            .collect();
+        let meta = SlotTable::new(slots);
         Ok(Self {
             file,
             map,
@@ -154,10 +136,6 @@ impl DramTier {
         u64::from(slot.0) * self.slot_bytes as u64
     }
 
-    fn meta(&self, slot: SlotId) -> &SlotMeta {
-        &self.meta[slot.index()]
-    }
-
     /// Fills `slot` in place: `fill` gets the slot's first `len` bytes (page aligned) and the
     /// block becomes readable as `key` only if it returns `Ok`.
     pub fn write_with<E>(
@@ -168,9 +146,7 @@ impl DramTier {
         fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
     ) -> Result<Result<(), E>, TierError> {
         self.check(slot, len)?;
-        let m = self.meta(slot);
-        let _w = m.lock.write().ok_or(TierError::Busy { slot })?;
-        m.len.store(EMPTY_LEN, Ordering::Relaxed);
+        let w = self.meta.write(slot)?;
         // SAFETY: the slot's range [offset, offset + len) lies inside the mapping (checked
         // above: slot < slots and len <= slot_bytes), and the write guard makes this the only
         // reference into that range in this process until it is dropped.
@@ -182,10 +158,7 @@ impl DramTier {
         };
         let r = fill(buf);
         if r.is_ok() {
-            let k = key.to_u128();
-            m.key_lo.store(k as u64, Ordering::Relaxed);
-            m.key_hi.store((k >> 64) as u64, Ordering::Relaxed);
-            m.len.store(len as u64, Ordering::Relaxed);
+            w.commit(key, len);
         }
         Ok(r)
     }
@@ -199,29 +172,7 @@ impl DramTier {
         f: impl FnOnce(&[u8]) -> R,
     ) -> Result<R, TierError> {
         self.check(slot, len)?;
-        let m = self.meta(slot);
-        let _r = m.lock.read().ok_or(TierError::Busy { slot })?;
-        let stored = m.len.load(Ordering::Relaxed);
-        if stored == EMPTY_LEN {
-            return Err(TierError::Mismatch {
-                slot,
-                reason: "empty slot",
-            });
-        }
-        let k = u128::from(m.key_lo.load(Ordering::Relaxed))
-            | (u128::from(m.key_hi.load(Ordering::Relaxed)) << 64);
-        if k != key.to_u128() {
-            return Err(TierError::Mismatch {
-                slot,
-                reason: "another key",
-            });
-        }
-        if stored != len as u64 {
-            return Err(TierError::Mismatch {
-                slot,
-                reason: "another length",
-            });
-        }
+        let _r = self.meta.read(slot, key, len)?;
         // SAFETY: in bounds as in `write_with`; the read guard excludes writers of this slot in
         // this process, so the bytes are not mutated while the shared slice lives.
         let buf = unsafe {
@@ -265,10 +216,7 @@ impl Tier for DramTier {
 
     fn erase(&self, slot: SlotId) -> Result<(), TierError> {
         self.check(slot, 0)?;
-        let m = self.meta(slot);
-        let _w = m.lock.write().ok_or(TierError::Busy { slot })?;
-        m.len.store(EMPTY_LEN, Ordering::Relaxed);
-        Ok(())
+        self.meta.erase(slot)
     }
 
     fn clear_all(&self) -> Result<(), TierError> {
