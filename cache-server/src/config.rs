@@ -1,10 +1,12 @@
 //! Configuration of the tiered store. Each field's doc ends with its default.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvtier_core::KvLayout;
 
+use crate::clock::{Clock, SystemClock};
 use crate::policy::{AdmissionPolicy, DemotionPolicy, EvictionKind, PromotionPolicy};
 
 /// Builds a [`crate::store::TieredStore`].
@@ -33,6 +35,8 @@ pub struct StoreConfig {
     pub shards: usize,
     /// Longest lease a pin may ask for. Default: 30 s.
     pub max_lease: Duration,
+    /// Time as the policies see it. Default: the system's monotonic clock.
+    pub clock: Arc<dyn Clock>,
 }
 
 /// Where and how large the NVMe tier is.
@@ -74,6 +78,7 @@ impl StoreConfig {
             io_threads: 4,
             shards: 64,
             max_lease: Duration::from_secs(30),
+            clock: Arc::new(SystemClock::default()),
         }
     }
 

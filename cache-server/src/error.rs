@@ -7,7 +7,10 @@ use crate::tier::TierError;
 #[non_exhaustive]
 pub enum StoreError {
     #[error("invalid configuration: {setting}: {reason}")]
-    Config { setting: &'static str, reason: String },
+    Config {
+        setting: &'static str,
+        reason: String,
+    },
     #[error("{what} is {got} bytes but the layout's blocks are {expected} bytes")]
     WrongSize {
         what: &'static str,

@@ -4,10 +4,12 @@
 //! * [`policy`]: eviction, demotion, promotion and admission, each a small type.
 //! * [`store`]: the index and the [`TieredStore`] that ties them together.
 
+pub mod clock;
 pub mod config;
 mod error;
 pub mod io_pool;
 pub mod policy;
+pub mod replay;
 pub mod stats;
 pub mod store;
 pub mod tier;

@@ -14,7 +14,10 @@ use kvtier_server::tier::conformance::fill_block;
 use kvtier_server::{GetOutcome, NvmeSettings, StoreConfig, StoreStats, TierKind, TieredStore};
 
 #[derive(Parser, Debug)]
-#[command(version, about = "kvtier cache server (store demonstration on embedded defaults)")]
+#[command(
+    version,
+    about = "kvtier cache server (store demonstration on embedded defaults)"
+)]
 struct Args {
     /// Directory of the NVMe tier's slot files.
     #[arg(long, default_value = "./kvtier-data")]
@@ -33,8 +36,7 @@ struct Args {
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -45,7 +47,10 @@ fn main() -> Result<()> {
     // Llama-3-8B's KV in bf16: 32 layers, 8 KV heads of 128, 16-token blocks = 2 MiB a block.
     let layout = KvLayout::new(32, 8, 128, Dtype::Bf16, 16)?;
     let block_bytes = layout.block_bytes() as usize;
-    println!("kvtier-server {} — tiered store demonstration", env!("CARGO_PKG_VERSION"));
+    println!(
+        "kvtier-server {} — tiered store demonstration",
+        env!("CARGO_PKG_VERSION")
+    );
     println!(
         "layout: llama-3-8b, {} layers x {} kv heads x {} dims, {}, {} tokens a block = {} KiB a block",
         layout.num_layers(),
@@ -60,35 +65,53 @@ fn main() -> Result<()> {
     let open = || -> Result<(TieredStore, kvtier_server::OpenReport)> {
         let mut c = StoreConfig::new(layout, args.dram_mib << 20);
         c.nvme = Some(NvmeSettings::new(&args.data_dir, args.nvme_mib << 20));
-        TieredStore::open(c).with_context(|| {
-            format!("opening the store (data dir {})", args.data_dir.display())
-        })
+        TieredStore::open(c)
+            .with_context(|| format!("opening the store (data dir {})", args.data_dir.display()))
     };
     let (store, report) = open()?;
     let nvme = report.nvme.clone().unwrap_or_default();
     println!(
         "DRAM tier: memfd arena of {} MiB, {} slots (a local client can map it)",
         store.dram().arena_bytes() >> 20,
-        store.stats().tier(TierKind::Dram).map_or(0, |t| t.capacity_slots)
+        store
+            .stats()
+            .tier(TierKind::Dram)
+            .map_or(0, |t| t.capacity_slots)
     );
     let data_dir = std::fs::canonicalize(&args.data_dir).unwrap_or(args.data_dir.clone());
     println!(
         "NVMe tier: {} ({}), {} slots; found {} blocks from an earlier run{}",
         data_dir.display(),
-        if nvme.direct_io { "O_DIRECT" } else { "buffered: the file system refused O_DIRECT" },
-        store.stats().tier(TierKind::Nvme).map_or(0, |t| t.capacity_slots),
+        if nvme.direct_io {
+            "O_DIRECT"
+        } else {
+            "buffered: the file system refused O_DIRECT"
+        },
+        store
+            .stats()
+            .tier(TierKind::Nvme)
+            .map_or(0, |t| t.capacity_slots),
         nvme.recovered,
-        nvme.cold_start.map(|w| format!(" (started cold: {w})")).unwrap_or_default()
+        nvme.cold_start
+            .map(|w| format!(" (started cold: {w})"))
+            .unwrap_or_default()
     );
 
     // A prompt's block keys: keyed, chained prefix hashes under the model's namespace.
     let secret = HashSecret::development();
     let ns = NamespaceBuilder::new("llama-3-8b", layout.fingerprint()).build(&secret)?;
     let mut hasher = PrefixHasher::new(secret, ns, layout.block_tokens())?;
-    let tokens: Vec<u32> = (0..args.blocks as u32 * 16).map(|i| i.wrapping_mul(2654435761) % 128_000).collect();
+    let tokens: Vec<u32> = (0..args.blocks as u32 * 16)
+        .map(|i| i.wrapping_mul(2654435761) % 128_000)
+        .collect();
     let mut keys = Vec::new();
     hasher.prompt_keys(&tokens, &mut keys);
-    println!("prompt: {} tokens -> {} block keys (first {})", tokens.len(), keys.len(), keys[0]);
+    println!(
+        "prompt: {} tokens -> {} block keys (first {})",
+        tokens.len(),
+        keys.len(),
+        keys[0]
+    );
 
     let cached = store.lookup(&keys).len();
     let mut buf = vec![0u8; block_bytes];
@@ -123,7 +146,11 @@ fn main() -> Result<()> {
     );
     print_lookup("lookup after restart", &store.lookup(&keys), keys.len());
     verify(&store, &keys, &mut buf)?;
-    print_lookup("lookup after reads (NVMe hits promoted)", &store.lookup(&keys), keys.len());
+    print_lookup(
+        "lookup after reads (NVMe hits promoted)",
+        &store.lookup(&keys),
+        keys.len(),
+    );
     verify(&store, &keys, &mut buf)?;
     print_stats(&store.stats());
     println!(
@@ -152,7 +179,11 @@ fn verify(store: &TieredStore, keys: &[kvtier_core::BlockKey], buf: &mut [u8]) -
             GetOutcome::Hit(tier) => {
                 fill_block(*k, &mut want);
                 anyhow::ensure!(buf == &want[..], "block {k} came back with other bytes");
-                if tier == TierKind::Dram { dram += 1 } else { nvme += 1 }
+                if tier == TierKind::Dram {
+                    dram += 1
+                } else {
+                    nvme += 1
+                }
             }
             GetOutcome::Miss(_) => miss += 1,
         }
@@ -176,7 +207,9 @@ fn print_lookup(what: &str, tiers: &[TierKind], total: usize) {
 }
 
 fn print_stats(s: &StoreStats) {
-    println!("  tier  used/slots   hits  misses  evictions  demotions  promotions  refused  corrupt");
+    println!(
+        "  tier  used/slots   hits  misses  evictions  demotions  promotions  refused  corrupt"
+    );
     for t in &s.tiers {
         println!(
             "  {:<5} {:>5}/{:<6} {:>5} {:>7} {:>10} {:>10} {:>11} {:>8} {:>8}",

@@ -23,7 +23,7 @@ use crate::config::StoreConfig;
 use crate::error::StoreError;
 use crate::io_pool::IoPool;
 use crate::policy::admission::RejectReason;
-use crate::policy::{Admission, EvictionPolicy, InsertContext, PromotionPolicy};
+use crate::policy::{Admission, EvictionPolicy, InsertContext, LookupContext, PromotionPolicy};
 use crate::stats::{StoreStats, TierCounters, TierStats};
 use crate::tier::nvme::FileWrapper;
 use crate::tier::nvme::file::BufferPool;
@@ -224,12 +224,11 @@ impl TieredStore {
         config: StoreConfig,
         wrap: &FileWrapper,
     ) -> Result<(Self, OpenReport), StoreError> {
-        let block_bytes = usize::try_from(config.layout.block_bytes()).map_err(|_| {
-            StoreError::Config {
+        let block_bytes =
+            usize::try_from(config.layout.block_bytes()).map_err(|_| StoreError::Config {
                 setting: "layout",
                 reason: "block larger than the address space".into(),
-            }
-        })?;
+            })?;
         let dram = DramTierConfig::new(config.dram_capacity_bytes, block_bytes)
             .prefault(config.dram_prefault)
             .open()?;
@@ -327,15 +326,10 @@ impl TieredStore {
 
     /// The longest cached prefix of `keys`: the tier of each leading cached block (the
     /// fastest tier holding it), stopping at the first miss.
+    /// A lookup is a request announcing itself: the policies count the prefix as used (use
+    /// [`TieredStore::contains`] to ask without that effect).
     pub fn lookup(&self, keys: &[BlockKey]) -> Vec<TierKind> {
-        let mut out = Vec::new();
-        for k in keys {
-            match self.inner.locate(*k) {
-                Some(t) => out.push(t),
-                None => break,
-            }
-        }
-        out
+        self.inner.lookup(keys)
     }
 
     /// Whether `key` is cached in any tier.
@@ -405,7 +399,13 @@ impl Inner {
 
     fn counters(&self, t: TierKind) -> &TierCounters {
         match t {
-            TierKind::Nvme => &self.nvme.as_ref().expect("nvme slot without an nvme tier").counters,
+            TierKind::Nvme => {
+                &self
+                    .nvme
+                    .as_ref()
+                    .expect("nvme slot without an nvme tier")
+                    .counters
+            }
             _ => &self.dram.counters,
         }
     }
@@ -433,7 +433,7 @@ impl Inner {
             }
             used[r.slot.index()] = true;
             st.keys[r.slot.index()] = r.key;
-            st.policy.on_insert(r.slot.0, InsertContext::default());
+            st.policy.on_insert(r.slot.0, r.key, self.ctx(None));
             self.shard(&r.key).insert(
                 r.key,
                 Entry {
@@ -471,7 +471,7 @@ impl Inner {
     /// Takes `slot` out of tier `t`'s policy and frees it once no pin holds it.
     fn retire(self: &Arc<Self>, t: TierKind, slot: u32, erase: bool) {
         let (state, pins) = self.parts(t);
-        lock(state).policy.on_remove(slot);
+        lock(state).policy.on_remove(slot, self.now());
         let bits = RETIRED | if erase { ERASE } else { 0 };
         let prev = pins[slot as usize].fetch_or(bits, Ordering::AcqRel);
         if prev & COUNT == 0 {
@@ -534,7 +534,7 @@ impl Inner {
         };
         pins[slot as usize].store(1, Ordering::Release);
         st.keys[slot as usize] = key;
-        st.policy.on_insert(slot, ctx);
+        st.policy.on_insert(slot, key, ctx);
         if writeback {
             let reserve = (st.keys.len() / WRITEBACK_RESERVE_DIVISOR).max(1);
             let mut budget = MAX_WRITEBACKS_PER_ALLOC;
@@ -572,7 +572,7 @@ impl Inner {
         let Some(e) = shard.get_mut(&vkey).filter(|e| e.loc(t) == v) else {
             // Tracked but referenced by no key: nothing can reach it; reclaim it.
             drop(shard);
-            st.policy.on_remove(v);
+            st.policy.on_remove(v, self.now());
             return Some(Evicted::Freed(v));
         };
         if pins[v as usize].load(Ordering::Acquire) != 0 {
@@ -582,10 +582,14 @@ impl Inner {
             // Stays readable in DRAM while it is copied down; the copy job frees it.
             pins[v as usize].store(1 | RETIRED, Ordering::Release);
             drop(shard);
-            st.policy.on_remove(v);
+            st.policy.on_remove(v, self.now());
             self.writebacks_inflight.fetch_add(1, Ordering::AcqRel);
             let me = self.clone();
-            if self.pool.try_spawn(move || me.demote(vkey, v, true)).is_ok() {
+            if self
+                .pool
+                .try_spawn(move || me.demote(vkey, v, true))
+                .is_ok()
+            {
                 return Some(Evicted::WritingBack);
             }
             // No room to copy: drop it instead.
@@ -619,7 +623,7 @@ impl Inner {
             shard.remove(&vkey);
         }
         drop(shard);
-        st.policy.on_remove(v);
+        st.policy.on_remove(v, self.now());
         TierCounters::inc(&self.counters(t).evictions);
         Some(Evicted::Freed(v))
     }
@@ -637,37 +641,45 @@ impl Inner {
                 expected: self.block_bytes,
             });
         }
-        let parent_slot = match parent {
-            Some(p) => {
-                let shard = self.shard(&p);
-                shard.get(&p).map(|e| e.dram).filter(|&s| s != NONE)
-            }
-            None => None,
-        };
         if self.shard(&key).contains_key(&key) {
             return Ok(PutOutcome::AlreadyPresent);
         }
         let c = &self.dram.counters;
+        let parent_slot = match parent {
+            Some(p) => match self.shard(&p).get(&p) {
+                Some(e) => (e.dram != NONE).then_some(e.dram),
+                None => {
+                    TierCounters::inc(&c.admissions_refused);
+                    return Ok(PutOutcome::Rejected(RejectReason::OrphanBlock));
+                }
+            },
+            None => None,
+        };
         if let Admission::Reject(why) = self.config.admission.admit(self.pool.backlog()) {
             TierCounters::inc(&c.admissions_refused);
             return Ok(PutOutcome::Rejected(why));
         }
-        let ctx = InsertContext {
-            parent: parent_slot,
-        };
+        let ctx = self.ctx(parent_slot);
         let Some(slot) = self.alloc(TierKind::Dram, key, ctx) else {
             TierCounters::inc(&c.admissions_refused);
             return Ok(PutOutcome::Rejected(RejectReason::NoEvictableSlot));
         };
         // The slot is ours (pinned, unreferenced): no lock needed to fill it.
         self.dram.tier.write(SlotId(slot), key, data)?;
+        // Making room may have evicted the parent: then this block is unreachable.
+        let orphaned = parent.is_some_and(|p| !self.shard(&p).contains_key(&p));
         {
             let mut shard = self.shard(&key);
-            if shard.contains_key(&key) {
+            let present = shard.contains_key(&key);
+            if present || orphaned {
                 drop(shard);
                 self.retire(TierKind::Dram, slot, false);
                 self.unpin(TierKind::Dram, slot);
-                return Ok(PutOutcome::AlreadyPresent);
+                if present {
+                    return Ok(PutOutcome::AlreadyPresent);
+                }
+                TierCounters::inc(&c.admissions_refused);
+                return Ok(PutOutcome::Rejected(RejectReason::OrphanBlock));
             }
             shard.insert(
                 key,
@@ -691,7 +703,11 @@ impl Inner {
     fn spawn_demotion(self: &Arc<Self>, key: BlockKey, slot: u32) {
         self.dram.pins[slot as usize].fetch_add(1, Ordering::AcqRel);
         let me = self.clone();
-        if self.pool.try_spawn(move || me.demote(key, slot, false)).is_err() {
+        if self
+            .pool
+            .try_spawn(move || me.demote(key, slot, false))
+            .is_err()
+        {
             TierCounters::inc(&self.dram.counters.demotions_dropped);
             self.unpin(TierKind::Dram, slot);
         }
@@ -703,7 +719,7 @@ impl Inner {
     fn demote(self: &Arc<Self>, key: BlockKey, ds: u32, evicting: bool) {
         let Some(nvme) = &self.nvme else { return };
         let dc = &self.dram.counters;
-        let stored = match self.alloc(TierKind::Nvme, key, InsertContext::default()) {
+        let stored = match self.alloc(TierKind::Nvme, key, self.ctx(None)) {
             None => {
                 TierCounters::inc(&dc.demotions_dropped);
                 None
@@ -779,7 +795,60 @@ impl Inner {
     }
 
     fn touch(&self, t: TierKind, slot: u32) {
-        lock(self.parts(t).0).policy.on_hit(slot);
+        let now = self.now();
+        lock(self.parts(t).0).policy.on_hit(slot, now);
+    }
+
+    fn now(&self) -> u64 {
+        self.config.clock.now_ms()
+    }
+
+    fn ctx(&self, parent: Option<u32>) -> InsertContext {
+        InsertContext {
+            parent,
+            now_ms: self.now(),
+        }
+    }
+
+    /// The longest cached prefix of `keys`, with each tier's policy told about the request.
+    fn lookup(&self, keys: &[BlockKey]) -> Vec<TierKind> {
+        let mut out = Vec::new();
+        let mut dram = Vec::new();
+        let mut nvme = Vec::new();
+        let (mut dram_run, mut nvme_run) = (true, true);
+        for k in keys {
+            let shard = self.shard(k);
+            let Some(e) = shard.get(k).filter(|e| !e.is_empty()) else {
+                break;
+            };
+            dram_run &= e.dram != NONE;
+            nvme_run &= e.nvme != NONE;
+            if dram_run {
+                dram.push(e.dram);
+            }
+            if nvme_run {
+                nvme.push(e.nvme);
+            }
+            out.push(if e.dram != NONE {
+                TierKind::Dram
+            } else {
+                TierKind::Nvme
+            });
+        }
+        let now = self.now();
+        lock(&self.dram.state).policy.on_lookup(LookupContext {
+            hits: &dram,
+            rest: &keys[dram.len()..],
+            now_ms: now,
+        });
+        if let Some(n) = &self.nvme {
+            lock(&n.state).policy.on_lookup(LookupContext {
+                hits: &nvme,
+                rest: &keys[nvme.len()..],
+                now_ms: now,
+            });
+        }
+        out
     }
 
     fn get(self: &Arc<Self>, key: BlockKey, buf: &mut [u8]) -> Result<GetOutcome, StoreError> {
@@ -918,7 +987,7 @@ impl Inner {
         if self.config.promotion == PromotionPolicy::Never {
             return Ok(None);
         }
-        let Some(ds) = self.alloc(TierKind::Dram, key, InsertContext::default()) else {
+        let Some(ds) = self.alloc(TierKind::Dram, key, self.ctx(None)) else {
             return Ok(None);
         };
         let r = if inline {
@@ -984,7 +1053,9 @@ impl Inner {
         let mut blocks = Vec::new();
         let mut slots = Vec::new();
         for &key in keys {
-            let Some((t, slot, _)) = self.pin_location(key) else { break };
+            let Some((t, slot, _)) = self.pin_location(key) else {
+                break;
+            };
             let ds = if t == TierKind::Dram {
                 self.touch(t, slot);
                 TierCounters::inc(&self.dram.counters.hits);

@@ -48,7 +48,10 @@ fn child(dir: &Path, round: u64) {
 #[test]
 fn killed_writer_never_leaves_torn_or_stale_blocks() {
     if let Ok(dir) = std::env::var(CHILD_ENV) {
-        let round = std::env::var("KVTIER_CRASH_ROUND").unwrap().parse().unwrap();
+        let round = std::env::var("KVTIER_CRASH_ROUND")
+            .unwrap()
+            .parse()
+            .unwrap();
         child(Path::new(&dir), round);
         return;
     }
@@ -72,15 +75,17 @@ fn killed_writer_never_leaves_torn_or_stale_blocks() {
         unsafe { libc::kill(c.id() as i32, libc::SIGKILL) };
         c.wait().unwrap();
 
-        let (s, report) = TieredStore::open(config(8, Some((&dir.path().join("store"), NVME_SLOTS)))).unwrap();
+        let (s, report) =
+            TieredStore::open(config(8, Some((&dir.path().join("store"), NVME_SLOTS)))).unwrap();
         let nvme = report.nvme.unwrap();
         assert_eq!(nvme.cold_start, None);
         recovered_total += nvme.recovered;
-        let durable: Vec<u64> = std::fs::read_to_string(dir.path().join(format!("durable-{round}")))
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.parse().ok())
-            .collect();
+        let durable: Vec<u64> =
+            std::fs::read_to_string(dir.path().join(format!("durable-{round}")))
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| l.parse().ok())
+                .collect();
         let last = durable.last().copied();
         let base = round * ROUND_KEYS;
         if let Some(last) = last {
@@ -105,14 +110,26 @@ fn killed_writer_never_leaves_torn_or_stale_blocks() {
         // Keys never written are absent.
         for i in 0..16 {
             let never = key(base + ROUND_KEYS - 1 - i);
-            assert!(!matches!(get(&s, never), GetOutcome::Hit(_)), "never-written key present");
+            assert!(
+                !matches!(get(&s, never), GetOutcome::Hit(_)),
+                "never-written key present"
+            );
         }
         // A write torn by the kill may show up as a corrupt block: that is a counted miss.
         let st = s.stats();
-        let corrupt = st.tier(kvtier_server::TierKind::Nvme).unwrap().corrupt_dropped;
-        eprintln!("round {round}: recovered {}, durable up to {last:?}, corrupt {corrupt}", nvme.recovered);
+        let corrupt = st
+            .tier(kvtier_server::TierKind::Nvme)
+            .unwrap()
+            .corrupt_dropped;
+        eprintln!(
+            "round {round}: recovered {}, durable up to {last:?}, corrupt {corrupt}",
+            nvme.recovered
+        );
         drop(s);
         std::io::stderr().flush().unwrap();
     }
-    assert!(recovered_total > 0, "no round recovered anything: kills came too early");
+    assert!(
+        recovered_total > 0,
+        "no round recovered anything: kills came too early"
+    );
 }

@@ -77,7 +77,9 @@ fn open(dir: &Path, faults: &Arc<Faults>) -> TieredStore {
             faults: f.clone(),
         })
     };
-    TieredStore::open_with(config(4, Some((dir, 16))), &wrap).unwrap().0
+    TieredStore::open_with(config(4, Some((dir, 16))), &wrap)
+        .unwrap()
+        .0
 }
 
 fn nvme_stat(s: &TieredStore) -> kvtier_server::TierStats {
@@ -97,7 +99,11 @@ fn write_errors_and_a_full_disk_leave_dram_serving() {
     s.put(key(2), None, &data(key(2))).unwrap();
     s.flush();
     assert_eq!(nvme_stat(&s).io_errors, 2);
-    assert_eq!(nvme_stat(&s).used_slots, 0, "failed copies must free their slots");
+    assert_eq!(
+        nvme_stat(&s).used_slots,
+        0,
+        "failed copies must free their slots"
+    );
     for k in [key(1), key(2)] {
         assert_eq!(get(&s, k), GetOutcome::Hit(TierKind::Dram));
     }
@@ -177,9 +183,18 @@ fn a_stalled_disk_never_stalls_puts() {
     let outcomes = done_rx
         .recv_timeout(Duration::from_secs(30))
         .expect("puts stalled behind a stalled disk");
-    let stored = outcomes.iter().filter(|o| matches!(o, PutOutcome::Stored(_))).count();
-    let refused = outcomes.iter().filter(|o| matches!(o, PutOutcome::Rejected(_))).count();
-    assert!(stored > 0 && refused > 0, "stored {stored}, refused {refused}");
+    let stored = outcomes
+        .iter()
+        .filter(|o| matches!(o, PutOutcome::Stored(_)))
+        .count();
+    let refused = outcomes
+        .iter()
+        .filter(|o| matches!(o, PutOutcome::Rejected(_)))
+        .count();
+    assert!(
+        stored > 0 && refused > 0,
+        "stored {stored}, refused {refused}"
+    );
     let d = s.stats().tier(TierKind::Dram).unwrap().clone();
     assert_eq!(d.admissions_refused as usize, refused);
     *faults.stalled.lock().unwrap() = false;

@@ -69,7 +69,10 @@ fn run(ops: Vec<Op>, (demotion, eviction, nvme): (DemotionPolicy, EvictionKind, 
         match op {
             Op::Put(k) => {
                 let parent = k.checked_sub(1).map(|p| key(u64::from(p)));
-                match s.put(key(u64::from(k)), parent, &data(key(u64::from(k)))).unwrap() {
+                match s
+                    .put(key(u64::from(k)), parent, &data(key(u64::from(k))))
+                    .unwrap()
+                {
                     PutOutcome::Stored(_) | PutOutcome::AlreadyPresent => {
                         live.insert(k);
                     }
@@ -112,7 +115,7 @@ fn run(ops: Vec<Op>, (demotion, eviction, nvme): (DemotionPolicy, EvictionKind, 
             Op::Flush => s.flush(),
             Op::Reopen => {
                 leases.clear();
-                store = None;
+                drop(store.take()); // the NVMe directory lock is released before reopening
                 store = Some(open());
                 if !nvme {
                     live.clear();

@@ -14,9 +14,15 @@ fn put_get_lookup_in_dram() {
     let keys: Vec<_> = (0..5).map(key).collect();
     for (i, k) in keys.iter().enumerate() {
         let parent = i.checked_sub(1).map(|p| keys[p]);
-        assert_eq!(s.put(*k, parent, &data(*k)).unwrap(), PutOutcome::Stored(TierKind::Dram));
+        assert_eq!(
+            s.put(*k, parent, &data(*k)).unwrap(),
+            PutOutcome::Stored(TierKind::Dram)
+        );
     }
-    assert_eq!(s.put(keys[0], None, &data(keys[0])).unwrap(), PutOutcome::AlreadyPresent);
+    assert_eq!(
+        s.put(keys[0], None, &data(keys[0])).unwrap(),
+        PutOutcome::AlreadyPresent
+    );
     assert_eq!(get(&s, keys[3]), GetOutcome::Hit(TierKind::Dram));
     assert_eq!(get(&s, key(99)), GetOutcome::Miss(MissReason::NotCached));
     // Longest prefix stops at the first miss.
@@ -92,7 +98,10 @@ fn pinned_blocks_are_never_evicted_and_leases_expire() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_eq!(s.stats().tier(TierKind::Dram).unwrap().pins_outstanding, 0);
-    assert_eq!(s.put(key(500), None, &data(key(500))).unwrap(), PutOutcome::Stored(TierKind::Dram));
+    assert_eq!(
+        s.put(key(500), None, &data(key(500))).unwrap(),
+        PutOutcome::Stored(TierKind::Dram)
+    );
 }
 
 #[test]
@@ -173,7 +182,10 @@ fn write_back_demotes_only_on_eviction() {
     let st = s.stats();
     assert!(st.tier(TierKind::Dram).unwrap().demotions >= 2, "{st:?}");
     for i in 0..8 {
-        assert!(matches!(get(&s, key(i)), GetOutcome::Hit(_)), "block {i} lost");
+        assert!(
+            matches!(get(&s, key(i)), GetOutcome::Hit(_)),
+            "block {i} lost"
+        );
         s.flush();
     }
 }
@@ -221,6 +233,10 @@ fn corrupt_nvme_blocks_are_misses_counted_and_erased() {
     assert_eq!(s.stats().tier(TierKind::Nvme).unwrap().corrupt_dropped, 4);
     drop(s);
     let (s, r) = TieredStore::open(config(4, Some((dir.path(), 4)))).unwrap();
-    assert_eq!(r.nvme.unwrap().recovered, 0, "corrupt blocks were indexed again");
+    assert_eq!(
+        r.nvme.unwrap().recovered,
+        0,
+        "corrupt blocks were indexed again"
+    );
     assert_eq!(s.stats().blocks, 0);
 }

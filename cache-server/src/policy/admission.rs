@@ -14,6 +14,8 @@ pub enum RejectReason {
     Backlog,
     /// No slot could be freed: everything evictable is pinned.
     NoEvictableSlot,
+    /// The block's parent is not cached, so no lookup could ever reach it.
+    OrphanBlock,
 }
 
 /// Drops new writes while the background queue is deeper than `max_backlog`.

@@ -68,13 +68,32 @@ mod tests {
     #[test]
     fn table() {
         let check = |p: DemotionPolicy, put: bool, hit2: bool, evict: bool| {
-            assert_eq!((p.on_put(), p.on_hit(2), p.on_evict()), (put, hit2, evict), "{p:?}");
+            assert_eq!(
+                (p.on_put(), p.on_hit(2), p.on_evict()),
+                (put, hit2, evict),
+                "{p:?}"
+            );
         };
         check(DemotionPolicy::WriteBack, false, false, true);
         check(DemotionPolicy::WriteThrough, true, false, false);
-        check(DemotionPolicy::SelectiveWriteThrough { after_hits: 2 }, false, true, false);
-        check(DemotionPolicy::SelectiveWriteThrough { after_hits: 3 }, false, false, false);
-        check(DemotionPolicy::SelectiveWriteThrough { after_hits: 0 }, true, false, false);
+        check(
+            DemotionPolicy::SelectiveWriteThrough { after_hits: 2 },
+            false,
+            true,
+            false,
+        );
+        check(
+            DemotionPolicy::SelectiveWriteThrough { after_hits: 3 },
+            false,
+            false,
+            false,
+        );
+        check(
+            DemotionPolicy::SelectiveWriteThrough { after_hits: 0 },
+            true,
+            false,
+            false,
+        );
         assert_eq!(
             DemotionPolicy::parse("selective:2"),
             Some(DemotionPolicy::SelectiveWriteThrough { after_hits: 2 })

@@ -127,7 +127,11 @@ pub fn erase_forgets(t: &dyn Tier) {
     let key = BlockKey::from_u128(300);
     t.write(SlotId(2), key, &block_bytes(key, 64)).unwrap();
     t.erase(SlotId(2)).unwrap();
-    assert!(t.read(SlotId(2), key, &mut [0u8; 64]).unwrap_err().is_miss());
+    assert!(
+        t.read(SlotId(2), key, &mut [0u8; 64])
+            .unwrap_err()
+            .is_miss()
+    );
 }
 
 /// After `clear_all` every block misses.
@@ -135,7 +139,11 @@ pub fn clear_all_forgets(t: &dyn Tier) {
     let key = BlockKey::from_u128(301);
     t.write(SlotId(1), key, &block_bytes(key, 64)).unwrap();
     t.clear_all().unwrap();
-    assert!(t.read(SlotId(1), key, &mut [0u8; 64]).unwrap_err().is_miss());
+    assert!(
+        t.read(SlotId(1), key, &mut [0u8; 64])
+            .unwrap_err()
+            .is_miss()
+    );
     t.write(SlotId(1), key, &block_bytes(key, 64)).unwrap();
     assert_eq!(read_back(t, SlotId(1), key, 64), block_bytes(key, 64));
 }

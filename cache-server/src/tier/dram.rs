@@ -5,10 +5,10 @@
 //! byte offset `i * slot_bytes`; `slot_bytes` is a multiple of the page size, so every slot is
 //! page aligned (and so usable as an O_DIRECT buffer). Nothing is allocated per block.
 
-use std::fs::File;
-use std::os::fd::{AsFd, BorrowedFd, FromRawFd};
 use kvtier_core::BlockKey;
 use memmap2::MmapRaw;
+use std::fs::File;
+use std::os::fd::{AsFd, BorrowedFd, FromRawFd};
 
 use super::slot_lock::SlotTable;
 use super::{RecoveredSlot, SlotId, Tier, TierError, TierKind};

@@ -80,15 +80,16 @@ impl HbmTier {
             });
         }
         let slots = config.capacity_bytes / config.slot_bytes as u64;
-        let slots = u32::try_from(slots).ok().filter(|&s| s > 0).ok_or_else(|| {
-            TierError::Config {
+        let slots = u32::try_from(slots)
+            .ok()
+            .filter(|&s| s > 0)
+            .ok_or_else(|| TierError::Config {
                 setting: "hbm.capacity_bytes",
                 reason: format!(
                     "{} bytes must hold between 1 and 2^32 slots of {} bytes",
                     config.capacity_bytes, config.slot_bytes
                 ),
-            }
-        })?;
+            })?;
         let devices = probe()?;
         if config.device >= devices {
             return Err(TierError::Config {

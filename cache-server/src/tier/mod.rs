@@ -91,7 +91,10 @@ pub enum TierError {
         source: std::io::Error,
     },
     #[error("invalid tier configuration: {setting}: {reason}")]
-    Config { setting: &'static str, reason: String },
+    Config {
+        setting: &'static str,
+        reason: String,
+    },
     #[error("tier unavailable: {reason}")]
     Unavailable { reason: String },
 }

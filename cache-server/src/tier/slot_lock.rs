@@ -109,7 +109,12 @@ impl SlotTable {
     }
 
     /// Locks `slot` for reading if it holds block `key` of `len` bytes.
-    pub(crate) fn read(&self, slot: SlotId, key: BlockKey, len: usize) -> Result<ReadGuard<'_>, TierError> {
+    pub(crate) fn read(
+        &self,
+        slot: SlotId,
+        key: BlockKey,
+        len: usize,
+    ) -> Result<ReadGuard<'_>, TierError> {
         let m = &self.slots[slot.index()];
         let guard = m.lock.read().ok_or(TierError::Busy { slot })?;
         let stored = m.len.load(Ordering::Relaxed);

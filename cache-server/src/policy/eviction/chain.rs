@@ -1,27 +1,174 @@
-//! The default eviction policy. (Filled in below.)
+//! The default eviction policy: leaf-first, with protection for continuing conversations.
+//!
+//! Agentic and multi-turn traffic re-sends the whole previous prompt plus a little more, so a
+//! block's value is whether its *conversation* comes back, and a child block is worthless
+//! without its parent. Measured on the Mooncake conversation trace (see `docs/benchmarks.md`),
+//! the one strong online signal of a conversation coming back is how many turns it has already
+//! had; plain recency and frequency (LRU, S3-FIFO, segmented LRU) cannot see it.
+//!
+//! * **Leaf-first.** Only leaves (blocks with no cached child in this tier) are evicted, so a
+//!   chain is shortened from its end and no orphan is ever left behind.
+//! * **Turns.** A lookup whose longest cached prefix ends at the tip of a chain (a block with at
+//!   most one cached child: not a shared system prompt) continues that chain's conversation:
+//!   its turn is the tip's turn plus one. A ghost list of recently evicted keys lets a returning
+//!   conversation whose tail was evicted still be recognised. New blocks inherit the turn of the
+//!   request that wrote them; touched blocks take the highest turn that touched them (level).
+//! * **Protection classes.** Level 0 (first turns, one-off requests) is plain LRU; levels 1-2
+//!   live `B` longer and level 3+ `2B` longer: the victim is the leaf with the smallest
+//!   `last_access + multiplier x B`.
+//! * **Self-tuning `B`.** `R0` is a moving average of how long class-0 blocks survive before
+//!   eviction; `B = max(0, horizon - R0)`. A cache large enough to keep first turns for the
+//!   whole horizon needs no protection and behaves as leaf-first LRU, which is why the policy
+//!   does not lose to LRU at large capacities.
+//!
+//! Cost: O(log n) per touch, insert and eviction (one binary heap per class with lazy
+//! deletion, compacted in place); all memory is allocated at construction.
 
-use super::{EvictionPolicy, InsertContext, MAX_VICTIM_SCAN, NIL, SlotLists};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 
-/// Leaf-first LRU: among the least recent blocks, a block whose chain continues in the tier
-/// (it has cached children) is kept while a leaf can go, so suffixes leave before prefixes.
+use kvtier_core::BlockKey;
+
+use super::{EvictionPolicy, InsertContext, LookupContext, MAX_VICTIM_SCAN, NIL};
+
+/// How long protected conversations are kept beyond first turns, at most. Default: 400 s (a
+/// time horizon for think and tool gaps, not a capacity).
+pub const DEFAULT_HORIZON_MS: u64 = 400_000;
+/// Weight of each new class-0 eviction age in `R0`.
+const R0_ALPHA: f64 = 0.001;
+const CLASSES: usize = 3;
+/// Protection class of each level (levels past the end take the last entry), and each
+/// class's multiplier of `B`: first turns 0, turns 1-2 1x, turn 3 and later 2x.
+const CLASS_OF_LEVEL: [u8; 4] = [0, 1, 1, 2];
+const CLASS_MULTIPLIER: [u64; CLASSES] = [0, 1, 2];
+/// A tip may have this many cached children and still count as a conversation's tip.
+const MAX_TIP_CHILDREN: u32 = 1;
+/// Pending request turns remembered for the first block a request will put.
+const PENDING_TURNS: usize = 4096;
+const NOT_LEAF: u8 = u8::MAX;
+
+/// (last access, MAX - depth, refile sequence, slot, version): oldest first, deepest first
+/// among equals, then in the order they were filed.
+type HeapEntry = Reverse<(u64, u32, u64, u32, u32)>;
+
+/// See the module documentation.
 pub struct ChainAware {
-    lists: SlotLists,
+    horizon_ms: u64,
+    r0_ms: f64,
+    tracked: Box<[bool]>,
+    keys: Box<[BlockKey]>,
+    last: Box<[u64]>,
+    depth: Box<[u32]>,
+    turn: Box<[u8]>,
+    level: Box<[u8]>,
+    req_turn: Box<[u8]>,
     parent: Box<[u32]>,
     parent_gen: Box<[u32]>,
     insert_gen: Box<[u32]>,
     children: Box<[u32]>,
+    class: Box<[u8]>,
+    version: Box<[u32]>,
+    seq: u64,
+    heaps: [BinaryHeap<HeapEntry>; CLASSES],
+    ghost: HashMap<BlockKey, (u8, u64)>,
+    ghost_order: VecDeque<BlockKey>,
+    ghost_cap: usize,
+    pending: HashMap<BlockKey, u8>,
+    pending_order: VecDeque<BlockKey>,
+    scratch: Vec<(usize, HeapEntry)>,
 }
 
 impl ChainAware {
     pub fn new(slots: u32) -> Self {
+        Self::with_horizon(slots, DEFAULT_HORIZON_MS)
+    }
+
+    pub fn with_horizon(slots: u32, horizon_ms: u64) -> Self {
         let n = slots as usize;
+        let heap = || BinaryHeap::with_capacity(2 * n + 64);
+        let ghost_cap = 2 * n;
         Self {
-            lists: SlotLists::new(slots, 1),
+            horizon_ms,
+            r0_ms: 0.0,
+            tracked: vec![false; n].into(),
+            keys: vec![BlockKey::default(); n].into(),
+            last: vec![0; n].into(),
+            depth: vec![0; n].into(),
+            turn: vec![0; n].into(),
+            level: vec![0; n].into(),
+            req_turn: vec![0; n].into(),
             parent: vec![NIL; n].into(),
             parent_gen: vec![0; n].into(),
             insert_gen: vec![0; n].into(),
             children: vec![0; n].into(),
+            class: vec![NOT_LEAF; n].into(),
+            version: vec![0; n].into(),
+            seq: 0,
+            heaps: [heap(), heap(), heap()],
+            ghost: HashMap::with_capacity(ghost_cap + 1),
+            ghost_order: VecDeque::with_capacity(ghost_cap + 1),
+            ghost_cap,
+            pending: HashMap::with_capacity(PENDING_TURNS + 1),
+            pending_order: VecDeque::with_capacity(PENDING_TURNS + 1),
+            scratch: Vec::with_capacity(MAX_VICTIM_SCAN + CLASSES),
         }
+    }
+
+    /// Current protection bonus for class-1 blocks, in ms.
+    pub fn protection_ms(&self) -> u64 {
+        (self.horizon_ms as f64 - self.r0_ms).max(0.0) as u64
+    }
+
+    fn class_of(level: u8) -> u8 {
+        CLASS_OF_LEVEL[(level as usize).min(CLASS_OF_LEVEL.len() - 1)]
+    }
+
+    /// (Re)files `slot` in its class heap if it is a leaf, else takes it out of every heap.
+    fn refile(&mut self, slot: u32) {
+        let s = slot as usize;
+        self.version[s] = self.version[s].wrapping_add(1);
+        if self.children[s] > 0 || !self.tracked[s] {
+            self.class[s] = NOT_LEAF;
+            return;
+        }
+        let c = Self::class_of(self.level[s]);
+        self.class[s] = c;
+        let heap = &mut self.heaps[c as usize];
+        if heap.len() >= heap.capacity() {
+            // Stale entries pile up under touches; drop them in place (no allocation).
+            let (class, version) = (&self.class, &self.version);
+            heap.retain(|Reverse((_, _, _, sl, v))| {
+                class[*sl as usize] == c && version[*sl as usize] == *v
+            });
+        }
+        self.seq += 1;
+        heap.push(Reverse((
+            self.last[s],
+            u32::MAX - self.depth[s],
+            self.seq,
+            slot,
+            self.version[s],
+        )));
+    }
+
+    fn valid(&self, c: usize, e: &HeapEntry) -> bool {
+        let Reverse((_, _, _, slot, v)) = *e;
+        self.class[slot as usize] as usize == c && self.version[slot as usize] == v
+    }
+
+    fn remember_pending(&mut self, key: BlockKey, turn: u8) {
+        if self.pending.insert(key, turn).is_none() {
+            self.pending_order.push_back(key);
+            if self.pending_order.len() > PENDING_TURNS {
+                if let Some(old) = self.pending_order.pop_front() {
+                    self.pending.remove(&old);
+                }
+            }
+        }
+    }
+
+    fn bump(t: u8) -> u8 {
+        t.saturating_add(1).min(u8::MAX - 1)
     }
 }
 
@@ -30,48 +177,283 @@ impl EvictionPolicy for ChainAware {
         "chain-aware"
     }
 
-    fn on_insert(&mut self, slot: u32, ctx: InsertContext) {
+    fn on_lookup(&mut self, ctx: LookupContext<'_>) {
+        let hits = ctx.hits;
+        // Continue through keys evicted recently: a returning conversation whose tail is gone.
+        let ghost_run = ctx
+            .rest
+            .iter()
+            .take_while(|k| self.ghost.contains_key(k))
+            .count();
+        let turn = if ghost_run > 0 {
+            Self::bump(self.ghost[&ctx.rest[ghost_run - 1]].0)
+        } else {
+            match hits.last() {
+                Some(&tip)
+                    if self.tracked[tip as usize]
+                        && self.children[tip as usize] <= MAX_TIP_CHILDREN =>
+                {
+                    Self::bump(self.turn[tip as usize])
+                }
+                _ => 0,
+            }
+        };
+        for &slot in hits.iter().rev() {
+            let s = slot as usize;
+            if !self.tracked[s] {
+                continue;
+            }
+            self.last[s] = ctx.now_ms;
+            self.level[s] = self.level[s].max(turn);
+            self.req_turn[s] = turn;
+            self.refile(slot);
+        }
+        if let Some(first) = ctx.rest.first() {
+            self.remember_pending(*first, turn);
+        }
+    }
+
+    fn on_insert(&mut self, slot: u32, key: BlockKey, ctx: InsertContext) {
         let s = slot as usize;
+        let parent = ctx
+            .parent
+            .filter(|&p| p != slot && self.tracked[p as usize]);
+        let req_turn = match self.pending.remove(&key) {
+            Some(t) => t,
+            None => parent.map_or(0, |p| self.req_turn[p as usize]),
+        };
+        let turn = match self.ghost.remove(&key) {
+            Some((t, _)) => t,
+            None => req_turn,
+        };
+        self.tracked[s] = true;
+        self.keys[s] = key;
         self.insert_gen[s] = self.insert_gen[s].wrapping_add(1);
+        self.last[s] = ctx.now_ms;
+        self.turn[s] = turn;
+        self.level[s] = req_turn;
+        self.req_turn[s] = req_turn;
         self.children[s] = 0;
-        match ctx.parent {
-            Some(p) if p != slot && self.lists.list_of(p).is_some() => {
+        match parent {
+            Some(p) => {
                 self.parent[s] = p;
                 self.parent_gen[s] = self.insert_gen[p as usize];
+                self.depth[s] = self.depth[p as usize].saturating_add(1);
                 self.children[p as usize] += 1;
+                self.refile(p);
             }
-            _ => self.parent[s] = NIL,
+            None => {
+                self.parent[s] = NIL;
+                self.depth[s] = 0;
+            }
         }
-        self.lists.push_front(0, slot);
+        self.refile(slot);
     }
 
-    fn on_hit(&mut self, slot: u32) {
-        if self.lists.list_of(slot).is_some() {
-            self.lists.push_front(0, slot);
-        }
-    }
-
-    fn on_remove(&mut self, slot: u32) {
+    fn on_hit(&mut self, slot: u32, now_ms: u64) {
         let s = slot as usize;
-        let p = self.parent[s];
-        if p != NIL && self.insert_gen[p as usize] == self.parent_gen[s] {
-            self.children[p as usize] = self.children[p as usize].saturating_sub(1);
+        if self.tracked[s] {
+            self.last[s] = self.last[s].max(now_ms);
+            self.refile(slot);
         }
+    }
+
+    fn on_remove(&mut self, slot: u32, now_ms: u64) {
+        let s = slot as usize;
+        if !self.tracked[s] {
+            return;
+        }
+        if self.class[s] == 0 {
+            let age = now_ms.saturating_sub(self.last[s]) as f64;
+            self.r0_ms += R0_ALPHA * (age - self.r0_ms);
+        }
+        let key = self.keys[s];
+        if self
+            .ghost
+            .insert(key, (self.turn[s], self.last[s]))
+            .is_none()
+        {
+            self.ghost_order.push_back(key);
+            if self.ghost_order.len() > self.ghost_cap {
+                if let Some(old) = self.ghost_order.pop_front() {
+                    self.ghost.remove(&old);
+                }
+            }
+        }
+        self.tracked[s] = false;
+        self.refile(slot);
+        let p = self.parent[s];
         self.parent[s] = NIL;
-        self.lists.unlink(slot);
+        if p != NIL && self.tracked[p as usize] && self.insert_gen[p as usize] == self.parent_gen[s]
+        {
+            let pc = &mut self.children[p as usize];
+            *pc = pc.saturating_sub(1);
+            if *pc == 0 {
+                self.refile(p);
+            }
+        }
     }
 
     fn victim(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
-        let mut fallback = None;
-        for s in self.lists.oldest(0, MAX_VICTIM_SCAN) {
-            if !evictable(s) {
-                continue;
+        let b = self.protection_ms();
+        let mut best: Option<(u64, usize, u32)> = None;
+        let mut scanned = 0;
+        for c in 0..CLASSES {
+            while let Some(top) = self.heaps[c].peek().copied() {
+                if !self.valid(c, &top) {
+                    self.heaps[c].pop();
+                    continue;
+                }
+                let Reverse((last, _, _, slot, _)) = top;
+                if !evictable(slot) {
+                    scanned += 1;
+                    if scanned > MAX_VICTIM_SCAN {
+                        break;
+                    }
+                    self.heaps[c].pop();
+                    self.scratch.push((c, top));
+                    continue;
+                }
+                let score = last.saturating_add(CLASS_MULTIPLIER[c] * b);
+                if best.is_none_or(|(s, _, _)| score < s) {
+                    best = Some((score, c, slot));
+                }
+                break;
             }
-            if self.children[s as usize] == 0 {
-                return Some(s);
-            }
-            fallback.get_or_insert(s);
         }
-        fallback
+        for (c, e) in self.scratch.drain(..) {
+            self.heaps[c].push(e);
+        }
+        best.map(|(_, _, slot)| slot)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(i: u64) -> BlockKey {
+        BlockKey::from_u128(u128::from(i) + 1)
+    }
+
+    fn insert_chain(p: &mut ChainAware, slots: &[u32], now: u64) {
+        for (i, &s) in slots.iter().enumerate() {
+            let parent = i.checked_sub(1).map(|j| slots[j]);
+            p.on_insert(
+                s,
+                k(u64::from(s)),
+                InsertContext {
+                    parent,
+                    now_ms: now,
+                },
+            );
+        }
+    }
+
+    #[test]
+    fn evicts_leaves_only_suffix_first() {
+        let mut p = ChainAware::new(8);
+        insert_chain(&mut p, &[0, 1, 2], 10);
+        insert_chain(&mut p, &[3, 4], 20);
+        let mut order = Vec::new();
+        while let Some(v) = p.victim(&mut |_| true) {
+            p.on_remove(v, 30);
+            order.push(v);
+        }
+        assert_eq!(order, vec![2, 1, 0, 4, 3]);
+    }
+
+    #[test]
+    fn continuing_conversations_outlive_first_turns() {
+        let mut p = ChainAware::new(16);
+        // Conversation A, turn 0 at t=0, then its second turn at t=1000 (a lookup hitting
+        // its tip) that appends two blocks.
+        insert_chain(&mut p, &[0, 1], 0);
+        p.on_lookup(LookupContext {
+            hits: &[0, 1],
+            rest: &[k(2), k(3)],
+            now_ms: 1000,
+        });
+        p.on_insert(
+            2,
+            k(2),
+            InsertContext {
+                parent: Some(1),
+                now_ms: 1000,
+            },
+        );
+        p.on_insert(
+            3,
+            k(3),
+            InsertContext {
+                parent: Some(2),
+                now_ms: 1000,
+            },
+        );
+        // A one-off request arrives later.
+        insert_chain(&mut p, &[8, 9], 2000);
+        // The newer one-off is evicted before the older continuing conversation.
+        let v = p.victim(&mut |_| true).unwrap();
+        assert_eq!(v, 9);
+        assert_eq!(p.turn[3], 1);
+        assert_eq!(p.level[0], 1);
+    }
+
+    #[test]
+    fn pinned_leaves_are_skipped_and_stay_evictable_later() {
+        let mut p = ChainAware::new(4);
+        insert_chain(&mut p, &[0], 0);
+        insert_chain(&mut p, &[1], 5);
+        assert_eq!(p.victim(&mut |s| s != 0), Some(1));
+        assert_eq!(p.victim(&mut |_| true), Some(0));
+        assert_eq!(p.victim(&mut |_| false), None);
+    }
+
+    #[test]
+    fn ghost_recognises_a_returning_conversation() {
+        let mut p = ChainAware::new(4);
+        insert_chain(&mut p, &[0, 1], 0);
+        p.on_lookup(LookupContext {
+            hits: &[0, 1],
+            rest: &[k(2)],
+            now_ms: 10,
+        });
+        p.on_insert(
+            2,
+            k(2),
+            InsertContext {
+                parent: Some(1),
+                now_ms: 10,
+            },
+        );
+        for s in [2, 1, 0] {
+            p.on_remove(s, 20);
+        }
+        // All gone; the conversation returns: its turn continues from the ghost.
+        p.on_lookup(LookupContext {
+            hits: &[],
+            rest: &[k(0), k(1), k(2), k(5)],
+            now_ms: 30,
+        });
+        p.on_insert(
+            0,
+            k(0),
+            InsertContext {
+                parent: None,
+                now_ms: 30,
+            },
+        );
+        assert_eq!(p.level[0], 2);
+    }
+
+    #[test]
+    fn heaps_stay_bounded_under_many_touches() {
+        let mut p = ChainAware::new(4);
+        insert_chain(&mut p, &[0, 1, 2, 3], 0);
+        for t in 0..10_000 {
+            p.on_hit(3, t);
+        }
+        assert!(p.heaps.iter().all(|h| h.len() <= h.capacity()));
+        assert_eq!(p.victim(&mut |_| true), Some(3));
     }
 }

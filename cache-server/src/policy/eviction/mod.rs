@@ -5,23 +5,40 @@
 //! * never returns a slot the caller's `evictable` check refuses (pinned blocks);
 //! * returns each tracked slot at most once per insertion (the store calls `on_remove` next).
 
+use kvtier_core::BlockKey;
+
 /// What the store knows about a block when it is inserted.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct InsertContext {
     /// The slot, in the same tier, of the block's parent (the previous block of its chain),
     /// when the parent is cached there.
     pub parent: Option<u32>,
+    /// The store's clock, in milliseconds.
+    pub now_ms: u64,
+}
+
+/// A request's lookup, as one tier sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct LookupContext<'a> {
+    /// Slots of the longest prefix of the request's keys cached in this tier, in chain order.
+    pub hits: &'a [u32],
+    /// The request's keys after that prefix (the ones it will compute and put next).
+    pub rest: &'a [BlockKey],
+    pub now_ms: u64,
 }
 
 /// The eviction policy of one tier. Not thread safe; the store serialises calls per tier.
+/// Calls naming a slot the policy does not track are ignored.
 pub trait EvictionPolicy: Send {
     fn name(&self) -> &'static str;
-    /// A block was stored in `slot`.
-    fn on_insert(&mut self, slot: u32, ctx: InsertContext);
-    /// The block in `slot` was read (or looked up for reading).
-    fn on_hit(&mut self, slot: u32);
+    /// A request looked up its prefix (the blocks are about to be read).
+    fn on_lookup(&mut self, ctx: LookupContext<'_>);
+    /// Block `key` was stored in `slot`.
+    fn on_insert(&mut self, slot: u32, key: BlockKey, ctx: InsertContext);
+    /// The block in `slot` was read.
+    fn on_hit(&mut self, slot: u32, now_ms: u64);
     /// The block in `slot` left the tier (evicted or removed).
-    fn on_remove(&mut self, slot: u32);
+    fn on_remove(&mut self, slot: u32, now_ms: u64);
     /// A slot to evict among those `evictable` accepts, or `None` when none is found within
     /// the policy's scan bound.
     fn victim(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32>;
@@ -32,7 +49,7 @@ pub trait EvictionPolicy: Send {
 pub enum EvictionKind {
     /// Plain least-recently-used (the baseline).
     Lru,
-    /// The default; see [`ChainAware`].
+    /// The default: leaf-first with conversation-turn protection; see [`ChainAware`].
     #[default]
     ChainAware,
 }
@@ -90,10 +107,6 @@ impl SlotLists {
     pub(crate) fn list_of(&self, slot: u32) -> Option<usize> {
         let l = self.list_of[slot as usize];
         (l != NO_LIST).then_some(l as usize)
-    }
-
-    pub(crate) fn len(&self, list: usize) -> usize {
-        self.lens[list]
     }
 
     /// Pushes `slot` at the most-recent end of `list` (removing it from any list first).
@@ -160,23 +173,31 @@ impl EvictionPolicy for Lru {
     fn name(&self) -> &'static str {
         "lru"
     }
-    fn on_insert(&mut self, slot: u32, _ctx: InsertContext) {
+    /// Touches the prefix deepest-first, so its first block ends up most recent.
+    fn on_lookup(&mut self, ctx: LookupContext<'_>) {
+        for &s in ctx.hits.iter().rev() {
+            self.on_hit(s, ctx.now_ms);
+        }
+    }
+    fn on_insert(&mut self, slot: u32, _key: BlockKey, _ctx: InsertContext) {
         self.lists.push_front(0, slot);
     }
-    fn on_hit(&mut self, slot: u32) {
+    fn on_hit(&mut self, slot: u32, _now_ms: u64) {
         if self.lists.list_of(slot).is_some() {
             self.lists.push_front(0, slot);
         }
     }
-    fn on_remove(&mut self, slot: u32) {
+    fn on_remove(&mut self, slot: u32, _now_ms: u64) {
         self.lists.unlink(slot);
     }
     fn victim(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
-        self.lists.oldest(0, MAX_VICTIM_SCAN).find(|&s| evictable(s))
+        self.lists
+            .oldest(0, MAX_VICTIM_SCAN)
+            .find(|&s| evictable(s))
     }
 }
 
-pub use chain::ChainAware;
+pub use chain::{ChainAware, DEFAULT_HORIZON_MS};
 
 mod chain;
 
@@ -188,9 +209,12 @@ mod tests {
     pub(crate) fn eviction_order(p: &mut dyn EvictionPolicy, slots: u32) -> Vec<u32> {
         let mut out = Vec::new();
         while let Some(v) = p.victim(&mut |_| true) {
-            p.on_remove(v);
+            p.on_remove(v, 0);
             out.push(v);
-            assert!(out.len() <= slots as usize, "victim returned a removed slot");
+            assert!(
+                out.len() <= slots as usize,
+                "victim returned a removed slot"
+            );
         }
         out
     }
@@ -199,9 +223,9 @@ mod tests {
     fn lru_evicts_least_recent_first_and_skips_pinned() {
         let mut p = Lru::new(4);
         for s in 0..4 {
-            p.on_insert(s, InsertContext::default());
+            p.on_insert(s, BlockKey::default(), InsertContext::default());
         }
-        p.on_hit(0);
+        p.on_hit(0, 0);
         assert_eq!(p.victim(&mut |s| s != 1), Some(2));
         assert_eq!(eviction_order(&mut p, 4), vec![1, 2, 3, 0]);
         assert_eq!(p.victim(&mut |_| true), None);
@@ -214,7 +238,7 @@ mod tests {
         l.push_front(0, 2);
         l.push_front(1, 3);
         l.push_front(1, 1);
-        assert_eq!((l.len(0), l.len(1)), (1, 2));
+        assert_eq!((l.lens[0], l.lens[1]), (1, 2));
         assert_eq!(l.oldest(1, 10).collect::<Vec<_>>(), vec![3, 1]);
         l.unlink(3);
         l.unlink(3);

@@ -22,24 +22,38 @@ pub trait SlotFile: Send + Sync {
 impl SlotFile for File {
     fn read_vectored_at(&self, bufs: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<usize> {
         let off = libc::off_t::try_from(offset).map_err(|_| io::Error::other("offset overflow"))?;
-        let n = libc::c_int::try_from(bufs.len()).map_err(|_| io::Error::other("too many buffers"))?;
+        let n =
+            libc::c_int::try_from(bufs.len()).map_err(|_| io::Error::other("too many buffers"))?;
         // SAFETY: IoSliceMut is ABI-compatible with `struct iovec` on Unix (std guarantees it);
         // every iovec points at a live, exclusively borrowed buffer for the call's duration.
         let r = unsafe { libc::preadv(self.as_raw_fd(), bufs.as_mut_ptr().cast(), n, off) };
-        if r < 0 { Err(io::Error::last_os_error()) } else { Ok(r as usize) }
+        if r < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(r as usize)
+        }
     }
 
     fn write_vectored_at(&self, bufs: &[IoSlice<'_>], offset: u64) -> io::Result<usize> {
         let off = libc::off_t::try_from(offset).map_err(|_| io::Error::other("offset overflow"))?;
-        let n = libc::c_int::try_from(bufs.len()).map_err(|_| io::Error::other("too many buffers"))?;
+        let n =
+            libc::c_int::try_from(bufs.len()).map_err(|_| io::Error::other("too many buffers"))?;
         // SAFETY: as above; the buffers are only read by the kernel.
         let r = unsafe { libc::pwritev(self.as_raw_fd(), bufs.as_ptr().cast(), n, off) };
-        if r < 0 { Err(io::Error::last_os_error()) } else { Ok(r as usize) }
+        if r < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(r as usize)
+        }
     }
 }
 
 /// Reads until every buffer is full. A short file is `UnexpectedEof`.
-pub fn read_all_at(f: &dyn SlotFile, mut bufs: &mut [IoSliceMut<'_>], mut offset: u64) -> io::Result<()> {
+pub fn read_all_at(
+    f: &dyn SlotFile,
+    mut bufs: &mut [IoSliceMut<'_>],
+    mut offset: u64,
+) -> io::Result<()> {
     IoSliceMut::advance_slices(&mut bufs, 0);
     while !bufs.is_empty() {
         match f.read_vectored_at(bufs, offset) {
@@ -56,7 +70,11 @@ pub fn read_all_at(f: &dyn SlotFile, mut bufs: &mut [IoSliceMut<'_>], mut offset
 }
 
 /// Writes every buffer completely. A device that accepts no bytes is `WriteZero`.
-pub fn write_all_at(f: &dyn SlotFile, mut bufs: &mut [IoSlice<'_>], mut offset: u64) -> io::Result<()> {
+pub fn write_all_at(
+    f: &dyn SlotFile,
+    mut bufs: &mut [IoSlice<'_>],
+    mut offset: u64,
+) -> io::Result<()> {
     IoSlice::advance_slices(&mut bufs, 0);
     while !bufs.is_empty() {
         match f.write_vectored_at(bufs, offset) {
@@ -113,7 +131,12 @@ impl std::ops::DerefMut for AlignedBuf {
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         // SAFETY: allocated in `new` with exactly this layout.
-        unsafe { dealloc(self.ptr.as_ptr(), Layout::from_size_align_unchecked(self.len, ALIGN)) }
+        unsafe {
+            dealloc(
+                self.ptr.as_ptr(),
+                Layout::from_size_align_unchecked(self.len, ALIGN),
+            )
+        }
     }
 }
 
@@ -178,7 +201,12 @@ mod tests {
         let (a, b) = ([1u8; 10], [2u8; 20]);
         write_all_at(&f, &mut [IoSlice::new(&a), IoSlice::new(&b)], 100).unwrap();
         let (mut x, mut y) = ([0u8; 10], [0u8; 20]);
-        read_all_at(&f, &mut [IoSliceMut::new(&mut x), IoSliceMut::new(&mut y)], 100).unwrap();
+        read_all_at(
+            &f,
+            &mut [IoSliceMut::new(&mut x), IoSliceMut::new(&mut y)],
+            100,
+        )
+        .unwrap();
         assert_eq!((x, y), (a, b));
         let mut past = [0u8; 8];
         let e = read_all_at(&f, &mut [IoSliceMut::new(&mut past)], 125).unwrap_err();

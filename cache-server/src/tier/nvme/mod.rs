@@ -183,9 +183,8 @@ impl NvmeTier {
         let slot_bytes = usize::try_from(config.slot_bytes)
             .map_err(|_| config_err("nvme.slot_bytes", "too large"))?;
         let dir = config.dir.clone();
-        fs::create_dir_all(&dir).map_err(|e| {
-            config_err("nvme.dir", format!("cannot create {}: {e}", dir.display()))
-        })?;
+        fs::create_dir_all(&dir)
+            .map_err(|e| config_err("nvme.dir", format!("cannot create {}: {e}", dir.display())))?;
         let lock_file = lock_dir(&dir)?;
 
         let mut report = NvmeOpenReport::default();
@@ -242,7 +241,14 @@ impl NvmeTier {
             extra_bytes += (in_file * stride).saturating_sub(have);
             targets.push((path, in_file * stride));
         }
-        remove_stale_files(&dir, if report.cold_start.is_some() { 0 } else { nfiles })?;
+        remove_stale_files(
+            &dir,
+            if report.cold_start.is_some() {
+                0
+            } else {
+                nfiles
+            },
+        )?;
         let avail = available_bytes(&dir)?;
         if extra_bytes > avail {
             return Err(config_err(
@@ -396,38 +402,73 @@ impl NvmeTier {
     }
 
     /// Checks a header read back from `slot` against what the caller expects.
-    fn verify(&self, slot: SlotId, key: BlockKey, hb: &[u8], payload: &[u8]) -> Result<(), TierError> {
+    fn verify(
+        &self,
+        slot: SlotId,
+        key: BlockKey,
+        hb: &[u8],
+        payload: &[u8],
+    ) -> Result<(), TierError> {
         let h = match SlotHeader::decode(hb) {
             Ok(h) => h,
             Err(HeaderError::Empty) => {
-                return Err(TierError::Mismatch { slot, reason: "empty slot" });
+                return Err(TierError::Mismatch {
+                    slot,
+                    reason: "empty slot",
+                });
             }
             Err(HeaderError::OtherVersion) => {
-                return Err(TierError::Corrupt { slot, reason: "header of another format version" });
+                return Err(TierError::Corrupt {
+                    slot,
+                    reason: "header of another format version",
+                });
             }
-            Err(_) => return Err(TierError::Corrupt { slot, reason: "header damaged" }),
+            Err(_) => {
+                return Err(TierError::Corrupt {
+                    slot,
+                    reason: "header damaged",
+                });
+            }
         };
         if h.key != key {
-            return Err(TierError::Mismatch { slot, reason: "another key" });
+            return Err(TierError::Mismatch {
+                slot,
+                reason: "another key",
+            });
         }
         if h.epoch != self.epoch.load(Ordering::Acquire) {
-            return Err(TierError::Mismatch { slot, reason: "cleared" });
+            return Err(TierError::Mismatch {
+                slot,
+                reason: "cleared",
+            });
         }
         if h.payload_len != payload.len() as u64 {
-            return Err(TierError::Mismatch { slot, reason: "another length" });
+            return Err(TierError::Mismatch {
+                slot,
+                reason: "another length",
+            });
         }
         if h.layout_fingerprint != self.layout_fingerprint {
-            return Err(TierError::Corrupt { slot, reason: "another layout" });
+            return Err(TierError::Corrupt {
+                slot,
+                reason: "another layout",
+            });
         }
         if payload_checksum(payload) != h.payload_checksum {
-            return Err(TierError::Corrupt { slot, reason: "payload checksum mismatch" });
+            return Err(TierError::Corrupt {
+                slot,
+                reason: "payload checksum mismatch",
+            });
         }
         Ok(())
     }
 
     fn read_err(&self, slot: SlotId, path: &Path, e: io::Error) -> TierError {
         if e.kind() == io::ErrorKind::UnexpectedEof {
-            TierError::Corrupt { slot, reason: "slot file truncated" }
+            TierError::Corrupt {
+                slot,
+                reason: "slot file truncated",
+            }
         } else {
             io_err(path)(e)
         }
@@ -453,7 +494,9 @@ impl Tier for NvmeTier {
 
     fn write(&self, slot: SlotId, key: BlockKey, data: &[u8]) -> Result<(), TierError> {
         self.check(slot, data.len())?;
-        let _w = self.locks[slot.index()].write().ok_or(TierError::Busy { slot })?;
+        let _w = self.locks[slot.index()]
+            .write()
+            .ok_or(TierError::Busy { slot })?;
         let header = self.header_for(key, data);
         let (f, off) = self.locate(slot);
         let r = if !self.direct || is_aligned(data) {
@@ -483,13 +526,19 @@ impl Tier for NvmeTier {
 
     fn read(&self, slot: SlotId, key: BlockKey, buf: &mut [u8]) -> Result<(), TierError> {
         self.check(slot, buf.len())?;
-        let _r = self.locks[slot.index()].read().ok_or(TierError::Busy { slot })?;
+        let _r = self.locks[slot.index()]
+            .read()
+            .ok_or(TierError::Busy { slot })?;
         let (f, off) = self.locate(slot);
         if !self.direct || is_aligned(buf) {
             let (mut hb, _) = self.headers.take();
-            let r = read_all_at(&*f.file, &mut [IoSliceMut::new(&mut hb), IoSliceMut::new(buf)], off)
-                .map_err(|e| self.read_err(slot, &f.path, e))
-                .and_then(|()| self.verify(slot, key, &hb, buf));
+            let r = read_all_at(
+                &*f.file,
+                &mut [IoSliceMut::new(&mut hb), IoSliceMut::new(buf)],
+                off,
+            )
+            .map_err(|e| self.read_err(slot, &f.path, e))
+            .and_then(|()| self.verify(slot, key, &hb, buf));
             self.headers.give(hb);
             r
         } else {
@@ -511,7 +560,9 @@ impl Tier for NvmeTier {
 
     fn erase(&self, slot: SlotId) -> Result<(), TierError> {
         self.check(slot, 0)?;
-        let _w = self.locks[slot.index()].write().ok_or(TierError::Busy { slot })?;
+        let _w = self.locks[slot.index()]
+            .write()
+            .ok_or(TierError::Busy { slot })?;
         let (f, off) = self.locate(slot);
         write_all_at(&*f.file, &mut [IoSlice::new(&self.zero_header)], off).map_err(io_err(&f.path))
     }
@@ -538,7 +589,12 @@ fn lock_dir(dir: &Path) -> Result<File, TierError> {
         .truncate(false)
         .write(true)
         .open(&path)
-        .map_err(|e| config_err("nvme.dir", format!("{} is not writable: {e}", dir.display())))?;
+        .map_err(|e| {
+            config_err(
+                "nvme.dir",
+                format!("{} is not writable: {e}", dir.display()),
+            )
+        })?;
     // SAFETY: plain syscall on a descriptor we own.
     if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
         return Err(config_err(
@@ -645,14 +701,18 @@ fn allocate(f: &File, len: u64, path: &Path) -> Result<(), TierError> {
         f.set_len(len).map_err(io_err(path))?;
         return Ok(());
     }
-    let l = libc::off_t::try_from(len).map_err(|_| config_err("nvme.capacity_bytes", "too large"))?;
+    let l =
+        libc::off_t::try_from(len).map_err(|_| config_err("nvme.capacity_bytes", "too large"))?;
     // SAFETY: plain syscall on a descriptor we own.
     let rc = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, l) };
     match rc {
         0 => Ok(()),
         libc::ENOSPC => Err(config_err(
             "nvme.capacity_bytes",
-            format!("the file system cannot hold {len} bytes for {}", path.display()),
+            format!(
+                "the file system cannot hold {len} bytes for {}",
+                path.display()
+            ),
         )),
         // File systems without fallocate: size the file sparsely instead.
         libc::EOPNOTSUPP | libc::EINVAL => f.set_len(len).map_err(io_err(path)),

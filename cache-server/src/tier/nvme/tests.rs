@@ -31,15 +31,36 @@ fn bad_settings_name_the_setting() {
         let e = c.open().err().expect("must fail").to_string();
         assert!(e.contains(setting), "{e}");
     };
-    check(NvmeTierConfig::new(dir.path(), 1 << 20, 5000, 1), "nvme.slot_bytes");
-    check(NvmeTierConfig::new(dir.path(), 1 << 20, 0, 1), "nvme.slot_bytes");
-    check(NvmeTierConfig::new(dir.path(), 0, 4096, 1), "nvme.capacity_bytes");
-    check(NvmeTierConfig::new(dir.path(), 4096, 4096, 1), "nvme.capacity_bytes");
-    check(NvmeTierConfig::new(dir.path(), 1 << 62, 4096, 1), "nvme.capacity_bytes");
-    check(NvmeTierConfig::new("/proc/kvtier-cannot-exist", 1 << 20, 4096, 1), "nvme.dir");
+    check(
+        NvmeTierConfig::new(dir.path(), 1 << 20, 5000, 1),
+        "nvme.slot_bytes",
+    );
+    check(
+        NvmeTierConfig::new(dir.path(), 1 << 20, 0, 1),
+        "nvme.slot_bytes",
+    );
+    check(
+        NvmeTierConfig::new(dir.path(), 0, 4096, 1),
+        "nvme.capacity_bytes",
+    );
+    check(
+        NvmeTierConfig::new(dir.path(), 4096, 4096, 1),
+        "nvme.capacity_bytes",
+    );
+    check(
+        NvmeTierConfig::new(dir.path(), 1 << 62, 4096, 1),
+        "nvme.capacity_bytes",
+    );
+    check(
+        NvmeTierConfig::new("/proc/kvtier-cannot-exist", 1 << 20, 4096, 1),
+        "nvme.dir",
+    );
     let file = dir.path().join("plain-file");
     fs::write(&file, b"x").unwrap();
-    check(NvmeTierConfig::new(file.join("sub"), 1 << 20, 4096, 1), "nvme.dir");
+    check(
+        NvmeTierConfig::new(file.join("sub"), 1 << 20, 4096, 1),
+        "nvme.dir",
+    );
 }
 
 #[test]
@@ -86,10 +107,18 @@ fn a_damaged_manifest_starts_cold() {
         let (t, _) = cfg(dir.path()).open().unwrap();
         t.write(SlotId(0), key, &block_bytes(key, 100)).unwrap();
     }
-    fs::write(dir.path().join(MANIFEST_FILE), b"kvtier-nvme-manifest\nformat_vers").unwrap();
+    fs::write(
+        dir.path().join(MANIFEST_FILE),
+        b"kvtier-nvme-manifest\nformat_vers",
+    )
+    .unwrap();
     let (t, r) = cfg(dir.path()).open().unwrap();
     assert!(r.cold_start.unwrap().contains("manifest unreadable"));
-    assert!(t.read(SlotId(0), key, &mut [0u8; 100]).unwrap_err().is_miss());
+    assert!(
+        t.read(SlotId(0), key, &mut [0u8; 100])
+            .unwrap_err()
+            .is_miss()
+    );
 }
 
 #[test]
@@ -133,7 +162,8 @@ fn flipped_bits_and_truncation_are_misses_never_bytes() {
     {
         let (t, _) = cfg(dir.path()).open().unwrap();
         for (i, k) in keys.iter().enumerate() {
-            t.write(SlotId(i as u32), *k, &block_bytes(*k, 16384)).unwrap();
+            t.write(SlotId(i as u32), *k, &block_bytes(*k, 16384))
+                .unwrap();
         }
     }
     let file0 = dir.path().join(slot_file_name(0));
@@ -150,7 +180,10 @@ fn flipped_bits_and_truncation_are_misses_never_bytes() {
     t.read(SlotId(2), keys[2], &mut buf).unwrap();
     assert_eq!(buf, block_bytes(keys[2], 16384));
     // Truncate the second file under the open tier: its slots read as corrupt.
-    let file1 = OpenOptions::new().write(true).open(dir.path().join(slot_file_name(1))).unwrap();
+    let file1 = OpenOptions::new()
+        .write(true)
+        .open(dir.path().join(slot_file_name(1)))
+        .unwrap();
     file1.set_len(stride + 50).unwrap(); // cuts slot 4 inside its header
     let e = t.read(SlotId(4), keys[4], &mut buf).unwrap_err();
     assert!(matches!(e, TierError::Corrupt { .. }), "{e}");
@@ -158,5 +191,8 @@ fn flipped_bits_and_truncation_are_misses_never_bytes() {
     // Reopened, the truncated file is re-extended with zeros: its lost slots are absent.
     let (t, _) = cfg(dir.path()).open().unwrap();
     let present: Vec<SlotId> = t.recover().iter().map(|r| r.slot).collect();
-    assert!(present.contains(&SlotId(3)) && !present.contains(&SlotId(4)), "{present:?}");
+    assert!(
+        present.contains(&SlotId(3)) && !present.contains(&SlotId(4)),
+        "{present:?}"
+    );
 }
