@@ -12,7 +12,7 @@
 //! the last unpin).
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::Hasher;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -125,25 +125,55 @@ impl Entry {
     }
 }
 
-/// Keys are uniform hashes already: fold them instead of hashing again.
-#[derive(Default)]
-struct KeyHasher(u64);
+/// Keys are opaque 16-byte values from outside (an engine's own hashes, or worse, sequential
+/// ids), so the index hashes them again with a per-process random seed: no client can aim
+/// keys at one bucket or one shard.
+#[derive(Clone)]
+struct KeyHashing {
+    seed: u64,
+}
+
+impl KeyHashing {
+    fn new() -> Self {
+        use std::hash::BuildHasher;
+        // RandomState is seeded from the OS once per process.
+        Self {
+            seed: std::collections::hash_map::RandomState::new().hash_one(0x6b76_7469_6572u64),
+        }
+    }
+
+    fn hash(&self, key: &BlockKey) -> u64 {
+        xxhash_rust::xxh3::xxh3_64_with_seed(key.as_bytes(), self.seed)
+    }
+}
+
+impl std::hash::BuildHasher for KeyHashing {
+    type Hasher = KeyHasher;
+    fn build_hasher(&self) -> KeyHasher {
+        KeyHasher {
+            seed: self.seed,
+            value: 0,
+        }
+    }
+}
+
+/// Hashes the key's 16 bytes (the only write a `BlockKey` makes) with seeded XXH3.
+struct KeyHasher {
+    seed: u64,
+    value: u64,
+}
 
 impl Hasher for KeyHasher {
     fn finish(&self) -> u64 {
-        self.0
+        self.value
     }
     fn write(&mut self, bytes: &[u8]) {
-        for c in bytes.chunks(8) {
-            let mut b = [0u8; 8];
-            b[..c.len()].copy_from_slice(c);
-            self.0 = self.0.rotate_left(29) ^ u64::from_le_bytes(b);
-        }
+        self.value = xxhash_rust::xxh3::xxh3_64_with_seed(bytes, self.seed ^ self.value);
     }
     fn write_usize(&mut self, _: usize) {}
 }
 
-type Shard = HashMap<BlockKey, Entry, BuildHasherDefault<KeyHasher>>;
+type Shard = HashMap<BlockKey, Entry, KeyHashing>;
 
 struct TierState {
     free: Vec<u32>,
@@ -165,6 +195,7 @@ struct LeaseRecord {
 
 struct Inner {
     block_bytes: usize,
+    hashing: KeyHashing,
     shard_mask: u64,
     shards: Box<[Mutex<Shard>]>,
     dram: Slots<DramTier>,
@@ -258,10 +289,14 @@ impl TieredStore {
         }
         let shards = config.shards.clamp(1, 1 << 16).next_power_of_two();
         let pool = IoPool::new(config.io_threads, "kvtier-io").map_err(StoreError::Threads)?;
+        let hashing = KeyHashing::new();
         let inner = Arc::new(Inner {
             block_bytes,
             shard_mask: shards as u64 - 1,
-            shards: (0..shards).map(|_| Mutex::new(Shard::default())).collect(),
+            shards: (0..shards)
+                .map(|_| Mutex::new(Shard::with_hasher(hashing.clone())))
+                .collect(),
+            hashing,
             dram: slots_for(dram, &config),
             nvme: nvme.map(|t| slots_for(t, &config)),
             pool,
@@ -394,7 +429,8 @@ impl Drop for TieredStore {
 
 impl Inner {
     fn shard(&self, key: &BlockKey) -> MutexGuard<'_, Shard> {
-        lock(&self.shards[((key.to_u128() >> 64) as u64 & self.shard_mask) as usize])
+        // The high bits pick the shard; the map's buckets use the low ones.
+        lock(&self.shards[((self.hashing.hash(key) >> 40) & self.shard_mask) as usize])
     }
 
     fn counters(&self, t: TierKind) -> &TierCounters {
@@ -497,10 +533,10 @@ impl Inner {
     }
 
     fn erase_then_free(self: &Arc<Self>, slot: u32) {
-        if let Some(n) = &self.nvme {
-            if n.tier.erase(SlotId(slot)).is_err() {
-                TierCounters::inc(&n.counters.io_errors);
-            }
+        if let Some(n) = &self.nvme
+            && n.tier.erase(SlotId(slot)).is_err()
+        {
+            TierCounters::inc(&n.counters.io_errors);
         }
         self.free(TierKind::Nvme, slot, false);
     }

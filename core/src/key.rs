@@ -185,9 +185,10 @@ impl HashSecret {
     #[inline]
     fn hash(&self, input: &[u8]) -> BlockKey {
         match self.scheme {
-            HashScheme::Xxh3Keyed => BlockKey::from_u128(
-                xxhash_rust::xxh3::xxh3_128_with_secret(input, &self.xxh3[..]),
-            ),
+            HashScheme::Xxh3Keyed => BlockKey::from_u128(xxhash_rust::xxh3::xxh3_128_with_secret(
+                input,
+                &self.xxh3[..],
+            )),
             HashScheme::Blake3Keyed => {
                 let full = blake3::keyed_hash(&self.blake3, input);
                 let mut out = [0u8; 16];
@@ -423,7 +424,9 @@ mod tests {
         want.extend_from_slice(&[1, 4, 0, 0, 0, 1, 0, 0, 0]); // scheme version 1
         want.extend_from_slice(&[2, 1, 0, 0, 0, 1]); // xxh3
         want.extend_from_slice(&[3, 1, 0, 0, 0, b'm']);
-        want.extend_from_slice(&[4, 8, 0, 0, 0, 0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11]);
+        want.extend_from_slice(&[
+            4, 8, 0, 0, 0, 0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11,
+        ]);
         want.extend_from_slice(&[5, 4, 0, 0, 0, 1, 0, 0, 0]);
         want.extend_from_slice(&[6, 4, 0, 0, 0, 2, 0, 0, 0]);
         want.extend_from_slice(&[7, 4, 0, 0, 0, b'l', b'o', b'r', b'a']);
@@ -537,7 +540,12 @@ mod tests {
                 got: 3
             })
         );
-        assert_eq!(HashScheme::parse("md5").unwrap_err().to_string().contains("xxh3"), true);
+        assert!(
+            HashScheme::parse("md5")
+                .unwrap_err()
+                .to_string()
+                .contains("xxh3")
+        );
     }
 
     #[test]

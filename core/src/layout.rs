@@ -41,14 +41,20 @@ impl Dtype {
     }
 
     pub fn parse(name: &str) -> Result<Self, CoreError> {
-        [Dtype::F32, Dtype::F16, Dtype::Bf16, Dtype::Fp8E4m3, Dtype::Fp8E5m2]
-            .into_iter()
-            .find(|d| d.name() == name)
-            .ok_or_else(|| CoreError::UnknownName {
-                what: "dtype",
-                name: name.to_owned(),
-                expected: "f32, f16, bf16, fp8e4m3, fp8e5m2",
-            })
+        [
+            Dtype::F32,
+            Dtype::F16,
+            Dtype::Bf16,
+            Dtype::Fp8E4m3,
+            Dtype::Fp8E5m2,
+        ]
+        .into_iter()
+        .find(|d| d.name() == name)
+        .ok_or_else(|| CoreError::UnknownName {
+            what: "dtype",
+            name: name.to_owned(),
+            expected: "f32, f16, bf16, fp8e4m3, fp8e5m2",
+        })
     }
 
     const fn tag(self) -> u8 {
@@ -340,7 +346,10 @@ mod tests {
         check(KvLayout::new(32, 8, 0, Dtype::Bf16, 16), "head_dim");
         check(KvLayout::new(32, 8, 128, Dtype::Bf16, 12), "block_tokens");
         check(KvLayout::new(32, 8, 128, Dtype::Bf16, 1024), "block_tokens");
-        check(KvLayout::new(1024, 1024, 65536, Dtype::F32, 512), "block size");
+        check(
+            KvLayout::new(1024, 1024, 65536, Dtype::F32, 512),
+            "block size",
+        );
         assert!(Dtype::parse("int4").is_err());
         assert_eq!(Dtype::parse("bf16"), Ok(Dtype::Bf16));
     }
@@ -348,7 +357,12 @@ mod tests {
     #[test]
     fn golden_fingerprint() {
         let l = KvLayout::new(32, 8, 128, Dtype::Bf16, 16).unwrap();
-        assert_eq!(l.fingerprint(), GOLDEN_FINGERPRINT, "{:#x}", l.fingerprint());
+        assert_eq!(
+            l.fingerprint(),
+            GOLDEN_FINGERPRINT,
+            "{:#x}",
+            l.fingerprint()
+        );
         let other = KvLayout::new(32, 8, 128, Dtype::F16, 16).unwrap();
         assert_ne!(l.fingerprint(), other.fingerprint());
         let mla = KvLayout::with_kind(32, 8, 128, Dtype::Bf16, 16, KvKind::Mla).unwrap();

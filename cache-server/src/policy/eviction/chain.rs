@@ -159,10 +159,10 @@ impl ChainAware {
     fn remember_pending(&mut self, key: BlockKey, turn: u8) {
         if self.pending.insert(key, turn).is_none() {
             self.pending_order.push_back(key);
-            if self.pending_order.len() > PENDING_TURNS {
-                if let Some(old) = self.pending_order.pop_front() {
-                    self.pending.remove(&old);
-                }
+            if self.pending_order.len() > PENDING_TURNS
+                && let Some(old) = self.pending_order.pop_front()
+            {
+                self.pending.remove(&old);
             }
         }
     }
@@ -274,10 +274,10 @@ impl EvictionPolicy for ChainAware {
             .is_none()
         {
             self.ghost_order.push_back(key);
-            if self.ghost_order.len() > self.ghost_cap {
-                if let Some(old) = self.ghost_order.pop_front() {
-                    self.ghost.remove(&old);
-                }
+            if self.ghost_order.len() > self.ghost_cap
+                && let Some(old) = self.ghost_order.pop_front()
+            {
+                self.ghost.remove(&old);
             }
         }
         self.tracked[s] = false;
@@ -298,7 +298,7 @@ impl EvictionPolicy for ChainAware {
         let b = self.protection_ms();
         let mut best: Option<(u64, usize, u32)> = None;
         let mut scanned = 0;
-        for c in 0..CLASSES {
+        for (c, multiplier) in CLASS_MULTIPLIER.iter().enumerate() {
             while let Some(top) = self.heaps[c].peek().copied() {
                 if !self.valid(c, &top) {
                     self.heaps[c].pop();
@@ -314,7 +314,7 @@ impl EvictionPolicy for ChainAware {
                     self.scratch.push((c, top));
                     continue;
                 }
-                let score = last.saturating_add(CLASS_MULTIPLIER[c] * b);
+                let score = last.saturating_add(multiplier * b);
                 if best.is_none_or(|(s, _, _)| score < s) {
                     best = Some((score, c, slot));
                 }

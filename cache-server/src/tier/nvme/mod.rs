@@ -657,6 +657,7 @@ fn available_bytes(dir: &Path) -> Result<u64, TierError> {
     if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
         return Err(io_err(dir)(io::Error::last_os_error()));
     }
+    #[allow(clippy::useless_conversion)] // f_bavail is u32 on some targets
     Ok(u64::from(st.f_bavail).saturating_mul(st.f_frsize))
 }
 
