@@ -2,10 +2,12 @@
 //!
 //! * `hash`: the chained prefix hasher (keys/s) for both hash schemes.
 //! * `tiers`: the DRAM tier against memcpy and the NVMe tier against plain O_DIRECT I/O.
+//! * `policy`: eviction policies on block-hash traces against LRU and the offline optimum.
 //!
 //! Tables go to stdout (or one JSON document with `--json`); progress goes to stderr.
 
 mod hash;
+mod policy;
 mod tiers;
 mod util;
 
@@ -29,6 +31,8 @@ enum Command {
     Hash(hash::HashArgs),
     /// DRAM and NVMe tier throughput against memcpy and O_DIRECT pread/pwrite.
     Tiers(tiers::TiersArgs),
+    /// Eviction hit rates on block-hash traces against LRU and the offline optimum.
+    Policy(policy::PolicyArgs),
 }
 
 #[derive(Serialize)]
@@ -97,6 +101,17 @@ fn main() -> Result<()> {
         Command::Tiers(a) => {
             let r = tiers::run(a)?;
             emit(cli.json, &command_line, &machine, "tiers", r, tiers::print)
+        }
+        Command::Policy(a) => {
+            let r = policy::run(a)?;
+            emit(
+                cli.json,
+                &command_line,
+                &machine,
+                "policy",
+                r,
+                policy::print,
+            )
         }
     }
 }

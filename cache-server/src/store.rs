@@ -290,11 +290,15 @@ impl TieredStore {
         let shards = config.shards.clamp(1, 1 << 16).next_power_of_two();
         let pool = IoPool::new(config.io_threads, "kvtier-io").map_err(StoreError::Threads)?;
         let hashing = KeyHashing::new();
+        // Sized for every slot up front, so the index does not allocate as it fills.
+        let per_shard = (u64::from(dram.slot_count())
+            + nvme.as_ref().map_or(0, |t| u64::from(t.slot_count())))
+        .div_ceil(shards as u64) as usize;
         let inner = Arc::new(Inner {
             block_bytes,
             shard_mask: shards as u64 - 1,
             shards: (0..shards)
-                .map(|_| Mutex::new(Shard::with_hasher(hashing.clone())))
+                .map(|_| Mutex::new(Shard::with_capacity_and_hasher(per_shard, hashing.clone())))
                 .collect(),
             hashing,
             dram: slots_for(dram, &config),

@@ -1,0 +1,358 @@
+//! `kvtier-bench policy`: eviction policies replayed through the real store on block-hash
+//! traces (Mooncake JSONL), against plain LRU and an offline optimum computed on the same
+//! trace, at several capacities.
+
+use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use kvtier_server::policy::EvictionKind;
+use kvtier_server::replay::{TraceRequest, replay};
+use serde::Serialize;
+
+/// Tokens per block in the Mooncake traces.
+const TRACE_BLOCK_TOKENS: u64 = 512;
+
+#[derive(Args, Debug)]
+pub struct PolicyArgs {
+    /// Mooncake-format JSONL traces (`hash_ids` of 512-token blocks). Default: the
+    /// conversation and synthetic traces in ../shared/traces.
+    #[arg(long = "trace")]
+    pub traces: Vec<PathBuf>,
+    /// Cache capacities in tokens (decimal units: 1m = 1,000,000).
+    #[arg(long, default_value = "1m,3m,10m,50m", value_parser = parse_token_list)]
+    pub capacities: TokenList,
+    /// Store only full blocks (the partial last block of a prompt is not cached), as a real
+    /// engine does. Default: store every block, the convention of the traces' published LRU
+    /// figures.
+    #[arg(long)]
+    pub full_blocks_only: bool,
+    /// Replay only the first N requests of each trace.
+    #[arg(long)]
+    pub limit: Option<usize>,
+}
+
+#[derive(Clone, Debug)]
+pub struct TokenList(pub Vec<u64>);
+
+fn parse_tokens(s: &str) -> Result<u64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let (num, mult) = match t.strip_suffix('m') {
+        Some(n) => (n, 1_000_000),
+        None => match t.strip_suffix('k') {
+            Some(n) => (n, 1_000),
+            None => (t.as_str(), 1),
+        },
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a token count (e.g. 3m, 500k, 1000000)"))?;
+    match n.checked_mul(mult) {
+        Some(v) if v >= TRACE_BLOCK_TOKENS => Ok(v),
+        _ => Err(format!("{s:?} must be at least one 512-token block")),
+    }
+}
+
+fn parse_token_list(s: &str) -> Result<TokenList, String> {
+    s.split(',')
+        .map(parse_tokens)
+        .collect::<Result<Vec<_>, _>>()
+        .map(TokenList)
+}
+
+#[derive(Serialize)]
+pub struct PolicyReport {
+    pub rule: &'static str,
+    pub traces: Vec<TraceResult>,
+}
+
+#[derive(Serialize)]
+pub struct TraceResult {
+    pub trace: String,
+    pub requests: usize,
+    pub blocks: u64,
+    pub unlimited_hit_rate: f64,
+    pub rows: Vec<CapacityRow>,
+}
+
+#[derive(Serialize)]
+pub struct CapacityRow {
+    pub capacity_tokens: u64,
+    pub capacity_blocks: u64,
+    pub lru_hit_rate: f64,
+    pub default_hit_rate: f64,
+    pub optimum_hit_rate: f64,
+    /// Share of the LRU-to-optimum gap the default closes.
+    pub gap_closed: f64,
+    pub default_seconds: f64,
+}
+
+/// Reads a Mooncake JSONL trace; a malformed line is an error naming the file and line.
+pub fn load_mooncake(
+    path: &Path,
+    full_blocks_only: bool,
+    limit: Option<usize>,
+) -> Result<Vec<TraceRequest>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut out = Vec::new();
+    let mut last_ts = 0;
+    for (n, line) in text.lines().enumerate() {
+        if limit.is_some_and(|l| out.len() >= l) {
+            break;
+        }
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = || format!("{}:{}", path.display(), n + 1);
+        let v: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("{}: not JSON", at()))?;
+        let ts = v["timestamp"]
+            .as_u64()
+            .with_context(|| format!("{}: no integer `timestamp`", at()))?;
+        let input = v["input_length"]
+            .as_u64()
+            .with_context(|| format!("{}: no integer `input_length`", at()))?;
+        let ids = v["hash_ids"]
+            .as_array()
+            .with_context(|| format!("{}: no `hash_ids` array", at()))?
+            .iter()
+            .map(|x| x.as_u64())
+            .collect::<Option<Vec<u64>>>()
+            .with_context(|| format!("{}: `hash_ids` holds a non-integer", at()))?;
+        if ids.len() as u64 != input.div_ceil(TRACE_BLOCK_TOKENS) {
+            bail!(
+                "{}: {} hash_ids for {input} input tokens (want ceil(input/512))",
+                at(),
+                ids.len()
+            );
+        }
+        if ts < last_ts {
+            bail!(
+                "{}: timestamp {ts} goes back in time (previous {last_ts})",
+                at()
+            );
+        }
+        last_ts = ts;
+        let partial = !input.is_multiple_of(TRACE_BLOCK_TOKENS);
+        let blocks_to_store = if full_blocks_only && partial {
+            ids.len() - 1
+        } else {
+            ids.len()
+        };
+        out.push(TraceRequest {
+            timestamp_ms: ts,
+            block_ids: ids,
+            blocks_to_store,
+        });
+    }
+    if out.is_empty() {
+        bail!("{}: no requests", path.display());
+    }
+    Ok(out)
+}
+
+/// Hit rate with unlimited capacity: a block hits when its whole prefix was seen before.
+fn unlimited(trace: &[TraceRequest]) -> f64 {
+    let mut seen = HashSet::new();
+    let (mut hits, mut total) = (0u64, 0u64);
+    for r in trace {
+        hits += r
+            .block_ids
+            .iter()
+            .take_while(|id| seen.contains(*id))
+            .count() as u64;
+        total += r.block_ids.len() as u64;
+        seen.extend(r.block_ids.iter().take(r.blocks_to_store).copied());
+    }
+    hits as f64 / total as f64
+}
+
+/// The offline optimum (Belady): on overflow, evict the block whose next use is farthest in
+/// the future (ties: the deepest, i.e. the largest id). A request's blocks are all inserted
+/// before evicting, so a block never used again can be dropped at once.
+fn optimum(trace: &[TraceRequest], capacity: u64) -> f64 {
+    const NEVER: u64 = u64::MAX;
+    // next_use[r][i]: the index of the next request containing trace[r].block_ids[i].
+    let mut next_use: Vec<Vec<u64>> = Vec::with_capacity(trace.len());
+    let mut last: HashMap<u64, u64> = HashMap::new();
+    for (r, req) in trace.iter().enumerate().rev() {
+        next_use.push(
+            req.block_ids
+                .iter()
+                .map(|id| *last.get(id).unwrap_or(&NEVER))
+                .collect(),
+        );
+        for id in &req.block_ids {
+            last.insert(*id, r as u64);
+        }
+    }
+    next_use.reverse();
+    let mut cached: HashMap<u64, u64> = HashMap::new();
+    let mut heap: BinaryHeap<(u64, u64)> = BinaryHeap::new();
+    let (mut hits, mut total) = (0u64, 0u64);
+    for (r, req) in trace.iter().enumerate() {
+        hits += req
+            .block_ids
+            .iter()
+            .take_while(|id| cached.contains_key(*id))
+            .count() as u64;
+        total += req.block_ids.len() as u64;
+        for (i, id) in req.block_ids.iter().enumerate().take(req.blocks_to_store) {
+            let nu = next_use[r][i];
+            cached.insert(*id, nu);
+            heap.push((nu, *id));
+        }
+        while cached.len() as u64 > capacity {
+            let Some((nu, id)) = heap.pop() else { break };
+            if cached.get(&id) == Some(&nu) {
+                cached.remove(&id);
+            }
+        }
+    }
+    hits as f64 / total as f64
+}
+
+fn default_traces() -> Vec<PathBuf> {
+    let shared = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces");
+    ["conversation_trace.jsonl", "synthetic_trace.jsonl"]
+        .iter()
+        .map(|f| shared.join(f))
+        .collect()
+}
+
+pub fn run(args: &PolicyArgs) -> Result<PolicyReport> {
+    let traces = if args.traces.is_empty() {
+        default_traces()
+    } else {
+        args.traces.clone()
+    };
+    let mut out = Vec::new();
+    for path in &traces {
+        let trace = load_mooncake(path, args.full_blocks_only, args.limit)?;
+        let blocks = trace.iter().map(|r| r.block_ids.len() as u64).sum();
+        let mut rows = Vec::new();
+        for &tokens in &args.capacities.0 {
+            let cap = tokens / TRACE_BLOCK_TOKENS;
+            eprintln!("[kvtier-bench] {}: {} tokens", path.display(), tokens);
+            let lru = replay(&trace, cap, EvictionKind::Lru)?.hit_rate();
+            let t = Instant::now();
+            let def = replay(&trace, cap, EvictionKind::default())?.hit_rate();
+            let default_seconds = t.elapsed().as_secs_f64();
+            let opt = optimum(&trace, cap);
+            let gap = opt - lru;
+            rows.push(CapacityRow {
+                capacity_tokens: tokens,
+                capacity_blocks: cap,
+                lru_hit_rate: lru,
+                default_hit_rate: def,
+                optimum_hit_rate: opt,
+                gap_closed: if gap > 1e-12 { (def - lru) / gap } else { 0.0 },
+                default_seconds,
+            });
+        }
+        out.push(TraceResult {
+            trace: path.file_name().map_or_else(
+                || path.display().to_string(),
+                |f| f.to_string_lossy().into_owned(),
+            ),
+            requests: trace.len(),
+            blocks,
+            unlimited_hit_rate: unlimited(&trace),
+            rows,
+        });
+    }
+    Ok(PolicyReport {
+        rule: if args.full_blocks_only {
+            "full blocks only"
+        } else {
+            "every block (published convention)"
+        },
+        traces: out,
+    })
+}
+
+pub fn print(r: &PolicyReport) {
+    println!("blocks stored: {}", r.rule);
+    for t in &r.traces {
+        println!(
+            "\n== {} ({} requests, {} blocks; unlimited capacity hit rate {:.2} %) ==",
+            t.trace,
+            t.requests,
+            t.blocks,
+            t.unlimited_hit_rate * 100.0
+        );
+        println!("capacity (tokens)  blocks    lru %  default %  optimum %  gap closed  default s");
+        for row in &t.rows {
+            let mut line = String::new();
+            let _ = write!(
+                line,
+                "{:>17} {:>7} {:>8.2} {:>10.2} {:>10.2} {:>10.1}% {:>10.2}",
+                row.capacity_tokens,
+                row.capacity_blocks,
+                row.lru_hit_rate * 100.0,
+                row.default_hit_rate * 100.0,
+                row.optimum_hit_rate * 100.0,
+                row.gap_closed * 100.0,
+                row.default_seconds
+            );
+            println!("{line}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(ids: &[u64]) -> TraceRequest {
+        TraceRequest {
+            timestamp_ms: 0,
+            block_ids: ids.to_vec(),
+            blocks_to_store: ids.len(),
+        }
+    }
+
+    #[test]
+    fn optimum_and_unlimited_on_a_tiny_trace() {
+        let t = [req(&[0, 1]), req(&[2]), req(&[0, 1, 3]), req(&[2])];
+        assert!((unlimited(&t) - 3.0 / 8.0).abs() < 1e-9);
+        // Two slots: keep 0 and 1 (used next) over 2 (used later), then 2 is gone.
+        assert!((optimum(&t, 2) - 2.0 / 8.0).abs() < 1e-9);
+        assert!((optimum(&t, 10) - unlimited(&t)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn token_counts_are_decimal() {
+        assert_eq!(parse_tokens("3m"), Ok(3_000_000));
+        assert_eq!(parse_tokens("500k"), Ok(500_000));
+        assert!(parse_tokens("100").is_err());
+        assert!(parse_tokens("x").is_err());
+    }
+
+    #[test]
+    fn malformed_trace_lines_name_the_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.jsonl");
+        std::fs::write(&p, "{\"timestamp\":0,\"input_length\":600,\"hash_ids\":[1,2]}\n{\"timestamp\":1,\"input_length\":5}\n").unwrap();
+        let e = format!("{:#}", load_mooncake(&p, false, None).unwrap_err());
+        assert!(e.contains("t.jsonl:2") && e.contains("hash_ids"), "{e}");
+        std::fs::write(
+            &p,
+            "{\"timestamp\":0,\"input_length\":600,\"hash_ids\":[1]}\n",
+        )
+        .unwrap();
+        let e = format!("{:#}", load_mooncake(&p, false, None).unwrap_err());
+        assert!(e.contains("t.jsonl:1"), "{e}");
+        std::fs::write(
+            &p,
+            "{\"timestamp\":0,\"input_length\":600,\"hash_ids\":[1,2]}\n",
+        )
+        .unwrap();
+        let t = load_mooncake(&p, true, None).unwrap();
+        assert_eq!(t[0].blocks_to_store, 1);
+    }
+}
