@@ -44,7 +44,12 @@ impl IoPool {
                     .name(format!("{name}-{i}"))
                     .spawn(move || {
                         for job in rx {
-                            job();
+                            // A panicking job must not kill the thread or leave the count
+                            // (and every `drain`) stuck.
+                            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err()
+                            {
+                                tracing::error!("an I/O job panicked");
+                            }
                             if inflight.count.fetch_sub(1, Ordering::AcqRel) == 1 {
                                 let _g = inflight.idle.0.lock();
                                 inflight.idle.1.notify_all();

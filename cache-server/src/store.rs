@@ -418,6 +418,14 @@ impl TieredStore {
     pub fn stats(&self) -> StoreStats {
         self.inner.stats()
     }
+
+    /// Checks the slot invariants of a quiescent store (no call in flight, background work
+    /// flushed, leases released): every slot is either free or referenced by exactly one key,
+    /// never both, and nothing is pinned. For tests and debugging; O(slots).
+    pub fn check_consistency(&self) -> Result<(), String> {
+        self.flush();
+        self.inner.check_consistency()
+    }
 }
 
 impl Drop for TieredStore {
@@ -549,9 +557,19 @@ impl Inner {
     /// policy. Evicts to make room; under write-back, dirty DRAM victims are copied down in
     /// the background first and a small reserve of free slots is kept so puts rarely wait on
     /// (or are refused because of) a copy in flight.
-    fn alloc(self: &Arc<Self>, t: TierKind, key: BlockKey, ctx: InsertContext) -> Option<u32> {
+    fn alloc(
+        self: &Arc<Self>,
+        t: TierKind,
+        key: BlockKey,
+        mut ctx: InsertContext,
+        parent_key: Option<BlockKey>,
+    ) -> Option<u32> {
         let (state, pins) = self.parts(t);
         let mut st = lock(state);
+        // The parent's slot was read without a pin: believe it only if it still holds it.
+        ctx.parent = ctx
+            .parent
+            .filter(|&p| parent_key.is_some_and(|k| st.keys[p as usize] == k));
         let writeback = self.writeback_mode(t);
         let slot = match st.free.pop() {
             Some(s) => s,
@@ -610,17 +628,19 @@ impl Inner {
         let vkey = st.keys[v as usize];
         let mut shard = self.shard(&vkey);
         let Some(e) = shard.get_mut(&vkey).filter(|e| e.loc(t) == v) else {
-            // Tracked but referenced by no key: nothing can reach it; reclaim it.
+            // No key references it: it is being removed (its remover holds a pin and frees
+            // it) or being filled by a pinned writer. Either way not ours; stop tracking it.
             drop(shard);
             st.policy.on_remove(v, self.now());
-            return Some(Evicted::Freed(v));
+            return Some(Evicted::Retry);
         };
         if pins[v as usize].load(Ordering::Acquire) != 0 {
             return Some(Evicted::Retry); // pinned after the policy looked
         }
         if allow_writeback && e.nvme == NONE {
-            // Stays readable in DRAM while it is copied down; the copy job frees it.
-            pins[v as usize].store(1 | RETIRED, Ordering::Release);
+            // Stays referenced and readable in DRAM while it is copied down; the copy job
+            // removes the reference and retires it (only a remover retires a slot).
+            pins[v as usize].store(1, Ordering::Release);
             drop(shard);
             st.policy.on_remove(v, self.now());
             self.writebacks_inflight.fetch_add(1, Ordering::AcqRel);
@@ -632,31 +652,35 @@ impl Inner {
             {
                 return Some(Evicted::WritingBack);
             }
-            // No room to copy: drop it instead.
+            // No room to copy: evict it without a copy.
             self.writebacks_inflight.fetch_sub(1, Ordering::AcqRel);
             TierCounters::inc(&self.dram.counters.demotions_dropped);
             let mut shard = self.shard(&vkey);
-            if let Some(e) = shard.get_mut(&vkey).filter(|e| e.dram == v) {
-                e.dram = NONE;
-                if e.is_empty() {
-                    shard.remove(&vkey);
+            let ours = match shard.get_mut(&vkey).filter(|e| e.dram == v) {
+                Some(e) => {
+                    e.dram = NONE;
+                    if e.is_empty() {
+                        shard.remove(&vkey);
+                    }
+                    true
                 }
-            }
-            drop(shard);
-            TierCounters::inc(&self.dram.counters.evictions);
-            return match pins[v as usize].compare_exchange(
-                1 | RETIRED,
-                0,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => Some(Evicted::Freed(v)),
-                Err(_) => {
-                    // A reader pinned it meanwhile; its last unpin frees it.
-                    pins[v as usize].fetch_sub(1, Ordering::AcqRel);
-                    Some(Evicted::Retry)
-                }
+                None => false, // removed meanwhile: its remover frees it
             };
+            drop(shard);
+            if !ours {
+                pins[v as usize].fetch_sub(1, Ordering::AcqRel);
+                return Some(Evicted::Retry);
+            }
+            TierCounters::inc(&self.dram.counters.evictions);
+            // Retire while still holding our pin, then drop the pin: if a reader pinned it
+            // meanwhile, its last unpin frees it (after we release the tier lock).
+            pins[v as usize].fetch_or(RETIRED, Ordering::AcqRel);
+            let prev = pins[v as usize].fetch_sub(1, Ordering::AcqRel);
+            if prev & COUNT == 1 {
+                pins[v as usize].store(0, Ordering::Release);
+                return Some(Evicted::Freed(v));
+            }
+            return Some(Evicted::Retry);
         }
         e.set(t, NONE);
         if e.is_empty() {
@@ -700,12 +724,16 @@ impl Inner {
             return Ok(PutOutcome::Rejected(why));
         }
         let ctx = self.ctx(parent_slot);
-        let Some(slot) = self.alloc(TierKind::Dram, key, ctx) else {
+        let Some(slot) = self.alloc(TierKind::Dram, key, ctx, parent) else {
             TierCounters::inc(&c.admissions_refused);
             return Ok(PutOutcome::Rejected(RejectReason::NoEvictableSlot));
         };
         // The slot is ours (pinned, unreferenced): no lock needed to fill it.
-        self.dram.tier.write(SlotId(slot), key, data)?;
+        if let Err(e) = self.dram.tier.write(SlotId(slot), key, data) {
+            self.retire(TierKind::Dram, slot, false);
+            self.unpin(TierKind::Dram, slot);
+            return Err(e.into());
+        }
         // Making room may have evicted the parent: then this block is unreachable.
         let orphaned = parent.is_some_and(|p| !self.shard(&p).contains_key(&p));
         {
@@ -759,7 +787,7 @@ impl Inner {
     fn demote(self: &Arc<Self>, key: BlockKey, ds: u32, evicting: bool) {
         let Some(nvme) = &self.nvme else { return };
         let dc = &self.dram.counters;
-        let stored = match self.alloc(TierKind::Nvme, key, self.ctx(None)) {
+        let stored = match self.alloc(TierKind::Nvme, key, self.ctx(None), None) {
             None => {
                 TierCounters::inc(&dc.demotions_dropped);
                 None
@@ -784,6 +812,7 @@ impl Inner {
             }
         };
         let mut orphan_nvme = None;
+        let mut dropped_dram = false;
         {
             let mut shard = self.shard(&key);
             match shard.get_mut(&key) {
@@ -797,6 +826,7 @@ impl Inner {
                     }
                     if evicting && e.dram == ds {
                         e.dram = NONE;
+                        dropped_dram = true;
                         if e.is_empty() {
                             shard.remove(&key);
                         }
@@ -809,13 +839,17 @@ impl Inner {
             TierCounters::inc(&dc.demotions);
             TierCounters::add(&nvme.counters.bytes_in, self.block_bytes as u64);
             if orphan_nvme.is_some() {
-                self.retire(TierKind::Nvme, ns, false);
+                // Removed or cleared while copying: erase, or a restart would bring it back.
+                self.retire(TierKind::Nvme, ns, true);
             }
             self.unpin(TierKind::Nvme, ns);
         }
         if evicting {
             TierCounters::inc(&dc.evictions);
             self.writebacks_inflight.fetch_sub(1, Ordering::AcqRel);
+            if dropped_dram {
+                self.retire(TierKind::Dram, ds, false);
+            }
         }
         self.unpin(TierKind::Dram, ds);
     }
@@ -824,7 +858,12 @@ impl Inner {
     fn pin_location(&self, key: BlockKey) -> Option<(TierKind, u32, u32)> {
         let mut shard = self.shard(&key);
         let e = shard.get_mut(&key)?;
-        e.hits = e.hits.saturating_add(1);
+        // Hits count toward selective write-through only while there is no NVMe copy.
+        if e.nvme == NONE {
+            e.hits = e.hits.saturating_add(1);
+        } else {
+            e.hits = 0;
+        }
         let (t, s) = if e.dram != NONE {
             (TierKind::Dram, e.dram)
         } else {
@@ -876,17 +915,25 @@ impl Inner {
             });
         }
         let now = self.now();
-        lock(&self.dram.state).policy.on_lookup(LookupContext {
-            hits: &dram,
-            rest: &keys[dram.len()..],
-            now_ms: now,
-        });
-        if let Some(n) = &self.nvme {
-            lock(&n.state).policy.on_lookup(LookupContext {
-                hits: &nvme,
-                rest: &keys[nvme.len()..],
+        let tell = |state: &Mutex<TierState>, hits: &mut Vec<u32>| {
+            let mut st = lock(state);
+            // A slot may have been reused since it was read under the shard lock: keep only
+            // the prefix whose slots still hold these keys.
+            let valid = hits
+                .iter()
+                .zip(keys)
+                .take_while(|(s, k)| st.keys[**s as usize] == **k)
+                .count();
+            hits.truncate(valid);
+            st.policy.on_lookup(LookupContext {
+                hits,
+                rest: &keys[hits.len()..],
                 now_ms: now,
             });
+        };
+        tell(&self.dram.state, &mut dram);
+        if let Some(n) = &self.nvme {
+            tell(&n.state, &mut nvme);
         }
         out
     }
@@ -1027,7 +1074,7 @@ impl Inner {
         if self.config.promotion == PromotionPolicy::Never {
             return Ok(None);
         }
-        let Some(ds) = self.alloc(TierKind::Dram, key, self.ctx(None)) else {
+        let Some(ds) = self.alloc(TierKind::Dram, key, self.ctx(None), None) else {
             return Ok(None);
         };
         let r = if inline {
@@ -1066,7 +1113,12 @@ impl Inner {
             Err(e) => {
                 self.retire(TierKind::Dram, ds, false);
                 self.unpin(TierKind::Dram, ds);
-                Err(self.nvme_failed(key, ns, &e))
+                if matches!(e, TierError::Unavailable { .. }) {
+                    // The pool is stopping: the NVMe copy is fine, just not readable now.
+                    Err(MissReason::Busy)
+                } else {
+                    Err(self.nvme_failed(key, ns, &e))
+                }
             }
         };
         self.unpin(TierKind::Nvme, ns);
@@ -1190,33 +1242,100 @@ impl Inner {
         queued
     }
 
-    fn remove(self: &Arc<Self>, key: BlockKey) -> bool {
-        let Some(e) = self.shard(&key).remove(&key) else {
-            return false;
-        };
+    /// Takes `key` out of the index, pinning its slots under the shard lock so nothing can
+    /// reuse them before they are retired (the remover is the only one who retires them).
+    fn take_entry(&self, shard: &mut Shard, key: &BlockKey) -> Option<Entry> {
+        let e = shard.remove(key)?;
+        if e.dram != NONE {
+            self.dram.pins[e.dram as usize].fetch_add(1, Ordering::AcqRel);
+        }
+        if let (Some(n), true) = (&self.nvme, e.nvme != NONE) {
+            n.pins[e.nvme as usize].fetch_add(1, Ordering::AcqRel);
+        }
+        Some(e)
+    }
+
+    fn retire_entry(self: &Arc<Self>, e: Entry, erase_nvme: bool) {
         if e.dram != NONE {
             self.retire(TierKind::Dram, e.dram, false);
+            self.unpin(TierKind::Dram, e.dram);
         }
         if e.nvme != NONE {
-            self.retire(TierKind::Nvme, e.nvme, true);
+            self.retire(TierKind::Nvme, e.nvme, erase_nvme);
+            self.unpin(TierKind::Nvme, e.nvme);
         }
+    }
+
+    fn remove(self: &Arc<Self>, key: BlockKey) -> bool {
+        let Some(e) = self.take_entry(&mut self.shard(&key), &key) else {
+            return false;
+        };
+        self.retire_entry(e, true);
         true
     }
 
     fn clear(self: &Arc<Self>) -> Result<(), StoreError> {
+        // Bump the NVMe epoch first: every header written before it is dead from here on,
+        // including copies still in flight.
+        if let Some(n) = &self.nvme {
+            n.tier.clear_all()?;
+        }
         for shard in self.shards.iter() {
-            let entries: Vec<Entry> = lock(shard).drain().map(|(_, e)| e).collect();
+            let entries: Vec<Entry> = {
+                let mut g = lock(shard);
+                let keys: Vec<BlockKey> = g.keys().copied().collect();
+                keys.iter()
+                    .filter_map(|k| self.take_entry(&mut g, k))
+                    .collect()
+            };
             for e in entries {
-                if e.dram != NONE {
-                    self.retire(TierKind::Dram, e.dram, false);
+                self.retire_entry(e, false);
+            }
+        }
+        Ok(())
+    }
+
+    fn check_consistency(&self) -> Result<(), String> {
+        let mut refs: HashMap<(TierKind, u32), BlockKey> = HashMap::new();
+        for shard in self.shards.iter() {
+            for (k, e) in lock(shard).iter() {
+                if e.is_empty() {
+                    return Err(format!("{k}: an index entry with no location"));
                 }
-                if e.nvme != NONE {
-                    self.retire(TierKind::Nvme, e.nvme, false);
+                for (t, s) in [(TierKind::Dram, e.dram), (TierKind::Nvme, e.nvme)] {
+                    if s != NONE
+                        && let Some(other) = refs.insert((t, s), *k)
+                    {
+                        return Err(format!("{t} slot {s} referenced by {k} and {other}"));
+                    }
                 }
             }
         }
+        let check = |t: TierKind, state: &Mutex<TierState>, pins: &[AtomicU32]| {
+            let st = lock(state);
+            let mut free = vec![false; pins.len()];
+            for &s in &st.free {
+                if std::mem::replace(&mut free[s as usize], true) {
+                    return Err(format!("{t} slot {s} is on the free list twice"));
+                }
+                if refs.contains_key(&(t, s)) {
+                    return Err(format!("{t} slot {s} is free and referenced"));
+                }
+            }
+            for (s, p) in pins.iter().enumerate() {
+                let p = p.load(Ordering::Acquire);
+                if p != 0 {
+                    return Err(format!("{t} slot {s} has pin word {p:#x} while quiescent"));
+                }
+                if !free[s] && !refs.contains_key(&(t, s as u32)) {
+                    return Err(format!("{t} slot {s} leaked: neither free nor referenced"));
+                }
+            }
+            Ok(())
+        };
+        check(TierKind::Dram, &self.dram.state, &self.dram.pins)?;
         if let Some(n) = &self.nvme {
-            n.tier.clear_all()?;
+            check(TierKind::Nvme, &n.state, &n.pins)?;
         }
         Ok(())
     }

@@ -141,6 +141,7 @@ fn run(ops: Vec<Op>, (demotion, eviction, nvme): (DemotionPolicy, EvictionKind, 
     for (id, _) in leases.values() {
         s.release(*id);
     }
+    s.check_consistency().unwrap();
     let st = s.stats();
     for t in &st.tiers {
         assert_eq!(t.pins_outstanding, 0, "leaked pins: {st:?}");

@@ -70,11 +70,16 @@ pub struct ChainAware {
     version: Box<[u32]>,
     seq: u64,
     heaps: [BinaryHeap<HeapEntry>; CLASSES],
+    /// Recently evicted keys: key -> (turn, entry sequence). The order queue may hold stale
+    /// entries (a key removed and added again); a pop removes the map entry only if the
+    /// sequence matches.
     ghost: HashMap<BlockKey, (u8, u64)>,
-    ghost_order: VecDeque<BlockKey>,
+    ghost_order: VecDeque<(BlockKey, u64)>,
     ghost_cap: usize,
-    pending: HashMap<BlockKey, u8>,
-    pending_order: VecDeque<BlockKey>,
+    /// Request turns waiting for the first block a request will put: key -> (turn, seq).
+    pending: HashMap<BlockKey, (u8, u64)>,
+    pending_order: VecDeque<(BlockKey, u64)>,
+    entry_seq: u64,
     scratch: Vec<(usize, HeapEntry)>,
 }
 
@@ -110,6 +115,7 @@ impl ChainAware {
             ghost_cap,
             pending: HashMap::with_capacity(PENDING_TURNS + 1),
             pending_order: VecDeque::with_capacity(PENDING_TURNS + 1),
+            entry_seq: 0,
             scratch: Vec::with_capacity(MAX_VICTIM_SCAN + CLASSES),
         }
     }
@@ -157,14 +163,14 @@ impl ChainAware {
     }
 
     fn remember_pending(&mut self, key: BlockKey, turn: u8) {
-        if self.pending.insert(key, turn).is_none() {
-            self.pending_order.push_back(key);
-            if self.pending_order.len() > PENDING_TURNS
-                && let Some(old) = self.pending_order.pop_front()
-            {
-                self.pending.remove(&old);
-            }
-        }
+        self.entry_seq += 1;
+        bounded_insert(
+            &mut self.pending,
+            &mut self.pending_order,
+            PENDING_TURNS,
+            key,
+            (turn, self.entry_seq),
+        );
     }
 
     fn bump(t: u8) -> u8 {
@@ -219,7 +225,7 @@ impl EvictionPolicy for ChainAware {
             .parent
             .filter(|&p| p != slot && self.tracked[p as usize]);
         let req_turn = match self.pending.remove(&key) {
-            Some(t) => t,
+            Some((t, _)) => t,
             None => parent.map_or(0, |p| self.req_turn[p as usize]),
         };
         let turn = match self.ghost.remove(&key) {
@@ -267,19 +273,14 @@ impl EvictionPolicy for ChainAware {
             let age = now_ms.saturating_sub(self.last[s]) as f64;
             self.r0_ms += R0_ALPHA * (age - self.r0_ms);
         }
-        let key = self.keys[s];
-        if self
-            .ghost
-            .insert(key, (self.turn[s], self.last[s]))
-            .is_none()
-        {
-            self.ghost_order.push_back(key);
-            if self.ghost_order.len() > self.ghost_cap
-                && let Some(old) = self.ghost_order.pop_front()
-            {
-                self.ghost.remove(&old);
-            }
-        }
+        self.entry_seq += 1;
+        bounded_insert(
+            &mut self.ghost,
+            &mut self.ghost_order,
+            self.ghost_cap,
+            self.keys[s],
+            (self.turn[s], self.entry_seq),
+        );
         self.tracked[s] = false;
         self.refile(slot);
         let p = self.parent[s];
@@ -328,9 +329,43 @@ impl EvictionPolicy for ChainAware {
     }
 }
 
+/// Inserts into a map bounded by a FIFO of (key, seq); the oldest live entries go first.
+fn bounded_insert(
+    map: &mut HashMap<BlockKey, (u8, u64)>,
+    order: &mut VecDeque<(BlockKey, u64)>,
+    cap: usize,
+    key: BlockKey,
+    value: (u8, u64),
+) {
+    map.insert(key, value);
+    order.push_back((key, value.1));
+    while order.len() > cap {
+        let Some((old, seq)) = order.pop_front() else {
+            break;
+        };
+        if map.get(&old).is_some_and(|&(_, s)| s == seq) {
+            map.remove(&old);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bounded_maps_keep_re_added_keys() {
+        let (mut map, mut order) = (HashMap::new(), VecDeque::new());
+        let k = |i| BlockKey::from_u128(i);
+        bounded_insert(&mut map, &mut order, 2, k(1), (0, 1));
+        map.remove(&k(1));
+        bounded_insert(&mut map, &mut order, 2, k(2), (0, 2));
+        bounded_insert(&mut map, &mut order, 2, k(1), (5, 3));
+        // The stale (1, seq 1) entry is popped without removing the re-added key.
+        assert_eq!(map.get(&k(1)), Some(&(5, 3)));
+        assert_eq!(map.len(), 2);
+        assert!(order.len() <= 2);
+    }
 
     fn k(i: u64) -> BlockKey {
         BlockKey::from_u128(u128::from(i) + 1)

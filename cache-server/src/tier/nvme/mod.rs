@@ -383,7 +383,8 @@ impl NvmeTier {
                 report.duplicates_erased += 1;
             }
         }
-        self.generation.store(max_gen + 1, Ordering::Relaxed);
+        self.generation
+            .store(max_gen.saturating_add(1), Ordering::Relaxed);
         let mut found: Vec<RecoveredSlot> = best.into_values().map(|(_, r)| r).collect();
         found.sort_by_key(|r| r.slot);
         report.recovered = found.len();
@@ -570,7 +571,7 @@ impl Tier for NvmeTier {
     fn clear_all(&self) -> Result<(), TierError> {
         let mut m = self.manifest.lock().unwrap_or_else(|p| p.into_inner());
         let mut next = m.clone();
-        next.epoch += 1;
+        next.epoch = next.epoch.saturating_add(1);
         write_manifest(&self.dir, &next)?;
         *m = next;
         self.epoch.store(m.epoch, Ordering::Release);
