@@ -21,8 +21,11 @@ pub struct StoreConfig {
     pub dram_prefault: bool,
     /// NVMe tier, if any. Default: none.
     pub nvme: Option<NvmeSettings>,
-    /// Default: [`EvictionKind::ChainAware`].
+    /// DRAM tier eviction. Default: [`EvictionKind::ChainAware`].
     pub eviction: EvictionKind,
+    /// NVMe tier eviction. Default: [`EvictionKind::LeafLru`] (about 25 bytes a slot; at
+    /// NVMe capacities the default policy's protection is off and it behaves the same).
+    pub nvme_eviction: EvictionKind,
     /// Default: write-through.
     pub demotion: DemotionPolicy,
     /// Default: promote on hit.
@@ -72,6 +75,7 @@ impl StoreConfig {
             dram_prefault: true,
             nvme: None,
             eviction: EvictionKind::default(),
+            nvme_eviction: EvictionKind::LeafLru,
             demotion: DemotionPolicy::default(),
             promotion: PromotionPolicy::default(),
             admission: AdmissionPolicy::default(),

@@ -51,6 +51,8 @@ pub struct TierStats {
     pub slot_bytes: u64,
     /// Slots held by a reader, a lease or an in-flight copy.
     pub pins_outstanding: u64,
+    /// Memory the store keeps per slot of this tier (excluding the index), in bytes.
+    pub metadata_bytes_per_slot: u64,
 }
 
 impl TierStats {
@@ -93,6 +95,9 @@ pub struct StoreStats {
     pub leases_outstanding: u64,
     /// Background jobs queued or running.
     pub io_backlog: u64,
+    /// Store memory per block of capacity, all tiers and the index together, in bytes
+    /// (allocated up front, so this is also the figure for a full store).
+    pub metadata_bytes_per_block: u64,
 }
 
 impl StoreStats {

@@ -213,13 +213,13 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn slots_for<T: Tier>(tier: T, config: &StoreConfig) -> Slots<T> {
+fn slots_for<T: Tier>(tier: T, eviction: crate::policy::EvictionKind) -> Slots<T> {
     let n = tier.slot_count();
     Slots {
         state: Mutex::new(TierState {
             free: (0..n).rev().collect(),
             keys: vec![BlockKey::default(); n as usize].into(),
-            policy: config.eviction.build(n),
+            policy: eviction.build(n),
         }),
         pins: (0..n).map(|_| AtomicU32::new(0)).collect(),
         counters: TierCounters::default(),
@@ -301,8 +301,8 @@ impl TieredStore {
                 .map(|_| Mutex::new(Shard::with_capacity_and_hasher(per_shard, hashing.clone())))
                 .collect(),
             hashing,
-            dram: slots_for(dram, &config),
-            nvme: nvme.map(|t| slots_for(t, &config)),
+            dram: slots_for(dram, config.eviction),
+            nvme: nvme.map(|t| slots_for(t, config.nvme_eviction)),
             pool,
             bounce: BufferPool::new(slot_bytes, config.io_threads),
             leases: Mutex::new(HashMap::new()),
@@ -1345,7 +1345,19 @@ impl Inner {
         if let Some(n) = &self.nvme {
             tiers.push(tier_stats(TierKind::Nvme, n));
         }
+        let entry_bytes = std::mem::size_of::<(BlockKey, Entry)>() + 1;
+        let index_bytes: usize = self
+            .shards
+            .iter()
+            .map(|s| lock(s).capacity() * entry_bytes)
+            .sum();
+        let slots: u64 = tiers.iter().map(|t| t.capacity_slots).sum();
+        let tier_bytes: u64 = tiers
+            .iter()
+            .map(|t| t.capacity_slots * t.metadata_bytes_per_slot)
+            .sum();
         StoreStats {
+            metadata_bytes_per_block: (tier_bytes + index_bytes as u64) / slots.max(1),
             tiers,
             blocks: self.shards.iter().map(|s| lock(s).len() as u64).sum(),
             leases_outstanding: lock(&self.leases).len() as u64,
@@ -1358,7 +1370,16 @@ fn tier_stats<T: Tier>(kind: TierKind, slots: &Slots<T>) -> TierStats {
     let mut s = TierStats::from_counters(kind, &slots.counters);
     s.capacity_slots = u64::from(slots.tier.slot_count());
     s.slot_bytes = slots.tier.slot_bytes() as u64;
-    s.used_slots = s.capacity_slots - lock(&slots.state).free.len() as u64;
+    let st = lock(&slots.state);
+    s.used_slots = s.capacity_slots.saturating_sub(st.free.len() as u64);
+    // Slot key, pin word and free-list entry, the policy's arrays, and the tier's own
+    // per-slot table (key/length/lock for memory tiers, a lock for NVMe).
+    let tier_table = match kind {
+        TierKind::Nvme => 4,
+        _ => 32,
+    };
+    s.metadata_bytes_per_slot = (16 + 4 + 4 + st.policy.bytes_per_slot() + tier_table) as u64;
+    drop(st);
     s.pins_outstanding = slots
         .pins
         .iter()

@@ -278,3 +278,19 @@ fn random_disk_damage_is_never_served() {
         assert!(!s.contains(&key(500)));
     }
 }
+
+#[test]
+fn metadata_per_block_fits_the_budget_on_a_large_nvme_tier() {
+    // TARGETS.md: index memory per cached block <= 128 bytes (a 10 TB NVMe tier of 2 MiB
+    // blocks is 5 M blocks). A store dominated by its NVMe tier must stay under it.
+    let dir = tempfile::tempdir().unwrap();
+    let (s, _) = TieredStore::open(config(64, Some((dir.path(), 20_000)))).unwrap();
+    let st = s.stats();
+    eprintln!(
+        "metadata bytes per block: {} (dram {} per slot, nvme {} per slot)",
+        st.metadata_bytes_per_block,
+        st.tier(TierKind::Dram).unwrap().metadata_bytes_per_slot,
+        st.tier(TierKind::Nvme).unwrap().metadata_bytes_per_slot
+    );
+    assert!(st.metadata_bytes_per_block <= 128, "{st:?}");
+}

@@ -327,6 +327,15 @@ impl EvictionPolicy for ChainAware {
         }
         best.map(|(_, _, slot)| slot)
     }
+
+    fn bytes_per_slot(&self) -> usize {
+        let arrays = 1 + 16 + 8 + 4 + 1 + 1 + 1 + 4 + 4 + 4 + 4 + 1 + 4;
+        let heaps: usize = self.heaps.iter().map(|h| h.capacity()).sum::<usize>()
+            * std::mem::size_of::<HeapEntry>();
+        let ghost = self.ghost.capacity() * (16 + 16 + 1) + self.ghost_order.capacity() * 24;
+        let pending = self.pending.capacity() * (16 + 16 + 1) + self.pending_order.capacity() * 24;
+        arrays + (heaps + ghost + pending) / self.tracked.len().max(1)
+    }
 }
 
 /// Inserts into a map bounded by a FIFO of (key, seq); the oldest live entries go first.

@@ -42,6 +42,8 @@ pub trait EvictionPolicy: Send {
     /// A slot to evict among those `evictable` accepts, or `None` when none is found within
     /// the policy's scan bound.
     fn victim(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32>;
+    /// Memory the policy keeps per slot, in bytes (allocated up front), for capacity planning.
+    fn bytes_per_slot(&self) -> usize;
 }
 
 /// Which eviction policy a tier runs.
@@ -49,6 +51,8 @@ pub trait EvictionPolicy: Send {
 pub enum EvictionKind {
     /// Plain least-recently-used (the baseline).
     Lru,
+    /// LRU that evicts only leaves (chain ends); small, for very large tiers.
+    LeafLru,
     /// The default: leaf-first with conversation-turn protection; see [`ChainAware`].
     #[default]
     ChainAware,
@@ -58,6 +62,7 @@ impl EvictionKind {
     pub fn build(self, slots: u32) -> Box<dyn EvictionPolicy> {
         match self {
             EvictionKind::Lru => Box::new(Lru::new(slots)),
+            EvictionKind::LeafLru => Box::new(LeafLru::new(slots)),
             EvictionKind::ChainAware => Box::new(ChainAware::new(slots)),
         }
     }
@@ -65,14 +70,19 @@ impl EvictionKind {
     pub fn name(self) -> &'static str {
         match self {
             EvictionKind::Lru => "lru",
+            EvictionKind::LeafLru => "leaf-lru",
             EvictionKind::ChainAware => "chain-aware",
         }
     }
 
     pub fn parse(s: &str) -> Option<Self> {
-        [EvictionKind::Lru, EvictionKind::ChainAware]
-            .into_iter()
-            .find(|k| k.name() == s)
+        [
+            EvictionKind::Lru,
+            EvictionKind::LeafLru,
+            EvictionKind::ChainAware,
+        ]
+        .into_iter()
+        .find(|k| k.name() == s)
     }
 }
 
@@ -195,11 +205,17 @@ impl EvictionPolicy for Lru {
             .oldest(0, MAX_VICTIM_SCAN)
             .find(|&s| evictable(s))
     }
+
+    fn bytes_per_slot(&self) -> usize {
+        4 + 4 + 1
+    }
 }
 
 pub use chain::{ChainAware, DEFAULT_HORIZON_MS};
+pub use leaf_lru::LeafLru;
 
 mod chain;
+mod leaf_lru;
 
 #[cfg(test)]
 mod tests {
