@@ -458,8 +458,8 @@ fn bench_size(
     // one buffer pair over and over would measure the CPU cache, not memory.
     let region_blocks = (u64::from(slots) / dt as u64).max(1);
     let region_setup = |t: usize, seed: u64| -> Result<(AlignedBuf, AlignedBuf)> {
-        let region = AlignedBuf::random(bs * region_blocks as usize, seed + t as u64);
-        Ok((region, AlignedBuf::random(bs, seed + 50 + t as u64)))
+        let region = util::random_buf(bs * region_blocks as usize, seed + t as u64);
+        Ok((region, util::random_buf(bs, seed + 50 + t as u64)))
     };
     progress(format_args!("{}: memcpy get/put x{dt}", Bytes(block)));
     let memcpy_get = phase(
@@ -489,7 +489,7 @@ fn bench_size(
     // pay the arena's first-touch page faults (a long-running server has paid them).
     let prefill = u64::from(slots);
     {
-        let src = AlignedBuf::random(bs, 200);
+        let src = util::random_buf(bs, 200);
         for i in 0..prefill {
             match store.put(BlockKey::from_u128(u128::from(i) + 1), None, &src)? {
                 PutOutcome::Stored(_) => {}
@@ -517,7 +517,7 @@ fn bench_size(
     let put = phase(
         dt,
         budget,
-        |t| Ok(AlignedBuf::random(bs, 100 + t as u64)),
+        |t| Ok(util::random_buf(bs, 100 + t as u64)),
         |src, t, i| {
             let key = BlockKey::from_u128((1u128 << 100) | ((t as u128) << 64) | u128::from(i));
             match store.put(key, None, src)? {
@@ -581,7 +581,7 @@ fn bench_size(
             .with_context(|| format!("pwrite at {off} in {}", raw_path.display()))?;
         Ok(true)
     };
-    let src = |t: usize| Ok(AlignedBuf::random(bs, 300 + t as u64));
+    let src = |t: usize| Ok(util::random_buf(bs, 300 + t as u64));
     progress(format_args!("{}: filling the reference file", Bytes(block)));
     phase(nt, &Budget::Fixed(per), src, raw_write)?;
     progress(format_args!("{}: pwrite x{nt}", Bytes(block)));

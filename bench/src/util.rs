@@ -1,13 +1,10 @@
 //! Helpers shared by the benchmarks: size parsing and printing, aligned buffers, a seeded
 //! PRNG, a timed loop, and facts about the machine and the benchmark directory.
 
-use std::alloc::{self, Layout};
 use std::ffi::CString;
 use std::fmt;
-use std::ops::{Deref, DerefMut};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
-use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -81,64 +78,18 @@ impl fmt::Display for Bytes {
     }
 }
 
-/// A zeroed heap buffer aligned to [`ALIGN`], as O_DIRECT wants.
-pub struct AlignedBuf {
-    ptr: NonNull<u8>,
-    layout: Layout,
-}
+/// A zeroed heap buffer aligned to [`ALIGN`] (the store's own, as O_DIRECT wants).
+pub use kvtier_server::tier::nvme::file::AlignedBuf;
 
-// SAFETY: the buffer is uniquely owned heap memory with no interior mutability; moving it to
-// another thread or sharing `&AlignedBuf` (read-only access) is as safe as for `Vec<u8>`.
-unsafe impl Send for AlignedBuf {}
-// SAFETY: see `Send`; `&AlignedBuf` only hands out `&[u8]`.
-unsafe impl Sync for AlignedBuf {}
-
-impl AlignedBuf {
-    /// `len` bytes (at least 1) aligned to 4,096.
-    pub fn new(len: usize) -> Self {
-        let layout = Layout::from_size_align(len.max(1), ALIGN)
-            .expect("a buffer size below isize::MAX rounded to 4096 is a valid layout");
-        // SAFETY: `layout` has a non-zero size.
-        let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let Some(ptr) = NonNull::new(raw) else {
-            alloc::handle_alloc_error(layout)
-        };
-        Self { ptr, layout }
+/// An aligned buffer of `len` bytes (rounded up to 4 KiB) of pseudo-random bytes from `seed`.
+pub fn random_buf(len: usize, seed: u64) -> AlignedBuf {
+    let mut b = AlignedBuf::new(len);
+    let mut rng = SplitMix64::new(seed);
+    for chunk in b.chunks_mut(8) {
+        let v = rng.next_u64().to_le_bytes();
+        chunk.copy_from_slice(&v[..chunk.len()]);
     }
-
-    /// A buffer filled with pseudo-random bytes from `seed`.
-    pub fn random(len: usize, seed: u64) -> Self {
-        let mut b = Self::new(len);
-        let mut rng = SplitMix64::new(seed);
-        for chunk in b.chunks_mut(8) {
-            let v = rng.next_u64().to_le_bytes();
-            chunk.copy_from_slice(&v[..chunk.len()]);
-        }
-        b
-    }
-}
-
-impl Deref for AlignedBuf {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        // SAFETY: `ptr` points to `layout.size()` initialized (zeroed at allocation) bytes
-        // owned by `self`, borrowed immutably for the returned lifetime.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
-    }
-}
-
-impl DerefMut for AlignedBuf {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `deref`, and `&mut self` guarantees exclusive access.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` was returned by `alloc_zeroed` with this same `layout`, once.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
-    }
+    b
 }
 
 /// SplitMix64: a tiny, seeded, reproducible PRNG (not for secrets).
@@ -338,7 +289,7 @@ mod tests {
 
     #[test]
     fn aligned_buffers_are_aligned() {
-        let b = AlignedBuf::random(65536, 7);
+        let b = random_buf(65536, 7);
         assert_eq!(b.as_ptr() as usize % ALIGN, 0);
         assert_eq!(b.len(), 65536);
         assert!(b.iter().any(|&x| x != 0));
