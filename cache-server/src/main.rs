@@ -208,6 +208,10 @@ fn print_lookup(what: &str, tiers: &[TierKind], total: usize) {
 
 fn print_stats(s: &StoreStats) {
     println!(
+        "  store memory for index and policies: {} bytes per block of capacity",
+        s.metadata_bytes_per_block
+    );
+    println!(
         "  tier  used/slots   hits  misses  evictions  demotions  promotions  refused  corrupt"
     );
     for t in &s.tiers {
