@@ -44,7 +44,7 @@ const CLASS_MULTIPLIER: [u64; CLASSES] = [0, 1, 2];
 /// A tip may have this many cached children and still count as a conversation's tip.
 const MAX_TIP_CHILDREN: u32 = 1;
 /// Pending request turns remembered for the first block a request will put.
-const PENDING_TURNS: usize = 4096;
+const MAX_PENDING_TURNS: usize = 4096;
 const NOT_LEAF: u8 = u8::MAX;
 
 /// (last access, MAX - depth, refile sequence, slot, version): oldest first, deepest first
@@ -79,6 +79,8 @@ pub struct ChainAware {
     /// Request turns waiting for the first block a request will put: key -> (turn, seq).
     pending: HashMap<BlockKey, (u8, u64)>,
     pending_order: VecDeque<(BlockKey, u64)>,
+    /// One per request in flight at most; no more than the tier has slots.
+    pending_cap: usize,
     entry_seq: u64,
     scratch: Vec<(usize, HeapEntry)>,
 }
@@ -92,6 +94,7 @@ impl ChainAware {
         let n = slots as usize;
         let heap = || BinaryHeap::with_capacity(2 * n + 64);
         let ghost_cap = 2 * n;
+        let pending_cap = n.clamp(16, MAX_PENDING_TURNS);
         Self {
             horizon_ms,
             r0_ms: 0.0,
@@ -113,8 +116,9 @@ impl ChainAware {
             ghost: HashMap::with_capacity(ghost_cap + 1),
             ghost_order: VecDeque::with_capacity(ghost_cap + 1),
             ghost_cap,
-            pending: HashMap::with_capacity(PENDING_TURNS + 1),
-            pending_order: VecDeque::with_capacity(PENDING_TURNS + 1),
+            pending: HashMap::with_capacity(pending_cap + 1),
+            pending_order: VecDeque::with_capacity(pending_cap + 1),
+            pending_cap,
             entry_seq: 0,
             scratch: Vec::with_capacity(MAX_VICTIM_SCAN + CLASSES),
         }
@@ -167,7 +171,7 @@ impl ChainAware {
         bounded_insert(
             &mut self.pending,
             &mut self.pending_order,
-            PENDING_TURNS,
+            self.pending_cap,
             key,
             (turn, self.entry_seq),
         );
