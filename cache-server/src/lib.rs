@@ -8,6 +8,7 @@ pub mod clock;
 pub mod config;
 mod error;
 pub mod io_pool;
+mod keyhash;
 pub mod policy;
 pub mod replay;
 pub mod stats;

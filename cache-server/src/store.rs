@@ -12,7 +12,6 @@
 //! the last unpin).
 
 use std::collections::HashMap;
-use std::hash::Hasher;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -22,6 +21,7 @@ use kvtier_core::BlockKey;
 use crate::config::StoreConfig;
 use crate::error::StoreError;
 use crate::io_pool::IoPool;
+use crate::keyhash::KeyHashing;
 use crate::policy::admission::RejectReason;
 use crate::policy::{Admission, EvictionPolicy, InsertContext, LookupContext, PromotionPolicy};
 use crate::stats::{StoreStats, TierCounters, TierStats};
@@ -123,54 +123,6 @@ impl Entry {
     fn is_empty(&self) -> bool {
         self.dram == NONE && self.nvme == NONE
     }
-}
-
-/// Keys are opaque 16-byte values from outside (an engine's own hashes, or worse, sequential
-/// ids), so the index hashes them again with a per-process random seed: no client can aim
-/// keys at one bucket or one shard.
-#[derive(Clone)]
-struct KeyHashing {
-    seed: u64,
-}
-
-impl KeyHashing {
-    fn new() -> Self {
-        use std::hash::BuildHasher;
-        // RandomState is seeded from the OS once per process.
-        Self {
-            seed: std::collections::hash_map::RandomState::new().hash_one(0x6b76_7469_6572u64),
-        }
-    }
-
-    fn hash(&self, key: &BlockKey) -> u64 {
-        xxhash_rust::xxh3::xxh3_64_with_seed(key.as_bytes(), self.seed)
-    }
-}
-
-impl std::hash::BuildHasher for KeyHashing {
-    type Hasher = KeyHasher;
-    fn build_hasher(&self) -> KeyHasher {
-        KeyHasher {
-            seed: self.seed,
-            value: 0,
-        }
-    }
-}
-
-/// Hashes the key's 16 bytes (the only write a `BlockKey` makes) with seeded XXH3.
-struct KeyHasher {
-    seed: u64,
-    value: u64,
-}
-
-impl Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.value
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        self.value = xxhash_rust::xxh3::xxh3_64_with_seed(bytes, self.seed ^ self.value);
-    }
-    fn write_usize(&mut self, _: usize) {}
 }
 
 type Shard = HashMap<BlockKey, Entry, KeyHashing>;

@@ -29,6 +29,8 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 
 use kvtier_core::BlockKey;
 
+use crate::keyhash::KeyHashing;
+
 use super::{EvictionPolicy, InsertContext, LookupContext, MAX_VICTIM_SCAN, NIL};
 
 /// How long protected conversations are kept beyond first turns, at most. Default: 400 s (a
@@ -73,11 +75,11 @@ pub struct ChainAware {
     /// Recently evicted keys: key -> (turn, entry sequence). The order queue may hold stale
     /// entries (a key removed and added again); a pop removes the map entry only if the
     /// sequence matches.
-    ghost: HashMap<BlockKey, (u8, u64)>,
+    ghost: HashMap<BlockKey, (u8, u64), KeyHashing>,
     ghost_order: VecDeque<(BlockKey, u64)>,
     ghost_cap: usize,
     /// Request turns waiting for the first block a request will put: key -> (turn, seq).
-    pending: HashMap<BlockKey, (u8, u64)>,
+    pending: HashMap<BlockKey, (u8, u64), KeyHashing>,
     pending_order: VecDeque<(BlockKey, u64)>,
     /// One per request in flight at most; no more than the tier has slots.
     pending_cap: usize,
@@ -113,10 +115,10 @@ impl ChainAware {
             version: vec![0; n].into(),
             seq: 0,
             heaps: [heap(), heap(), heap()],
-            ghost: HashMap::with_capacity(ghost_cap + 1),
+            ghost: HashMap::with_capacity_and_hasher(ghost_cap + 1, KeyHashing::new()),
             ghost_order: VecDeque::with_capacity(ghost_cap + 1),
             ghost_cap,
-            pending: HashMap::with_capacity(pending_cap + 1),
+            pending: HashMap::with_capacity_and_hasher(pending_cap + 1, KeyHashing::new()),
             pending_order: VecDeque::with_capacity(pending_cap + 1),
             pending_cap,
             entry_seq: 0,
@@ -343,8 +345,8 @@ impl EvictionPolicy for ChainAware {
 }
 
 /// Inserts into a map bounded by a FIFO of (key, seq); the oldest live entries go first.
-fn bounded_insert(
-    map: &mut HashMap<BlockKey, (u8, u64)>,
+fn bounded_insert<S: std::hash::BuildHasher>(
+    map: &mut HashMap<BlockKey, (u8, u64), S>,
     order: &mut VecDeque<(BlockKey, u64)>,
     cap: usize,
     key: BlockKey,
