@@ -49,9 +49,15 @@ const MAX_TIP_CHILDREN: u32 = 1;
 const MAX_PENDING_TURNS: usize = 4096;
 const NOT_LEAF: u8 = u8::MAX;
 
-/// (last access, MAX - depth, refile sequence, slot, version): oldest first, deepest first
+/// (last access << 20 | inverted depth, filing sequence, slot): oldest first, deepest first
 /// among equals, then in the order they were filed.
-type HeapEntry = Reverse<(u64, u32, u64, u32, u32)>;
+type HeapEntry = Reverse<(u64, u32, u32)>;
+const DEPTH_BITS: u32 = 20;
+const DEPTH_MASK: u64 = (1 << DEPTH_BITS) - 1;
+
+fn order_key(last_ms: u64, depth: u32) -> u64 {
+    (last_ms << DEPTH_BITS) | (DEPTH_MASK - u64::from(depth).min(DEPTH_MASK))
+}
 
 /// See the module documentation.
 pub struct ChainAware {
@@ -69,8 +75,9 @@ pub struct ChainAware {
     insert_gen: Box<[u32]>,
     children: Box<[u32]>,
     class: Box<[u8]>,
-    version: Box<[u32]>,
-    seq: u64,
+    /// The filing sequence of each slot's live heap entry (older entries are stale).
+    filed: Box<[u32]>,
+    seq: u32,
     heaps: [BinaryHeap<HeapEntry>; CLASSES],
     /// Recently evicted keys: key -> (turn, entry sequence). The order queue may hold stale
     /// entries (a key removed and added again); a pop removes the map entry only if the
@@ -112,7 +119,7 @@ impl ChainAware {
             insert_gen: vec![0; n].into(),
             children: vec![0; n].into(),
             class: vec![NOT_LEAF; n].into(),
-            version: vec![0; n].into(),
+            filed: vec![0; n].into(),
             seq: 0,
             heaps: [heap(), heap(), heap()],
             ghost: HashMap::with_capacity_and_hasher(ghost_cap + 1, KeyHashing::new()),
@@ -138,7 +145,6 @@ impl ChainAware {
     /// (Re)files `slot` in its class heap if it is a leaf, else takes it out of every heap.
     fn refile(&mut self, slot: u32) {
         let s = slot as usize;
-        self.version[s] = self.version[s].wrapping_add(1);
         if self.children[s] > 0 || !self.tracked[s] {
             self.class[s] = NOT_LEAF;
             return;
@@ -148,24 +154,23 @@ impl ChainAware {
         let heap = &mut self.heaps[c as usize];
         if heap.len() >= heap.capacity() {
             // Stale entries pile up under touches; drop them in place (no allocation).
-            let (class, version) = (&self.class, &self.version);
-            heap.retain(|Reverse((_, _, _, sl, v))| {
-                class[*sl as usize] == c && version[*sl as usize] == *v
+            let (class, filed) = (&self.class, &self.filed);
+            heap.retain(|Reverse((_, seq, sl))| {
+                class[*sl as usize] == c && filed[*sl as usize] == *seq
             });
         }
-        self.seq += 1;
+        self.seq = self.seq.wrapping_add(1);
+        self.filed[s] = self.seq;
         heap.push(Reverse((
-            self.last[s],
-            u32::MAX - self.depth[s],
+            order_key(self.last[s], self.depth[s]),
             self.seq,
             slot,
-            self.version[s],
         )));
     }
 
     fn valid(&self, c: usize, e: &HeapEntry) -> bool {
-        let Reverse((_, _, _, slot, v)) = *e;
-        self.class[slot as usize] as usize == c && self.version[slot as usize] == v
+        let Reverse((_, seq, slot)) = *e;
+        self.class[slot as usize] as usize == c && self.filed[slot as usize] == seq
     }
 
     fn remember_pending(&mut self, key: BlockKey, turn: u8) {
@@ -311,7 +316,8 @@ impl EvictionPolicy for ChainAware {
                     self.heaps[c].pop();
                     continue;
                 }
-                let Reverse((last, _, _, slot, _)) = top;
+                let Reverse((order, _, slot)) = top;
+                let last = order >> DEPTH_BITS;
                 if !evictable(slot) {
                     scanned += 1;
                     if scanned > MAX_VICTIM_SCAN {
