@@ -2,11 +2,13 @@
 //!
 //! * `hash`: the chained prefix hasher (keys/s) for both hash schemes.
 //! * `tiers`: the DRAM tier against memcpy and the NVMe tier against plain O_DIRECT I/O.
+//! * `lookup`: in-process longest-prefix lookup through the store's index.
 //! * `policy`: eviction policies on block-hash traces against LRU and the offline optimum.
 //!
 //! Tables go to stdout (or one JSON document with `--json`); progress goes to stderr.
 
 mod hash;
+mod lookup;
 mod policy;
 mod tiers;
 mod util;
@@ -31,6 +33,8 @@ enum Command {
     Hash(hash::HashArgs),
     /// DRAM and NVMe tier throughput against memcpy and O_DIRECT pread/pwrite.
     Tiers(tiers::TiersArgs),
+    /// In-process longest-prefix lookup of a long prompt (keys/s, latency).
+    Lookup(lookup::LookupArgs),
     /// Eviction hit rates on block-hash traces against LRU and the offline optimum.
     Policy(policy::PolicyArgs),
 }
@@ -101,6 +105,17 @@ fn main() -> Result<()> {
         Command::Tiers(a) => {
             let r = tiers::run(a)?;
             emit(cli.json, &command_line, &machine, "tiers", r, tiers::print)
+        }
+        Command::Lookup(a) => {
+            let r = lookup::run(a)?;
+            emit(
+                cli.json,
+                &command_line,
+                &machine,
+                "lookup",
+                r,
+                lookup::print,
+            )
         }
         Command::Policy(a) => {
             let r = policy::run(a)?;
