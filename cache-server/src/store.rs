@@ -426,7 +426,10 @@ impl Inner {
         let mut dropped = 0;
         let mut st = lock(&nvme.state);
         let mut used = vec![false; nvme.tier.slot_count() as usize];
-        for r in nvme.tier.recover() {
+        let mut found = nvme.tier.recover();
+        // Oldest write first, so the policy's recency follows the order blocks were written.
+        found.sort_by_key(|r| r.generation);
+        for r in found {
             if r.len as usize != self.block_bytes {
                 dropped += 1;
                 continue;
@@ -599,7 +602,7 @@ impl Inner {
             let me = self.clone();
             if self
                 .pool
-                .try_spawn(move || me.demote(vkey, v, true))
+                .try_spawn(move || me.demote(vkey, None, v, true))
                 .is_ok()
             {
                 return Some(Evicted::WritingBack);
@@ -712,7 +715,7 @@ impl Inner {
         }
         TierCounters::add(&c.bytes_in, data.len() as u64);
         if self.nvme.is_some() && self.config.demotion.on_put() {
-            self.spawn_demotion(key, slot);
+            self.spawn_demotion(key, parent, slot);
         }
         self.unpin(TierKind::Dram, slot);
         Ok(PutOutcome::Stored(TierKind::Dram))
@@ -720,12 +723,12 @@ impl Inner {
 
     /// Copies DRAM slot `slot` (pinned by the caller, who keeps its own pin) to NVMe in the
     /// background; a full queue drops the copy and counts it.
-    fn spawn_demotion(self: &Arc<Self>, key: BlockKey, slot: u32) {
+    fn spawn_demotion(self: &Arc<Self>, key: BlockKey, parent: Option<BlockKey>, slot: u32) {
         self.dram.pins[slot as usize].fetch_add(1, Ordering::AcqRel);
         let me = self.clone();
         if self
             .pool
-            .try_spawn(move || me.demote(key, slot, false))
+            .try_spawn(move || me.demote(key, parent, slot, false))
             .is_err()
         {
             TierCounters::inc(&self.dram.counters.demotions_dropped);
@@ -736,10 +739,20 @@ impl Inner {
     /// Runs on the I/O pool. Copies DRAM slot `ds` (pinned for this job) to a new NVMe slot.
     /// With `evicting`, the DRAM copy is dropped afterwards (write-back); its slot was retired
     /// by the evictor and is freed by the final unpin.
-    fn demote(self: &Arc<Self>, key: BlockKey, ds: u32, evicting: bool) {
-        let Some(nvme) = &self.nvme else { return };
+    ///
+    /// `parent`, when known, links the copy to its parent's NVMe copy (leaf-first eviction).
+    fn demote(self: &Arc<Self>, key: BlockKey, parent: Option<BlockKey>, ds: u32, evicting: bool) {
+        let Some(nvme) = &self.nvme else {
+            // Unreachable (demotions need an NVMe tier), but never leak the caller's pin.
+            self.unpin(TierKind::Dram, ds);
+            return;
+        };
         let dc = &self.dram.counters;
-        let stored = match self.alloc(TierKind::Nvme, key, self.ctx(None), None) {
+        let parent_slot = parent.and_then(|p| {
+            let shard = self.shard(&p);
+            shard.get(&p).map(|e| e.nvme).filter(|&s| s != NONE)
+        });
+        let stored = match self.alloc(TierKind::Nvme, key, self.ctx(parent_slot), parent) {
             None => {
                 TierCounters::inc(&dc.demotions_dropped);
                 None
@@ -756,7 +769,8 @@ impl Inner {
                     Ok(Err(e)) | Err(e) => {
                         tracing::debug!(%key, "demotion failed: {e}");
                         TierCounters::inc(&nvme.counters.io_errors);
-                        self.retire(TierKind::Nvme, ns, false);
+                        // The slot may still hold an older block's valid header: erase it.
+                        self.retire(TierKind::Nvme, ns, true);
                         self.unpin(TierKind::Nvme, ns);
                         None
                     }
@@ -907,7 +921,7 @@ impl Inner {
             let r = self.dram.tier.read(SlotId(slot), key, buf);
             self.touch(t, slot);
             if r.is_ok() && self.nvme.is_some() && self.config.demotion.on_hit(hits) {
-                self.spawn_demotion(key, slot);
+                self.spawn_demotion(key, None, slot);
             }
             self.unpin(t, slot);
             return Ok(match r {
@@ -926,7 +940,7 @@ impl Inner {
             });
         }
         TierCounters::inc(&dc.misses);
-        match self.promote_pinned(key, slot, false) {
+        match self.promote_pinned(key, slot, false, None) {
             Ok(Some(ds)) => {
                 let r = self.dram.tier.read(SlotId(ds), key, buf);
                 self.unpin(TierKind::Dram, ds);
@@ -1022,11 +1036,13 @@ impl Inner {
         key: BlockKey,
         ns: u32,
         inline: bool,
+        parent: Option<(BlockKey, u32)>,
     ) -> Result<Option<u32>, MissReason> {
         if self.config.promotion == PromotionPolicy::Never {
             return Ok(None);
         }
-        let Some(ds) = self.alloc(TierKind::Dram, key, self.ctx(None), None) else {
+        let ctx = self.ctx(parent.map(|(_, s)| s));
+        let Some(ds) = self.alloc(TierKind::Dram, key, ctx, parent.map(|(k, _)| k)) else {
             return Ok(None);
         };
         let r = if inline {
@@ -1095,8 +1111,12 @@ impl Inner {
     fn pin(self: &Arc<Self>, keys: &[BlockKey], lease: Duration) -> Lease {
         let deadline = Instant::now() + lease.min(self.config.max_lease);
         let mut blocks = Vec::new();
-        let mut slots = Vec::new();
-        for &key in keys {
+        let mut slots: Vec<u32> = Vec::new();
+        for (i, &key) in keys.iter().enumerate() {
+            // The previous key's DRAM slot links a promoted block to its parent.
+            let parent = i
+                .checked_sub(1)
+                .and_then(|p| Some((keys[p], *slots.get(p)?)));
             let Some((t, slot, _)) = self.pin_location(key) else {
                 break;
             };
@@ -1106,7 +1126,7 @@ impl Inner {
                 slot
             } else {
                 TierCounters::inc(&self.dram.counters.misses);
-                match self.promote_pinned(key, slot, false) {
+                match self.promote_pinned(key, slot, false, parent) {
                     Ok(Some(ds)) => ds,
                     Ok(None) => {
                         self.unpin(TierKind::Nvme, slot);
@@ -1180,7 +1200,7 @@ impl Inner {
                 }
             };
             let me = self.clone();
-            let job = move || match me.promote_pinned(key, ns, true) {
+            let job = move || match me.promote_pinned(key, ns, true, None) {
                 Ok(Some(ds)) => me.unpin(TierKind::Dram, ds),
                 Ok(None) => me.unpin(TierKind::Nvme, ns),
                 Err(_) => {}
@@ -1243,6 +1263,11 @@ impl Inner {
             for e in entries {
                 self.retire_entry(e, false);
             }
+        }
+        // A copy that was in flight during the drain may carry the first new epoch and have
+        // been linked before its shard was drained: retire that epoch too.
+        if let Some(n) = &self.nvme {
+            n.tier.clear_all()?;
         }
         Ok(())
     }

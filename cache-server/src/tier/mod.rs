@@ -67,6 +67,8 @@ pub struct RecoveredSlot {
     pub slot: SlotId,
     pub key: BlockKey,
     pub len: u32,
+    /// Write order within the tier (higher is newer), for rebuilding recency.
+    pub generation: u64,
 }
 
 /// Errors of one tier operation. `Mismatch` and `Corrupt` are misses to the caller; only

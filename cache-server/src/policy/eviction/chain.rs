@@ -75,7 +75,9 @@ pub struct ChainAware {
     insert_gen: Box<[u32]>,
     children: Box<[u32]>,
     class: Box<[u8]>,
-    /// The filing sequence of each slot's live heap entry (older entries are stale).
+    /// The filing sequence of each slot's live heap entry (older entries are stale). It wraps
+    /// after 2^32 filings; a stale entry surviving that long uncompacted and matching again
+    /// would only make one block look older than it is (the store re-checks every victim).
     filed: Box<[u32]>,
     seq: u32,
     heaps: [BinaryHeap<HeapEntry>; CLASSES],

@@ -366,6 +366,7 @@ impl NvmeTier {
                 slot,
                 key: h.key,
                 len: h.payload_len as u32,
+                generation: h.generation,
             };
             match best.get(&h.key) {
                 Some((g, _)) if *g >= h.generation => losers.push(slot),
