@@ -427,8 +427,11 @@ impl Inner {
         let mut st = lock(&nvme.state);
         let mut used = vec![false; nvme.tier.slot_count() as usize];
         let mut found = nvme.tier.recover();
-        // Oldest write first, so the policy's recency follows the order blocks were written.
+        // Oldest write first, so the policy's recency follows the order blocks were written
+        // and a parent (written before its children) is filed before them.
         found.sort_by_key(|r| r.generation);
+        let mut slot_of: HashMap<BlockKey, u32, KeyHashing> =
+            HashMap::with_capacity_and_hasher(found.len(), self.hashing.clone());
         for r in found {
             if r.len as usize != self.block_bytes {
                 dropped += 1;
@@ -436,7 +439,9 @@ impl Inner {
             }
             used[r.slot.index()] = true;
             st.keys[r.slot.index()] = r.key;
-            st.policy.on_insert(r.slot.0, r.key, self.ctx(None));
+            let parent = r.parent.and_then(|p| slot_of.get(&p).copied());
+            st.policy.on_insert(r.slot.0, r.key, self.ctx(parent));
+            slot_of.insert(r.key, r.slot.0);
             self.shard(&r.key).insert(
                 r.key,
                 Entry {
@@ -762,7 +767,7 @@ impl Inner {
                     .dram
                     .tier
                     .read_with(SlotId(ds), key, self.block_bytes, |bytes| {
-                        nvme.tier.write(SlotId(ns), key, bytes)
+                        nvme.tier.write_linked(SlotId(ns), key, parent, bytes)
                     });
                 match r {
                     Ok(Ok(())) => Some(ns),

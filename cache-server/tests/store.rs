@@ -294,3 +294,31 @@ fn metadata_per_block_fits_the_budget_on_a_large_nvme_tier() {
     );
     assert!(st.metadata_bytes_per_block <= 128, "{st:?}");
 }
+
+#[test]
+fn chain_links_survive_a_restart_so_nvme_evicts_suffixes_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let chain: Vec<_> = (0..3).map(key).collect();
+    {
+        let (s, _) = TieredStore::open(config(4, Some((dir.path(), 8)))).unwrap();
+        for (i, k) in chain.iter().enumerate() {
+            s.put(*k, i.checked_sub(1).map(|p| chain[p]), &data(*k))
+                .unwrap();
+            s.flush();
+        }
+    }
+    let (s, r) = TieredStore::open(config(4, Some((dir.path(), 8)))).unwrap();
+    assert_eq!(r.nvme.unwrap().recovered, 3);
+    // Six more blocks overflow the eight NVMe slots by one: the victim must be the chain's
+    // tip (the oldest leaf), never its first block, although that is the oldest write.
+    for i in 100..106 {
+        s.put(key(i), None, &data(key(i))).unwrap();
+        s.flush();
+    }
+    assert_eq!(s.stats().tier(TierKind::Nvme).unwrap().evictions, 1);
+    assert_eq!(
+        s.lookup(&chain).len(),
+        2,
+        "the chain lost its prefix, not its tip"
+    );
+}

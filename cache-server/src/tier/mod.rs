@@ -69,6 +69,8 @@ pub struct RecoveredSlot {
     pub len: u32,
     /// Write order within the tier (higher is newer), for rebuilding recency.
     pub generation: u64,
+    /// The block's parent, when it was written with one.
+    pub parent: Option<BlockKey>,
 }
 
 /// Errors of one tier operation. `Mismatch` and `Corrupt` are misses to the caller; only

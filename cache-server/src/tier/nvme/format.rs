@@ -11,7 +11,10 @@ pub const FORMAT_VERSION: u32 = 1;
 /// payload stays aligned for direct I/O).
 pub const HEADER_BYTES: usize = 4096;
 /// Bytes of the header that carry fields; the rest of the sector is zero.
-pub const HEADER_USED_BYTES: usize = 80;
+pub const HEADER_USED_BYTES: usize = 96;
+/// Flag: the header names the block's parent (the previous block of its chain).
+pub const FLAG_HAS_PARENT: u32 = 1;
+const CHECKSUMMED: usize = 88;
 pub const SLOT_MAGIC: [u8; 8] = *b"KVTSLOT1";
 pub const MANIFEST_MAGIC: &str = "kvtier-nvme-manifest";
 
@@ -24,6 +27,8 @@ pub struct SlotHeader {
     pub generation: u64,
     pub epoch: u64,
     pub layout_fingerprint: u64,
+    /// The previous block of the chain, when the writer knew it (chain links survive restarts).
+    pub parent: Option<BlockKey>,
 }
 
 /// Why a header was not accepted.
@@ -34,6 +39,8 @@ pub enum HeaderError {
     BadMagic,
     BadChecksum,
     OtherVersion,
+    /// Flag bits this version does not define.
+    UnknownFlags,
 }
 
 fn u64_at(b: &[u8], off: usize) -> u64 {
@@ -49,15 +56,22 @@ impl SlotHeader {
         let b = &mut out[..HEADER_USED_BYTES];
         b[0..8].copy_from_slice(&SLOT_MAGIC);
         b[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
-        b[12..16].copy_from_slice(&0u32.to_le_bytes());
+        let flags = if self.parent.is_some() {
+            FLAG_HAS_PARENT
+        } else {
+            0
+        };
+        b[12..16].copy_from_slice(&flags.to_le_bytes());
         b[16..32].copy_from_slice(self.key.as_bytes());
         b[32..40].copy_from_slice(&self.payload_len.to_le_bytes());
         b[40..48].copy_from_slice(&self.payload_checksum.to_le_bytes());
         b[48..56].copy_from_slice(&self.generation.to_le_bytes());
         b[56..64].copy_from_slice(&self.epoch.to_le_bytes());
         b[64..72].copy_from_slice(&self.layout_fingerprint.to_le_bytes());
-        let sum = xxh3_64(&b[0..72]);
-        b[72..80].copy_from_slice(&sum.to_le_bytes());
+        let parent = self.parent.map_or([0u8; 16], |p| *p.as_bytes());
+        b[72..88].copy_from_slice(&parent);
+        let sum = xxh3_64(&b[0..CHECKSUMMED]);
+        b[88..96].copy_from_slice(&sum.to_le_bytes());
     }
 
     /// Parses a header; never panics on any input of at least [`HEADER_USED_BYTES`].
@@ -69,14 +83,20 @@ impl SlotHeader {
         if b[0..8] != SLOT_MAGIC {
             return Err(HeaderError::BadMagic);
         }
-        if xxh3_64(&b[0..72]) != u64_at(b, 72) {
+        if xxh3_64(&b[0..CHECKSUMMED]) != u64_at(b, CHECKSUMMED) {
             return Err(HeaderError::BadChecksum);
         }
         if b[8..12] != FORMAT_VERSION.to_le_bytes() {
             return Err(HeaderError::OtherVersion);
         }
+        let flags = u32::from_le_bytes([b[12], b[13], b[14], b[15]]);
+        if flags & !FLAG_HAS_PARENT != 0 {
+            return Err(HeaderError::UnknownFlags);
+        }
         let mut key = [0u8; 16];
         key.copy_from_slice(&b[16..32]);
+        let mut parent = [0u8; 16];
+        parent.copy_from_slice(&b[72..88]);
         Ok(Self {
             key: BlockKey::from_bytes(key),
             payload_len: u64_at(b, 32),
@@ -84,6 +104,7 @@ impl SlotHeader {
             generation: u64_at(b, 48),
             epoch: u64_at(b, 56),
             layout_fingerprint: u64_at(b, 64),
+            parent: (flags & FLAG_HAS_PARENT != 0).then(|| BlockKey::from_bytes(parent)),
         })
     }
 }
@@ -173,6 +194,9 @@ mod tests {
             generation: 5,
             epoch: 2,
             layout_fingerprint: 0xaabb,
+            parent: Some(BlockKey::from_u128(
+                0x1f1e_1d1c_1b1a_1918_1716_1514_1312_1110,
+            )),
         }
     }
 
@@ -181,7 +205,7 @@ mod tests {
         let mut b = [0u8; HEADER_USED_BYTES];
         header().encode(&mut b);
         assert_eq!(&b[0..8], b"KVTSLOT1");
-        assert_eq!(&b[8..16], &[1, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(&b[8..16], &[1, 0, 0, 0, 1, 0, 0, 0]);
         assert_eq!(
             &b[16..32],
             &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
@@ -197,8 +221,22 @@ mod tests {
                 5, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0xbb, 0xaa, 0, 0, 0, 0, 0, 0
             ]
         );
-        assert_eq!(u64_at(&b, 72), xxh3_64(&b[..72]));
+        assert_eq!(
+            &b[72..88],
+            &[
+                16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31
+            ]
+        );
+        assert_eq!(u64_at(&b, 88), xxh3_64(&b[..88]));
         assert_eq!(SlotHeader::decode(&b), Ok(header()));
+        // Without a parent: flag clear, parent bytes zero.
+        let mut h = header();
+        h.parent = None;
+        let mut c = [0u8; HEADER_USED_BYTES];
+        h.encode(&mut c);
+        assert_eq!(&c[12..16], &[0, 0, 0, 0]);
+        assert_eq!(&c[72..88], &[0u8; 16]);
+        assert_eq!(SlotHeader::decode(&c), Ok(h));
     }
 
     #[test]
@@ -210,7 +248,10 @@ mod tests {
             c[bit / 8] ^= 1 << (bit % 8);
             assert!(SlotHeader::decode(&c).is_err(), "bit {bit} flip accepted");
         }
-        assert_eq!(SlotHeader::decode(&[0u8; 80]), Err(HeaderError::Empty));
+        assert_eq!(
+            SlotHeader::decode(&[0u8; HEADER_USED_BYTES]),
+            Err(HeaderError::Empty)
+        );
     }
 
     #[test]

@@ -367,6 +367,7 @@ impl NvmeTier {
                 key: h.key,
                 len: h.payload_len as u32,
                 generation: h.generation,
+                parent: h.parent,
             };
             match best.get(&h.key) {
                 Some((g, _)) if *g >= h.generation => losers.push(slot),
@@ -392,8 +393,9 @@ impl NvmeTier {
         self.recovered = found;
     }
 
-    fn header_for(&self, key: BlockKey, data: &[u8]) -> SlotHeader {
+    fn header_for(&self, key: BlockKey, parent: Option<BlockKey>, data: &[u8]) -> SlotHeader {
         SlotHeader {
+            parent,
             key,
             payload_len: data.len() as u64,
             payload_checksum: payload_checksum(data),
@@ -465,6 +467,46 @@ impl NvmeTier {
         Ok(())
     }
 
+    /// [`Tier::write`], also recording the block's parent in its header so the chain link
+    /// survives a restart ([`RecoveredSlot::parent`]).
+    pub fn write_linked(
+        &self,
+        slot: SlotId,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+        data: &[u8],
+    ) -> Result<(), TierError> {
+        self.check(slot, data.len())?;
+        let _w = self.locks[slot.index()]
+            .write()
+            .ok_or(TierError::Busy { slot })?;
+        let header = self.header_for(key, parent, data);
+        let (f, off) = self.locate(slot);
+        let r = if !self.direct || is_aligned(data) {
+            let (mut hb, _) = self.headers.take();
+            header.encode(&mut hb);
+            let r = write_all_at(&*f.file, &mut [IoSlice::new(&hb), IoSlice::new(data)], off);
+            self.headers.give(hb);
+            r
+        } else {
+            let (mut bb, _) = self.bounce.take();
+            let end = HEADER_BYTES + data.len().next_multiple_of(ALIGN);
+            bb[..HEADER_BYTES].fill(0);
+            header.encode(&mut bb);
+            bb[HEADER_BYTES..HEADER_BYTES + data.len()].copy_from_slice(data);
+            bb[HEADER_BYTES + data.len()..end].fill(0);
+            let r = write_all_at(&*f.file, &mut [IoSlice::new(&bb[..end])], off);
+            self.bounce.give(bb);
+            r
+        };
+        r.map_err(|e| {
+            // Best effort: a half-written header must not look valid at the next start (the
+            // payload checksum would catch it anyway).
+            let _ = write_all_at(&*f.file, &mut [IoSlice::new(&self.zero_header)], off);
+            io_err(&f.path)(e)
+        })
+    }
+
     fn read_err(&self, slot: SlotId, path: &Path, e: io::Error) -> TierError {
         if e.kind() == io::ErrorKind::UnexpectedEof {
             TierError::Corrupt {
@@ -495,35 +537,7 @@ impl Tier for NvmeTier {
     }
 
     fn write(&self, slot: SlotId, key: BlockKey, data: &[u8]) -> Result<(), TierError> {
-        self.check(slot, data.len())?;
-        let _w = self.locks[slot.index()]
-            .write()
-            .ok_or(TierError::Busy { slot })?;
-        let header = self.header_for(key, data);
-        let (f, off) = self.locate(slot);
-        let r = if !self.direct || is_aligned(data) {
-            let (mut hb, _) = self.headers.take();
-            header.encode(&mut hb);
-            let r = write_all_at(&*f.file, &mut [IoSlice::new(&hb), IoSlice::new(data)], off);
-            self.headers.give(hb);
-            r
-        } else {
-            let (mut bb, _) = self.bounce.take();
-            let end = HEADER_BYTES + data.len().next_multiple_of(ALIGN);
-            bb[..HEADER_BYTES].fill(0);
-            header.encode(&mut bb);
-            bb[HEADER_BYTES..HEADER_BYTES + data.len()].copy_from_slice(data);
-            bb[HEADER_BYTES + data.len()..end].fill(0);
-            let r = write_all_at(&*f.file, &mut [IoSlice::new(&bb[..end])], off);
-            self.bounce.give(bb);
-            r
-        };
-        r.map_err(|e| {
-            // Best effort: a half-written header must not look valid at the next start (the
-            // payload checksum would catch it anyway).
-            let _ = write_all_at(&*f.file, &mut [IoSlice::new(&self.zero_header)], off);
-            io_err(&f.path)(e)
-        })
+        self.write_linked(slot, key, None, data)
     }
 
     fn read(&self, slot: SlotId, key: BlockKey, buf: &mut [u8]) -> Result<(), TierError> {
