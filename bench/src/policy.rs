@@ -155,16 +155,17 @@ pub fn load_mooncake(
     Ok(out)
 }
 
+/// The request's hit count: its longest prefix of ids for which `cached` holds.
+fn leading_hits(r: &TraceRequest, cached: impl Fn(&u64) -> bool) -> u64 {
+    r.block_ids.iter().take_while(|id| cached(id)).count() as u64
+}
+
 /// Hit rate with unlimited capacity: a block hits when its whole prefix was seen before.
 fn unlimited(trace: &[TraceRequest]) -> f64 {
     let mut seen = HashSet::new();
     let (mut hits, mut total) = (0u64, 0u64);
     for r in trace {
-        hits += r
-            .block_ids
-            .iter()
-            .take_while(|id| seen.contains(*id))
-            .count() as u64;
+        hits += leading_hits(r, |id| seen.contains(id));
         total += r.block_ids.len() as u64;
         seen.extend(r.block_ids.iter().take(r.blocks_to_store).copied());
     }
@@ -195,11 +196,7 @@ fn optimum(trace: &[TraceRequest], capacity: u64) -> f64 {
     let mut heap: BinaryHeap<(u64, u64)> = BinaryHeap::new();
     let (mut hits, mut total) = (0u64, 0u64);
     for (r, req) in trace.iter().enumerate() {
-        hits += req
-            .block_ids
-            .iter()
-            .take_while(|id| cached.contains_key(*id))
-            .count() as u64;
+        hits += leading_hits(req, |id| cached.contains_key(id));
         total += req.block_ids.len() as u64;
         for (i, id) in req.block_ids.iter().enumerate().take(req.blocks_to_store) {
             let nu = next_use[r][i];
