@@ -30,7 +30,18 @@ const NAMESPACE_DOMAIN: &[u8] = b"kvtier/namespace";
 ///
 /// Engines that hash blocks themselves may use their own 16-byte values; kvtier only needs
 /// equal prefixes to have equal keys and different prefixes to have different ones.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+#[derive(
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Default,
+    wincode::SchemaWrite,
+    wincode::SchemaRead,
+)]
 #[repr(transparent)]
 pub struct BlockKey([u8; 16]);
 

@@ -7,6 +7,7 @@
 mod error;
 pub mod key;
 pub mod layout;
+pub mod protocol;
 
 pub use error::CoreError;
 pub use key::{BlockKey, HashScheme, HashSecret, Namespace, NamespaceBuilder, PrefixHasher};

@@ -1,0 +1,671 @@
+//! Metadata of every request and response. Each is a wincode struct (bincode-1 compatible
+//! layout: integers little-endian fixed width, sequences and strings prefixed with a u64
+//! length, `Option` as a 0/1 byte then the value). Codes travel as `u8`/`u16` with explicit
+//! conversions, so an unknown code is a clear error and not a panic.
+
+use wincode::{SchemaRead, SchemaWrite};
+
+use super::{FrameError, Header, Limits, Opcode, flags};
+use crate::BlockKey;
+
+/// Longest client name or server name accepted in a hello.
+pub const MAX_NAME_BYTES: usize = 256;
+/// Longest auth token accepted in a hello.
+pub const MAX_TOKEN_BYTES: usize = 1024;
+/// Longest error message or stats document a client accepts.
+pub const MAX_TEXT_BYTES: usize = 1 << 20;
+
+/// A tier on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum TierCode {
+    Hbm = 0,
+    Dram = 1,
+    Nvme = 2,
+}
+
+impl TierCode {
+    pub fn from_u8(v: u8) -> Option<Self> {
+        [TierCode::Hbm, TierCode::Dram, TierCode::Nvme]
+            .get(usize::from(v))
+            .copied()
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            TierCode::Hbm => "hbm",
+            TierCode::Dram => "dram",
+            TierCode::Nvme => "nvme",
+        }
+    }
+}
+
+/// Why blocks past a returned prefix were not served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum MissCode {
+    /// Every key asked for was served.
+    None = 0,
+    NotCached = 1,
+    /// The stored copy failed its checks; dropped and counted by the server.
+    Corrupt = 2,
+    IoError = 3,
+    /// The server had no I/O capacity for the read just now.
+    Busy = 4,
+}
+
+impl MissCode {
+    pub fn from_u8(v: u8) -> Option<Self> {
+        [
+            MissCode::None,
+            MissCode::NotCached,
+            MissCode::Corrupt,
+            MissCode::IoError,
+            MissCode::Busy,
+        ]
+        .get(usize::from(v))
+        .copied()
+    }
+}
+
+/// The fate of one block of a put or a reservation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum PutStatus {
+    /// Stored (put, commit) or a slot is reserved at the given offset (reserve).
+    Stored = 0,
+    AlreadyPresent = 1,
+    /// Refused: the server's copy queue is full.
+    RejectedBacklog = 2,
+    /// Refused: every slot is pinned.
+    RejectedNoSlot = 3,
+    /// Refused: the block's parent is not cached (a chain is stored in order).
+    RejectedOrphan = 4,
+    /// The server failed to store it (an I/O error, counted).
+    Failed = 5,
+}
+
+impl PutStatus {
+    pub fn from_u8(v: u8) -> Option<Self> {
+        [
+            PutStatus::Stored,
+            PutStatus::AlreadyPresent,
+            PutStatus::RejectedBacklog,
+            PutStatus::RejectedNoSlot,
+            PutStatus::RejectedOrphan,
+            PutStatus::Failed,
+        ]
+        .get(usize::from(v))
+        .copied()
+    }
+}
+
+/// Error codes of an [`ErrorReply`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u16)]
+pub enum ErrorCode {
+    /// Malformed metadata, or a request that makes no sense (wrong payload size, ...).
+    BadRequest = 1,
+    UnknownOp = 2,
+    /// A length or count over the limits (announced in the hello reply).
+    TooLarge = 3,
+    /// No hello yet, or a wrong token.
+    Unauthorized = 4,
+    VersionMismatch = 5,
+    /// The client's block size or layout differs from the server's.
+    LayoutMismatch = 6,
+    /// Over budget: retry later. Nothing was queued.
+    Busy = 7,
+    /// The lease or reservation named is unknown (released, expired, another connection's).
+    NotFound = 8,
+    /// The server is shutting down.
+    ShuttingDown = 9,
+    Internal = 10,
+    /// The request needs the local (Unix socket) path, e.g. reserve/commit.
+    LocalOnly = 11,
+}
+
+impl ErrorCode {
+    pub fn from_u16(v: u16) -> Option<Self> {
+        use ErrorCode::*;
+        [
+            BadRequest,
+            UnknownOp,
+            TooLarge,
+            Unauthorized,
+            VersionMismatch,
+            LayoutMismatch,
+            Busy,
+            NotFound,
+            ShuttingDown,
+            Internal,
+            LocalOnly,
+        ]
+        .get(usize::from(v).checked_sub(1)?)
+        .copied()
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct Hello {
+    pub min_version: u16,
+    pub max_version: u16,
+    /// Free-form client name for logs (at most [`MAX_NAME_BYTES`]).
+    pub client: String,
+    /// Auth token (required on TCP and QUIC; ignored on the Unix socket).
+    pub token: String,
+    /// The block size the client will use; 0 = accept the server's.
+    pub block_bytes: u64,
+    /// Ask for the DRAM arena's file descriptor (Unix socket only).
+    pub want_arena: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct HelloReply {
+    pub version: u16,
+    pub server: String,
+    pub block_bytes: u64,
+    pub layout_fingerprint: u64,
+    /// Bytes of the arena whose fd rides with this frame (SCM_RIGHTS); 0 = no fd sent.
+    pub arena_bytes: u64,
+    pub max_keys: u32,
+    pub max_meta_bytes: u32,
+    pub max_payload_bytes: u64,
+    pub max_lease_ms: u64,
+    /// The next event sequence number.
+    pub event_seq: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct KeyList {
+    pub keys: Vec<BlockKey>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct PutEntry {
+    pub key: BlockKey,
+    /// The previous block of the chain; `None` for a prompt's first block.
+    pub parent: Option<BlockKey>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+struct PutMeta {
+    entries: Vec<PutEntry>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+struct PinMeta {
+    keys: Vec<BlockKey>,
+    lease_ms: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+struct ReserveMeta {
+    entries: Vec<PutEntry>,
+    lease_ms: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+struct IdMeta {
+    id: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+struct SubscribeMeta {
+    from_seq: Option<u64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+struct Empty {}
+
+/// A request's metadata, decoded and checked against [`Limits`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Request {
+    Hello(Hello),
+    Ping,
+    /// Longest cached prefix of the keys and the tier of each of its blocks.
+    Lookup(KeyList),
+    /// The blocks of the longest cached prefix, copied into the response payload.
+    Get(KeyList),
+    /// Stores blocks; the payload is `entries.len() * block_bytes` bytes, in order.
+    Put(Vec<PutEntry>),
+    Prefetch(KeyList),
+    /// Pins the longest cached prefix in DRAM for up to `lease_ms`; the reply gives arena
+    /// offsets (readable in place by a local client).
+    Pin {
+        keys: Vec<BlockKey>,
+        lease_ms: u64,
+    },
+    Release {
+        lease_id: u64,
+    },
+    /// Reserves DRAM slots for a local client to fill in place (Unix socket only).
+    Reserve {
+        entries: Vec<PutEntry>,
+        lease_ms: u64,
+    },
+    Commit {
+        reservation_id: u64,
+    },
+    Abort {
+        reservation_id: u64,
+    },
+    Remove(KeyList),
+    Clear,
+    Stats,
+    /// Streams block events from `from_seq` (or from now).
+    Subscribe {
+        from_seq: Option<u64>,
+    },
+}
+
+fn bad(what: &'static str, e: impl std::fmt::Display) -> FrameError {
+    FrameError::BadMeta {
+        what,
+        reason: e.to_string(),
+    }
+}
+
+fn dec<'de, T>(what: &'static str, meta: &'de [u8]) -> Result<T, FrameError>
+where
+    T: SchemaRead<'de, wincode::config::DefaultConfig, Dst = T>,
+{
+    wincode::deserialize_exact(meta).map_err(|e| bad(what, e))
+}
+
+fn enc<T: SchemaWrite<wincode::config::DefaultConfig, Src = T>>(v: &T) -> Vec<u8> {
+    // Serializing owned in-memory values into a Vec cannot fail except on allocation.
+    wincode::serialize(v).expect("wincode serialization into a Vec")
+}
+
+fn check_keys(what: &'static str, n: usize, limits: &Limits) -> Result<(), FrameError> {
+    if n as u64 > u64::from(limits.max_keys) {
+        return Err(FrameError::TooManyKeys {
+            what,
+            count: n as u64,
+            limit: limits.max_keys,
+        });
+    }
+    Ok(())
+}
+
+fn check_text(what: &'static str, s: &str, max: usize) -> Result<(), FrameError> {
+    if s.len() > max {
+        return Err(bad(what, format!("{} bytes, at most {max}", s.len())));
+    }
+    Ok(())
+}
+
+impl Request {
+    pub fn opcode(&self) -> Opcode {
+        match self {
+            Request::Hello(_) => Opcode::Hello,
+            Request::Ping => Opcode::Ping,
+            Request::Lookup(_) => Opcode::Lookup,
+            Request::Get(_) => Opcode::Get,
+            Request::Put(_) => Opcode::Put,
+            Request::Prefetch(_) => Opcode::Prefetch,
+            Request::Pin { .. } => Opcode::Pin,
+            Request::Release { .. } => Opcode::Release,
+            Request::Reserve { .. } => Opcode::Reserve,
+            Request::Commit { .. } => Opcode::Commit,
+            Request::Abort { .. } => Opcode::Abort,
+            Request::Remove(_) => Opcode::Remove,
+            Request::Clear => Opcode::Clear,
+            Request::Stats => Opcode::Stats,
+            Request::Subscribe { .. } => Opcode::Subscribe,
+        }
+    }
+
+    /// Encodes the metadata (the header is the caller's: it knows the payload).
+    pub fn encode_meta(&self) -> Vec<u8> {
+        match self {
+            Request::Hello(h) => enc(h),
+            Request::Ping | Request::Clear | Request::Stats => enc(&Empty {}),
+            Request::Lookup(k) | Request::Get(k) | Request::Prefetch(k) | Request::Remove(k) => {
+                enc(k)
+            }
+            Request::Put(entries) => enc(&PutMeta {
+                entries: entries.clone(),
+            }),
+            Request::Pin { keys, lease_ms } => enc(&PinMeta {
+                keys: keys.clone(),
+                lease_ms: *lease_ms,
+            }),
+            Request::Reserve { entries, lease_ms } => enc(&ReserveMeta {
+                entries: entries.clone(),
+                lease_ms: *lease_ms,
+            }),
+            Request::Release { lease_id: id }
+            | Request::Commit { reservation_id: id }
+            | Request::Abort { reservation_id: id } => enc(&IdMeta { id: *id }),
+            Request::Subscribe { from_seq } => enc(&SubscribeMeta {
+                from_seq: *from_seq,
+            }),
+        }
+    }
+
+    /// Decodes a request's metadata. `payload_len` is checked only for operations that take
+    /// none (the payload size of a put depends on the server's block size: the server checks).
+    pub fn decode(
+        op: Opcode,
+        meta: &[u8],
+        payload_len: u64,
+        limits: &Limits,
+    ) -> Result<Self, FrameError> {
+        if payload_len != 0 && !op.carries_payload() {
+            return Err(FrameError::UnexpectedPayload {
+                op: op.name(),
+                len: payload_len,
+            });
+        }
+        let what = op.name();
+        let r = match op {
+            Opcode::Hello => {
+                let h: Hello = dec(what, meta)?;
+                check_text("hello client", &h.client, MAX_NAME_BYTES)?;
+                check_text("hello token", &h.token, MAX_TOKEN_BYTES)?;
+                Request::Hello(h)
+            }
+            Opcode::Ping | Opcode::Clear | Opcode::Stats => {
+                let Empty {} = dec(what, meta)?;
+                match op {
+                    Opcode::Ping => Request::Ping,
+                    Opcode::Clear => Request::Clear,
+                    _ => Request::Stats,
+                }
+            }
+            Opcode::Lookup | Opcode::Get | Opcode::Prefetch | Opcode::Remove => {
+                let k: KeyList = dec(what, meta)?;
+                check_keys(what, k.keys.len(), limits)?;
+                match op {
+                    Opcode::Lookup => Request::Lookup(k),
+                    Opcode::Get => Request::Get(k),
+                    Opcode::Prefetch => Request::Prefetch(k),
+                    _ => Request::Remove(k),
+                }
+            }
+            Opcode::Put => {
+                let m: PutMeta = dec(what, meta)?;
+                check_keys(what, m.entries.len(), limits)?;
+                Request::Put(m.entries)
+            }
+            Opcode::Pin => {
+                let m: PinMeta = dec(what, meta)?;
+                check_keys(what, m.keys.len(), limits)?;
+                Request::Pin {
+                    keys: m.keys,
+                    lease_ms: m.lease_ms,
+                }
+            }
+            Opcode::Reserve => {
+                let m: ReserveMeta = dec(what, meta)?;
+                check_keys(what, m.entries.len(), limits)?;
+                Request::Reserve {
+                    entries: m.entries,
+                    lease_ms: m.lease_ms,
+                }
+            }
+            Opcode::Release | Opcode::Commit | Opcode::Abort => {
+                let IdMeta { id } = dec(what, meta)?;
+                match op {
+                    Opcode::Release => Request::Release { lease_id: id },
+                    Opcode::Commit => Request::Commit { reservation_id: id },
+                    _ => Request::Abort { reservation_id: id },
+                }
+            }
+            Opcode::Subscribe => {
+                let SubscribeMeta { from_seq } = dec(what, meta)?;
+                Request::Subscribe { from_seq }
+            }
+        };
+        Ok(r)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct PinnedSlot {
+    /// Byte offset of the block in the DRAM arena.
+    pub offset: u64,
+    /// The tier the block was found in (a NVMe hit is promoted into DRAM to be pinned).
+    pub tier: u8,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct PinReply {
+    /// 0 when nothing was pinned (nothing to release).
+    pub lease_id: u64,
+    /// Lease time granted, in milliseconds from when the reply was sent.
+    pub lease_ms: u64,
+    pub blocks: Vec<PinnedSlot>,
+    /// [`MissCode`] of the first key not pinned.
+    pub miss: u8,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct ReservedSlot {
+    /// [`PutStatus`]: `Stored` means "reserved at `offset`".
+    pub status: u8,
+    pub offset: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct ReserveReply {
+    /// 0 when nothing was reserved (nothing to commit).
+    pub reservation_id: u64,
+    pub lease_ms: u64,
+    pub slots: Vec<ReservedSlot>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct PutReply {
+    /// One [`PutStatus`] per entry, in order.
+    pub statuses: Vec<u8>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum EventKind {
+    /// The block is now held by `tier`.
+    Stored = 1,
+    /// The block left `tier` (evicted or removed).
+    Removed = 2,
+    /// Every block is gone (key and tier are zero).
+    Cleared = 3,
+}
+
+impl EventKind {
+    pub fn from_u8(v: u8) -> Option<Self> {
+        match v {
+            1 => Some(EventKind::Stored),
+            2 => Some(EventKind::Removed),
+            3 => Some(EventKind::Cleared),
+            _ => None,
+        }
+    }
+}
+
+/// One block event. Carries the block key only: no token ids ever leave the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct BlockEvent {
+    pub seq: u64,
+    /// [`EventKind`].
+    pub kind: u8,
+    /// [`TierCode`].
+    pub tier: u8,
+    pub key: BlockKey,
+}
+
+/// A batch of events pushed on a subscription.
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct Events {
+    /// Set when events were lost before this batch (the subscriber fell behind, or asked for
+    /// a sequence the server no longer holds): `(first lost, first not lost)`. The subscriber
+    /// should resync (look its keys up again) before trusting its view.
+    pub gap: Option<(u64, u64)>,
+    pub events: Vec<BlockEvent>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct ErrorReply {
+    /// [`ErrorCode`].
+    pub code: u16,
+    pub message: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+struct CountMeta {
+    count: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+struct TiersMeta {
+    tiers: Vec<u8>,
+    miss: u8,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+struct TextMeta {
+    text: String,
+}
+
+/// A response's metadata.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Response {
+    Hello(HelloReply),
+    Pong,
+    /// Tiers of the longest cached prefix; `miss` says why it stopped ([`MissCode`]).
+    Lookup {
+        tiers: Vec<u8>,
+        miss: u8,
+    },
+    /// The payload holds `tiers.len()` blocks.
+    Get {
+        tiers: Vec<u8>,
+        miss: u8,
+    },
+    Put(PutReply),
+    Prefetch {
+        queued: u64,
+    },
+    Pin(PinReply),
+    Reserve(ReserveReply),
+    /// Answer to release, abort, clear.
+    Done,
+    Commit(PutReply),
+    Remove {
+        removed: u64,
+    },
+    /// JSON document (the same as the admin port's `/stats`).
+    Stats(String),
+    /// Subscription accepted; events follow as [`Response::Events`] frames.
+    Subscribed {
+        next_seq: u64,
+    },
+    Events(Events),
+    Error(ErrorReply),
+}
+
+impl Response {
+    /// Encodes the metadata and returns the flags the header needs.
+    pub fn encode_meta(&self) -> (u8, Vec<u8>) {
+        let r = flags::RESPONSE;
+        match self {
+            Response::Hello(h) => (r, enc(h)),
+            Response::Pong | Response::Done => (r, enc(&Empty {})),
+            Response::Lookup { tiers, miss } | Response::Get { tiers, miss } => (
+                r,
+                enc(&TiersMeta {
+                    tiers: tiers.clone(),
+                    miss: *miss,
+                }),
+            ),
+            Response::Put(p) | Response::Commit(p) => (r, enc(p)),
+            Response::Prefetch { queued: n }
+            | Response::Remove { removed: n }
+            | Response::Subscribed { next_seq: n } => (r, enc(&CountMeta { count: *n })),
+            Response::Pin(p) => (r, enc(p)),
+            Response::Reserve(p) => (r, enc(p)),
+            Response::Stats(s) => (r, enc(&TextMeta { text: s.clone() })),
+            Response::Events(e) => (r | flags::EVENT, enc(e)),
+            Response::Error(e) => (r | flags::ERROR, enc(e)),
+        }
+    }
+
+    /// Decodes a response to a request of `h.opcode` (clients know what they asked).
+    pub fn decode(h: &Header, meta: &[u8], limits: &Limits) -> Result<Self, FrameError> {
+        if h.is(flags::ERROR) {
+            let e: ErrorReply = dec("error", meta)?;
+            check_text("error message", &e.message, MAX_TEXT_BYTES)?;
+            return Ok(Response::Error(e));
+        }
+        if h.is(flags::EVENT) {
+            let e: Events = dec("events", meta)?;
+            check_keys("events", e.events.len(), limits)?;
+            return Ok(Response::Events(e));
+        }
+        let op = h.opcode().ok_or(FrameError::UnknownOpcode(h.opcode))?;
+        let what = op.name();
+        let count = |meta| -> Result<u64, FrameError> {
+            let CountMeta { count } = dec(what, meta)?;
+            Ok(count)
+        };
+        let r = match op {
+            Opcode::Hello => {
+                let h: HelloReply = dec(what, meta)?;
+                check_text("hello server", &h.server, MAX_NAME_BYTES)?;
+                Response::Hello(h)
+            }
+            Opcode::Ping | Opcode::Release | Opcode::Abort | Opcode::Clear => {
+                let Empty {} = dec(what, meta)?;
+                if op == Opcode::Ping {
+                    Response::Pong
+                } else {
+                    Response::Done
+                }
+            }
+            Opcode::Lookup | Opcode::Get => {
+                let TiersMeta { tiers, miss } = dec(what, meta)?;
+                check_keys(what, tiers.len(), limits)?;
+                if op == Opcode::Lookup {
+                    Response::Lookup { tiers, miss }
+                } else {
+                    Response::Get { tiers, miss }
+                }
+            }
+            Opcode::Put | Opcode::Commit => {
+                let p: PutReply = dec(what, meta)?;
+                check_keys(what, p.statuses.len(), limits)?;
+                if op == Opcode::Put {
+                    Response::Put(p)
+                } else {
+                    Response::Commit(p)
+                }
+            }
+            Opcode::Prefetch => Response::Prefetch {
+                queued: count(meta)?,
+            },
+            Opcode::Remove => Response::Remove {
+                removed: count(meta)?,
+            },
+            Opcode::Subscribe => Response::Subscribed {
+                next_seq: count(meta)?,
+            },
+            Opcode::Pin => {
+                let p: PinReply = dec(what, meta)?;
+                check_keys(what, p.blocks.len(), limits)?;
+                Response::Pin(p)
+            }
+            Opcode::Reserve => {
+                let p: ReserveReply = dec(what, meta)?;
+                check_keys(what, p.slots.len(), limits)?;
+                Response::Reserve(p)
+            }
+            Opcode::Stats => {
+                let TextMeta { text } = dec(what, meta)?;
+                check_text("stats", &text, MAX_TEXT_BYTES)?;
+                Response::Stats(text)
+            }
+        };
+        Ok(r)
+    }
+}

@@ -1,0 +1,414 @@
+use super::*;
+use crate::BlockKey;
+
+fn k(v: u128) -> BlockKey {
+    BlockKey::from_u128(v)
+}
+
+fn frame(h: Header, meta: &[u8], payload: &[u8]) -> Vec<u8> {
+    let mut v = h.encode().to_vec();
+    v.extend_from_slice(meta);
+    v.extend_from_slice(payload);
+    v
+}
+
+fn request_frame(r: &Request, payload: &[u8]) -> Vec<u8> {
+    let meta = r.encode_meta();
+    frame(
+        Header::request(r.opcode(), 7, meta.len(), payload.len() as u64),
+        &meta,
+        payload,
+    )
+}
+
+fn response_frame(op: Opcode, r: &Response) -> Vec<u8> {
+    let (fl, meta) = r.encode_meta();
+    let mut h = Header::request(op, 9, meta.len(), 0);
+    h.flags = fl;
+    frame(h, &meta, &[])
+}
+
+#[test]
+fn header_golden_bytes() {
+    let h = Header {
+        version: 1,
+        opcode: Opcode::Get as u8,
+        flags: flags::RESPONSE,
+        request_id: 0x0102_0304_0506_0708,
+        meta_len: 0x20,
+        payload_len: 0x20_0000,
+    };
+    let b = h.encode();
+    assert_eq!(
+        b,
+        [
+            b'K', b'V', b'T', b'1', // magic
+            1, 0, // version
+            4, // opcode: get
+            1, // flags: response
+            8, 7, 6, 5, 4, 3, 2, 1, // request id
+            0x20, 0, 0, 0, // meta_len
+            0, 0, 0, 0, // reserved
+            0, 0, 0x20, 0, 0, 0, 0, 0, // payload_len
+        ]
+    );
+    assert_eq!(Header::decode(&b, &Limits::default()), Ok(h));
+}
+
+#[test]
+fn metadata_golden_bytes() {
+    // A lookup of two keys: u64 count, then 16 raw bytes per key.
+    let r = Request::Lookup(KeyList {
+        keys: vec![k(1), k(0xff << 120)],
+    });
+    let mut want = vec![2, 0, 0, 0, 0, 0, 0, 0];
+    want.extend_from_slice(&k(1).as_bytes()[..]);
+    want.extend_from_slice(&k(0xff << 120).as_bytes()[..]);
+    assert_eq!(r.encode_meta(), want);
+
+    // A put entry: key, then Option<parent> as 0/1 then the key.
+    let r = Request::Put(vec![
+        PutEntry {
+            key: k(2),
+            parent: None,
+        },
+        PutEntry {
+            key: k(3),
+            parent: Some(k(2)),
+        },
+    ]);
+    let m = r.encode_meta();
+    assert_eq!(m.len(), 8 + (16 + 1) + (16 + 1 + 16));
+    assert_eq!(&m[..8], &[2, 0, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(m[8 + 16], 0);
+    assert_eq!(m[8 + 17 + 16], 1);
+
+    // An error reply: u16 code, then a u64-prefixed UTF-8 string.
+    let (fl, m) = Response::Error(ErrorReply {
+        code: ErrorCode::Busy as u16,
+        message: "busy".into(),
+    })
+    .encode_meta();
+    assert_eq!(fl, flags::RESPONSE | flags::ERROR);
+    assert_eq!(m, [7, 0, 4, 0, 0, 0, 0, 0, 0, 0, b'b', b'u', b's', b'y']);
+}
+
+fn all_requests() -> Vec<Request> {
+    let keys = vec![k(1), k(2), k(3)];
+    let entries = vec![
+        PutEntry {
+            key: k(1),
+            parent: None,
+        },
+        PutEntry {
+            key: k(2),
+            parent: Some(k(1)),
+        },
+    ];
+    vec![
+        Request::Hello(Hello {
+            min_version: 1,
+            max_version: 1,
+            client: "worker-0".into(),
+            token: "secret".into(),
+            block_bytes: 2 << 20,
+            want_arena: true,
+        }),
+        Request::Ping,
+        Request::Lookup(KeyList { keys: keys.clone() }),
+        Request::Get(KeyList { keys: keys.clone() }),
+        Request::Put(entries.clone()),
+        Request::Prefetch(KeyList { keys: keys.clone() }),
+        Request::Pin {
+            keys: keys.clone(),
+            lease_ms: 5000,
+        },
+        Request::Release { lease_id: 42 },
+        Request::Reserve {
+            entries,
+            lease_ms: 100,
+        },
+        Request::Commit { reservation_id: 3 },
+        Request::Abort { reservation_id: 4 },
+        Request::Remove(KeyList { keys }),
+        Request::Clear,
+        Request::Stats,
+        Request::Subscribe { from_seq: Some(10) },
+        Request::Subscribe { from_seq: None },
+    ]
+}
+
+#[test]
+fn every_request_round_trips() {
+    let limits = Limits::default();
+    for r in all_requests() {
+        let payload = if r.opcode() == Opcode::Put {
+            vec![5u8; 64]
+        } else {
+            vec![]
+        };
+        let bytes = request_frame(&r, &payload);
+        let ((h, body, p), used) = decode_frame(&bytes, &limits).unwrap();
+        assert_eq!(used, bytes.len());
+        assert_eq!(h.opcode(), Some(r.opcode()));
+        assert_eq!(body, FrameBody::Request(r.clone()));
+        assert_eq!(p, &payload[..]);
+    }
+}
+
+#[test]
+fn every_response_round_trips() {
+    let limits = Limits::default();
+    let cases = vec![
+        (
+            Opcode::Hello,
+            Response::Hello(HelloReply {
+                version: 1,
+                server: "kvtier".into(),
+                block_bytes: 4096,
+                layout_fingerprint: 0xabc,
+                arena_bytes: 1 << 30,
+                max_keys: 65536,
+                max_meta_bytes: 1 << 20,
+                max_payload_bytes: 1 << 28,
+                max_lease_ms: 30_000,
+                event_seq: 5,
+            }),
+        ),
+        (Opcode::Ping, Response::Pong),
+        (
+            Opcode::Lookup,
+            Response::Lookup {
+                tiers: vec![1, 1, 2],
+                miss: MissCode::NotCached as u8,
+            },
+        ),
+        (
+            Opcode::Get,
+            Response::Get {
+                tiers: vec![2],
+                miss: 0,
+            },
+        ),
+        (
+            Opcode::Put,
+            Response::Put(PutReply {
+                statuses: vec![0, 1, 4],
+            }),
+        ),
+        (Opcode::Prefetch, Response::Prefetch { queued: 3 }),
+        (
+            Opcode::Pin,
+            Response::Pin(PinReply {
+                lease_id: 9,
+                lease_ms: 1000,
+                blocks: vec![PinnedSlot {
+                    offset: 8192,
+                    tier: 1,
+                }],
+                miss: 1,
+            }),
+        ),
+        (
+            Opcode::Reserve,
+            Response::Reserve(ReserveReply {
+                reservation_id: 2,
+                lease_ms: 10,
+                slots: vec![ReservedSlot {
+                    status: 0,
+                    offset: 4096,
+                }],
+            }),
+        ),
+        (Opcode::Release, Response::Done),
+        (
+            Opcode::Commit,
+            Response::Commit(PutReply { statuses: vec![0] }),
+        ),
+        (Opcode::Remove, Response::Remove { removed: 2 }),
+        (Opcode::Stats, Response::Stats("{}".into())),
+        (Opcode::Subscribe, Response::Subscribed { next_seq: 77 }),
+        (
+            Opcode::Subscribe,
+            Response::Events(Events {
+                gap: Some((3, 9)),
+                events: vec![BlockEvent {
+                    seq: 9,
+                    kind: EventKind::Stored as u8,
+                    tier: TierCode::Dram as u8,
+                    key: k(5),
+                }],
+            }),
+        ),
+        (
+            Opcode::Get,
+            Response::Error(ErrorReply {
+                code: ErrorCode::TooLarge as u16,
+                message: "too many keys".into(),
+            }),
+        ),
+    ];
+    for (op, r) in cases {
+        let bytes = response_frame(op, &r);
+        let ((_, body, _), _) = decode_frame(&bytes, &limits).unwrap();
+        assert_eq!(body, FrameBody::Response(r));
+    }
+}
+
+fn check(bytes: &[u8], want: FrameError) {
+    let got = decode_frame(bytes, &Limits::default())
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(got, want, "{got}");
+}
+
+#[test]
+fn malformed_frames_get_named_errors() {
+    let ping = request_frame(&Request::Ping, &[]);
+    let mut b = ping.clone();
+    b[0] = b'X';
+    check(
+        &b,
+        FrameError::BadMagic {
+            found: u32::from_le_bytes([b'X', b'V', b'T', b'1']),
+        },
+    );
+    let mut b = ping.clone();
+    b[4] = 9;
+    check(&b, FrameError::BadVersion { found: 9 });
+    let mut b = ping.clone();
+    b[7] = 0x80;
+    check(&b, FrameError::BadFlags { found: 0x80 });
+    let mut b = ping.clone();
+    b[21] = 1;
+    check(&b, FrameError::Reserved);
+    let mut b = ping.clone();
+    b[16..20].copy_from_slice(&(2u32 << 20).to_le_bytes());
+    check(
+        &b,
+        FrameError::TooLong {
+            what: "metadata",
+            got: 2 << 20,
+            limit: 1 << 20,
+        },
+    );
+    let mut b = ping.clone();
+    b[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
+    check(
+        &b,
+        FrameError::TooLong {
+            what: "payload",
+            got: u64::MAX,
+            limit: 256 << 20,
+        },
+    );
+    check(&ping[..10], FrameError::Truncated { need: 32, have: 10 });
+    let get = request_frame(&Request::Get(KeyList { keys: vec![k(1)] }), &[]);
+    check(
+        &get[..get.len() - 1],
+        FrameError::Truncated {
+            need: get.len() as u64,
+            have: get.len() as u64 - 1,
+        },
+    );
+    let mut b = ping.clone();
+    b[6] = 200;
+    check(&b, FrameError::UnknownOpcode(200));
+    let b = frame(Header::request(Opcode::Ping, 1, 0, 3), &[], &[1, 2, 3]);
+    check(&b, FrameError::UnexpectedPayload { op: "ping", len: 3 });
+    // Trailing bytes after the metadata's last field.
+    let mut meta = Request::Release { lease_id: 1 }.encode_meta();
+    meta.push(0);
+    let b = frame(
+        Header::request(Opcode::Release, 1, meta.len(), 0),
+        &meta,
+        &[],
+    );
+    assert!(matches!(
+        decode_frame(&b, &Limits::default()),
+        Err(FrameError::BadMeta {
+            what: "release",
+            ..
+        })
+    ));
+    // A key count that claims more keys than the bytes hold.
+    let mut meta = vec![0xff; 8];
+    meta.extend_from_slice(&[0; 16]);
+    let b = frame(
+        Header::request(Opcode::Lookup, 1, meta.len(), 0),
+        &meta,
+        &[],
+    );
+    assert!(matches!(
+        decode_frame(&b, &Limits::default()),
+        Err(FrameError::BadMeta { what: "lookup", .. })
+    ));
+}
+
+#[test]
+fn key_counts_over_the_limit_are_refused() {
+    let limits = Limits {
+        max_keys: 4,
+        ..Limits::default()
+    };
+    let r = Request::Lookup(KeyList {
+        keys: (0..5).map(k).collect(),
+    });
+    let got = decode_frame(&request_frame(&r, &[]), &limits)
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(
+        got,
+        FrameError::TooManyKeys {
+            what: "lookup",
+            count: 5,
+            limit: 4
+        }
+    );
+    assert!(!got.is_fatal());
+    assert_eq!(got.code(), ErrorCode::TooLarge);
+}
+
+#[test]
+fn codes_round_trip_and_unknown_ones_are_none() {
+    for op in Opcode::ALL {
+        assert_eq!(Opcode::from_u8(op as u8), Some(op));
+    }
+    assert_eq!(Opcode::from_u8(0), None);
+    assert_eq!(Opcode::from_u8(16), None);
+    for v in 0..=255u8 {
+        if let Some(c) = PutStatus::from_u8(v) {
+            assert_eq!(c as u8, v);
+        }
+        if let Some(c) = MissCode::from_u8(v) {
+            assert_eq!(c as u8, v);
+        }
+        if let Some(c) = TierCode::from_u8(v) {
+            assert_eq!(c as u8, v);
+        }
+    }
+    for v in 0..=20u16 {
+        if let Some(c) = ErrorCode::from_u16(v) {
+            assert_eq!(c as u16, v);
+        }
+    }
+    assert_eq!(ErrorCode::from_u16(0), None);
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200)) {
+        let _ = decode_frame(&bytes, &Limits::default());
+    }
+
+    #[test]
+    fn mutated_valid_frames_never_panic(i in 0usize..16, pos in 0usize..512, byte in proptest::prelude::any::<u8>()) {
+        let reqs = all_requests();
+        let r = &reqs[i % reqs.len()];
+        let mut b = request_frame(r, &[]);
+        let p = pos % b.len();
+        b[p] = byte;
+        let _ = decode_frame(&b, &Limits::default());
+    }
+}
