@@ -18,5 +18,8 @@ pub mod tier;
 pub use config::{NvmeSettings, StoreConfig};
 pub use error::StoreError;
 pub use stats::{StoreStats, TierStats};
-pub use store::{GetOutcome, Lease, MissReason, OpenReport, PinnedBlock, PutOutcome, TieredStore};
+pub use store::{
+    EventSink, GetOutcome, Lease, MissReason, OpenReport, PinnedBlock, PinnedRead, PutOutcome,
+    Reservation, SnapshotEntry, StoreEvent, StoreEventKind, TieredStore,
+};
 pub use tier::TierKind;

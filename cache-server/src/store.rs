@@ -89,6 +89,8 @@ pub struct Lease {
     pub deadline: Instant,
     /// The longest cached prefix of the keys asked for, each pinned in DRAM.
     pub blocks: Vec<PinnedBlock>,
+    /// Why the prefix stopped, when it is shorter than the keys asked for.
+    pub miss: Option<MissReason>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,6 +100,40 @@ pub struct PinnedBlock {
     /// Byte offset in the DRAM arena (see [`TieredStore::dram`]).
     pub offset: u64,
     pub len: u64,
+    /// Where the block was found (an NVMe block was promoted into DRAM to be pinned).
+    pub found_in: TierKind,
+}
+
+/// A change in where a block lives, for subscribers (KV-aware routers). Emitted after the
+/// index changed; a sink sees them in the order they happened for any one key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreEvent {
+    pub kind: StoreEventKind,
+    /// The tier gained or lost (DRAM for `Cleared`).
+    pub tier: TierKind,
+    pub key: BlockKey,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreEventKind {
+    /// The block is now held by the tier.
+    Stored,
+    /// The block left the tier (evicted, removed, or dropped as corrupt).
+    Removed,
+    /// Every block left every tier (the key is zero).
+    Cleared,
+}
+
+/// Receives [`StoreEvent`]s. Called with store locks held: it must be quick and must never
+/// block or call back into the store.
+pub type EventSink = Arc<dyn Fn(StoreEvent) + Send + Sync>;
+
+/// A cached block in a [`TieredStore::snapshot`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SnapshotEntry {
+    pub key: BlockKey,
+    pub in_dram: bool,
+    pub in_nvme: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -157,6 +193,7 @@ struct Inner {
     leases: Mutex<HashMap<u64, LeaseRecord>>,
     next_lease: AtomicU64,
     writebacks_inflight: std::sync::atomic::AtomicUsize,
+    events: std::sync::OnceLock<EventSink>,
     config: StoreConfig,
 }
 
@@ -260,6 +297,7 @@ impl TieredStore {
             leases: Mutex::new(HashMap::new()),
             next_lease: AtomicU64::new(1),
             writebacks_inflight: std::sync::atomic::AtomicUsize::new(0),
+            events: std::sync::OnceLock::new(),
             config,
         });
         report.wrong_size_dropped = inner.recover();
@@ -333,6 +371,40 @@ impl TieredStore {
     /// pins that outlive their deadline are released by the store.
     pub fn pin(&self, keys: &[BlockKey], lease: Duration) -> Lease {
         self.inner.pin(keys, lease)
+    }
+
+    /// Pins the longest cached prefix of `keys` in DRAM (promoting NVMe blocks) for as long
+    /// as the returned guard lives, with no deadline: for a server task that streams the bytes
+    /// out itself (bound the time it holds the guard).
+    pub fn pin_read(&self, keys: &[BlockKey]) -> PinnedRead {
+        let (blocks, miss) = self.inner.pin_prefix(keys);
+        PinnedRead {
+            inner: self.inner.clone(),
+            blocks,
+            miss,
+        }
+    }
+
+    /// Reserves a DRAM slot for block `key` (child of `parent`), to be filled in place
+    /// (through [`Reservation::bytes_mut`], or by a local client through the arena at
+    /// [`Reservation::offset`]) and then committed. Dropping the reservation frees the slot.
+    /// `Err` says why no slot was reserved (already present, or refused by admission).
+    pub fn reserve(
+        &self,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+    ) -> Result<Reservation, PutOutcome> {
+        self.inner.reserve(key, parent)
+    }
+
+    /// Every cached block and the tiers holding it. O(blocks); for resyncing subscribers.
+    pub fn snapshot(&self) -> Vec<SnapshotEntry> {
+        self.inner.snapshot()
+    }
+
+    /// Sends every later [`StoreEvent`] to `sink`. Set once; false if a sink was set before.
+    pub fn set_event_sink(&self, sink: EventSink) -> bool {
+        self.inner.events.set(sink).is_ok()
     }
 
     /// Releases a lease; false if it was unknown or already expired.
@@ -619,6 +691,7 @@ impl Inner {
             let ours = match shard.get_mut(&vkey).filter(|e| e.dram == v) {
                 Some(e) => {
                     e.dram = NONE;
+                    self.emit(StoreEventKind::Removed, TierKind::Dram, vkey);
                     if e.is_empty() {
                         shard.remove(&vkey);
                     }
@@ -643,6 +716,7 @@ impl Inner {
             return Some(Evicted::Retry);
         }
         e.set(t, NONE);
+        self.emit(StoreEventKind::Removed, t, vkey);
         if e.is_empty() {
             shard.remove(&vkey);
         }
@@ -665,8 +739,22 @@ impl Inner {
                 expected: self.block_bytes,
             });
         }
+        match self.reserve(key, parent) {
+            Ok(mut r) => {
+                r.bytes_mut().copy_from_slice(data);
+                r.commit()
+            }
+            Err(outcome) => Ok(outcome),
+        }
+    }
+
+    fn reserve(
+        self: &Arc<Self>,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+    ) -> Result<Reservation, PutOutcome> {
         if self.shard(&key).contains_key(&key) {
-            return Ok(PutOutcome::AlreadyPresent);
+            return Err(PutOutcome::AlreadyPresent);
         }
         let c = &self.dram.counters;
         let parent_slot = match parent {
@@ -674,22 +762,42 @@ impl Inner {
                 Some(e) => (e.dram != NONE).then_some(e.dram),
                 None => {
                     TierCounters::inc(&c.admissions_refused);
-                    return Ok(PutOutcome::Rejected(RejectReason::OrphanBlock));
+                    return Err(PutOutcome::Rejected(RejectReason::OrphanBlock));
                 }
             },
             None => None,
         };
         if let Admission::Reject(why) = self.config.admission.admit(self.pool.backlog()) {
             TierCounters::inc(&c.admissions_refused);
-            return Ok(PutOutcome::Rejected(why));
+            return Err(PutOutcome::Rejected(why));
         }
         let ctx = self.ctx(parent_slot);
         let Some(slot) = self.alloc(TierKind::Dram, key, ctx, parent) else {
             TierCounters::inc(&c.admissions_refused);
-            return Ok(PutOutcome::Rejected(RejectReason::NoEvictableSlot));
+            return Err(PutOutcome::Rejected(RejectReason::NoEvictableSlot));
         };
-        // The slot is ours (pinned, unreferenced): no lock needed to fill it.
-        if let Err(e) = self.dram.tier.write(SlotId(slot), key, data) {
+        Ok(Reservation {
+            inner: self.clone(),
+            key,
+            parent,
+            slot,
+            open: true,
+        })
+    }
+
+    /// Makes a filled reservation's block readable. The slot is pinned by the reservation.
+    fn commit(
+        self: &Arc<Self>,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+        slot: u32,
+    ) -> Result<PutOutcome, StoreError> {
+        let c = &self.dram.counters;
+        // Records key and length for readers; the bytes are in place already.
+        let filled = self.dram.tier.write_with(SlotId(slot), key, self.block_bytes, |_| {
+            Ok::<(), std::convert::Infallible>(())
+        });
+        if let Err(e) = filled {
             self.retire(TierKind::Dram, slot, false);
             self.unpin(TierKind::Dram, slot);
             return Err(e.into());
@@ -717,13 +825,33 @@ impl Inner {
                     hits: 0,
                 },
             );
+            self.emit(StoreEventKind::Stored, TierKind::Dram, key);
         }
-        TierCounters::add(&c.bytes_in, data.len() as u64);
+        TierCounters::add(&c.bytes_in, self.block_bytes as u64);
         if self.nvme.is_some() && self.config.demotion.on_put() {
             self.spawn_demotion(key, parent, slot);
         }
         self.unpin(TierKind::Dram, slot);
         Ok(PutOutcome::Stored(TierKind::Dram))
+    }
+
+    fn emit(&self, kind: StoreEventKind, tier: TierKind, key: BlockKey) {
+        if let Some(sink) = self.events.get() {
+            sink(StoreEvent { kind, tier, key });
+        }
+    }
+
+    fn snapshot(&self) -> Vec<SnapshotEntry> {
+        let mut out = Vec::new();
+        for shard in self.shards.iter() {
+            let g = lock(shard);
+            out.extend(g.iter().map(|(k, e)| SnapshotEntry {
+                key: *k,
+                in_dram: e.dram != NONE,
+                in_nvme: e.nvme != NONE,
+            }));
+        }
+        out
     }
 
     /// Copies DRAM slot `slot` (pinned by the caller, who keeps its own pin) to NVMe in the
@@ -791,6 +919,7 @@ impl Inner {
                     if let Some(ns) = stored {
                         if e.nvme == NONE {
                             e.nvme = ns;
+                            self.emit(StoreEventKind::Stored, TierKind::Nvme, key);
                         } else {
                             orphan_nvme = Some(ns);
                         }
@@ -798,6 +927,7 @@ impl Inner {
                     if evicting && e.dram == ds {
                         e.dram = NONE;
                         dropped_dram = true;
+                        self.emit(StoreEventKind::Removed, TierKind::Dram, key);
                         if e.is_empty() {
                             shard.remove(&key);
                         }
@@ -1022,6 +1152,7 @@ impl Inner {
         let mut shard = self.shard(&key);
         if let Some(ent) = shard.get_mut(&key).filter(|ent| ent.nvme == slot) {
             ent.nvme = NONE;
+            self.emit(StoreEventKind::Removed, TierKind::Nvme, key);
             if ent.is_empty() {
                 shard.remove(&key);
             }
@@ -1069,6 +1200,7 @@ impl Inner {
                     match shard.get_mut(&key) {
                         Some(e) if e.dram == NONE => {
                             e.dram = ds;
+                            self.emit(StoreEventKind::Stored, TierKind::Dram, key);
                             true
                         }
                         _ => false,
@@ -1113,16 +1245,18 @@ impl Inner {
             .and_then(|r| r)
     }
 
-    fn pin(self: &Arc<Self>, keys: &[BlockKey], lease: Duration) -> Lease {
-        let deadline = Instant::now() + lease.min(self.config.max_lease);
-        let mut blocks = Vec::new();
-        let mut slots: Vec<u32> = Vec::new();
+    /// Pins the longest cached prefix of `keys` in DRAM, promoting NVMe blocks; returns the
+    /// pinned blocks and why the prefix stopped early (if it did).
+    fn pin_prefix(self: &Arc<Self>, keys: &[BlockKey]) -> (Vec<PinnedBlock>, Option<MissReason>) {
+        let mut blocks: Vec<PinnedBlock> = Vec::new();
+        let mut miss = None;
         for (i, &key) in keys.iter().enumerate() {
             // The previous key's DRAM slot links a promoted block to its parent.
             let parent = i
                 .checked_sub(1)
-                .and_then(|p| Some((keys[p], *slots.get(p)?)));
+                .and_then(|p| Some((keys[p], blocks.get(p)?.slot.0)));
             let Some((t, slot, _)) = self.pin_location(key) else {
+                miss = Some(MissReason::NotCached);
                 break;
             };
             let ds = if t == TierKind::Dram {
@@ -1135,27 +1269,40 @@ impl Inner {
                     Ok(Some(ds)) => ds,
                     Ok(None) => {
                         self.unpin(TierKind::Nvme, slot);
+                        miss = Some(MissReason::Busy);
                         break;
                     }
-                    Err(_) => break,
+                    Err(reason) => {
+                        miss = Some(reason);
+                        break;
+                    }
                 }
             };
-            slots.push(ds);
+            TierCounters::add(&self.dram.counters.bytes_out, self.block_bytes as u64);
             blocks.push(PinnedBlock {
                 key,
                 slot: SlotId(ds),
                 offset: self.dram.tier.slot_offset(SlotId(ds)),
                 len: self.block_bytes as u64,
+                found_in: t,
             });
         }
+        (blocks, miss)
+    }
+
+    fn pin(self: &Arc<Self>, keys: &[BlockKey], lease: Duration) -> Lease {
+        let deadline = Instant::now() + lease.min(self.config.max_lease);
+        let (blocks, miss) = self.pin_prefix(keys);
         let id = self.next_lease.fetch_add(1, Ordering::Relaxed);
-        if !slots.is_empty() {
+        if !blocks.is_empty() {
+            let slots = blocks.iter().map(|b| b.slot.0).collect();
             lock(&self.leases).insert(id, LeaseRecord { deadline, slots });
         }
         Lease {
             id,
             deadline,
             blocks,
+            miss,
         }
     }
 
@@ -1244,8 +1391,17 @@ impl Inner {
     }
 
     fn remove(self: &Arc<Self>, key: BlockKey) -> bool {
-        let Some(e) = self.take_entry(&mut self.shard(&key), &key) else {
-            return false;
+        let e = {
+            let mut shard = self.shard(&key);
+            let Some(e) = self.take_entry(&mut shard, &key) else {
+                return false;
+            };
+            for (t, slot) in [(TierKind::Dram, e.dram), (TierKind::Nvme, e.nvme)] {
+                if slot != NONE {
+                    self.emit(StoreEventKind::Removed, t, key);
+                }
+            }
+            e
         };
         self.retire_entry(e, true);
         true
@@ -1274,6 +1430,7 @@ impl Inner {
         if let Some(n) = &self.nvme {
             n.tier.clear_all()?;
         }
+        self.emit(StoreEventKind::Cleared, TierKind::Dram, BlockKey::default());
         Ok(())
     }
 
@@ -1368,4 +1525,108 @@ fn tier_stats<T: Tier>(kind: TierKind, slots: &Slots<T>) -> TierStats {
         .filter(|p| p.load(Ordering::Relaxed) & COUNT != 0)
         .count() as u64;
     s
+}
+
+/// Blocks pinned in DRAM for as long as this guard lives (see [`TieredStore::pin_read`]).
+pub struct PinnedRead {
+    inner: Arc<Inner>,
+    blocks: Vec<PinnedBlock>,
+    miss: Option<MissReason>,
+}
+
+impl PinnedRead {
+    pub fn blocks(&self) -> &[PinnedBlock] {
+        &self.blocks
+    }
+
+    /// Why the prefix stopped, when it is shorter than the keys asked for.
+    pub fn miss(&self) -> Option<MissReason> {
+        self.miss
+    }
+
+    /// The bytes of the `i`-th pinned block, read in place.
+    pub fn bytes(&self, i: usize) -> &[u8] {
+        let b = &self.blocks[i];
+        // SAFETY: the slot is pinned by this guard and was referenced by the index when it was
+        // pinned, so it holds `b.key`'s committed bytes: a pinned slot is never reallocated,
+        // and only the allocator of an unreferenced slot writes into it. The range is the
+        // slot's own (checked by `slot_bytes`), inside the arena that `inner` keeps mapped.
+        unsafe { self.inner.dram.tier.slot_bytes_in_place(b.slot, b.len as usize) }
+    }
+}
+
+impl Drop for PinnedRead {
+    fn drop(&mut self) {
+        for b in &self.blocks {
+            self.inner.unpin(TierKind::Dram, b.slot.0);
+        }
+    }
+}
+
+impl std::fmt::Debug for PinnedRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedRead")
+            .field("blocks", &self.blocks)
+            .field("miss", &self.miss)
+            .finish()
+    }
+}
+
+/// A DRAM slot reserved for one block (see [`TieredStore::reserve`]). Fill it, then
+/// [`Reservation::commit`]; dropping it uncommitted frees the slot.
+pub struct Reservation {
+    inner: Arc<Inner>,
+    key: BlockKey,
+    parent: Option<BlockKey>,
+    slot: u32,
+    open: bool,
+}
+
+impl Reservation {
+    pub fn key(&self) -> BlockKey {
+        self.key
+    }
+
+    /// Byte offset of the reserved slot in the DRAM arena.
+    pub fn offset(&self) -> u64 {
+        self.inner.dram.tier.slot_offset(SlotId(self.slot))
+    }
+
+    /// The reserved slot's memory (one block long), to fill in place.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the slot was allocated to this reservation (pinned, referenced by no key),
+        // so no reader or other writer in this process touches it until commit or drop, and
+        // `&mut self` makes this the only live slice. The range is the slot's own.
+        unsafe {
+            self.inner
+                .dram
+                .tier
+                .slot_bytes_in_place_mut(SlotId(self.slot), self.inner.block_bytes)
+        }
+    }
+
+    /// Publishes the block. `AlreadyPresent` if someone stored the key meanwhile, `Rejected`
+    /// if its parent was evicted meanwhile; the slot is freed in both cases.
+    pub fn commit(mut self) -> Result<PutOutcome, StoreError> {
+        self.open = false;
+        self.inner.commit(self.key, self.parent, self.slot)
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.open {
+            self.inner.retire(TierKind::Dram, self.slot, false);
+            self.inner.unpin(TierKind::Dram, self.slot);
+        }
+    }
+}
+
+impl std::fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reservation")
+            .field("key", &self.key)
+            .field("slot", &self.slot)
+            .finish()
+    }
 }

@@ -322,3 +322,109 @@ fn chain_links_survive_a_restart_so_nvme_evicts_suffixes_first() {
         "the chain lost its prefix, not its tip"
     );
 }
+
+#[test]
+fn reservations_fill_in_place_commit_or_free_their_slot() {
+    let (s, _) = TieredStore::open(config(4, None)).unwrap();
+    let (a, b) = (key(1), key(2));
+    let mut r = s.reserve(a, None).unwrap();
+    assert_eq!(r.offset() % 4096, 0);
+    r.bytes_mut().copy_from_slice(&data(a));
+    // Not readable before commit.
+    assert!(!s.contains(&a));
+    assert_eq!(r.commit().unwrap(), PutOutcome::Stored(TierKind::Dram));
+    assert_eq!(get(&s, a), GetOutcome::Hit(TierKind::Dram));
+    assert_eq!(s.reserve(a, None).unwrap_err(), PutOutcome::AlreadyPresent);
+    // Dropped uncommitted: nothing stored, slot free again.
+    let mut r = s.reserve(b, Some(a)).unwrap();
+    r.bytes_mut().fill(7);
+    drop(r);
+    assert!(!s.contains(&b));
+    assert_eq!(
+        s.reserve(key(3), Some(key(99))).unwrap_err(),
+        PutOutcome::Rejected(RejectReason::OrphanBlock)
+    );
+    // Every slot reserved at once: the next is refused, never blocks.
+    let held: Vec<_> = (10..13).map(|i| s.reserve(key(i), None).unwrap()).collect();
+    assert_eq!(s.stats().tier(TierKind::Dram).unwrap().used_slots, 4);
+    drop(held);
+    s.check_consistency().unwrap();
+}
+
+#[test]
+fn pin_read_lends_pinned_bytes_and_unpins_on_drop() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, _) = TieredStore::open(config(2, Some((dir.path(), 16)))).unwrap();
+    let keys: Vec<_> = (0..4).map(key).collect();
+    for (i, k) in keys.iter().enumerate() {
+        s.put(*k, i.checked_sub(1).map(|p| keys[p]), &data(*k)).unwrap();
+        s.flush(); // the write-through copy holds its DRAM slot until done
+    }
+    s.flush();
+    // Two blocks fit in DRAM: the others come from NVMe, promoted and pinned.
+    let mut probe = keys[..3].to_vec();
+    probe.push(key(50));
+    let p = s.pin_read(&probe);
+    assert_eq!(p.blocks().len(), 2, "DRAM holds two slots, both pinned now");
+    assert_eq!(p.miss(), Some(MissReason::Busy));
+    for (i, b) in p.blocks().iter().enumerate() {
+        assert_eq!(p.bytes(i), &data(b.key)[..]);
+    }
+    drop(p);
+    let p = s.pin_read(&probe[..2]);
+    assert_eq!(p.blocks().len(), 2);
+    assert_eq!(p.miss(), None);
+    drop(p);
+    assert_eq!(s.stats().tier(TierKind::Dram).unwrap().pins_outstanding, 0);
+    s.check_consistency().unwrap();
+}
+
+#[test]
+fn events_follow_every_change_of_place() {
+    use kvtier_server::{StoreEvent, StoreEventKind as K};
+    use std::sync::{Arc, Mutex};
+    let dir = tempfile::tempdir().unwrap();
+    let (s, _) = TieredStore::open(config(2, Some((dir.path(), 16)))).unwrap();
+    let seen: Arc<Mutex<Vec<StoreEvent>>> = Arc::default();
+    let sink = seen.clone();
+    assert!(s.set_event_sink(Arc::new(move |e| sink.lock().unwrap().push(e))));
+    let (a, b, c) = (key(1), key(2), key(3));
+    s.put(a, None, &data(a)).unwrap();
+    s.put(b, Some(a), &data(b)).unwrap();
+    s.flush();
+    s.put(c, Some(b), &data(c)).unwrap(); // evicts a DRAM block
+    s.flush();
+    assert!(s.remove(&c));
+    s.clear().unwrap();
+    let ev = seen.lock().unwrap().clone();
+    let has = |kind, tier, k| ev.iter().any(|e| *e == StoreEvent { kind, tier, key: k });
+    for k in [a, b, c] {
+        assert!(has(K::Stored, TierKind::Dram, k), "{k} stored in DRAM: {ev:?}");
+        assert!(has(K::Stored, TierKind::Nvme, k), "{k} copied to NVMe: {ev:?}");
+    }
+    assert!(has(K::Removed, TierKind::Dram, c) && has(K::Removed, TierKind::Nvme, c));
+    assert!(
+        ev.iter()
+            .any(|e| e.kind == K::Removed && e.tier == TierKind::Dram && e.key != c),
+        "the eviction is reported: {ev:?}"
+    );
+    assert_eq!(ev.last().unwrap().kind, K::Cleared);
+    assert!(s.snapshot().is_empty());
+}
+
+#[test]
+fn snapshot_lists_every_block_and_its_tiers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, _) = TieredStore::open(config(2, Some((dir.path(), 16)))).unwrap();
+    let keys: Vec<_> = (0..3).map(key).collect();
+    for (i, k) in keys.iter().enumerate() {
+        s.put(*k, i.checked_sub(1).map(|p| keys[p]), &data(*k)).unwrap();
+        s.flush(); // the write-through copy holds its DRAM slot until done
+    }
+    s.flush();
+    let mut snap = s.snapshot();
+    snap.sort_by_key(|e| e.key);
+    assert_eq!(snap.len(), 3);
+    assert!(snap.iter().all(|e| e.in_nvme));
+    assert_eq!(snap.iter().filter(|e| e.in_dram).count(), 2);
+}

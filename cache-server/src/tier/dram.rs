@@ -163,6 +163,45 @@ impl DramTier {
         Ok(r)
     }
 
+    /// The first `len` bytes of `slot`, in place, with no slot lock.
+    ///
+    /// # Safety
+    /// The caller guarantees that nobody writes the slot while the slice lives (the store
+    /// holds a pin on a committed slot, which it never reallocates).
+    ///
+    /// # Panics
+    /// If `slot` or `len` is out of range.
+    pub(crate) unsafe fn slot_bytes_in_place(&self, slot: SlotId, len: usize) -> &[u8] {
+        assert!(slot.0 < self.slots && len <= self.slot_bytes, "slot range");
+        // SAFETY: in bounds (asserted); the caller excludes writers.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.map.as_mut_ptr().add(self.slot_offset(slot) as usize),
+                len,
+            )
+        }
+    }
+
+    /// The first `len` bytes of `slot`, in place and writable, with no slot lock.
+    ///
+    /// # Safety
+    /// The caller guarantees exclusive access to the slot while the slice lives (the store
+    /// allocated it to one reservation and no key references it).
+    ///
+    /// # Panics
+    /// If `slot` or `len` is out of range.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn slot_bytes_in_place_mut(&self, slot: SlotId, len: usize) -> &mut [u8] {
+        assert!(slot.0 < self.slots && len <= self.slot_bytes, "slot range");
+        // SAFETY: in bounds (asserted); the caller guarantees exclusivity.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.map.as_mut_ptr().add(self.slot_offset(slot) as usize),
+                len,
+            )
+        }
+    }
+
     /// Lends the bytes of block `key` in `slot` to `f` without copying them.
     pub fn read_with<R>(
         &self,

@@ -212,6 +212,7 @@ struct IdMeta {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
 struct SubscribeMeta {
     from_seq: Option<u64>,
+    snapshot: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
@@ -252,9 +253,12 @@ pub enum Request {
     Remove(KeyList),
     Clear,
     Stats,
-    /// Streams block events from `from_seq` (or from now).
+    /// Streams block events from `from_seq` (or from now). With `snapshot`, every cached
+    /// block is first sent as a `Stored` event with sequence number 0; applying the
+    /// snapshot and then the stream converges on the server's state.
     Subscribe {
         from_seq: Option<u64>,
+        snapshot: bool,
     },
 }
 
@@ -338,8 +342,9 @@ impl Request {
             Request::Release { lease_id: id }
             | Request::Commit { reservation_id: id }
             | Request::Abort { reservation_id: id } => enc(&IdMeta { id: *id }),
-            Request::Subscribe { from_seq } => enc(&SubscribeMeta {
+            Request::Subscribe { from_seq, snapshot } => enc(&SubscribeMeta {
                 from_seq: *from_seq,
+                snapshot: *snapshot,
             }),
         }
     }
@@ -414,8 +419,8 @@ impl Request {
                 }
             }
             Opcode::Subscribe => {
-                let SubscribeMeta { from_seq } = dec(what, meta)?;
-                Request::Subscribe { from_seq }
+                let SubscribeMeta { from_seq, snapshot } = dec(what, meta)?;
+                Request::Subscribe { from_seq, snapshot }
             }
         };
         Ok(r)

@@ -133,8 +133,14 @@ fn all_requests() -> Vec<Request> {
         Request::Remove(KeyList { keys }),
         Request::Clear,
         Request::Stats,
-        Request::Subscribe { from_seq: Some(10) },
-        Request::Subscribe { from_seq: None },
+        Request::Subscribe {
+            from_seq: Some(10),
+            snapshot: true,
+        },
+        Request::Subscribe {
+            from_seq: None,
+            snapshot: false,
+        },
     ]
 }
 
