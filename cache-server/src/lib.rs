@@ -11,6 +11,7 @@ pub mod io_pool;
 mod keyhash;
 pub mod policy;
 pub mod replay;
+pub mod server;
 pub mod stats;
 pub mod store;
 pub mod tier;

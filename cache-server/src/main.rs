@@ -1,163 +1,375 @@
-//! kvtier-server. Until the sidecar's network protocol lands, the binary runs a self-contained
-//! demonstration of the tiered store on embedded defaults: it opens the store, hashes a
-//! synthetic prompt into block keys, stores and reads the blocks back (verifying every byte),
-//! restarts the store to show the NVMe tier keeping the cache warm, and prints what it did
-//! and where the data lives.
+//! kvtier-server: the sidecar daemon. Runs on embedded defaults with no configuration
+//! (`docs/operations.md` lists every setting). `--demo` starts it, plays an inference worker
+//! against it through the SDK over every transport, restarts it to show the NVMe tier keeping
+//! the cache warm, and exits.
 
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use kvtier_core::{Dtype, HashSecret, KvLayout, NamespaceBuilder, PrefixHasher};
+use kvtier_client::{Client, ClientConfig, TierCode};
+use kvtier_core::{BlockKey, HashSecret, KvLayout, NamespaceBuilder, PrefixHasher};
+use kvtier_server::server::{ConfigLoader, Server, ServerConfig};
 use kvtier_server::tier::conformance::fill_block;
-use kvtier_server::{GetOutcome, NvmeSettings, StoreConfig, StoreStats, TierKind, TieredStore};
 
 #[derive(Parser, Debug)]
-#[command(
-    version,
-    about = "kvtier cache server (store demonstration on embedded defaults)"
-)]
+#[command(version, about = "kvtier cache server: KV-cache blocks in DRAM and NVMe tiers for inference workers")]
 struct Args {
-    /// Directory of the NVMe tier's slot files.
-    #[arg(long, default_value = "./kvtier-data")]
-    data_dir: PathBuf,
-    /// DRAM tier capacity in MiB.
-    #[arg(long, default_value_t = 256)]
-    dram_mib: u64,
-    /// NVMe tier capacity in MiB.
-    #[arg(long, default_value_t = 512)]
-    nvme_mib: u64,
+    /// TOML configuration file (template: config/kvtier.toml).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Override one setting: section.key=value (repeatable; wins over file and environment).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    set: Vec<String>,
+    /// Unix socket path ("off" to disable).
+    #[arg(long)]
+    unix: Option<String>,
+    /// TCP listen address ("off" to disable).
+    #[arg(long)]
+    tcp: Option<String>,
+    /// QUIC listen address ("off" to disable).
+    #[arg(long)]
+    quic: Option<String>,
+    /// HTTP admin address ("off" to disable).
+    #[arg(long)]
+    admin: Option<String>,
+    /// Token for TCP and QUIC clients.
+    #[arg(long)]
+    token: Option<String>,
+    /// DRAM tier size (e.g. 4GiB, or auto).
+    #[arg(long)]
+    dram_bytes: Option<String>,
+    /// NVMe tier directory ("" to disable the tier).
+    #[arg(long)]
+    nvme_dir: Option<String>,
+    /// NVMe tier size (e.g. 100GiB, or auto).
+    #[arg(long)]
+    nvme_bytes: Option<String>,
+    /// Print the effective configuration as TOML and exit.
+    #[arg(long)]
+    print_config: bool,
+    /// Run the demonstration (server + SDK worker over every transport + restart) and exit.
+    #[arg(long)]
+    demo: bool,
     /// Prompt length of the demonstration, in 16-token blocks.
-    #[arg(long, default_value_t = 96)]
-    blocks: usize,
+    #[arg(long, default_value_t = 64)]
+    demo_blocks: usize,
+}
+
+fn load_config(args: &Args) -> Result<ServerConfig> {
+    let mut l = ConfigLoader::new();
+    if let Some(p) = &args.config {
+        l = l.merge_file(p)?;
+    }
+    l = l.merge_env(std::env::vars())?;
+    let quoted = |v: &str| format!("{:?}", v);
+    for (key, v) in [
+        ("server.unix", &args.unix),
+        ("server.tcp", &args.tcp),
+        ("server.quic", &args.quic),
+        ("server.admin", &args.admin),
+        ("server.token", &args.token),
+        ("store.dram_bytes", &args.dram_bytes),
+        ("store.nvme_dir", &args.nvme_dir),
+        ("store.nvme_bytes", &args.nvme_bytes),
+    ] {
+        if let Some(v) = v {
+            l = l.set(&format!("{key}={}", quoted(v)))?;
+        }
+    }
+    for s in &args.set {
+        l = l.set(s)?;
+    }
+    Ok(l.build()?)
 }
 
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,quinn=warn".into()),
         )
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
-    if args.blocks == 0 {
-        anyhow::bail!("--blocks must be at least 1");
+    let mut config = load_config(&args)?;
+    if args.print_config {
+        print!("{}", toml::to_string(&config)?);
+        return Ok(());
     }
-    // Llama-3-8B's KV in bf16: 32 layers, 8 KV heads of 128, 16-token blocks = 2 MiB a block.
-    let layout = KvLayout::new(32, 8, 128, Dtype::Bf16, 16)?;
-    let block_bytes = layout.block_bytes() as usize;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("kvtier")
+        .build()?;
+    if args.demo {
+        if args.demo_blocks == 0 {
+            anyhow::bail!("--demo-blocks must be at least 1");
+        }
+        demo_defaults(&args, &mut config)?;
+        return rt.block_on(demo(config, args.demo_blocks));
+    }
+    rt.block_on(serve(config))
+}
+
+async fn serve(config: ServerConfig) -> Result<()> {
+    let server = Server::start(config).await?;
+    let e = server.endpoints().clone();
+    println!("kvtier-server {} ready", env!("CARGO_PKG_VERSION"));
+    print_endpoints(&e);
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: draining"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("interrupt: draining"),
+    }
+    let report = server.shutdown().await;
+    tracing::info!(cut = report.connections_cut, "stopped");
+    Ok(())
+}
+
+fn print_endpoints(e: &kvtier_server::server::Endpoints) {
+    if let Some(p) = &e.unix {
+        println!("  unix  unix://{}  (local workers; zero-copy)", p.display());
+    }
+    if let Some(a) = e.tcp {
+        println!("  tcp   tcp://{a}  (token required)");
+    }
+    if let Some(a) = e.quic {
+        println!("  quic  quic://{a}  (token required; TLS)");
+    }
+    if let Some(a) = e.admin {
+        println!("  admin http://{a}/metrics  /stats  /health  /ready");
+    }
+    if let Some(t) = &e.token_file {
+        println!("  token file {} (mode 0600)", t.display());
+    }
+    if let Some(c) = &e.quic_cert_file {
+        println!("  QUIC certificate {} (clients pin it)", c.display());
+    }
+}
+
+/// The demo runs beside anything else on the machine: its own runtime dir, ephemeral ports,
+/// small tiers (flags and --set still win).
+fn demo_defaults(args: &Args, c: &mut ServerConfig) -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("kvtier-demo-{}", std::process::id()));
+    let mut l = ConfigLoader::new()
+        .set(&format!("server.runtime_dir={:?}", dir.display().to_string()))?
+        .set("server.tcp=\"127.0.0.1:0\"")?
+        .set("server.quic=\"127.0.0.1:0\"")?
+        .set("server.admin=\"127.0.0.1:0\"")?
+        .set("store.dram_bytes=\"512MiB\"")?
+        .set("store.nvme_bytes=\"1GiB\"")?;
+    for s in &args.set {
+        l = l.set(s)?;
+    }
+    let d = l.build()?;
+    c.server.runtime_dir = d.server.runtime_dir;
+    c.server.tcp = args.tcp.clone().unwrap_or(d.server.tcp);
+    c.server.quic = args.quic.clone().unwrap_or(d.server.quic);
+    c.server.admin = args.admin.clone().unwrap_or(d.server.admin);
+    if args.dram_bytes.is_none() {
+        c.store.dram_bytes = d.store.dram_bytes;
+    }
+    if args.nvme_bytes.is_none() {
+        c.store.nvme_bytes = d.store.nvme_bytes;
+    }
+    c.validate()?;
+    Ok(())
+}
+
+fn gbps(bytes: usize, t: Duration) -> f64 {
+    bytes as f64 / t.as_secs_f64().max(1e-9) / 1e9
+}
+
+fn summary(tiers: &[TierCode]) -> String {
+    let d = tiers.iter().filter(|t| **t == TierCode::Dram).count();
+    format!("{} blocks ({d} DRAM, {} NVMe)", tiers.len(), tiers.len() - d)
+}
+
+/// Fetches `keys` and checks every byte.
+async fn fetch_verified(client: &Client, keys: &[BlockKey]) -> Result<(usize, Duration)> {
+    let block = client.block_bytes();
+    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; block]).collect();
+    let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+    let t = Instant::now();
+    let got = client.get_into(keys, &mut dst).await;
+    let took = t.elapsed();
+    let mut want = vec![0u8; block];
+    for (k, b) in keys.iter().zip(&bufs).take(got.blocks) {
+        fill_block(*k, &mut want);
+        anyhow::ensure!(*b == want, "block {k} came back with other bytes");
+    }
+    anyhow::ensure!(got.miss.is_none(), "fetch stopped early: {:?}", got.miss);
+    Ok((got.blocks, took))
+}
+
+async fn demo(config: ServerConfig, blocks: usize) -> Result<()> {
+    let layout: KvLayout = config.layout()?;
+    let nvme_dir = PathBuf::from(&config.store.nvme_dir);
+    let block = layout.block_bytes() as usize;
     println!(
-        "kvtier-server {} — tiered store demonstration",
-        env!("CARGO_PKG_VERSION")
-    );
-    println!(
-        "layout: llama-3-8b, {} layers x {} kv heads x {} dims, {}, {} tokens a block = {} KiB a block",
+        "kvtier-server {} demo: layout {} layers x {} kv heads x {} dims, {}, {} tokens = {} KiB a block",
+        env!("CARGO_PKG_VERSION"),
         layout.num_layers(),
         layout.num_kv_heads(),
         layout.head_dim(),
         layout.dtype().name(),
         layout.block_tokens(),
-        block_bytes >> 10
+        block >> 10
     );
     report_hbm();
-
-    let open = || -> Result<(TieredStore, kvtier_server::OpenReport)> {
-        let mut c = StoreConfig::new(layout, args.dram_mib << 20);
-        c.nvme = Some(NvmeSettings::new(&args.data_dir, args.nvme_mib << 20));
-        TieredStore::open(c)
-            .with_context(|| format!("opening the store (data dir {})", args.data_dir.display()))
-    };
-    let (store, report) = open()?;
-    let nvme = report.nvme.clone().unwrap_or_default();
-    println!(
-        "DRAM tier: memfd arena of {} MiB, {} slots (a local client can map it)",
-        store.dram().arena_bytes() >> 20,
-        store
-            .stats()
-            .tier(TierKind::Dram)
-            .map_or(0, |t| t.capacity_slots)
-    );
-    let data_dir = std::fs::canonicalize(&args.data_dir).unwrap_or(args.data_dir.clone());
-    println!(
-        "NVMe tier: {} ({}), {} slots; found {} blocks from an earlier run{}",
-        data_dir.display(),
-        if nvme.direct_io {
-            "O_DIRECT"
-        } else {
-            "buffered: the file system refused O_DIRECT"
-        },
-        store
-            .stats()
-            .tier(TierKind::Nvme)
-            .map_or(0, |t| t.capacity_slots),
-        nvme.recovered,
-        nvme.cold_start
-            .map(|w| format!(" (started cold: {w})"))
-            .unwrap_or_default()
+    let server = Server::start(config.clone()).await.context("starting the server")?;
+    let e = server.endpoints().clone();
+    print_endpoints(&e);
+    let unix = format!(
+        "unix://{}",
+        e.unix.as_ref().context("the demo needs the Unix socket")?.display()
     );
 
-    // A prompt's block keys: keyed, chained prefix hashes under the model's namespace.
+    // The worker side: keys of a prompt under the model's namespace and the tenant's salt.
     let secret = HashSecret::development();
-    let ns = NamespaceBuilder::new("llama-3-8b", layout.fingerprint()).build(&secret)?;
-    let mut hasher = PrefixHasher::new(secret, ns, layout.block_tokens())?;
-    let tokens: Vec<u32> = (0..args.blocks as u32 * 16)
-        .map(|i| i.wrapping_mul(2654435761) % 128_000)
+    let keys_for = |salt: &[u8]| -> Result<Vec<BlockKey>> {
+        let ns = NamespaceBuilder::new("llama-3-8b", layout.fingerprint())
+            .cache_salt(salt)
+            .build(&secret)?;
+        let mut h = PrefixHasher::new(secret.clone(), ns, layout.block_tokens())?;
+        let tokens: Vec<u32> = (0..(blocks * layout.block_tokens() as usize) as u32)
+            .map(|i| i.wrapping_mul(2654435761) % 128_000)
+            .collect();
+        let mut keys = Vec::new();
+        h.prompt_keys(&tokens, &mut keys);
+        Ok(keys)
+    };
+    let keys = keys_for(b"tenant-a")?;
+    let local = Client::connect(&unix, ClientConfig::default()).await?;
+    let mut events = local.events(None, false).await?;
+    println!(
+        "worker (unix, zero-copy {}): prompt of {} tokens = {} blocks",
+        local.is_local(),
+        blocks * layout.block_tokens() as usize,
+        keys.len()
+    );
+    let before = local.lookup(&keys).await;
+    println!("  lookup before: {} cached", summary(&before.tiers));
+    let start = before.tiers.len();
+    let data: Vec<Vec<u8>> = keys[start..]
+        .iter()
+        .map(|k| {
+            let mut b = vec![0u8; block];
+            fill_block(*k, &mut b);
+            b
+        })
         .collect();
-    let mut keys = Vec::new();
-    hasher.prompt_keys(&tokens, &mut keys);
-    println!(
-        "prompt: {} tokens -> {} block keys (first {})",
-        tokens.len(),
-        keys.len(),
-        keys[0]
-    );
-
-    let cached = store.lookup(&keys).len();
-    let mut buf = vec![0u8; block_bytes];
+    let bufs: Vec<&[u8]> = data.iter().map(|b| b.as_slice()).collect();
     let t = Instant::now();
-    let mut stored = 0;
-    for (i, k) in keys.iter().enumerate().skip(cached) {
-        fill_block(*k, &mut buf);
-        let parent = i.checked_sub(1).map(|p| keys[p]);
-        if let kvtier_server::PutOutcome::Stored(_) = store.put(*k, parent, &buf)? {
-            stored += 1;
-        }
-        if i % 8 == 7 {
-            store.flush(); // let write-through copies keep up in this tiny demo
-        }
+    let stored = local
+        .put_chain(&keys[start..], start.checked_sub(1).map(|p| keys[p]), &bufs)
+        .await;
+    anyhow::ensure!(stored.failure.is_none(), "put failed: {:?}", stored.failure);
+    println!(
+        "  put {} new blocks in {:.1} ms ({:.2} GB/s into reserved arena slots)",
+        stored.cached(),
+        t.elapsed().as_secs_f64() * 1e3,
+        gbps(stored.cached() * block, t.elapsed())
+    );
+    let after = local.lookup(&keys).await;
+    println!("  lookup after:  {} cached", summary(&after.tiers));
+    let (n, took) = fetch_verified(&local, &keys).await?;
+    println!(
+        "  get {n} blocks, every byte verified: {:.2} GB/s (copied once, out of the mapped arena)",
+        gbps(n * block, took)
+    );
+    let other = local.lookup(&keys_for(b"tenant-b")?).await;
+    println!(
+        "  the same prompt under another cache_salt: {} cached (tenants never share)",
+        other.tiers.len()
+    );
+    for (name, url, cfg) in [
+        (
+            "tcp ",
+            e.tcp.map(|a| format!("tcp://{a}")),
+            ClientConfig::default().token(&e.token),
+        ),
+        (
+            "quic",
+            e.quic.map(|a| format!("quic://{a}")),
+            ClientConfig::default()
+                .token(&e.token)
+                .quic_cert_der(e.quic_cert_der.clone()),
+        ),
+    ] {
+        let Some(url) = url else { continue };
+        let remote = Client::connect(&url, cfg).await?;
+        let (n, took) = fetch_verified(&remote, &keys).await?;
+        println!(
+            "worker ({name}, token): get {n} blocks verified, {:.2} GB/s",
+            gbps(n * block, took)
+        );
     }
-    store.flush();
+    let denied = Client::connect(
+        &format!("tcp://{}", e.tcp.context("tcp")?),
+        ClientConfig::default().token("wrong"),
+    )
+    .await;
     println!(
-        "put: {stored} new blocks ({} already cached) in {:.1} ms, each also written through to NVMe",
-        cached,
-        t.elapsed().as_secs_f64() * 1e3
+        "a TCP client with a wrong token: {}",
+        match denied {
+            Ok(_) => "accepted (unexpected!)".to_string(),
+            Err(e) => format!("refused ({e})"),
+        }
     );
-    print_lookup("lookup", &store.lookup(&keys), keys.len());
-    verify(&store, &keys, &mut buf)?;
-    print_stats(&store.stats());
-    drop(store);
+    let mut seen = 0;
+    while let Ok(Some(batch)) =
+        tokio::time::timeout(Duration::from_millis(200), events.next_batch()).await
+    {
+        seen += batch.len();
+    }
+    println!("block events seen by a subscriber (for KV-aware routers): {seen}");
+    if let Some(a) = e.admin {
+        let metrics = http_get(a, "/metrics").await?;
+        println!(
+            "admin /metrics: {} lines, e.g. {}",
+            metrics.lines().count(),
+            metrics
+                .lines()
+                .find(|l| l.starts_with("kvtier_tier_hits_total{tier=\"dram\"}"))
+                .unwrap_or("?")
+        );
+    }
+    drop((local, events));
+    server.shutdown().await;
 
-    println!("restarting the store...");
-    let (store, report) = open()?;
+    println!("restarting the server...");
+    let server = Server::start(config).await?;
+    let local = Client::connect(&unix, ClientConfig::default()).await?;
+    let warm = local.lookup(&keys).await;
+    println!("  lookup after restart: {} cached", summary(&warm.tiers));
+    let (n, took) = fetch_verified(&local, &keys).await?;
     println!(
-        "reopened: {} blocks recovered from NVMe slot headers",
-        report.nvme.map_or(0, |r| r.recovered)
+        "  get {n} blocks from NVMe, every byte verified: {:.2} GB/s (promoted into DRAM)",
+        gbps(n * block, took)
     );
-    print_lookup("lookup after restart", &store.lookup(&keys), keys.len());
-    verify(&store, &keys, &mut buf)?;
-    print_lookup(
-        "lookup after reads (NVMe hits promoted)",
-        &store.lookup(&keys),
-        keys.len(),
-    );
-    verify(&store, &keys, &mut buf)?;
-    print_stats(&store.stats());
+    let again = local.lookup(&keys).await;
+    println!("  lookup now: {} cached", summary(&again.tiers));
+    drop(local);
+    server.shutdown().await;
+    let data_dir = std::fs::canonicalize(&nvme_dir).unwrap_or(nvme_dir);
     println!(
-        "data lives in {} (remove it to start cold); run again to see a warm start",
+        "done. NVMe data lives in {} (remove it to start cold; run again to start warm)",
         data_dir.display()
     );
     Ok(())
+}
+
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").as_bytes())
+        .await?;
+    let mut out = String::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut out)).await??;
+    let body = out.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+    Ok(body.to_string())
 }
 
 fn report_hbm() {
@@ -168,65 +380,4 @@ fn report_hbm() {
     }
     #[cfg(not(feature = "cuda"))]
     println!("HBM tier: not built (build with --features cuda)");
-}
-
-fn verify(store: &TieredStore, keys: &[kvtier_core::BlockKey], buf: &mut [u8]) -> Result<()> {
-    let mut want = vec![0u8; buf.len()];
-    let (mut dram, mut nvme, mut miss) = (0, 0, 0);
-    let t = Instant::now();
-    for k in keys {
-        match store.get(k, buf)? {
-            GetOutcome::Hit(tier) => {
-                fill_block(*k, &mut want);
-                anyhow::ensure!(buf == &want[..], "block {k} came back with other bytes");
-                if tier == TierKind::Dram {
-                    dram += 1
-                } else {
-                    nvme += 1
-                }
-            }
-            GetOutcome::Miss(_) => miss += 1,
-        }
-    }
-    let secs = t.elapsed().as_secs_f64();
-    let gb = ((dram + nvme) * buf.len()) as f64 / 1e9;
-    println!(
-        "get: {dram} DRAM hits, {nvme} NVMe hits, {miss} misses, every byte verified ({:.2} GB/s)",
-        gb / secs.max(1e-9)
-    );
-    Ok(())
-}
-
-fn print_lookup(what: &str, tiers: &[TierKind], total: usize) {
-    let dram = tiers.iter().filter(|t| **t == TierKind::Dram).count();
-    println!(
-        "{what}: longest cached prefix {}/{total} blocks ({dram} in DRAM, {} on NVMe)",
-        tiers.len(),
-        tiers.len() - dram
-    );
-}
-
-fn print_stats(s: &StoreStats) {
-    println!(
-        "  store memory for index and policies: {} bytes per block of capacity",
-        s.metadata_bytes_per_block
-    );
-    println!(
-        "  tier  used/slots   hits  misses  evictions  demotions  promotions  refused  corrupt"
-    );
-    for t in &s.tiers {
-        println!(
-            "  {:<5} {:>5}/{:<6} {:>5} {:>7} {:>10} {:>10} {:>11} {:>8} {:>8}",
-            t.tier.map_or("?", |k| k.name()),
-            t.used_slots,
-            t.capacity_slots,
-            t.hits,
-            t.misses,
-            t.evictions,
-            t.demotions,
-            t.promotions,
-            t.admissions_refused,
-            t.corrupt_dropped
-        );
-    }
 }

@@ -31,7 +31,7 @@ impl TierCounters {
 }
 
 /// A point-in-time copy of one tier's counters and gauges.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct TierStats {
     pub tier: Option<TierKind>,
     pub hits: u64,
@@ -87,7 +87,7 @@ impl TierStats {
 }
 
 /// Every tier's stats plus store-wide gauges.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct StoreStats {
     pub tiers: Vec<TierStats>,
     /// Keys in the index.

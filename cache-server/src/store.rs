@@ -394,7 +394,18 @@ impl TieredStore {
         key: BlockKey,
         parent: Option<BlockKey>,
     ) -> Result<Reservation, PutOutcome> {
-        self.inner.reserve(key, parent)
+        self.inner.reserve(key, parent, false)
+    }
+
+    /// Like [`TieredStore::reserve`] for a block whose parent is reserved earlier in the same
+    /// batch (not yet committed): the parent is not required to be cached now. Commit the
+    /// batch in order; a child whose parent was not committed is refused at its commit.
+    pub fn reserve_after(
+        &self,
+        key: BlockKey,
+        parent: BlockKey,
+    ) -> Result<Reservation, PutOutcome> {
+        self.inner.reserve(key, Some(parent), true)
     }
 
     /// Every cached block and the tiers holding it. O(blocks); for resyncing subscribers.
@@ -739,7 +750,7 @@ impl Inner {
                 expected: self.block_bytes,
             });
         }
-        match self.reserve(key, parent) {
+        match self.reserve(key, parent, false) {
             Ok(mut r) => {
                 r.bytes_mut().copy_from_slice(data);
                 r.commit()
@@ -752,6 +763,7 @@ impl Inner {
         self: &Arc<Self>,
         key: BlockKey,
         parent: Option<BlockKey>,
+        parent_pending: bool,
     ) -> Result<Reservation, PutOutcome> {
         if self.shard(&key).contains_key(&key) {
             return Err(PutOutcome::AlreadyPresent);
@@ -760,6 +772,7 @@ impl Inner {
         let parent_slot = match parent {
             Some(p) => match self.shard(&p).get(&p) {
                 Some(e) => (e.dram != NONE).then_some(e.dram),
+                None if parent_pending => None,
                 None => {
                     TierCounters::inc(&c.admissions_refused);
                     return Err(PutOutcome::Rejected(RejectReason::OrphanBlock));

@@ -1,0 +1,651 @@
+//! The daemon's configuration: defaults < TOML file < environment (`KVTIER_<SECTION>_<KEY>`)
+//! < command-line `--set section.key=value` (and the shorthand flags of the binary). Every
+//! setting is documented in `docs/operations.md`; `config/kvtier.toml` is a template holding
+//! exactly the defaults (a test parses it and compares).
+//!
+//! Settings merge as TOML tables before anything is interpreted, so every layer speaks the
+//! same names and a mistake in any layer is reported with the setting's name.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kvtier_core::protocol::Limits;
+use kvtier_core::{Dtype, KvKind, KvLayout};
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::StoreConfig;
+use crate::config::NvmeSettings;
+use crate::policy::DemotionPolicy;
+
+/// A byte size: an integer, or a string like `"4GiB"`, `"512 MiB"`, `"64k"`; `"auto"` where
+/// the setting allows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(into = "String")]
+pub enum Size {
+    Auto,
+    Bytes(u64),
+}
+
+impl From<Size> for String {
+    fn from(s: Size) -> String {
+        match s {
+            Size::Auto => "auto".into(),
+            Size::Bytes(b) => b.to_string(),
+        }
+    }
+}
+
+/// Parses `"4GiB"`, `"512m"`, `"1048576"`, `"auto"`.
+pub fn parse_size(s: &str) -> Result<Size, String> {
+    let t = s.trim();
+    if t.eq_ignore_ascii_case("auto") {
+        return Ok(Size::Auto);
+    }
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (examples: 4096, \"64KiB\", \"4GiB\", \"auto\")"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        u => return Err(format!("unknown size unit {u:?} in {s:?} (use B, KiB, MiB, GiB, TiB)")),
+    };
+    n.checked_mul(1u64 << shift)
+        .map(Size::Bytes)
+        .ok_or_else(|| format!("{s:?} overflows 64 bits"))
+}
+
+impl<'de> Deserialize<'de> for Size {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(Size::Bytes(n)),
+            Raw::S(s) => parse_size(&s).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// Everything the daemon reads. Unknown keys are errors.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    pub server: ListenConfig,
+    pub store: StoreSection,
+    pub layout: LayoutSection,
+    pub limits: LimitsSection,
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ListenConfig {
+    /// Name announced in hello replies and metrics. Default: "kvtier".
+    pub name: String,
+    /// Directory for the Unix socket, the generated token and certificate. Default:
+    /// `$XDG_RUNTIME_DIR/kvtier`, else `/tmp/kvtier-<uid>`.
+    pub runtime_dir: String,
+    /// Unix socket path; "" = `<runtime_dir>/kvtier.sock`; "off" disables it.
+    pub unix: String,
+    /// TCP listen address; "off" disables. Default: "127.0.0.1:7450".
+    pub tcp: String,
+    /// QUIC (UDP) listen address; "off" disables. Default: "127.0.0.1:7451".
+    pub quic: String,
+    /// HTTP admin address (/health /ready /metrics /stats); "off" disables. Default:
+    /// "127.0.0.1:7452".
+    pub admin: String,
+    /// Token that TCP and QUIC clients must present. "" = read `token_file`, else generate
+    /// one and write it to `<runtime_dir>/token` (mode 0600).
+    pub token: String,
+    /// File holding the token (first line). Default: "".
+    pub token_file: String,
+    /// PEM certificate chain and key for QUIC; "" = generate a self-signed certificate for
+    /// `localhost` and write it to `<runtime_dir>/quic-cert.der` for clients to pin.
+    pub tls_cert: String,
+    pub tls_key: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreSection {
+    /// DRAM tier size; "auto" = a quarter of available memory, at most 8 GiB.
+    pub dram_bytes: Size,
+    /// Reserve the DRAM arena at start. Default: true.
+    pub dram_prefault: bool,
+    /// NVMe tier directory; "" disables the tier. Default: "./kvtier-data".
+    pub nvme_dir: String,
+    /// NVMe tier size; "auto" = half the file system's free space, at most 64 GiB.
+    pub nvme_bytes: Size,
+    /// O_DIRECT on the NVMe tier where the file system allows. Default: true.
+    pub nvme_direct_io: bool,
+    /// "write-through" (default), "write-back", or "selective:<hits>" (copy to NVMe after
+    /// that many DRAM hits).
+    pub demotion: String,
+    /// Tier I/O threads. Default: 4.
+    pub io_threads: usize,
+}
+
+/// The KV layout of the blocks this server holds (its size sets the slot size).
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LayoutSection {
+    pub layers: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    /// "bf16", "f16", "f32", "fp8".
+    pub dtype: String,
+    pub block_tokens: u32,
+    /// "kv" (K and V) or "mla" (one latent).
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsSection {
+    /// Default: 1,024. Past it, new connections get a "busy" error and are closed.
+    pub max_connections: usize,
+    /// Requests of one connection in flight at once (pipelining depth). Default: 64.
+    pub max_inflight_per_connection: usize,
+    /// Block bytes being sent to clients at once, all connections together. Default: 1 GiB.
+    pub max_inflight_bytes: Size,
+    /// Keys in one request. Default: 65,536.
+    pub max_keys: u32,
+    /// Metadata bytes in one frame. Default: 1 MiB.
+    pub max_meta_bytes: Size,
+    /// Payload bytes in one frame. Default: 256 MiB.
+    pub max_payload_bytes: Size,
+    /// Longest pin or reservation lease. Default: 30,000 ms.
+    pub max_lease_ms: u64,
+    /// A connection idle this long between frames is closed. Default: 300 s.
+    pub idle_timeout_ms: u64,
+    /// A frame must arrive whole within this once its first byte came. Default: 10,000 ms.
+    pub frame_timeout_ms: u64,
+    /// A response must be written within this. Default: 30,000 ms.
+    pub write_timeout_ms: u64,
+    /// On SIGTERM, wait this long for requests in flight. Default: 10,000 ms.
+    pub drain_timeout_ms: u64,
+}
+
+impl Default for ListenConfig {
+    fn default() -> Self {
+        Self {
+            name: "kvtier".into(),
+            runtime_dir: String::new(),
+            unix: String::new(),
+            tcp: "127.0.0.1:7450".into(),
+            quic: "127.0.0.1:7451".into(),
+            admin: "127.0.0.1:7452".into(),
+            token: String::new(),
+            token_file: String::new(),
+            tls_cert: String::new(),
+            tls_key: String::new(),
+        }
+    }
+}
+
+impl Default for StoreSection {
+    fn default() -> Self {
+        Self {
+            dram_bytes: Size::Auto,
+            dram_prefault: true,
+            nvme_dir: "./kvtier-data".into(),
+            nvme_bytes: Size::Auto,
+            nvme_direct_io: true,
+            demotion: "write-through".into(),
+            io_threads: 4,
+        }
+    }
+}
+
+impl Default for LayoutSection {
+    /// Llama-3-8B in bf16 with 16-token blocks: 2 MiB a block.
+    fn default() -> Self {
+        Self {
+            layers: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            dtype: "bf16".into(),
+            block_tokens: 16,
+            kind: "kv".into(),
+        }
+    }
+}
+
+impl Default for LimitsSection {
+    fn default() -> Self {
+        let l = Limits::default();
+        Self {
+            max_connections: 1024,
+            max_inflight_per_connection: 64,
+            max_inflight_bytes: Size::Bytes(1 << 30),
+            max_keys: l.max_keys,
+            max_meta_bytes: Size::Bytes(u64::from(l.max_meta_bytes)),
+            max_payload_bytes: Size::Bytes(l.max_payload_bytes),
+            max_lease_ms: 30_000,
+            idle_timeout_ms: 300_000,
+            frame_timeout_ms: 10_000,
+            write_timeout_ms: 30_000,
+            drain_timeout_ms: 10_000,
+        }
+    }
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            server: ListenConfig::default(),
+            store: StoreSection::default(),
+            layout: LayoutSection::default(),
+            limits: LimitsSection::default(),
+        }
+    }
+}
+
+/// A configuration error, naming the setting.
+#[derive(Debug, thiserror::Error)]
+#[error("config: {setting}: {reason}")]
+pub struct ConfigError {
+    pub setting: String,
+    pub reason: String,
+}
+
+fn cerr(setting: impl Into<String>, reason: impl std::fmt::Display) -> ConfigError {
+    ConfigError {
+        setting: setting.into(),
+        reason: reason.to_string(),
+    }
+}
+
+/// Builds a [`ServerConfig`] from its layers.
+#[derive(Default)]
+pub struct ConfigLoader {
+    table: toml::Table,
+}
+
+impl ConfigLoader {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Merges a TOML document (a config file's text); `origin` names it in errors.
+    pub fn merge_toml(mut self, text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let t: toml::Table = text.parse().map_err(|e| cerr(origin, e))?;
+        for (section, v) in t {
+            let toml::Value::Table(inner) = v else {
+                return Err(cerr(
+                    format!("{origin}: {section}"),
+                    "expected a [section] table",
+                ));
+            };
+            for (k, v) in inner {
+                self.set_value(&section, &k, v);
+            }
+        }
+        Ok(self)
+    }
+
+    pub fn merge_file(self, path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| cerr(format!("config file {}", path.display()), e))?;
+        self.merge_toml(&text, &format!("config file {}", path.display()))
+    }
+
+    /// Merges `KVTIER_<SECTION>_<KEY>` variables (e.g. `KVTIER_STORE_DRAM_BYTES=4GiB`).
+    pub fn merge_env(mut self, vars: impl IntoIterator<Item = (String, String)>) -> Result<Self, ConfigError> {
+        for (name, value) in vars {
+            let Some(rest) = name.strip_prefix("KVTIER_") else {
+                continue;
+            };
+            let lower = rest.to_ascii_lowercase();
+            let Some((section, key)) = ["server", "store", "layout", "limits"]
+                .iter()
+                .find_map(|s| Some((*s, lower.strip_prefix(s)?.strip_prefix('_')?)))
+            else {
+                // Other KVTIER_ variables (e.g. the SDK's) are not ours.
+                continue;
+            };
+            self.set_value(section, key, scalar(&value));
+        }
+        Ok(self)
+    }
+
+    /// Merges one `section.key=value` assignment (the `--set` flag).
+    pub fn set(mut self, assignment: &str) -> Result<Self, ConfigError> {
+        let (path, value) = assignment
+            .split_once('=')
+            .ok_or_else(|| cerr(assignment, "expected section.key=value"))?;
+        let (section, key) = path
+            .trim()
+            .split_once('.')
+            .ok_or_else(|| cerr(path, "expected section.key (e.g. store.dram_bytes)"))?;
+        self.set_value(section, key, scalar(value.trim()));
+        Ok(self)
+    }
+
+    fn set_value(&mut self, section: &str, key: &str, v: toml::Value) {
+        let t = self
+            .table
+            .entry(section.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        if let toml::Value::Table(t) = t {
+            t.insert(key.to_string(), v);
+        }
+    }
+
+    pub fn build(self) -> Result<ServerConfig, ConfigError> {
+        let c: ServerConfig = toml::Value::Table(self.table)
+            .try_into()
+            .map_err(|e: toml::de::Error| cerr("config", e.message()))?;
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+/// An environment or flag value: a TOML scalar if it parses as one, else a string.
+fn scalar(s: &str) -> toml::Value {
+    match format!("v = {s}").parse::<toml::Table>() {
+        Ok(mut t) => match t.remove("v") {
+            Some(v @ (toml::Value::Integer(_) | toml::Value::Boolean(_) | toml::Value::String(_))) => v,
+            _ => toml::Value::String(s.to_string()),
+        },
+        Err(_) => toml::Value::String(s.to_string()),
+    }
+}
+
+/// An address setting: `None` when "off".
+fn addr(setting: &str, v: &str) -> Result<Option<SocketAddr>, ConfigError> {
+    if v.eq_ignore_ascii_case("off") || v.is_empty() {
+        return Ok(None);
+    }
+    v.parse()
+        .map(Some)
+        .map_err(|e| cerr(setting, format!("{v:?}: {e}")))
+}
+
+impl ServerConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.layout()?;
+        self.tcp_addr()?;
+        self.quic_addr()?;
+        self.admin_addr()?;
+        self.demotion()?;
+        let l = &self.limits;
+        for (name, v) in [
+            ("limits.max_connections", l.max_connections as u64),
+            ("limits.max_inflight_per_connection", l.max_inflight_per_connection as u64),
+            ("limits.max_keys", u64::from(l.max_keys)),
+            ("limits.max_lease_ms", l.max_lease_ms),
+            ("limits.idle_timeout_ms", l.idle_timeout_ms),
+            ("limits.frame_timeout_ms", l.frame_timeout_ms),
+            ("limits.write_timeout_ms", l.write_timeout_ms),
+            ("store.io_threads", self.store.io_threads as u64),
+        ] {
+            if v == 0 {
+                return Err(cerr(name, "must be at least 1"));
+            }
+        }
+        let meta = self.limits()?.max_meta_bytes;
+        if u64::from(meta) < 4096 {
+            return Err(cerr("limits.max_meta_bytes", "must be at least 4096"));
+        }
+        let block = self.layout()?.block_bytes();
+        if self.limits()?.max_payload_bytes < block {
+            return Err(cerr(
+                "limits.max_payload_bytes",
+                format!("must hold at least one block ({block} bytes)"),
+            ));
+        }
+        for (name, v) in [
+            ("store.dram_bytes", self.store.dram_bytes),
+            ("store.nvme_bytes", self.store.nvme_bytes),
+        ] {
+            if v == Size::Bytes(0) {
+                return Err(cerr(name, "must not be 0 (use \"auto\", or disable the tier)"));
+            }
+        }
+        if matches!(self.limits.max_inflight_bytes, Size::Auto | Size::Bytes(0)) {
+            return Err(cerr("limits.max_inflight_bytes", "must be a size of at least one block"));
+        }
+        if self.server.tls_cert.is_empty() != self.server.tls_key.is_empty() {
+            return Err(cerr("server.tls_cert", "tls_cert and tls_key go together"));
+        }
+        Ok(())
+    }
+
+    pub fn layout(&self) -> Result<KvLayout, ConfigError> {
+        let l = &self.layout;
+        let dtype = Dtype::parse(&l.dtype).map_err(|e| cerr("layout.dtype", e))?;
+        let kind = match l.kind.as_str() {
+            "kv" => KvKind::KeyValue,
+            "mla" => KvKind::Mla,
+            k => return Err(cerr("layout.kind", format!("{k:?}: expected \"kv\" or \"mla\""))),
+        };
+        KvLayout::with_kind(l.layers, l.kv_heads, l.head_dim, dtype, l.block_tokens, kind)
+            .map_err(|e| cerr("layout", e))
+    }
+
+    pub fn limits(&self) -> Result<Limits, ConfigError> {
+        let bytes = |name: &str, s: Size| match s {
+            Size::Bytes(b) => Ok(b),
+            Size::Auto => Err(cerr(name, "\"auto\" is not allowed here")),
+        };
+        Ok(Limits {
+            max_meta_bytes: u32::try_from(bytes("limits.max_meta_bytes", self.limits.max_meta_bytes)?)
+                .map_err(|_| cerr("limits.max_meta_bytes", "at most 4 GiB"))?,
+            max_keys: self.limits.max_keys,
+            max_payload_bytes: bytes("limits.max_payload_bytes", self.limits.max_payload_bytes)?,
+        })
+    }
+
+    pub fn demotion(&self) -> Result<DemotionPolicy, ConfigError> {
+        let d = self.store.demotion.as_str();
+        DemotionPolicy::parse(d).ok_or_else(|| {
+            cerr(
+                "store.demotion",
+                format!("{d:?}: expected write-through, write-back or selective:<hits>"),
+            )
+        })
+    }
+
+    pub fn tcp_addr(&self) -> Result<Option<SocketAddr>, ConfigError> {
+        addr("server.tcp", &self.server.tcp)
+    }
+    pub fn quic_addr(&self) -> Result<Option<SocketAddr>, ConfigError> {
+        addr("server.quic", &self.server.quic)
+    }
+    pub fn admin_addr(&self) -> Result<Option<SocketAddr>, ConfigError> {
+        addr("server.admin", &self.server.admin)
+    }
+
+    pub fn runtime_dir(&self) -> PathBuf {
+        if !self.server.runtime_dir.is_empty() {
+            return PathBuf::from(&self.server.runtime_dir);
+        }
+        match std::env::var_os("XDG_RUNTIME_DIR") {
+            Some(d) if !d.is_empty() => PathBuf::from(d).join("kvtier"),
+            // SAFETY: getuid has no preconditions and cannot fail.
+            _ => PathBuf::from(format!("/tmp/kvtier-{}", unsafe { libc::getuid() })),
+        }
+    }
+
+    /// The Unix socket path, or `None` when disabled.
+    pub fn unix_path(&self) -> Option<PathBuf> {
+        match self.server.unix.as_str() {
+            "off" => None,
+            "" => Some(self.runtime_dir().join("kvtier.sock")),
+            p => Some(PathBuf::from(p)),
+        }
+    }
+
+    pub fn frame_timeout(&self) -> Duration {
+        Duration::from_millis(self.limits.frame_timeout_ms)
+    }
+    pub fn idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.limits.idle_timeout_ms)
+    }
+    pub fn write_timeout(&self) -> Duration {
+        Duration::from_millis(self.limits.write_timeout_ms)
+    }
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_millis(self.limits.drain_timeout_ms)
+    }
+    pub fn max_lease(&self) -> Duration {
+        Duration::from_millis(self.limits.max_lease_ms)
+    }
+
+    /// The store's configuration, with "auto" sizes resolved against this machine.
+    pub fn store_config(&self) -> Result<StoreConfig, ConfigError> {
+        let layout = self.layout()?;
+        let dram = match self.store.dram_bytes {
+            Size::Bytes(b) => b,
+            Size::Auto => (available_memory_bytes() / 4).clamp(256 << 20, 8 << 30),
+        };
+        let mut c = StoreConfig::new(layout, dram);
+        c.dram_prefault = self.store.dram_prefault;
+        c.demotion = self.demotion()?;
+        c.io_threads = self.store.io_threads;
+        c.max_lease = self.max_lease();
+        if !self.store.nvme_dir.is_empty() {
+            let dir = PathBuf::from(&self.store.nvme_dir);
+            let bytes = match self.store.nvme_bytes {
+                Size::Bytes(b) => b,
+                Size::Auto => {
+                    std::fs::create_dir_all(&dir)
+                        .map_err(|e| cerr("store.nvme_dir", format!("{}: {e}", dir.display())))?;
+                    (free_bytes(&dir) / 2).clamp(256 << 20, 64 << 30)
+                }
+            };
+            let mut n = NvmeSettings::new(dir, bytes);
+            n.direct_io = self.store.nvme_direct_io;
+            c.nvme = Some(n);
+        }
+        Ok(c)
+    }
+}
+
+/// MemAvailable from /proc/meminfo (1 GiB if unreadable).
+pub fn available_memory_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemAvailable:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(1 << 30, |kb| kb * 1024)
+}
+
+fn free_bytes(dir: &Path) -> u64 {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+        return 0;
+    };
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `st` a valid out-pointer for the call.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return 0;
+    }
+    st.f_bavail as u64 * st.f_frsize as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_template_holds_exactly_the_defaults() {
+        let text = include_str!("../../../config/kvtier.toml");
+        let c = ConfigLoader::new()
+            .merge_toml(text, "config/kvtier.toml")
+            .unwrap()
+            .build()
+            .unwrap();
+        assert_eq!(c, ServerConfig::default());
+        // And it names every setting (a new setting must be added to the template).
+        let t: toml::Table = text.parse().unwrap();
+        let d = toml::Table::try_from(ServerConfig::default()).unwrap();
+        for (section, v) in &d {
+            let keys = v.as_table().unwrap();
+            let have = t[section].as_table().unwrap();
+            for k in keys.keys() {
+                assert!(have.contains_key(k), "template lacks {section}.{k}");
+            }
+        }
+    }
+
+    #[test]
+    fn layers_override_in_order() {
+        let c = ConfigLoader::new()
+            .merge_toml("[store]\ndram_bytes = \"1GiB\"\nio_threads = 2\n", "file")
+            .unwrap()
+            .merge_env([
+                ("KVTIER_STORE_DRAM_BYTES".to_string(), "2GiB".to_string()),
+                ("KVTIER_LIMITS_MAX_KEYS".to_string(), "128".to_string()),
+                ("KVTIER_CLIENT_TIMEOUT".to_string(), "ignored".to_string()),
+                ("PATH".to_string(), "/bin".to_string()),
+            ])
+            .unwrap()
+            .set("store.dram_bytes=3GiB")
+            .unwrap()
+            .set("server.tcp = off")
+            .unwrap()
+            .build()
+            .unwrap();
+        assert_eq!(c.store.dram_bytes, Size::Bytes(3 << 30));
+        assert_eq!(c.store.io_threads, 2);
+        assert_eq!(c.limits.max_keys, 128);
+        assert_eq!(c.tcp_addr().unwrap(), None);
+    }
+
+    fn check_err(assignments: &[&str], names: &str) {
+        let mut l = ConfigLoader::new();
+        for a in assignments {
+            l = match l.set(a) {
+                Ok(l) => l,
+                Err(e) => {
+                    assert!(e.to_string().contains(names), "{e}");
+                    return;
+                }
+            };
+        }
+        let e = l.build().unwrap_err();
+        assert!(e.to_string().contains(names), "{names}: {e}");
+    }
+
+    #[test]
+    fn bad_settings_name_themselves() {
+        check_err(&["store.dram_bytes=12 parsecs"], "parsecs");
+        check_err(&["store.dram_bytes=0"], "store.dram_bytes");
+        check_err(&["store.bogus=1"], "bogus");
+        check_err(&["server.tcp=localhost"], "server.tcp");
+        check_err(&["layout.dtype=int3"], "layout.dtype");
+        check_err(&["layout.kind=sparse"], "layout.kind");
+        check_err(&["layout.layers=0"], "layout");
+        check_err(&["store.demotion=sometimes"], "store.demotion");
+        check_err(&["limits.max_keys=0"], "limits.max_keys");
+        check_err(&["limits.max_payload_bytes=4096"], "limits.max_payload_bytes");
+        check_err(&["server.tls_cert=/x.pem"], "tls_cert");
+        check_err(&["nodots=1"], "section.key");
+        check_err(&["store.io_threads=\"many\""], "io_threads");
+        let e = ConfigLoader::new().merge_toml("[store\n", "f.toml").err().unwrap();
+        assert!(e.to_string().contains("f.toml"), "{e}");
+    }
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("4GiB"), Ok(Size::Bytes(4 << 30)));
+        assert_eq!(parse_size("64k"), Ok(Size::Bytes(64 << 10)));
+        assert_eq!(parse_size(" 512 MiB "), Ok(Size::Bytes(512 << 20)));
+        assert_eq!(parse_size("AUTO"), Ok(Size::Auto));
+        assert!(parse_size("99999999999TiB").is_err());
+        assert!(parse_size("-1").is_err());
+    }
+}

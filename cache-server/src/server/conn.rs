@@ -1,0 +1,998 @@
+//! One client connection: a reader loop that decodes frames and dispatches requests (puts
+//! inline, straight from the socket into reserved slots; everything else on its own task, so
+//! requests pipeline), and a writer task that sends responses, streaming get payloads from
+//! pinned DRAM slots without copying them.
+//!
+//! **Invariant:** every pin and reservation a connection takes is released when it ends,
+//! whatever way it ends (EOF, error, timeout, shutdown, a killed client): they live in the
+//! connection's [`ConnState`], which releases them on drop.
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvtier_core::protocol::{
+    ErrorCode, ErrorReply, Events, FrameError, HEADER_BYTES, Header, Hello, HelloReply,
+    MIN_VERSION, MissCode, Opcode, PinReply, PinnedSlot, PutEntry, PutReply, PutStatus, Request,
+    ReserveReply, ReservedSlot, Response, VERSION, flags,
+};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
+
+use super::Shared;
+use super::events::tier_code;
+use super::metrics::{Metrics, Transport};
+use crate::policy::admission::RejectReason;
+use crate::{MissReason, PinnedRead, PutOutcome, Reservation, StoreError, TierKind};
+
+/// Responses queued for the writer of one connection.
+const OUT_QUEUE: usize = 256;
+/// Events sent in one frame at most.
+const EVENT_BATCH: usize = 1024;
+/// How often a connection drops its expired reservations.
+const RESERVATION_REAP: Duration = Duration::from_millis(100);
+/// Global in-flight byte budget is counted in units of this many bytes.
+pub(crate) const BUDGET_UNIT: u64 = 4096;
+
+/// A response on its way to the writer.
+pub(crate) struct Out {
+    head: [u8; HEADER_BYTES],
+    meta: Vec<u8>,
+    /// Get payload: written straight from the pinned slots, which stay pinned until sent.
+    pinned: Option<PinnedRead>,
+    /// The DRAM arena, passed with this frame over the Unix socket.
+    fd: Option<OwnedFd>,
+    /// In-flight byte budget held until the payload is written.
+    _budget: Option<OwnedSemaphorePermit>,
+}
+
+impl Out {
+    fn new(id: u64, op: u8, r: &Response, payload_len: u64) -> Self {
+        let (fl, meta) = r.encode_meta();
+        let h = Header {
+            version: VERSION,
+            opcode: op,
+            flags: fl,
+            request_id: id,
+            meta_len: meta.len() as u32,
+            payload_len,
+        };
+        Self {
+            head: h.encode(),
+            meta,
+            pinned: None,
+            fd: None,
+            _budget: None,
+        }
+    }
+
+    fn error(id: u64, op: u8, code: ErrorCode, message: impl Into<String>) -> Self {
+        Self::new(
+            id,
+            op,
+            &Response::Error(ErrorReply {
+                code: code as u16,
+                message: message.into(),
+            }),
+            0,
+        )
+    }
+}
+
+struct ReservationRecord {
+    slots: Vec<Option<Reservation>>,
+    statuses: Vec<u8>,
+    deadline: Instant,
+}
+
+/// Pins and reservations held by one connection; all released on drop.
+struct ConnState {
+    shared: Arc<Shared>,
+    leases: HashMap<u64, Instant>,
+    reservations: HashMap<u64, ReservationRecord>,
+    next_reservation: u64,
+}
+
+impl ConnState {
+    fn reap(&mut self, now: Instant) {
+        let before = self.reservations.len();
+        self.reservations.retain(|_, r| r.deadline > now);
+        let gone = before - self.reservations.len();
+        self.shared
+            .metrics
+            .reservations_open
+            .fetch_sub(gone as u64, Ordering::Relaxed);
+        // The store releases expired leases on its own; forget ours.
+        let before = self.leases.len();
+        self.leases.retain(|_, d| *d > now);
+        let gone = before - self.leases.len();
+        self.shared
+            .metrics
+            .leases_open
+            .fetch_sub(gone as u64, Ordering::Relaxed);
+    }
+}
+
+impl Drop for ConnState {
+    fn drop(&mut self) {
+        for id in self.leases.keys() {
+            self.shared.store.release(*id);
+        }
+        let m = &self.shared.metrics;
+        m.leases_open
+            .fetch_sub(self.leases.len() as u64, Ordering::Relaxed);
+        m.reservations_open
+            .fetch_sub(self.reservations.len() as u64, Ordering::Relaxed);
+        // Reservations free their slots as they drop.
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+struct Conn {
+    shared: Arc<Shared>,
+    transport: Transport,
+    tx: mpsc::Sender<Out>,
+    state: Arc<Mutex<ConnState>>,
+    inflight: Arc<Semaphore>,
+    /// Ends this connection's subscriptions and reaper.
+    done: CancellationToken,
+    local_arena: bool,
+}
+
+enum ReadEnd {
+    /// Clean end: EOF, shutdown, or idle.
+    Closed,
+    /// Closed after an error the peer was told about (or could not be told).
+    Dropped,
+}
+
+/// Serves one connection until it ends. `sock` is the Unix socket's fd (for passing the
+/// arena); `None` on other transports.
+pub(crate) async fn serve<R, W>(
+    shared: Arc<Shared>,
+    transport: Transport,
+    mut rd: R,
+    wr: W,
+    sock: Option<RawFd>,
+) where
+    R: AsyncRead + Unpin + Send,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    shared.metrics.connection_opened(transport);
+    let (tx, rx) = mpsc::channel(OUT_QUEUE);
+    let writer = tokio::spawn(write_loop(
+        wr,
+        rx,
+        sock,
+        shared.config.write_timeout(),
+        shared.clone(),
+    ));
+    let state = Arc::new(Mutex::new(ConnState {
+        shared: shared.clone(),
+        leases: HashMap::new(),
+        reservations: HashMap::new(),
+        next_reservation: 1,
+    }));
+    let depth = shared.config.limits.max_inflight_per_connection;
+    let mut c = Conn {
+        shared: shared.clone(),
+        transport,
+        tx,
+        state: state.clone(),
+        inflight: Arc::new(Semaphore::new(depth)),
+        done: shared.shutdown.child_token(),
+        local_arena: false,
+    };
+    let reaper = {
+        let (state, done) = (state.clone(), c.done.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(RESERVATION_REAP);
+            loop {
+                tokio::select! {
+                    _ = done.cancelled() => break,
+                    _ = tick.tick() => lock(&state).reap(Instant::now()),
+                }
+            }
+        })
+    };
+    let _ = c.read_loop(&mut rd).await;
+    // Let requests in flight finish (bounded), then stop the writer and the helpers.
+    let drain = shared.config.drain_timeout();
+    let _ = tokio::time::timeout(drain, c.inflight.acquire_many(depth as u32)).await;
+    c.done.cancel();
+    let _ = reaper.await;
+    drop(c);
+    let _ = writer.await;
+    drop(state);
+    shared.metrics.connection_closed(transport);
+}
+
+impl Conn {
+    async fn send(&self, o: Out) {
+        // A closed writer means the connection is going away; nothing to do.
+        let _ = self.tx.send(o).await;
+    }
+
+    async fn read_loop<R: AsyncRead + Unpin>(&mut self, rd: &mut R) -> ReadEnd {
+        let shared = self.shared.clone();
+        let cfg = &shared.config;
+        let limits = shared.limits;
+        let mut authed = false;
+        let mut meta = Vec::new();
+        loop {
+            let mut head = [0u8; HEADER_BYTES];
+            let first = tokio::select! {
+                biased;
+                _ = self.shared.shutdown.cancelled() => return ReadEnd::Closed,
+                r = tokio::time::timeout(cfg.idle_timeout(), rd.read(&mut head[..1])) => r,
+            };
+            match first {
+                Ok(Ok(1)) => {}
+                Ok(_) => return ReadEnd::Closed, // EOF or reset
+                Err(_) => {
+                    Metrics::inc(&self.shared.metrics.timeouts);
+                    return ReadEnd::Closed;
+                }
+            }
+            let deadline = tokio::time::Instant::now() + cfg.frame_timeout();
+            if !self.within(deadline, rd.read_exact(&mut head[1..])).await {
+                return ReadEnd::Dropped;
+            }
+            let h = match Header::decode(&head, &limits) {
+                Ok(h) => h,
+                Err(e) => {
+                    // Framing is lost: answer once (with the id as sent) and close.
+                    let id = u64::from_le_bytes(head[8..16].try_into().unwrap_or_default());
+                    self.refuse(id, head[6], &e).await;
+                    return ReadEnd::Dropped;
+                }
+            };
+            meta.clear();
+            meta.resize(h.meta_len as usize, 0);
+            if !self.within(deadline, rd.read_exact(&mut meta)).await {
+                return ReadEnd::Dropped;
+            }
+            let started = Instant::now();
+            if h.is(flags::RESPONSE) || h.is(flags::EVENT) || h.is(flags::ERROR) {
+                let e = FrameError::BadMeta {
+                    what: "request",
+                    reason: "a client sent a response frame".into(),
+                };
+                if !self.skip(rd, h.payload_len, deadline).await {
+                    return ReadEnd::Dropped;
+                }
+                self.refuse(h.request_id, h.opcode, &e).await;
+                continue;
+            }
+            let req = match h.opcode().ok_or(FrameError::UnknownOpcode(h.opcode)).and_then(
+                |op| Request::decode(op, &meta, h.payload_len, &limits),
+            ) {
+                Ok(r) => r,
+                Err(e) => {
+                    // Delimited: skip its payload and carry on with the next frame.
+                    if !self.skip(rd, h.payload_len, deadline).await {
+                        return ReadEnd::Dropped;
+                    }
+                    self.refuse(h.request_id, h.opcode, &e).await;
+                    if !authed {
+                        return ReadEnd::Dropped;
+                    }
+                    continue;
+                }
+            };
+            if !authed {
+                match req {
+                    Request::Hello(hello) => {
+                        if !self.hello(h.request_id, hello).await {
+                            return ReadEnd::Dropped;
+                        }
+                        authed = true;
+                        self.shared.metrics.request_done(Opcode::Hello, started.elapsed());
+                        continue;
+                    }
+                    _ => {
+                        Metrics::inc(&self.shared.metrics.auth_failures);
+                        self.send(Out::error(
+                            h.request_id,
+                            h.opcode,
+                            ErrorCode::Unauthorized,
+                            "send hello first",
+                        ))
+                        .await;
+                        return ReadEnd::Dropped;
+                    }
+                }
+            }
+            match req {
+                Request::Put(entries) => {
+                    if !self.put(rd, &h, entries, deadline).await {
+                        return ReadEnd::Dropped;
+                    }
+                    self.shared.metrics.request_done(Opcode::Put, started.elapsed());
+                }
+                Request::Hello(_) => {
+                    self.send(Out::error(
+                        h.request_id,
+                        h.opcode,
+                        ErrorCode::BadRequest,
+                        "hello was already done on this connection",
+                    ))
+                    .await;
+                }
+                Request::Subscribe { from_seq, snapshot } => {
+                    self.subscribe(h.request_id, from_seq, snapshot).await;
+                }
+                req => {
+                    let Ok(permit) = self.inflight.clone().try_acquire_owned() else {
+                        Metrics::inc(&self.shared.metrics.busy);
+                        self.send(Out::error(
+                            h.request_id,
+                            h.opcode,
+                            ErrorCode::Busy,
+                            "too many requests in flight on this connection",
+                        ))
+                        .await;
+                        continue;
+                    };
+                    let job = Job {
+                        shared: self.shared.clone(),
+                        state: self.state.clone(),
+                        tx: self.tx.clone(),
+                        local_arena: self.local_arena,
+                        id: h.request_id,
+                        op: h.opcode,
+                        no_reply: h.is(flags::NO_REPLY),
+                    };
+                    tokio::spawn(async move {
+                        let _permit = permit;
+                        let op = req.opcode();
+                        let out = job.run(req).await;
+                        job.shared.metrics.request_done(op, started.elapsed());
+                        if let Some(o) = out {
+                            let _ = job.tx.send(o).await;
+                        }
+                    });
+                }
+            }
+        }
+    }
+
+    /// Runs a read with the frame's deadline; false (and counted) when it timed out or failed.
+    async fn within<F, T>(&self, deadline: tokio::time::Instant, f: F) -> bool
+    where
+        F: std::future::Future<Output = std::io::Result<T>>,
+    {
+        match tokio::time::timeout_at(deadline, f).await {
+            Ok(Ok(_)) => true,
+            Ok(Err(_)) => false,
+            Err(_) => {
+                Metrics::inc(&self.shared.metrics.timeouts);
+                false
+            }
+        }
+    }
+
+    /// Reads and discards `len` payload bytes.
+    async fn skip<R: AsyncRead + Unpin>(
+        &self,
+        rd: &mut R,
+        len: u64,
+        deadline: tokio::time::Instant,
+    ) -> bool {
+        let mut sink = tokio::io::sink();
+        self.within(deadline, tokio::io::copy(&mut rd.take(len), &mut sink))
+            .await
+    }
+
+    async fn refuse(&self, id: u64, op: u8, e: &FrameError) {
+        Metrics::inc(&self.shared.metrics.bad_frames);
+        Metrics::inc(&self.shared.metrics.errors);
+        self.send(Out::error(id, op, e.code(), e.to_string())).await;
+    }
+
+    /// Checks a hello; answers it (with the arena's fd when asked on the Unix socket).
+    async fn hello(&mut self, id: u64, h: Hello) -> bool {
+        let op = Opcode::Hello as u8;
+        let s = &self.shared;
+        let fail = |code, msg: String| Out::error(id, op, code, msg);
+        if h.max_version < MIN_VERSION || h.min_version > VERSION || h.min_version > h.max_version
+        {
+            self.send(fail(
+                ErrorCode::VersionMismatch,
+                format!(
+                    "client speaks {}..={}, server {MIN_VERSION}..={VERSION}",
+                    h.min_version, h.max_version
+                ),
+            ))
+            .await;
+            return false;
+        }
+        if self.transport != Transport::Unix && !constant_time_eq(h.token.as_bytes(), s.token.as_bytes())
+        {
+            Metrics::inc(&s.metrics.auth_failures);
+            self.send(fail(ErrorCode::Unauthorized, "wrong or missing token".into()))
+                .await;
+            return false;
+        }
+        if h.block_bytes != 0 && h.block_bytes != s.block_bytes as u64 {
+            self.send(fail(
+                ErrorCode::LayoutMismatch,
+                format!(
+                    "client blocks are {} bytes, this server's are {} (layout fingerprint {:#x})",
+                    h.block_bytes, s.block_bytes, s.layout_fingerprint
+                ),
+            ))
+            .await;
+            return false;
+        }
+        let fd = if h.want_arena && self.transport == Transport::Unix {
+            match s.store.dram().arena_fd().try_clone_to_owned() {
+                Ok(fd) => Some(fd),
+                Err(e) => {
+                    tracing::warn!("cannot duplicate the arena fd: {e}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        self.local_arena = fd.is_some();
+        let reply = Response::Hello(HelloReply {
+            version: h.max_version.min(VERSION),
+            server: s.config.server.name.clone(),
+            block_bytes: s.block_bytes as u64,
+            layout_fingerprint: s.layout_fingerprint,
+            arena_bytes: if fd.is_some() {
+                s.store.dram().arena_bytes()
+            } else {
+                0
+            },
+            max_keys: s.limits.max_keys,
+            max_meta_bytes: s.limits.max_meta_bytes,
+            max_payload_bytes: s.limits.max_payload_bytes,
+            max_lease_ms: s.config.limits.max_lease_ms,
+            event_seq: s.events.next_seq(),
+        });
+        let mut out = Out::new(id, op, &reply, 0);
+        out.fd = fd;
+        self.send(out).await;
+        true
+    }
+
+    /// A put: each block is read from the socket straight into its reserved DRAM slot.
+    async fn put<R: AsyncRead + Unpin>(
+        &self,
+        rd: &mut R,
+        h: &Header,
+        entries: Vec<PutEntry>,
+        deadline: tokio::time::Instant,
+    ) -> bool {
+        let s = &self.shared;
+        let block = s.block_bytes as u64;
+        let want = entries.len() as u64 * block;
+        if h.payload_len != want {
+            if !self.skip(rd, h.payload_len, deadline).await {
+                return false;
+            }
+            Metrics::inc(&s.metrics.errors);
+            self.send(Out::error(
+                h.request_id,
+                h.opcode,
+                ErrorCode::BadRequest,
+                format!(
+                    "a put of {} blocks carries {want} payload bytes ({} a block), not {}",
+                    entries.len(),
+                    block,
+                    h.payload_len
+                ),
+            ))
+            .await;
+            return true;
+        }
+        let mut statuses = Vec::with_capacity(entries.len());
+        for e in &entries {
+            match s.store.reserve(e.key, e.parent) {
+                Ok(mut r) => {
+                    if !self.within(deadline, rd.read_exact(r.bytes_mut())).await {
+                        return false; // the reservation frees its slot
+                    }
+                    statuses.push(commit_status(r.commit()));
+                }
+                Err(outcome) => {
+                    if !self.skip(rd, block, deadline).await {
+                        return false;
+                    }
+                    statuses.push(put_status(outcome));
+                }
+            }
+        }
+        s.metrics.bytes_received.fetch_add(want, Ordering::Relaxed);
+        let r = Response::Put(PutReply { statuses });
+        self.send(Out::new(h.request_id, h.opcode, &r, 0)).await;
+        true
+    }
+
+    async fn subscribe(&self, id: u64, from_seq: Option<u64>, snapshot: bool) {
+        let s = self.shared.clone();
+        let sub = s.events.subscribe(from_seq);
+        let op = Opcode::Subscribe as u8;
+        self.send(Out::new(
+            id,
+            op,
+            &Response::Subscribed {
+                next_seq: sub.next_seq,
+            },
+            0,
+        ))
+        .await;
+        let tx = self.tx.clone();
+        let done = self.done.clone();
+        tokio::spawn(async move {
+            let send = |events: Events| {
+                let tx = tx.clone();
+                async move {
+                    tx.send(Out::new(id, op, &Response::Events(events), 0))
+                        .await
+                        .is_ok()
+                }
+            };
+            if snapshot {
+                let store = s.store.clone();
+                let snap = tokio::task::spawn_blocking(move || store.snapshot())
+                    .await
+                    .unwrap_or_default();
+                let mut evs = Vec::new();
+                for e in snap {
+                    for (has, t) in [(e.in_dram, TierKind::Dram), (e.in_nvme, TierKind::Nvme)] {
+                        if has {
+                            evs.push(kvtier_core::protocol::BlockEvent {
+                                seq: 0,
+                                kind: kvtier_core::protocol::EventKind::Stored as u8,
+                                tier: tier_code(t) as u8,
+                                key: e.key,
+                            });
+                        }
+                    }
+                }
+                for chunk in evs.chunks(EVENT_BATCH) {
+                    let batch = Events {
+                        gap: None,
+                        events: chunk.to_vec(),
+                    };
+                    if !send(batch).await {
+                        return;
+                    }
+                }
+            }
+            let mut rx = sub.rx;
+            let mut gap = sub.gap;
+            for chunk in sub.backlog.chunks(EVENT_BATCH) {
+                let batch = Events {
+                    gap: gap.take(),
+                    events: chunk.to_vec(),
+                };
+                if !send(batch).await {
+                    return;
+                }
+            }
+            let mut last = sub.next_seq.saturating_sub(1);
+            loop {
+                let first = tokio::select! {
+                    _ = done.cancelled() => return,
+                    r = rx.recv() => r,
+                };
+                let mut events = Vec::new();
+                let mut handle = |r: Result<_, _>, events: &mut Vec<_>, gap: &mut Option<(u64, u64)>| {
+                    use tokio::sync::broadcast::error::RecvError;
+                    match r {
+                        Ok(ev) => {
+                            let ev: kvtier_core::protocol::BlockEvent = ev;
+                            if ev.seq <= last {
+                                return true; // already sent from the backlog
+                            }
+                            last = ev.seq;
+                            events.push(ev);
+                            true
+                        }
+                        Err(RecvError::Lagged(n)) => {
+                            Metrics::inc(&s.metrics.events_dropped);
+                            s.metrics.events_dropped.fetch_add(n.saturating_sub(1), Ordering::Relaxed);
+                            *gap = Some((last + 1, last + 1 + n));
+                            last += n;
+                            true
+                        }
+                        Err(RecvError::Closed) => false,
+                    }
+                };
+                if !handle(first, &mut events, &mut gap) {
+                    return;
+                }
+                while events.len() < EVENT_BATCH {
+                    match rx.try_recv() {
+                        Ok(ev) => {
+                            handle(Ok(ev), &mut events, &mut gap);
+                        }
+                        Err(tokio::sync::broadcast::error::TryRecvError::Lagged(n)) => {
+                            handle(
+                                Err(tokio::sync::broadcast::error::RecvError::Lagged(n)),
+                                &mut events,
+                                &mut gap,
+                            );
+                        }
+                        Err(_) => break,
+                    }
+                }
+                if events.is_empty() && gap.is_none() {
+                    continue;
+                }
+                if !send(Events {
+                    gap: gap.take(),
+                    events,
+                })
+                .await
+                {
+                    return;
+                }
+            }
+        });
+    }
+}
+
+/// A request served on its own task.
+struct Job {
+    shared: Arc<Shared>,
+    state: Arc<Mutex<ConnState>>,
+    tx: mpsc::Sender<Out>,
+    local_arena: bool,
+    id: u64,
+    op: u8,
+    no_reply: bool,
+}
+
+fn miss_code(m: Option<MissReason>) -> u8 {
+    (match m {
+        None => MissCode::None,
+        Some(MissReason::NotCached) => MissCode::NotCached,
+        Some(MissReason::Corrupt) => MissCode::Corrupt,
+        Some(MissReason::IoError) => MissCode::IoError,
+        Some(MissReason::Busy) => MissCode::Busy,
+    }) as u8
+}
+
+fn put_status(o: PutOutcome) -> u8 {
+    (match o {
+        PutOutcome::Stored(_) => PutStatus::Stored,
+        PutOutcome::AlreadyPresent => PutStatus::AlreadyPresent,
+        PutOutcome::Rejected(RejectReason::Backlog) => PutStatus::RejectedBacklog,
+        PutOutcome::Rejected(RejectReason::NoEvictableSlot) => PutStatus::RejectedNoSlot,
+        PutOutcome::Rejected(RejectReason::OrphanBlock) => PutStatus::RejectedOrphan,
+    }) as u8
+}
+
+fn commit_status(r: Result<PutOutcome, StoreError>) -> u8 {
+    match r {
+        Ok(o) => put_status(o),
+        Err(e) => {
+            tracing::warn!("commit failed: {e}");
+            PutStatus::Failed as u8
+        }
+    }
+}
+
+impl Job {
+    fn reply(&self, r: Response) -> Option<Out> {
+        Some(Out::new(self.id, self.op, &r, 0))
+    }
+
+    fn error(&self, code: ErrorCode, msg: impl Into<String>) -> Option<Out> {
+        Metrics::inc(&self.shared.metrics.errors);
+        if code == ErrorCode::Busy {
+            Metrics::inc(&self.shared.metrics.busy);
+        }
+        Some(Out::error(self.id, self.op, code, msg))
+    }
+
+    fn lease(&self, lease_ms: u64) -> Duration {
+        Duration::from_millis(lease_ms.clamp(1, self.shared.config.limits.max_lease_ms))
+    }
+
+    async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, Option<Out>> {
+        tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|_| self.error(ErrorCode::Internal, "the request's worker failed"))
+    }
+
+    async fn run(&self, req: Request) -> Option<Out> {
+        let s = self.shared.clone();
+        let store = s.store.clone();
+        match req {
+            Request::Ping => self.reply(Response::Pong),
+            Request::Lookup(k) => {
+                let tiers = store.lookup(&k.keys);
+                let miss = (tiers.len() < k.keys.len()).then_some(MissReason::NotCached);
+                self.reply(Response::Lookup {
+                    tiers: tiers.iter().map(|t| tier_code(*t) as u8).collect(),
+                    miss: miss_code(miss),
+                })
+            }
+            Request::Get(k) => {
+                let n = k.keys.len() as u64;
+                let bytes = n * s.block_bytes as u64;
+                if bytes > s.limits.max_payload_bytes {
+                    return self.error(
+                        ErrorCode::TooLarge,
+                        format!(
+                            "a get returns at most {} blocks (max_payload_bytes)",
+                            s.limits.max_payload_bytes / s.block_bytes as u64
+                        ),
+                    );
+                }
+                let units = bytes.div_ceil(BUDGET_UNIT).min(u64::from(u32::MAX)) as u32;
+                let Ok(budget) = s.inflight_bytes.clone().try_acquire_many_owned(units) else {
+                    return self.error(ErrorCode::Busy, "server send budget is spent; retry");
+                };
+                let pinned = match self.blocking(move || store.pin_read(&k.keys)).await {
+                    Ok(p) => p,
+                    Err(o) => return o,
+                };
+                let r = Response::Get {
+                    tiers: pinned
+                        .blocks()
+                        .iter()
+                        .map(|b| tier_code(b.found_in) as u8)
+                        .collect(),
+                    miss: miss_code(pinned.miss()),
+                };
+                let len = pinned.blocks().len() as u64 * s.block_bytes as u64;
+                s.metrics.bytes_sent.fetch_add(len, Ordering::Relaxed);
+                let mut o = Out::new(self.id, self.op, &r, len);
+                o.pinned = Some(pinned);
+                o._budget = Some(budget);
+                Some(o)
+            }
+            Request::Pin { keys, lease_ms } => {
+                let lease = self.lease(lease_ms);
+                let l = match self.blocking(move || store.pin(&keys, lease)).await {
+                    Ok(l) => l,
+                    Err(o) => return o,
+                };
+                if !l.blocks.is_empty() {
+                    let mut st = lock(&self.state);
+                    st.leases.insert(l.id, l.deadline);
+                    Metrics::inc(&s.metrics.leases_open);
+                }
+                self.reply(Response::Pin(PinReply {
+                    lease_id: if l.blocks.is_empty() { 0 } else { l.id },
+                    lease_ms: lease.as_millis() as u64,
+                    blocks: l
+                        .blocks
+                        .iter()
+                        .map(|b| PinnedSlot {
+                            offset: b.offset,
+                            tier: tier_code(b.found_in) as u8,
+                        })
+                        .collect(),
+                    miss: miss_code(l.miss),
+                }))
+            }
+            Request::Release { lease_id } => {
+                let mine = lock(&self.state).leases.remove(&lease_id).is_some();
+                if !mine {
+                    return self.error(ErrorCode::NotFound, format!("no lease {lease_id} here"));
+                }
+                s.metrics.leases_open.fetch_sub(1, Ordering::Relaxed);
+                store.release(lease_id);
+                if self.no_reply {
+                    None
+                } else {
+                    self.reply(Response::Done)
+                }
+            }
+            Request::Reserve { entries, lease_ms } => {
+                if !self.local_arena {
+                    return self.error(
+                        ErrorCode::LocalOnly,
+                        "reserve needs the arena: a Unix socket hello with want_arena",
+                    );
+                }
+                let lease = self.lease(lease_ms);
+                let (slots, statuses) = reserve_batch(&s, &entries);
+                let mut reply_slots = Vec::with_capacity(slots.len());
+                for (r, st) in slots.iter().zip(&statuses) {
+                    reply_slots.push(ReservedSlot {
+                        status: *st,
+                        offset: r.as_ref().map_or(0, |r| r.offset()),
+                    });
+                }
+                let any = slots.iter().any(Option::is_some);
+                let id = if any {
+                    let mut st = lock(&self.state);
+                    let id = st.next_reservation;
+                    st.next_reservation += 1;
+                    st.reservations.insert(
+                        id,
+                        ReservationRecord {
+                            slots,
+                            statuses,
+                            deadline: Instant::now() + lease,
+                        },
+                    );
+                    Metrics::inc(&s.metrics.reservations_open);
+                    id
+                } else {
+                    0
+                };
+                self.reply(Response::Reserve(ReserveReply {
+                    reservation_id: id,
+                    lease_ms: lease.as_millis() as u64,
+                    slots: reply_slots,
+                }))
+            }
+            Request::Commit { reservation_id } => {
+                let Some(rec) = lock(&self.state).reservations.remove(&reservation_id) else {
+                    return self.error(
+                        ErrorCode::NotFound,
+                        format!("no reservation {reservation_id} here (expired or committed)"),
+                    );
+                };
+                s.metrics.reservations_open.fetch_sub(1, Ordering::Relaxed);
+                let mut statuses = rec.statuses;
+                for (i, r) in rec.slots.into_iter().enumerate() {
+                    if let Some(r) = r {
+                        statuses[i] = commit_status(r.commit());
+                    }
+                }
+                let stored = statuses
+                    .iter()
+                    .filter(|s| **s == PutStatus::Stored as u8)
+                    .count() as u64;
+                s.metrics
+                    .bytes_received
+                    .fetch_add(stored * s.block_bytes as u64, Ordering::Relaxed);
+                self.reply(Response::Commit(PutReply { statuses }))
+            }
+            Request::Abort { reservation_id } => {
+                let gone = lock(&self.state).reservations.remove(&reservation_id);
+                if gone.is_none() {
+                    return self.error(
+                        ErrorCode::NotFound,
+                        format!("no reservation {reservation_id} here"),
+                    );
+                }
+                s.metrics.reservations_open.fetch_sub(1, Ordering::Relaxed);
+                drop(gone);
+                if self.no_reply {
+                    None
+                } else {
+                    self.reply(Response::Done)
+                }
+            }
+            Request::Prefetch(k) => {
+                let n = store.prefetch(&k.keys) as u64;
+                self.reply(Response::Prefetch { queued: n })
+            }
+            Request::Remove(k) => {
+                let n = match self
+                    .blocking(move || k.keys.iter().filter(|key| store.remove(key)).count())
+                    .await
+                {
+                    Ok(n) => n,
+                    Err(o) => return o,
+                };
+                self.reply(Response::Remove { removed: n as u64 })
+            }
+            Request::Clear => match self.blocking(move || store.clear()).await {
+                Ok(Ok(())) => self.reply(Response::Done),
+                Ok(Err(e)) => self.error(ErrorCode::Internal, format!("clear failed: {e}")),
+                Err(o) => o,
+            },
+            Request::Stats => self.reply(Response::Stats(s.stats_json())),
+            // Handled by the reader.
+            Request::Hello(_) | Request::Put(_) | Request::Subscribe { .. } => {
+                self.error(ErrorCode::Internal, "misrouted request")
+            }
+        }
+    }
+}
+
+/// Reserves slots for a batch of entries, in order; a child of an entry reserved earlier
+/// in the batch may be reserved before its parent is committed.
+fn reserve_batch(s: &Shared, entries: &[PutEntry]) -> (Vec<Option<Reservation>>, Vec<u8>) {
+    let mut slots: Vec<Option<Reservation>> = Vec::with_capacity(entries.len());
+    let mut statuses = Vec::with_capacity(entries.len());
+    for (i, e) in entries.iter().enumerate() {
+        let pending_parent = e.parent.filter(|p| {
+            i > 0 && entries[i - 1].key == *p && slots.last().is_some_and(Option::is_some)
+        });
+        let r = match pending_parent {
+            Some(p) => s.store.reserve_after(e.key, p),
+            None => s.store.reserve(e.key, e.parent),
+        };
+        match r {
+            Ok(r) => {
+                slots.push(Some(r));
+                statuses.push(PutStatus::Stored as u8);
+            }
+            Err(o) => {
+                slots.push(None);
+                statuses.push(put_status(o));
+            }
+        }
+    }
+    (slots, statuses)
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn write_loop<W: AsyncWrite + Unpin>(
+    wr: W,
+    mut rx: mpsc::Receiver<Out>,
+    sock: Option<RawFd>,
+    timeout: Duration,
+    shared: Arc<Shared>,
+) {
+    let mut w = BufWriter::with_capacity(64 << 10, wr);
+    while let Some(o) = rx.recv().await {
+        let r = tokio::time::timeout(timeout, async {
+            match (o.fd, sock) {
+                (Some(fd), Some(sock)) => {
+                    w.flush().await?;
+                    let mut frame = o.head.to_vec();
+                    frame.extend_from_slice(&o.meta);
+                    let sent = send_with_fd(sock, &frame, fd.as_raw_fd()).await?;
+                    w.write_all(&frame[sent..]).await?;
+                }
+                _ => {
+                    w.write_all(&o.head).await?;
+                    w.write_all(&o.meta).await?;
+                }
+            }
+            if let Some(p) = &o.pinned {
+                for i in 0..p.blocks().len() {
+                    w.write_all(p.bytes(i)).await?;
+                }
+            }
+            if rx.is_empty() {
+                w.flush().await?;
+            }
+            Ok::<(), std::io::Error>(())
+        })
+        .await;
+        match r {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => break,
+            Err(_) => {
+                Metrics::inc(&shared.metrics.timeouts);
+                break;
+            }
+        }
+    }
+    let _ = w.shutdown().await;
+}
+
+/// Sends `bytes` with `fd` attached (SCM_RIGHTS) on the Unix socket `sock`; returns how many
+/// bytes went (at least one: the fd rides with the first byte).
+async fn send_with_fd(sock: RawFd, bytes: &[u8], fd: RawFd) -> std::io::Result<usize> {
+    loop {
+        match super::fdpass::send_fd(sock, bytes, fd) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            r => return r,
+        }
+    }
+}

@@ -1,0 +1,486 @@
+//! The sidecar daemon: listeners (Unix socket, TCP, QUIC), the connection handler (the only
+//! module that knows the wire format), the block event stream, metrics and the HTTP admin
+//! port. See `docs/protocol.md` and `docs/operations.md`.
+
+mod admin;
+pub mod config;
+mod conn;
+pub mod events;
+mod fdpass;
+pub mod metrics;
+mod tls;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use kvtier_core::protocol::{ErrorCode, Limits};
+use tokio::io::AsyncWriteExt;
+use tokio::sync::{Notify, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+pub use config::{ConfigError, ConfigLoader, ServerConfig, Size};
+use events::EventBus;
+use metrics::{Metrics, Transport};
+
+use crate::{StoreError, TieredStore};
+
+/// Why the server could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServerError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("opening the store: {0}")]
+    Store(#[from] StoreError),
+    #[error("cannot listen on {what} {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("TLS: {0}")]
+    Tls(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServerError {
+    let what = what.into();
+    move |source| ServerError::Io { what, source }
+}
+
+/// State shared by every connection.
+pub(crate) struct Shared {
+    pub store: Arc<TieredStore>,
+    pub config: ServerConfig,
+    pub limits: Limits,
+    pub metrics: Metrics,
+    pub events: Arc<EventBus>,
+    pub token: String,
+    /// Block bytes being sent, in [`conn::BUDGET_UNIT`]s.
+    pub inflight_bytes: Arc<Semaphore>,
+    pub shutdown: CancellationToken,
+    pub block_bytes: usize,
+    pub layout_fingerprint: u64,
+    pub ready: AtomicBool,
+    open: AtomicUsize,
+    closed: Notify,
+    started: Instant,
+}
+
+impl Shared {
+    pub fn stats_json(&self) -> String {
+        let m = &self.metrics;
+        let ld = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+        serde_json::json!({
+            "server": self.config.server.name,
+            "uptime_s": self.started.elapsed().as_secs_f64(),
+            "ready": self.ready.load(Ordering::Relaxed),
+            "block_bytes": self.block_bytes,
+            "connections": m.open_connections(),
+            "busy": ld(&m.busy),
+            "bad_frames": ld(&m.bad_frames),
+            "auth_failures": ld(&m.auth_failures),
+            "leases_open": ld(&m.leases_open),
+            "reservations_open": ld(&m.reservations_open),
+            "bytes_sent": ld(&m.bytes_sent),
+            "bytes_received": ld(&m.bytes_received),
+            "event_seq": self.events.next_seq(),
+            "store": self.store.stats(),
+        })
+        .to_string()
+    }
+}
+
+/// Where a started server listens, and what a client needs to reach it.
+#[derive(Clone, Debug)]
+pub struct Endpoints {
+    pub unix: Option<PathBuf>,
+    pub tcp: Option<SocketAddr>,
+    pub quic: Option<SocketAddr>,
+    pub admin: Option<SocketAddr>,
+    /// The token TCP and QUIC clients present.
+    pub token: String,
+    /// Where the token was written (when generated).
+    pub token_file: Option<PathBuf>,
+    /// The QUIC certificate (DER), for clients to pin.
+    pub quic_cert_der: Vec<u8>,
+    /// Where that certificate was written (when generated).
+    pub quic_cert_file: Option<PathBuf>,
+}
+
+/// A running server. Stop it with [`Server::shutdown`].
+pub struct Server {
+    shared: Arc<Shared>,
+    endpoints: Endpoints,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    quic: Option<quinn::Endpoint>,
+}
+
+/// What a shutdown did.
+#[derive(Debug, Clone)]
+pub struct ShutdownReport {
+    /// Connections still open when the drain timeout ran out (closed anyway).
+    pub connections_cut: usize,
+}
+
+impl Server {
+    /// Opens the store and starts every configured listener.
+    pub async fn start(config: ServerConfig) -> Result<Server, ServerError> {
+        config.validate()?;
+        let runtime = config.runtime_dir();
+        std::fs::create_dir_all(&runtime)
+            .map_err(io_err(format!("creating runtime dir {}", runtime.display())))?;
+        let store_config = config.store_config()?;
+        let layout = store_config.layout;
+        let store = tokio::task::spawn_blocking(move || TieredStore::open(store_config))
+            .await
+            .map_err(|e| ServerError::Tls(format!("store open task failed: {e}")))??
+            .0;
+        let store = Arc::new(store);
+        let (token, token_file) = resolve_token(&config, &runtime)?;
+        let limits = config.limits()?;
+        let budget_units = match config.limits.max_inflight_bytes {
+            Size::Bytes(b) => b.div_ceil(conn::BUDGET_UNIT),
+            Size::Auto => 1 << 18,
+        }
+        .min(Semaphore::MAX_PERMITS as u64) as usize;
+        let shared = Arc::new(Shared {
+            block_bytes: store.block_bytes(),
+            layout_fingerprint: layout.fingerprint(),
+            store: store.clone(),
+            limits,
+            metrics: Metrics::default(),
+            events: Arc::new(EventBus::new()),
+            token: token.clone(),
+            inflight_bytes: Arc::new(Semaphore::new(budget_units)),
+            shutdown: CancellationToken::new(),
+            ready: AtomicBool::new(false),
+            open: AtomicUsize::new(0),
+            closed: Notify::new(),
+            started: Instant::now(),
+            config,
+        });
+        // The sink holds the bus only: the store must not keep the server state alive.
+        let bus = shared.events.clone();
+        store.set_event_sink(Arc::new(move |e| bus.publish(e)));
+        let mut endpoints = Endpoints {
+            unix: None,
+            tcp: None,
+            quic: None,
+            admin: None,
+            token,
+            token_file,
+            quic_cert_der: Vec::new(),
+            quic_cert_file: None,
+        };
+        let mut tasks = Vec::new();
+        let c = &shared.config;
+        if let Some(path) = c.unix_path() {
+            let l = bind_unix(&path)?;
+            endpoints.unix = Some(path);
+            tasks.push(tokio::spawn(accept_unix(shared.clone(), l)));
+        }
+        if let Some(addr) = c.tcp_addr()? {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServerError::Bind {
+                    what: "tcp",
+                    addr: addr.to_string(),
+                    source,
+                })?;
+            endpoints.tcp = Some(l.local_addr().map_err(io_err("tcp local_addr"))?);
+            tasks.push(tokio::spawn(accept_tcp(shared.clone(), l)));
+        }
+        let mut quic = None;
+        if let Some(addr) = c.quic_addr()? {
+            let (server_config, der, file) = tls::server_config(c, &runtime)?;
+            let ep = quinn::Endpoint::server(server_config, addr).map_err(|source| {
+                ServerError::Bind {
+                    what: "quic",
+                    addr: addr.to_string(),
+                    source,
+                }
+            })?;
+            endpoints.quic = Some(ep.local_addr().map_err(io_err("quic local_addr"))?);
+            endpoints.quic_cert_der = der;
+            endpoints.quic_cert_file = file;
+            tasks.push(tokio::spawn(accept_quic(shared.clone(), ep.clone())));
+            quic = Some(ep);
+        }
+        if let Some(addr) = c.admin_addr()? {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServerError::Bind {
+                    what: "admin",
+                    addr: addr.to_string(),
+                    source,
+                })?;
+            endpoints.admin = Some(l.local_addr().map_err(io_err("admin local_addr"))?);
+            tasks.push(tokio::spawn(admin::serve(shared.clone(), l)));
+        }
+        shared.ready.store(true, Ordering::Release);
+        tracing::info!(?endpoints.unix, ?endpoints.tcp, ?endpoints.quic, ?endpoints.admin, "kvtier-server ready");
+        Ok(Server {
+            shared,
+            endpoints,
+            tasks,
+            quic,
+        })
+    }
+
+    pub fn endpoints(&self) -> &Endpoints {
+        &self.endpoints
+    }
+
+    pub fn store(&self) -> &Arc<TieredStore> {
+        &self.shared.store
+    }
+
+    /// Cancelled when shutdown begins.
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shared.shutdown.clone()
+    }
+
+    /// Stops accepting, lets requests in flight finish (up to the drain timeout), closes
+    /// every connection, waits for background copies and returns.
+    pub async fn shutdown(self) -> ShutdownReport {
+        let s = &self.shared;
+        s.ready.store(false, Ordering::Release);
+        s.shutdown.cancel();
+        let deadline = tokio::time::Instant::now() + s.config.drain_timeout() + Duration::from_secs(1);
+        loop {
+            let notified = s.closed.notified();
+            if s.open.load(Ordering::Acquire) == 0 {
+                break;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                break;
+            }
+        }
+        let cut = s.open.load(Ordering::Acquire);
+        if let Some(q) = &self.quic {
+            q.close(0u32.into(), b"shutting down");
+        }
+        for t in self.tasks {
+            t.abort();
+        }
+        if let Some(p) = &self.endpoints.unix {
+            let _ = std::fs::remove_file(p);
+        }
+        let store = s.store.clone();
+        let _ = tokio::task::spawn_blocking({
+            let store = store.clone();
+            move || store.flush()
+        })
+        .await;
+        // Wait (bounded) for the last tasks to let go, so the store closes here and a new
+        // server can open the same NVMe directory at once.
+        let shared = self.shared;
+        let until = Instant::now() + Duration::from_secs(5);
+        while Arc::strong_count(&shared) > 1 && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(shared);
+        while Arc::strong_count(&store) > 1 && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let _ = tokio::task::spawn_blocking(move || drop(store)).await;
+        ShutdownReport {
+            connections_cut: cut,
+        }
+    }
+}
+
+/// Runs `serve` as a tracked connection (counted for max_connections and the drain).
+fn spawn_conn<F>(shared: &Arc<Shared>, f: F)
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    shared.open.fetch_add(1, Ordering::AcqRel);
+    let s = shared.clone();
+    tokio::spawn(async move {
+        f.await;
+        s.open.fetch_sub(1, Ordering::AcqRel);
+        s.closed.notify_waiters();
+    });
+}
+
+/// Whether one more connection fits; if not, counts the refusal.
+fn admit(shared: &Shared) -> bool {
+    if shared.open.load(Ordering::Acquire) >= shared.config.limits.max_connections {
+        Metrics::inc(&shared.metrics.connections_refused);
+        return false;
+    }
+    true
+}
+
+async fn refuse_busy<W: tokio::io::AsyncWrite + Unpin>(mut w: W) {
+    use kvtier_core::protocol::{ErrorReply, Header, Response, VERSION};
+    let (fl, meta) = Response::Error(ErrorReply {
+        code: ErrorCode::Busy as u16,
+        message: "too many connections".into(),
+    })
+    .encode_meta();
+    let h = Header {
+        version: VERSION,
+        opcode: 0,
+        flags: fl,
+        request_id: 0,
+        meta_len: meta.len() as u32,
+        payload_len: 0,
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        w.write_all(&h.encode()).await?;
+        w.write_all(&meta).await?;
+        w.shutdown().await
+    })
+    .await;
+}
+
+fn bind_unix(path: &Path) -> Result<tokio::net::UnixListener, ServerError> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io_err(format!("creating {}", dir.display())))?;
+    }
+    // A socket file left by a dead server is removed; a live one is not stolen.
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(ServerError::Bind {
+                what: "unix",
+                addr: path.display().to_string(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    "another server is listening there",
+                ),
+            });
+        }
+        let _ = std::fs::remove_file(path);
+    }
+    let l = tokio::net::UnixListener::bind(path).map_err(|source| ServerError::Bind {
+        what: "unix",
+        addr: path.display().to_string(),
+        source,
+    })?;
+    // Only this user's processes may connect (the local path maps the arena).
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(io_err(format!("chmod {}", path.display())))?;
+    Ok(l)
+}
+
+async fn accept_unix(shared: Arc<Shared>, l: tokio::net::UnixListener) {
+    use std::os::fd::AsRawFd;
+    loop {
+        let (stream, _) = tokio::select! {
+            _ = shared.shutdown.cancelled() => return,
+            r = l.accept() => match r {
+                Ok(s) => s,
+                Err(e) => { tracing::warn!("unix accept: {e}"); tokio::time::sleep(Duration::from_millis(10)).await; continue; }
+            },
+        };
+        if !admit(&shared) {
+            tokio::spawn(refuse_busy(stream));
+            continue;
+        }
+        let fd = stream.as_raw_fd();
+        let (r, w) = stream.into_split();
+        let s = shared.clone();
+        spawn_conn(&shared, conn::serve(s, Transport::Unix, r, w, Some(fd)));
+    }
+}
+
+async fn accept_tcp(shared: Arc<Shared>, l: tokio::net::TcpListener) {
+    loop {
+        let (stream, _) = tokio::select! {
+            _ = shared.shutdown.cancelled() => return,
+            r = l.accept() => match r {
+                Ok(s) => s,
+                Err(e) => { tracing::warn!("tcp accept: {e}"); tokio::time::sleep(Duration::from_millis(10)).await; continue; }
+            },
+        };
+        if !admit(&shared) {
+            tokio::spawn(refuse_busy(stream));
+            continue;
+        }
+        let _ = stream.set_nodelay(true);
+        let (r, w) = stream.into_split();
+        let s = shared.clone();
+        spawn_conn(&shared, conn::serve(s, Transport::Tcp, r, w, None));
+    }
+}
+
+async fn accept_quic(shared: Arc<Shared>, ep: quinn::Endpoint) {
+    loop {
+        let incoming = tokio::select! {
+            _ = shared.shutdown.cancelled() => return,
+            i = ep.accept() => match i { Some(i) => i, None => return },
+        };
+        if !admit(&shared) {
+            incoming.refuse();
+            continue;
+        }
+        let s = shared.clone();
+        tokio::spawn(async move {
+            let Ok(conn) = incoming.await else { return };
+            loop {
+                let (send, recv) = tokio::select! {
+                    _ = s.shutdown.cancelled() => return,
+                    r = conn.accept_bi() => match r { Ok(b) => b, Err(_) => return },
+                };
+                if !admit(&s) {
+                    conn.close(1u32.into(), b"too many connections");
+                    return;
+                }
+                let s2 = s.clone();
+                spawn_conn(&s, conn::serve(s2, Transport::Quic, recv, send, None));
+            }
+        });
+    }
+}
+
+/// The token remote clients must present: configured, read from a file, or generated and
+/// written to `<runtime>/token` (0600).
+fn resolve_token(
+    c: &ServerConfig,
+    runtime: &Path,
+) -> Result<(String, Option<PathBuf>), ServerError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    if !c.server.token.is_empty() {
+        return Ok((c.server.token.clone(), None));
+    }
+    if !c.server.token_file.is_empty() {
+        let t = std::fs::read_to_string(&c.server.token_file)
+            .map_err(io_err(format!("server.token_file {}", c.server.token_file)))?;
+        let t = t.lines().next().unwrap_or("").trim().to_string();
+        if t.is_empty() {
+            return Err(ConfigError {
+                setting: "server.token_file".into(),
+                reason: "the file's first line is empty".into(),
+            }
+            .into());
+        }
+        return Ok((t, None));
+    }
+    let mut raw = [0u8; 24];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut raw))
+        .map_err(io_err("reading /dev/urandom"))?;
+    let token: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+    let path = runtime.join("token");
+    let _ = std::fs::remove_file(&path);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(io_err(format!("writing {}", path.display())))?;
+    writeln!(f, "{token}").map_err(io_err(format!("writing {}", path.display())))?;
+    Ok((token, Some(path)))
+}

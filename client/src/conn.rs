@@ -1,0 +1,557 @@
+//! One connection to a server: the hello, a writer shared by callers (each frame is written
+//! whole under its lock, payloads straight from the caller's buffers), and a reader task that
+//! routes responses to their callers by request id and events to their subscriptions.
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvtier_core::protocol::{
+    Events, FrameError, HEADER_BYTES, Header, Hello, HelloReply, Limits, MIN_VERSION, Request,
+    Response, VERSION, flags,
+};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{OwnedMutexGuard, mpsc, oneshot};
+
+use crate::error::ClientError;
+use crate::{ClientConfig, Endpoint};
+
+type BoxRead = Box<dyn AsyncRead + Send + Unpin>;
+type BoxWrite = Box<dyn AsyncWrite + Send + Unpin>;
+
+/// The read half plus bytes a caller left unread (a payload it gave up on).
+pub(crate) struct ReadSide {
+    rd: BoxRead,
+    skip: u64,
+}
+
+/// A response's payload, still in the socket: read it with [`Payload::read_exact`]. Dropping
+/// it early is safe (the reader skips what is left).
+pub(crate) struct Payload {
+    guard: OwnedMutexGuard<ReadSide>,
+    remaining: u64,
+}
+
+impl Payload {
+    pub(crate) fn remaining(&self) -> u64 {
+        self.remaining
+    }
+
+    pub(crate) async fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), ClientError> {
+        if buf.len() as u64 > self.remaining {
+            return Err(ClientError::Protocol("payload shorter than announced".into()));
+        }
+        self.guard.rd.read_exact(buf).await.map_err(ClientError::Io)?;
+        self.remaining -= buf.len() as u64;
+        Ok(())
+    }
+}
+
+impl Drop for Payload {
+    fn drop(&mut self) {
+        self.guard.skip += self.remaining;
+    }
+}
+
+pub(crate) struct Reply {
+    pub response: Response,
+    pub payload: Option<Payload>,
+}
+
+/// The DRAM arena mapped from the server (local connections).
+pub(crate) struct Arena {
+    map: memmap2::MmapRaw,
+}
+
+impl Arena {
+    /// Copies `dst.len()` bytes at `offset` out of the arena.
+    pub(crate) fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), ClientError> {
+        let (o, n) = self.check(offset, dst.len())?;
+        // SAFETY: [o, o + n) is inside the mapping (checked). The server keeps the slot pinned
+        // for our lease, so nobody writes it while we copy.
+        unsafe { std::ptr::copy_nonoverlapping(self.map.as_ptr().add(o), dst.as_mut_ptr(), n) };
+        Ok(())
+    }
+
+    /// Copies `src` into the arena at `offset`.
+    pub(crate) fn write(&self, offset: u64, src: &[u8]) -> Result<(), ClientError> {
+        let (o, n) = self.check(offset, src.len())?;
+        // SAFETY: [o, o + n) is inside the mapping (checked), and the server reserved that slot
+        // for us alone until we commit or abort.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(o), n) };
+        Ok(())
+    }
+
+    /// The bytes at `offset` in place.
+    ///
+    /// # Safety
+    /// The caller holds a pin on that range for as long as the slice lives.
+    pub(crate) unsafe fn slice(&self, offset: u64, len: usize) -> Result<&[u8], ClientError> {
+        let (o, n) = self.check(offset, len)?;
+        // SAFETY: in bounds (checked); the caller's pin keeps writers away.
+        Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(o), n) })
+    }
+
+    fn check(&self, offset: u64, len: usize) -> Result<(usize, usize), ClientError> {
+        let end = offset.checked_add(len as u64);
+        match end {
+            Some(e) if e <= self.map.len() as u64 => Ok((offset as usize, len)),
+            _ => Err(ClientError::Protocol(format!(
+                "server named arena range {offset}+{len} outside its {} bytes",
+                self.map.len()
+            ))),
+        }
+    }
+}
+
+pub(crate) struct Conn {
+    writer: tokio::sync::Mutex<BoxWrite>,
+    pending: Mutex<HashMap<u64, oneshot::Sender<Reply>>>,
+    subs: Mutex<HashMap<u64, mpsc::Sender<Events>>>,
+    next_id: AtomicU64,
+    dead: AtomicBool,
+    pub hello: HelloReply,
+    pub arena: Option<Arena>,
+    limits: Limits,
+    reader: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn frame(req: &Request, id: u64, payload_len: u64, fl: u8) -> Vec<u8> {
+    let meta = req.encode_meta();
+    let mut h = Header::request(req.opcode(), id, meta.len(), payload_len);
+    h.flags = fl;
+    let mut v = Vec::with_capacity(HEADER_BYTES + meta.len());
+    v.extend_from_slice(&h.encode());
+    v.extend_from_slice(&meta);
+    v
+}
+
+impl Conn {
+    /// Connects, says hello, and starts the reader.
+    pub(crate) async fn open(ep: &Endpoint, cfg: &ClientConfig) -> Result<Arc<Conn>, ClientError> {
+        let hello = Request::Hello(Hello {
+            min_version: MIN_VERSION,
+            max_version: VERSION,
+            client: cfg.name.clone(),
+            token: cfg.token.clone().unwrap_or_default(),
+            block_bytes: cfg.block_bytes,
+            want_arena: cfg.zero_copy,
+        });
+        let hello_frame = frame(&hello, 0, 0, 0);
+        let (rd, wr, reply, fd): (BoxRead, BoxWrite, Vec<u8>, Option<OwnedFd>) = match ep {
+            Endpoint::Unix(path) => {
+                let mut s = tokio::net::UnixStream::connect(path)
+                    .await
+                    .map_err(|e| ClientError::Connect(format!("{}: {e}", path.display())))?;
+                s.write_all(&hello_frame).await.map_err(ClientError::Io)?;
+                let (head, fd) = recv_head_with_fd(&s).await?;
+                let mut reply = head.to_vec();
+                read_rest(&mut s, &mut reply).await?;
+                let (r, w) = s.into_split();
+                (Box::new(r), Box::new(w), reply, fd)
+            }
+            Endpoint::Tcp(addr) => {
+                let mut s = tokio::net::TcpStream::connect(addr.as_str())
+                    .await
+                    .map_err(|e| ClientError::Connect(format!("{addr}: {e}")))?;
+                let _ = s.set_nodelay(true);
+                s.write_all(&hello_frame).await.map_err(ClientError::Io)?;
+                let mut reply = vec![0u8; HEADER_BYTES];
+                s.read_exact(&mut reply).await.map_err(ClientError::Io)?;
+                read_rest(&mut s, &mut reply).await?;
+                let (r, w) = s.into_split();
+                (Box::new(r), Box::new(w), reply, None)
+            }
+            Endpoint::Quic { addr, server_name } => {
+                let (mut send, mut recv) = crate::quic::connect(addr, server_name, cfg).await?;
+                AsyncWriteExt::write_all(&mut send, &hello_frame)
+                    .await
+                    .map_err(ClientError::Io)?;
+                let mut reply = vec![0u8; HEADER_BYTES];
+                AsyncReadExt::read_exact(&mut recv, &mut reply)
+                    .await
+                    .map_err(ClientError::Io)?;
+                read_rest(&mut recv, &mut reply).await?;
+                (Box::new(recv), Box::new(send), reply, None)
+            }
+        };
+        let client_limits = Limits {
+            max_meta_bytes: 64 << 20,
+            max_keys: u32::MAX,
+            max_payload_bytes: u64::MAX,
+        };
+        let head: [u8; HEADER_BYTES] = reply[..HEADER_BYTES]
+            .try_into()
+            .map_err(|_| ClientError::Protocol("short hello reply".into()))?;
+        let h = Header::decode(&head, &client_limits).map_err(ClientError::Frame)?;
+        let hello = match Response::decode(&h, &reply[HEADER_BYTES..], &client_limits)
+            .map_err(ClientError::Frame)?
+        {
+            Response::Hello(hr) => hr,
+            Response::Error(e) => return Err(ClientError::from_reply(e)),
+            other => {
+                return Err(ClientError::Protocol(format!(
+                    "expected a hello reply, got {other:?}"
+                )));
+            }
+        };
+        let arena = match fd {
+            Some(fd) if hello.arena_bytes > 0 => Some(map_arena(fd, hello.arena_bytes)?),
+            _ => None,
+        };
+        let limits = Limits {
+            max_meta_bytes: hello.max_meta_bytes.max(1 << 20).saturating_mul(4),
+            max_keys: hello.max_keys,
+            max_payload_bytes: hello.max_payload_bytes,
+        };
+        let conn = Arc::new(Conn {
+            writer: tokio::sync::Mutex::new(wr),
+            pending: Mutex::new(HashMap::new()),
+            subs: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            dead: AtomicBool::new(false),
+            hello,
+            arena,
+            limits,
+            reader: Mutex::new(None),
+        });
+        let side = Arc::new(tokio::sync::Mutex::new(ReadSide { rd, skip: 0 }));
+        let weak = Arc::downgrade(&conn);
+        let task = tokio::spawn(read_loop(weak, side));
+        *lock(&conn.reader) = Some(task);
+        Ok(conn)
+    }
+
+    pub(crate) fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+
+    fn kill(&self) {
+        self.dead.store(true, Ordering::Release);
+        lock(&self.pending).clear();
+        lock(&self.subs).clear();
+    }
+
+    /// Sends one request (payload from `payload` buffers, in order) and waits for its reply.
+    pub(crate) async fn call(
+        &self,
+        req: &Request,
+        payload: &[&[u8]],
+        timeout: Duration,
+    ) -> Result<Reply, ClientError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        lock(&self.pending).insert(id, tx);
+        let r = tokio::time::timeout(timeout, async {
+            self.send(req, id, payload, 0).await?;
+            rx.await.map_err(|_| ClientError::Disconnected)
+        })
+        .await;
+        match r {
+            Ok(r) => r,
+            Err(_) => {
+                lock(&self.pending).remove(&id);
+                Err(ClientError::Timeout)
+            }
+        }
+    }
+
+    /// Sends a request whose answer nobody waits for (release, abort).
+    pub(crate) async fn send_no_reply(&self, req: &Request, timeout: Duration) -> Result<(), ClientError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        tokio::time::timeout(timeout, self.send(req, id, &[], flags::NO_REPLY))
+            .await
+            .map_err(|_| ClientError::Timeout)?
+    }
+
+    /// Registers an event subscription under a new id and sends the subscribe request.
+    pub(crate) async fn subscribe(
+        &self,
+        req: &Request,
+        tx: mpsc::Sender<Events>,
+        timeout: Duration,
+    ) -> Result<Reply, ClientError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        lock(&self.subs).insert(id, tx);
+        let (otx, orx) = oneshot::channel();
+        lock(&self.pending).insert(id, otx);
+        let r = tokio::time::timeout(timeout, async {
+            self.send(req, id, &[], 0).await?;
+            orx.await.map_err(|_| ClientError::Disconnected)
+        })
+        .await;
+        match r {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(e)) => {
+                lock(&self.subs).remove(&id);
+                Err(e)
+            }
+            Err(_) => {
+                lock(&self.subs).remove(&id);
+                lock(&self.pending).remove(&id);
+                Err(ClientError::Timeout)
+            }
+        }
+    }
+
+    async fn send(&self, req: &Request, id: u64, payload: &[&[u8]], fl: u8) -> Result<(), ClientError> {
+        if self.is_dead() {
+            return Err(ClientError::Disconnected);
+        }
+        let len: u64 = payload.iter().map(|p| p.len() as u64).sum();
+        let head = frame(req, id, len, fl);
+        let mut w = self.writer.lock().await;
+        let r = async {
+            w.write_all(&head).await?;
+            for p in payload {
+                w.write_all(p).await?;
+            }
+            w.flush().await
+        };
+        // A frame cut off midway leaves the stream unusable: this connection is done.
+        let guard = DeadOnDrop(self, true);
+        let out = r.await;
+        std::mem::forget(guard);
+        if let Err(e) = out {
+            self.kill();
+            return Err(ClientError::Io(e));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn max_keys(&self) -> usize {
+        self.limits.max_keys as usize
+    }
+
+    pub(crate) fn max_payload(&self) -> u64 {
+        self.limits.max_payload_bytes
+    }
+}
+
+/// Marks the connection dead if a frame write is abandoned (its future dropped) midway.
+struct DeadOnDrop<'a>(&'a Conn, bool);
+
+impl Drop for DeadOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.1 {
+            self.0.kill();
+        }
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if let Some(t) = lock(&self.reader).take() {
+            t.abort();
+        }
+    }
+}
+
+async fn read_rest<R: AsyncRead + Unpin>(r: &mut R, reply: &mut Vec<u8>) -> Result<(), ClientError> {
+    let head: [u8; HEADER_BYTES] = reply[..HEADER_BYTES]
+        .try_into()
+        .map_err(|_| ClientError::Protocol("short hello reply".into()))?;
+    let limits = Limits::default();
+    let h = Header::decode(&head, &limits).map_err(ClientError::Frame)?;
+    let need = HEADER_BYTES + h.meta_len as usize;
+    let have = reply.len();
+    if have < need {
+        reply.resize(need, 0);
+        r.read_exact(&mut reply[have..]).await.map_err(ClientError::Io)?;
+    }
+    reply.truncate(need);
+    Ok(())
+}
+
+async fn read_loop(conn: std::sync::Weak<Conn>, side: Arc<tokio::sync::Mutex<ReadSide>>) {
+    let limits = match conn.upgrade() {
+        Some(c) => c.limits,
+        None => return,
+    };
+    let mut meta = Vec::new();
+    loop {
+        let mut g = side.clone().lock_owned().await;
+        let r: Result<(), FrameError> = async {
+            if g.skip > 0 {
+                let n = g.skip;
+                let mut sink = tokio::io::sink();
+                tokio::io::copy(&mut (&mut g.rd).take(n), &mut sink)
+                    .await
+                    .map_err(|_| FrameError::Truncated { need: n, have: 0 })?;
+                g.skip = 0;
+            }
+            Ok(())
+        }
+        .await;
+        if r.is_err() {
+            break;
+        }
+        let mut head = [0u8; HEADER_BYTES];
+        if g.rd.read_exact(&mut head).await.is_err() {
+            break;
+        }
+        let Ok(h) = Header::decode(&head, &limits) else {
+            break;
+        };
+        meta.clear();
+        meta.resize(h.meta_len as usize, 0);
+        if g.rd.read_exact(&mut meta).await.is_err() {
+            break;
+        }
+        let Some(c) = conn.upgrade() else { break };
+        let resp = match Response::decode(&h, &meta, &limits) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!("undecodable response from server: {e}");
+                break;
+            }
+        };
+        if let Response::Events(ev) = resp {
+            let tx = lock(&c.subs).get(&h.request_id).cloned();
+            if let Some(tx) = tx
+                && tx.send(ev).await.is_err()
+            {
+                lock(&c.subs).remove(&h.request_id);
+            }
+            g.skip += h.payload_len;
+            continue;
+        }
+        let waiter = lock(&c.pending).remove(&h.request_id);
+        if h.opcode == 0 && h.is(flags::ERROR) {
+            // A connection-level refusal (e.g. too many connections).
+            break;
+        }
+        let Some(waiter) = waiter else {
+            g.skip += h.payload_len;
+            continue;
+        };
+        let payload = if h.payload_len > 0 {
+            Some(Payload {
+                remaining: h.payload_len,
+                guard: g,
+            })
+        } else {
+            drop(g);
+            None
+        };
+        // A waiter that gave up drops the reply; the payload guard then skips the bytes.
+        let _ = waiter.send(Reply {
+            response: resp,
+            payload,
+        });
+    }
+    if let Some(c) = conn.upgrade() {
+        c.kill();
+    }
+}
+
+/// Receives the first bytes of the hello reply and the arena fd riding with them.
+async fn recv_head_with_fd(
+    s: &tokio::net::UnixStream,
+) -> Result<([u8; HEADER_BYTES], Option<OwnedFd>), ClientError> {
+    let mut head = [0u8; HEADER_BYTES];
+    let mut got = 0;
+    let mut fd = None;
+    while got < HEADER_BYTES {
+        s.readable().await.map_err(ClientError::Io)?;
+        match s.try_io(tokio::io::Interest::READABLE, || {
+            recv_fd(s.as_raw_fd(), &mut head[got..])
+        }) {
+            Ok((0, _)) => return Err(ClientError::Disconnected),
+            Ok((n, f)) => {
+                got += n;
+                if f.is_some() {
+                    fd = f;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(ClientError::Io(e)),
+        }
+    }
+    Ok((head, fd))
+}
+
+fn recv_fd(sock: RawFd, buf: &mut [u8]) -> std::io::Result<(usize, Option<OwnedFd>)> {
+    let mut control = [0u8; 64];
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: msghdr is plain data; zeroed is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+    msg.msg_controllen = control.len() as _;
+    // SAFETY: iov and control point at live buffers of the stated lengths for the call.
+    let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut fd = None;
+    // SAFETY: the kernel filled `control` up to msg_controllen; CMSG_FIRSTHDR/NXTHDR walk
+    // only within it, and an SCM_RIGHTS payload holds at least one fd the kernel installed
+    // for us (so we own it).
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let raw = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg) as *const RawFd);
+                fd = Some(OwnedFd::from_raw_fd(raw));
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    Ok((n as usize, fd))
+}
+
+fn map_arena(fd: OwnedFd, bytes: u64) -> Result<Arena, ClientError> {
+    let f = std::fs::File::from(fd);
+    let len = f.metadata().map_err(ClientError::Io)?.len();
+    if len < bytes {
+        return Err(ClientError::Protocol(format!(
+            "arena file is {len} bytes, server announced {bytes}"
+        )));
+    }
+    let map = memmap2::MmapOptions::new()
+        .len(bytes as usize)
+        .map_raw(&f)
+        .map_err(ClientError::Io)?;
+    Ok(Arena { map })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arena_ranges_are_checked() {
+        let f = tempfile_fd(8192);
+        let a = map_arena(f, 8192).unwrap();
+        a.write(4096, &[7u8; 16]).unwrap();
+        let mut b = [0u8; 16];
+        a.read(4096, &mut b).unwrap();
+        assert_eq!(b, [7u8; 16]);
+        assert!(a.read(8190, &mut b).is_err());
+        assert!(a.write(u64::MAX - 2, &b).is_err());
+        // SAFETY: nothing else writes this private mapping during the test.
+        let s = unsafe { a.slice(4096, 16) }.unwrap();
+        assert_eq!(s, &[7u8; 16]);
+    }
+
+    fn tempfile_fd(len: u64) -> OwnedFd {
+        // SAFETY: memfd_create with a valid C string; the fd is checked and then owned.
+        let fd = unsafe { libc::memfd_create(c"kvtier-test".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: fd is a fresh descriptor we own.
+        let f = unsafe { std::fs::File::from_raw_fd(fd) };
+        f.set_len(len).unwrap();
+        f.into()
+    }
+}

@@ -1,0 +1,858 @@
+//! kvtier-client: the SDK inference engines link to use a kvtier server.
+//!
+//! ```no_run
+//! use kvtier_client::{Client, ClientConfig};
+//! use kvtier_core::{HashSecret, NamespaceBuilder, PrefixHasher};
+//!
+//! # async fn demo() -> Result<(), kvtier_client::ClientError> {
+//! let client = Client::connect("unix:///run/user/1000/kvtier/kvtier.sock", ClientConfig::default()).await?;
+//! let block = client.block_bytes();
+//! // Keys: a keyed, chained hash of the prompt's full blocks under the model's namespace.
+//! let ns = NamespaceBuilder::new("llama-3-8b").cache_salt(b"tenant-a").build();
+//! let hasher = PrefixHasher::new(HashSecret::development(), &ns, 16);
+//! let tokens: Vec<u32> = (0..64).collect();
+//! let keys = hasher.prompt_keys(&tokens);
+//!
+//! // After prefill: store the blocks (a failure is reported, never raised).
+//! let blocks: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; block]).collect();
+//! let bufs: Vec<&[u8]> = blocks.iter().map(|b| b.as_slice()).collect();
+//! let stored = client.put_chain(&keys, None, &bufs).await;
+//! assert!(stored.failure.is_none());
+//!
+//! // Next request with the same prefix: fetch what is cached, recompute the rest.
+//! let mut out: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; block]).collect();
+//! let mut dst: Vec<&mut [u8]> = out.iter_mut().map(|b| b.as_mut_slice()).collect();
+//! let got = client.get_into(&keys, &mut dst).await;
+//! println!("{} of {} blocks cached; recompute the rest ({:?})", got.blocks, keys.len(), got.miss);
+//! # Ok(()) }
+//! ```
+//!
+//! Addresses: `unix:///path/to/kvtier.sock` (local; with [`ClientConfig::zero_copy`] the
+//! client maps the server's DRAM arena and bytes cross memory once), `tcp://host:port` and
+//! `quic://host:port` (both need [`ClientConfig::token`]; QUIC also the server's certificate).
+//!
+//! Every call has a timeout. A connection that fails is reopened on the next call (after
+//! [`ClientConfig::reconnect_backoff`]; until then calls answer at once with a miss).
+//! [`blocking::BlockingClient`] wraps it all for callers without an async runtime.
+
+pub mod blocking;
+mod conn;
+mod error;
+mod quic;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub use error::ClientError;
+pub use kvtier_core::BlockKey;
+pub use kvtier_core::protocol::{BlockEvent, ErrorCode, EventKind, PutEntry, PutStatus, TierCode};
+use kvtier_core::protocol::{Events, KeyList, MissCode, Request, Response};
+use tokio::sync::mpsc;
+
+use conn::Conn;
+
+/// Client settings. Each field's doc ends with its default.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ClientConfig {
+    /// Token for TCP and QUIC servers. Default: `KVTIER_TOKEN` from the environment, if set.
+    pub token: Option<String>,
+    /// The server's QUIC certificate (DER) to trust. Default: none (QUIC refused).
+    pub quic_cert_der: Option<Vec<u8>>,
+    /// Name the QUIC certificate must carry. Default: "localhost".
+    pub quic_server_name: String,
+    /// Deadline of every call. Default: 5 s.
+    pub timeout: Duration,
+    /// Deadline of a connect and hello. Default: 2 s.
+    pub connect_timeout: Duration,
+    /// After a failed connect, calls fail fast for this long before trying again.
+    /// Default: 1 s.
+    pub reconnect_backoff: Duration,
+    /// Block size the caller uses; the server refuses a different one. 0 = take the
+    /// server's. Default: 0.
+    pub block_bytes: u64,
+    /// On `unix://`, map the server's DRAM arena and move bytes through it. Default: true.
+    pub zero_copy: bool,
+    /// Lease asked for pins taken by `get_into` on the local path. Default: 10 s.
+    pub lease: Duration,
+    /// Name for the server's logs. Default: "kvtier-client".
+    pub name: String,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        Self {
+            token: std::env::var("KVTIER_TOKEN").ok().filter(|t| !t.is_empty()),
+            quic_cert_der: None,
+            quic_server_name: "localhost".into(),
+            timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(2),
+            reconnect_backoff: Duration::from_secs(1),
+            block_bytes: 0,
+            zero_copy: true,
+            lease: Duration::from_secs(10),
+            name: "kvtier-client".into(),
+        }
+    }
+}
+
+impl ClientConfig {
+    pub fn token(mut self, t: impl Into<String>) -> Self {
+        self.token = Some(t.into());
+        self
+    }
+    pub fn quic_cert_der(mut self, der: Vec<u8>) -> Self {
+        self.quic_cert_der = Some(der);
+        self
+    }
+    pub fn timeout(mut self, t: Duration) -> Self {
+        self.timeout = t;
+        self
+    }
+    pub fn zero_copy(mut self, on: bool) -> Self {
+        self.zero_copy = on;
+        self
+    }
+    pub fn block_bytes(mut self, b: u64) -> Self {
+        self.block_bytes = b;
+        self
+    }
+    pub fn reconnect_backoff(mut self, d: Duration) -> Self {
+        self.reconnect_backoff = d;
+        self
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Endpoint {
+    Unix(PathBuf),
+    Tcp(String),
+    Quic { addr: String, server_name: String },
+}
+
+impl Endpoint {
+    fn parse(url: &str, cfg: &ClientConfig) -> Result<Self, ClientError> {
+        let bad = || ClientError::BadUrl(url.to_string());
+        if let Some(p) = url.strip_prefix("unix://") {
+            if p.is_empty() {
+                return Err(bad());
+            }
+            return Ok(Endpoint::Unix(PathBuf::from(p)));
+        }
+        let hostport = |rest: &str| -> Result<String, ClientError> {
+            let rest = rest.trim_end_matches('/');
+            match rest.rsplit_once(':') {
+                Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok() => Ok(rest.to_string()),
+                _ => Err(bad()),
+            }
+        };
+        if let Some(r) = url.strip_prefix("tcp://") {
+            return Ok(Endpoint::Tcp(hostport(r)?));
+        }
+        if let Some(r) = url.strip_prefix("quic://") {
+            return Ok(Endpoint::Quic {
+                addr: hostport(r)?,
+                server_name: cfg.quic_server_name.clone(),
+            });
+        }
+        Err(bad())
+    }
+}
+
+/// Why blocks were not served (or stored). Cache failures arrive as one of these, never as
+/// an error: the caller recomputes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Miss {
+    /// The server does not hold the next block.
+    NotCached,
+    /// The server found its copy corrupt (dropped and counted there).
+    Corrupt,
+    /// The server failed to read its copy.
+    IoError,
+    /// The server is over budget; nothing was done.
+    Busy,
+    Timeout,
+    Disconnected,
+    /// No server (connect failed, or backing off after a failure).
+    Unavailable(String),
+    /// The server refused the request.
+    Refused(String),
+}
+
+impl Miss {
+    fn from_code(c: u8) -> Option<Miss> {
+        match MissCode::from_u8(c) {
+            Some(MissCode::None) => None,
+            Some(MissCode::NotCached) => Some(Miss::NotCached),
+            Some(MissCode::Corrupt) => Some(Miss::Corrupt),
+            Some(MissCode::IoError) => Some(Miss::IoError),
+            Some(MissCode::Busy) => Some(Miss::Busy),
+            None => Some(Miss::Refused(format!("unknown miss code {c}"))),
+        }
+    }
+
+    fn from_error(e: &ClientError) -> Miss {
+        match e {
+            ClientError::Timeout => Miss::Timeout,
+            ClientError::Disconnected | ClientError::Io(_) => Miss::Disconnected,
+            ClientError::Connect(m) => Miss::Unavailable(m.clone()),
+            ClientError::Server {
+                code: Some(ErrorCode::Busy),
+                ..
+            } => Miss::Busy,
+            other => Miss::Refused(other.to_string()),
+        }
+    }
+}
+
+/// The longest cached prefix of a key list.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lookup {
+    /// Tier of each leading cached block.
+    pub tiers: Vec<TierCode>,
+    /// Why it stopped (None: every key is cached).
+    pub miss: Option<Miss>,
+}
+
+/// The result of [`Client::get_into`]: the first `blocks` buffers hold blocks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fetch {
+    pub blocks: usize,
+    pub tiers: Vec<TierCode>,
+    pub miss: Option<Miss>,
+}
+
+/// The result of a put: one status per block sent, and why the rest were not sent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stored {
+    pub statuses: Vec<PutStatus>,
+    pub failure: Option<Miss>,
+}
+
+impl Stored {
+    /// Blocks now cached (stored now or before).
+    pub fn cached(&self) -> usize {
+        self.statuses
+            .iter()
+            .filter(|s| matches!(s, PutStatus::Stored | PutStatus::AlreadyPresent))
+            .count()
+    }
+}
+
+/// Blocks pinned in the server's DRAM arena, readable in place (local connections only).
+/// Released when dropped (or when the lease runs out).
+pub struct PinnedBlocks {
+    conn: Arc<Conn>,
+    lease_id: u64,
+    offsets: Vec<u64>,
+    block: usize,
+    tiers: Vec<TierCode>,
+    miss: Option<Miss>,
+    timeout: Duration,
+    deadline: Instant,
+}
+
+impl PinnedBlocks {
+    pub fn len(&self) -> usize {
+        self.offsets.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.offsets.is_empty()
+    }
+    pub fn tiers(&self) -> &[TierCode] {
+        &self.tiers
+    }
+    pub fn miss(&self) -> Option<&Miss> {
+        self.miss.as_ref()
+    }
+    /// When the server may release the pins on its own.
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// Block `i`, in place in the server's arena. Valid until this guard drops; read it
+    /// before the lease deadline (after it, the server may reuse the slot).
+    pub fn block(&self, i: usize) -> &[u8] {
+        let arena = self
+            .conn
+            .arena
+            .as_ref()
+            .expect("PinnedBlocks exist only on connections with an arena");
+        // SAFETY: the server pinned this slot for our lease, which this guard holds; the
+        // offset was range-checked when the guard was built.
+        unsafe { arena.slice(self.offsets[i], self.block) }
+            .expect("offset checked when the pin was taken")
+    }
+}
+
+impl Drop for PinnedBlocks {
+    fn drop(&mut self) {
+        if self.lease_id == 0 {
+            return;
+        }
+        let (conn, id, t) = (self.conn.clone(), self.lease_id, self.timeout);
+        // Without a runtime the lease simply expires on the server.
+        if let Ok(h) = tokio::runtime::Handle::try_current() {
+            h.spawn(async move {
+                let _ = conn
+                    .send_no_reply(&Request::Release { lease_id: id }, t)
+                    .await;
+            });
+        }
+    }
+}
+
+/// A stream of block events (see [`Client::events`]).
+pub struct EventStream {
+    rx: mpsc::Receiver<Events>,
+    /// The server's next sequence number when the subscription started.
+    pub start_seq: u64,
+    _conn: Arc<Conn>,
+}
+
+/// One item of an [`EventStream`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EventItem {
+    Event(BlockEvent),
+    /// Events `from..to` were lost (the subscriber fell behind): resync.
+    Gap { from: u64, to: u64 },
+}
+
+impl EventStream {
+    /// The next batch, or `None` when the connection closed.
+    pub async fn next_batch(&mut self) -> Option<Vec<EventItem>> {
+        let ev = self.rx.recv().await?;
+        let mut out = Vec::with_capacity(ev.events.len() + 1);
+        if let Some((from, to)) = ev.gap {
+            out.push(EventItem::Gap { from, to });
+        }
+        out.extend(ev.events.into_iter().map(EventItem::Event));
+        Some(out)
+    }
+}
+
+struct Inner {
+    endpoint: Endpoint,
+    config: ClientConfig,
+    conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
+    backoff_until: std::sync::Mutex<Option<(Instant, String)>>,
+}
+
+/// A connection to a kvtier server, reopened when it fails. Cheap to clone; every method
+/// takes `&self` and may be called from many tasks at once (requests pipeline).
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+    block_bytes: usize,
+    local: bool,
+}
+
+impl Client {
+    /// Connects and says hello (version, token, block size).
+    pub async fn connect(url: &str, config: ClientConfig) -> Result<Client, ClientError> {
+        let endpoint = Endpoint::parse(url, &config)?;
+        let conn = tokio::time::timeout(config.connect_timeout, Conn::open(&endpoint, &config))
+            .await
+            .map_err(|_| ClientError::Connect(format!("{url}: timed out")))??;
+        let block_bytes = conn.hello.block_bytes as usize;
+        let local = conn.arena.is_some();
+        Ok(Client {
+            inner: Arc::new(Inner {
+                endpoint,
+                config,
+                conn: tokio::sync::Mutex::new(Some(conn)),
+                backoff_until: std::sync::Mutex::new(None),
+            }),
+            block_bytes,
+            local,
+        })
+    }
+
+    /// Size of every block on this server.
+    pub fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+
+    /// Whether gets and puts go through the mapped arena.
+    pub fn is_local(&self) -> bool {
+        self.local
+    }
+
+    fn timeout(&self) -> Duration {
+        self.inner.config.timeout
+    }
+
+    async fn conn(&self) -> Result<Arc<Conn>, ClientError> {
+        let mut g = self.inner.conn.lock().await;
+        if let Some(c) = g.as_ref().filter(|c| !c.is_dead()) {
+            return Ok(c.clone());
+        }
+        *g = None;
+        if let Some((until, why)) = self
+            .inner
+            .backoff_until
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            && Instant::now() < until
+        {
+            return Err(ClientError::Connect(format!("backing off after: {why}")));
+        }
+        let cfg = &self.inner.config;
+        let r = tokio::time::timeout(cfg.connect_timeout, Conn::open(&self.inner.endpoint, cfg))
+            .await
+            .unwrap_or_else(|_| Err(ClientError::Connect("connect timed out".into())));
+        match r {
+            Ok(c) if c.hello.block_bytes as usize == self.block_bytes => {
+                *g = Some(c.clone());
+                Ok(c)
+            }
+            Ok(c) => Err(ClientError::Protocol(format!(
+                "server now has {}-byte blocks, this client {}",
+                c.hello.block_bytes, self.block_bytes
+            ))),
+            Err(e) => {
+                *self
+                    .inner
+                    .backoff_until
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) =
+                    Some((Instant::now() + cfg.reconnect_backoff, e.to_string()));
+                Err(e)
+            }
+        }
+    }
+
+    async fn call(&self, req: &Request) -> Result<(Arc<Conn>, conn::Reply), ClientError> {
+        let c = self.conn().await?;
+        let r = c.call(req, &[], self.timeout()).await?;
+        if let Response::Error(e) = r.response {
+            return Err(ClientError::from_reply(e));
+        }
+        Ok((c, r))
+    }
+
+    fn unexpected(r: &Response) -> ClientError {
+        ClientError::Protocol(format!("unexpected response {r:?}"))
+    }
+
+    /// Round-trip time of a ping.
+    pub async fn ping(&self) -> Result<Duration, ClientError> {
+        let t = Instant::now();
+        match self.call(&Request::Ping).await?.1.response {
+            Response::Pong => Ok(t.elapsed()),
+            r => Err(Self::unexpected(&r)),
+        }
+    }
+
+    /// The longest cached prefix of `keys` and the tier of each of its blocks.
+    pub async fn lookup(&self, keys: &[BlockKey]) -> Lookup {
+        let req = Request::Lookup(KeyList {
+            keys: keys.to_vec(),
+        });
+        match self.call(&req).await {
+            Ok((_, r)) => match r.response {
+                Response::Lookup { tiers, miss } => Lookup {
+                    tiers: tiers.iter().filter_map(|t| TierCode::from_u8(*t)).collect(),
+                    miss: Miss::from_code(miss),
+                },
+                r => Lookup {
+                    tiers: vec![],
+                    miss: Some(Miss::Refused(Self::unexpected(&r).to_string())),
+                },
+            },
+            Err(e) => Lookup {
+                tiers: vec![],
+                miss: Some(Miss::from_error(&e)),
+            },
+        }
+    }
+
+    /// Copies the longest cached prefix of `keys` into `bufs` (one block-sized buffer per
+    /// key). Local connections copy straight out of the mapped arena; remote ones receive
+    /// the bytes straight into `bufs`.
+    pub async fn get_into(&self, keys: &[BlockKey], bufs: &mut [&mut [u8]]) -> Fetch {
+        match self.get_inner(keys, bufs).await {
+            Ok(f) => f,
+            Err(e) => Fetch {
+                blocks: 0,
+                tiers: vec![],
+                miss: Some(Miss::from_error(&e)),
+            },
+        }
+    }
+
+    fn check_bufs(&self, n: usize, lens: impl Iterator<Item = usize>) -> Result<(), ClientError> {
+        let mut count = 0;
+        for l in lens {
+            count += 1;
+            if l != self.block_bytes {
+                return Err(ClientError::Buffer(format!(
+                    "buffer of {l} bytes; blocks are {} bytes",
+                    self.block_bytes
+                )));
+            }
+        }
+        if count != n {
+            return Err(ClientError::Buffer(format!("{n} keys but {count} buffers")));
+        }
+        Ok(())
+    }
+
+    async fn get_inner(&self, keys: &[BlockKey], bufs: &mut [&mut [u8]]) -> Result<Fetch, ClientError> {
+        self.check_bufs(keys.len(), bufs.iter().map(|b| b.len()))?;
+        if keys.is_empty() {
+            return Ok(Fetch {
+                blocks: 0,
+                tiers: vec![],
+                miss: None,
+            });
+        }
+        if self.local {
+            let pinned = self.pin_inner(keys, self.inner.config.lease).await?;
+            let arena = pinned.conn.arena.as_ref().ok_or(ClientError::NotLocal("get"))?;
+            for (i, off) in pinned.offsets.iter().enumerate() {
+                arena.read(*off, bufs[i])?;
+            }
+            return Ok(Fetch {
+                blocks: pinned.len(),
+                tiers: pinned.tiers.clone(),
+                miss: pinned.miss.clone(),
+            });
+        }
+        let c = self.conn().await?;
+        // Ask in pieces the server accepts.
+        let per = (c.max_payload() / self.block_bytes as u64).max(1) as usize;
+        let per = per.min(c.max_keys());
+        let mut done = 0;
+        let mut tiers = Vec::new();
+        for chunk in keys.chunks(per) {
+            let req = Request::Get(KeyList {
+                keys: chunk.to_vec(),
+            });
+            let r = c.call(&req, &[], self.timeout()).await?;
+            let (t, miss) = match r.response {
+                Response::Get { tiers, miss } => (tiers, miss),
+                Response::Error(e) => return Err(ClientError::from_reply(e)),
+                r => return Err(Self::unexpected(&r)),
+            };
+            let n = t.len();
+            let want = n as u64 * self.block_bytes as u64;
+            let mut payload = r.payload;
+            let have = payload.as_ref().map_or(0, |p| p.remaining());
+            if have != want || n > chunk.len() {
+                return Err(ClientError::Protocol(format!(
+                    "get of {n} blocks carried {have} bytes"
+                )));
+            }
+            let read = async {
+                if let Some(p) = payload.as_mut() {
+                    for b in bufs[done..done + n].iter_mut() {
+                        p.read_exact(b).await?;
+                    }
+                }
+                Ok::<(), ClientError>(())
+            };
+            tokio::time::timeout(self.timeout(), read)
+                .await
+                .map_err(|_| ClientError::Timeout)??;
+            done += n;
+            tiers.extend(t.iter().filter_map(|x| TierCode::from_u8(*x)));
+            let miss = Miss::from_code(miss);
+            if miss.is_some() || n < chunk.len() {
+                return Ok(Fetch {
+                    blocks: done,
+                    tiers,
+                    miss: miss.or(Some(Miss::NotCached)),
+                });
+            }
+        }
+        Ok(Fetch {
+            blocks: done,
+            tiers,
+            miss: None,
+        })
+    }
+
+    /// Pins the longest cached prefix of `keys` in the server's DRAM for `lease` and lends
+    /// the blocks in place (local connections only): the zero-copy read path.
+    pub async fn get_pinned(&self, keys: &[BlockKey], lease: Duration) -> Result<PinnedBlocks, ClientError> {
+        if !self.local {
+            return Err(ClientError::NotLocal("get_pinned"));
+        }
+        self.pin_inner(keys, lease).await
+    }
+
+    async fn pin_inner(&self, keys: &[BlockKey], lease: Duration) -> Result<PinnedBlocks, ClientError> {
+        let req = Request::Pin {
+            keys: keys.to_vec(),
+            lease_ms: lease.as_millis().max(1) as u64,
+        };
+        let sent = Instant::now();
+        let (c, r) = self.call(&req).await?;
+        let Response::Pin(p) = r.response else {
+            return Err(Self::unexpected(&r.response));
+        };
+        let mut guard = PinnedBlocks {
+            conn: c.clone(),
+            lease_id: p.lease_id,
+            offsets: Vec::with_capacity(p.blocks.len()),
+            block: self.block_bytes,
+            tiers: p.blocks.iter().filter_map(|b| TierCode::from_u8(b.tier)).collect(),
+            miss: Miss::from_code(p.miss),
+            timeout: self.timeout(),
+            deadline: sent + Duration::from_millis(p.lease_ms),
+        };
+        if p.blocks.len() > keys.len() {
+            return Err(ClientError::Protocol("more pinned blocks than keys".into()));
+        }
+        for b in &p.blocks {
+            if let Some(a) = &c.arena {
+                // Range-check now so `block()` cannot fail later.
+                // SAFETY: only checks the range; the slice is dropped at once.
+                unsafe { a.slice(b.offset, self.block_bytes) }?;
+            }
+            guard.offsets.push(b.offset);
+        }
+        Ok(guard)
+    }
+
+    /// Stores a chain of blocks: `keys[0]`'s parent is `parent`, each next key's parent is
+    /// the key before it.
+    pub async fn put_chain(&self, keys: &[BlockKey], parent: Option<BlockKey>, bufs: &[&[u8]]) -> Stored {
+        let entries: Vec<PutEntry> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| PutEntry {
+                key: *k,
+                parent: if i == 0 { parent } else { Some(keys[i - 1]) },
+            })
+            .collect();
+        self.put(&entries, bufs).await
+    }
+
+    /// Stores blocks (parents before children). Local connections write into reserved arena
+    /// slots and commit; remote ones send the bytes straight from `bufs`.
+    pub async fn put(&self, entries: &[PutEntry], bufs: &[&[u8]]) -> Stored {
+        match self.put_inner(entries, bufs).await {
+            Ok(s) => s,
+            Err(e) => Stored {
+                statuses: vec![],
+                failure: Some(Miss::from_error(&e)),
+            },
+        }
+    }
+
+    fn statuses(raw: &[u8]) -> Vec<PutStatus> {
+        raw.iter()
+            .map(|s| PutStatus::from_u8(*s).unwrap_or(PutStatus::Failed))
+            .collect()
+    }
+
+    async fn put_inner(&self, entries: &[PutEntry], bufs: &[&[u8]]) -> Result<Stored, ClientError> {
+        self.check_bufs(entries.len(), bufs.iter().map(|b| b.len()))?;
+        let c = self.conn().await?;
+        let per = ((c.max_payload() / self.block_bytes as u64).max(1) as usize).min(c.max_keys());
+        let mut statuses = Vec::with_capacity(entries.len());
+        for (ents, bs) in entries.chunks(per).zip(bufs.chunks(per)) {
+            let raw = if self.local {
+                self.put_local(&c, ents, bs).await?
+            } else {
+                let r = c.call(&Request::Put(ents.to_vec()), bs, self.timeout()).await?;
+                match r.response {
+                    Response::Put(p) => p.statuses,
+                    Response::Error(e) => return Err(ClientError::from_reply(e)),
+                    r => return Err(Self::unexpected(&r)),
+                }
+            };
+            if raw.len() != ents.len() {
+                return Err(ClientError::Protocol("put reply has the wrong count".into()));
+            }
+            statuses.extend(Self::statuses(&raw));
+        }
+        Ok(Stored {
+            statuses,
+            failure: None,
+        })
+    }
+
+    async fn put_local(&self, c: &Arc<Conn>, ents: &[PutEntry], bs: &[&[u8]]) -> Result<Vec<u8>, ClientError> {
+        let arena = c.arena.as_ref().ok_or(ClientError::NotLocal("put"))?;
+        let req = Request::Reserve {
+            entries: ents.to_vec(),
+            lease_ms: self.timeout().as_millis().max(1) as u64,
+        };
+        let r = c.call(&req, &[], self.timeout()).await?;
+        let p = match r.response {
+            Response::Reserve(p) => p,
+            Response::Error(e) => return Err(ClientError::from_reply(e)),
+            r => return Err(Self::unexpected(&r)),
+        };
+        if p.slots.len() != ents.len() {
+            return Err(ClientError::Protocol("reserve reply has the wrong count".into()));
+        }
+        if p.reservation_id == 0 {
+            return Ok(p.slots.iter().map(|s| s.status).collect());
+        }
+        let copied = p.slots.iter().zip(bs).try_for_each(|(s, b)| {
+            if s.status == PutStatus::Stored as u8 {
+                arena.write(s.offset, b)
+            } else {
+                Ok(())
+            }
+        });
+        if let Err(e) = copied {
+            let _ = c
+                .send_no_reply(
+                    &Request::Abort {
+                        reservation_id: p.reservation_id,
+                    },
+                    self.timeout(),
+                )
+                .await;
+            return Err(e);
+        }
+        let r = c
+            .call(
+                &Request::Commit {
+                    reservation_id: p.reservation_id,
+                },
+                &[],
+                self.timeout(),
+            )
+            .await?;
+        match r.response {
+            Response::Commit(p) => Ok(p.statuses),
+            Response::Error(e) => Err(ClientError::from_reply(e)),
+            r => Err(Self::unexpected(&r)),
+        }
+    }
+
+    /// Asks the server to copy NVMe-only blocks among `keys` up into DRAM ahead of use;
+    /// returns how many copies it queued.
+    pub async fn prefetch(&self, keys: &[BlockKey]) -> Result<u64, ClientError> {
+        let req = Request::Prefetch(KeyList {
+            keys: keys.to_vec(),
+        });
+        match self.call(&req).await?.1.response {
+            Response::Prefetch { queued } => Ok(queued),
+            r => Err(Self::unexpected(&r)),
+        }
+    }
+
+    /// Pins the longest cached prefix in DRAM for `lease` (e.g. ahead of a transfer).
+    /// Release with [`Client::release`]; returns the lease id (0 when nothing was pinned) and
+    /// the pinned blocks' tiers.
+    pub async fn pin(&self, keys: &[BlockKey], lease: Duration) -> Result<(u64, Vec<TierCode>), ClientError> {
+        let mut p = self.pin_inner(keys, lease).await?;
+        let id = std::mem::take(&mut p.lease_id);
+        Ok((id, std::mem::take(&mut p.tiers)))
+    }
+
+    pub async fn release(&self, lease_id: u64) -> Result<(), ClientError> {
+        match self.call(&Request::Release { lease_id }).await?.1.response {
+            Response::Done => Ok(()),
+            r => Err(Self::unexpected(&r)),
+        }
+    }
+
+    /// Removes blocks; returns how many were cached.
+    pub async fn remove(&self, keys: &[BlockKey]) -> Result<u64, ClientError> {
+        let req = Request::Remove(KeyList {
+            keys: keys.to_vec(),
+        });
+        match self.call(&req).await?.1.response {
+            Response::Remove { removed } => Ok(removed),
+            r => Err(Self::unexpected(&r)),
+        }
+    }
+
+    /// Removes every block of the server (all tenants).
+    pub async fn clear(&self) -> Result<(), ClientError> {
+        match self.call(&Request::Clear).await?.1.response {
+            Response::Done => Ok(()),
+            r => Err(Self::unexpected(&r)),
+        }
+    }
+
+    /// The server's statistics (JSON, as its admin port's `/stats`).
+    pub async fn stats(&self) -> Result<String, ClientError> {
+        match self.call(&Request::Stats).await?.1.response {
+            Response::Stats(s) => Ok(s),
+            r => Err(Self::unexpected(&r)),
+        }
+    }
+
+    /// Subscribes to block events from `from_seq` (None: from now). With `snapshot`, every
+    /// cached block first arrives as a `Stored` event with sequence 0.
+    pub async fn events(&self, from_seq: Option<u64>, snapshot: bool) -> Result<EventStream, ClientError> {
+        let c = self.conn().await?;
+        let (tx, rx) = mpsc::channel(64);
+        let r = c
+            .subscribe(&Request::Subscribe { from_seq, snapshot }, tx, self.timeout())
+            .await?;
+        match r.response {
+            Response::Subscribed { next_seq } => Ok(EventStream {
+                rx,
+                start_seq: next_seq,
+                _conn: c,
+            }),
+            Response::Error(e) => Err(ClientError::from_reply(e)),
+            r => Err(Self::unexpected(&r)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_parse_or_name_themselves() {
+        let c = ClientConfig::default();
+        assert_eq!(
+            Endpoint::parse("unix:///run/kvtier.sock", &c).unwrap(),
+            Endpoint::Unix("/run/kvtier.sock".into())
+        );
+        assert_eq!(
+            Endpoint::parse("tcp://127.0.0.1:7450", &c).unwrap(),
+            Endpoint::Tcp("127.0.0.1:7450".into())
+        );
+        assert!(matches!(
+            Endpoint::parse("quic://localhost:7451/", &c).unwrap(),
+            Endpoint::Quic { .. }
+        ));
+        for bad in ["", "http://x:1", "tcp://nohost", "tcp://:80", "tcp://h:99999", "unix://"] {
+            let e = Endpoint::parse(bad, &c).unwrap_err();
+            assert!(e.to_string().contains(bad), "{e}");
+        }
+    }
+
+    #[test]
+    fn errors_become_misses() {
+        assert_eq!(Miss::from_error(&ClientError::Timeout), Miss::Timeout);
+        assert_eq!(Miss::from_error(&ClientError::Disconnected), Miss::Disconnected);
+        assert_eq!(
+            Miss::from_error(&ClientError::Server {
+                code: Some(ErrorCode::Busy),
+                message: "x".into()
+            }),
+            Miss::Busy
+        );
+        assert!(matches!(
+            Miss::from_error(&ClientError::Connect("no".into())),
+            Miss::Unavailable(_)
+        ));
+        assert_eq!(Miss::from_code(0), None);
+        assert_eq!(Miss::from_code(2), Some(Miss::Corrupt));
+    }
+
+    #[tokio::test]
+    async fn an_absent_server_is_a_miss_not_an_error() {
+        let dir = std::env::temp_dir().join(format!("kvtier-absent-{}", std::process::id()));
+        let url = format!("unix://{}/none.sock", dir.display());
+        let e = Client::connect(&url, ClientConfig::default()).await.err().unwrap();
+        assert!(matches!(e, ClientError::Connect(_)), "{e}");
+    }
+}

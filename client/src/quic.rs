@@ -1,0 +1,59 @@
+//! QUIC transport: one bidirectional stream per client connection, TLS with the server's
+//! certificate pinned (from the server's runtime directory, or configured).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use crate::ClientConfig;
+use crate::error::ClientError;
+
+pub(crate) async fn connect(
+    addr: &str,
+    server_name: &str,
+    cfg: &ClientConfig,
+) -> Result<(quinn::SendStream, quinn::RecvStream), ClientError> {
+    let Some(der) = &cfg.quic_cert_der else {
+        return Err(ClientError::Connect(
+            "quic needs the server's certificate (ClientConfig::quic_cert_der)".into(),
+        ));
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls::pki_types::CertificateDer::from(der.clone()))
+        .map_err(|e| ClientError::Connect(format!("server certificate: {e}")))?;
+    let mut qc = quinn::ClientConfig::with_root_certificates(Arc::new(roots))
+        .map_err(|e| ClientError::Connect(format!("tls: {e}")))?;
+    qc.transport_config(transport());
+    let remote: SocketAddr = tokio::net::lookup_host(addr)
+        .await
+        .map_err(|e| ClientError::Connect(format!("{addr}: {e}")))?
+        .next()
+        .ok_or_else(|| ClientError::Connect(format!("{addr}: no address")))?;
+    let local: SocketAddr = if remote.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    }
+    .parse()
+    .map_err(|_| ClientError::Connect("local address".into()))?;
+    let mut ep = quinn::Endpoint::client(local).map_err(ClientError::Io)?;
+    ep.set_default_client_config(qc);
+    let conn = ep
+        .connect(remote, server_name)
+        .map_err(|e| ClientError::Connect(format!("{addr}: {e}")))?
+        .await
+        .map_err(|e| ClientError::Connect(format!("{addr}: {e}")))?;
+    conn.open_bi()
+        .await
+        .map_err(|e| ClientError::Connect(format!("{addr}: {e}")))
+}
+
+/// Flow-control windows sized for block transfers (as the server's).
+pub(crate) fn transport() -> Arc<quinn::TransportConfig> {
+    let mut t = quinn::TransportConfig::default();
+    t.stream_receive_window(quinn::VarInt::from_u32(32 << 20));
+    t.receive_window(quinn::VarInt::from_u32(128 << 20));
+    t.send_window(128 << 20);
+    t.keep_alive_interval(Some(std::time::Duration::from_secs(5)));
+    Arc::new(t)
+}
