@@ -14,7 +14,10 @@ use kvtier_server::server::{ConfigLoader, Server, ServerConfig};
 use kvtier_server::tier::conformance::fill_block;
 
 #[derive(Parser, Debug)]
-#[command(version, about = "kvtier cache server: KV-cache blocks in DRAM and NVMe tiers for inference workers")]
+#[command(
+    version,
+    about = "kvtier cache server: KV-cache blocks in DRAM and NVMe tiers for inference workers"
+)]
 struct Args {
     /// TOML configuration file (template: config/kvtier.toml).
     #[arg(long)]
@@ -117,6 +120,19 @@ async fn serve(config: ServerConfig) -> Result<()> {
     let e = server.endpoints().clone();
     println!("kvtier-server {} ready", env!("CARGO_PKG_VERSION"));
     print_endpoints(&e);
+    // One machine-readable line (tests and scripts parse it).
+    let show = |a: Option<std::net::SocketAddr>| a.map_or("off".to_string(), |a| a.to_string());
+    println!(
+        "listening unix={} tcp={} quic={} admin={}",
+        e.unix
+            .as_ref()
+            .map_or("off".into(), |p| p.display().to_string()),
+        show(e.tcp),
+        show(e.quic),
+        show(e.admin)
+    );
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: draining"),
@@ -153,7 +169,10 @@ fn print_endpoints(e: &kvtier_server::server::Endpoints) {
 fn demo_defaults(args: &Args, c: &mut ServerConfig) -> Result<()> {
     let dir = std::env::temp_dir().join(format!("kvtier-demo-{}", std::process::id()));
     let mut l = ConfigLoader::new()
-        .set(&format!("server.runtime_dir={:?}", dir.display().to_string()))?
+        .set(&format!(
+            "server.runtime_dir={:?}",
+            dir.display().to_string()
+        ))?
         .set("server.tcp=\"127.0.0.1:0\"")?
         .set("server.quic=\"127.0.0.1:0\"")?
         .set("server.admin=\"127.0.0.1:0\"")?
@@ -183,7 +202,11 @@ fn gbps(bytes: usize, t: Duration) -> f64 {
 
 fn summary(tiers: &[TierCode]) -> String {
     let d = tiers.iter().filter(|t| **t == TierCode::Dram).count();
-    format!("{} blocks ({d} DRAM, {} NVMe)", tiers.len(), tiers.len() - d)
+    format!(
+        "{} blocks ({d} DRAM, {} NVMe)",
+        tiers.len(),
+        tiers.len() - d
+    )
 }
 
 /// Fetches `keys` and checks every byte.
@@ -218,12 +241,17 @@ async fn demo(config: ServerConfig, blocks: usize) -> Result<()> {
         block >> 10
     );
     report_hbm();
-    let server = Server::start(config.clone()).await.context("starting the server")?;
+    let server = Server::start(config.clone())
+        .await
+        .context("starting the server")?;
     let e = server.endpoints().clone();
     print_endpoints(&e);
     let unix = format!(
         "unix://{}",
-        e.unix.as_ref().context("the demo needs the Unix socket")?.display()
+        e.unix
+            .as_ref()
+            .context("the demo needs the Unix socket")?
+            .display()
     );
 
     // The worker side: keys of a prompt under the model's namespace and the tenant's salt.
@@ -364,8 +392,10 @@ async fn demo(config: ServerConfig, blocks: usize) -> Result<()> {
 async fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").as_bytes())
-        .await?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await?;
     let mut out = String::new();
     tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut out)).await??;
     let body = out.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");

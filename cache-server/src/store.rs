@@ -807,9 +807,12 @@ impl Inner {
     ) -> Result<PutOutcome, StoreError> {
         let c = &self.dram.counters;
         // Records key and length for readers; the bytes are in place already.
-        let filled = self.dram.tier.write_with(SlotId(slot), key, self.block_bytes, |_| {
-            Ok::<(), std::convert::Infallible>(())
-        });
+        let filled = self
+            .dram
+            .tier
+            .write_with(SlotId(slot), key, self.block_bytes, |_| {
+                Ok::<(), std::convert::Infallible>(())
+            });
         if let Err(e) = filled {
             self.retire(TierKind::Dram, slot, false);
             self.unpin(TierKind::Dram, slot);
@@ -1564,7 +1567,12 @@ impl PinnedRead {
         // pinned, so it holds `b.key`'s committed bytes: a pinned slot is never reallocated,
         // and only the allocator of an unreferenced slot writes into it. The range is the
         // slot's own (checked by `slot_bytes`), inside the arena that `inner` keeps mapped.
-        unsafe { self.inner.dram.tier.slot_bytes_in_place(b.slot, b.len as usize) }
+        unsafe {
+            self.inner
+                .dram
+                .tier
+                .slot_bytes_in_place(b.slot, b.len as usize)
+        }
     }
 }
 

@@ -357,7 +357,8 @@ fn pin_read_lends_pinned_bytes_and_unpins_on_drop() {
     let (s, _) = TieredStore::open(config(2, Some((dir.path(), 16)))).unwrap();
     let keys: Vec<_> = (0..4).map(key).collect();
     for (i, k) in keys.iter().enumerate() {
-        s.put(*k, i.checked_sub(1).map(|p| keys[p]), &data(*k)).unwrap();
+        s.put(*k, i.checked_sub(1).map(|p| keys[p]), &data(*k))
+            .unwrap();
         s.flush(); // the write-through copy holds its DRAM slot until done
     }
     s.flush();
@@ -399,8 +400,14 @@ fn events_follow_every_change_of_place() {
     let ev = seen.lock().unwrap().clone();
     let has = |kind, tier, k| ev.iter().any(|e| *e == StoreEvent { kind, tier, key: k });
     for k in [a, b, c] {
-        assert!(has(K::Stored, TierKind::Dram, k), "{k} stored in DRAM: {ev:?}");
-        assert!(has(K::Stored, TierKind::Nvme, k), "{k} copied to NVMe: {ev:?}");
+        assert!(
+            has(K::Stored, TierKind::Dram, k),
+            "{k} stored in DRAM: {ev:?}"
+        );
+        assert!(
+            has(K::Stored, TierKind::Nvme, k),
+            "{k} copied to NVMe: {ev:?}"
+        );
     }
     assert!(has(K::Removed, TierKind::Dram, c) && has(K::Removed, TierKind::Nvme, c));
     assert!(
@@ -418,7 +425,8 @@ fn snapshot_lists_every_block_and_its_tiers() {
     let (s, _) = TieredStore::open(config(2, Some((dir.path(), 16)))).unwrap();
     let keys: Vec<_> = (0..3).map(key).collect();
     for (i, k) in keys.iter().enumerate() {
-        s.put(*k, i.checked_sub(1).map(|p| keys[p]), &data(*k)).unwrap();
+        s.put(*k, i.checked_sub(1).map(|p| keys[p]), &data(*k))
+            .unwrap();
         s.flush(); // the write-through copy holds its DRAM slot until done
     }
     s.flush();

@@ -53,7 +53,11 @@ impl BlockingClient {
     pub fn prefetch(&self, keys: &[BlockKey]) -> Result<u64, ClientError> {
         self.rt.block_on(self.client.prefetch(keys))
     }
-    pub fn pin(&self, keys: &[BlockKey], lease: Duration) -> Result<(u64, Vec<TierCode>), ClientError> {
+    pub fn pin(
+        &self,
+        keys: &[BlockKey],
+        lease: Duration,
+    ) -> Result<(u64, Vec<TierCode>), ClientError> {
         self.rt.block_on(self.client.pin(keys, lease))
     }
     pub fn release(&self, lease_id: u64) -> Result<(), ClientError> {

@@ -41,9 +41,15 @@ impl Payload {
 
     pub(crate) async fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), ClientError> {
         if buf.len() as u64 > self.remaining {
-            return Err(ClientError::Protocol("payload shorter than announced".into()));
+            return Err(ClientError::Protocol(
+                "payload shorter than announced".into(),
+            ));
         }
-        self.guard.rd.read_exact(buf).await.map_err(ClientError::Io)?;
+        self.guard
+            .rd
+            .read_exact(buf)
+            .await
+            .map_err(ClientError::Io)?;
         self.remaining -= buf.len() as u64;
         Ok(())
     }
@@ -263,7 +269,11 @@ impl Conn {
     }
 
     /// Sends a request whose answer nobody waits for (release, abort).
-    pub(crate) async fn send_no_reply(&self, req: &Request, timeout: Duration) -> Result<(), ClientError> {
+    pub(crate) async fn send_no_reply(
+        &self,
+        req: &Request,
+        timeout: Duration,
+    ) -> Result<(), ClientError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         tokio::time::timeout(timeout, self.send(req, id, &[], flags::NO_REPLY))
             .await
@@ -300,7 +310,13 @@ impl Conn {
         }
     }
 
-    async fn send(&self, req: &Request, id: u64, payload: &[&[u8]], fl: u8) -> Result<(), ClientError> {
+    async fn send(
+        &self,
+        req: &Request,
+        id: u64,
+        payload: &[&[u8]],
+        fl: u8,
+    ) -> Result<(), ClientError> {
         if self.is_dead() {
             return Err(ClientError::Disconnected);
         }
@@ -353,7 +369,10 @@ impl Drop for Conn {
     }
 }
 
-async fn read_rest<R: AsyncRead + Unpin>(r: &mut R, reply: &mut Vec<u8>) -> Result<(), ClientError> {
+async fn read_rest<R: AsyncRead + Unpin>(
+    r: &mut R,
+    reply: &mut Vec<u8>,
+) -> Result<(), ClientError> {
     let head: [u8; HEADER_BYTES] = reply[..HEADER_BYTES]
         .try_into()
         .map_err(|_| ClientError::Protocol("short hello reply".into()))?;
@@ -363,7 +382,9 @@ async fn read_rest<R: AsyncRead + Unpin>(r: &mut R, reply: &mut Vec<u8>) -> Resu
     let have = reply.len();
     if have < need {
         reply.resize(need, 0);
-        r.read_exact(&mut reply[have..]).await.map_err(ClientError::Io)?;
+        r.read_exact(&mut reply[have..])
+            .await
+            .map_err(ClientError::Io)?;
     }
     reply.truncate(need);
     Ok(())

@@ -5,12 +5,17 @@ use kvtier_core::protocol::{ErrorCode, ErrorReply, FrameError};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClientError {
-    #[error("bad server address {0:?} (expected unix:///path, tcp://host:port or quic://host:port)")]
+    #[error(
+        "bad server address {0:?} (expected unix:///path, tcp://host:port or quic://host:port)"
+    )]
     BadUrl(String),
     #[error("cannot connect: {0}")]
     Connect(String),
     #[error("server refused: {code:?}: {message}")]
-    Server { code: Option<ErrorCode>, message: String },
+    Server {
+        code: Option<ErrorCode>,
+        message: String,
+    },
     #[error("timed out")]
     Timeout,
     #[error("connection lost")]

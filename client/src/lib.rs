@@ -52,6 +52,10 @@ use tokio::sync::mpsc;
 
 use conn::Conn;
 
+/// Rounds in a row a multi-round get may make no progress (the server still releasing the
+/// previous round's pins) before it reports the miss.
+const BUSY_RETRIES: u32 = 3;
+
 /// Client settings. Each field's doc ends with its default.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -316,7 +320,10 @@ pub struct EventStream {
 pub enum EventItem {
     Event(BlockEvent),
     /// Events `from..to` were lost (the subscriber fell behind): resync.
-    Gap { from: u64, to: u64 },
+    Gap {
+        from: u64,
+        to: u64,
+    },
 }
 
 impl EventStream {
@@ -446,27 +453,42 @@ impl Client {
         }
     }
 
-    /// The longest cached prefix of `keys` and the tier of each of its blocks.
+    /// The longest cached prefix of `keys` and the tier of each of its blocks. Key lists
+    /// longer than the server's per-request limit are asked in pieces.
     pub async fn lookup(&self, keys: &[BlockKey]) -> Lookup {
-        let req = Request::Lookup(KeyList {
-            keys: keys.to_vec(),
-        });
-        match self.call(&req).await {
-            Ok((_, r)) => match r.response {
-                Response::Lookup { tiers, miss } => Lookup {
-                    tiers: tiers.iter().filter_map(|t| TierCode::from_u8(*t)).collect(),
-                    miss: Miss::from_code(miss),
-                },
-                r => Lookup {
-                    tiers: vec![],
-                    miss: Some(Miss::Refused(Self::unexpected(&r).to_string())),
-                },
-            },
+        match self.lookup_inner(keys).await {
+            Ok(l) => l,
             Err(e) => Lookup {
                 tiers: vec![],
                 miss: Some(Miss::from_error(&e)),
             },
         }
+    }
+
+    async fn lookup_inner(&self, keys: &[BlockKey]) -> Result<Lookup, ClientError> {
+        let c = self.conn().await?;
+        let mut tiers = Vec::new();
+        for chunk in keys.chunks(c.max_keys().max(1)) {
+            let req = Request::Lookup(KeyList {
+                keys: chunk.to_vec(),
+            });
+            let r = c.call(&req, &[], self.timeout()).await?;
+            let (t, miss) = match r.response {
+                Response::Lookup { tiers, miss } => (tiers, miss),
+                Response::Error(e) => return Err(ClientError::from_reply(e)),
+                r => return Err(Self::unexpected(&r)),
+            };
+            let n = t.len();
+            tiers.extend(t.iter().filter_map(|x| TierCode::from_u8(*x)));
+            let miss = Miss::from_code(miss);
+            if miss.is_some() || n < chunk.len() {
+                return Ok(Lookup {
+                    tiers,
+                    miss: miss.or(Some(Miss::NotCached)),
+                });
+            }
+        }
+        Ok(Lookup { tiers, miss: None })
     }
 
     /// Copies the longest cached prefix of `keys` into `bufs` (one block-sized buffer per
@@ -500,7 +522,11 @@ impl Client {
         Ok(())
     }
 
-    async fn get_inner(&self, keys: &[BlockKey], bufs: &mut [&mut [u8]]) -> Result<Fetch, ClientError> {
+    async fn get_inner(
+        &self,
+        keys: &[BlockKey],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<Fetch, ClientError> {
         self.check_bufs(keys.len(), bufs.iter().map(|b| b.len()))?;
         if keys.is_empty() {
             return Ok(Fetch {
@@ -509,18 +535,78 @@ impl Client {
                 miss: None,
             });
         }
-        if self.local {
-            let pinned = self.pin_inner(keys, self.inner.config.lease).await?;
-            let arena = pinned.conn.arena.as_ref().ok_or(ClientError::NotLocal("get"))?;
-            for (i, off) in pinned.offsets.iter().enumerate() {
-                arena.read(*off, bufs[i])?;
+        // A server whose DRAM cannot hold the whole prefix at once answers part of it with
+        // "busy"; ask again for the rest (each round makes progress or stops).
+        let mut done = 0;
+        let mut tiers = Vec::new();
+        let mut miss = None;
+        let mut stalls = 0;
+        while done < keys.len() {
+            let (n, t, m) = if self.local {
+                self.get_local_round(&keys[done..], &mut bufs[done..])
+                    .await?
+            } else {
+                self.get_remote_round(&keys[done..], &mut bufs[done..])
+                    .await?
+            };
+            done += n;
+            tiers.extend(t);
+            miss = m;
+            if miss != Some(Miss::Busy) {
+                break;
             }
-            return Ok(Fetch {
-                blocks: pinned.len(),
-                tiers: pinned.tiers.clone(),
-                miss: pinned.miss.clone(),
-            });
+            // The previous round's pins may not be released yet: a few short retries.
+            stalls = if n == 0 { stalls + 1 } else { 0 };
+            if stalls > BUSY_RETRIES {
+                break;
+            }
+            if n == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
         }
+        Ok(Fetch {
+            blocks: done,
+            tiers,
+            miss,
+        })
+    }
+
+    async fn get_local_round(
+        &self,
+        keys: &[BlockKey],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<(usize, Vec<TierCode>, Option<Miss>), ClientError> {
+        let mut pinned = self.pin_inner(keys, self.inner.config.lease).await?;
+        let arena = pinned
+            .conn
+            .arena
+            .as_ref()
+            .ok_or(ClientError::NotLocal("get"))?;
+        for (i, off) in pinned.offsets.iter().enumerate() {
+            arena.read(*off, bufs[i])?;
+        }
+        let lease_id = std::mem::take(&mut pinned.lease_id);
+        if lease_id != 0 {
+            let release = Request::Release { lease_id };
+            if pinned.miss == Some(Miss::Busy) {
+                // Another round follows: its slots must be free first.
+                let _ = pinned.conn.call(&release, &[], self.timeout()).await;
+            } else {
+                let _ = pinned.conn.send_no_reply(&release, self.timeout()).await;
+            }
+        }
+        Ok((
+            pinned.len(),
+            std::mem::take(&mut pinned.tiers),
+            pinned.miss.take(),
+        ))
+    }
+
+    async fn get_remote_round(
+        &self,
+        keys: &[BlockKey],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<(usize, Vec<TierCode>, Option<Miss>), ClientError> {
         let c = self.conn().await?;
         // Ask in pieces the server accepts.
         let per = (c.max_payload() / self.block_bytes as u64).max(1) as usize;
@@ -561,30 +647,30 @@ impl Client {
             tiers.extend(t.iter().filter_map(|x| TierCode::from_u8(*x)));
             let miss = Miss::from_code(miss);
             if miss.is_some() || n < chunk.len() {
-                return Ok(Fetch {
-                    blocks: done,
-                    tiers,
-                    miss: miss.or(Some(Miss::NotCached)),
-                });
+                return Ok((done, tiers, miss.or(Some(Miss::NotCached))));
             }
         }
-        Ok(Fetch {
-            blocks: done,
-            tiers,
-            miss: None,
-        })
+        Ok((done, tiers, None))
     }
 
     /// Pins the longest cached prefix of `keys` in the server's DRAM for `lease` and lends
     /// the blocks in place (local connections only): the zero-copy read path.
-    pub async fn get_pinned(&self, keys: &[BlockKey], lease: Duration) -> Result<PinnedBlocks, ClientError> {
+    pub async fn get_pinned(
+        &self,
+        keys: &[BlockKey],
+        lease: Duration,
+    ) -> Result<PinnedBlocks, ClientError> {
         if !self.local {
             return Err(ClientError::NotLocal("get_pinned"));
         }
         self.pin_inner(keys, lease).await
     }
 
-    async fn pin_inner(&self, keys: &[BlockKey], lease: Duration) -> Result<PinnedBlocks, ClientError> {
+    async fn pin_inner(
+        &self,
+        keys: &[BlockKey],
+        lease: Duration,
+    ) -> Result<PinnedBlocks, ClientError> {
         let req = Request::Pin {
             keys: keys.to_vec(),
             lease_ms: lease.as_millis().max(1) as u64,
@@ -599,7 +685,11 @@ impl Client {
             lease_id: p.lease_id,
             offsets: Vec::with_capacity(p.blocks.len()),
             block: self.block_bytes,
-            tiers: p.blocks.iter().filter_map(|b| TierCode::from_u8(b.tier)).collect(),
+            tiers: p
+                .blocks
+                .iter()
+                .filter_map(|b| TierCode::from_u8(b.tier))
+                .collect(),
             miss: Miss::from_code(p.miss),
             timeout: self.timeout(),
             deadline: sent + Duration::from_millis(p.lease_ms),
@@ -620,7 +710,12 @@ impl Client {
 
     /// Stores a chain of blocks: `keys[0]`'s parent is `parent`, each next key's parent is
     /// the key before it.
-    pub async fn put_chain(&self, keys: &[BlockKey], parent: Option<BlockKey>, bufs: &[&[u8]]) -> Stored {
+    pub async fn put_chain(
+        &self,
+        keys: &[BlockKey],
+        parent: Option<BlockKey>,
+        bufs: &[&[u8]],
+    ) -> Stored {
         let entries: Vec<PutEntry> = keys
             .iter()
             .enumerate()
@@ -659,7 +754,9 @@ impl Client {
             let raw = if self.local {
                 self.put_local(&c, ents, bs).await?
             } else {
-                let r = c.call(&Request::Put(ents.to_vec()), bs, self.timeout()).await?;
+                let r = c
+                    .call(&Request::Put(ents.to_vec()), bs, self.timeout())
+                    .await?;
                 match r.response {
                     Response::Put(p) => p.statuses,
                     Response::Error(e) => return Err(ClientError::from_reply(e)),
@@ -667,7 +764,9 @@ impl Client {
                 }
             };
             if raw.len() != ents.len() {
-                return Err(ClientError::Protocol("put reply has the wrong count".into()));
+                return Err(ClientError::Protocol(
+                    "put reply has the wrong count".into(),
+                ));
             }
             statuses.extend(Self::statuses(&raw));
         }
@@ -677,7 +776,12 @@ impl Client {
         })
     }
 
-    async fn put_local(&self, c: &Arc<Conn>, ents: &[PutEntry], bs: &[&[u8]]) -> Result<Vec<u8>, ClientError> {
+    async fn put_local(
+        &self,
+        c: &Arc<Conn>,
+        ents: &[PutEntry],
+        bs: &[&[u8]],
+    ) -> Result<Vec<u8>, ClientError> {
         let arena = c.arena.as_ref().ok_or(ClientError::NotLocal("put"))?;
         let req = Request::Reserve {
             entries: ents.to_vec(),
@@ -690,7 +794,9 @@ impl Client {
             r => return Err(Self::unexpected(&r)),
         };
         if p.slots.len() != ents.len() {
-            return Err(ClientError::Protocol("reserve reply has the wrong count".into()));
+            return Err(ClientError::Protocol(
+                "reserve reply has the wrong count".into(),
+            ));
         }
         if p.reservation_id == 0 {
             return Ok(p.slots.iter().map(|s| s.status).collect());
@@ -744,7 +850,11 @@ impl Client {
     /// Pins the longest cached prefix in DRAM for `lease` (e.g. ahead of a transfer).
     /// Release with [`Client::release`]; returns the lease id (0 when nothing was pinned) and
     /// the pinned blocks' tiers.
-    pub async fn pin(&self, keys: &[BlockKey], lease: Duration) -> Result<(u64, Vec<TierCode>), ClientError> {
+    pub async fn pin(
+        &self,
+        keys: &[BlockKey],
+        lease: Duration,
+    ) -> Result<(u64, Vec<TierCode>), ClientError> {
         let mut p = self.pin_inner(keys, lease).await?;
         let id = std::mem::take(&mut p.lease_id);
         Ok((id, std::mem::take(&mut p.tiers)))
@@ -786,11 +896,19 @@ impl Client {
 
     /// Subscribes to block events from `from_seq` (None: from now). With `snapshot`, every
     /// cached block first arrives as a `Stored` event with sequence 0.
-    pub async fn events(&self, from_seq: Option<u64>, snapshot: bool) -> Result<EventStream, ClientError> {
+    pub async fn events(
+        &self,
+        from_seq: Option<u64>,
+        snapshot: bool,
+    ) -> Result<EventStream, ClientError> {
         let c = self.conn().await?;
         let (tx, rx) = mpsc::channel(64);
         let r = c
-            .subscribe(&Request::Subscribe { from_seq, snapshot }, tx, self.timeout())
+            .subscribe(
+                &Request::Subscribe { from_seq, snapshot },
+                tx,
+                self.timeout(),
+            )
             .await?;
         match r.response {
             Response::Subscribed { next_seq } => Ok(EventStream {
@@ -823,7 +941,14 @@ mod tests {
             Endpoint::parse("quic://localhost:7451/", &c).unwrap(),
             Endpoint::Quic { .. }
         ));
-        for bad in ["", "http://x:1", "tcp://nohost", "tcp://:80", "tcp://h:99999", "unix://"] {
+        for bad in [
+            "",
+            "http://x:1",
+            "tcp://nohost",
+            "tcp://:80",
+            "tcp://h:99999",
+            "unix://",
+        ] {
             let e = Endpoint::parse(bad, &c).unwrap_err();
             assert!(e.to_string().contains(bad), "{e}");
         }
@@ -832,7 +957,10 @@ mod tests {
     #[test]
     fn errors_become_misses() {
         assert_eq!(Miss::from_error(&ClientError::Timeout), Miss::Timeout);
-        assert_eq!(Miss::from_error(&ClientError::Disconnected), Miss::Disconnected);
+        assert_eq!(
+            Miss::from_error(&ClientError::Disconnected),
+            Miss::Disconnected
+        );
         assert_eq!(
             Miss::from_error(&ClientError::Server {
                 code: Some(ErrorCode::Busy),
@@ -852,7 +980,10 @@ mod tests {
     async fn an_absent_server_is_a_miss_not_an_error() {
         let dir = std::env::temp_dir().join(format!("kvtier-absent-{}", std::process::id()));
         let url = format!("unix://{}/none.sock", dir.display());
-        let e = Client::connect(&url, ClientConfig::default()).await.err().unwrap();
+        let e = Client::connect(&url, ClientConfig::default())
+            .await
+            .err()
+            .unwrap();
         assert!(matches!(e, ClientError::Connect(_)), "{e}");
     }
 }

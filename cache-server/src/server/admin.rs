@@ -41,7 +41,10 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     let store = s.store.stats();
     let text = s.metrics.render(&store, s.ready.load(Ordering::Acquire));
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         text,
     )
 }

@@ -44,16 +44,20 @@ pub fn parse_size(s: &str) -> Result<Size, String> {
     }
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (examples: 4096, \"64KiB\", \"4GiB\", \"auto\")"))?;
+    let n: u64 = num.parse().map_err(|_| {
+        format!("{s:?} is not a size (examples: 4096, \"64KiB\", \"4GiB\", \"auto\")")
+    })?;
     let shift = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 0,
         "k" | "kb" | "kib" => 10,
         "m" | "mb" | "mib" => 20,
         "g" | "gb" | "gib" => 30,
         "t" | "tb" | "tib" => 40,
-        u => return Err(format!("unknown size unit {u:?} in {s:?} (use B, KiB, MiB, GiB, TiB)")),
+        u => {
+            return Err(format!(
+                "unknown size unit {u:?} in {s:?} (use B, KiB, MiB, GiB, TiB)"
+            ));
+        }
     };
     n.checked_mul(1u64 << shift)
         .map(Size::Bytes)
@@ -299,7 +303,10 @@ impl ConfigLoader {
     }
 
     /// Merges `KVTIER_<SECTION>_<KEY>` variables (e.g. `KVTIER_STORE_DRAM_BYTES=4GiB`).
-    pub fn merge_env(mut self, vars: impl IntoIterator<Item = (String, String)>) -> Result<Self, ConfigError> {
+    pub fn merge_env(
+        mut self,
+        vars: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
         for (name, value) in vars {
             let Some(rest) = name.strip_prefix("KVTIER_") else {
                 continue;
@@ -353,7 +360,9 @@ impl ConfigLoader {
 fn scalar(s: &str) -> toml::Value {
     match format!("v = {s}").parse::<toml::Table>() {
         Ok(mut t) => match t.remove("v") {
-            Some(v @ (toml::Value::Integer(_) | toml::Value::Boolean(_) | toml::Value::String(_))) => v,
+            Some(
+                v @ (toml::Value::Integer(_) | toml::Value::Boolean(_) | toml::Value::String(_)),
+            ) => v,
             _ => toml::Value::String(s.to_string()),
         },
         Err(_) => toml::Value::String(s.to_string()),
@@ -380,7 +389,10 @@ impl ServerConfig {
         let l = &self.limits;
         for (name, v) in [
             ("limits.max_connections", l.max_connections as u64),
-            ("limits.max_inflight_per_connection", l.max_inflight_per_connection as u64),
+            (
+                "limits.max_inflight_per_connection",
+                l.max_inflight_per_connection as u64,
+            ),
             ("limits.max_keys", u64::from(l.max_keys)),
             ("limits.max_lease_ms", l.max_lease_ms),
             ("limits.idle_timeout_ms", l.idle_timeout_ms),
@@ -408,11 +420,17 @@ impl ServerConfig {
             ("store.nvme_bytes", self.store.nvme_bytes),
         ] {
             if v == Size::Bytes(0) {
-                return Err(cerr(name, "must not be 0 (use \"auto\", or disable the tier)"));
+                return Err(cerr(
+                    name,
+                    "must not be 0 (use \"auto\", or disable the tier)",
+                ));
             }
         }
         if matches!(self.limits.max_inflight_bytes, Size::Auto | Size::Bytes(0)) {
-            return Err(cerr("limits.max_inflight_bytes", "must be a size of at least one block"));
+            return Err(cerr(
+                "limits.max_inflight_bytes",
+                "must be a size of at least one block",
+            ));
         }
         if self.server.tls_cert.is_empty() != self.server.tls_key.is_empty() {
             return Err(cerr("server.tls_cert", "tls_cert and tls_key go together"));
@@ -426,10 +444,22 @@ impl ServerConfig {
         let kind = match l.kind.as_str() {
             "kv" => KvKind::KeyValue,
             "mla" => KvKind::Mla,
-            k => return Err(cerr("layout.kind", format!("{k:?}: expected \"kv\" or \"mla\""))),
+            k => {
+                return Err(cerr(
+                    "layout.kind",
+                    format!("{k:?}: expected \"kv\" or \"mla\""),
+                ));
+            }
         };
-        KvLayout::with_kind(l.layers, l.kv_heads, l.head_dim, dtype, l.block_tokens, kind)
-            .map_err(|e| cerr("layout", e))
+        KvLayout::with_kind(
+            l.layers,
+            l.kv_heads,
+            l.head_dim,
+            dtype,
+            l.block_tokens,
+            kind,
+        )
+        .map_err(|e| cerr("layout", e))
     }
 
     pub fn limits(&self) -> Result<Limits, ConfigError> {
@@ -438,8 +468,11 @@ impl ServerConfig {
             Size::Auto => Err(cerr(name, "\"auto\" is not allowed here")),
         };
         Ok(Limits {
-            max_meta_bytes: u32::try_from(bytes("limits.max_meta_bytes", self.limits.max_meta_bytes)?)
-                .map_err(|_| cerr("limits.max_meta_bytes", "at most 4 GiB"))?,
+            max_meta_bytes: u32::try_from(bytes(
+                "limits.max_meta_bytes",
+                self.limits.max_meta_bytes,
+            )?)
+            .map_err(|_| cerr("limits.max_meta_bytes", "at most 4 GiB"))?,
             max_keys: self.limits.max_keys,
             max_payload_bytes: bytes("limits.max_payload_bytes", self.limits.max_payload_bytes)?,
         })
@@ -631,11 +664,17 @@ mod tests {
         check_err(&["layout.layers=0"], "layout");
         check_err(&["store.demotion=sometimes"], "store.demotion");
         check_err(&["limits.max_keys=0"], "limits.max_keys");
-        check_err(&["limits.max_payload_bytes=4096"], "limits.max_payload_bytes");
+        check_err(
+            &["limits.max_payload_bytes=4096"],
+            "limits.max_payload_bytes",
+        );
         check_err(&["server.tls_cert=/x.pem"], "tls_cert");
         check_err(&["nodots=1"], "section.key");
         check_err(&["store.io_threads=\"many\""], "io_threads");
-        let e = ConfigLoader::new().merge_toml("[store\n", "f.toml").err().unwrap();
+        let e = ConfigLoader::new()
+            .merge_toml("[store\n", "f.toml")
+            .err()
+            .unwrap();
         assert!(e.to_string().contains("f.toml"), "{e}");
     }
 

@@ -270,9 +270,11 @@ impl Conn {
                 self.refuse(h.request_id, h.opcode, &e).await;
                 continue;
             }
-            let req = match h.opcode().ok_or(FrameError::UnknownOpcode(h.opcode)).and_then(
-                |op| Request::decode(op, &meta, h.payload_len, &limits),
-            ) {
+            let req = match h
+                .opcode()
+                .ok_or(FrameError::UnknownOpcode(h.opcode))
+                .and_then(|op| Request::decode(op, &meta, h.payload_len, &limits))
+            {
                 Ok(r) => r,
                 Err(e) => {
                     // Delimited: skip its payload and carry on with the next frame.
@@ -293,7 +295,9 @@ impl Conn {
                             return ReadEnd::Dropped;
                         }
                         authed = true;
-                        self.shared.metrics.request_done(Opcode::Hello, started.elapsed());
+                        self.shared
+                            .metrics
+                            .request_done(Opcode::Hello, started.elapsed());
                         continue;
                     }
                     _ => {
@@ -314,7 +318,9 @@ impl Conn {
                     if !self.put(rd, &h, entries, deadline).await {
                         return ReadEnd::Dropped;
                     }
-                    self.shared.metrics.request_done(Opcode::Put, started.elapsed());
+                    self.shared
+                        .metrics
+                        .request_done(Opcode::Put, started.elapsed());
                 }
                 Request::Hello(_) => {
                     self.send(Out::error(
@@ -401,8 +407,7 @@ impl Conn {
         let op = Opcode::Hello as u8;
         let s = &self.shared;
         let fail = |code, msg: String| Out::error(id, op, code, msg);
-        if h.max_version < MIN_VERSION || h.min_version > VERSION || h.min_version > h.max_version
-        {
+        if h.max_version < MIN_VERSION || h.min_version > VERSION || h.min_version > h.max_version {
             self.send(fail(
                 ErrorCode::VersionMismatch,
                 format!(
@@ -413,11 +418,15 @@ impl Conn {
             .await;
             return false;
         }
-        if self.transport != Transport::Unix && !constant_time_eq(h.token.as_bytes(), s.token.as_bytes())
+        if self.transport != Transport::Unix
+            && !constant_time_eq(h.token.as_bytes(), s.token.as_bytes())
         {
             Metrics::inc(&s.metrics.auth_failures);
-            self.send(fail(ErrorCode::Unauthorized, "wrong or missing token".into()))
-                .await;
+            self.send(fail(
+                ErrorCode::Unauthorized,
+                "wrong or missing token".into(),
+            ))
+            .await;
             return false;
         }
         if h.block_bytes != 0 && h.block_bytes != s.block_bytes as u64 {
@@ -588,28 +597,31 @@ impl Conn {
                     r = rx.recv() => r,
                 };
                 let mut events = Vec::new();
-                let mut handle = |r: Result<_, _>, events: &mut Vec<_>, gap: &mut Option<(u64, u64)>| {
-                    use tokio::sync::broadcast::error::RecvError;
-                    match r {
-                        Ok(ev) => {
-                            let ev: kvtier_core::protocol::BlockEvent = ev;
-                            if ev.seq <= last {
-                                return true; // already sent from the backlog
+                let mut handle =
+                    |r: Result<_, _>, events: &mut Vec<_>, gap: &mut Option<(u64, u64)>| {
+                        use tokio::sync::broadcast::error::RecvError;
+                        match r {
+                            Ok(ev) => {
+                                let ev: kvtier_core::protocol::BlockEvent = ev;
+                                if ev.seq <= last {
+                                    return true; // already sent from the backlog
+                                }
+                                last = ev.seq;
+                                events.push(ev);
+                                true
                             }
-                            last = ev.seq;
-                            events.push(ev);
-                            true
+                            Err(RecvError::Lagged(n)) => {
+                                Metrics::inc(&s.metrics.events_dropped);
+                                s.metrics
+                                    .events_dropped
+                                    .fetch_add(n.saturating_sub(1), Ordering::Relaxed);
+                                *gap = Some((last + 1, last + 1 + n));
+                                last += n;
+                                true
+                            }
+                            Err(RecvError::Closed) => false,
                         }
-                        Err(RecvError::Lagged(n)) => {
-                            Metrics::inc(&s.metrics.events_dropped);
-                            s.metrics.events_dropped.fetch_add(n.saturating_sub(1), Ordering::Relaxed);
-                            *gap = Some((last + 1, last + 1 + n));
-                            last += n;
-                            true
-                        }
-                        Err(RecvError::Closed) => false,
-                    }
-                };
+                    };
                 if !handle(first, &mut events, &mut gap) {
                     return;
                 }

@@ -106,9 +106,19 @@ impl Metrics {
         let family = |o: &mut String, name: &str, kind: &str, help: &str| {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
         };
-        family(&mut o, "kvtier_ready", "gauge", "1 when the server accepts requests.");
+        family(
+            &mut o,
+            "kvtier_ready",
+            "gauge",
+            "1 when the server accepts requests.",
+        );
         let _ = writeln!(o, "kvtier_ready {}", u8::from(ready));
-        family(&mut o, "kvtier_connections", "gauge", "Open client connections.");
+        family(
+            &mut o,
+            "kvtier_connections",
+            "gauge",
+            "Open client connections.",
+        );
         for t in Transport::ALL {
             let _ = writeln!(
                 o,
@@ -117,7 +127,12 @@ impl Metrics {
                 ld(&self.connections_open[t.idx()])
             );
         }
-        family(&mut o, "kvtier_connections_total", "counter", "Connections accepted.");
+        family(
+            &mut o,
+            "kvtier_connections_total",
+            "counter",
+            "Connections accepted.",
+        );
         for t in Transport::ALL {
             let _ = writeln!(
                 o,
@@ -127,27 +142,76 @@ impl Metrics {
             );
         }
         for (name, help, v) in [
-            ("kvtier_connections_refused_total", "Connections refused over max_connections.", &self.connections_refused),
-            ("kvtier_auth_failures_total", "Hellos refused for a missing or wrong token.", &self.auth_failures),
-            ("kvtier_request_errors_total", "Requests answered with an error.", &self.errors),
-            ("kvtier_busy_total", "Requests answered busy (over budget).", &self.busy),
-            ("kvtier_bad_frames_total", "Malformed frames received.", &self.bad_frames),
-            ("kvtier_timeouts_total", "Connections closed for a slow frame or write.", &self.timeouts),
-            ("kvtier_bytes_sent_total", "Block payload bytes sent.", &self.bytes_sent),
-            ("kvtier_bytes_received_total", "Block payload bytes received.", &self.bytes_received),
-            ("kvtier_events_dropped_total", "Events a slow subscriber missed.", &self.events_dropped),
+            (
+                "kvtier_connections_refused_total",
+                "Connections refused over max_connections.",
+                &self.connections_refused,
+            ),
+            (
+                "kvtier_auth_failures_total",
+                "Hellos refused for a missing or wrong token.",
+                &self.auth_failures,
+            ),
+            (
+                "kvtier_request_errors_total",
+                "Requests answered with an error.",
+                &self.errors,
+            ),
+            (
+                "kvtier_busy_total",
+                "Requests answered busy (over budget).",
+                &self.busy,
+            ),
+            (
+                "kvtier_bad_frames_total",
+                "Malformed frames received.",
+                &self.bad_frames,
+            ),
+            (
+                "kvtier_timeouts_total",
+                "Connections closed for a slow frame or write.",
+                &self.timeouts,
+            ),
+            (
+                "kvtier_bytes_sent_total",
+                "Block payload bytes sent.",
+                &self.bytes_sent,
+            ),
+            (
+                "kvtier_bytes_received_total",
+                "Block payload bytes received.",
+                &self.bytes_received,
+            ),
+            (
+                "kvtier_events_dropped_total",
+                "Events a slow subscriber missed.",
+                &self.events_dropped,
+            ),
         ] {
             family(&mut o, name, "counter", help);
             let _ = writeln!(o, "{name} {}", ld(v));
         }
         for (name, help, v) in [
-            ("kvtier_leases_open", "Pin leases held by clients.", &self.leases_open),
-            ("kvtier_reservations_open", "Put reservations held by local clients.", &self.reservations_open),
+            (
+                "kvtier_leases_open",
+                "Pin leases held by clients.",
+                &self.leases_open,
+            ),
+            (
+                "kvtier_reservations_open",
+                "Put reservations held by local clients.",
+                &self.reservations_open,
+            ),
         ] {
             family(&mut o, name, "gauge", help);
             let _ = writeln!(o, "{name} {}", ld(v));
         }
-        family(&mut o, "kvtier_requests_total", "counter", "Requests served, by operation.");
+        family(
+            &mut o,
+            "kvtier_requests_total",
+            "counter",
+            "Requests served, by operation.",
+        );
         for op in Opcode::ALL {
             let _ = writeln!(
                 o,
@@ -207,27 +271,69 @@ fn render_store(o: &mut String, s: &StoreStats) {
     let counters: [(&str, &str, Field); 12] = [
         ("kvtier_tier_hits_total", "Block hits.", |t| t.hits),
         ("kvtier_tier_misses_total", "Block misses.", |t| t.misses),
-        ("kvtier_tier_bytes_in_total", "Bytes written into the tier.", |t| t.bytes_in),
-        ("kvtier_tier_bytes_out_total", "Bytes read out of the tier.", |t| t.bytes_out),
-        ("kvtier_tier_evictions_total", "Blocks evicted.", |t| t.evictions),
-        ("kvtier_tier_demotions_total", "Blocks copied down a tier.", |t| t.demotions),
-        ("kvtier_tier_demotions_dropped_total", "Copies down dropped under pressure.", |t| t.demotions_dropped),
-        ("kvtier_tier_promotions_total", "Blocks copied up into the tier.", |t| t.promotions),
-        ("kvtier_tier_admissions_refused_total", "New blocks refused.", |t| t.admissions_refused),
-        ("kvtier_tier_corrupt_dropped_total", "Corrupt blocks dropped (served as misses).", |t| t.corrupt_dropped),
-        ("kvtier_tier_io_errors_total", "I/O errors.", |t| t.io_errors),
-        ("kvtier_tier_pins", "Pins outstanding (gauge).", |t| t.pins_outstanding),
+        (
+            "kvtier_tier_bytes_in_total",
+            "Bytes written into the tier.",
+            |t| t.bytes_in,
+        ),
+        (
+            "kvtier_tier_bytes_out_total",
+            "Bytes read out of the tier.",
+            |t| t.bytes_out,
+        ),
+        ("kvtier_tier_evictions_total", "Blocks evicted.", |t| {
+            t.evictions
+        }),
+        (
+            "kvtier_tier_demotions_total",
+            "Blocks copied down a tier.",
+            |t| t.demotions,
+        ),
+        (
+            "kvtier_tier_demotions_dropped_total",
+            "Copies down dropped under pressure.",
+            |t| t.demotions_dropped,
+        ),
+        (
+            "kvtier_tier_promotions_total",
+            "Blocks copied up into the tier.",
+            |t| t.promotions,
+        ),
+        (
+            "kvtier_tier_admissions_refused_total",
+            "New blocks refused.",
+            |t| t.admissions_refused,
+        ),
+        (
+            "kvtier_tier_corrupt_dropped_total",
+            "Corrupt blocks dropped (served as misses).",
+            |t| t.corrupt_dropped,
+        ),
+        ("kvtier_tier_io_errors_total", "I/O errors.", |t| {
+            t.io_errors
+        }),
+        ("kvtier_tier_pins", "Pins outstanding (gauge).", |t| {
+            t.pins_outstanding
+        }),
     ];
     for (name, help, f) in counters {
-        let kind = if name.ends_with("_total") { "counter" } else { "gauge" };
+        let kind = if name.ends_with("_total") {
+            "counter"
+        } else {
+            "gauge"
+        };
         let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
         for (tn, t) in &tiers {
             let _ = writeln!(o, "{name}{{tier=\"{tn}\"}} {}", f(t));
         }
     }
     let gauges: [(&str, &str, Field); 3] = [
-        ("kvtier_tier_used_slots", "Slots holding a block.", |t| t.used_slots),
-        ("kvtier_tier_capacity_slots", "Slots in the tier.", |t| t.capacity_slots),
+        ("kvtier_tier_used_slots", "Slots holding a block.", |t| {
+            t.used_slots
+        }),
+        ("kvtier_tier_capacity_slots", "Slots in the tier.", |t| {
+            t.capacity_slots
+        }),
         ("kvtier_tier_slot_bytes", "Bytes a slot.", |t| t.slot_bytes),
     ];
     for (name, help, f) in gauges {
@@ -254,8 +360,13 @@ mod tests {
         m.request_done(Opcode::Get, Duration::from_micros(30));
         m.request_done(Opcode::Get, Duration::from_secs(100));
         let text = m.render(&StoreStats::default(), true);
-        assert!(text.contains("kvtier_request_duration_seconds_bucket{op=\"get\",le=\"0.00001\"} 1"), "{text}");
-        assert!(text.contains("kvtier_request_duration_seconds_bucket{op=\"get\",le=\"0.00005\"} 2"));
+        assert!(
+            text.contains("kvtier_request_duration_seconds_bucket{op=\"get\",le=\"0.00001\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvtier_request_duration_seconds_bucket{op=\"get\",le=\"0.00005\"} 2")
+        );
         assert!(text.contains("kvtier_request_duration_seconds_bucket{op=\"get\",le=\"+Inf\"} 3"));
         assert!(text.contains("kvtier_requests_total{op=\"get\"} 3"));
         assert!(text.contains("kvtier_ready 1"));

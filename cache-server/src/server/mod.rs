@@ -135,8 +135,10 @@ impl Server {
     pub async fn start(config: ServerConfig) -> Result<Server, ServerError> {
         config.validate()?;
         let runtime = config.runtime_dir();
-        std::fs::create_dir_all(&runtime)
-            .map_err(io_err(format!("creating runtime dir {}", runtime.display())))?;
+        std::fs::create_dir_all(&runtime).map_err(io_err(format!(
+            "creating runtime dir {}",
+            runtime.display()
+        )))?;
         let store_config = config.store_config()?;
         let layout = store_config.layout;
         let store = tokio::task::spawn_blocking(move || TieredStore::open(store_config))
@@ -254,7 +256,8 @@ impl Server {
         let s = &self.shared;
         s.ready.store(false, Ordering::Release);
         s.shutdown.cancel();
-        let deadline = tokio::time::Instant::now() + s.config.drain_timeout() + Duration::from_secs(1);
+        let deadline =
+            tokio::time::Instant::now() + s.config.drain_timeout() + Duration::from_secs(1);
         loop {
             let notified = s.closed.notified();
             if s.open.load(Ordering::Acquire) == 0 {

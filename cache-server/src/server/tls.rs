@@ -37,10 +37,9 @@ pub fn server_config(
             .map_err(|e| ServerError::Tls(format!("writing {}: {e}", path.display())))?;
         (vec![CertificateDer::from(der)], key, Some(path))
     } else {
-        let chain: Vec<CertificateDer<'static>> =
-            CertificateDer::pem_file_iter(&c.server.tls_cert)
-                .and_then(|it| it.collect::<Result<Vec<_>, _>>())
-                .map_err(|e| ServerError::Tls(format!("server.tls_cert {}: {e}", c.server.tls_cert)))?;
+        let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&c.server.tls_cert)
+            .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| ServerError::Tls(format!("server.tls_cert {}: {e}", c.server.tls_cert)))?;
         if chain.is_empty() {
             return Err(ServerError::Tls(format!(
                 "server.tls_cert {}: no certificate in the file",

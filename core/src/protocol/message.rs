@@ -276,10 +276,19 @@ where
     wincode::deserialize_exact(meta).map_err(|e| bad(what, e))
 }
 
-fn enc<T: SchemaWrite<wincode::config::DefaultConfig, Src = T>>(v: &T) -> Vec<u8> {
-    // Serializing owned in-memory values into a Vec cannot fail except on allocation.
-    wincode::serialize(v).expect("wincode serialization into a Vec")
+/// Encoding is not limited (what we send is ours; the receiver enforces its limits).
+fn enc<T>(v: &T) -> Vec<u8>
+where
+    T: SchemaWrite<EncodeConfig, Src = T>,
+{
+    // Serializing an in-memory value into a Vec fails only on allocation failure.
+    wincode::config::serialize(v, ENCODE).expect("wincode serialization into a Vec")
 }
+
+type EncodeConfig =
+    wincode::config::Configuration<true, { wincode::config::PREALLOCATION_SIZE_LIMIT_DISABLED }>;
+const ENCODE: EncodeConfig =
+    wincode::config::Configuration::<true>::new().disable_preallocation_size_limit();
 
 fn check_keys(what: &'static str, n: usize, limits: &Limits) -> Result<(), FrameError> {
     if n as u64 > u64::from(limits.max_keys) {

@@ -1,0 +1,348 @@
+//! Starts the real `kvtier-server` binary on loopback with small tiers, in a temporary
+//! directory, and stops it (SIGTERM, then SIGKILL) when dropped.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvtier_client::{Client, ClientConfig};
+use kvtier_core::protocol::{HEADER_BYTES, Header, Limits, Request, Response};
+use kvtier_core::{BlockKey, HashSecret, KvLayout, NamespaceBuilder, PrefixHasher};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+pub const TOKEN: &str = "e2e-secret-token";
+/// 1 layer x 4 kv heads x 16 dims x f16 x 16 tokens: 4 KiB blocks.
+pub const BLOCK: usize = 4096;
+
+pub fn layout() -> KvLayout {
+    KvLayout::new(1, 4, 16, kvtier_core::Dtype::F16, 16).unwrap()
+}
+
+/// Runs `f` with a deadline: a hung test fails instead of hanging CI.
+pub async fn bounded<F: std::future::Future>(secs: u64, f: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(secs), f)
+        .await
+        .expect("test exceeded its time bound")
+}
+
+pub struct ServerProc {
+    child: Option<Child>,
+    pub dir: PathBuf,
+    pub unix: PathBuf,
+    pub tcp: SocketAddr,
+    pub quic: SocketAddr,
+    pub admin: SocketAddr,
+    args: Vec<String>,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl ServerProc {
+    /// Starts a server; `extra` are more `--set` assignments.
+    pub fn start(extra: &[&str]) -> ServerProc {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        let mut p = Self::start_in(&dir, extra);
+        p._tmp = Some(tmp);
+        p
+    }
+
+    /// Starts a server whose state lives in `dir` (kept by the caller across restarts).
+    pub fn start_in(dir: &Path, extra: &[&str]) -> ServerProc {
+        let mut args: Vec<String> = [
+            format!(
+                "server.runtime_dir={:?}",
+                dir.join("run").display().to_string()
+            ),
+            "server.tcp=\"127.0.0.1:0\"".into(),
+            "server.quic=\"127.0.0.1:0\"".into(),
+            "server.admin=\"127.0.0.1:0\"".into(),
+            format!("server.token={TOKEN:?}"),
+            "store.dram_bytes=\"4MiB\"".into(),
+            "store.dram_prefault=false".into(),
+            format!(
+                "store.nvme_dir={:?}",
+                dir.join("nvme").display().to_string()
+            ),
+            "store.nvme_bytes=\"8MiB\"".into(),
+            "store.io_threads=2".into(),
+            "layout.layers=1".into(),
+            "layout.kv_heads=4".into(),
+            "layout.head_dim=16".into(),
+            "layout.dtype=\"f16\"".into(),
+            "limits.frame_timeout_ms=1500".into(),
+            "limits.drain_timeout_ms=3000".into(),
+        ]
+        .into();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier-server"));
+        for a in &args {
+            cmd.arg("--set").arg(a);
+        }
+        let mut child = cmd
+            .env("RUST_LOG", "warn")
+            .env_remove("KVTIER_TOKEN")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawning kvtier-server");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if line.starts_with("listening ") {
+                    let _ = tx.send(line);
+                }
+            }
+        });
+        let line = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("server did not report its endpoints within 30 s");
+        let field = |name: &str| -> String {
+            line.split_whitespace()
+                .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
+                .unwrap()
+                .to_string()
+        };
+        ServerProc {
+            child: Some(child),
+            dir: dir.to_path_buf(),
+            unix: PathBuf::from(field("unix")),
+            tcp: field("tcp").parse().unwrap(),
+            quic: field("quic").parse().unwrap(),
+            admin: field("admin").parse().unwrap(),
+            args,
+            _tmp: None,
+        }
+    }
+
+    /// Stops (SIGTERM) and starts again on the same directory.
+    pub fn restart(mut self) -> ServerProc {
+        let status = self.stop();
+        assert!(status.success(), "server exited with {status}");
+        let extra: Vec<String> = self.args.clone();
+        let tmp = self._tmp.take();
+        let mut p = ServerProc::start_in(
+            &self.dir,
+            &extra.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+        );
+        p._tmp = tmp;
+        p
+    }
+
+    /// SIGTERM, and the exit status (SIGKILL after 15 s).
+    pub fn stop(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("running");
+        // SAFETY: kill(2) with a pid we spawned; no memory is touched.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let until = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                return s;
+            }
+            if Instant::now() > until {
+                let _ = child.kill();
+                return child.wait().unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn unix_url(&self) -> String {
+        format!("unix://{}", self.unix.display())
+    }
+    pub fn tcp_url(&self) -> String {
+        format!("tcp://{}", self.tcp)
+    }
+    pub fn quic_url(&self) -> String {
+        format!("quic://{}", self.quic)
+    }
+    pub fn cert(&self) -> Vec<u8> {
+        std::fs::read(self.dir.join("run").join("quic-cert.der")).unwrap()
+    }
+
+    /// Clients for every transport: (name, url, config).
+    pub fn transports(&self) -> Vec<(&'static str, String, ClientConfig)> {
+        vec![
+            ("unix", self.unix_url(), ClientConfig::default()),
+            ("tcp", self.tcp_url(), ClientConfig::default().token(TOKEN)),
+            (
+                "quic",
+                self.quic_url(),
+                ClientConfig::default()
+                    .token(TOKEN)
+                    .quic_cert_der(self.cert()),
+            ),
+        ]
+    }
+
+    pub async fn client(&self, transport: &str) -> Client {
+        let (_, url, cfg) = self
+            .transports()
+            .into_iter()
+            .find(|t| t.0 == transport)
+            .unwrap();
+        Client::connect(&url, cfg).await.unwrap()
+    }
+
+    /// The server's /stats document.
+    pub async fn stats(&self) -> serde_json::Value {
+        let body = http_get(self.admin, "/stats").await.1;
+        serde_json::from_str(&body).unwrap()
+    }
+}
+
+impl Drop for ServerProc {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// (status code, body) of an HTTP GET.
+pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    let code = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (code, body)
+}
+
+/// Keys of a prompt of `blocks` blocks under a tenant's salt.
+pub fn keys(salt: &[u8], blocks: usize, seed: u32) -> Vec<BlockKey> {
+    let secret = HashSecret::development();
+    let ns = NamespaceBuilder::new("e2e-model", layout().fingerprint())
+        .cache_salt(salt)
+        .build(&secret)
+        .unwrap();
+    let mut h = PrefixHasher::new(secret, ns, 16).unwrap();
+    let tokens: Vec<u32> = (0..(blocks * 16) as u32).map(|i| i ^ seed).collect();
+    let mut k = Vec::new();
+    h.prompt_keys(&tokens, &mut k);
+    k
+}
+
+pub fn block_data(k: BlockKey) -> Vec<u8> {
+    let mut v = vec![0u8; BLOCK];
+    kvtier_server::tier::conformance::fill_block(k, &mut v);
+    v
+}
+
+pub async fn put_all(c: &Client, keys: &[BlockKey]) {
+    let data: Vec<Vec<u8>> = keys.iter().map(|k| block_data(*k)).collect();
+    let bufs: Vec<&[u8]> = data.iter().map(|d| d.as_slice()).collect();
+    let s = c.put_chain(keys, None, &bufs).await;
+    assert_eq!(s.failure, None);
+    assert_eq!(s.cached(), keys.len(), "{:?}", s.statuses);
+}
+
+/// Gets `keys`, asserts every returned block is exact; returns how many came back.
+pub async fn get_verified(c: &Client, keys: &[BlockKey]) -> usize {
+    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; BLOCK]).collect();
+    let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+    let f = c.get_into(keys, &mut dst).await;
+    for (k, b) in keys.iter().zip(&bufs).take(f.blocks) {
+        assert!(*b == block_data(*k), "wrong bytes for {k}");
+    }
+    f.blocks
+}
+
+/// A raw protocol connection, for sending what the SDK never would.
+pub struct Raw<S> {
+    pub s: S,
+    next: u64,
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Raw<S> {
+    pub fn new(s: S) -> Self {
+        Raw { s, next: 1 }
+    }
+
+    pub fn frame(req: &Request, id: u64, payload: u64) -> Vec<u8> {
+        let meta = req.encode_meta();
+        let mut v = Header::request(req.opcode(), id, meta.len(), payload)
+            .encode()
+            .to_vec();
+        v.extend_from_slice(&meta);
+        v
+    }
+
+    pub async fn send(&mut self, req: &Request, payload: &[u8]) -> u64 {
+        let id = self.next;
+        self.next += 1;
+        let f = Self::frame(req, id, payload.len() as u64);
+        self.s.write_all(&f).await.unwrap();
+        self.s.write_all(payload).await.unwrap();
+        id
+    }
+
+    pub async fn hello(&mut self, token: &str) -> Response {
+        self.send(
+            &Request::Hello(kvtier_core::protocol::Hello {
+                min_version: 1,
+                max_version: 1,
+                client: "raw".into(),
+                token: token.into(),
+                block_bytes: 0,
+                want_arena: false,
+            }),
+            &[],
+        )
+        .await;
+        self.recv().await.expect("hello reply").1
+    }
+
+    /// The next frame: (header, response, payload). `None` when the server closed.
+    pub async fn recv(&mut self) -> Option<(Header, Response, Vec<u8>)> {
+        let mut head = [0u8; HEADER_BYTES];
+        self.s.read_exact(&mut head).await.ok()?;
+        let limits = Limits {
+            max_payload_bytes: u64::MAX,
+            max_meta_bytes: u32::MAX,
+            max_keys: u32::MAX,
+        };
+        let h = Header::decode(&head, &limits).unwrap();
+        let mut meta = vec![0u8; h.meta_len as usize];
+        self.s.read_exact(&mut meta).await.ok()?;
+        let mut payload = vec![0u8; h.payload_len as usize];
+        self.s.read_exact(&mut payload).await.ok()?;
+        let r = Response::decode(&h, &meta, &limits).unwrap();
+        Some((h, r, payload))
+    }
+
+    /// True when the server closed the connection (EOF or reset) within `secs`.
+    pub async fn closed_within(&mut self, secs: u64) -> bool {
+        let mut b = [0u8; 1];
+        loop {
+            match tokio::time::timeout(Duration::from_secs(secs), self.s.read(&mut b)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return true,
+                Ok(Ok(_)) => continue, // drain any last error frame
+                Err(_) => return false,
+            }
+        }
+    }
+}
+
+pub fn error_code(r: &Response) -> Option<kvtier_core::protocol::ErrorCode> {
+    match r {
+        Response::Error(e) => kvtier_core::protocol::ErrorCode::from_u16(e.code),
+        _ => None,
+    }
+}

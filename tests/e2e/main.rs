@@ -1,0 +1,9 @@
+//! End-to-end tests: the real `kvtier-server` binary, driven through the SDK and raw sockets
+//! over every transport, on loopback, each with a time bound.
+
+mod common;
+mod isolation;
+mod leaks;
+mod lifecycle;
+mod malformed;
+mod sdk;
