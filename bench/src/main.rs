@@ -4,12 +4,14 @@
 //! * `tiers`: the DRAM tier against memcpy and the NVMe tier against plain O_DIRECT I/O.
 //! * `lookup`: in-process longest-prefix lookup through the store's index.
 //! * `policy`: eviction policies on block-hash traces against LRU and the offline optimum.
+//! * `server`: the sidecar over its transports against memcpy, raw sockets, raw quinn, Redis.
 //!
 //! Tables go to stdout (or one JSON document with `--json`); progress goes to stderr.
 
 mod hash;
 mod lookup;
 mod policy;
+mod server;
 mod tiers;
 mod util;
 
@@ -37,6 +39,15 @@ enum Command {
     Lookup(lookup::LookupArgs),
     /// Eviction hit rates on block-hash traces against LRU and the offline optimum.
     Policy(policy::PolicyArgs),
+    /// The sidecar over Unix (zero-copy), TCP and QUIC against memcpy, raw sockets, raw
+    /// quinn and Redis; lookup latency over the Unix socket; server peak RSS.
+    Server(server::ServerArgs),
+    /// (internal) A server child process for `server`.
+    #[command(hide = true)]
+    ServeChild {
+        #[arg(long = "set")]
+        set: Vec<String>,
+    },
 }
 
 #[derive(Serialize)]
@@ -115,6 +126,18 @@ fn main() -> Result<()> {
                 "lookup",
                 r,
                 lookup::print,
+            )
+        }
+        Command::ServeChild { set } => server::serve_child(set),
+        Command::Server(a) => {
+            let r = server::run(a)?;
+            emit(
+                cli.json,
+                &command_line,
+                &machine,
+                "server",
+                r,
+                server::print,
             )
         }
         Command::Policy(a) => {

@@ -398,7 +398,7 @@ fn events_follow_every_change_of_place() {
     assert!(s.remove(&c));
     s.clear().unwrap();
     let ev = seen.lock().unwrap().clone();
-    let has = |kind, tier, k| ev.iter().any(|e| *e == StoreEvent { kind, tier, key: k });
+    let has = |kind, tier, k| ev.contains(&StoreEvent { kind, tier, key: k });
     for k in [a, b, c] {
         assert!(
             has(K::Stored, TierKind::Dram, k),

@@ -48,7 +48,7 @@ async fn every_operation_over_every_transport() {
             let stats: serde_json::Value = serde_json::from_str(&c.stats().await.unwrap()).unwrap();
             assert_eq!(stats["block_bytes"], BLOCK);
             // Wrong-size buffers are the caller's bug: a refusal, not a crash.
-            let mut small = vec![0u8; 10];
+            let mut small = [0u8; 10];
             let f = c.get_into(&keys[..1], &mut [&mut small[..]]).await;
             assert!(matches!(f.miss, Some(Miss::Refused(_))), "{f:?}");
         }

@@ -80,7 +80,7 @@ impl<'de> Deserialize<'de> for Size {
 }
 
 /// Everything the daemon reads. Unknown keys are errors.
-#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServerConfig {
     pub server: ListenConfig,
@@ -242,16 +242,6 @@ impl Default for LimitsSection {
     }
 }
 
-impl Default for ServerConfig {
-    fn default() -> Self {
-        Self {
-            server: ListenConfig::default(),
-            store: StoreSection::default(),
-            layout: LayoutSection::default(),
-            limits: LimitsSection::default(),
-        }
-    }
-}
 
 /// A configuration error, naming the setting.
 #[derive(Debug, thiserror::Error)]
