@@ -69,6 +69,8 @@ pub struct ServerReport {
     pub lookup_blocks: usize,
     pub lookup_us_p50: f64,
     pub lookup_us_p99: f64,
+    /// Round trip of a ping over the same socket (the floor under any request).
+    pub ping_us_p50: f64,
     pub server_peak_rss_bytes: u64,
     pub server_dram_bytes: u64,
     pub redis: Option<String>,
@@ -90,14 +92,23 @@ fn layout_for(block: u64) -> Result<KvLayout> {
         bail!("--block-size must be a multiple of 64 KiB");
     }
     // 8 kv heads x 128 dims x bf16 x 16 tokens x (K+V) = 64 KiB a layer.
-    Ok(KvLayout::new((block >> 16) as u32, 8, 128, Dtype::Bf16, 16)?)
+    Ok(KvLayout::new(
+        (block >> 16) as u32,
+        8,
+        128,
+        Dtype::Bf16,
+        16,
+    )?)
 }
 
 impl Child_ {
     fn start(layout: &KvLayout, dram_bytes: u64) -> Result<Child_> {
         let dir = tempfile::tempdir()?;
         let sets = [
-            format!("server.runtime_dir={:?}", dir.path().join("run").display().to_string()),
+            format!(
+                "server.runtime_dir={:?}",
+                dir.path().join("run").display().to_string()
+            ),
             "server.tcp=\"127.0.0.1:0\"".into(),
             "server.quic=\"127.0.0.1:0\"".into(),
             "server.admin=off".into(),
@@ -161,8 +172,14 @@ impl Child_ {
 
     async fn client(&self, transport: &str) -> Result<Client> {
         let (url, cfg) = match transport {
-            "unix" => (format!("unix://{}", self.unix.display()), ClientConfig::default()),
-            "tcp" => (format!("tcp://{}", self.tcp), ClientConfig::default().token(TOKEN)),
+            "unix" => (
+                format!("unix://{}", self.unix.display()),
+                ClientConfig::default(),
+            ),
+            "tcp" => (
+                format!("tcp://{}", self.tcp),
+                ClientConfig::default().token(TOKEN),
+            ),
             "quic" => (
                 format!("quic://{}", self.quic),
                 ClientConfig::default()
@@ -199,14 +216,18 @@ pub fn serve_child(sets: &[String]) -> Result<()> {
         l = l.set(s)?;
     }
     let config = l.build()?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async {
         let server = kvtier_server::server::Server::start(config).await?;
         let e = server.endpoints().clone();
         let show = |a: Option<SocketAddr>| a.map_or("off".into(), |a| a.to_string());
         println!(
             "listening unix={} tcp={} quic={}",
-            e.unix.as_ref().map_or("off".into(), |p| p.display().to_string()),
+            e.unix
+                .as_ref()
+                .map_or("off".into(), |p| p.display().to_string()),
             show(e.tcp),
             show(e.quic)
         );
@@ -317,9 +338,9 @@ async fn raw_tcp(clients: usize, block: usize, secs: f64) -> Result<f64> {
 async fn raw_quinn(clients: usize, block: usize, secs: f64) -> Result<f64> {
     let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string()])?;
     let der = ck.cert.der().to_vec();
-    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(
-        rustls::pki_types::PrivatePkcs8KeyDer::from(ck.signing_key.serialize_der()),
-    );
+    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(rustls::pki_types::PrivatePkcs8KeyDer::from(
+        ck.signing_key.serialize_der(),
+    ));
     let mut sc = quinn::ServerConfig::with_single_cert(
         vec![rustls::pki_types::CertificateDer::from(der.clone())],
         key,
@@ -358,7 +379,13 @@ async fn raw_quinn(clients: usize, block: usize, secs: f64) -> Result<f64> {
         cep.set_default_client_config(cc.clone());
         let conn = cep.connect(addr, "localhost")?.await?;
         let (send, recv) = conn.open_bi().await?;
-        streams.push(Arc::new(tokio::sync::Mutex::new((send, recv, vec![0u8; block], cep, conn))));
+        streams.push(Arc::new(tokio::sync::Mutex::new((
+            send,
+            recv,
+            vec![0u8; block],
+            cep,
+            conn,
+        ))));
     }
     let r = drive(clients, secs, block as u64, move |c, _| {
         let s = streams[c].clone();
@@ -509,7 +536,12 @@ async fn redis_get(r: &Redis, unix: bool, clients: usize, block: usize, secs: f6
         let (s, _) = &mut *g;
         let v = vec![3u8; block];
         for i in 0..16 {
-            resp(s.as_mut(), &[b"SET", format!("k{i}").as_bytes(), &v], &mut []).await?;
+            resp(
+                s.as_mut(),
+                &[b"SET", format!("k{i}").as_bytes(), &v],
+                &mut [],
+            )
+            .await?;
         }
     }
     drive(clients, secs, block as u64, move |c, n| {
@@ -533,7 +565,9 @@ pub fn run(args: &ServerArgs) -> Result<ServerReport> {
     }
     let layout = layout_for(args.block_size)?;
     let block = args.block_size as usize;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     let dram = (args.blocks as u64 + 16) * args.block_size;
     let srv = Child_::start(&layout, dram)?;
     let memcpy = memcpy_gb_s(block, args.seconds.min(1.0));
@@ -547,7 +581,9 @@ pub fn run(args: &ServerArgs) -> Result<ServerReport> {
             let bufs: Vec<Vec<u8>> = chunk.iter().map(|_| vec![5u8; block]).collect();
             let refs: Vec<&[u8]> = bufs.iter().map(|b| b.as_slice()).collect();
             let first = keys.iter().position(|k| *k == chunk[0]).unwrap_or(0);
-            let s = c.put_chain(chunk, first.checked_sub(1).map(|p| keys[p]), &refs).await;
+            let s = c
+                .put_chain(chunk, first.checked_sub(1).map(|p| keys[p]), &refs)
+                .await;
             if s.cached() != chunk.len() {
                 bail!("the server refused blocks while filling: {:?}", s);
             }
@@ -564,22 +600,33 @@ pub fn run(args: &ServerArgs) -> Result<ServerReport> {
                     ))));
                 }
                 let (k, batch) = (keys.clone(), args.batch);
-                let gb = drive(clients, args.seconds, (block * batch) as u64, move |c, n| {
-                    let conn = conns[c].clone();
-                    let k = k.clone();
-                    async move {
-                        let mut g = conn.lock().await;
-                        let (client, bufs) = &mut *g;
-                        let start = (n as usize * batch + c * 7) % (k.len() - batch + 1).max(1);
-                        let want = &k[start..start + batch.min(k.len())];
-                        let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
-                        let f = client.get_into(want, &mut dst).await;
-                        if f.blocks != want.len() {
-                            bail!("get returned {} of {} blocks: {:?}", f.blocks, want.len(), f.miss);
+                let gb = drive(
+                    clients,
+                    args.seconds,
+                    (block * batch) as u64,
+                    move |c, n| {
+                        let conn = conns[c].clone();
+                        let k = k.clone();
+                        async move {
+                            let mut g = conn.lock().await;
+                            let (client, bufs) = &mut *g;
+                            let start = (n as usize * batch + c * 7) % (k.len() - batch + 1).max(1);
+                            let want = &k[start..start + batch.min(k.len())];
+                            let mut dst: Vec<&mut [u8]> =
+                                bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+                            let f = client.get_into(want, &mut dst).await;
+                            if f.blocks != want.len() {
+                                bail!(
+                                    "get returned {} of {} blocks: {:?}",
+                                    f.blocks,
+                                    want.len(),
+                                    f.miss
+                                );
+                            }
+                            Ok(())
                         }
-                        Ok(())
-                    }
-                })
+                    },
+                )
                 .await?;
                 let mut refs: Vec<(String, f64)> = Vec::new();
                 match t.as_str() {
@@ -596,7 +643,10 @@ pub fn run(args: &ServerArgs) -> Result<ServerReport> {
                 if let (Some(r), true) = (&redis, t != "quic") {
                     let over_unix = t == "unix";
                     refs.push((
-                        format!("redis GET over {}", if over_unix { "unix socket" } else { "TCP" }),
+                        format!(
+                            "redis GET over {}",
+                            if over_unix { "unix socket" } else { "TCP" }
+                        ),
                         redis_get(r, over_unix, clients, block, args.seconds).await?,
                     ));
                 }
@@ -619,14 +669,15 @@ pub fn run(args: &ServerArgs) -> Result<ServerReport> {
     // Lookup latency: a long prefix of small blocks.
     let small = layout_for(64 << 10)?;
     let lsrv = Child_::start(&small, (args.lookup_blocks as u64 + 64) * (64 << 10))?;
-    let (p50, p99) = rt.block_on(async {
+    let (p50, p99, ping) = rt.block_on(async {
         let c = lsrv.client("unix").await?;
         let k = self::keys(args.lookup_blocks, &small, 2)?;
         let zero = vec![0u8; 64 << 10];
         for chunk in k.chunks(256) {
             let refs: Vec<&[u8]> = chunk.iter().map(|_| zero.as_slice()).collect();
             let first = k.iter().position(|x| *x == chunk[0]).unwrap_or(0);
-            c.put_chain(chunk, first.checked_sub(1).map(|p| k[p]), &refs).await;
+            c.put_chain(chunk, first.checked_sub(1).map(|p| k[p]), &refs)
+                .await;
         }
         if c.lookup(&k).await.tiers.len() != k.len() {
             bail!("the lookup prefix is not fully cached");
@@ -643,7 +694,12 @@ pub fn run(args: &ServerArgs) -> Result<ServerReport> {
         }
         times.sort_by(f64::total_cmp);
         let q = |p: f64| times[((times.len() - 1) as f64 * p) as usize];
-        Ok::<_, anyhow::Error>((q(0.5), q(0.99)))
+        let mut pings = Vec::new();
+        for _ in 0..2000 {
+            pings.push(c.ping().await?.as_secs_f64() * 1e6);
+        }
+        pings.sort_by(f64::total_cmp);
+        Ok::<_, anyhow::Error>((q(0.5), q(0.99), pings[pings.len() / 2]))
     })?;
     Ok(ServerReport {
         block_bytes: args.block_size,
@@ -653,9 +709,12 @@ pub fn run(args: &ServerArgs) -> Result<ServerReport> {
         lookup_blocks: args.lookup_blocks,
         lookup_us_p50: p50,
         lookup_us_p99: p99,
+        ping_us_p50: ping,
         server_peak_rss_bytes: rss,
         server_dram_bytes: dram,
-        redis: redis.as_ref().map(|_| "redis-server (started for this run)".to_string()),
+        redis: redis
+            .as_ref()
+            .map(|_| "redis-server (started for this run)".to_string()),
     })
 }
 
@@ -679,8 +738,8 @@ pub fn print(r: &ServerReport) {
         println!("(redis-server not installed: no Redis reference; bench/redis.sh installs it)");
     }
     println!(
-        "lookup of a {}-block prefix over the Unix socket: p50 {:.1} us, p99 {:.1} us",
-        r.lookup_blocks, r.lookup_us_p50, r.lookup_us_p99
+        "lookup of a {}-block prefix over the Unix socket: p50 {:.1} us, p99 {:.1} us (ping p50 {:.1} us)",
+        r.lookup_blocks, r.lookup_us_p50, r.lookup_us_p99, r.ping_us_p50
     );
     println!(
         "server peak RSS {} with a {} DRAM tier ({:.2}x)",

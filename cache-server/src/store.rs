@@ -370,19 +370,41 @@ impl TieredStore {
     /// `lease` (capped by the configured maximum). Release with [`TieredStore::release`];
     /// pins that outlive their deadline are released by the store.
     pub fn pin(&self, keys: &[BlockKey], lease: Duration) -> Lease {
-        self.inner.pin(keys, lease)
+        self.inner
+            .pin(keys, lease, true)
+            .expect("a pin that may block always completes")
+    }
+
+    /// [`TieredStore::pin`] that never waits for I/O: `None` when a block of the prefix is
+    /// on NVMe only (call `pin` from a thread that may block instead).
+    pub fn try_pin(&self, keys: &[BlockKey], lease: Duration) -> Option<Lease> {
+        self.inner.pin(keys, lease, false)
     }
 
     /// Pins the longest cached prefix of `keys` in DRAM (promoting NVMe blocks) for as long
     /// as the returned guard lives, with no deadline: for a server task that streams the bytes
     /// out itself (bound the time it holds the guard).
     pub fn pin_read(&self, keys: &[BlockKey]) -> PinnedRead {
-        let (blocks, miss) = self.inner.pin_prefix(keys);
+        let (blocks, miss) = self
+            .inner
+            .pin_prefix(keys, true)
+            .expect("a pin that may block always completes");
         PinnedRead {
             inner: self.inner.clone(),
             blocks,
             miss,
         }
+    }
+
+    /// [`TieredStore::pin_read`] that never waits for I/O: `None` when a block of the prefix
+    /// is on NVMe only.
+    pub fn try_pin_read(&self, keys: &[BlockKey]) -> Option<PinnedRead> {
+        let (blocks, miss) = self.inner.pin_prefix(keys, false)?;
+        Some(PinnedRead {
+            inner: self.inner.clone(),
+            blocks,
+            miss,
+        })
     }
 
     /// Reserves a DRAM slot for block `key` (child of `parent`), to be filled in place
@@ -475,9 +497,13 @@ impl Drop for TieredStore {
 }
 
 impl Inner {
+    fn shard_index(&self, key: &BlockKey) -> usize {
+        ((self.hashing.hash(key) >> 40) & self.shard_mask) as usize
+    }
+
     fn shard(&self, key: &BlockKey) -> MutexGuard<'_, Shard> {
         // The high bits pick the shard; the map's buckets use the low ones.
-        lock(&self.shards[((self.hashing.hash(key) >> 40) & self.shard_mask) as usize])
+        lock(&self.shards[self.shard_index(key)])
     }
 
     fn counters(&self, t: TierKind) -> &TierCounters {
@@ -1263,7 +1289,14 @@ impl Inner {
 
     /// Pins the longest cached prefix of `keys` in DRAM, promoting NVMe blocks; returns the
     /// pinned blocks and why the prefix stopped early (if it did).
-    fn pin_prefix(self: &Arc<Self>, keys: &[BlockKey]) -> (Vec<PinnedBlock>, Option<MissReason>) {
+    ///
+    /// With `may_block` false it never waits for I/O: at the first block that would need a
+    /// promotion from NVMe it unpins everything and returns `None`.
+    fn pin_prefix(
+        self: &Arc<Self>,
+        keys: &[BlockKey],
+        may_block: bool,
+    ) -> Option<(Vec<PinnedBlock>, Option<MissReason>)> {
         let mut blocks: Vec<PinnedBlock> = Vec::new();
         let mut miss = None;
         for (i, &key) in keys.iter().enumerate() {
@@ -1275,6 +1308,13 @@ impl Inner {
                 miss = Some(MissReason::NotCached);
                 break;
             };
+            if t != TierKind::Dram && !may_block {
+                self.unpin(t, slot);
+                for b in &blocks {
+                    self.unpin(TierKind::Dram, b.slot.0);
+                }
+                return None;
+            }
             let ds = if t == TierKind::Dram {
                 self.touch(t, slot);
                 TierCounters::inc(&self.dram.counters.hits);
@@ -1303,23 +1343,23 @@ impl Inner {
                 found_in: t,
             });
         }
-        (blocks, miss)
+        Some((blocks, miss))
     }
 
-    fn pin(self: &Arc<Self>, keys: &[BlockKey], lease: Duration) -> Lease {
+    fn pin(self: &Arc<Self>, keys: &[BlockKey], lease: Duration, may_block: bool) -> Option<Lease> {
         let deadline = Instant::now() + lease.min(self.config.max_lease);
-        let (blocks, miss) = self.pin_prefix(keys);
+        let (blocks, miss) = self.pin_prefix(keys, may_block)?;
         let id = self.next_lease.fetch_add(1, Ordering::Relaxed);
         if !blocks.is_empty() {
             let slots = blocks.iter().map(|b| b.slot.0).collect();
             lock(&self.leases).insert(id, LeaseRecord { deadline, slots });
         }
-        Lease {
+        Some(Lease {
             id,
             deadline,
             blocks,
             miss,
-        }
+        })
     }
 
     fn release_lease(self: &Arc<Self>, id: u64) -> bool {

@@ -362,6 +362,14 @@ fn pin_read_lends_pinned_bytes_and_unpins_on_drop() {
         s.flush(); // the write-through copy holds its DRAM slot until done
     }
     s.flush();
+    // Without blocking: a prefix starting on NVMe is declined, pinning nothing.
+    assert!(s.try_pin_read(&keys).is_none());
+    assert_eq!(s.stats().tier(TierKind::Dram).unwrap().pins_outstanding, 0);
+    let p = s.try_pin_read(&keys[2..]).expect("both in DRAM");
+    assert_eq!(p.blocks().len(), 2);
+    assert_eq!(p.bytes(1), &data(keys[3])[..]);
+    drop(p);
+    assert!(s.try_pin(&keys[..1], Duration::from_secs(1)).is_none());
     // Two blocks fit in DRAM: the others come from NVMe, promoted and pinned.
     let mut probe = keys[..3].to_vec();
     probe.push(key(50));

@@ -242,7 +242,6 @@ impl Default for LimitsSection {
     }
 }
 
-
 /// A configuration error, naming the setting.
 #[derive(Debug, thiserror::Error)]
 #[error("config: {setting}: {reason}")]

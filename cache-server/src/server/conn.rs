@@ -334,6 +334,15 @@ impl Conn {
                 Request::Subscribe { from_seq, snapshot } => {
                     self.subscribe(h.request_id, from_seq, snapshot).await;
                 }
+                req @ (Request::Lookup(_) | Request::Ping) => {
+                    // CPU only and bounded by max_keys: answered here, saving a task hop.
+                    let job = self.job(&h);
+                    let op = req.opcode();
+                    if let Some(o) = job.run(req).await {
+                        self.send(o).await;
+                    }
+                    self.shared.metrics.request_done(op, started.elapsed());
+                }
                 req => {
                     let Ok(permit) = self.inflight.clone().try_acquire_owned() else {
                         Metrics::inc(&self.shared.metrics.busy);
@@ -346,15 +355,7 @@ impl Conn {
                         .await;
                         continue;
                     };
-                    let job = Job {
-                        shared: self.shared.clone(),
-                        state: self.state.clone(),
-                        tx: self.tx.clone(),
-                        local_arena: self.local_arena,
-                        id: h.request_id,
-                        op: h.opcode,
-                        no_reply: h.is(flags::NO_REPLY),
-                    };
+                    let job = self.job(&h);
                     tokio::spawn(async move {
                         let _permit = permit;
                         let op = req.opcode();
@@ -366,6 +367,18 @@ impl Conn {
                     });
                 }
             }
+        }
+    }
+
+    fn job(&self, h: &Header) -> Job {
+        Job {
+            shared: self.shared.clone(),
+            state: self.state.clone(),
+            tx: self.tx.clone(),
+            local_arena: self.local_arena,
+            id: h.request_id,
+            op: h.opcode,
+            no_reply: h.is(flags::NO_REPLY),
         }
     }
 
@@ -752,9 +765,13 @@ impl Job {
                 let Ok(budget) = s.inflight_bytes.clone().try_acquire_many_owned(units) else {
                     return self.error(ErrorCode::Busy, "server send budget is spent; retry");
                 };
-                let pinned = match self.blocking(move || store.pin_read(&k.keys)).await {
-                    Ok(p) => p,
-                    Err(o) => return o,
+                // DRAM-resident prefixes are pinned right here; NVMe promotions block.
+                let pinned = match store.try_pin_read(&k.keys) {
+                    Some(p) => p,
+                    None => match self.blocking(move || store.pin_read(&k.keys)).await {
+                        Ok(p) => p,
+                        Err(o) => return o,
+                    },
                 };
                 let r = Response::Get {
                     tiers: pinned
@@ -773,9 +790,12 @@ impl Job {
             }
             Request::Pin { keys, lease_ms } => {
                 let lease = self.lease(lease_ms);
-                let l = match self.blocking(move || store.pin(&keys, lease)).await {
-                    Ok(l) => l,
-                    Err(o) => return o,
+                let l = match store.try_pin(&keys, lease) {
+                    Some(l) => l,
+                    None => match self.blocking(move || store.pin(&keys, lease)).await {
+                        Ok(l) => l,
+                        Err(o) => return o,
+                    },
                 };
                 if !l.blocks.is_empty() {
                     let mut st = lock(&self.state);
