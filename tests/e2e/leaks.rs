@@ -19,6 +19,8 @@ async fn misbehaving_child() {
     };
     let addr = std::env::var("KVTIER_E2E_ADDR").unwrap();
     let k = keys(b"leak", 512, 0);
+    // The connection must outlive the match arms: it is what the server cleans up after.
+    let mut _held: Vec<Box<dyn std::any::Any>> = Vec::new();
     match mode.as_str() {
         "put" => {
             let mut r = Raw::new(tokio::net::UnixStream::connect(&addr).await.unwrap());
@@ -60,6 +62,7 @@ async fn misbehaving_child() {
             )
             .await;
             assert!(matches!(r.recv().await.unwrap().1, Response::Pin(_)));
+            _held.push(Box::new(r));
         }
         _ => {
             let mut r = Raw::new(tokio::net::TcpStream::connect(&addr).await.unwrap());
@@ -70,6 +73,7 @@ async fn misbehaving_child() {
                 r.send(&Request::Get(KeyList { keys: k.clone() }), &[])
                     .await;
             }
+            _held.push(Box::new(r));
         }
     }
     println!("READY");
@@ -120,7 +124,8 @@ async fn run_and_kill(mode: &str, addr: &str, srv: &ServerProc, held: &str) {
     }
     assert!(
         holding,
-        "the child should hold pins or reservations before it dies"
+        "the {mode} child should hold pins or reservations before it dies: {}",
+        srv.stats().await
     );
     child.kill().await.unwrap();
     let mut st = serde_json::Value::Null;
