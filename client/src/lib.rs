@@ -2,28 +2,37 @@
 //!
 //! ```no_run
 //! use kvtier_client::{Client, ClientConfig};
-//! use kvtier_core::{HashSecret, NamespaceBuilder, PrefixHasher};
+//! use kvtier_core::{Dtype, HashSecret, KvLayout, NamespaceBuilder, PrefixHasher};
 //!
-//! # async fn demo() -> Result<(), kvtier_client::ClientError> {
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let client = Client::connect("unix:///run/user/1000/kvtier/kvtier.sock", ClientConfig::default()).await?;
 //! let block = client.block_bytes();
-//! // Keys: a keyed, chained hash of the prompt's full blocks under the model's namespace.
-//! let ns = NamespaceBuilder::new("llama-3-8b").cache_salt(b"tenant-a").build();
-//! let hasher = PrefixHasher::new(HashSecret::development(), &ns, 16);
+//! // Keys: a keyed, chained hash of the prompt's full blocks under the model's namespace
+//! // (model, layout, tenant's cache_salt).
+//! let layout = KvLayout::new(32, 8, 128, Dtype::Bf16, 16)?;
+//! let secret = HashSecret::development();
+//! let ns = NamespaceBuilder::new("llama-3-8b", layout.fingerprint())
+//!     .cache_salt(b"tenant-a")
+//!     .build(&secret)?;
+//! let mut hasher = PrefixHasher::new(secret, ns, layout.block_tokens())?;
 //! let tokens: Vec<u32> = (0..64).collect();
-//! let keys = hasher.prompt_keys(&tokens);
+//! let mut keys = Vec::new();
+//! hasher.prompt_keys(&tokens, &mut keys);
 //!
-//! // After prefill: store the blocks (a failure is reported, never raised).
-//! let blocks: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; block]).collect();
-//! let bufs: Vec<&[u8]> = blocks.iter().map(|b| b.as_slice()).collect();
-//! let stored = client.put_chain(&keys, None, &bufs).await;
-//! assert!(stored.failure.is_none());
-//!
-//! // Next request with the same prefix: fetch what is cached, recompute the rest.
+//! // Next request with this prefix: fetch what is cached, recompute the rest.
 //! let mut out: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; block]).collect();
 //! let mut dst: Vec<&mut [u8]> = out.iter_mut().map(|b| b.as_mut_slice()).collect();
 //! let got = client.get_into(&keys, &mut dst).await;
-//! println!("{} of {} blocks cached; recompute the rest ({:?})", got.blocks, keys.len(), got.miss);
+//! println!("{} of {} blocks cached ({:?}); recompute the rest", got.blocks, keys.len(), got.miss);
+//!
+//! // After prefill: store the new blocks, parents first (a failure is reported, not raised).
+//! let computed: Vec<Vec<u8>> = keys[got.blocks..].iter().map(|_| vec![0u8; block]).collect();
+//! let bufs: Vec<&[u8]> = computed.iter().map(|b| b.as_slice()).collect();
+//! let parent = got.blocks.checked_sub(1).map(|i| keys[i]);
+//! let stored = client.put_chain(&keys[got.blocks..], parent, &bufs).await;
+//! if let Some(why) = stored.failure {
+//!     eprintln!("not cached this time: {why:?}");
+//! }
 //! # Ok(()) }
 //! ```
 //!
