@@ -483,6 +483,11 @@ fn which(name: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// A connection and its buffer, shared with the driving task.
+type Shared<T> = Arc<tokio::sync::Mutex<T>>;
+/// A Redis connection and the buffer its replies land in.
+type RedisConn = (Box<dyn Stream>, Vec<u8>);
+
 trait Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
 impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Stream for T {}
 
@@ -520,7 +525,7 @@ async fn resp(s: &mut dyn Stream, args: &[&[u8]], buf: &mut [u8]) -> Result<()> 
 }
 
 async fn redis_get(r: &Redis, unix: bool, clients: usize, block: usize, secs: f64) -> Result<f64> {
-    let mut conns: Vec<Arc<tokio::sync::Mutex<(Box<dyn Stream>, Vec<u8>)>>> = Vec::new();
+    let mut conns: Vec<Shared<RedisConn>> = Vec::new();
     for _ in 0..clients {
         let s: Box<dyn Stream> = if unix {
             Box::new(tokio::net::UnixStream::connect(&r.unix).await?)

@@ -183,3 +183,80 @@ async fn over_budget_answers_busy_instead_of_queueing() {
     })
     .await;
 }
+
+/// A raw protocol stream over QUIC (one bidirectional stream), the way the SDK opens one.
+/// Returns the endpoint and connection too: they must outlive the stream.
+async fn quic_raw(
+    srv: &ServerProc,
+) -> (
+    Raw<tokio::io::Join<quinn::RecvStream, quinn::SendStream>>,
+    quinn::Endpoint,
+    quinn::Connection,
+) {
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls::pki_types::CertificateDer::from(srv.cert()))
+        .unwrap();
+    let cc = quinn::ClientConfig::with_root_certificates(std::sync::Arc::new(roots)).unwrap();
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(cc);
+    let conn = ep.connect(srv.quic, "localhost").unwrap().await.unwrap();
+    let (send, recv) = conn.open_bi().await.unwrap();
+    (Raw::new(tokio::io::join(recv, send)), ep, conn)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_transport_refuses_bad_frames_and_keeps_serving() {
+    let srv = ServerProc::start(&[]);
+    bounded(60, async {
+        let bystander = srv.client("tcp").await;
+        put_all(&bystander, &keys(b"bystander", 2, 0)).await;
+        // Unix socket: unknown opcode answered, then wrong magic closes.
+        let mut u = Raw::new(UnixStream::connect(&srv.unix).await.unwrap());
+        assert!(matches!(u.hello("").await, Response::Hello(_)));
+        let mut f = Raw::<UnixStream>::frame(&Request::Ping, 2, 0);
+        f[6] = 99;
+        u.s.write_all(&f).await.unwrap();
+        assert_eq!(
+            error_code(&u.recv().await.unwrap().1),
+            Some(ErrorCode::UnknownOp)
+        );
+        let mut f = Raw::<UnixStream>::frame(&Request::Ping, 3, 0);
+        f[0] = 0;
+        u.s.write_all(&f).await.unwrap();
+        assert_eq!(
+            error_code(&u.recv().await.unwrap().1),
+            Some(ErrorCode::BadRequest)
+        );
+        assert!(u.closed_within(5).await);
+        still_serving(&srv, &bystander).await;
+        // QUIC: the same.
+        let (mut q, _ep, _conn) = quic_raw(&srv).await;
+        assert!(matches!(q.hello(TOKEN).await, Response::Hello(_)));
+        let mut f = Raw::<UnixStream>::frame(&Request::Ping, 4, 0);
+        f[6] = 77;
+        q.s.write_all(&f).await.unwrap();
+        assert_eq!(
+            error_code(&q.recv().await.unwrap().1),
+            Some(ErrorCode::UnknownOp)
+        );
+        q.send(&Request::Ping, &[]).await;
+        assert!(matches!(q.recv().await.unwrap().1, Response::Pong));
+        let mut h = Header::request(kvtier_core::protocol::Opcode::Get, 5, 0, 0);
+        h.meta_len = 64 << 20;
+        q.s.write_all(&h.encode()).await.unwrap();
+        assert_eq!(
+            error_code(&q.recv().await.unwrap().1),
+            Some(ErrorCode::TooLarge)
+        );
+        assert!(q.closed_within(5).await);
+        // QUIC without the token.
+        let (mut q, _ep2, _conn2) = quic_raw(&srv).await;
+        assert_eq!(
+            error_code(&q.hello("nope").await),
+            Some(ErrorCode::Unauthorized)
+        );
+        still_serving(&srv, &bystander).await;
+    })
+    .await;
+}
