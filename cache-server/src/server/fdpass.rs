@@ -44,7 +44,7 @@ mod tests {
 
     #[test]
     fn a_passed_fd_reaches_the_same_file() {
-        let (a, mut b) = UnixStream::pair().unwrap();
+        let (a, b) = UnixStream::pair().unwrap();
         let mut f = tempfile::tempfile().unwrap();
         f.write_all(b"arena").unwrap();
         let n = send_fd(a.as_raw_fd(), b"hi", f.as_raw_fd()).unwrap();
@@ -76,6 +76,5 @@ mod tests {
         let mut s = String::new();
         g.read_to_string(&mut s).unwrap();
         assert_eq!(s, "arena");
-        let _ = b.read(&mut [0u8; 0]);
     }
 }
