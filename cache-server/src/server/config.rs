@@ -337,11 +337,39 @@ impl ConfigLoader {
     }
 
     pub fn build(self) -> Result<ServerConfig, ConfigError> {
-        let c: ServerConfig = toml::Value::Table(self.table)
-            .try_into()
-            .map_err(|e: toml::de::Error| cerr("config", e.message()))?;
+        // Through text, so that a type error points at the offending `key = value` line.
+        let text = toml::to_string(&self.table).map_err(|e| cerr("config", e))?;
+        let c: ServerConfig = toml::from_str(&text).map_err(|e: toml::de::Error| {
+            let setting = e
+                .span()
+                .map_or_else(|| "config".into(), |sp| setting_at(&text, sp.start));
+            cerr(setting, e.message())
+        })?;
         c.validate()?;
         Ok(c)
+    }
+}
+
+/// `section.key` of the line holding byte `offset` of a TOML document.
+fn setting_at(text: &str, offset: usize) -> String {
+    let (mut section, mut key) = ("", "");
+    let mut at = 0;
+    for line in text.split_inclusive('\n') {
+        let t = line.trim();
+        if let Some(name) = t.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
+            section = name;
+        } else if let Some((k, _)) = t.split_once('=') {
+            key = k.trim();
+        }
+        at += line.len();
+        if at > offset {
+            break;
+        }
+    }
+    if section.is_empty() {
+        key.to_string()
+    } else {
+        format!("{section}.{key}")
     }
 }
 
@@ -659,7 +687,9 @@ mod tests {
         );
         check_err(&["server.tls_cert=/x.pem"], "tls_cert");
         check_err(&["nodots=1"], "section.key");
-        check_err(&["store.io_threads=\"many\""], "io_threads");
+        check_err(&["store.io_threads=\"many\""], "store.io_threads");
+        check_err(&["limits.max_lease_ms=-5"], "limits.max_lease_ms");
+        check_err(&["server.name=7"], "server.name");
         let e = ConfigLoader::new()
             .merge_toml("[store\n", "f.toml")
             .err()
