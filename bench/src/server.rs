@@ -278,36 +278,44 @@ where
     Ok(total as f64 * bytes_per_op as f64 / start.elapsed().as_secs_f64() / 1e9)
 }
 
-fn memcpy_gb_s(block: usize, secs: f64) -> f64 {
-    let src: Vec<Vec<u8>> = (0..16).map(|i| vec![i as u8; block]).collect();
-    let mut dst = vec![0u8; block];
+/// Single-thread memcpy of `block`-byte blocks out of a working set of `blocks` distinct
+/// blocks (the same bytes the gets move: out of cache when the gets' are).
+fn memcpy_gb_s(block: usize, blocks: usize, batch: usize, secs: f64) -> f64 {
+    let src: Vec<Vec<u8>> = (0..blocks).map(|i| vec![i as u8; block]).collect();
+    // As many destination buffers as a get fills.
+    let mut dst = vec![vec![0u8; block]; batch];
     let dur = Duration::from_secs_f64(secs);
     let t = Instant::now();
     let mut n = 0;
     while t.elapsed() < dur {
-        dst.copy_from_slice(&src[n % src.len()]);
-        std::hint::black_box(&dst);
+        let d = &mut dst[n % batch];
+        d.copy_from_slice(&src[n % src.len()]);
+        std::hint::black_box(&d);
         n += 1;
     }
     n as f64 * block as f64 / t.elapsed().as_secs_f64() / 1e9
 }
 
-/// A raw loopback TCP reference: a server answering a 1-byte request with `block` bytes,
-/// `clients` streams at once (what a get is, without kvtier).
-async fn raw_tcp(clients: usize, block: usize, secs: f64) -> Result<f64> {
+/// A raw loopback TCP reference: a server answering a 1-byte request with the next `batch`
+/// blocks of its working set, `clients` streams at once (what a get is, without kvtier).
+async fn raw_tcp(clients: usize, ws: Arc<WorkingSet>, secs: f64) -> Result<f64> {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = l.local_addr()?;
+    let bytes = ws.response_bytes();
     let srv = tokio::spawn(async move {
-        let payload = Arc::new(vec![7u8; block]);
         while let Ok((mut s, _)) = l.accept().await {
-            let p = payload.clone();
+            let ws = ws.clone();
             let _ = s.set_nodelay(true);
             tokio::spawn(async move {
                 let mut b = [0u8; 1];
-                while s.read_exact(&mut b).await.is_ok() {
-                    if s.write_all(&p).await.is_err() {
-                        break;
+                let mut n = 0;
+                'serve: while s.read_exact(&mut b).await.is_ok() {
+                    for part in ws.response(n) {
+                        if s.write_all(part).await.is_err() {
+                            break 'serve;
+                        }
                     }
+                    n += 1;
                 }
             });
         }
@@ -316,9 +324,9 @@ async fn raw_tcp(clients: usize, block: usize, secs: f64) -> Result<f64> {
     for _ in 0..clients {
         let s = tokio::net::TcpStream::connect(addr).await?;
         s.set_nodelay(true)?;
-        streams.push(Arc::new(tokio::sync::Mutex::new((s, vec![0u8; block]))));
+        streams.push(Arc::new(tokio::sync::Mutex::new((s, vec![0u8; bytes]))));
     }
-    let r = drive(clients, secs, block as u64, move |c, _| {
+    let r = drive(clients, secs, bytes as u64, move |c, _| {
         let s = streams[c].clone();
         async move {
             let mut g = s.lock().await;
@@ -335,7 +343,8 @@ async fn raw_tcp(clients: usize, block: usize, secs: f64) -> Result<f64> {
 
 /// A raw quinn reference: one connection per client, one stream each, 1-byte request,
 /// `block` bytes back.
-async fn raw_quinn(clients: usize, block: usize, secs: f64) -> Result<f64> {
+async fn raw_quinn(clients: usize, ws: Arc<WorkingSet>, secs: f64) -> Result<f64> {
+    let bytes = ws.response_bytes();
     let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string()])?;
     let der = ck.cert.der().to_vec();
     let key = rustls::pki_types::PrivateKeyDer::Pkcs8(rustls::pki_types::PrivatePkcs8KeyDer::from(
@@ -350,19 +359,22 @@ async fn raw_quinn(clients: usize, block: usize, secs: f64) -> Result<f64> {
     let addr = ep.local_addr()?;
     let srv_ep = ep.clone();
     let srv = tokio::spawn(async move {
-        let payload = Arc::new(vec![7u8; block]);
         while let Some(inc) = srv_ep.accept().await {
-            let p = payload.clone();
+            let ws = ws.clone();
             tokio::spawn(async move {
                 let Ok(conn) = inc.await else { return };
                 while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-                    let p = p.clone();
+                    let ws = ws.clone();
                     tokio::spawn(async move {
                         let mut b = [0u8; 1];
-                        while AsyncReadExt::read_exact(&mut recv, &mut b).await.is_ok() {
-                            if AsyncWriteExt::write_all(&mut send, &p).await.is_err() {
-                                break;
+                        let mut n = 0;
+                        'serve: while AsyncReadExt::read_exact(&mut recv, &mut b).await.is_ok() {
+                            for part in ws.response(n) {
+                                if AsyncWriteExt::write_all(&mut send, part).await.is_err() {
+                                    break 'serve;
+                                }
                             }
+                            n += 1;
                         }
                     });
                 }
@@ -382,12 +394,12 @@ async fn raw_quinn(clients: usize, block: usize, secs: f64) -> Result<f64> {
         streams.push(Arc::new(tokio::sync::Mutex::new((
             send,
             recv,
-            vec![0u8; block],
+            vec![0u8; bytes],
             cep,
             conn,
         ))));
     }
-    let r = drive(clients, secs, block as u64, move |c, _| {
+    let r = drive(clients, secs, bytes as u64, move |c, _| {
         let s = streams[c].clone();
         async move {
             let mut g = s.lock().await;
@@ -403,12 +415,41 @@ async fn raw_quinn(clients: usize, block: usize, secs: f64) -> Result<f64> {
     r
 }
 
+/// The same flow-control windows as the server's.
 fn windows() -> Arc<quinn::TransportConfig> {
+    use kvtier_server::server::{QUIC_CONNECTION_WINDOW_BYTES, QUIC_STREAM_WINDOW_BYTES};
     let mut t = quinn::TransportConfig::default();
-    t.stream_receive_window(quinn::VarInt::from_u32(32 << 20));
-    t.receive_window(quinn::VarInt::from_u32(128 << 20));
-    t.send_window(128 << 20);
+    t.stream_receive_window(quinn::VarInt::from_u32(QUIC_STREAM_WINDOW_BYTES));
+    t.receive_window(quinn::VarInt::from_u32(QUIC_CONNECTION_WINDOW_BYTES));
+    t.send_window(u64::from(QUIC_CONNECTION_WINDOW_BYTES));
     Arc::new(t)
+}
+
+/// The reference servers' payload: a working set of distinct blocks, answered `batch` at a
+/// time in turn (the same bytes, and as cold in cache, as the gets').
+struct WorkingSet {
+    blocks: Vec<Vec<u8>>,
+    batch: usize,
+}
+
+impl WorkingSet {
+    fn new(block: usize, blocks: usize, batch: usize) -> Arc<Self> {
+        Arc::new(Self {
+            blocks: (0..blocks.max(batch))
+                .map(|i| vec![i as u8; block])
+                .collect(),
+            batch,
+        })
+    }
+    fn response(&self, n: usize) -> impl Iterator<Item = &[u8]> {
+        let start = (n * self.batch) % (self.blocks.len() - self.batch + 1);
+        self.blocks[start..start + self.batch]
+            .iter()
+            .map(|b| b.as_slice())
+    }
+    fn response_bytes(&self) -> usize {
+        self.batch * self.blocks[0].len()
+    }
 }
 
 /// Redis started for the run (stopped on drop).
@@ -575,10 +616,11 @@ pub fn run(args: &ServerArgs) -> Result<ServerReport> {
         .build()?;
     let dram = (args.blocks as u64 + 16) * args.block_size;
     let srv = Child_::start(&layout, dram)?;
-    let memcpy = memcpy_gb_s(block, args.seconds.min(1.0));
+    let memcpy = memcpy_gb_s(block, args.blocks, args.batch, args.seconds.min(1.0));
     let redis = if args.no_redis { None } else { Redis::start()? };
     let mut cases = Vec::new();
     let keys = keys(args.blocks, &layout, 1)?;
+    let ws = WorkingSet::new(block, args.blocks, args.batch);
     rt.block_on(async {
         // Fill the working set through the local path.
         let c = srv.client("unix").await?;
@@ -638,11 +680,11 @@ pub fn run(args: &ServerArgs) -> Result<ServerReport> {
                     "unix" => refs.push(("memcpy (1 thread)".into(), memcpy)),
                     "tcp" => refs.push((
                         format!("raw loopback TCP, {clients} stream(s)"),
-                        raw_tcp(clients, block, args.seconds).await?,
+                        raw_tcp(clients, ws.clone(), args.seconds).await?,
                     )),
                     _ => refs.push((
                         format!("raw quinn, {clients} stream(s)"),
-                        raw_quinn(clients, block, args.seconds).await?,
+                        raw_quinn(clients, ws.clone(), args.seconds).await?,
                     )),
                 }
                 if let (Some(r), true) = (&redis, t != "quic") {

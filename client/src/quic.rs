@@ -48,12 +48,12 @@ pub(crate) async fn connect(
         .map_err(|e| ClientError::Connect(format!("{addr}: {e}")))
 }
 
-/// Flow-control windows sized for block transfers (as the server's).
+/// Flow-control windows as the server's (a few blocks in flight; quinn buffers them).
 pub(crate) fn transport() -> Arc<quinn::TransportConfig> {
     let mut t = quinn::TransportConfig::default();
-    t.stream_receive_window(quinn::VarInt::from_u32(32 << 20));
-    t.receive_window(quinn::VarInt::from_u32(128 << 20));
-    t.send_window(128 << 20);
+    t.stream_receive_window(quinn::VarInt::from_u32(4 << 20));
+    t.receive_window(quinn::VarInt::from_u32(4 << 20));
+    t.send_window(4 << 20);
     t.keep_alive_interval(Some(std::time::Duration::from_secs(5)));
     Arc::new(t)
 }

@@ -8,14 +8,18 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
 use super::{ServerConfig, ServerError};
 
-/// Flow-control windows sized for block transfers (a 2 MiB block in flight per stream at
-/// least several times over).
+/// Flow-control windows: a few 2 MiB blocks in flight per stream, and no more, because quinn
+/// buffers what is in flight (sent-unacknowledged and received-unread) in its own memory: the
+/// windows bound the server's memory per QUIC connection (counted against the 5 % RSS budget).
+pub const QUIC_STREAM_WINDOW_BYTES: u32 = 4 << 20;
+pub const QUIC_CONNECTION_WINDOW_BYTES: u32 = 4 << 20;
+
 pub fn transport() -> Arc<quinn::TransportConfig> {
     let mut t = quinn::TransportConfig::default();
-    t.stream_receive_window(quinn::VarInt::from_u32(32 << 20));
-    t.receive_window(quinn::VarInt::from_u32(128 << 20));
-    t.send_window(128 << 20);
-    t.max_concurrent_bidi_streams(quinn::VarInt::from_u32(256));
+    t.stream_receive_window(quinn::VarInt::from_u32(QUIC_STREAM_WINDOW_BYTES));
+    t.receive_window(quinn::VarInt::from_u32(QUIC_CONNECTION_WINDOW_BYTES));
+    t.send_window(u64::from(QUIC_CONNECTION_WINDOW_BYTES));
+    t.max_concurrent_bidi_streams(quinn::VarInt::from_u32(16));
     t.keep_alive_interval(Some(std::time::Duration::from_secs(5)));
     Arc::new(t)
 }
