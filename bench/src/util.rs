@@ -14,37 +14,15 @@ use serde::Serialize;
 pub const ALIGN: usize = 4096;
 
 /// Parses a byte count: a whole number with an optional binary suffix `k`, `m`, `g` or `t`
-/// (case-insensitive, optionally followed by `b` or `ib`): `"64k"` is 65,536 and `"2MiB"` is
-/// 2,097,152. Decimal (SI) units are not accepted, to keep `64k` meaning one thing.
+/// (case-insensitive, optionally followed by `b` or `ib`, a space allowed before it): `"64k"`
+/// is 65,536 and `"2MiB"` is 2,097,152. Decimal (SI) units are not accepted, to keep `64k`
+/// meaning one thing. The same syntax as the server's configuration.
 pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let lower = t.to_ascii_lowercase();
-    let digits_end = lower
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(lower.len());
-    let (num, suffix) = lower.split_at(digits_end);
-    if num.is_empty() {
-        return Err(format!(
-            "{s:?} is not a size (expected e.g. 64k, 2m, 16m, 1g)"
-        ));
+    // One size syntax for the whole project: the server's configuration parser.
+    match kvtier_server::server::parse_size(s)? {
+        kvtier_server::server::Size::Bytes(b) => Ok(b),
+        kvtier_server::server::Size::Auto => Err(format!("{s:?}: \"auto\" is not a size here")),
     }
-    let n: u64 = num
-        .parse()
-        .map_err(|e| format!("{s:?} is not a size: {e}"))?;
-    let shift = match suffix {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
-        _ => {
-            return Err(format!(
-                "{s:?} has an unknown unit {suffix:?} (use k, m, g or t; binary units)"
-            ));
-        }
-    };
-    n.checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("{s:?} is too large"))
 }
 
 /// Parses a comma-separated list of sizes (`"64k,2m,16m"`); empty items are refused.
@@ -258,12 +236,13 @@ mod tests {
         assert_eq!(parse_size("2MiB"), Ok(2 << 20));
         assert_eq!(parse_size("4KB"), Ok(4096));
         assert_eq!(parse_size(" 4096 "), Ok(4096));
+        assert_eq!(parse_size("64 KiB"), Ok(64 << 10));
         assert_eq!(parse_size("0"), Ok(0));
     }
 
     #[test]
     fn refuses_bad_sizes() {
-        for bad in ["", "k", "-1", "1.5m", "12x", "64 k", "99999999999999t"] {
+        for bad in ["", "k", "-1", "1.5m", "12x", "auto", "99999999999999t"] {
             assert!(parse_size(bad).is_err(), "{bad:?} was accepted");
         }
     }

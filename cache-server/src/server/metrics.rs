@@ -212,7 +212,7 @@ impl Metrics {
             "counter",
             "Requests served, by operation.",
         );
-        for op in Opcode::ALL {
+        for &op in Opcode::ALL {
             let _ = writeln!(
                 o,
                 "kvtier_requests_total{{op=\"{}\"}} {}",
@@ -226,7 +226,7 @@ impl Metrics {
             "histogram",
             "Request latency from the whole frame read to the response queued, by operation.",
         );
-        for op in Opcode::ALL {
+        for &op in Opcode::ALL {
             let h = &self.latency[op_idx(op)];
             let mut cum = 0;
             for (i, b) in LATENCY_BUCKETS_US.iter().enumerate() {

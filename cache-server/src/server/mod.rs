@@ -21,7 +21,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-pub use config::{ConfigError, ConfigLoader, ServerConfig, Size};
+pub use config::{ConfigError, ConfigLoader, ServerConfig, Size, parse_size};
 use events::EventBus;
 use metrics::{Metrics, Transport};
 pub use tls::{QUIC_CONNECTION_WINDOW_BYTES, QUIC_STREAM_WINDOW_BYTES};

@@ -15,21 +15,16 @@ pub const MAX_TOKEN_BYTES: usize = 1024;
 /// Longest error message or stats document a client accepts.
 pub const MAX_TEXT_BYTES: usize = 1 << 20;
 
-/// A tier on the wire.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum TierCode {
-    Hbm = 0,
-    Dram = 1,
-    Nvme = 2,
+wire_enum! {
+    /// A tier on the wire.
+    pub enum TierCode: u8, from_u8 {
+        Hbm = 0,
+        Dram = 1,
+        Nvme = 2,
+    }
 }
 
 impl TierCode {
-    pub fn from_u8(v: u8) -> Option<Self> {
-        [TierCode::Hbm, TierCode::Dram, TierCode::Nvme]
-            .get(usize::from(v))
-            .copied()
-    }
     pub fn name(self) -> &'static str {
         match self {
             TierCode::Hbm => "hbm",
@@ -39,109 +34,59 @@ impl TierCode {
     }
 }
 
-/// Why blocks past a returned prefix were not served.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum MissCode {
-    /// Every key asked for was served.
-    None = 0,
-    NotCached = 1,
-    /// The stored copy failed its checks; dropped and counted by the server.
-    Corrupt = 2,
-    IoError = 3,
-    /// The server had no I/O capacity for the read just now.
-    Busy = 4,
-}
-
-impl MissCode {
-    pub fn from_u8(v: u8) -> Option<Self> {
-        [
-            MissCode::None,
-            MissCode::NotCached,
-            MissCode::Corrupt,
-            MissCode::IoError,
-            MissCode::Busy,
-        ]
-        .get(usize::from(v))
-        .copied()
+wire_enum! {
+    /// Why blocks past a returned prefix were not served.
+    pub enum MissCode: u8, from_u8 {
+        /// Every key asked for was served.
+        None = 0,
+        NotCached = 1,
+        /// The stored copy failed its checks; dropped and counted by the server.
+        Corrupt = 2,
+        IoError = 3,
+        /// The server had no I/O capacity for the read just now.
+        Busy = 4,
     }
 }
 
-/// The fate of one block of a put or a reservation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum PutStatus {
-    /// Stored (put, commit) or a slot is reserved at the given offset (reserve).
-    Stored = 0,
-    AlreadyPresent = 1,
-    /// Refused: the server's copy queue is full.
-    RejectedBacklog = 2,
-    /// Refused: every slot is pinned.
-    RejectedNoSlot = 3,
-    /// Refused: the block's parent is not cached (a chain is stored in order).
-    RejectedOrphan = 4,
-    /// The server failed to store it (an I/O error, counted).
-    Failed = 5,
-}
-
-impl PutStatus {
-    pub fn from_u8(v: u8) -> Option<Self> {
-        [
-            PutStatus::Stored,
-            PutStatus::AlreadyPresent,
-            PutStatus::RejectedBacklog,
-            PutStatus::RejectedNoSlot,
-            PutStatus::RejectedOrphan,
-            PutStatus::Failed,
-        ]
-        .get(usize::from(v))
-        .copied()
+wire_enum! {
+    /// The fate of one block of a put or a reservation.
+    pub enum PutStatus: u8, from_u8 {
+        /// Stored (put, commit) or a slot is reserved at the given offset (reserve).
+        Stored = 0,
+        AlreadyPresent = 1,
+        /// Refused: the server's copy queue is full.
+        RejectedBacklog = 2,
+        /// Refused: every slot is pinned.
+        RejectedNoSlot = 3,
+        /// Refused: the block's parent is not cached (a chain is stored in order).
+        RejectedOrphan = 4,
+        /// The server failed to store it (an I/O error, counted).
+        Failed = 5,
     }
 }
 
-/// Error codes of an [`ErrorReply`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u16)]
-pub enum ErrorCode {
-    /// Malformed metadata, or a request that makes no sense (wrong payload size, ...).
-    BadRequest = 1,
-    UnknownOp = 2,
-    /// A length or count over the limits (announced in the hello reply).
-    TooLarge = 3,
-    /// No hello yet, or a wrong token.
-    Unauthorized = 4,
-    VersionMismatch = 5,
-    /// The client's block size or layout differs from the server's.
-    LayoutMismatch = 6,
-    /// Over budget: retry later. Nothing was queued.
-    Busy = 7,
-    /// The lease or reservation named is unknown (released, expired, another connection's).
-    NotFound = 8,
-    /// The server is shutting down.
-    ShuttingDown = 9,
-    Internal = 10,
-    /// The request needs the local (Unix socket) path, e.g. reserve/commit.
-    LocalOnly = 11,
-}
-
-impl ErrorCode {
-    pub fn from_u16(v: u16) -> Option<Self> {
-        use ErrorCode::*;
-        [
-            BadRequest,
-            UnknownOp,
-            TooLarge,
-            Unauthorized,
-            VersionMismatch,
-            LayoutMismatch,
-            Busy,
-            NotFound,
-            ShuttingDown,
-            Internal,
-            LocalOnly,
-        ]
-        .get(usize::from(v).checked_sub(1)?)
-        .copied()
+wire_enum! {
+    /// Error codes of an [`ErrorReply`].
+    pub enum ErrorCode: u16, from_u16 {
+        /// Malformed metadata, or a request that makes no sense (wrong payload size, ...).
+        BadRequest = 1,
+        UnknownOp = 2,
+        /// A length or count over the limits (announced in the hello reply).
+        TooLarge = 3,
+        /// No hello yet, or a wrong token.
+        Unauthorized = 4,
+        VersionMismatch = 5,
+        /// The client's block size or layout differs from the server's.
+        LayoutMismatch = 6,
+        /// Over budget: retry later. Nothing was queued.
+        Busy = 7,
+        /// The lease or reservation named is unknown (released, expired, another connection's).
+        NotFound = 8,
+        /// The server is shutting down.
+        ShuttingDown = 9,
+        Internal = 10,
+        /// The request needs the local (Unix socket) path, e.g. reserve/commit.
+        LocalOnly = 11,
     }
 }
 
@@ -476,25 +421,15 @@ pub struct PutReply {
     pub statuses: Vec<u8>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub enum EventKind {
-    /// The block is now held by `tier`.
-    Stored = 1,
-    /// The block left `tier` (evicted or removed).
-    Removed = 2,
-    /// Every block is gone (key and tier are zero).
-    Cleared = 3,
-}
-
-impl EventKind {
-    pub fn from_u8(v: u8) -> Option<Self> {
-        match v {
-            1 => Some(EventKind::Stored),
-            2 => Some(EventKind::Removed),
-            3 => Some(EventKind::Cleared),
-            _ => None,
-        }
+wire_enum! {
+    /// What happened to a block, in a [`BlockEvent`].
+    pub enum EventKind: u8, from_u8 {
+        /// The block is now held by `tier`.
+        Stored = 1,
+        /// The block left `tier` (evicted or removed).
+        Removed = 2,
+        /// Every block is gone (key and tier are zero).
+        Cleared = 3,
     }
 }
 

@@ -9,6 +9,32 @@
 //!   [`Response::decode`], which check every count against [`Limits`].
 //! * [`decode_frame`]: a whole frame from one buffer (used by the fuzz target and tests).
 
+/// A wire code: an enum with explicit discriminants, `ALL`, and a checked conversion from
+/// the raw value (an unknown value is `None`, never a panic).
+macro_rules! wire_enum {
+    (
+        $(#[$meta:meta])*
+        pub enum $name:ident: $repr:ident, $from:ident {
+            $($(#[$vmeta:meta])* $variant:ident = $value:expr,)+
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[repr($repr)]
+        pub enum $name {
+            $($(#[$vmeta])* $variant = $value,)+
+        }
+
+        impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$variant,)+];
+
+            pub fn $from(v: $repr) -> Option<Self> {
+                Self::ALL.iter().copied().find(|c| *c as $repr == v)
+            }
+        }
+    };
+}
+
 pub mod message;
 
 pub use message::{
@@ -43,51 +69,29 @@ pub mod flags {
     pub const KNOWN: u8 = RESPONSE | ERROR | EVENT | NO_REPLY;
 }
 
-/// Operation codes. Unknown codes are answered with [`ErrorCode::UnknownOp`] (the frame is
-/// well formed, so the connection stays open).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Opcode {
-    Hello = 1,
-    Ping = 2,
-    Lookup = 3,
-    Get = 4,
-    Put = 5,
-    Prefetch = 6,
-    Pin = 7,
-    Release = 8,
-    Reserve = 9,
-    Commit = 10,
-    Abort = 11,
-    Remove = 12,
-    Clear = 13,
-    Stats = 14,
-    Subscribe = 15,
+wire_enum! {
+    /// Operation codes. Unknown codes are answered with [`ErrorCode::UnknownOp`] (the frame is
+    /// well formed, so the connection stays open).
+    pub enum Opcode: u8, from_u8 {
+        Hello = 1,
+        Ping = 2,
+        Lookup = 3,
+        Get = 4,
+        Put = 5,
+        Prefetch = 6,
+        Pin = 7,
+        Release = 8,
+        Reserve = 9,
+        Commit = 10,
+        Abort = 11,
+        Remove = 12,
+        Clear = 13,
+        Stats = 14,
+        Subscribe = 15,
+    }
 }
 
 impl Opcode {
-    pub const ALL: [Opcode; 15] = [
-        Opcode::Hello,
-        Opcode::Ping,
-        Opcode::Lookup,
-        Opcode::Get,
-        Opcode::Put,
-        Opcode::Prefetch,
-        Opcode::Pin,
-        Opcode::Release,
-        Opcode::Reserve,
-        Opcode::Commit,
-        Opcode::Abort,
-        Opcode::Remove,
-        Opcode::Clear,
-        Opcode::Stats,
-        Opcode::Subscribe,
-    ];
-
-    pub fn from_u8(v: u8) -> Option<Self> {
-        Self::ALL.get(usize::from(v).checked_sub(1)?).copied()
-    }
-
     /// Lower-case name, as used in metrics labels.
     pub fn name(self) -> &'static str {
         match self {

@@ -377,7 +377,7 @@ fn key_counts_over_the_limit_are_refused() {
 
 #[test]
 fn codes_round_trip_and_unknown_ones_are_none() {
-    for op in Opcode::ALL {
+    for &op in Opcode::ALL {
         assert_eq!(Opcode::from_u8(op as u8), Some(op));
     }
     assert_eq!(Opcode::from_u8(0), None);
