@@ -124,6 +124,17 @@ async fn events_report_stores_and_removals_with_sequence_numbers() {
         let mut again = c.events(Some(start), false).await.unwrap();
         let b = again.next_batch().await.unwrap();
         assert!(matches!(b[0], EventItem::Event(e) if e.seq == start));
+        // Subscriptions per connection are bounded.
+        let _more = (
+            c.events(None, false).await.unwrap(),
+            c.events(None, false).await.unwrap(),
+        );
+        let e = c
+            .events(None, false)
+            .await
+            .err()
+            .expect("a fifth subscription");
+        assert!(e.to_string().contains("subscriptions"), "{e}");
     })
     .await;
 }

@@ -30,6 +30,8 @@ use crate::{MissReason, PinnedRead, PutOutcome, Reservation, StoreError, TierKin
 
 /// Responses queued for the writer of one connection.
 const OUT_QUEUE: usize = 256;
+/// Event subscriptions one connection may hold.
+const MAX_SUBSCRIPTIONS: usize = 4;
 /// Events sent in one frame at most.
 const EVENT_BATCH: usize = 1024;
 /// How often a connection drops its expired reservations.
@@ -143,6 +145,7 @@ struct Conn {
     /// Ends this connection's subscriptions and reaper.
     done: CancellationToken,
     local_arena: bool,
+    subscriptions: usize,
 }
 
 enum ReadEnd {
@@ -188,6 +191,7 @@ pub(crate) async fn serve<R, W>(
         inflight: Arc::new(Semaphore::new(depth)),
         done: shared.shutdown.child_token(),
         local_arena: false,
+        subscriptions: 0,
     };
     let reaper = {
         let (state, done) = (state.clone(), c.done.clone());
@@ -332,6 +336,18 @@ impl Conn {
                     .await;
                 }
                 Request::Subscribe { from_seq, snapshot } => {
+                    if self.subscriptions >= MAX_SUBSCRIPTIONS {
+                        Metrics::inc(&self.shared.metrics.busy);
+                        self.send(Out::error(
+                            h.request_id,
+                            h.opcode,
+                            ErrorCode::Busy,
+                            format!("at most {MAX_SUBSCRIPTIONS} subscriptions a connection"),
+                        ))
+                        .await;
+                        continue;
+                    }
+                    self.subscriptions += 1;
                     self.subscribe(h.request_id, from_seq, snapshot).await;
                 }
                 req @ (Request::Lookup(_) | Request::Ping) => {
