@@ -220,6 +220,7 @@ pub fn serve_child(sets: &[String]) -> Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let server = kvtier_server::server::Server::start(config).await?;
         let e = server.endpoints().clone();
         let show = |a: Option<SocketAddr>| a.map_or("off".into(), |a| a.to_string());
@@ -231,7 +232,6 @@ pub fn serve_child(sets: &[String]) -> Result<()> {
             show(e.tcp),
             show(e.quic)
         );
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         term.recv().await;
         server.shutdown().await;
         Ok(())

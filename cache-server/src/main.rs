@@ -116,6 +116,9 @@ fn main() -> Result<()> {
 }
 
 async fn serve(config: ServerConfig) -> Result<()> {
+    // Handlers first: a SIGTERM that arrives as soon as we report ready is a clean stop.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     let server = Server::start(config).await?;
     let e = server.endpoints().clone();
     println!("kvtier-server {} ready", env!("CARGO_PKG_VERSION"));
@@ -133,10 +136,9 @@ async fn serve(config: ServerConfig) -> Result<()> {
     );
     use std::io::Write;
     let _ = std::io::stdout().flush();
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: draining"),
-        _ = tokio::signal::ctrl_c() => tracing::info!("interrupt: draining"),
+        _ = int.recv() => tracing::info!("interrupt: draining"),
     }
     let report = server.shutdown().await;
     tracing::info!(cut = report.connections_cut, "stopped");
