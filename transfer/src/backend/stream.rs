@@ -1,0 +1,590 @@
+//! The stream protocol engine shared by TCP and QUIC (and by the shared-memory control
+//! channel): the initiator's lanes and the target's per-connection server.
+//!
+//! A *lane* is one byte stream to the peer. Its writer task writes whole frames (header, then
+//! payload straight from region memory), so a transfer dropped mid-way never leaves a torn
+//! frame; its reader task matches replies to pending requests by id and reads READ payloads
+//! straight into region memory. When either side of a lane fails, every request pending on it
+//! fails with `Disconnected`, and so does every later post.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::sync::mpsc;
+use tokio::task::AbortHandle;
+
+use super::frame::{FrameOp, HEADER_BYTES, Header, MAX_NAME_BYTES, Status};
+use super::{BoxFuture, Job, PeerBackend, TransferCtl};
+use crate::agent::{Notification, TargetCtx};
+use crate::descriptor::Op;
+use crate::error::{Result, TransferError};
+use crate::metadata::TOKEN_BYTES;
+use crate::region::RegionMem;
+
+/// Frames a lane's writer task may have queued (back-pressure on posting).
+const LANE_QUEUE_FRAMES: usize = 64;
+/// Read buffer of the target's connection reader.
+const TARGET_READ_BUFFER_BYTES: usize = 64 << 10;
+
+enum Payload {
+    None,
+    Region(Arc<RegionMem>, u64),
+    Bytes(Vec<u8>),
+}
+
+struct Outgoing {
+    header: Header,
+    payload: Payload,
+    ctl: Arc<TransferCtl>,
+}
+
+struct Pending {
+    ctl: Arc<TransferCtl>,
+    reply: FrameOp,
+    len: u32,
+    /// Where a READ's data lands.
+    dest: Option<(Arc<RegionMem>, u64)>,
+}
+
+struct PendingTable {
+    map: HashMap<u64, Pending>,
+    dead: Option<String>,
+}
+
+/// The initiator's end of one stream to a peer.
+pub(crate) struct Lane {
+    peer: String,
+    tx: mpsc::Sender<Outgoing>,
+    table: Mutex<PendingTable>,
+    next_id: AtomicU64,
+    tasks: Mutex<Vec<AbortHandle>>,
+}
+
+impl Lane {
+    /// Authenticates on a fresh stream (HELLO with our token copy and name) and starts the
+    /// lane's writer and reader tasks.
+    pub(crate) async fn start<R, W>(
+        peer: &str,
+        my_name: &str,
+        token: &[u8],
+        reader: R,
+        mut writer: W,
+    ) -> Result<Arc<Lane>>
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
+        let io_err =
+            |e: std::io::Error| TransferError::disconnected(peer, format!("handshake: {e}"));
+        let name = &my_name.as_bytes()[..my_name.len().min(MAX_NAME_BYTES)];
+        let hello = Header::new(FrameOp::Hello, 0, 0, 0, (token.len() + name.len()) as u32);
+        writer.write_all(&hello.encode()).await.map_err(io_err)?;
+        writer.write_all(token).await.map_err(io_err)?;
+        writer.write_all(name).await.map_err(io_err)?;
+        writer.flush().await.map_err(io_err)?;
+        let mut reader = BufReader::with_capacity(TARGET_READ_BUFFER_BYTES, reader);
+        let mut hb = [0u8; HEADER_BYTES];
+        reader.read_exact(&mut hb).await.map_err(io_err)?;
+        let ack = Header::decode(&hb).map_err(|e| TransferError::protocol(peer, e))?;
+        if ack.op != FrameOp::HelloAck {
+            return Err(TransferError::protocol(
+                peer,
+                format!("expected HELLO_ACK, got {:?}", ack.op),
+            ));
+        }
+        if ack.status == Status::AuthFailed {
+            return Err(TransferError::Auth {
+                peer: peer.to_owned(),
+                reason: "the peer refused our token".into(),
+            });
+        }
+        if ack.status != Status::Ok {
+            return Err(TransferError::protocol(
+                peer,
+                format!("HELLO_ACK with status {:?}", ack.status),
+            ));
+        }
+        let (tx, rx) = mpsc::channel(LANE_QUEUE_FRAMES);
+        let lane = Arc::new(Lane {
+            peer: peer.to_owned(),
+            tx,
+            table: Mutex::new(PendingTable {
+                map: HashMap::new(),
+                dead: None,
+            }),
+            next_id: AtomicU64::new(1),
+            tasks: Mutex::new(Vec::new()),
+        });
+        let w = tokio::spawn(write_loop(Arc::clone(&lane), rx, writer));
+        let r = tokio::spawn(read_loop(Arc::clone(&lane), reader));
+        lane.tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend([w.abort_handle(), r.abort_handle()]);
+        Ok(lane)
+    }
+
+    /// Whether the lane failed (the reason), or `None` while it works.
+    pub(crate) fn dead_reason(&self) -> Option<String> {
+        self.table
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .dead
+            .clone()
+    }
+
+    /// Fails the lane: every pending request and every later post gets `err`.
+    fn kill(&self, err: TransferError) {
+        let drained: Vec<Pending> = {
+            let mut t = self.table.lock().unwrap_or_else(|p| p.into_inner());
+            if t.dead.is_none() {
+                t.dead = Some(err.to_string());
+            }
+            t.map.drain().map(|(_, p)| p).collect()
+        };
+        for p in drained {
+            p.ctl.fail(err.duplicate());
+        }
+    }
+
+    fn take_pending(&self, id: u64) -> Option<Pending> {
+        self.table
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map
+            .remove(&id)
+    }
+
+    /// Queues one request; its completion (or failure) is reported to `ctl`.
+    async fn post(
+        &self,
+        ctl: &Arc<TransferCtl>,
+        mut header: Header,
+        payload: Payload,
+        reply: FrameOp,
+        dest: Option<(Arc<RegionMem>, u64)>,
+    ) -> Result<()> {
+        header.id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut t = self.table.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(reason) = &t.dead {
+                return Err(TransferError::disconnected(&self.peer, reason.clone()));
+            }
+            ctl.add_outstanding(1);
+            t.map.insert(
+                header.id,
+                Pending {
+                    ctl: Arc::clone(ctl),
+                    reply,
+                    len: header.len,
+                    dest,
+                },
+            );
+        }
+        let out = Outgoing {
+            header,
+            payload,
+            ctl: Arc::clone(ctl),
+        };
+        if self.tx.send(out).await.is_err() {
+            // The writer task is gone; failing the lane reports this request too.
+            self.kill(TransferError::disconnected(
+                &self.peer,
+                "lane writer stopped",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Sends a notification and waits for the peer's acknowledgement. Cancellation is
+    /// honoured until the frame is written; once written, the notification is delivered.
+    pub(crate) async fn notify(&self, ctl: &Arc<TransferCtl>, message: Vec<u8>) -> Result<()> {
+        ctl.check()?;
+        let header = Header::new(FrameOp::Notify, 0, 0, 0, message.len() as u32);
+        self.post(
+            ctl,
+            header,
+            Payload::Bytes(message),
+            FrameOp::NotifyAck,
+            None,
+        )
+        .await?;
+        ctl.wait_outstanding(false).await
+    }
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        for t in self
+            .tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            t.abort();
+        }
+    }
+}
+
+async fn write_loop<W: AsyncWrite + Unpin>(
+    lane: Arc<Lane>,
+    mut rx: mpsc::Receiver<Outgoing>,
+    mut w: W,
+) {
+    // The lane (and so this channel's sender) lives as long as a peer handle does; the task is
+    // aborted when the lane drops.
+    while let Some(out) = rx.recv().await {
+        if out.ctl.is_cancelled() {
+            if let Some(p) = lane.take_pending(out.header.id) {
+                p.ctl.fail(p.ctl.cancelled_error());
+            }
+            continue;
+        }
+        let res = async {
+            w.write_all(&out.header.encode()).await?;
+            match &out.payload {
+                Payload::None => {}
+                Payload::Region(region, offset) => {
+                    // SAFETY: the range was validated against the region at post time, the
+                    // region's memory is kept alive by the Arc in `out`, it is host memory
+                    // (checked before posting), and the memory contract on `RegionHandle`
+                    // forbids writers to these bytes while a transfer reads them.
+                    let src = unsafe { region.slice(*offset, out.header.len as usize) };
+                    w.write_all(src).await?;
+                }
+                Payload::Bytes(b) => w.write_all(b).await?,
+            }
+            w.flush().await
+        }
+        .await;
+        if let Err(e) = res {
+            lane.kill(TransferError::disconnected(
+                &lane.peer,
+                format!("write failed: {e}"),
+            ));
+            return;
+        }
+    }
+}
+
+async fn read_loop<R: AsyncRead + Unpin>(lane: Arc<Lane>, mut r: BufReader<R>) {
+    let err = loop {
+        let mut hb = [0u8; HEADER_BYTES];
+        if let Err(e) = r.read_exact(&mut hb).await {
+            break TransferError::disconnected(&lane.peer, format!("connection lost: {e}"));
+        }
+        let h = match Header::decode(&hb) {
+            Ok(h) => h,
+            Err(e) => break TransferError::protocol(&lane.peer, e),
+        };
+        let Some(p) = lane.take_pending(h.id) else {
+            break TransferError::protocol(
+                &lane.peer,
+                format!("reply {:?} to unknown request {}", h.op, h.id),
+            );
+        };
+        if h.op != p.reply {
+            let e = TransferError::protocol(
+                &lane.peer,
+                format!(
+                    "expected {:?} for request {}, got {:?}",
+                    p.reply, h.id, h.op
+                ),
+            );
+            p.ctl.fail(e.duplicate());
+            break e;
+        }
+        if h.status != Status::Ok {
+            if h.len != 0 {
+                let e = TransferError::protocol(&lane.peer, "error reply with a payload");
+                p.ctl.fail(e.duplicate());
+                break e;
+            }
+            p.ctl.fail(status_error(&lane.peer, &h));
+            continue;
+        }
+        if h.op == FrameOp::ReadData {
+            let Some((region, offset)) = &p.dest else {
+                let e = TransferError::protocol(&lane.peer, "data for a request without one");
+                p.ctl.fail(e.duplicate());
+                break e;
+            };
+            if h.len != p.len {
+                let e = TransferError::protocol(
+                    &lane.peer,
+                    format!("asked for {} bytes, got {}", p.len, h.len),
+                );
+                p.ctl.fail(e.duplicate());
+                break e;
+            }
+            // SAFETY: the destination range was validated against the local region when the
+            // transfer was posted; the Arc in `p` keeps the memory mapped; it is host memory;
+            // the memory contract on `RegionHandle` forbids other access to these bytes while
+            // the transfer runs.
+            let dst = unsafe { region.slice_mut(*offset, h.len as usize) };
+            if let Err(e) = r.read_exact(dst).await {
+                let e = TransferError::disconnected(&lane.peer, format!("connection lost: {e}"));
+                p.ctl.fail(e.duplicate());
+                break e;
+            }
+        } else if h.len != 0 {
+            let e = TransferError::protocol(&lane.peer, format!("{:?} with a payload", h.op));
+            p.ctl.fail(e.duplicate());
+            break e;
+        }
+        p.ctl.complete_one();
+    };
+    lane.kill(err);
+}
+
+fn status_error(peer: &str, h: &Header) -> TransferError {
+    match h.status {
+        Status::RegionNotFound => TransferError::RegionNotFound {
+            agent: peer.to_owned(),
+            region: h.region,
+        },
+        Status::OutOfBounds => TransferError::InvalidDescriptor {
+            index: 0,
+            reason: format!(
+                "the peer rejected range {}+{} of its region {} (the first failing chunk)",
+                h.offset, h.len, h.region
+            ),
+        },
+        Status::UnsupportedMemory => TransferError::BackendUnavailable {
+            backend: "stream",
+            reason: format!("peer region {} is not host memory", h.region),
+        },
+        Status::AuthFailed => TransferError::Auth {
+            peer: peer.to_owned(),
+            reason: "refused".into(),
+        },
+        Status::Ok => TransferError::protocol(peer, "status ok reported as an error"),
+    }
+}
+
+/// A peer reached over stream lanes (TCP connections or QUIC streams).
+pub(crate) struct StreamPeer {
+    pub lanes: Vec<Arc<Lane>>,
+    pub chunk_bytes: u64,
+    next_lane: AtomicUsize,
+    /// Keeps transport state (a QUIC connection) alive as long as the peer.
+    _keep: Option<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+impl StreamPeer {
+    pub(crate) fn new(
+        lanes: Vec<Arc<Lane>>,
+        chunk_bytes: u64,
+        keep: Option<Box<dyn std::any::Any + Send + Sync>>,
+    ) -> Self {
+        Self {
+            lanes,
+            chunk_bytes,
+            next_lane: AtomicUsize::new(0),
+            _keep: keep,
+        }
+    }
+
+    async fn run(&self, job: Job) -> Result<()> {
+        let ctl = &job.ctl;
+        let n = self.lanes.len();
+        let mut lane_i = self.next_lane.fetch_add(1, Ordering::Relaxed);
+        for seg in &job.segments {
+            if !seg.local.kind.is_host() {
+                return Err(TransferError::BackendUnavailable {
+                    backend: "stream",
+                    reason: format!("local region {} is not host memory", seg.local.id),
+                });
+            }
+            let mut done = 0u64;
+            while done < seg.len {
+                ctl.check()?;
+                let len = (seg.len - done).min(self.chunk_bytes) as u32;
+                let lane = &self.lanes[lane_i % n];
+                lane_i = lane_i.wrapping_add(1);
+                let header = Header::new(
+                    if job.op == Op::Write {
+                        FrameOp::Write
+                    } else {
+                        FrameOp::Read
+                    },
+                    0,
+                    seg.remote,
+                    seg.remote_offset + done,
+                    len,
+                );
+                let local = (Arc::clone(&seg.local), seg.local_offset + done);
+                match job.op {
+                    Op::Write => {
+                        lane.post(
+                            ctl,
+                            header,
+                            Payload::Region(local.0, local.1),
+                            FrameOp::WriteAck,
+                            None,
+                        )
+                        .await?
+                    }
+                    Op::Read => {
+                        lane.post(ctl, header, Payload::None, FrameOp::ReadData, Some(local))
+                            .await?
+                    }
+                }
+                done += u64::from(len);
+            }
+        }
+        ctl.wait_outstanding(true).await?;
+        if let Some(message) = job.notification {
+            self.lanes[0].notify(ctl, message).await?;
+        }
+        Ok(())
+    }
+}
+
+impl PeerBackend for StreamPeer {
+    fn execute(self: Arc<Self>, job: Job) -> BoxFuture {
+        Box::pin(async move { self.run(job).await })
+    }
+}
+
+/// Serves one stream as a target: authenticates the initiator, then applies WRITE frames to,
+/// and answers READ frames from, the agent's registered regions, and delivers notifications.
+/// Returns when the stream ends or breaks the protocol (the connection is then dropped).
+pub(crate) async fn serve<R, W>(ctx: Arc<TargetCtx>, reader: R, mut w: W)
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut r = BufReader::with_capacity(TARGET_READ_BUFFER_BYTES, reader);
+    if let Err(e) = serve_inner(&ctx, &mut r, &mut w).await {
+        tracing::debug!(agent = %ctx.name, "stream closed: {e}");
+    }
+}
+
+async fn read_header<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<Option<Header>> {
+    let mut hb = [0u8; HEADER_BYTES];
+    match r.read_exact(&mut hb).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    Header::decode(&hb)
+        .map(Some)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
+fn invalid(msg: impl Into<String>) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, msg.into())
+}
+
+async fn serve_inner<R, W>(ctx: &TargetCtx, r: &mut BufReader<R>, w: &mut W) -> std::io::Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let Some(hello) = read_header(r).await? else {
+        return Ok(());
+    };
+    if hello.op != FrameOp::Hello || (hello.len as usize) < TOKEN_BYTES {
+        return Err(invalid(format!("expected HELLO, got {:?}", hello.op)));
+    }
+    let mut buf = vec![0u8; hello.len as usize];
+    r.read_exact(&mut buf).await?;
+    let (token, name) = buf.split_at(TOKEN_BYTES);
+    let peer_name = String::from_utf8_lossy(name).into_owned();
+    let mut ack = Header::new(FrameOp::HelloAck, hello.id, 0, 0, 0);
+    if !constant_time_eq(token, &ctx.token) {
+        ack.status = Status::AuthFailed;
+        w.write_all(&ack.encode()).await?;
+        w.flush().await?;
+        return Err(invalid(format!("{peer_name:?} presented a wrong token")));
+    }
+    w.write_all(&ack.encode()).await?;
+    w.flush().await?;
+    while let Some(h) = read_header(r).await? {
+        match h.op {
+            FrameOp::Write => {
+                let (status, region) = check_region(ctx, &h);
+                let mut ack = Header::new(FrameOp::WriteAck, h.id, h.region, h.offset, 0);
+                match region {
+                    Some(region) => {
+                        // SAFETY: `check_region` validated the range against this host
+                        // region, the Arc keeps it mapped, and the memory contract on
+                        // `RegionHandle` rules out other access to these bytes meanwhile.
+                        let dst = unsafe { region.slice_mut(h.offset, h.len as usize) };
+                        r.read_exact(dst).await?;
+                    }
+                    None => {
+                        ack.status = status;
+                        let copied = tokio::io::copy(
+                            &mut (&mut *r).take(u64::from(h.len)),
+                            &mut tokio::io::sink(),
+                        )
+                        .await?;
+                        if copied != u64::from(h.len) {
+                            return Err(invalid("stream ended inside a WRITE payload"));
+                        }
+                    }
+                }
+                w.write_all(&ack.encode()).await?;
+                w.flush().await?;
+            }
+            FrameOp::Read => {
+                let (status, region) = check_region(ctx, &h);
+                match region {
+                    Some(region) => {
+                        let reply = Header::new(FrameOp::ReadData, h.id, h.region, h.offset, h.len);
+                        w.write_all(&reply.encode()).await?;
+                        // SAFETY: as for WRITE above (read-only access).
+                        let src = unsafe { region.slice(h.offset, h.len as usize) };
+                        w.write_all(src).await?;
+                    }
+                    None => {
+                        let mut reply = Header::new(FrameOp::ReadData, h.id, h.region, h.offset, 0);
+                        reply.status = status;
+                        w.write_all(&reply.encode()).await?;
+                    }
+                }
+                w.flush().await?;
+            }
+            FrameOp::Notify => {
+                let mut message = vec![0u8; h.len as usize];
+                r.read_exact(&mut message).await?;
+                let n = Notification {
+                    from: peer_name.clone(),
+                    message,
+                };
+                // Back-pressure: a full notification queue stalls this stream only.
+                if ctx.notifications.send(n).await.is_err() {
+                    return Ok(());
+                }
+                let ack = Header::new(FrameOp::NotifyAck, h.id, 0, 0, 0);
+                w.write_all(&ack.encode()).await?;
+                w.flush().await?;
+            }
+            other => return Err(invalid(format!("unexpected {other:?} from an initiator"))),
+        }
+    }
+    Ok(())
+}
+
+fn check_region(ctx: &TargetCtx, h: &Header) -> (Status, Option<Arc<RegionMem>>) {
+    let Ok(region) = ctx.registry.get(crate::region::RegionId(h.region)) else {
+        return (Status::RegionNotFound, None);
+    };
+    if !region.kind.is_host() {
+        return (Status::UnsupportedMemory, None);
+    }
+    if crate::descriptor::check_range(0, "remote", h.offset, u64::from(h.len), region.len())
+        .is_err()
+    {
+        return (Status::OutOfBounds, None);
+    }
+    (Status::Ok, Some(region))
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
