@@ -4,6 +4,7 @@
 //! * `tiers`: the DRAM tier against memcpy and the NVMe tier against plain O_DIRECT I/O.
 //! * `lookup`: in-process longest-prefix lookup through the store's index.
 //! * `policy`: eviction policies on block-hash traces against LRU and the offline optimum.
+//! * `transfer`: the transfer library (nixlbench-style sweep) against memcpy, raw TCP and quinn.
 //!
 //! Tables go to stdout (or one JSON document with `--json`); progress goes to stderr.
 
@@ -11,6 +12,7 @@ mod hash;
 mod lookup;
 mod policy;
 mod tiers;
+mod transfer;
 mod util;
 
 use anyhow::Result;
@@ -37,6 +39,8 @@ enum Command {
     Lookup(lookup::LookupArgs),
     /// Eviction hit rates on block-hash traces against LRU and the offline optimum.
     Policy(policy::PolicyArgs),
+    /// Transfer library: block size x batch x backend x READ/WRITE against raw references.
+    Transfer(transfer::TransferArgs),
 }
 
 #[derive(Serialize)]
@@ -126,6 +130,17 @@ fn main() -> Result<()> {
                 "policy",
                 r,
                 policy::print,
+            )
+        }
+        Command::Transfer(a) => {
+            let r = transfer::run(a)?;
+            emit(
+                cli.json,
+                &command_line,
+                &machine,
+                "transfer",
+                r,
+                transfer::print,
             )
         }
     }
