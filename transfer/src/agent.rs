@@ -126,6 +126,8 @@ pub(crate) struct TargetCtx {
     pub token: [u8; TOKEN_BYTES],
     pub registry: Arc<Registry>,
     pub notifications: mpsc::Sender<Notification>,
+    /// Set when the agent shuts down (backends that bypass sockets check it).
+    pub closed: std::sync::atomic::AtomicBool,
 }
 
 pub(crate) struct AgentCore {
@@ -143,6 +145,7 @@ pub(crate) struct AgentCore {
 
 impl AgentCore {
     fn shutdown(&self) {
+        self.ctx.closed.store(true, Ordering::Release);
         if let Some((table, _)) = &self.shm {
             table.close();
         }
@@ -161,6 +164,8 @@ impl AgentCore {
         if let Some(u) = &self.ucx {
             u.shutdown();
         }
+        #[cfg(feature = "cuda")]
+        backend::cuda::withdraw(&self.ctx);
     }
 }
 
@@ -223,6 +228,7 @@ impl Agent {
             token,
             registry,
             notifications: tx,
+            closed: std::sync::atomic::AtomicBool::new(false),
         });
         let mut tasks = Vec::new();
         let shm = match table {
@@ -255,6 +261,8 @@ impl Agent {
         } else {
             None
         };
+        #[cfg(feature = "cuda")]
+        backend::cuda::announce(&ctx);
         #[cfg(feature = "ucx")]
         let ucx = if config.ucx {
             Some(backend::ucx::UcxContext::start(Arc::clone(&ctx))?)
@@ -351,6 +359,15 @@ impl Agent {
         self.finish_register(self.core.ctx.registry.register_gpu(buf)?)
     }
 
+    /// Allocates `len` bytes of pinned (page-locked) host memory and registers it (feature
+    /// `cuda`): the fast source/destination of host<->device copies. Not shareable over
+    /// shared memory (no fd); reachable over TCP, QUIC, UCX and CUDA.
+    #[cfg(feature = "cuda")]
+    pub fn alloc_pinned(&self, len: u64) -> Result<RegionHandle> {
+        let buf = backend::cuda::PinnedBuffer::alloc(len)?;
+        self.finish_register(self.core.ctx.registry.register_pinned(buf, len)?)
+    }
+
     #[allow(clippy::unnecessary_wraps)]
     fn finish_register(&self, handle: RegionHandle) -> Result<RegionHandle> {
         #[cfg(feature = "ucx")]
@@ -444,7 +461,7 @@ impl Agent {
                     }
                 },
                 #[cfg(feature = "cuda")]
-                BackendKind::Cuda => backend::cuda::connect(&meta)?,
+                BackendKind::Cuda => backend::cuda::connect(me, &meta)?,
                 #[allow(unreachable_patterns)]
                 other => {
                     return Err(TransferError::BackendUnavailable {

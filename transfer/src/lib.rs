@@ -36,3 +36,6 @@ pub use descriptor::{Descriptor, Op, merge_adjacent};
 pub use error::{ErrorKind, Result, TransferError};
 pub use region::{MemKind, RegionHandle, RegionId};
 pub use transfer::{CancelHandle, Transfer, TransferStats};
+
+#[cfg(feature = "cuda")]
+pub use backend::cuda::probe as cuda_probe;

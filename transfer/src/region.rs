@@ -71,9 +71,12 @@ pub(crate) enum Backing {
     Mapped { _map: memmap2::MmapRaw, file: File },
     /// Memory the caller owns ([`Agent::register_raw`](crate::Agent::register_raw)).
     Foreign,
-    /// Device memory owned by the CUDA backend.
+    /// Device memory owned by the CUDA backend (held only to be freed with the region).
     #[cfg(feature = "cuda")]
-    Gpu(crate::backend::cuda::DeviceBuffer),
+    Gpu(#[allow(dead_code)] crate::backend::cuda::DeviceBuffer),
+    /// Page-locked host memory from the CUDA driver (held only to be freed with the region).
+    #[cfg(feature = "cuda")]
+    Pinned(#[allow(dead_code)] crate::backend::cuda::PinnedBuffer),
 }
 
 /// The memory of one region. Shared (`Arc`) by the registry, the handle and in-flight chunks.
@@ -391,6 +394,16 @@ impl Registry {
         let ptr = buf.device_ptr() as *mut u8;
         let len = buf.len();
         self.insert(MemKind::Gpu, ptr, len, Backing::Gpu(buf))
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn register_pinned(
+        self: &Arc<Self>,
+        buf: crate::backend::cuda::PinnedBuffer,
+        len: u64,
+    ) -> Result<RegionHandle> {
+        let ptr = buf.ptr();
+        self.insert(MemKind::Dram, ptr, len, Backing::Pinned(buf))
     }
 }
 

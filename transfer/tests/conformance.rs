@@ -537,3 +537,158 @@ conformance!(tcp, BackendKind::Tcp);
 conformance!(quic, BackendKind::Quic);
 #[cfg(feature = "ucx")]
 conformance!(ucx, BackendKind::Ucx);
+
+/// CUDA (feature `cuda`). The sentinel runs everywhere: with a GPU it checks the device count,
+/// without one it checks that every GPU entry point refuses cleanly (no panic). The others run
+/// where a GPU exists and print a "no GPU" skip message elsewhere.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+
+    fn gpu_or_skip(test: &str) -> bool {
+        match kvtier_transfer::cuda_probe() {
+            Ok(_) => true,
+            Err(e) => {
+                eprintln!("no GPU: skipping cuda::{test} ({e})");
+                false
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sentinel_probe_is_clean() {
+        bounded(async {
+            let a = Agent::new("a", config()).await.unwrap();
+            match kvtier_transfer::cuda_probe() {
+                Ok(n) => {
+                    assert!(n > 0);
+                    let g = a.alloc_gpu(0, 4096).unwrap();
+                    assert_eq!(g.kind(), kvtier_transfer::MemKind::Gpu);
+                }
+                Err(e) => {
+                    assert_eq!(e.kind(), ErrorKind::BackendUnavailable, "{e}");
+                    assert!(e.to_string().contains("no GPU") || e.to_string().contains("CUDA"));
+                    let e = a.alloc_gpu(0, 4096).unwrap_err();
+                    assert_eq!(e.kind(), ErrorKind::BackendUnavailable);
+                    let e = a.alloc_pinned(4096).unwrap_err();
+                    assert_eq!(e.kind(), ErrorKind::BackendUnavailable);
+                    let b = Agent::new("b", config()).await.unwrap();
+                    let e = a
+                        .connect(&b.metadata().unwrap(), BackendKind::Cuda)
+                        .await
+                        .unwrap_err();
+                    assert_eq!(e.kind(), ErrorKind::BackendUnavailable);
+                    eprintln!("no GPU: CUDA conformance tests skip ({e})");
+                }
+            }
+        })
+        .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn host_device_and_device_device_byte_for_byte() {
+        if !gpu_or_skip("host_device_and_device_device_byte_for_byte") {
+            return;
+        }
+        bounded(async {
+            let a = Agent::new("a", config()).await.unwrap();
+            let b = Agent::new("b", config()).await.unwrap();
+            let pinned = a.alloc_pinned(REGION_BYTES).unwrap();
+            let pageable = a.alloc_dram(REGION_BYTES).unwrap();
+            let gpu_a = a.alloc_gpu(0, REGION_BYTES).unwrap();
+            let gpu_b = b.alloc_gpu(0, REGION_BYTES).unwrap();
+            let to_b = a
+                .connect(&b.metadata().unwrap(), BackendKind::Cuda)
+                .await
+                .unwrap();
+            let to_a = a
+                .connect(&a.metadata().unwrap(), BackendKind::Cuda)
+                .await
+                .unwrap();
+            let src = fill(&pinned, 31);
+            let mut model = vec![0u8; REGION_BYTES as usize];
+            let mut rng = Rng(77);
+            // Random host->device writes, then the whole device region read back.
+            for _ in 0..32 {
+                let len = 1 + rng.below(200 << 10);
+                let lo = rng.below(REGION_BYTES - len + 1);
+                let ro = rng.below(REGION_BYTES - len + 1);
+                to_b.write(&[Descriptor::new(pinned.id(), lo, gpu_b.id(), ro, len)])
+                    .unwrap()
+                    .await
+                    .unwrap();
+                model[ro as usize..(ro + len) as usize]
+                    .copy_from_slice(&src[lo as usize..(lo + len) as usize]);
+            }
+            let all = Descriptor::new(pageable.id(), 0, gpu_b.id(), 0, REGION_BYTES);
+            to_b.read(&[all]).unwrap().await.unwrap();
+            assert!(contents(&pageable) == model, "host->device->host differs");
+            // Device to device: gpu_b -> gpu_a (a READ from b into a's GPU), then back to host.
+            to_b.read(&[Descriptor::new(gpu_a.id(), 0, gpu_b.id(), 0, REGION_BYTES)])
+                .unwrap()
+                .await
+                .unwrap();
+            let back = a.alloc_dram(REGION_BYTES).unwrap();
+            to_a.read(&[Descriptor::new(back.id(), 0, gpu_a.id(), 0, REGION_BYTES)])
+                .unwrap()
+                .await
+                .unwrap();
+            assert!(contents(&back) == model, "device->device differs");
+            // Notification after the data.
+            to_b.post(
+                Op::Write,
+                &[Descriptor::new(pinned.id(), 0, gpu_b.id(), 0, 4096)],
+                Some(b"gpu".to_vec()),
+            )
+            .unwrap()
+            .await
+            .unwrap();
+            assert_eq!(b.recv_notification().await.unwrap().message, b"gpu");
+            // Deregistered target region, then a vanished target.
+            let gpu_b_id = gpu_b.id();
+            drop(gpu_b);
+            let e = to_b
+                .write(&[Descriptor::new(pinned.id(), 0, gpu_b_id, 0, 4096)])
+                .unwrap()
+                .await
+                .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::RegionNotFound, "{e}");
+            drop(b);
+            let e = to_b
+                .write(&[Descriptor::new(pinned.id(), 0, gpu_b_id, 0, 4096)])
+                .unwrap()
+                .await
+                .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Disconnected, "{e}");
+        })
+        .await
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn cancellation_before_the_copy() {
+        if !gpu_or_skip("cancellation_before_the_copy") {
+            return;
+        }
+        bounded(async {
+            let a = Agent::new("a", config()).await.unwrap();
+            let b = Agent::new("b", config()).await.unwrap();
+            let host = a.alloc_pinned(REGION_BYTES).unwrap();
+            let gpu = b.alloc_gpu(0, REGION_BYTES).unwrap();
+            let peer = a
+                .connect(&b.metadata().unwrap(), BackendKind::Cuda)
+                .await
+                .unwrap();
+            let t = peer
+                .post(
+                    Op::Write,
+                    &[Descriptor::new(host.id(), 0, gpu.id(), 0, REGION_BYTES)],
+                    Some(b"never".to_vec()),
+                )
+                .unwrap();
+            t.cancel();
+            assert_eq!(t.await.unwrap_err().kind(), ErrorKind::Cancelled);
+            assert!(b.try_recv_notification().is_none());
+        })
+        .await
+    }
+}

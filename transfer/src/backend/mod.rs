@@ -13,7 +13,7 @@ use crate::error::{Result, TransferError};
 use crate::region::RegionMem;
 
 #[cfg(feature = "cuda")]
-pub(crate) mod cuda;
+pub mod cuda;
 pub mod frame;
 pub mod quic;
 pub(crate) mod shm;
