@@ -64,6 +64,9 @@ pub struct AgentConfig {
     pub token: Option<[u8; TOKEN_BYTES]>,
     /// Notifications queued before senders wait. Default: 1024.
     pub notification_queue: usize,
+    /// UCX transports (UCX's `TLS` setting, e.g. `"tcp"` or `"sm,self"`); ignored without
+    /// feature `ucx`. Default: `None` (UCX's own choice, or the `UCX_TLS` environment).
+    pub ucx_transports: Option<String>,
 }
 
 impl Default for AgentConfig {
@@ -81,6 +84,7 @@ impl Default for AgentConfig {
             connect_timeout: Duration::from_secs(5),
             token: None,
             notification_queue: 1024,
+            ucx_transports: None,
         }
     }
 }
@@ -265,7 +269,10 @@ impl Agent {
         backend::cuda::announce(&ctx);
         #[cfg(feature = "ucx")]
         let ucx = if config.ucx {
-            Some(backend::ucx::UcxContext::start(Arc::clone(&ctx))?)
+            Some(backend::ucx::UcxContext::start(
+                Arc::clone(&ctx),
+                config.ucx_transports.as_deref(),
+            )?)
         } else {
             None
         };
@@ -452,7 +459,7 @@ impl Agent {
                 }
                 #[cfg(feature = "ucx")]
                 BackendKind::Ucx => match &core.ucx {
-                    Some(u) => u.connect(&meta)?,
+                    Some(u) => u.connect(&meta, cfg.chunk_bytes).await?,
                     None => {
                         return Err(TransferError::BackendUnavailable {
                             backend: "ucx",

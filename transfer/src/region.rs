@@ -85,12 +85,13 @@ pub(crate) struct RegionMem {
     pub(crate) kind: MemKind,
     ptr: *mut u8,
     len: u64,
+    /// Per-backend registration state (UCX memory handle). Declared before `backing` so it
+    /// is released before the memory is unmapped (fields drop in order).
+    #[cfg(feature = "ucx")]
+    pub(crate) ucx: std::sync::OnceLock<crate::backend::ucx::UcxRegion>,
     pub(crate) backing: Backing,
     /// Slot in the agent's shared-memory region table, when a same-host peer can reach it.
     pub(crate) shm_slot: Option<u32>,
-    /// Per-backend registration state (UCX memory handle), released with the memory.
-    #[cfg(feature = "ucx")]
-    pub(crate) ucx: std::sync::OnceLock<crate::backend::ucx::UcxRegion>,
 }
 
 // SAFETY: `ptr` points into memory owned by `backing` (or, for foreign memory, memory the
@@ -318,10 +319,10 @@ impl Registry {
             kind,
             ptr,
             len,
-            backing,
-            shm_slot,
             #[cfg(feature = "ucx")]
             ucx: std::sync::OnceLock::new(),
+            backing,
+            shm_slot,
         });
         self.regions
             .write()

@@ -23,6 +23,9 @@ pub(crate) enum FrameOp {
     ReadData = 6,
     Notify = 7,
     NotifyAck = 8,
+    /// Is region `region` still registered? (UCX's liveness check after RMA.)
+    Check = 9,
+    CheckAck = 10,
 }
 
 impl FrameOp {
@@ -36,6 +39,8 @@ impl FrameOp {
             6 => Self::ReadData,
             7 => Self::Notify,
             8 => Self::NotifyAck,
+            9 => Self::Check,
+            10 => Self::CheckAck,
             _ => return None,
         })
     }
@@ -48,7 +53,7 @@ impl FrameOp {
             Self::Notify => MAX_NOTIFICATION_BYTES as u32,
             // READ's `len` is the requested length, not a payload (checked as a chunk).
             Self::Read => MAX_CHUNK_BYTES,
-            Self::HelloAck | Self::WriteAck | Self::NotifyAck => 0,
+            Self::HelloAck | Self::WriteAck | Self::NotifyAck | Self::Check | Self::CheckAck => 0,
         }
     }
 }

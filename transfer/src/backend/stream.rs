@@ -60,6 +60,8 @@ pub(crate) struct Lane {
     table: Mutex<PendingTable>,
     next_id: AtomicU64,
     tasks: Mutex<Vec<AbortHandle>>,
+    /// Woken when the lane fails.
+    died: tokio::sync::Notify,
 }
 
 impl Lane {
@@ -116,6 +118,7 @@ impl Lane {
             }),
             next_id: AtomicU64::new(1),
             tasks: Mutex::new(Vec::new()),
+            died: tokio::sync::Notify::new(),
         });
         let w = tokio::spawn(write_loop(Arc::clone(&lane), rx, writer));
         let r = tokio::spawn(read_loop(Arc::clone(&lane), reader));
@@ -146,6 +149,21 @@ impl Lane {
         };
         for p in drained {
             p.ctl.fail(err.duplicate());
+        }
+        self.died.notify_waiters();
+    }
+
+    /// Resolves when the lane has failed, with the reason.
+    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+    pub(crate) async fn dead(&self) -> TransferError {
+        loop {
+            let notified = self.died.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(reason) = self.dead_reason() {
+                return TransferError::disconnected(&self.peer, reason);
+            }
+            notified.await;
         }
     }
 
@@ -212,6 +230,18 @@ impl Lane {
         )
         .await?;
         ctl.wait_outstanding(false).await
+    }
+}
+
+impl Lane {
+    /// Asks the peer whether `region` is still registered (`RegionNotFound` if not).
+    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+    pub(crate) async fn check_region(&self, ctl: &Arc<TransferCtl>, region: u64) -> Result<()> {
+        ctl.check()?;
+        let header = Header::new(FrameOp::Check, 0, region, 0, 0);
+        self.post(ctl, header, Payload::None, FrameOp::CheckAck, None)
+            .await?;
+        ctl.wait_outstanding(true).await
     }
 }
 
@@ -561,6 +591,14 @@ where
                     return Ok(());
                 }
                 let ack = Header::new(FrameOp::NotifyAck, h.id, 0, 0, 0);
+                w.write_all(&ack.encode()).await?;
+                w.flush().await?;
+            }
+            FrameOp::Check => {
+                let mut ack = Header::new(FrameOp::CheckAck, h.id, h.region, 0, 0);
+                if ctx.registry.get(crate::region::RegionId(h.region)).is_err() {
+                    ack.status = Status::RegionNotFound;
+                }
                 w.write_all(&ack.encode()).await?;
                 w.flush().await?;
             }

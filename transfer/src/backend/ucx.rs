@@ -1,1 +1,709 @@
+//! UCX (feature `ucx`): one-sided RMA (`ucp_put_nbx` / `ucp_get_nbx`, then `ucp_ep_flush_nbx`)
+//! over whatever transports UCX selects (here: tcp, sysv/posix shared memory, cma; RDMA where
+//! present), with a TCP control lane of the stream protocol for what RMA cannot do: the
+//! region-liveness check after the data and the notification.
+//!
+//! * Each agent owns a UCP context and one worker, driven by a progress thread. All calls on
+//!   the worker happen under one mutex (worker thread mode SERIALIZED). Completion callbacks
+//!   run inside `ucp_worker_progress` on the progress thread; they only record (request id,
+//!   status) in a thread-local list, which the progress thread then resolves against the
+//!   pending table (each entry keeps the local region's memory alive until UCX is done).
+//! * Registration maps every host region with `ucp_mem_map` and packs its remote key into the
+//!   metadata blob. **Because a remote put cannot be fenced one-sidedly, a region registered
+//!   while UCX is on stays mapped (parked) until the agent shuts down**, even after its handle
+//!   is dropped: a late put from a peer lands in memory that is still ours, never in freed
+//!   memory. Deregistration still takes effect for transfers: after the data, the initiator
+//!   asks the target (CHECK over the control lane) whether every remote region it touched is
+//!   still registered, and reports `RegionNotFound` if not (region ids are never reused, so
+//!   "registered after the data landed" means "registered while it landed").
+//! * Peer death: the endpoint's error handler (error mode PEER), failed requests, and the
+//!   control lane's EOF all give `Disconnected`.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use kvtier_ucx_sys as sys;
+
+use super::stream::Lane;
+use super::{BoxFuture, Job, PeerBackend, TransferCtl};
+use crate::agent::TargetCtx;
+use crate::descriptor::Op;
+use crate::error::{Result, TransferError};
+use crate::metadata::AgentMetadata;
+use crate::region::RegionMem;
+
+fn status_text(status: sys::ucs_status_t) -> String {
+    // SAFETY: ucs_status_string returns a static NUL-terminated string for any status.
+    unsafe { CStr::from_ptr(sys::ucs_status_string(status)) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn unavailable(what: &str, status: sys::ucs_status_t) -> TransferError {
+    TransferError::BackendUnavailable {
+        backend: "ucx",
+        reason: format!("{what}: {}", status_text(status)),
+    }
+}
+
+fn ok(status: sys::ucs_status_t) -> bool {
+    status == sys::UCS_OK as sys::ucs_status_t
+}
+
+/// The UCP context; cleaned up when the last worker and region mapping are gone.
+struct Shared {
+    context: sys::ucp_context_h,
+}
+
+// SAFETY: a UCP context created with `mt_workers_shared` may be used from any thread; we
+// only call ucp_mem_map/unmap/rkey_pack on it (thread-safe in that mode) and ucp_cleanup once.
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // SAFETY: every worker and memory mapping holds an Arc<Shared>, so none is left.
+        unsafe { sys::ucp_cleanup(self.context) };
+    }
+}
+
+/// A region's UCX mapping and packed remote key.
+pub(crate) struct UcxRegion {
+    memh: sys::ucp_mem_h,
+    pub(crate) rkey: Vec<u8>,
+    shared: Arc<Shared>,
+}
+
+// SAFETY: the memory handle is only passed back to ucp_mem_unmap, once, in Drop.
+unsafe impl Send for UcxRegion {}
+// SAFETY: as above.
+unsafe impl Sync for UcxRegion {}
+
+impl Drop for UcxRegion {
+    fn drop(&mut self) {
+        // SAFETY: `memh` came from ucp_mem_map on this context, which `shared` keeps alive.
+        unsafe { sys::ucp_mem_unmap(self.shared.context, self.memh) };
+    }
+}
+
+struct PendingOp {
+    ctl: Arc<TransferCtl>,
+    peer: String,
+    /// Keeps the local memory mapped until UCX has finished with it.
+    _keep: Option<Arc<RegionMem>>,
+}
+
+struct WorkerState {
+    handle: sys::ucp_worker_h,
+    running: bool,
+    next_id: usize,
+    pending: HashMap<usize, PendingOp>,
+}
+
+/// One UCP worker, shared by the agent's progress thread and its peers.
+struct Worker {
+    state: Mutex<WorkerState>,
+    _shared: Arc<Shared>,
+}
+
+// SAFETY: the worker handle is only used under `state`'s mutex (thread mode SERIALIZED).
+unsafe impl Send for Worker {}
+// SAFETY: as above.
+unsafe impl Sync for Worker {}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the last user of the worker is gone (peers hold Arcs and close their
+        // endpoints first); pending entries (and the memory they keep) drop after this.
+        unsafe { sys::ucp_worker_destroy(st.handle) };
+    }
+}
+
+thread_local! {
+    static COMPLETIONS: RefCell<Vec<(usize, sys::ucs_status_t)>> = const { RefCell::new(Vec::new()) };
+}
+
+unsafe extern "C" fn send_cb(
+    request: *mut c_void,
+    status: sys::ucs_status_t,
+    user_data: *mut c_void,
+) {
+    COMPLETIONS.with(|c| c.borrow_mut().push((user_data as usize, status)));
+    // SAFETY: `request` is the request this callback completes; freeing it here is allowed.
+    unsafe { sys::ucp_request_free(request) };
+}
+
+/// One `ucp_worker_progress` call, then the completions its callbacks recorded resolved
+/// against the pending table. The caller holds the worker's mutex.
+fn progress_once(st: &mut WorkerState) -> u32 {
+    // SAFETY: the worker handle is live for as long as the state exists, and the caller
+    // holds the mutex (thread mode SERIALIZED).
+    let n = unsafe { sys::ucp_worker_progress(st.handle) };
+    let done = COMPLETIONS.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    for (id, status) in done {
+        if let Some(op) = st.pending.remove(&id) {
+            if ok(status) {
+                op.ctl.complete_one();
+            } else {
+                op.ctl.fail(TransferError::disconnected(
+                    &op.peer,
+                    format!("UCX operation failed: {}", status_text(status)),
+                ));
+            }
+        }
+    }
+    n
+}
+
+/// Deadline for driving an endpoint's close to completion.
+const EP_CLOSE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+
+impl Worker {
+    fn progress_loop(self: Arc<Self>, stop: Arc<AtomicBool>) {
+        let mut idle = 0u32;
+        while !stop.load(Ordering::Acquire) {
+            let n = {
+                let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                if !st.running {
+                    break;
+                }
+                progress_once(&mut st)
+            };
+            if n > 0 {
+                idle = 0;
+            } else {
+                idle += 1;
+                if idle < 64 {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                }
+            }
+        }
+    }
+
+    /// Resolves a status pointer returned by a non-blocking call: immediate completion,
+    /// immediate error, or a request tracked as pending for `ctl`.
+    fn track(
+        st: &mut WorkerState,
+        id: usize,
+        ptr: sys::ucs_status_ptr_t,
+        ctl: &Arc<TransferCtl>,
+        peer: &str,
+        keep: Option<Arc<RegionMem>>,
+    ) -> Result<()> {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        if sys::ucs_ptr_is_err(ptr) {
+            return Err(TransferError::disconnected(
+                peer,
+                format!("UCX: {}", status_text(sys::ucs_ptr_status(ptr))),
+            ));
+        }
+        ctl.add_outstanding(1);
+        st.pending.insert(
+            id,
+            PendingOp {
+                ctl: Arc::clone(ctl),
+                peer: peer.to_owned(),
+                _keep: keep,
+            },
+        );
+        Ok(())
+    }
+}
+
+/// An agent's UCX side.
+pub(crate) struct UcxContext {
+    shared: Arc<Shared>,
+    worker: Arc<Worker>,
+    address: Vec<u8>,
+    stop: Arc<AtomicBool>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    parked: Mutex<Vec<Arc<RegionMem>>>,
+    me: String,
+    /// Set once an endpoint could not be created with peer-failure detection (shared-memory
+    /// transports), so later endpoints skip the attempt (and UCX's error message).
+    no_peer_failure_mode: AtomicBool,
+}
+
+impl UcxContext {
+    /// Creates the context and worker (restricted to `transports`, UCX's `TLS` setting, when
+    /// given) and starts the progress thread.
+    pub(crate) fn start(ctx: Arc<TargetCtx>, transports: Option<&str>) -> Result<Arc<Self>> {
+        // SAFETY: plain UCP initialisation per ucp.h; every out-pointer is a local, every
+        // handle is released on the error paths or owned by the returned value.
+        unsafe {
+            let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();
+            let s = sys::ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config);
+            if !ok(s) {
+                return Err(unavailable("ucp_config_read", s));
+            }
+            if let Some(tls) = transports {
+                let name = CString::from(c"TLS");
+                let value = CString::new(tls).map_err(|_| TransferError::Config {
+                    reason: "UCX transports hold a NUL byte".into(),
+                })?;
+                let s = sys::ucp_config_modify(config, name.as_ptr(), value.as_ptr());
+                if !ok(s) {
+                    sys::ucp_config_release(config);
+                    return Err(unavailable("ucp_config_modify TLS", s));
+                }
+            }
+            let mut params: sys::ucp_params_t = std::mem::zeroed();
+            params.field_mask =
+                (sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED) as u64;
+            params.features = sys::UCP_FEATURE_RMA as u64;
+            params.mt_workers_shared = 1;
+            let mut context: sys::ucp_context_h = std::ptr::null_mut();
+            let s = sys::ucp_init(&params, config, &mut context);
+            sys::ucp_config_release(config);
+            if !ok(s) {
+                return Err(unavailable("ucp_init", s));
+            }
+            let shared = Arc::new(Shared { context });
+            let mut wp: sys::ucp_worker_params_t = std::mem::zeroed();
+            wp.field_mask = sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64;
+            wp.thread_mode = sys::UCS_THREAD_MODE_SERIALIZED;
+            let mut handle: sys::ucp_worker_h = std::ptr::null_mut();
+            let s = sys::ucp_worker_create(context, &wp, &mut handle);
+            if !ok(s) {
+                return Err(unavailable("ucp_worker_create", s));
+            }
+            let worker = Arc::new(Worker {
+                state: Mutex::new(WorkerState {
+                    handle,
+                    running: true,
+                    next_id: 1,
+                    pending: HashMap::new(),
+                }),
+                _shared: Arc::clone(&shared),
+            });
+            let mut addr: *mut sys::ucp_address_t = std::ptr::null_mut();
+            let mut len = 0usize;
+            let s = sys::ucp_worker_get_address(handle, &mut addr, &mut len);
+            if !ok(s) {
+                return Err(unavailable("ucp_worker_get_address", s));
+            }
+            let address = std::slice::from_raw_parts(addr as *const u8, len).to_vec();
+            sys::ucp_worker_release_address(handle, addr);
+            let stop = Arc::new(AtomicBool::new(false));
+            let (w, st) = (Arc::clone(&worker), Arc::clone(&stop));
+            let thread = std::thread::Builder::new()
+                .name(format!("kvtier-ucx-{}", ctx.name))
+                .spawn(move || w.progress_loop(st))
+                .map_err(|e| TransferError::io("spawning the UCX progress thread", e))?;
+            Ok(Arc::new(Self {
+                shared,
+                worker,
+                address,
+                stop,
+                thread: Mutex::new(Some(thread)),
+                parked: Mutex::new(Vec::new()),
+                me: ctx.name.clone(),
+                no_peer_failure_mode: AtomicBool::new(false),
+            }))
+        }
+    }
+
+    pub(crate) fn worker_address(&self) -> &[u8] {
+        &self.address
+    }
+
+    /// Maps a host region with UCX and packs its remote key; the region is parked (see the
+    /// module docs).
+    pub(crate) fn register(&self, region: &Arc<RegionMem>) -> Result<()> {
+        if !region.kind.is_host() {
+            return Ok(());
+        }
+        // SAFETY: the region's memory is mapped for `len` bytes and stays so while the
+        // mapping exists (the mapping lives inside the region, and the region is parked).
+        unsafe {
+            let mut mp: sys::ucp_mem_map_params_t = std::mem::zeroed();
+            mp.field_mask =
+                (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH) as u64;
+            mp.address = region.ptr().cast();
+            mp.length = region.len() as usize;
+            let mut memh: sys::ucp_mem_h = std::ptr::null_mut();
+            let s = sys::ucp_mem_map(self.shared.context, &mp, &mut memh);
+            if !ok(s) {
+                return Err(unavailable("ucp_mem_map", s));
+            }
+            let mut buf: *mut c_void = std::ptr::null_mut();
+            let mut size = 0usize;
+            let s = sys::ucp_rkey_pack(self.shared.context, memh, &mut buf, &mut size);
+            if !ok(s) {
+                sys::ucp_mem_unmap(self.shared.context, memh);
+                return Err(unavailable("ucp_rkey_pack", s));
+            }
+            let rkey = std::slice::from_raw_parts(buf as *const u8, size).to_vec();
+            sys::ucp_rkey_buffer_release(buf);
+            let _ = region.ucx.set(UcxRegion {
+                memh,
+                rkey,
+                shared: Arc::clone(&self.shared),
+            });
+        }
+        self.parked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Arc::clone(region));
+        Ok(())
+    }
+
+    /// Stops the progress thread and fails every pending operation.
+    pub(crate) fn shutdown(&self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
+        let drained: Vec<PendingOp> = {
+            let mut st = self.worker.state.lock().unwrap_or_else(|p| p.into_inner());
+            st.running = false;
+            st.pending.drain().map(|(_, p)| p).collect()
+        };
+        for op in drained {
+            op.ctl.fail(TransferError::disconnected(
+                &op.peer,
+                "the local agent shut down",
+            ));
+        }
+        // Parked regions are released when the worker and the peers are gone.
+    }
+
+    /// Connects to a peer: an endpoint to its worker, its remote keys unpacked, and a TCP
+    /// control lane.
+    pub(crate) async fn connect(
+        &self,
+        meta: &AgentMetadata,
+        chunk_bytes: u64,
+    ) -> Result<Arc<UcxPeer>> {
+        let address = meta
+            .ucx
+            .as_ref()
+            .ok_or_else(|| TransferError::BackendUnavailable {
+                backend: "ucx",
+                reason: format!("agent {} does not offer UCX", meta.name),
+            })?;
+        let tcp = meta
+            .tcp
+            .as_deref()
+            .ok_or_else(|| TransferError::BackendUnavailable {
+                backend: "ucx",
+                reason: format!("agent {} offers no TCP control channel", meta.name),
+            })?;
+        let tcp = crate::metadata::parse_addr("tcp", tcp)?;
+        let sock = tokio::net::TcpStream::connect(tcp).await.map_err(|e| {
+            TransferError::disconnected(&meta.name, format!("control connect to {tcp}: {e}"))
+        })?;
+        sock.set_nodelay(true)
+            .map_err(|e| TransferError::io("TCP_NODELAY", e))?;
+        let (r, w) = sock.into_split();
+        let control = Lane::start(&meta.name, &self.me, &meta.token, r, w).await?;
+        let dead = Arc::new(AtomicBool::new(false));
+        let (ep, rkeys) = {
+            let mut st = self.worker.state.lock().unwrap_or_else(|p| p.into_inner());
+            if !st.running {
+                return Err(TransferError::disconnected(
+                    &meta.name,
+                    "the local agent shut down",
+                ));
+            }
+            // SAFETY: the worker is live and used under the mutex; `address` is the peer's
+            // worker address as UCX packed it (UCX validates it); the error-handler argument
+            // is a leaked Arc reclaimed in UcxPeer's Drop after the endpoint is closed.
+            unsafe {
+                let err_arg = Arc::into_raw(Arc::clone(&dead)) as *mut c_void;
+                let mut ep: sys::ucp_ep_h = std::ptr::null_mut();
+                // Peer-failure detection where the transports support it; UCX's shared-memory
+                // transports do not, and there the control lane's EOF reports a dead peer.
+                let mut s = sys::UCS_ERR_UNREACHABLE as sys::ucs_status_t;
+                let skip_handler = self.no_peer_failure_mode.load(Ordering::Relaxed);
+                for with_handler in [true, false] {
+                    if with_handler && skip_handler {
+                        continue;
+                    }
+                    let mut ep_params: sys::ucp_ep_params_t = std::mem::zeroed();
+                    ep_params.field_mask = sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS as u64;
+                    ep_params.address = address.as_ptr().cast();
+                    if with_handler {
+                        ep_params.field_mask |= (sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                            | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER)
+                            as u64;
+                        ep_params.err_mode = sys::UCP_ERR_HANDLING_MODE_PEER;
+                        ep_params.err_handler.cb = Some(ep_error);
+                        ep_params.err_handler.arg = err_arg;
+                    }
+                    s = sys::ucp_ep_create(st.handle, &ep_params, &mut ep);
+                    if ok(s) {
+                        break;
+                    }
+                    if with_handler {
+                        self.no_peer_failure_mode.store(true, Ordering::Relaxed);
+                    }
+                }
+                if !ok(s) {
+                    drop(Arc::from_raw(err_arg as *const AtomicBool));
+                    return Err(TransferError::disconnected(
+                        &meta.name,
+                        format!("ucp_ep_create: {}", status_text(s)),
+                    ));
+                }
+                let mut rkeys = HashMap::new();
+                for r in &meta.regions {
+                    if let Some(k) = &r.ucx_rkey {
+                        let mut rkey: sys::ucp_rkey_h = std::ptr::null_mut();
+                        let s = sys::ucp_ep_rkey_unpack(ep, k.as_ptr().cast(), &mut rkey);
+                        if !ok(s) {
+                            for (_, (rk, _)) in rkeys.drain() {
+                                sys::ucp_rkey_destroy(rk);
+                            }
+                            close_ep(&mut st, ep);
+                            drop(Arc::from_raw(err_arg as *const AtomicBool));
+                            return Err(TransferError::Metadata {
+                                reason: format!(
+                                    "region {}: bad UCX remote key: {}",
+                                    r.id,
+                                    status_text(s)
+                                ),
+                            });
+                        }
+                        rkeys.insert(r.id, (rkey, r.addr));
+                    }
+                }
+                (Ep { ep, err_arg }, rkeys)
+            }
+        };
+        Ok(Arc::new(UcxPeer {
+            peer: meta.name.clone(),
+            worker: Arc::clone(&self.worker),
+            ep,
+            rkeys,
+            dead,
+            control,
+            chunk_bytes,
+        }))
+    }
+}
+
+impl Drop for UcxContext {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+unsafe extern "C" fn ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, _status: sys::ucs_status_t) {
+    // SAFETY: `arg` is the Arc<AtomicBool> leaked in `connect`, alive until the peer drops
+    // (after its endpoint is closed, so no callback runs later).
+    let dead = unsafe { &*(arg as *const AtomicBool) };
+    dead.store(true, Ordering::Release);
+}
+
+/// Closes an endpoint in force mode (outstanding requests complete as cancelled) and drives
+/// the worker until the close completes (bounded by [`EP_CLOSE_DEADLINE`]).
+///
+/// # Safety
+/// `st`'s worker must be live and its mutex held by the caller; `ep` an endpoint of it, not
+/// used again.
+unsafe fn close_ep(st: &mut WorkerState, ep: sys::ucp_ep_h) {
+    // SAFETY: per the function contract.
+    unsafe {
+        let mut p: sys::ucp_request_param_t = std::mem::zeroed();
+        p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+        p.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        let req = sys::ucp_ep_close_nbx(ep, &p);
+        if sys::ucs_ptr_is_ptr(req) {
+            let start = std::time::Instant::now();
+            while sys::ucp_request_check_status(req) == sys::UCS_INPROGRESS as sys::ucs_status_t
+                && start.elapsed() < EP_CLOSE_DEADLINE
+            {
+                progress_once(st);
+            }
+            sys::ucp_request_free(req);
+        }
+        progress_once(st);
+    }
+}
+
+struct Ep {
+    ep: sys::ucp_ep_h,
+    err_arg: *mut c_void,
+}
+
+/// A peer reached by UCX RMA.
+pub(crate) struct UcxPeer {
+    peer: String,
+    worker: Arc<Worker>,
+    ep: Ep,
+    /// Region id -> (unpacked remote key, remote base address).
+    rkeys: HashMap<u64, (sys::ucp_rkey_h, u64)>,
+    dead: Arc<AtomicBool>,
+    control: Arc<Lane>,
+    chunk_bytes: u64,
+}
+
+// SAFETY: the endpoint and remote keys are only used under the worker's mutex.
+unsafe impl Send for UcxPeer {}
+// SAFETY: as above.
+unsafe impl Sync for UcxPeer {}
+
+impl Drop for UcxPeer {
+    fn drop(&mut self) {
+        let mut st = self.worker.state.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the keys and endpoint belong to this worker (alive: we hold an Arc) and are
+        // not used again; the error-handler Arc is reclaimed after the endpoint is closed.
+        unsafe {
+            for (_, (rk, _)) in self.rkeys.drain() {
+                sys::ucp_rkey_destroy(rk);
+            }
+            close_ep(&mut st, self.ep.ep);
+            drop(Arc::from_raw(self.ep.err_arg as *const AtomicBool));
+        }
+    }
+}
+
+impl UcxPeer {
+    fn check_alive(&self) -> Result<()> {
+        if self.dead.load(Ordering::Acquire) {
+            return Err(TransferError::disconnected(
+                &self.peer,
+                "UCX endpoint failed",
+            ));
+        }
+        if let Some(reason) = self.control.dead_reason() {
+            return Err(TransferError::disconnected(&self.peer, reason));
+        }
+        Ok(())
+    }
+
+    /// Posts one RMA chunk (the arguments are the chunk's two sides, kept flat on purpose).
+    #[allow(clippy::too_many_arguments)]
+    fn post(
+        &self,
+        op: Op,
+        ctl: &Arc<TransferCtl>,
+        local: &Arc<RegionMem>,
+        local_off: u64,
+        rkey: sys::ucp_rkey_h,
+        remote_addr: u64,
+        len: u64,
+    ) -> Result<()> {
+        let mut st = self.worker.state.lock().unwrap_or_else(|p| p.into_inner());
+        if !st.running {
+            return Err(TransferError::disconnected(
+                &self.peer,
+                "the local agent shut down",
+            ));
+        }
+        let id = st.next_id;
+        st.next_id += 1;
+        // SAFETY: the worker is live and locked; the local range was validated against the
+        // region (kept alive by the pending entry until UCX completes); the remote address
+        // and key come from the peer's blob and were validated against its region lengths.
+        let ptr = unsafe {
+            let mut p: sys::ucp_request_param_t = std::mem::zeroed();
+            p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
+            p.cb.send = Some(send_cb);
+            p.user_data = id as *mut c_void;
+            let buf = local.ptr().add(local_off as usize);
+            match op {
+                Op::Write => {
+                    sys::ucp_put_nbx(self.ep.ep, buf.cast(), len as usize, remote_addr, rkey, &p)
+                }
+                Op::Read => {
+                    sys::ucp_get_nbx(self.ep.ep, buf.cast(), len as usize, remote_addr, rkey, &p)
+                }
+            }
+        };
+        Worker::track(&mut st, id, ptr, ctl, &self.peer, Some(Arc::clone(local)))
+    }
+
+    fn flush(&self, ctl: &Arc<TransferCtl>) -> Result<()> {
+        let mut st = self.worker.state.lock().unwrap_or_else(|p| p.into_inner());
+        if !st.running {
+            return Err(TransferError::disconnected(
+                &self.peer,
+                "the local agent shut down",
+            ));
+        }
+        let id = st.next_id;
+        st.next_id += 1;
+        // SAFETY: the worker is live and locked; the endpoint is ours.
+        let ptr = unsafe {
+            let mut p: sys::ucp_request_param_t = std::mem::zeroed();
+            p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
+            p.cb.send = Some(send_cb);
+            p.user_data = id as *mut c_void;
+            sys::ucp_ep_flush_nbx(self.ep.ep, &p)
+        };
+        Worker::track(&mut st, id, ptr, ctl, &self.peer, None)
+    }
+
+    async fn run(&self, job: Job) -> Result<()> {
+        let ctl = &job.ctl;
+        let control = &self.control;
+        let mut regions: Vec<u64> = Vec::new();
+        for seg in &job.segments {
+            if !seg.local.kind.is_host() {
+                return Err(TransferError::BackendUnavailable {
+                    backend: "ucx",
+                    reason: format!("local region {} is not host memory", seg.local.id),
+                });
+            }
+            let (rkey, base) =
+                *self
+                    .rkeys
+                    .get(&seg.remote)
+                    .ok_or_else(|| TransferError::BackendUnavailable {
+                        backend: "ucx",
+                        reason: format!("region {} of {} has no UCX key", seg.remote, self.peer),
+                    })?;
+            if !regions.contains(&seg.remote) {
+                regions.push(seg.remote);
+            }
+            let mut done = 0u64;
+            while done < seg.len {
+                ctl.check()?;
+                self.check_alive()?;
+                let n = (seg.len - done).min(self.chunk_bytes);
+                self.post(
+                    job.op,
+                    ctl,
+                    &seg.local,
+                    seg.local_offset + done,
+                    rkey,
+                    base + seg.remote_offset + done,
+                    n,
+                )?;
+                done += n;
+            }
+        }
+        self.flush(ctl)?;
+        // Transports without peer-failure detection (shared memory) may never complete a
+        // request to a dead peer: the control lane's death ends the wait.
+        tokio::select! {
+            r = ctl.wait_outstanding(true) => r?,
+            e = control.dead() => return Err(e),
+        }
+        self.check_alive()?;
+        for region in regions {
+            control.check_region(ctl, region).await?;
+        }
+        if let Some(message) = job.notification {
+            control.notify(ctl, message).await?;
+        }
+        Ok(())
+    }
+}
+
+impl PeerBackend for UcxPeer {
+    fn execute(self: Arc<Self>, job: Job) -> BoxFuture {
+        Box::pin(async move { self.run(job).await })
+    }
+}
