@@ -186,7 +186,9 @@ async fn measure_inflight(
     let wall = Instant::now();
     for list in lists {
         let peer = peer.clone();
-        tasks.push(tokio::spawn(async move { measure(&peer, op, &list, dur).await }));
+        tasks.push(tokio::spawn(
+            async move { measure(&peer, op, &list, dur).await },
+        ));
     }
     let mut all = Measured {
         transfers: 0,
@@ -334,10 +336,13 @@ async fn run_async(
                     })
                     .collect();
                 for &op in ops {
-                    eprintln!("transfer: {backend} {} {} x {batch}", op_name(op), Bytes(block));
+                    eprintln!(
+                        "transfer: {backend} {} {} x {batch}",
+                        op_name(op),
+                        Bytes(block)
+                    );
                     let mut m = measure_inflight(&peer, op, lists.clone(), dur).await?;
-                    let gbps =
-                        (m.transfers * total) as f64 / m.elapsed.as_secs_f64() / 1e9;
+                    let gbps = (m.transfers * total) as f64 / m.elapsed.as_secs_f64() / 1e9;
                     report.cases.push(Case {
                         backend: backend.to_string(),
                         op: op_name(op).into(),

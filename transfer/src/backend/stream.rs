@@ -120,8 +120,10 @@ impl Lane {
             tasks: Mutex::new(Vec::new()),
             died: tokio::sync::Notify::new(),
         });
-        let w = tokio::spawn(write_loop(Arc::clone(&lane), rx, writer));
-        let r = tokio::spawn(read_loop(Arc::clone(&lane), reader));
+        // The tasks hold the lane weakly: when the last peer handle drops the lane, its Drop
+        // aborts them (a strong reference here would keep the lane alive forever).
+        let w = tokio::spawn(write_loop(Arc::downgrade(&lane), rx, writer));
+        let r = tokio::spawn(read_loop(Arc::downgrade(&lane), reader));
         lane.tasks
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -259,13 +261,16 @@ impl Drop for Lane {
 }
 
 async fn write_loop<W: AsyncWrite + Unpin>(
-    lane: Arc<Lane>,
+    lane: std::sync::Weak<Lane>,
     mut rx: mpsc::Receiver<Outgoing>,
     mut w: W,
 ) {
-    // The lane (and so this channel's sender) lives as long as a peer handle does; the task is
-    // aborted when the lane drops.
+    // The channel's sender lives in the lane: when the lane drops, `recv` ends the loop (and
+    // the lane's Drop aborts this task anyway).
     while let Some(out) = rx.recv().await {
+        let Some(lane) = lane.upgrade() else {
+            return;
+        };
         if out.ctl.is_cancelled() {
             if let Some(p) = lane.take_pending(out.header.id) {
                 p.ctl.fail(p.ctl.cancelled_error());
@@ -299,74 +304,96 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     }
 }
 
-async fn read_loop<R: AsyncRead + Unpin>(lane: Arc<Lane>, mut r: BufReader<R>) {
-    let err = loop {
+async fn read_loop<R: AsyncRead + Unpin>(weak: std::sync::Weak<Lane>, mut r: BufReader<R>) {
+    loop {
         let mut hb = [0u8; HEADER_BYTES];
-        if let Err(e) = r.read_exact(&mut hb).await {
-            break TransferError::disconnected(&lane.peer, format!("connection lost: {e}"));
-        }
-        let h = match Header::decode(&hb) {
-            Ok(h) => h,
-            Err(e) => break TransferError::protocol(&lane.peer, e),
+        let res = r.read_exact(&mut hb).await;
+        // Hold the lane only while handling a reply, never while waiting for one.
+        let Some(lane) = weak.upgrade() else {
+            return;
         };
-        let Some(p) = lane.take_pending(h.id) else {
-            break TransferError::protocol(
+        let outcome = match res {
+            Ok(_) => handle_reply(&lane, &hb, &mut r).await,
+            Err(e) => Err(TransferError::disconnected(
                 &lane.peer,
-                format!("reply {:?} to unknown request {}", h.op, h.id),
-            );
+                format!("connection lost: {e}"),
+            )),
         };
-        if h.op != p.reply {
-            let e = TransferError::protocol(
-                &lane.peer,
-                format!(
-                    "expected {:?} for request {}, got {:?}",
-                    p.reply, h.id, h.op
-                ),
-            );
-            p.ctl.fail(e.duplicate());
-            break e;
+        if let Err(err) = outcome {
+            lane.kill(err);
+            return;
         }
-        if h.status != Status::Ok {
-            if h.len != 0 {
-                let e = TransferError::protocol(&lane.peer, "error reply with a payload");
-                p.ctl.fail(e.duplicate());
-                break e;
-            }
-            p.ctl.fail(status_error(&lane.peer, &h));
-            continue;
-        }
-        if h.op == FrameOp::ReadData {
-            let Some((region, offset)) = &p.dest else {
-                let e = TransferError::protocol(&lane.peer, "data for a request without one");
-                p.ctl.fail(e.duplicate());
-                break e;
-            };
-            if h.len != p.len {
-                let e = TransferError::protocol(
-                    &lane.peer,
-                    format!("asked for {} bytes, got {}", p.len, h.len),
-                );
-                p.ctl.fail(e.duplicate());
-                break e;
-            }
-            // SAFETY: the destination range was validated against the local region when the
-            // transfer was posted; the Arc in `p` keeps the memory mapped; it is host memory;
-            // the memory contract on `RegionHandle` forbids other access to these bytes while
-            // the transfer runs.
-            let dst = unsafe { region.slice_mut(*offset, h.len as usize) };
-            if let Err(e) = r.read_exact(dst).await {
-                let e = TransferError::disconnected(&lane.peer, format!("connection lost: {e}"));
-                p.ctl.fail(e.duplicate());
-                break e;
-            }
-        } else if h.len != 0 {
-            let e = TransferError::protocol(&lane.peer, format!("{:?} with a payload", h.op));
-            p.ctl.fail(e.duplicate());
-            break e;
-        }
-        p.ctl.complete_one();
+    }
+}
+
+/// Handles one reply whose header is `hb`; an error fails the lane.
+async fn handle_reply<R: AsyncRead + Unpin>(
+    lane: &Lane,
+    hb: &[u8; HEADER_BYTES],
+    r: &mut BufReader<R>,
+) -> Result<()> {
+    let h = Header::decode(hb).map_err(|e| TransferError::protocol(&lane.peer, e))?;
+    let Some(p) = lane.take_pending(h.id) else {
+        return Err(TransferError::protocol(
+            &lane.peer,
+            format!("reply {:?} to unknown request {}", h.op, h.id),
+        ));
     };
-    lane.kill(err);
+    let fail = |e: TransferError| {
+        p.ctl.fail(e.duplicate());
+        Err(e)
+    };
+    if h.op != p.reply {
+        return fail(TransferError::protocol(
+            &lane.peer,
+            format!(
+                "expected {:?} for request {}, got {:?}",
+                p.reply, h.id, h.op
+            ),
+        ));
+    }
+    if h.status != Status::Ok {
+        if h.len != 0 {
+            return fail(TransferError::protocol(
+                &lane.peer,
+                "error reply with a payload",
+            ));
+        }
+        p.ctl.fail(status_error(&lane.peer, &h));
+        return Ok(());
+    }
+    if h.op == FrameOp::ReadData {
+        let Some((region, offset)) = &p.dest else {
+            return fail(TransferError::protocol(
+                &lane.peer,
+                "data for a request without one",
+            ));
+        };
+        if h.len != p.len {
+            return fail(TransferError::protocol(
+                &lane.peer,
+                format!("asked for {} bytes, got {}", p.len, h.len),
+            ));
+        }
+        // SAFETY: the destination range was validated against the local region when the
+        // transfer was posted; the Arc in `p` keeps the memory mapped; it is host memory;
+        // the memory contract on `RegionHandle` forbids other access to these bytes while
+        // the transfer runs.
+        let dst = unsafe { region.slice_mut(*offset, h.len as usize) };
+        if let Err(e) = r.read_exact(dst).await {
+            return fail(TransferError::disconnected(
+                &lane.peer,
+                format!("connection lost: {e}"),
+            ));
+        }
+    } else if h.len != 0 {
+        return fail(TransferError::protocol(
+            &lane.peer,
+            format!("{:?} with a payload", h.op),
+        ));
+    }
+    p.ctl.complete_one();
+    Ok(())
 }
 
 fn status_error(peer: &str, h: &Header) -> TransferError {
@@ -625,4 +652,259 @@ fn check_region(ctx: &TargetCtx, h: &Header) -> (Status, Option<Arc<RegionMem>>)
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::frame::MAX_CHUNK_BYTES;
+    use crate::error::ErrorKind;
+    use crate::region::Registry;
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt, duplex};
+
+    const DEADLINE: Duration = Duration::from_secs(10);
+    const TOKEN: [u8; TOKEN_BYTES] = [7; TOKEN_BYTES];
+
+    fn target() -> (
+        Arc<TargetCtx>,
+        mpsc::Receiver<Notification>,
+        crate::region::RegionHandle,
+    ) {
+        let registry = Arc::new(Registry::new("t".into(), None));
+        let file = crate::region::memfd(4096, "test").unwrap();
+        let region = registry
+            .register_mapped(file, 4096, crate::region::MemKind::Dram)
+            .unwrap();
+        let (tx, rx) = mpsc::channel(4);
+        let ctx = Arc::new(TargetCtx {
+            name: "t".into(),
+            token: TOKEN,
+            registry,
+            notifications: tx,
+            closed: std::sync::atomic::AtomicBool::new(false),
+        });
+        (ctx, rx, region)
+    }
+
+    fn hello(token: &[u8]) -> Vec<u8> {
+        let mut v = Header::new(FrameOp::Hello, 0, 0, 0, (token.len() + 1) as u32)
+            .encode()
+            .to_vec();
+        v.extend_from_slice(token);
+        v.push(b'i');
+        v
+    }
+
+    /// Feeds `input` to a target stream, closes it, and returns every reply header the target
+    /// wrote before it closed. The target must end on its own (no hang, no panic).
+    async fn run_target(input: Vec<u8>) -> Vec<Header> {
+        let (ctx, _rx, _region) = target();
+        let (client, server) = duplex(1 << 20);
+        let (sr, sw) = tokio::io::split(server);
+        let task = tokio::spawn(serve(ctx, sr, sw));
+        let (mut cr, mut cw) = tokio::io::split(client);
+        cw.write_all(&input).await.unwrap();
+        cw.shutdown().await.unwrap();
+        let mut out = Vec::new();
+        tokio::time::timeout(DEADLINE, cr.read_to_end(&mut out))
+            .await
+            .expect("target hung")
+            .unwrap();
+        tokio::time::timeout(DEADLINE, task)
+            .await
+            .expect("target hung")
+            .unwrap();
+        let mut headers = Vec::new();
+        let mut rest = &out[..];
+        while rest.len() >= HEADER_BYTES {
+            let mut hb = [0u8; HEADER_BYTES];
+            hb.copy_from_slice(&rest[..HEADER_BYTES]);
+            let h = Header::decode(&hb).unwrap();
+            rest = &rest[HEADER_BYTES
+                + if h.op == FrameOp::ReadData {
+                    h.len as usize
+                } else {
+                    0
+                }..];
+            headers.push(h);
+        }
+        headers
+    }
+
+    fn check(replies: &[Header], expected: &[(FrameOp, Status)]) {
+        let got: Vec<_> = replies.iter().map(|h| (h.op, h.status)).collect();
+        assert_eq!(got, expected);
+    }
+
+    #[tokio::test]
+    async fn target_answers_or_closes_on_every_malformed_input() {
+        use FrameOp::*;
+        let ok_hello = hello(&TOKEN);
+        let with = |frames: &[Vec<u8>]| {
+            let mut v = ok_hello.clone();
+            for f in frames {
+                v.extend_from_slice(f);
+            }
+            v
+        };
+        let h = |op, region, offset, len| Header::new(op, 1, region, offset, len).encode().to_vec();
+        // Wrong token: refused, closed.
+        check(
+            &run_target(hello(&[0; TOKEN_BYTES])).await,
+            &[(HelloAck, Status::AuthFailed)],
+        );
+        // Garbage instead of a HELLO, a HELLO too short for a token, an empty stream.
+        check(&run_target(vec![0xAB; 100]).await, &[]);
+        check(&run_target(h(Hello, 0, 0, 3)).await, &[]);
+        check(&run_target(Vec::new()).await, &[]);
+        // After a good HELLO: a bad magic, an unknown op, an oversized WRITE, a reply op.
+        let mut bad_magic = h(Read, 1, 0, 8);
+        bad_magic[0] ^= 1;
+        check(
+            &run_target(with(&[bad_magic])).await,
+            &[(HelloAck, Status::Ok)],
+        );
+        let mut unknown_op = h(Read, 1, 0, 8);
+        unknown_op[5] = 200;
+        check(
+            &run_target(with(&[unknown_op])).await,
+            &[(HelloAck, Status::Ok)],
+        );
+        check(
+            &run_target(with(&[h(Write, 1, 0, MAX_CHUNK_BYTES + 1)])).await,
+            &[(HelloAck, Status::Ok)],
+        );
+        check(
+            &run_target(with(&[h(WriteAck, 1, 0, 0)])).await,
+            &[(HelloAck, Status::Ok)],
+        );
+        // A truncated WRITE payload and a truncated header: the target just ends.
+        let mut trunc = h(Write, 1, 0, 100);
+        trunc.extend_from_slice(&[1; 10]);
+        check(&run_target(with(&[trunc])).await, &[(HelloAck, Status::Ok)]);
+        check(
+            &run_target(with(&[vec![1, 2, 3]])).await,
+            &[(HelloAck, Status::Ok)],
+        );
+        // Errors that keep the stream usable: unknown region, out of bounds (payload drained),
+        // then a valid READ and CHECKs.
+        let mut w_missing = h(Write, 99, 0, 10);
+        w_missing.extend_from_slice(&[5; 10]);
+        let mut w_oob = h(Write, 1, 4090, 10);
+        w_oob.extend_from_slice(&[5; 10]);
+        let replies = run_target(with(&[
+            w_missing,
+            w_oob,
+            h(Read, 1, u64::MAX, 2),
+            h(Read, 1, 0, 16),
+            h(Check, 1, 0, 0),
+            h(Check, 42, 0, 0),
+        ]))
+        .await;
+        check(
+            &replies,
+            &[
+                (HelloAck, Status::Ok),
+                (WriteAck, Status::RegionNotFound),
+                (WriteAck, Status::OutOfBounds),
+                (ReadData, Status::OutOfBounds),
+                (ReadData, Status::Ok),
+                (CheckAck, Status::Ok),
+                (CheckAck, Status::RegionNotFound),
+            ],
+        );
+    }
+
+    /// A fake target that acknowledges the HELLO, then answers the first request with
+    /// `reply` (or closes, for an empty reply).
+    async fn lane_against(reply: Vec<u8>) -> TransferError {
+        let (client, server) = duplex(1 << 20);
+        let (cr, cw) = tokio::io::split(client);
+        let fake = tokio::spawn(async move {
+            let (mut r, mut w) = tokio::io::split(server);
+            let mut hb = [0u8; HEADER_BYTES];
+            r.read_exact(&mut hb).await.unwrap();
+            let hello = Header::decode(&hb).unwrap();
+            let mut skip = vec![0u8; hello.len as usize];
+            r.read_exact(&mut skip).await.unwrap();
+            w.write_all(&Header::new(FrameOp::HelloAck, 0, 0, 0, 0).encode())
+                .await
+                .unwrap();
+            r.read_exact(&mut hb).await.unwrap();
+            w.write_all(&reply).await.unwrap();
+            // Keep the stream open until the lane gives up on it.
+            let mut rest = Vec::new();
+            let _ = r.read_to_end(&mut rest).await;
+        });
+        let lane = Lane::start("fake", "me", &TOKEN, cr, cw).await.unwrap();
+        let ctl = Arc::new(TransferCtl::new(1));
+        let err = tokio::time::timeout(DEADLINE, lane.notify(&ctl, b"n".to_vec()))
+            .await
+            .expect("lane hung")
+            .unwrap_err();
+        drop(lane);
+        let _ = tokio::time::timeout(DEADLINE, fake).await;
+        err
+    }
+
+    #[tokio::test]
+    async fn initiator_fails_cleanly_on_malformed_replies() {
+        // Garbage, a reply to an unknown request, the wrong reply op, an error with a payload.
+        let e = lane_against(vec![0xFF; HEADER_BYTES]).await;
+        assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
+        let e = lane_against(
+            Header::new(FrameOp::NotifyAck, 999, 0, 0, 0)
+                .encode()
+                .to_vec(),
+        )
+        .await;
+        assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
+        let e = lane_against(Header::new(FrameOp::WriteAck, 1, 0, 0, 0).encode().to_vec()).await;
+        assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
+        let mut h = Header::new(FrameOp::NotifyAck, 1, 0, 0, 0);
+        h.status = Status::RegionNotFound;
+        let mut bytes = h.encode();
+        bytes[32] = 4; // a payload length on an error reply
+        let e = lane_against(bytes.to_vec()).await;
+        assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
+        // The peer closing mid-request.
+        let (client, server) = duplex(1 << 16);
+        let (cr, cw) = tokio::io::split(client);
+        let fake = tokio::spawn(async move {
+            let (mut r, mut w) = tokio::io::split(server);
+            let mut hb = [0u8; HEADER_BYTES];
+            r.read_exact(&mut hb).await.unwrap();
+            let hello = Header::decode(&hb).unwrap();
+            let mut skip = vec![0u8; hello.len as usize];
+            r.read_exact(&mut skip).await.unwrap();
+            w.write_all(&Header::new(FrameOp::HelloAck, 0, 0, 0, 0).encode())
+                .await
+                .unwrap();
+            r.read_exact(&mut hb).await.unwrap();
+        });
+        let lane = Lane::start("fake", "me", &TOKEN, cr, cw).await.unwrap();
+        let ctl = Arc::new(TransferCtl::new(1));
+        let e = tokio::time::timeout(DEADLINE, lane.notify(&ctl, b"n".to_vec()))
+            .await
+            .expect("lane hung")
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Disconnected, "{e}");
+        fake.await.unwrap();
+        // A refused token.
+        let (client, server) = duplex(1 << 16);
+        let (cr, cw) = tokio::io::split(client);
+        tokio::spawn(async move {
+            let (mut r, mut w) = tokio::io::split(server);
+            let mut hb = [0u8; HEADER_BYTES];
+            let _ = r.read_exact(&mut hb).await;
+            let mut ack = Header::new(FrameOp::HelloAck, 0, 0, 0, 0);
+            ack.status = Status::AuthFailed;
+            let _ = w.write_all(&ack.encode()).await;
+        });
+        let Err(e) = Lane::start("fake", "me", &TOKEN, cr, cw).await else {
+            panic!("a refused token was accepted");
+        };
+        assert_eq!(e.kind(), ErrorKind::Auth, "{e}");
+    }
 }
