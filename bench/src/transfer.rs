@@ -7,7 +7,10 @@
 //! * shm: single-threaded memcpy of the same blocks between two buffers;
 //! * tcp: raw loopback TCP streams, as many as the backend uses, each writing blocks of the
 //!   case's size (capped at 16 MiB per write) into a reader that drains them;
-//! * quic: raw quinn streams (same count, same transport settings and TLS as the backend).
+//! * quic: raw quinn streams (same count, same transport settings and TLS as the backend);
+//! * ucx (kvtier-bench built with `--features kvtier-transfer/ucx`): UCX's own `ucx_perftest`
+//!   (`ucp_put_bw`, same block size, same `UCX_TLS`) between two processes on loopback, when
+//!   installed (Debian `ucx-utils`); its MB/s are MiB/s.
 //!
 //! Each transfer's remote descriptors are laid out in reverse order, so a batch never merges
 //! into one descriptor.
@@ -38,7 +41,8 @@ fn parse_sizes(s: &str) -> Result<SizeList, String> {
 
 #[derive(Args, Debug)]
 pub struct TransferArgs {
-    /// Backends to measure (shm, tcp, quic).
+    /// Backends to measure (shm, tcp, quic, ucx; ucx needs kvtier-bench built with
+    /// `--features kvtier-transfer/ucx`).
     #[arg(long, default_value = "shm,tcp,quic")]
     pub backends: String,
     /// Block sizes (one descriptor each).
@@ -66,6 +70,9 @@ pub struct TransferArgs {
     /// its own task).
     #[arg(long, default_value_t = 1)]
     pub inflight: usize,
+    /// UCX transports for the ucx backend and its ucx_perftest reference (UCX_TLS).
+    #[arg(long, default_value = "tcp")]
+    pub ucx_tls: String,
     /// Striping chunk of the TCP/QUIC backends.
     #[arg(long, default_value = "1m", value_parser = parse_size)]
     pub chunk_bytes: u64,
@@ -115,7 +122,8 @@ fn parse_backends(s: &str) -> Result<Vec<BackendKind>> {
             "shm" => Ok(BackendKind::Shm),
             "tcp" => Ok(BackendKind::Tcp),
             "quic" => Ok(BackendKind::Quic),
-            other => bail!("unknown backend {other:?} (shm, tcp, quic)"),
+            "ucx" => Ok(BackendKind::Ucx),
+            other => bail!("unknown backend {other:?} (shm, tcp, quic, ucx)"),
         })
         .collect()
 }
@@ -235,6 +243,7 @@ fn config(args: &TransferArgs) -> AgentConfig {
         tcp_streams: args.tcp_streams,
         quic_streams: args.quic_streams,
         chunk_bytes: args.chunk_bytes,
+        ucx_transports: Some(args.ucx_tls.clone()),
         ..AgentConfig::default()
     }
 }
@@ -369,6 +378,7 @@ fn reference_name(backend: BackendKind, args: &TransferArgs) -> String {
         BackendKind::Shm => "memcpy (1 thread)".into(),
         BackendKind::Tcp => format!("raw loopback TCP x{}", args.tcp_streams),
         BackendKind::Quic => format!("raw quinn stream x{}", args.quic_streams),
+        BackendKind::Ucx => format!("ucx_perftest ucp_put_bw UCX_TLS={}", args.ucx_tls),
         other => other.to_string(),
     }
 }
@@ -426,8 +436,62 @@ async fn reference_gbps(
             }
             raw_streams(pairs, block as usize, dur).await
         }
+        BackendKind::Ucx => ucx_perftest_gbps(&args.ucx_tls, block, dur),
         other => bail!("no reference for {other}"),
     }
+}
+
+/// Runs `ucx_perftest` as a server and a client (`ucp_put_bw`) on loopback and returns the
+/// client's overall bandwidth; NaN (reported as a missing reference) when not installed.
+fn ucx_perftest_gbps(tls: &str, block: u64, dur: Duration) -> Result<f64> {
+    use std::process::{Command, Stdio};
+    if Command::new("ucx_perftest")
+        .arg("-h")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_err()
+    {
+        eprintln!("transfer: ucx_perftest not installed (ucx-utils); no UCX reference");
+        return Ok(f64::NAN);
+    }
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        l.local_addr()?.port().to_string()
+    };
+    // Aim at the case's duration assuming about 1 GB/s, within sane bounds.
+    let iters = ((dur.as_secs_f64() * 1e9 / block as f64) as u64).clamp(20, 100_000);
+    let mut server = Command::new("ucx_perftest")
+        .args(["-p", &port])
+        .env("UCX_TLS", tls)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting the ucx_perftest server")?;
+    let mut result = Err(anyhow!("ucx_perftest client never connected"));
+    for _ in 0..50 {
+        std::thread::sleep(Duration::from_millis(100));
+        let out = Command::new("ucx_perftest")
+            .args(["127.0.0.1", "-p", &port, "-t", "ucp_put_bw"])
+            .args(["-s", &block.to_string(), "-n", &iters.to_string()])
+            .env("UCX_TLS", tls)
+            .output()
+            .context("running the ucx_perftest client")?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        if let Some(line) = text.lines().find(|l| l.starts_with("Final:")) {
+            // Final: iterations, overhead p50, avg, overall, MB/s avg, MB/s overall, ...
+            let mb_overall: f64 = line
+                .split_whitespace()
+                .nth(6)
+                .ok_or_else(|| anyhow!("unexpected ucx_perftest line {line:?}"))?
+                .parse()?;
+            result = Ok(mb_overall * 1_048_576.0 / 1e9);
+            break;
+        }
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    result
 }
 
 fn memcpy_gbps(block: usize, batch: usize, dur: Duration) -> f64 {
