@@ -362,7 +362,7 @@ async fn run_async(
                         latency_us_p50: m.latency.pct_us(0.5),
                         latency_us_p99: m.latency.pct_us(0.99),
                         post_us_p50: m.post.pct_us(0.5),
-                        reference: reference_name(backend, args).into(),
+                        reference: reference_name(backend, args),
                         reference_gb_per_s: reference,
                         ratio: gbps / reference,
                     });
