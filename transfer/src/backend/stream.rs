@@ -27,6 +27,8 @@ use crate::region::RegionMem;
 const LANE_QUEUE_FRAMES: usize = 64;
 /// Read buffer of the target's connection reader.
 const TARGET_READ_BUFFER_BYTES: usize = 64 << 10;
+/// Write buffer of a lane writer and of the target's replies (small frames are coalesced).
+const WRITE_BUFFER_BYTES: usize = 64 << 10;
 
 enum Payload {
     None,
@@ -263,10 +265,13 @@ impl Drop for Lane {
 async fn write_loop<W: AsyncWrite + Unpin>(
     lane: std::sync::Weak<Lane>,
     mut rx: mpsc::Receiver<Outgoing>,
-    mut w: W,
+    w: W,
 ) {
     // The channel's sender lives in the lane: when the lane drops, `recv` ends the loop (and
-    // the lane's Drop aborts this task anyway).
+    // the lane's Drop aborts this task anyway). Frames are buffered and flushed whenever the
+    // queue runs empty, so a burst of small frames costs few syscalls; payloads larger than
+    // the buffer go straight from region memory to the socket.
+    let mut w = tokio::io::BufWriter::with_capacity(WRITE_BUFFER_BYTES, w);
     while let Some(out) = rx.recv().await {
         let Some(lane) = lane.upgrade() else {
             return;
@@ -274,6 +279,15 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         if out.ctl.is_cancelled() {
             if let Some(p) = lane.take_pending(out.header.id) {
                 p.ctl.fail(p.ctl.cancelled_error());
+            }
+            if rx.is_empty()
+                && let Err(e) = w.flush().await
+            {
+                lane.kill(TransferError::disconnected(
+                    &lane.peer,
+                    format!("write failed: {e}"),
+                ));
+                return;
             }
             continue;
         }
@@ -291,7 +305,10 @@ async fn write_loop<W: AsyncWrite + Unpin>(
                 }
                 Payload::Bytes(b) => w.write_all(b).await?,
             }
-            w.flush().await
+            if rx.is_empty() {
+                w.flush().await?;
+            }
+            Ok::<_, std::io::Error>(())
         }
         .await;
         if let Err(e) = res {
@@ -515,6 +532,7 @@ where
     W: AsyncWrite + Unpin,
 {
     let mut r = BufReader::with_capacity(TARGET_READ_BUFFER_BYTES, reader);
+    let mut w = tokio::io::BufWriter::with_capacity(WRITE_BUFFER_BYTES, &mut w);
     if let Err(e) = serve_inner(&ctx, &mut r, &mut w).await {
         tracing::debug!(agent = %ctx.name, "stream closed: {e}");
     }
@@ -586,7 +604,7 @@ where
                     }
                 }
                 w.write_all(&ack.encode()).await?;
-                w.flush().await?;
+                flush_if_idle(r, w).await?;
             }
             FrameOp::Read => {
                 let (status, region) = check_region(ctx, &h);
@@ -604,7 +622,7 @@ where
                         w.write_all(&reply.encode()).await?;
                     }
                 }
-                w.flush().await?;
+                flush_if_idle(r, w).await?;
             }
             FrameOp::Notify => {
                 let mut message = vec![0u8; h.len as usize];
@@ -613,13 +631,15 @@ where
                     from: peer_name.clone(),
                     message,
                 };
-                // Back-pressure: a full notification queue stalls this stream only.
+                // Back-pressure: a full notification queue stalls this stream only (its
+                // earlier replies go out first).
+                w.flush().await?;
                 if ctx.notifications.send(n).await.is_err() {
                     return Ok(());
                 }
                 let ack = Header::new(FrameOp::NotifyAck, h.id, 0, 0, 0);
                 w.write_all(&ack.encode()).await?;
-                w.flush().await?;
+                flush_if_idle(r, w).await?;
             }
             FrameOp::Check => {
                 let mut ack = Header::new(FrameOp::CheckAck, h.id, h.region, 0, 0);
@@ -627,10 +647,23 @@ where
                     ack.status = Status::RegionNotFound;
                 }
                 w.write_all(&ack.encode()).await?;
-                w.flush().await?;
+                flush_if_idle(r, w).await?;
             }
             other => return Err(invalid(format!("unexpected {other:?} from an initiator"))),
         }
+    }
+    Ok(())
+}
+
+/// Flushes buffered replies unless more requests are already buffered (they will be answered
+/// first, and the replies flushed together before the next read can block).
+async fn flush_if_idle<R, W>(r: &BufReader<R>, w: &mut W) -> std::io::Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    if r.buffer().is_empty() {
+        w.flush().await?;
     }
     Ok(())
 }
