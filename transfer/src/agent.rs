@@ -669,3 +669,116 @@ impl Peer {
         self.inner.regions.contains_key(&id.0)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorKind;
+
+    const DEADLINE: Duration = Duration::from_secs(30);
+
+    fn blob_with(f: impl FnOnce(&mut AgentMetadata)) -> Vec<u8> {
+        let mut meta = AgentMetadata {
+            name: "other".into(),
+            pid: 1,
+            token: vec![0; TOKEN_BYTES],
+            tcp: None,
+            quic: None,
+            shm: None,
+            ucx: None,
+            regions: Vec::new(),
+        };
+        f(&mut meta);
+        meta.encode().unwrap()
+    }
+
+    #[tokio::test]
+    async fn connect_errors_keep_their_kind() {
+        tokio::time::timeout(DEADLINE, async {
+            let config = AgentConfig {
+                connect_timeout: Duration::from_millis(200),
+                ..AgentConfig::default()
+            };
+            let a = Agent::new("a", config.clone()).await.unwrap();
+            // A listener that takes the connection (kernel backlog) but never answers HELLO.
+            let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = silent.local_addr().unwrap().to_string();
+            let blob = blob_with(|m| m.tcp = Some(addr));
+            let e = a.connect(&blob, BackendKind::Tcp).await.unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+            // The blob offers no QUIC and no shared memory.
+            for kind in [BackendKind::Quic, BackendKind::Shm] {
+                let e = a.connect(&blob, kind).await.unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::BackendUnavailable, "{e}");
+            }
+            // Garbage.
+            let e = a.connect(b"junk", BackendKind::Tcp).await.unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Metadata, "{e}");
+            // A real agent, but a wrong token in its blob: refused on every backend.
+            let b = Agent::new("b", config).await.unwrap();
+            let mut meta = AgentMetadata::decode(&b.metadata().unwrap()).unwrap();
+            meta.token = vec![9; TOKEN_BYTES];
+            let forged = meta.encode().unwrap();
+            for kind in [BackendKind::Tcp, BackendKind::Quic, BackendKind::Shm] {
+                let e = a.connect(&forged, kind).await.unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::Auth, "{kind}: {e}");
+            }
+            // A wrong certificate: the QUIC handshake fails.
+            let mut meta = AgentMetadata::decode(&b.metadata().unwrap()).unwrap();
+            if let Some(q) = meta.quic.as_mut() {
+                q.cert_der = crate::backend::quic::server_identity().unwrap().1;
+            }
+            let e = a
+                .connect(&meta.encode().unwrap(), BackendKind::Quic)
+                .await
+                .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Auth, "{e}");
+            drop(silent);
+        })
+        .await
+        .expect("the test ran past its deadline");
+    }
+
+    #[tokio::test]
+    async fn config_and_registration_errors() {
+        let bad = AgentConfig {
+            tcp_streams: 0,
+            ..AgentConfig::default()
+        };
+        assert_eq!(
+            Agent::new("a", bad).await.unwrap_err().kind(),
+            ErrorKind::Config
+        );
+        assert_eq!(
+            Agent::new("", AgentConfig::default())
+                .await
+                .unwrap_err()
+                .kind(),
+            ErrorKind::Config
+        );
+        let a = Agent::new("a", AgentConfig::default()).await.unwrap();
+        assert!(a.alloc_dram(0).is_err());
+        // SAFETY: a null pointer is refused before anything touches it.
+        assert!(unsafe { a.register_raw(std::ptr::null_mut(), 8) }.is_err());
+        // Foreign memory: registered, readable and writable through the handle, and listed
+        // without a shared-memory path.
+        let mut backing = vec![0u8; 4096];
+        // SAFETY: `backing` outlives the handle (dropped first, below) and is only accessed
+        // through it meanwhile.
+        let h = unsafe { a.register_raw(backing.as_mut_ptr(), 4096) }.unwrap();
+        h.write_at(10, b"abc").unwrap();
+        let mut out = [0u8; 3];
+        h.read_at(10, &mut out).unwrap();
+        assert_eq!(&out, b"abc");
+        assert!(h.shm_path().is_none());
+        assert!(h.write_at(4095, b"ab").is_err());
+        let meta = AgentMetadata::decode(&a.metadata().unwrap()).unwrap();
+        assert!(
+            meta.regions
+                .iter()
+                .any(|r| r.id == h.id().0 && r.shm.is_none())
+        );
+        drop(h);
+        assert_eq!(backing[10..13], *b"abc");
+    }
+}
