@@ -37,8 +37,8 @@ use crate::transfer::Transfer;
 /// How an agent is built. Every field's doc ends with its default.
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
-    /// Address the TCP and QUIC listeners bind (and advertise in the metadata). Default:
-    /// 127.0.0.1.
+    /// Address the TCP and QUIC listeners bind and advertise in the metadata blob (so not
+    /// 0.0.0.0 / ::). Default: 127.0.0.1.
     pub listen_ip: IpAddr,
     /// Serve regions to same-host peers over shared memory. Default: true.
     pub shm: bool,
@@ -96,6 +96,11 @@ impl AgentConfig {
                 reason: reason.to_owned(),
             })
         };
+        if self.listen_ip.is_unspecified() {
+            return bad(
+                "listen_ip must be a concrete address (it is advertised in the metadata blob)",
+            );
+        }
         if self.tcp_streams == 0 || self.tcp_streams > 64 {
             return bad("tcp_streams must be 1..=64");
         }
@@ -741,14 +746,25 @@ mod tests {
 
     #[tokio::test]
     async fn config_and_registration_errors() {
-        let bad = AgentConfig {
-            tcp_streams: 0,
-            ..AgentConfig::default()
-        };
-        assert_eq!(
-            Agent::new("a", bad).await.unwrap_err().kind(),
-            ErrorKind::Config
-        );
+        for bad in [
+            AgentConfig {
+                tcp_streams: 0,
+                ..AgentConfig::default()
+            },
+            AgentConfig {
+                chunk_bytes: 1,
+                ..AgentConfig::default()
+            },
+            AgentConfig {
+                listen_ip: std::net::IpAddr::from([0, 0, 0, 0]),
+                ..AgentConfig::default()
+            },
+        ] {
+            assert_eq!(
+                Agent::new("a", bad).await.unwrap_err().kind(),
+                ErrorKind::Config
+            );
+        }
         assert_eq!(
             Agent::new("", AgentConfig::default())
                 .await

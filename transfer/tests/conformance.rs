@@ -446,6 +446,40 @@ pub async fn register_deregister_reuse(kind: BackendKind, cfg: fn() -> AgentConf
     peer.write(&[d]).unwrap().await.unwrap();
     assert!(contents(&fresh) == src);
 
+    // An existing memfd (a server's arena) registered by fd.
+    let arena = {
+        use std::os::fd::FromRawFd;
+        // SAFETY: a valid NUL-terminated name; the returned fd is owned by the OwnedFd below.
+        let fd = unsafe { libc::memfd_create(c"arena".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: `fd` was just created and is owned by nobody else.
+        std::fs::File::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+    };
+    arena.set_len(REGION_BYTES).unwrap();
+    let arena_view = arena.try_clone().unwrap();
+    let arena_region = p.target.register_memfd(arena.into(), REGION_BYTES).unwrap();
+    let peer = p
+        .initiator
+        .connect(&p.target.metadata().unwrap(), kind)
+        .await
+        .unwrap();
+    peer.write(&[Descriptor::new(
+        p.local[0].id(),
+        0,
+        arena_region.id(),
+        0,
+        REGION_BYTES,
+    )])
+    .unwrap()
+    .await
+    .unwrap();
+    let mut seen = vec![0u8; REGION_BYTES as usize];
+    std::os::unix::fs::FileExt::read_exact_at(&arena_view, &mut seen, 0).unwrap();
+    assert!(
+        seen == src,
+        "{kind}: the arena's own fd does not see the write"
+    );
+
     // Files and memfds are regions too.
     let dir = tempfile::tempdir().unwrap();
     let file = p
