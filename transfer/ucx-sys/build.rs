@@ -6,7 +6,9 @@ fn main() {
         .atleast_version("1.10")
         .probe("ucx")
         .unwrap_or_else(|e| {
-            panic!("UCX not found by pkg-config ({e}); install it with .ci/install-deps (libucx-dev)")
+            panic!(
+                "UCX not found by pkg-config ({e}); install it with .ci/install-deps (libucx-dev)"
+            )
         });
     let mut builder = bindgen::Builder::default()
         .header_contents("wrapper.h", "#include <ucp/api/ucp.h>\n")

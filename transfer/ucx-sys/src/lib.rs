@@ -3,7 +3,12 @@
 //! over (`ucp_init`, `UCS_PTR_IS_ERR`, `UCS_PTR_STATUS`, `UCS_PTR_IS_PTR`). Everything here is
 //! `unsafe` C API; `kvtier-transfer`'s `ucx` backend is the safe layer.
 
-#![allow(non_upper_case_globals, non_camel_case_types, non_snake_case, dead_code)]
+#![allow(
+    non_upper_case_globals,
+    non_camel_case_types,
+    non_snake_case,
+    dead_code
+)]
 #![allow(clippy::all)]
 #![allow(unsafe_op_in_unsafe_fn)]
 
@@ -56,7 +61,10 @@ mod tests {
     fn pointer_status_macros() {
         assert!(!ucs_ptr_is_err(std::ptr::null::<u8>()));
         assert!(!ucs_ptr_is_ptr(std::ptr::null::<u8>()));
-        assert_eq!(ucs_ptr_status(std::ptr::null::<u8>()), UCS_OK as ucs_status_t);
+        assert_eq!(
+            ucs_ptr_status(std::ptr::null::<u8>()),
+            UCS_OK as ucs_status_t
+        );
         let err = UCS_ERR_NO_MEMORY as isize as usize as *const u8;
         assert!(ucs_ptr_is_err(err));
         assert!(!ucs_ptr_is_ptr(err));
