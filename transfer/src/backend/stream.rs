@@ -171,6 +171,16 @@ impl Lane {
         }
     }
 
+    /// Requests waiting for a reply (tests check that nothing leaks).
+    #[cfg(test)]
+    fn pending_len(&self) -> usize {
+        self.table
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map
+            .len()
+    }
+
     fn take_pending(&self, id: u64) -> Option<Pending> {
         self.table
             .lock()
@@ -210,7 +220,16 @@ impl Lane {
             payload,
             ctl: Arc::clone(ctl),
         };
-        if self.tx.send(out).await.is_err() {
+        // If the transfer is dropped while waiting for room in the queue, the request never
+        // reaches the writer: the guard takes its pending entry back out.
+        let mut guard = UnsentGuard {
+            lane: self,
+            id: header.id,
+            armed: true,
+        };
+        let sent = self.tx.send(out).await;
+        guard.armed = false;
+        if sent.is_err() {
             // The writer task is gone; failing the lane reports this request too.
             self.kill(TransferError::disconnected(
                 &self.peer,
@@ -234,6 +253,21 @@ impl Lane {
         )
         .await?;
         ctl.wait_outstanding(false).await
+    }
+}
+
+/// Removes a request's pending entry unless disarmed (see `Lane::post`).
+struct UnsentGuard<'a> {
+    lane: &'a Lane,
+    id: u64,
+    armed: bool,
+}
+
+impl Drop for UnsentGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.lane.take_pending(self.id);
+        }
     }
 }
 
@@ -693,6 +727,7 @@ mod tests {
     use crate::backend::frame::MAX_CHUNK_BYTES;
     use crate::error::ErrorKind;
     use crate::region::Registry;
+    use std::future::Future;
     use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt, duplex};
 
@@ -939,5 +974,52 @@ mod tests {
             panic!("a refused token was accepted");
         };
         assert_eq!(e.kind(), ErrorKind::Auth, "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_post_dropped_while_the_queue_is_full_leaves_no_pending_entry() {
+        let (client, server) = duplex(4096);
+        let (cr, cw) = tokio::io::split(client);
+        let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
+        let fake = tokio::spawn(async move {
+            let (mut r, mut w) = tokio::io::split(server);
+            let mut hb = [0u8; HEADER_BYTES];
+            r.read_exact(&mut hb).await.unwrap();
+            let hello = Header::decode(&hb).unwrap();
+            let mut skip = vec![0u8; hello.len as usize];
+            r.read_exact(&mut skip).await.unwrap();
+            w.write_all(&Header::new(FrameOp::HelloAck, 0, 0, 0, 0).encode())
+                .await
+                .unwrap();
+            // Stop reading: the lane's queue fills up.
+            let _ = release_rx.await;
+        });
+        let lane = Lane::start("fake", "me", &TOKEN, cr, cw).await.unwrap();
+        let ctl = Arc::new(TransferCtl::new(1));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut sent = 0usize;
+        loop {
+            let header = Header::new(FrameOp::Notify, 0, 0, 0, 16);
+            let mut fut = Box::pin(lane.post(
+                &ctl,
+                header,
+                Payload::Bytes(vec![0; 16]),
+                FrameOp::NotifyAck,
+                None,
+            ));
+            match fut.as_mut().poll(&mut cx) {
+                std::task::Poll::Ready(r) => {
+                    r.unwrap();
+                    sent += 1;
+                }
+                std::task::Poll::Pending => break,
+            }
+            assert!(sent <= LANE_QUEUE_FRAMES, "the queue never filled");
+        }
+        // The last post was dropped while waiting for room: its entry is gone.
+        assert_eq!(lane.pending_len(), sent);
+        let _ = release_tx.send(());
+        drop(lane);
+        let _ = tokio::time::timeout(DEADLINE, fake).await;
     }
 }
