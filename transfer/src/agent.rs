@@ -315,13 +315,21 @@ impl Agent {
     }
 
     /// Registers the first `len` bytes of an existing memfd (for example a server's DRAM
-    /// arena), mapping it shared. The fd is kept open until the region is dropped.
+    /// arena), mapping it shared. The fd is kept open until the region is dropped. The memfd's
+    /// size is sealed here (shrink, grow, seal) when the memfd allows sealing
+    /// (`MFD_ALLOW_SEALING`); shared-memory peers only map memfds sealed against shrinking,
+    /// so an unsealable memfd is reachable over TCP, QUIC and UCX but not over `Shm`.
     pub fn register_memfd(&self, fd: std::os::fd::OwnedFd, len: u64) -> Result<RegionHandle> {
-        self.finish_register(self.core.ctx.registry.register_mapped(
-            std::fs::File::from(fd),
-            len,
-            MemKind::Dram,
-        )?)
+        let file = std::fs::File::from(fd);
+        if let Err(e) = crate::region::seal_size(&file) {
+            tracing::debug!(agent = %self.name(), "memfd not sealed ({e}): not reachable over shm");
+        }
+        self.finish_register(
+            self.core
+                .ctx
+                .registry
+                .register_mapped(file, len, MemKind::Dram)?,
+        )
     }
 
     /// Registers the first `len` bytes of the file at `path` (created, or grown to `len` if

@@ -414,7 +414,8 @@ pub(crate) fn memfd(len: u64, name: &str) -> Result<File> {
         reason: format!("memfd name {name:?} holds a NUL byte"),
     })?;
     // SAFETY: `cname` is a valid NUL-terminated string; memfd_create has no other inputs.
-    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+    let fd =
+        unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
         return Err(TransferError::io(
             "memfd_create",
@@ -425,5 +426,18 @@ pub(crate) fn memfd(len: u64, name: &str) -> Result<File> {
     let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
     file.set_len(len)
         .map_err(|e| TransferError::io(format!("sizing a memfd to {len} bytes"), e))?;
+    seal_size(&file).map_err(|e| TransferError::io("sealing a memfd's size", e))?;
     Ok(file)
+}
+
+/// Seals a memfd's size (no shrinking, no growing, no further seals), so a process that maps
+/// it can never fault on pages cut off under it. Shared-memory peers refuse memfds without
+/// the shrink seal.
+pub(crate) fn seal_size(file: &File) -> std::io::Result<()> {
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: fcntl on an fd we own, with an integer argument.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }

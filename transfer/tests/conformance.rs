@@ -450,7 +450,12 @@ pub async fn register_deregister_reuse(kind: BackendKind, cfg: fn() -> AgentConf
     let arena = {
         use std::os::fd::FromRawFd;
         // SAFETY: a valid NUL-terminated name; the returned fd is owned by the OwnedFd below.
-        let fd = unsafe { libc::memfd_create(c"arena".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe {
+            libc::memfd_create(
+                c"arena".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
         assert!(fd >= 0);
         // SAFETY: `fd` was just created and is owned by nobody else.
         std::fs::File::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
@@ -479,6 +484,37 @@ pub async fn register_deregister_reuse(kind: BackendKind, cfg: fn() -> AgentConf
         seen == src,
         "{kind}: the arena's own fd does not see the write"
     );
+    // Registration sealed its size: nobody can cut pages off under a peer's mapping.
+    assert!(arena_view.set_len(4096).is_err());
+
+    // A memfd that cannot be sealed: fine over the network, refused over shared memory.
+    let unsealable = {
+        use std::os::fd::FromRawFd;
+        // SAFETY: as above.
+        let fd = unsafe { libc::memfd_create(c"plain".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: as above.
+        std::fs::File::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+    };
+    unsealable.set_len(4096).unwrap();
+    let plain = p.target.register_memfd(unsealable.into(), 4096).unwrap();
+    let peer = p
+        .initiator
+        .connect(&p.target.metadata().unwrap(), kind)
+        .await
+        .unwrap();
+    let result = peer
+        .write(&[Descriptor::new(p.local[0].id(), 0, plain.id(), 0, 4096)])
+        .unwrap()
+        .await;
+    if kind == BackendKind::Shm {
+        let e = result.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::BackendUnavailable, "{e}");
+        assert!(e.to_string().contains("sealed"), "{e}");
+    } else {
+        result.unwrap();
+        assert!(contents(&plain) == src[..4096]);
+    }
 
     // Files and memfds are regions too.
     let dir = tempfile::tempdir().unwrap();

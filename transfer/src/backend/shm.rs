@@ -152,7 +152,9 @@ struct RemoteMap {
 pub(crate) struct ShmPeer {
     peer: String,
     table: memmap2::MmapRaw,
-    regions: HashMap<u64, RemoteMap>,
+    /// Each listed region's mapping, or why it cannot be mapped (reported when a transfer
+    /// names it).
+    regions: HashMap<u64, std::result::Result<RemoteMap, String>>,
     control: Arc<Lane>,
     chunk_bytes: u64,
 }
@@ -166,6 +168,17 @@ fn open_map(path: &str, len: u64, peer: &str) -> Result<memmap2::MmapRaw> {
             backend: "shm",
             reason: format!("cannot open {path} of {peer} (another host, or no permission?): {e}"),
         })?;
+    // A memfd must be sealed against shrinking, or its owner could cut pages off under our
+    // mapping (a fault on our side). Regular files cannot be sealed: mapping one trusts its
+    // owner not to truncate it (documented).
+    // SAFETY: fcntl on an fd we own, no pointer argument.
+    let seals = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&file), libc::F_GET_SEALS) };
+    if seals >= 0 && seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(TransferError::BackendUnavailable {
+            backend: "shm",
+            reason: format!("{path} of {peer} is a memfd not sealed against shrinking"),
+        });
+    }
     let have = file
         .metadata()
         .map_err(|e| TransferError::io(format!("stat of {path}"), e))?
@@ -212,8 +225,10 @@ pub(crate) async fn connect(
     let mut regions = HashMap::new();
     for r in &meta.regions {
         if let Some(s) = &r.shm {
-            let map = open_map(&s.path, r.len, &meta.name)?;
-            regions.insert(r.id, RemoteMap { map, slot: s.slot });
+            let entry = open_map(&s.path, r.len, &meta.name)
+                .map(|map| RemoteMap { map, slot: s.slot })
+                .map_err(|e| e.to_string());
+            regions.insert(r.id, entry);
         }
     }
     let addr = UnixAddr::from_abstract_name(control)
@@ -263,15 +278,24 @@ impl ShmPeer {
                     reason: format!("local region {} is not host memory", seg.local.id),
                 });
             }
-            let remote = self.regions.get(&seg.remote).ok_or_else(|| {
-                TransferError::BackendUnavailable {
-                    backend: "shm",
-                    reason: format!(
-                        "region {} of {} is not shareable (foreign or GPU memory, or the table was full)",
-                        seg.remote, self.peer
-                    ),
+            let remote = match self.regions.get(&seg.remote) {
+                Some(Ok(m)) => m,
+                Some(Err(reason)) => {
+                    return Err(TransferError::BackendUnavailable {
+                        backend: "shm",
+                        reason: format!("region {} of {}: {reason}", seg.remote, self.peer),
+                    });
                 }
-            })?;
+                None => {
+                    return Err(TransferError::BackendUnavailable {
+                        backend: "shm",
+                        reason: format!(
+                            "region {} of {} is not shareable (foreign or GPU memory, or the table was full)",
+                            seg.remote, self.peer
+                        ),
+                    });
+                }
+            };
             let slot_word = word(&self.table, TABLE_HEADER_WORDS + remote.slot as usize);
             let mut done = 0u64;
             while done < seg.len {
