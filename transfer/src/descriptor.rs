@@ -139,4 +139,48 @@ mod tests {
         assert!(check_range(0, "local", 0, 0, 8).is_err());
         assert!(check_range(3, "remote", u64::MAX, 2, 8).is_err());
     }
+
+    /// Applies a list to a byte model (local bytes into a remote buffer), in order.
+    fn apply(list: &[Descriptor], local: &[u8], remote: &mut [u8]) {
+        for d in list {
+            let (lo, ro, n) = (
+                d.local_offset as usize,
+                d.remote_offset as usize,
+                d.len as usize,
+            );
+            remote[ro..ro + n].copy_from_slice(&local[lo..lo + n]);
+        }
+    }
+
+    proptest::proptest! {
+        /// Merging keeps the bytes moved, the mapping, and never yields adjacent neighbours.
+        #[test]
+        fn merging_preserves_the_mapping(
+            pieces in proptest::collection::vec((0u64..2, 0u64..256, 0u64..256, 1u64..64, proptest::bool::ANY), 0..40)
+        ) {
+            let mut list: Vec<Descriptor> = Vec::new();
+            for (region, lo, ro, len, chain) in pieces {
+                match list.last() {
+                    Some(p) if chain && p.local_offset + p.len + len <= 512 && p.remote_offset + p.len + len <= 512 => {
+                        list.push(Descriptor::new(p.local, p.local_offset + p.len, p.remote, p.remote_offset + p.len, len));
+                    }
+                    _ => list.push(Descriptor::new(RegionId(region), lo, RegionId(region), ro, len)),
+                }
+            }
+            let merged = merge_adjacent(&list);
+            proptest::prop_assert_eq!(
+                merged.iter().map(|d| d.len).sum::<u64>(),
+                list.iter().map(|d| d.len).sum::<u64>()
+            );
+            proptest::prop_assert!(merged.len() <= list.len());
+            for w in merged.windows(2) {
+                proptest::prop_assert!(!w[0].is_followed_by(&w[1]));
+            }
+            let local: Vec<u8> = (0..512u32).map(|i| (i * 7) as u8).collect();
+            let (mut a, mut b) = (vec![0u8; 512], vec![0u8; 512]);
+            apply(&list, &local, &mut a);
+            apply(&merged, &local, &mut b);
+            proptest::prop_assert_eq!(a, b);
+        }
+    }
 }

@@ -336,4 +336,23 @@ mod tests {
                 .contains("limit")
         );
     }
+
+    proptest::proptest! {
+        /// Arbitrary bytes, with or without a valid header in front: an error or a valid
+        /// blob, never a panic.
+        #[test]
+        fn decode_never_panics(body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512), with_header in proptest::bool::ANY) {
+            let mut blob = Vec::new();
+            if with_header {
+                blob.extend_from_slice(&MAGIC);
+                blob.extend_from_slice(&VERSION.to_le_bytes());
+                blob.extend_from_slice(&0u16.to_le_bytes());
+                blob.extend_from_slice(&(body.len() as u32).to_le_bytes());
+            }
+            blob.extend_from_slice(&body);
+            if let Ok(m) = AgentMetadata::decode(&blob) {
+                proptest::prop_assert!(m.validate().is_ok());
+            }
+        }
+    }
 }
