@@ -107,6 +107,10 @@ struct WorkerState {
 /// One UCP worker, shared by the agent's progress thread and its peers.
 struct Worker {
     state: Mutex<WorkerState>,
+    /// UCX's event fd for this worker (owned by UCX), when wakeup is supported.
+    efd: Option<i32>,
+    /// Our eventfd: posts write it so a sleeping progress thread wakes up.
+    kick: std::os::fd::OwnedFd,
     _shared: Arc<Shared>,
 }
 
@@ -118,6 +122,18 @@ unsafe impl Sync for Worker {}
 impl Drop for Worker {
     fn drop(&mut self) {
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        // Let in-flight protocol traffic (wireup replies to peers that connected to us)
+        // settle first: UCX asserts when a worker is destroyed with some of it still queued.
+        let start = std::time::Instant::now();
+        let mut quiet = 0;
+        while quiet < WORKER_DRAIN_QUIET_ROUNDS && start.elapsed() < WORKER_DRAIN_DEADLINE {
+            if progress_once(st) == 0 {
+                quiet += 1;
+                std::thread::yield_now();
+            } else {
+                quiet = 0;
+            }
+        }
         // SAFETY: the last user of the worker is gone (peers hold Arcs and close their
         // endpoints first); pending entries (and the memory they keep) drop after this.
         unsafe { sys::ucp_worker_destroy(st.handle) };
@@ -160,6 +176,14 @@ fn progress_once(st: &mut WorkerState) -> u32 {
     n
 }
 
+/// Progress rounds without events that end a worker's drain before it is destroyed.
+const WORKER_DRAIN_QUIET_ROUNDS: u32 = 200;
+/// Longest drain of a worker before it is destroyed.
+const WORKER_DRAIN_DEADLINE: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Longest sleep of an idle progress thread between checks of its stop flag.
+const PROGRESS_SLEEP_MS: i32 = 100;
+
 /// Deadline for driving an endpoint's close to completion.
 const EP_CLOSE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -167,24 +191,69 @@ impl Worker {
     fn progress_loop(self: Arc<Self>, stop: Arc<AtomicBool>) {
         let mut idle = 0u32;
         while !stop.load(Ordering::Acquire) {
-            let n = {
+            let (n, armed) = {
                 let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
                 if !st.running {
                     break;
                 }
-                progress_once(&mut st)
+                let n = progress_once(&mut st);
+                // With nothing to do, arm the worker's event fd (UCS_OK: safe to sleep on it;
+                // BUSY: events are pending, progress again).
+                let armed = n == 0
+                    && self.efd.is_some()
+                    // SAFETY: the worker is live and locked.
+                    && ok(unsafe { sys::ucp_worker_arm(st.handle) });
+                (n, armed)
             };
             if n > 0 {
                 idle = 0;
+                continue;
+            }
+            if armed {
+                self.sleep_on_events();
+                continue;
+            }
+            idle += 1;
+            if idle < 64 {
+                std::thread::yield_now();
             } else {
-                idle += 1;
-                if idle < 64 {
-                    std::thread::yield_now();
-                } else {
-                    std::thread::sleep(std::time::Duration::from_micros(50));
-                }
+                std::thread::sleep(std::time::Duration::from_micros(50));
             }
         }
+    }
+
+    /// Sleeps until UCX's event fd or our kick fd is readable (or a bounded timeout).
+    fn sleep_on_events(&self) {
+        use std::os::fd::AsRawFd;
+        let Some(efd) = self.efd else {
+            return;
+        };
+        let mut fds = [
+            libc::pollfd {
+                fd: efd,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.kick.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: `fds` is a valid array of two pollfd structs for the call's duration.
+        unsafe { libc::poll(fds.as_mut_ptr(), 2, PROGRESS_SLEEP_MS) };
+        let mut buf = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into `buf` from our non-blocking eventfd.
+        unsafe { libc::read(self.kick.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+    }
+
+    /// Wakes the progress thread if it sleeps (after a post, or to stop it).
+    fn kick(&self) {
+        use std::os::fd::AsRawFd;
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from `one` to our non-blocking eventfd; a full counter
+        // (EAGAIN) already means "wake up".
+        unsafe { libc::write(self.kick.as_raw_fd(), one.as_ptr().cast(), one.len()) };
     }
 
     /// Resolves a status pointer returned by a non-blocking call: immediate completion,
@@ -259,10 +328,16 @@ impl UcxContext {
             let mut params: sys::ucp_params_t = std::mem::zeroed();
             params.field_mask =
                 (sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED) as u64;
-            params.features = sys::UCP_FEATURE_RMA as u64;
             params.mt_workers_shared = 1;
             let mut context: sys::ucp_context_h = std::ptr::null_mut();
-            let s = sys::ucp_init(&params, config, &mut context);
+            // Ask for wakeup support (the progress thread then sleeps on UCX's event fd);
+            // without it, the thread polls.
+            params.features = (sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_WAKEUP) as u64;
+            let mut s = sys::ucp_init(&params, config, &mut context);
+            if !ok(s) {
+                params.features = sys::UCP_FEATURE_RMA as u64;
+                s = sys::ucp_init(&params, config, &mut context);
+            }
             sys::ucp_config_release(config);
             if !ok(s) {
                 return Err(unavailable("ucp_init", s));
@@ -276,6 +351,21 @@ impl UcxContext {
             if !ok(s) {
                 return Err(unavailable("ucp_worker_create", s));
             }
+            let mut efd: std::os::raw::c_int = -1;
+            let efd = if ok(sys::ucp_worker_get_efd(handle, &mut efd)) && efd >= 0 {
+                Some(efd)
+            } else {
+                None
+            };
+            let kick = libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC);
+            if kick < 0 {
+                sys::ucp_worker_destroy(handle);
+                return Err(TransferError::io(
+                    "eventfd for the UCX progress thread",
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            let kick = <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(kick);
             let worker = Arc::new(Worker {
                 state: Mutex::new(WorkerState {
                     handle,
@@ -283,6 +373,8 @@ impl UcxContext {
                     next_id: 1,
                     pending: HashMap::new(),
                 }),
+                efd,
+                kick,
                 _shared: Arc::clone(&shared),
             });
             let mut addr: *mut sys::ucp_address_t = std::ptr::null_mut();
@@ -360,6 +452,7 @@ impl UcxContext {
     /// Stops the progress thread and fails every pending operation.
     pub(crate) fn shutdown(&self) {
         self.stop.store(true, Ordering::Release);
+        self.worker.kick();
         if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = t.join();
         }
@@ -480,7 +573,7 @@ impl UcxContext {
                 (Ep { ep, err_arg }, rkeys)
             }
         };
-        Ok(Arc::new(UcxPeer {
+        let peer = Arc::new(UcxPeer {
             peer: meta.name.clone(),
             worker: Arc::clone(&self.worker),
             ep,
@@ -488,7 +581,17 @@ impl UcxContext {
             dead,
             control,
             chunk_bytes,
-        }))
+        });
+        // Finish the endpoint's wireup now (a flush completes once the connection is up), so
+        // no wireup message is still queued when either side is torn down: UCX asserts when a
+        // worker is destroyed with one pending. Bounded by the agent's connect timeout.
+        let ctl = Arc::new(TransferCtl::new(0));
+        peer.flush(&ctl)?;
+        tokio::select! {
+            r = ctl.wait_outstanding(false) => r?,
+            e = peer.control.dead() => return Err(e),
+        }
+        Ok(peer)
     }
 }
 
@@ -621,7 +724,10 @@ impl UcxPeer {
                 }
             }
         };
-        Worker::track(&mut st, id, ptr, ctl, &self.peer, Some(Arc::clone(local)))
+        let r = Worker::track(&mut st, id, ptr, ctl, &self.peer, Some(Arc::clone(local)));
+        drop(st);
+        self.worker.kick();
+        r
     }
 
     fn flush(&self, ctl: &Arc<TransferCtl>) -> Result<()> {
@@ -642,7 +748,10 @@ impl UcxPeer {
             p.user_data = id as *mut c_void;
             sys::ucp_ep_flush_nbx(self.ep.ep, &p)
         };
-        Worker::track(&mut st, id, ptr, ctl, &self.peer, None)
+        let r = Worker::track(&mut st, id, ptr, ctl, &self.peer, None);
+        drop(st);
+        self.worker.kick();
+        r
     }
 
     async fn run(&self, job: Job) -> Result<()> {
