@@ -181,6 +181,9 @@ const WORKER_DRAIN_QUIET_ROUNDS: u32 = 200;
 /// Longest drain of a worker before it is destroyed.
 const WORKER_DRAIN_DEADLINE: std::time::Duration = std::time::Duration::from_millis(200);
 
+/// How long a progress thread keeps polling after its last event before it sleeps.
+const PROGRESS_SPIN: std::time::Duration = std::time::Duration::from_millis(2);
+
 /// Longest sleep of an idle progress thread between checks of its stop flag.
 const PROGRESS_SLEEP_MS: i32 = 100;
 
@@ -190,6 +193,7 @@ const EP_CLOSE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2)
 impl Worker {
     fn progress_loop(self: Arc<Self>, stop: Arc<AtomicBool>) {
         let mut idle = 0u32;
+        let mut last_activity = std::time::Instant::now();
         while !stop.load(Ordering::Acquire) {
             let (n, armed) = {
                 let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -197,9 +201,11 @@ impl Worker {
                     break;
                 }
                 let n = progress_once(&mut st);
-                // With nothing to do, arm the worker's event fd (UCS_OK: safe to sleep on it;
-                // BUSY: events are pending, progress again).
+                // Busy-poll for a short window after the last activity (bursts of transfers
+                // see no wake-up latency); then arm the worker's event fd and sleep on it
+                // (UCS_OK: safe to sleep; BUSY: events are pending, progress again).
                 let armed = n == 0
+                    && last_activity.elapsed() >= PROGRESS_SPIN
                     && self.efd.is_some()
                     // SAFETY: the worker is live and locked.
                     && ok(unsafe { sys::ucp_worker_arm(st.handle) });
@@ -207,10 +213,13 @@ impl Worker {
             };
             if n > 0 {
                 idle = 0;
+                last_activity = std::time::Instant::now();
                 continue;
             }
             if armed {
-                self.sleep_on_events();
+                if self.sleep_on_events() {
+                    last_activity = std::time::Instant::now();
+                }
                 continue;
             }
             idle += 1;
@@ -222,11 +231,12 @@ impl Worker {
         }
     }
 
-    /// Sleeps until UCX's event fd or our kick fd is readable (or a bounded timeout).
-    fn sleep_on_events(&self) {
+    /// Sleeps until UCX's event fd or our kick fd is readable (or a bounded timeout); returns
+    /// whether one was.
+    fn sleep_on_events(&self) -> bool {
         use std::os::fd::AsRawFd;
         let Some(efd) = self.efd else {
-            return;
+            return false;
         };
         let mut fds = [
             libc::pollfd {
@@ -241,10 +251,11 @@ impl Worker {
             },
         ];
         // SAFETY: `fds` is a valid array of two pollfd structs for the call's duration.
-        unsafe { libc::poll(fds.as_mut_ptr(), 2, PROGRESS_SLEEP_MS) };
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, PROGRESS_SLEEP_MS) };
         let mut buf = [0u8; 8];
         // SAFETY: reads at most 8 bytes into `buf` from our non-blocking eventfd.
         unsafe { libc::read(self.kick.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        ready > 0
     }
 
     /// Wakes the progress thread if it sleeps (after a post, or to stop it).
