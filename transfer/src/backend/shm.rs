@@ -86,7 +86,9 @@ impl RegionTable {
     }
 }
 
-/// Word `i` of a mapped table.
+/// Word `i` of a mapped table. Callers pass header words or `TABLE_HEADER_WORDS + slot` with
+/// `slot` below the table's slot count (checked when the blob was decoded, and the mapping was
+/// sized from that count), so the assertion below guards an invariant, not peer input.
 fn word(map: &memmap2::MmapRaw, i: usize) -> &AtomicU64 {
     assert!((i + 1) * 8 <= map.len(), "table word {i} out of bounds");
     // SAFETY: the mapping is page aligned, so `8 * i` is 8-byte aligned; the bound is
