@@ -92,6 +92,11 @@ pub(crate) struct RegionMem {
     pub(crate) backing: Backing,
     /// Slot in the agent's shared-memory region table, when a same-host peer can reach it.
     pub(crate) shm_slot: Option<u32>,
+    /// False once deregistered: transfers in flight that touch the region then fail with
+    /// `RegionNotFound` at their next chunk (the memory itself stays mapped until they let go).
+    live: std::sync::atomic::AtomicBool,
+    /// The owning agent's name (for errors).
+    agent: Arc<str>,
 }
 
 // SAFETY: `ptr` points into memory owned by `backing` (or, for foreign memory, memory the
@@ -106,6 +111,18 @@ unsafe impl Sync for RegionMem {}
 impl RegionMem {
     pub(crate) fn len(&self) -> u64 {
         self.len
+    }
+
+    /// `RegionNotFound` if the region has been deregistered.
+    pub(crate) fn check_live(&self) -> Result<()> {
+        if self.live.load(Ordering::Acquire) {
+            Ok(())
+        } else {
+            Err(TransferError::RegionNotFound {
+                agent: self.agent.to_string(),
+                region: self.id.0,
+            })
+        }
     }
 
     pub(crate) fn ptr(&self) -> *mut u8 {
@@ -254,6 +271,7 @@ pub(crate) trait RegistryHook: Send + Sync {
 /// An agent's registered regions.
 pub(crate) struct Registry {
     pub(crate) agent: String,
+    agent_name: Arc<str>,
     regions: RwLock<HashMap<u64, Arc<RegionMem>>>,
     next_id: AtomicU64,
     hook: Option<Arc<dyn RegistryHook>>,
@@ -262,6 +280,7 @@ pub(crate) struct Registry {
 impl Registry {
     pub(crate) fn new(agent: String, hook: Option<Arc<dyn RegistryHook>>) -> Self {
         Self {
+            agent_name: Arc::from(agent.as_str()),
             agent,
             regions: RwLock::new(HashMap::new()),
             next_id: AtomicU64::new(1),
@@ -293,6 +312,9 @@ impl Registry {
             let mut map = self.regions.write().unwrap_or_else(|p| p.into_inner());
             map.remove(&id.0)
         };
+        if let Some(region) = &removed {
+            region.live.store(false, Ordering::Release);
+        }
         if let (Some(region), Some(hook)) = (removed, &self.hook) {
             hook.removed(id, region.shm_slot);
         }
@@ -323,6 +345,8 @@ impl Registry {
             ucx: std::sync::OnceLock::new(),
             backing,
             shm_slot,
+            live: std::sync::atomic::AtomicBool::new(true),
+            agent: Arc::clone(&self.agent_name),
         });
         self.regions
             .write()

@@ -394,6 +394,35 @@ pub async fn peer_disappears_mid_transfer(kind: BackendKind, cfg: fn() -> AgentC
     }
 }
 
+/// A local region deregistered while a transfer using it is in flight: the transfer fails with
+/// `RegionNotFound` (never success), and the connection keeps working.
+pub async fn local_region_deregistered_mid_transfer(kind: BackendKind, cfg: fn() -> AgentConfig) {
+    for op in [Op::Write, Op::Read] {
+        let Pair {
+            initiator,
+            target,
+            mut local,
+            remote,
+            peer,
+        } = pair(kind, cfg, 1, 8 << 20).await;
+        let doomed = local.remove(0);
+        let big = Descriptor::new(doomed.id(), 0, remote[0].id(), 0, 8 << 20);
+        let mut t = peer.post(op, &[big], Some(b"never".to_vec())).unwrap();
+        assert!(poll_once(&mut t).is_pending());
+        drop(doomed);
+        let e = t.await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::RegionNotFound, "{kind} {op:?}: {e}");
+        assert!(e.to_string().contains("initiator"), "{e}");
+        let fresh = initiator.alloc_dram(4096).unwrap();
+        let d = Descriptor::new(fresh.id(), 0, remote[0].id(), 0, 4096);
+        peer.post(op, &[d], Some(b"after".to_vec()))
+            .unwrap()
+            .await
+            .unwrap();
+        assert_eq!(target.recv_notification().await.unwrap().message, b"after");
+    }
+}
+
 pub async fn register_deregister_reuse(kind: BackendKind, cfg: fn() -> AgentConfig) {
     let p = pair(kind, cfg, 1, REGION_BYTES).await;
     let src = fill(&p.local[0], 11);
@@ -612,6 +641,11 @@ macro_rules! conformance {
             #[tokio::test(flavor = "current_thread")]
             async fn peer_disappears() {
                 bounded(super::peer_disappears_mid_transfer($kind, $cfg)).await
+            }
+
+            #[tokio::test(flavor = "current_thread")]
+            async fn local_region_deregistered() {
+                bounded(super::local_region_deregistered_mid_transfer($kind, $cfg)).await
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

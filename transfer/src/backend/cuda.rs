@@ -203,6 +203,7 @@ impl CudaPeer {
             .map_err(|e| unavailable(format!("creating a CUDA stream: {e}")))?;
         for seg in &job.segments {
             job.ctl.check()?;
+            seg.local.check_live()?;
             // Holding the Arc keeps the remote region's memory alive during the copy.
             let remote = target.registry.get(crate::region::RegionId(seg.remote))?;
             crate::descriptor::check_range(0, "remote", seg.remote_offset, seg.len, remote.len())?;
@@ -222,6 +223,7 @@ impl CudaPeer {
         stream
             .synchronize()
             .map_err(|e| unavailable(format!("stream synchronize: {e}")))?;
+        super::check_local_live(&job.segments)?;
         if let Some(message) = &job.notification {
             job.ctl.check()?;
             target

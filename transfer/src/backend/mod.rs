@@ -66,6 +66,11 @@ pub(crate) struct Segment {
     pub len: u64,
 }
 
+/// `RegionNotFound` if any local region of `segments` was deregistered meanwhile.
+pub(crate) fn check_local_live(segments: &[Segment]) -> Result<()> {
+    segments.iter().try_for_each(|s| s.local.check_live())
+}
+
 /// A validated transfer handed to a backend.
 pub(crate) struct Job {
     pub op: Op,

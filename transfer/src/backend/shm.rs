@@ -303,6 +303,7 @@ impl ShmPeer {
             while done < seg.len {
                 ctl.check()?;
                 self.check_alive()?;
+                seg.local.check_live()?;
                 if slot_word.load(Ordering::Acquire) != seg.remote {
                     return Err(TransferError::RegionNotFound {
                         agent: self.peer.clone(),
@@ -338,6 +339,7 @@ impl ShmPeer {
         }
         std::sync::atomic::fence(Ordering::Release);
         self.check_alive()?;
+        super::check_local_live(&job.segments)?;
         if let Some(message) = job.notification {
             self.control.notify(ctl, message).await?;
         }

@@ -509,6 +509,7 @@ impl StreamPeer {
             let mut done = 0u64;
             while done < seg.len {
                 ctl.check()?;
+                seg.local.check_live()?;
                 let len = (seg.len - done).min(self.chunk_bytes) as u32;
                 let lane = &self.lanes[lane_i % n];
                 lane_i = lane_i.wrapping_add(1);
@@ -544,6 +545,7 @@ impl StreamPeer {
             }
         }
         ctl.wait_outstanding(true).await?;
+        super::check_local_live(&job.segments)?;
         if let Some(message) = job.notification {
             self.lanes[0].notify(ctl, message).await?;
         }

@@ -791,6 +791,7 @@ impl UcxPeer {
             while done < seg.len {
                 ctl.check()?;
                 self.check_alive()?;
+                seg.local.check_live()?;
                 let n = (seg.len - done).min(self.chunk_bytes);
                 self.post(
                     job.op,
@@ -812,6 +813,7 @@ impl UcxPeer {
             e = control.dead() => return Err(e),
         }
         self.check_alive()?;
+        super::check_local_live(&job.segments)?;
         for region in regions {
             control.check_region(ctl, region).await?;
         }
