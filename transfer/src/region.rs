@@ -8,8 +8,9 @@
 //! **Invariant:** a region's memory stays mapped while anything refers to it: the registry,
 //! the caller's [`RegionHandle`], and every in-flight transfer chunk hold an `Arc` to it.
 //! Deregistration (dropping the handle) removes it from the registry at once, so new
-//! descriptors naming it fail with `RegionNotFound`; chunks already in flight finish against
-//! the still-mapped memory, which is unmapped when the last of them lets go.
+//! descriptors naming it fail with `RegionNotFound`, and transfers in flight that touch it
+//! fail with `RegionNotFound` at their next chunk; chunks already handed to a transport finish
+//! against the still-mapped memory, which is unmapped when the last of them lets go.
 
 use std::collections::HashMap;
 use std::fs::File;
