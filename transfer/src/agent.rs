@@ -553,12 +553,14 @@ async fn unix_accept_loop(ctx: Arc<TargetCtx>, listener: tokio::net::UnixListene
 }
 
 struct PeerInner {
+    /// Declared first so it drops first: a backend may still reference memory the local agent
+    /// owns (fields drop in declaration order).
+    backend: Arc<dyn PeerBackend>,
     name: String,
     backend_kind: BackendKind,
     local: Arc<AgentCore>,
     /// The peer's regions as its blob listed them: kind and length.
     regions: HashMap<u64, (MemKind, u64)>,
-    backend: Arc<dyn PeerBackend>,
 }
 
 /// A connection to one peer over one backend. Cheap to clone; share it between tasks.

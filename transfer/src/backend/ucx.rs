@@ -10,7 +10,8 @@
 //!   pending table (each entry keeps the local region's memory alive until UCX is done).
 //! * Registration maps every host region with `ucp_mem_map` and packs its remote key into the
 //!   metadata blob. **Because a remote put cannot be fenced one-sidedly, a region registered
-//!   while UCX is on stays mapped (parked) until the agent shuts down**, even after its handle
+//!   while UCX is on stays mapped (parked) until the agent's UCX worker is destroyed** (the agent
+//!   and every peer it created are gone), even after its handle
 //!   is dropped: a late put from a peer lands in memory that is still ours, never in freed
 //!   memory. Deregistration still takes effect for transfers: after the data, the initiator
 //!   asks the target (CHECK over the control lane) whether every remote region it touched is
@@ -91,7 +92,8 @@ impl Drop for UcxRegion {
 }
 
 struct PendingOp {
-    ctl: Arc<TransferCtl>,
+    /// `None` once the transfer was told (failed at shutdown) while UCX still holds the request.
+    ctl: Option<Arc<TransferCtl>>,
     peer: String,
     /// Keeps the local memory mapped until UCX has finished with it.
     _keep: Option<Arc<RegionMem>>,
@@ -102,6 +104,12 @@ struct WorkerState {
     running: bool,
     next_id: usize,
     pending: HashMap<usize, PendingOp>,
+    /// Regions registered with this agent's UCX (parked, see the module docs). Dropped only
+    /// after the worker is destroyed (the state outlives `Drop::drop` of the worker).
+    retired: Vec<Arc<RegionMem>>,
+    /// An endpoint's close did not complete (its peer vanished on a transport without failure
+    /// detection): destroying the worker could make UCX touch freed state, so it is leaked.
+    stuck: bool,
 }
 
 /// One UCP worker, shared by the agent's progress thread and its peers.
@@ -134,8 +142,22 @@ impl Drop for Worker {
                 quiet = 0;
             }
         }
+        if st.stuck || !st.pending.is_empty() {
+            // UCX still holds requests it can no longer finish (their peer vanished on a
+            // transport without failure detection): destroying the worker would purge them
+            // and, in UCX 1.13, crash. Leak the worker, the memory those requests use and the
+            // context instead (a bounded leak in an abnormal path).
+            tracing::warn!(
+                requests = st.pending.len(),
+                "UCX worker has unfinished requests at teardown; leaking it"
+            );
+            std::mem::forget(std::mem::take(&mut st.pending));
+            std::mem::forget(std::mem::take(&mut st.retired));
+            std::mem::forget(Arc::clone(&self._shared));
+            return;
+        }
         // SAFETY: the last user of the worker is gone (peers hold Arcs and close their
-        // endpoints first); pending entries (and the memory they keep) drop after this.
+        // endpoints first) and no request is outstanding; the parked regions drop after this.
         unsafe { sys::ucp_worker_destroy(st.handle) };
     }
 }
@@ -162,12 +184,17 @@ fn progress_once(st: &mut WorkerState) -> u32 {
     let n = unsafe { sys::ucp_worker_progress(st.handle) };
     let done = COMPLETIONS.with(|c| std::mem::take(&mut *c.borrow_mut()));
     for (id, status) in done {
-        if let Some(op) = st.pending.remove(&id) {
+        if let Some(PendingOp {
+            ctl: Some(ctl),
+            peer,
+            ..
+        }) = st.pending.remove(&id)
+        {
             if ok(status) {
-                op.ctl.complete_one();
+                ctl.complete_one();
             } else {
-                op.ctl.fail(TransferError::disconnected(
-                    &op.peer,
+                ctl.fail(TransferError::disconnected(
+                    &peer,
                     format!("UCX operation failed: {}", status_text(status)),
                 ));
             }
@@ -290,7 +317,7 @@ impl Worker {
         st.pending.insert(
             id,
             PendingOp {
-                ctl: Arc::clone(ctl),
+                ctl: Some(Arc::clone(ctl)),
                 peer: peer.to_owned(),
                 _keep: keep,
             },
@@ -306,7 +333,6 @@ pub(crate) struct UcxContext {
     address: Vec<u8>,
     stop: Arc<AtomicBool>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
-    parked: Mutex<Vec<Arc<RegionMem>>>,
     me: String,
     /// Set once an endpoint could not be created with peer-failure detection (shared-memory
     /// transports), so later endpoints skip the attempt (and UCX's error message).
@@ -383,6 +409,8 @@ impl UcxContext {
                     running: true,
                     next_id: 1,
                     pending: HashMap::new(),
+                    retired: Vec::new(),
+                    stuck: false,
                 }),
                 efd,
                 kick,
@@ -408,7 +436,6 @@ impl UcxContext {
                 address,
                 stop,
                 thread: Mutex::new(Some(thread)),
-                parked: Mutex::new(Vec::new()),
                 me: ctx.name.clone(),
                 no_peer_failure_mode: AtomicBool::new(false),
             }))
@@ -453,9 +480,11 @@ impl UcxContext {
                 shared: Arc::clone(&self.shared),
             });
         }
-        self.parked
+        self.worker
+            .state
             .lock()
             .unwrap_or_else(|p| p.into_inner())
+            .retired
             .push(Arc::clone(region));
         Ok(())
     }
@@ -467,18 +496,23 @@ impl UcxContext {
         if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = t.join();
         }
-        let drained: Vec<PendingOp> = {
+        let drained: Vec<(Arc<TransferCtl>, String)> = {
             let mut st = self.worker.state.lock().unwrap_or_else(|p| p.into_inner());
             st.running = false;
-            st.pending.drain().map(|(_, p)| p).collect()
+            // UCX still owns these requests: the entries (and the memory they keep mapped)
+            // stay until UCX completes them or the worker goes; only their waiters are told.
+            st.pending
+                .values_mut()
+                .filter_map(|op| op.ctl.take().map(|c| (c, op.peer.clone())))
+                .collect()
         };
-        for op in drained {
-            op.ctl.fail(TransferError::disconnected(
-                &op.peer,
+        for (ctl, peer) in drained {
+            ctl.fail(TransferError::disconnected(
+                &peer,
                 "the local agent shut down",
             ));
         }
-        // Parked regions are released when the worker and the peers are gone.
+        // Parked regions are released with the worker, once the peers are gone too.
     }
 
     /// Connects to a peer: an endpoint to its worker, its remote keys unpacked, and a TCP
@@ -529,6 +563,7 @@ impl UcxContext {
                 // transports do not, and there the control lane's EOF reports a dead peer.
                 let mut s = sys::UCS_ERR_UNREACHABLE as sys::ucs_status_t;
                 let skip_handler = self.no_peer_failure_mode.load(Ordering::Relaxed);
+                let mut peer_failure = false;
                 for with_handler in [true, false] {
                     if with_handler && skip_handler {
                         continue;
@@ -546,6 +581,7 @@ impl UcxContext {
                     }
                     s = sys::ucp_ep_create(st.handle, &ep_params, &mut ep);
                     if ok(s) {
+                        peer_failure = with_handler;
                         break;
                     }
                     if with_handler {
@@ -568,7 +604,7 @@ impl UcxContext {
                             for (_, (rk, _)) in rkeys.drain() {
                                 sys::ucp_rkey_destroy(rk);
                             }
-                            close_ep(&mut st, ep);
+                            close_ep(&mut st, ep, peer_failure);
                             drop(Arc::from_raw(err_arg as *const AtomicBool));
                             return Err(TransferError::Metadata {
                                 reason: format!(
@@ -581,7 +617,14 @@ impl UcxContext {
                         rkeys.insert(r.id, (rkey, r.addr));
                     }
                 }
-                (Ep { ep, err_arg }, rkeys)
+                (
+                    Ep {
+                        ep,
+                        err_arg,
+                        peer_failure,
+                    },
+                    rkeys,
+                )
             }
         };
         let peer = Arc::new(UcxPeer {
@@ -619,18 +662,22 @@ unsafe extern "C" fn ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, _status: sys
     dead.store(true, Ordering::Release);
 }
 
-/// Closes an endpoint in force mode (outstanding requests complete as cancelled) and drives
-/// the worker until the close completes (bounded by [`EP_CLOSE_DEADLINE`]).
+/// Closes an endpoint (in force mode where it has peer-failure handling: outstanding requests
+/// complete as cancelled; otherwise by flushing) and drives the worker until the close
+/// completes, bounded by [`EP_CLOSE_DEADLINE`]; a close that does not complete marks the
+/// worker stuck (see `WorkerState::stuck`).
 ///
 /// # Safety
 /// `st`'s worker must be live and its mutex held by the caller; `ep` an endpoint of it, not
 /// used again.
-unsafe fn close_ep(st: &mut WorkerState, ep: sys::ucp_ep_h) {
+unsafe fn close_ep(st: &mut WorkerState, ep: sys::ucp_ep_h, force: bool) {
     // SAFETY: per the function contract.
     unsafe {
         let mut p: sys::ucp_request_param_t = std::mem::zeroed();
-        p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
-        p.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        if force {
+            p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+            p.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        }
         let req = sys::ucp_ep_close_nbx(ep, &p);
         if sys::ucs_ptr_is_ptr(req) {
             let start = std::time::Instant::now();
@@ -638,6 +685,9 @@ unsafe fn close_ep(st: &mut WorkerState, ep: sys::ucp_ep_h) {
                 && start.elapsed() < EP_CLOSE_DEADLINE
             {
                 progress_once(st);
+            }
+            if sys::ucp_request_check_status(req) == sys::UCS_INPROGRESS as sys::ucs_status_t {
+                st.stuck = true;
             }
             sys::ucp_request_free(req);
         }
@@ -648,6 +698,8 @@ unsafe fn close_ep(st: &mut WorkerState, ep: sys::ucp_ep_h) {
 struct Ep {
     ep: sys::ucp_ep_h,
     err_arg: *mut c_void,
+    /// Created with peer-failure handling (so it may be closed in force mode).
+    peer_failure: bool,
 }
 
 /// A peer reached by UCX RMA.
@@ -676,7 +728,7 @@ impl Drop for UcxPeer {
             for (_, (rk, _)) in self.rkeys.drain() {
                 sys::ucp_rkey_destroy(rk);
             }
-            close_ep(&mut st, self.ep.ep);
+            close_ep(&mut st, self.ep.ep, self.ep.peer_failure);
             drop(Arc::from_raw(self.ep.err_arg as *const AtomicBool));
         }
     }
