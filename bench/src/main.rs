@@ -5,6 +5,7 @@
 //! * `lookup`: in-process longest-prefix lookup through the store's index.
 //! * `policy`: eviction policies on block-hash traces against LRU and the offline optimum.
 //! * `server`: the sidecar over its transports against memcpy, raw sockets, raw quinn, Redis.
+//! * `transfer`: the transfer library (nixlbench-style sweep) against memcpy, raw TCP and quinn.
 //!
 //! Tables go to stdout (or one JSON document with `--json`); progress goes to stderr.
 
@@ -13,6 +14,7 @@ mod lookup;
 mod policy;
 mod server;
 mod tiers;
+mod transfer;
 mod util;
 
 use anyhow::Result;
@@ -48,6 +50,8 @@ enum Command {
         #[arg(long = "set")]
         set: Vec<String>,
     },
+    /// Transfer library: block size x batch x backend x READ/WRITE against raw references.
+    Transfer(transfer::TransferArgs),
 }
 
 #[derive(Serialize)]
@@ -149,6 +153,17 @@ fn main() -> Result<()> {
                 "policy",
                 r,
                 policy::print,
+            )
+        }
+        Command::Transfer(a) => {
+            let r = transfer::run(a)?;
+            emit(
+                cli.json,
+                &command_line,
+                &machine,
+                "transfer",
+                r,
+                transfer::print,
             )
         }
     }

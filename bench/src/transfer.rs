@@ -1,0 +1,616 @@
+//! `kvtier-bench transfer`: the transfer library in the style of nixlbench. Sweeps block size x
+//! batch size (descriptors per transfer) x backend x READ/WRITE between two agents in this
+//! process, `--inflight` transfers in flight at a time (default 1), and reports GB/s, latency p50/p99 and the time
+//! spent in `post`. A separate case measures the fixed cost: one 64-byte descriptor.
+//!
+//! References, measured in the same run on the same machine:
+//! * shm: single-threaded memcpy of the same blocks between two buffers;
+//! * tcp: raw loopback TCP streams, as many as the backend uses, moving the case's bytes: the
+//!   writers cycle through a source buffer of block x batch bytes (split between the streams)
+//!   in writes of min(block, chunk) bytes (the backend's frame size), the readers into a
+//!   destination buffer of the same size: same working set, same write size, no protocol;
+//! * quic: raw quinn streams, the same way (same stream count, transport settings and TLS);
+//! * ucx (kvtier-bench built with `--features kvtier-transfer/ucx`): UCX's own `ucx_perftest`
+//!   (`ucp_put_bw`, messages of min(block, chunk) bytes as the backend puts, 8 outstanding,
+//!   same `UCX_TLS`) between two processes on loopback, when installed (Debian `ucx-utils`);
+//!   its MB/s are MiB/s. (Single large puts over UCX's tcp transport run at tens of MB/s
+//!   here, so a block-sized reference would flatter the backend.)
+//!
+//! Each transfer's remote descriptors are laid out in reverse order, so a batch never merges
+//! into one descriptor.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::Args;
+use kvtier_transfer::{Agent, AgentConfig, BackendKind, Descriptor, Op, Peer, RegionHandle};
+use serde::Serialize;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::util::{Bytes, parse_size, parse_size_list};
+
+/// Bytes of the fixed-cost case.
+const FIXED_COST_BYTES: u64 = 64;
+
+#[derive(Clone, Debug)]
+pub struct SizeList(pub Vec<u64>);
+
+fn parse_sizes(s: &str) -> Result<SizeList, String> {
+    parse_size_list(s).map(SizeList)
+}
+
+#[derive(Args, Debug)]
+pub struct TransferArgs {
+    /// Backends to measure (shm, tcp, quic, ucx; ucx needs kvtier-bench built with
+    /// `--features kvtier-transfer/ucx`).
+    #[arg(long, default_value = "shm,tcp,quic")]
+    pub backends: String,
+    /// Block sizes (one descriptor each).
+    #[arg(long, default_value = "4k,64k,1m,4m,16m,64m", value_parser = parse_sizes)]
+    pub sizes: SizeList,
+    /// Batch sizes (descriptors per transfer).
+    #[arg(long, default_value = "1,16")]
+    pub batches: String,
+    /// Operations (write, read).
+    #[arg(long, default_value = "write,read")]
+    pub ops: String,
+    /// Measured time of each case.
+    #[arg(long, default_value_t = 1.0)]
+    pub seconds_per_case: f64,
+    /// Cases whose block x batch exceeds this are skipped (each side allocates it).
+    #[arg(long, default_value = "256m", value_parser = parse_size)]
+    pub max_case_bytes: u64,
+    /// TCP connections per peer (the raw TCP reference uses as many).
+    #[arg(long, default_value_t = 4)]
+    pub tcp_streams: usize,
+    /// QUIC streams per peer (the raw quinn reference uses as many).
+    #[arg(long, default_value_t = 1)]
+    pub quic_streams: usize,
+    /// Transfers kept in flight at once (each on its own slice of the regions, posted from
+    /// its own task).
+    #[arg(long, default_value_t = 1)]
+    pub inflight: usize,
+    /// UCX transports for the ucx backend and its ucx_perftest reference (UCX_TLS).
+    #[arg(long, default_value = "tcp")]
+    pub ucx_tls: String,
+    /// Striping chunk of the TCP/QUIC backends.
+    #[arg(long, default_value = "1m", value_parser = parse_size)]
+    pub chunk_bytes: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TransferReport {
+    pub seconds_per_case: f64,
+    pub inflight: usize,
+    pub tcp_streams: usize,
+    pub quic_streams: usize,
+    pub chunk_bytes: u64,
+    pub fixed_cost: Vec<FixedCost>,
+    pub cases: Vec<Case>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct FixedCost {
+    pub backend: String,
+    pub op: String,
+    pub bytes: u64,
+    pub transfers: u64,
+    pub latency_us_p50: f64,
+    pub latency_us_p99: f64,
+    pub post_us_p50: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Case {
+    pub backend: String,
+    pub op: String,
+    pub block_bytes: u64,
+    pub batch: usize,
+    pub transfers: u64,
+    pub gb_per_s: f64,
+    pub latency_us_p50: f64,
+    pub latency_us_p99: f64,
+    pub post_us_p50: f64,
+    pub reference: String,
+    pub reference_gb_per_s: f64,
+    pub ratio: f64,
+}
+
+fn parse_backends(s: &str) -> Result<Vec<BackendKind>> {
+    s.split(',')
+        .map(|b| match b.trim() {
+            "shm" => Ok(BackendKind::Shm),
+            "tcp" => Ok(BackendKind::Tcp),
+            "quic" => Ok(BackendKind::Quic),
+            "ucx" => Ok(BackendKind::Ucx),
+            other => bail!("unknown backend {other:?} (shm, tcp, quic, ucx)"),
+        })
+        .collect()
+}
+
+fn parse_ops(s: &str) -> Result<Vec<Op>> {
+    s.split(',')
+        .map(|o| match o.trim() {
+            "write" => Ok(Op::Write),
+            "read" => Ok(Op::Read),
+            other => bail!("unknown op {other:?} (write, read)"),
+        })
+        .collect()
+}
+
+fn op_name(op: Op) -> &'static str {
+    match op {
+        Op::Write => "WRITE",
+        Op::Read => "READ",
+    }
+}
+
+pub fn run(args: &TransferArgs) -> Result<TransferReport> {
+    let backends = parse_backends(&args.backends)?;
+    let ops = parse_ops(&args.ops)?;
+    let batches: Vec<usize> = args
+        .batches
+        .split(',')
+        .map(|b| b.trim().parse::<usize>().context("--batches"))
+        .collect::<Result<_>>()?;
+    if batches.contains(&0) || args.seconds_per_case <= 0.0 || args.inflight == 0 {
+        bail!("--batches, --inflight and --seconds-per-case must be above zero");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(run_async(args, &backends, &ops, &batches))
+}
+
+struct Times(Vec<Duration>);
+
+impl Times {
+    fn pct_us(&mut self, p: f64) -> f64 {
+        self.0.sort_unstable();
+        let i = ((self.0.len() - 1) as f64 * p).round() as usize;
+        self.0[i].as_secs_f64() * 1e6
+    }
+}
+
+struct Measured {
+    transfers: u64,
+    elapsed: Duration,
+    latency: Times,
+    post: Times,
+}
+
+/// Runs one `measure` loop per descriptor list concurrently (one task each) and pools them.
+async fn measure_inflight(
+    peer: &Peer,
+    op: Op,
+    lists: Vec<Vec<Descriptor>>,
+    dur: Duration,
+) -> Result<Measured> {
+    if lists.len() == 1 {
+        return measure(peer, op, &lists[0], dur).await;
+    }
+    let mut tasks = Vec::new();
+    let wall = Instant::now();
+    for list in lists {
+        let peer = peer.clone();
+        tasks.push(tokio::spawn(
+            async move { measure(&peer, op, &list, dur).await },
+        ));
+    }
+    let mut all = Measured {
+        transfers: 0,
+        elapsed: Duration::ZERO,
+        latency: Times(Vec::new()),
+        post: Times(Vec::new()),
+    };
+    for t in tasks {
+        let m = t.await??;
+        all.transfers += m.transfers;
+        all.latency.0.extend(m.latency.0);
+        all.post.0.extend(m.post.0);
+    }
+    // Wall time over all loops (a loop whose transfers never wait, as small shared-memory
+    // copies, runs to its end before the next loop starts).
+    all.elapsed = wall.elapsed();
+    Ok(all)
+}
+
+async fn measure(peer: &Peer, op: Op, descs: &[Descriptor], dur: Duration) -> Result<Measured> {
+    // Warm-up: a few transfers (faults pages in, opens windows).
+    for _ in 0..3 {
+        peer.post(op, descs, None)?.await?;
+    }
+    let mut latency = Vec::new();
+    let mut post = Vec::new();
+    let start = Instant::now();
+    while start.elapsed() < dur || latency.len() < 3 {
+        let t = Instant::now();
+        let stats = peer.post(op, descs, None)?.await?;
+        latency.push(t.elapsed());
+        post.push(stats.post_time);
+    }
+    Ok(Measured {
+        transfers: latency.len() as u64,
+        elapsed: start.elapsed(),
+        latency: Times(latency),
+        post: Times(post),
+    })
+}
+
+fn config(args: &TransferArgs) -> AgentConfig {
+    AgentConfig {
+        tcp_streams: args.tcp_streams,
+        quic_streams: args.quic_streams,
+        chunk_bytes: args.chunk_bytes,
+        ucx_transports: Some(args.ucx_tls.clone()),
+        ..AgentConfig::default()
+    }
+}
+
+fn fill(region: &RegionHandle) -> Result<()> {
+    let piece = crate::util::random_buf(1 << 20, 42);
+    let mut off = 0u64;
+    while off < region.len() {
+        let n = (region.len() - off).min(piece.len() as u64) as usize;
+        region.write_at(off, &piece[..n])?;
+        off += n as u64;
+    }
+    Ok(())
+}
+
+async fn run_async(
+    args: &TransferArgs,
+    backends: &[BackendKind],
+    ops: &[Op],
+    batches: &[usize],
+) -> Result<TransferReport> {
+    let dur = Duration::from_secs_f64(args.seconds_per_case);
+    let mut report = TransferReport {
+        seconds_per_case: args.seconds_per_case,
+        inflight: args.inflight,
+        tcp_streams: args.tcp_streams,
+        quic_streams: args.quic_streams,
+        chunk_bytes: args.chunk_bytes,
+        fixed_cost: Vec::new(),
+        cases: Vec::new(),
+    };
+    // UCX's reference depends on the message size only; cached by it.
+    let mut reference_cache: Vec<(BackendKind, u64, f64)> = Vec::new();
+    for &backend in backends {
+        let target = Agent::new("bench-target", config(args)).await?;
+        let initiator = Agent::new("bench-initiator", config(args)).await?;
+        // Fixed cost: one small descriptor.
+        {
+            let src = initiator.alloc_dram(4096)?;
+            let dst = target.alloc_dram(4096)?;
+            let peer = initiator.connect(&target.metadata()?, backend).await?;
+            let d = [Descriptor::new(src.id(), 0, dst.id(), 0, FIXED_COST_BYTES)];
+            for &op in ops {
+                eprintln!("transfer: {backend} {} fixed cost", op_name(op));
+                let mut m = measure(&peer, op, &d, dur).await?;
+                report.fixed_cost.push(FixedCost {
+                    backend: backend.to_string(),
+                    op: op_name(op).into(),
+                    bytes: FIXED_COST_BYTES,
+                    transfers: m.transfers,
+                    latency_us_p50: m.latency.pct_us(0.5),
+                    latency_us_p99: m.latency.pct_us(0.99),
+                    post_us_p50: m.post.pct_us(0.5),
+                });
+            }
+        }
+        for &block in &args.sizes.0 {
+            for &batch in batches {
+                let total = block * batch as u64;
+                let inflight = args.inflight as u64;
+                if total * inflight > args.max_case_bytes {
+                    eprintln!(
+                        "transfer: skip {backend} {} x {batch} (over --max-case-bytes)",
+                        Bytes(block)
+                    );
+                    continue;
+                }
+                let message = block.min(args.chunk_bytes);
+                let reference = match reference_cache
+                    .iter()
+                    .find(|(b, s, _)| *b == backend && *s == message)
+                {
+                    Some((_, _, gbps)) if backend == BackendKind::Ucx => *gbps,
+                    _ => {
+                        let gbps = reference_gbps(args, backend, block, batch, dur).await?;
+                        reference_cache.push((backend, message, gbps));
+                        gbps
+                    }
+                };
+                let src = initiator.alloc_dram(total * inflight)?;
+                let dst = target.alloc_dram(total * inflight)?;
+                fill(&src)?;
+                fill(&dst)?;
+                let peer = initiator.connect(&target.metadata()?, backend).await?;
+                let lists: Vec<Vec<Descriptor>> = (0..inflight)
+                    .map(|k| {
+                        let base = k * total;
+                        (0..batch as u64)
+                            .map(|i| {
+                                Descriptor::new(
+                                    src.id(),
+                                    base + i * block,
+                                    dst.id(),
+                                    base + (batch as u64 - 1 - i) * block,
+                                    block,
+                                )
+                            })
+                            .collect()
+                    })
+                    .collect();
+                for &op in ops {
+                    eprintln!(
+                        "transfer: {backend} {} {} x {batch}",
+                        op_name(op),
+                        Bytes(block)
+                    );
+                    let mut m = measure_inflight(&peer, op, lists.clone(), dur).await?;
+                    let gbps = (m.transfers * total) as f64 / m.elapsed.as_secs_f64() / 1e9;
+                    report.cases.push(Case {
+                        backend: backend.to_string(),
+                        op: op_name(op).into(),
+                        block_bytes: block,
+                        batch,
+                        transfers: m.transfers,
+                        gb_per_s: gbps,
+                        latency_us_p50: m.latency.pct_us(0.5),
+                        latency_us_p99: m.latency.pct_us(0.99),
+                        post_us_p50: m.post.pct_us(0.5),
+                        reference: reference_name(backend, args),
+                        reference_gb_per_s: reference,
+                        ratio: gbps / reference,
+                    });
+                }
+            }
+        }
+    }
+    Ok(report)
+}
+
+fn reference_name(backend: BackendKind, args: &TransferArgs) -> String {
+    match backend {
+        BackendKind::Shm => "memcpy (1 thread)".into(),
+        BackendKind::Tcp => format!("raw loopback TCP x{}", args.tcp_streams),
+        BackendKind::Quic => format!("raw quinn stream x{}", args.quic_streams),
+        BackendKind::Ucx => format!("ucx_perftest ucp_put_bw -O 8 UCX_TLS={}", args.ucx_tls),
+        other => other.to_string(),
+    }
+}
+
+async fn reference_gbps(
+    args: &TransferArgs,
+    backend: BackendKind,
+    block: u64,
+    batch: usize,
+    dur: Duration,
+) -> Result<f64> {
+    eprintln!("transfer: reference for {backend} {}", Bytes(block));
+    match backend {
+        BackendKind::Shm => Ok(memcpy_gbps(block as usize, batch, dur)),
+        BackendKind::Tcp => {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let addr = l.local_addr()?;
+            let mut pairs = Vec::new();
+            for _ in 0..args.tcp_streams {
+                let c = tokio::net::TcpStream::connect(addr).await?;
+                let (s, _) = l.accept().await?;
+                c.set_nodelay(true)?;
+                s.set_nodelay(true)?;
+                let (_, w) = c.into_split();
+                let (r, _) = s.into_split();
+                pairs.push((w, r));
+            }
+            raw_streams(pairs, block as usize, batch, args.chunk_bytes as usize, dur).await
+        }
+        BackendKind::Quic => {
+            use kvtier_transfer::backend::quic;
+            let (sc, cert) = quic::server_identity()?;
+            let server = quinn::Endpoint::server(sc, "127.0.0.1:0".parse()?)?;
+            let addr = server.local_addr()?;
+            let accept = tokio::spawn(async move {
+                let conn = server
+                    .accept()
+                    .await
+                    .ok_or_else(|| anyhow!("endpoint closed"))?
+                    .await?;
+                Ok::<_, anyhow::Error>((server, conn))
+            });
+            let (_client_ep, conn) =
+                quic::connect_raw("127.0.0.1".parse()?, addr, &cert, "reference").await?;
+            let (_server_ep, server_conn) = accept.await??;
+            let mut pairs = Vec::new();
+            for _ in 0..args.quic_streams {
+                let (mut send, _recv) = conn.open_bi().await?;
+                // A stream becomes visible to the peer with its first bytes.
+                send.write_all(&[0u8]).await?;
+                let (_s, mut recv) = server_conn.accept_bi().await?;
+                let mut one = [0u8; 1];
+                recv.read_exact(&mut one).await?;
+                pairs.push((send, recv));
+            }
+            raw_streams(pairs, block as usize, batch, args.chunk_bytes as usize, dur).await
+        }
+        BackendKind::Ucx => ucx_perftest_gbps(&args.ucx_tls, block.min(args.chunk_bytes), dur),
+        other => bail!("no reference for {other}"),
+    }
+}
+
+/// Runs `ucx_perftest` as a server and a client (`ucp_put_bw`) on loopback and returns the
+/// client's overall bandwidth; NaN (reported as a missing reference) when not installed.
+fn ucx_perftest_gbps(tls: &str, block: u64, dur: Duration) -> Result<f64> {
+    use std::process::{Command, Stdio};
+    if Command::new("ucx_perftest")
+        .arg("-h")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_err()
+    {
+        eprintln!("transfer: ucx_perftest not installed (ucx-utils); no UCX reference");
+        return Ok(f64::NAN);
+    }
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        l.local_addr()?.port().to_string()
+    };
+    // Aim at the case's duration assuming about 1 GB/s, within sane bounds.
+    let iters = ((dur.as_secs_f64() * 1e9 / block as f64) as u64).clamp(20, 100_000);
+    let mut server = Command::new("ucx_perftest")
+        .args(["-p", &port])
+        .env("UCX_TLS", tls)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting the ucx_perftest server")?;
+    let mut result = Err(anyhow!("ucx_perftest client never connected"));
+    for _ in 0..50 {
+        std::thread::sleep(Duration::from_millis(100));
+        let out = Command::new("ucx_perftest")
+            .args(["127.0.0.1", "-p", &port, "-t", "ucp_put_bw", "-O", "8"])
+            .args(["-s", &block.to_string(), "-n", &iters.to_string()])
+            .env("UCX_TLS", tls)
+            .output()
+            .context("running the ucx_perftest client")?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        if let Some(line) = text.lines().find(|l| l.starts_with("Final:")) {
+            // Final: iterations, overhead p50, avg, overall, MB/s avg, MB/s overall, ...
+            let mb_overall: f64 = line
+                .split_whitespace()
+                .nth(6)
+                .ok_or_else(|| anyhow!("unexpected ucx_perftest line {line:?}"))?
+                .parse()?;
+            result = Ok(mb_overall * 1_048_576.0 / 1e9);
+            break;
+        }
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    result
+}
+
+fn memcpy_gbps(block: usize, batch: usize, dur: Duration) -> f64 {
+    let total = block * batch;
+    let src = crate::util::random_buf(total, 7);
+    let mut dst = vec![0u8; total];
+    dst.copy_from_slice(&src[..total]);
+    let start = Instant::now();
+    let mut bytes = 0u64;
+    while start.elapsed() < dur {
+        for i in 0..batch {
+            let j = batch - 1 - i;
+            dst[j * block..(j + 1) * block].copy_from_slice(&src[i * block..(i + 1) * block]);
+        }
+        std::hint::black_box(&mut dst);
+        bytes += total as u64;
+    }
+    bytes as f64 / start.elapsed().as_secs_f64() / 1e9
+}
+
+/// Bulk throughput of `pairs` (writer, reader) run concurrently for `dur`: the writers cycle
+/// through `block x batch` source bytes (split between the pairs) in writes of
+/// min(block, chunk) bytes; the readers land them in a buffer of the same size.
+async fn raw_streams<W, R>(
+    pairs: Vec<(W, R)>,
+    block: usize,
+    batch: usize,
+    chunk: usize,
+    dur: Duration,
+) -> Result<f64>
+where
+    W: AsyncWrite + Unpin + Send + 'static,
+    R: AsyncRead + Unpin + Send + 'static,
+{
+    let write_len = block.min(chunk);
+    let share = (block * batch / pairs.len()).max(write_len);
+    let stop = Arc::new(AtomicBool::new(false));
+    let received = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    let start = Instant::now();
+    for (mut w, mut r) in pairs {
+        let stop_w = Arc::clone(&stop);
+        tasks.push(tokio::spawn(async move {
+            let src = crate::util::random_buf(share, 3);
+            let mut off = 0;
+            while !stop_w.load(Ordering::Relaxed) {
+                let n = write_len.min(share - off);
+                w.write_all(&src[off..off + n]).await?;
+                off = if off + n >= share { 0 } else { off + n };
+            }
+            w.shutdown().await?;
+            Ok::<_, anyhow::Error>(())
+        }));
+        let received = Arc::clone(&received);
+        tasks.push(tokio::spawn(async move {
+            let mut dst = vec![0u8; share];
+            let mut off = 0;
+            loop {
+                let want = write_len.min(share - off);
+                let n = r.read(&mut dst[off..off + want]).await?;
+                if n == 0 {
+                    break;
+                }
+                off = if off + n >= share { 0 } else { off + n };
+                received.fetch_add(n as u64, Ordering::Relaxed);
+            }
+            Ok(())
+        }));
+    }
+    tokio::time::sleep(dur).await;
+    let bytes_at_stop = received.load(Ordering::Relaxed);
+    let elapsed = start.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await??;
+    }
+    Ok(bytes_at_stop as f64 / elapsed.as_secs_f64() / 1e9)
+}
+
+pub fn print(r: &TransferReport) {
+    println!(
+        "{} transfer(s) in flight; tcp streams {}, quic streams {}, chunk {}; {} s per case",
+        r.inflight,
+        r.tcp_streams,
+        r.quic_streams,
+        Bytes(r.chunk_bytes),
+        r.seconds_per_case
+    );
+    println!("fixed cost (one {FIXED_COST_BYTES}-byte descriptor):");
+    println!(
+        "  {:<5} {:<6} {:>10} {:>10} {:>10}",
+        "back", "op", "p50 us", "p99 us", "post us"
+    );
+    for f in &r.fixed_cost {
+        println!(
+            "  {:<5} {:<6} {:>10.2} {:>10.2} {:>10.2}",
+            f.backend, f.op, f.latency_us_p50, f.latency_us_p99, f.post_us_p50
+        );
+    }
+    println!(
+        "{:<5} {:<6} {:>8} {:>5} {:>8} {:>10} {:>10} {:>8} {:>9} {:>6}  reference",
+        "back", "op", "block", "batch", "GB/s", "p50 us", "p99 us", "post us", "ref GB/s", "ratio"
+    );
+    for c in &r.cases {
+        println!(
+            "{:<5} {:<6} {:>8} {:>5} {:>8.2} {:>10.1} {:>10.1} {:>8.2} {:>9.2} {:>6.2}  {}",
+            c.backend,
+            c.op,
+            Bytes(c.block_bytes).to_string(),
+            c.batch,
+            c.gb_per_s,
+            c.latency_us_p50,
+            c.latency_us_p99,
+            c.post_us_p50,
+            c.reference_gb_per_s,
+            c.ratio,
+            c.reference
+        );
+    }
+}
