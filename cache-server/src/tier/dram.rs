@@ -89,8 +89,15 @@ impl DramTier {
             path: "memfd:kvtier-dram".into(),
             source,
         };
+        // Sealing allowed: the transfer library seals the arena's size when it registers it
+        // for shared-memory peers (a peer's mapping can then never be truncated under it).
         // SAFETY: memfd_create takes a NUL-terminated name and flags; it returns a new fd or -1.
-        let fd = unsafe { libc::memfd_create(c"kvtier-dram".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe {
+            libc::memfd_create(
+                c"kvtier-dram".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
         if fd < 0 {
             return Err(io(std::io::Error::last_os_error()));
         }
@@ -273,6 +280,7 @@ impl Tier for DramTier {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
 
     #[test]
     fn conformance() {
@@ -292,6 +300,13 @@ mod tests {
             .unwrap()
             .len();
         assert_eq!(fd_len, t.arena_bytes());
+        // Sealable (for the transfer library's shared-memory registration).
+        // SAFETY: fcntl F_GET_SEALS on a descriptor we own; it only reads.
+        let seals = unsafe { libc::fcntl(t.arena_fd().as_raw_fd(), libc::F_GET_SEALS) };
+        assert!(
+            seals >= 0 && seals & libc::F_SEAL_SEAL == 0,
+            "seals {seals:#x}"
+        );
         assert_eq!(t.slot_offset(SlotId(3)), 3 * 8192);
     }
 
