@@ -58,6 +58,11 @@ impl Default for ModelConfig {
 /// blocks of one never serve the other).
 pub const KV_DTYPE: Dtype = Dtype::F32;
 
+/// Largest context accepted (2^20 tokens).
+pub const MAX_CONTEXT_TOKENS: usize = 1 << 20;
+/// Largest rotary table, in f32 entries per table (2^26, 256 MiB).
+pub const MAX_ROTARY_ELEMENTS: usize = 1 << 26;
+
 impl ModelConfig {
     /// Parses a Hugging Face Llama `config.json`. Errors name the offending field.
     /// `block_tokens` is not part of the model; it comes from the deployment.
@@ -165,6 +170,19 @@ impl ModelConfig {
             return Err(config_err(
                 "rms_norm_eps",
                 "must be a positive number".to_owned(),
+            ));
+        }
+        // The rotary tables hold max_context_tokens x head_dim / 2 floats each, allocated up
+        // front: bound them so a hostile config.json cannot ask for terabytes.
+        if self.max_context_tokens > MAX_CONTEXT_TOKENS
+            || self.max_context_tokens.saturating_mul(self.head_dim / 2) > MAX_ROTARY_ELEMENTS
+        {
+            return Err(config_err(
+                "max_position_embeddings",
+                format!(
+                    "{} is too large (at most {MAX_CONTEXT_TOKENS}, and {MAX_ROTARY_ELEMENTS} rotary entries)",
+                    self.max_context_tokens
+                ),
             ));
         }
         // The KV layout checks block_tokens (power of two, at most 512) and the sizes.
@@ -295,6 +313,12 @@ mod tests {
         check("rms_norm_eps", Some("0"), 16, "rms_norm_eps");
         check("tie_word_embeddings", Some("1"), 16, "tie_word_embeddings");
         check("vocab_size", Some("1.5"), 16, "vocab_size");
+        check(
+            "max_position_embeddings",
+            Some("1000000000000"),
+            16,
+            "max_position_embeddings",
+        );
         check("vocab_size", Some("32000"), 12, "kv layout");
         assert!(matches!(
             ModelConfig::from_hf_json("{not json", 16),
