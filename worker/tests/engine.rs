@@ -370,3 +370,25 @@ fn a_hugging_face_directory_loads_to_the_same_model() -> Result<()> {
     ));
     Ok(())
 }
+
+#[test]
+fn generation_stops_at_the_context_length() -> Result<()> {
+    let cfg = ModelConfig {
+        max_context_tokens: 40,
+        ..cfg()
+    };
+    let mut e = Engine::new(Model::random(cfg, 2)?, 8)?;
+    let g = e.generate(&prompt(5, 35), 100, Sampling::GREEDY)?;
+    // Positions 35..=39 are decoded; the token sampled from position 39's logits is the last.
+    assert_eq!(g.finish, FinishReason::ContextFull);
+    assert_eq!(g.tokens.len(), 6);
+    assert_eq!(e.cache().free_blocks(), 8);
+    assert!(matches!(
+        e.generate(&prompt(5, 41), 1, Sampling::GREEDY),
+        Err(WorkerError::ContextFull {
+            tokens: 41,
+            max_context_tokens: 40
+        })
+    ));
+    Ok(())
+}
