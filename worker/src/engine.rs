@@ -1,0 +1,267 @@
+//! The engine: a model plus the block pool, with prefill from any cached prefix, decode and
+//! sampling. Sequences are identified by their [`BlockTable`]s, so several can share the pool;
+//! scheduling them together (continuous batching) is later work.
+
+use std::time::{Duration, Instant};
+
+use crate::error::{Result, WorkerError};
+use crate::kv_cache::{BlockTable, PagedKvCache};
+use crate::model::{Model, argmax};
+use crate::rng::SplitMix64;
+use crate::tokenizer::ByteTokenizer;
+
+/// How to pick the next token: greedy (argmax) when `temperature <= 0`, otherwise sampling
+/// from `softmax(logits / temperature)` with a PRNG seeded by `seed`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling {
+    pub temperature: f32,
+    pub seed: u64,
+}
+
+impl Sampling {
+    pub const GREEDY: Sampling = Sampling {
+        temperature: 0.0,
+        seed: 0,
+    };
+}
+
+/// Why generation stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    Eos,
+    MaxTokens,
+    ContextFull,
+}
+
+/// The result of [`Engine::generate`].
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// Generated tokens (an EOS that ended generation is not included).
+    pub tokens: Vec<u32>,
+    pub finish: FinishReason,
+    pub prompt_tokens: usize,
+    /// Time to run the prompt and get the first logits.
+    pub prefill_time: Duration,
+    /// Time of the decode steps after the first token.
+    pub decode_time: Duration,
+}
+
+struct Sampler {
+    temperature: f32,
+    rng: SplitMix64,
+}
+
+impl Sampler {
+    fn new(s: Sampling) -> Self {
+        Self {
+            temperature: s.temperature,
+            rng: SplitMix64::new(s.seed),
+        }
+    }
+
+    fn sample(&mut self, logits: &[f32]) -> u32 {
+        if self.temperature.is_nan() || self.temperature <= 0.0 {
+            return argmax(logits);
+        }
+        let max = logits[argmax(logits) as usize];
+        let weights: Vec<f32> = logits
+            .iter()
+            .map(|&l| ((l - max) / self.temperature).exp())
+            .collect();
+        let total: f32 = weights.iter().sum();
+        let mut r = self.rng.next_f32() * total;
+        for (i, w) in weights.iter().enumerate() {
+            if r < *w {
+                return i as u32;
+            }
+            r -= w;
+        }
+        // Rounding left r past the last weight: the last token with weight.
+        weights.iter().rposition(|&w| w > 0.0).unwrap_or(0) as u32
+    }
+}
+
+/// A model and its KV block pool.
+pub struct Engine {
+    model: Model,
+    cache: PagedKvCache,
+}
+
+impl Engine {
+    /// An engine with a pool of `num_blocks` blocks.
+    pub fn new(model: Model, num_blocks: usize) -> Result<Self> {
+        let layout = model.config().kv_layout()?;
+        let cache = PagedKvCache::new(layout, num_blocks)?;
+        Ok(Self { model, cache })
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    pub fn cache(&self) -> &PagedKvCache {
+        &self.cache
+    }
+
+    /// The pool, for loading blocks (`allocate` + `write_block`) or freeing tables.
+    pub fn cache_mut(&mut self) -> &mut PagedKvCache {
+        &mut self.cache
+    }
+
+    /// Runs the prompt `tokens` from `start_pos` and returns the last position's logits.
+    ///
+    /// Positions `0..start_pos` must already be in the cache through `table` (a prefix loaded
+    /// from kvtier, or computed earlier); only later positions are computed. A `start_pos` at
+    /// or past the end (a full-prompt hit) still recomputes the last token, since its logits
+    /// are needed; its KV is rewritten with the same values. `table` grows to cover the prompt;
+    /// the prompt is checked before any block is allocated.
+    pub fn prefill(
+        &mut self,
+        tokens: &[u32],
+        start_pos: usize,
+        table: &mut BlockTable,
+    ) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(WorkerError::EmptyPrompt);
+        }
+        let start = start_pos.min(tokens.len() - 1);
+        let covered_tokens = table.len() * self.cache.block_tokens();
+        if start > covered_tokens {
+            return Err(WorkerError::MissingPrefix {
+                start_pos: start,
+                covered_tokens,
+            });
+        }
+        let max = self.model.config().max_context_tokens;
+        if tokens.len() > max {
+            return Err(WorkerError::ContextFull {
+                tokens: tokens.len(),
+                max_context_tokens: max,
+            });
+        }
+        let vocab_size = self.model.config().vocab_size;
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab_size) {
+            return Err(WorkerError::TokenOutOfVocab { id, vocab_size });
+        }
+        self.cache.reserve(table, tokens.len())?;
+        self.model
+            .forward(&tokens[start..], start, &mut self.cache, table)
+    }
+
+    /// Runs one token at position `pos` (positions `0..pos` cached) and returns its logits.
+    pub fn decode_step(
+        &mut self,
+        token: u32,
+        pos: usize,
+        table: &mut BlockTable,
+    ) -> Result<Vec<f32>> {
+        let covered_tokens = table.len() * self.cache.block_tokens();
+        if pos > covered_tokens {
+            return Err(WorkerError::MissingPrefix {
+                start_pos: pos,
+                covered_tokens,
+            });
+        }
+        self.cache.reserve(table, pos + 1)?;
+        self.model.forward(&[token], pos, &mut self.cache, table)
+    }
+
+    /// Decodes after a prefill: `logits` are those of position `len - 1`, where `len` tokens
+    /// are cached through `table`. Stops at EOS, after `max_tokens` tokens, or when the
+    /// context is full.
+    pub fn decode(
+        &mut self,
+        table: &mut BlockTable,
+        len: usize,
+        logits: Vec<f32>,
+        max_tokens: usize,
+        sampling: Sampling,
+    ) -> Result<(Vec<u32>, FinishReason)> {
+        let mut sampler = Sampler::new(sampling);
+        let mut logits = logits;
+        let mut out = Vec::new();
+        let max_ctx = self.model.config().max_context_tokens;
+        loop {
+            if out.len() >= max_tokens {
+                return Ok((out, FinishReason::MaxTokens));
+            }
+            let token = sampler.sample(&logits);
+            if token == ByteTokenizer::EOS {
+                return Ok((out, FinishReason::Eos));
+            }
+            out.push(token);
+            let pos = len + out.len() - 1;
+            if out.len() >= max_tokens {
+                return Ok((out, FinishReason::MaxTokens));
+            }
+            if pos >= max_ctx {
+                return Ok((out, FinishReason::ContextFull));
+            }
+            logits = self.decode_step(token, pos, table)?;
+        }
+    }
+
+    /// Prefills `prompt` into fresh blocks, decodes up to `max_tokens` tokens, and frees the
+    /// blocks.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        max_tokens: usize,
+        sampling: Sampling,
+    ) -> Result<Generation> {
+        let mut table = BlockTable::new();
+        let result = self.generate_in(&mut table, prompt, max_tokens, sampling);
+        // Free even after an error; a release failure would be a bug in this module.
+        let released = self.cache.release_table(&mut table);
+        let generation = result?;
+        released?;
+        Ok(generation)
+    }
+
+    fn generate_in(
+        &mut self,
+        table: &mut BlockTable,
+        prompt: &[u32],
+        max_tokens: usize,
+        sampling: Sampling,
+    ) -> Result<Generation> {
+        let t0 = Instant::now();
+        let logits = self.prefill(prompt, 0, table)?;
+        let prefill_time = t0.elapsed();
+        let t1 = Instant::now();
+        let (tokens, finish) = self.decode(table, prompt.len(), logits, max_tokens, sampling)?;
+        Ok(Generation {
+            tokens,
+            finish,
+            prompt_tokens: prompt.len(),
+            prefill_time,
+            decode_time: t1.elapsed(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_is_argmax_and_sampling_is_seeded() {
+        let logits = [0.1, 2.0, -1.0, 2.0, 0.5];
+        let mut g = Sampler::new(Sampling::GREEDY);
+        assert_eq!(g.sample(&logits), 1);
+        let draw = |seed| {
+            let mut s = Sampler::new(Sampling {
+                temperature: 1.0,
+                seed,
+            });
+            (0..64).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(3), draw(3));
+        assert_ne!(draw(3), draw(4));
+        // Every draw has positive probability, and a high logit is drawn more than a low one.
+        let d = draw(5);
+        assert!(d.iter().all(|&i| i < 5));
+        let count = |k| d.iter().filter(|&&i| i == k).count();
+        assert!(count(1) + count(3) > count(2));
+    }
+}

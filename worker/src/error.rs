@@ -1,0 +1,47 @@
+use std::path::PathBuf;
+
+/// Everything the worker can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkerError {
+    /// A model configuration (a Hugging Face `config.json` or a built one) is unusable.
+    #[error("model config field `{field}`: {reason}")]
+    Config { field: String, reason: String },
+    #[error("reading {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("tensor operation failed: {0}")]
+    Candle(#[from] candle_core::Error),
+    #[error("KV layout: {0}")]
+    Layout(#[from] kvtier_core::CoreError),
+    /// The block pool cannot hold the request; nothing was allocated.
+    #[error("KV cache full: {needed} blocks needed, {free} free")]
+    CacheFull { needed: usize, free: usize },
+    #[error("block {block} does not exist (the pool has {num_blocks} blocks)")]
+    NoSuchBlock { block: u32, num_blocks: usize },
+    #[error("block {block} is not allocated")]
+    BlockNotAllocated { block: u32 },
+    #[error("block write of {got} bytes, but a block is {expected} bytes")]
+    BlockSize { got: usize, expected: usize },
+    #[error("token id {id} is outside the vocabulary of {vocab_size}")]
+    TokenOutOfVocab { id: u32, vocab_size: usize },
+    #[error("{tokens} tokens exceed the model's context of {max_context_tokens}")]
+    ContextFull {
+        tokens: usize,
+        max_context_tokens: usize,
+    },
+    #[error(
+        "prefill from position {start_pos} needs those positions cached, but the block table covers {covered_tokens} tokens"
+    )]
+    MissingPrefix {
+        start_pos: usize,
+        covered_tokens: usize,
+    },
+    #[error("empty prompt: at least one token is needed")]
+    EmptyPrompt,
+}
+
+pub type Result<T, E = WorkerError> = std::result::Result<T, E>;

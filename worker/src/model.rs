@@ -1,0 +1,320 @@
+//! A Llama-architecture transformer written with candle ops, reading and writing its KV
+//! through the paged cache: token embedding, per layer RMSNorm -> GQA attention with rotary
+//! position embeddings -> residual -> RMSNorm -> SwiGLU MLP -> residual, then a final RMSNorm
+//! and `lm_head`. Weights use Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...),
+//! so one loader serves both seeded random weights and a Hugging Face safetensors directory.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{Embedding, Linear, Module, RmsNorm, VarBuilder};
+
+use crate::config::ModelConfig;
+use crate::error::{Result, WorkerError};
+use crate::kv_cache::{BlockTable, PagedKvCache};
+use crate::rng::SplitMix64;
+
+struct Layer {
+    input_norm: RmsNorm,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    post_norm: RmsNorm,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+/// The model: weights plus rotary tables. Holds no KV; the caller's [`PagedKvCache`] does.
+pub struct Model {
+    cfg: ModelConfig,
+    device: Device,
+    embed: Embedding,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    /// `[max_context_tokens][head_dim / 2]`, built here: a VarMap would hand back zeros.
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// Seeded random weights under Hugging Face names: linear layers uniform in
+/// `±1/sqrt(fan_in)`, embeddings uniform in `±1`, norm weights 1. The same seed and config give
+/// the same bits on every machine (the PRNG is our own SplitMix64).
+pub fn random_weights(cfg: &ModelConfig, seed: u64) -> Result<HashMap<String, Tensor>> {
+    let dev = Device::Cpu;
+    let mut rng = SplitMix64::new(seed);
+    let mut ts = HashMap::new();
+    let mut uniform = |name: String, rows: usize, cols: usize, scale: f32| -> Result<()> {
+        let data: Vec<f32> = (0..rows * cols)
+            .map(|_| (rng.next_f32() * 2.0 - 1.0) * scale)
+            .collect();
+        ts.insert(name, Tensor::from_vec(data, (rows, cols), &dev)?);
+        Ok(())
+    };
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let q = cfg.num_heads * cfg.head_dim;
+    let kv = cfg.num_kv_heads * cfg.head_dim;
+    let inv = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+    uniform("model.embed_tokens.weight".into(), cfg.vocab_size, h, 1.0)?;
+    for l in 0..cfg.num_layers {
+        let p = format!("model.layers.{l}");
+        uniform(format!("{p}.self_attn.q_proj.weight"), q, h, inv(h))?;
+        uniform(format!("{p}.self_attn.k_proj.weight"), kv, h, inv(h))?;
+        uniform(format!("{p}.self_attn.v_proj.weight"), kv, h, inv(h))?;
+        uniform(format!("{p}.self_attn.o_proj.weight"), h, q, inv(q))?;
+        uniform(format!("{p}.mlp.gate_proj.weight"), i, h, inv(h))?;
+        uniform(format!("{p}.mlp.up_proj.weight"), i, h, inv(h))?;
+        uniform(format!("{p}.mlp.down_proj.weight"), h, i, inv(i))?;
+    }
+    if !cfg.tie_word_embeddings {
+        uniform("lm_head.weight".into(), cfg.vocab_size, h, inv(h))?;
+    }
+    let ones = Tensor::ones(h, DType::F32, &dev)?;
+    for l in 0..cfg.num_layers {
+        let p = format!("model.layers.{l}");
+        ts.insert(format!("{p}.input_layernorm.weight"), ones.clone());
+        ts.insert(format!("{p}.post_attention_layernorm.weight"), ones.clone());
+    }
+    ts.insert("model.norm.weight".into(), ones);
+    Ok(ts)
+}
+
+impl Model {
+    /// The model with seeded random weights ([`random_weights`]).
+    pub fn random(cfg: ModelConfig, seed: u64) -> Result<Self> {
+        cfg.validate()?;
+        let ts = random_weights(&cfg, seed)?;
+        Self::load(cfg, VarBuilder::from_tensors(ts, DType::F32, &Device::Cpu))
+    }
+
+    /// Loads a Hugging Face Llama directory: `config.json` and every `*.safetensors` file in
+    /// it (weights converted to f32). Files are read into memory rather than mapped, which
+    /// keeps this path free of `unsafe`.
+    pub fn from_hf_dir(dir: &Path, block_tokens: usize) -> Result<Self> {
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| WorkerError::Io { path, source }
+        };
+        let cfg_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(io(&cfg_path))?;
+        let cfg = ModelConfig::from_hf_json(&text, block_tokens)?;
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .map_err(io(dir))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(WorkerError::Io {
+                path: dir.to_path_buf(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no *.safetensors file"),
+            });
+        }
+        let mut ts = HashMap::new();
+        for f in &files {
+            ts.extend(candle_core::safetensors::load(f, &Device::Cpu)?);
+        }
+        Self::load(cfg, VarBuilder::from_tensors(ts, DType::F32, &Device::Cpu))
+    }
+
+    /// Builds the model from any `VarBuilder` holding Hugging Face names.
+    pub fn load(cfg: ModelConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let device = vb.device().clone();
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let q = cfg.num_heads * cfg.head_dim;
+        let kv = cfg.num_kv_heads * cfg.head_dim;
+        let eps = cfg.rms_norm_eps;
+        let m = vb.pp("model");
+        let embed = candle_nn::embedding(cfg.vocab_size, h, m.pp("embed_tokens"))?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let lv = m.pp(format!("layers.{l}"));
+            let at = lv.pp("self_attn");
+            let mlp = lv.pp("mlp");
+            layers.push(Layer {
+                input_norm: candle_nn::rms_norm(h, eps, lv.pp("input_layernorm"))?,
+                q_proj: candle_nn::linear_no_bias(h, q, at.pp("q_proj"))?,
+                k_proj: candle_nn::linear_no_bias(h, kv, at.pp("k_proj"))?,
+                v_proj: candle_nn::linear_no_bias(h, kv, at.pp("v_proj"))?,
+                o_proj: candle_nn::linear_no_bias(q, h, at.pp("o_proj"))?,
+                post_norm: candle_nn::rms_norm(h, eps, lv.pp("post_attention_layernorm"))?,
+                gate_proj: candle_nn::linear_no_bias(h, i, mlp.pp("gate_proj"))?,
+                up_proj: candle_nn::linear_no_bias(h, i, mlp.pp("up_proj"))?,
+                down_proj: candle_nn::linear_no_bias(i, h, mlp.pp("down_proj"))?,
+            });
+        }
+        let norm = candle_nn::rms_norm(h, eps, m.pp("norm"))?;
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear::new(embed.embeddings().clone(), None)
+        } else {
+            candle_nn::linear_no_bias(h, cfg.vocab_size, vb.pp("lm_head"))?
+        };
+        let (cos, sin) = rotary_tables(&cfg, &device)?;
+        Ok(Self {
+            cfg,
+            device,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            cos,
+            sin,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// Runs `tokens` at positions `start_pos..start_pos + tokens.len()`. Positions before
+    /// `start_pos` are read from `cache` through `table` (they must be there); the new
+    /// positions' K and V are written to it. `table` must already cover every position.
+    /// Returns the logits of the last position, `[vocab_size]`.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        start_pos: usize,
+        cache: &mut PagedKvCache,
+        table: &BlockTable,
+    ) -> Result<Vec<f32>> {
+        let t = tokens.len();
+        if t == 0 {
+            return Err(WorkerError::EmptyPrompt);
+        }
+        if let Some(&id) = tokens
+            .iter()
+            .find(|&&id| id as usize >= self.cfg.vocab_size)
+        {
+            return Err(WorkerError::TokenOutOfVocab {
+                id,
+                vocab_size: self.cfg.vocab_size,
+            });
+        }
+        let total = start_pos + t;
+        if total > self.cfg.max_context_tokens {
+            return Err(WorkerError::ContextFull {
+                tokens: total,
+                max_context_tokens: self.cfg.max_context_tokens,
+            });
+        }
+        let (nh, nkv, hd) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
+        let rep = nh / nkv;
+        let ids = Tensor::from_slice(tokens, t, &self.device)?;
+        let mut x = self.embed.forward(&ids)?; // [t, hidden]
+        let cos = self.cos.narrow(0, start_pos, t)?;
+        let sin = self.sin.narrow(0, start_pos, t)?;
+        let mask = causal_mask(t, start_pos, &self.device)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = layer.input_norm.forward(&x)?;
+            // [1, heads, t, head_dim] for rope.
+            let heads = |proj: &Linear, n: usize| -> Result<Tensor> {
+                Ok(proj
+                    .forward(&h)?
+                    .reshape((t, n, hd))?
+                    .transpose(0, 1)?
+                    .contiguous()?
+                    .unsqueeze(0)?)
+            };
+            let q = candle_nn::rotary_emb::rope(&heads(&layer.q_proj, nh)?, &cos, &sin)?;
+            let k = candle_nn::rotary_emb::rope(&heads(&layer.k_proj, nkv)?, &cos, &sin)?;
+            let v = layer.v_proj.forward(&h)?; // [t, kv_heads * head_dim] = [token][head][dim]
+            let k_rows = k
+                .squeeze(0)?
+                .transpose(0, 1)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let v_rows = v.flatten_all()?.to_vec1::<f32>()?;
+            cache.write_kv(table, li, start_pos, &k_rows, &v_rows)?;
+
+            let (kc, vc) = cache.gather(table, li, total)?;
+            let expand = |rows: Vec<f32>| -> Result<Tensor> {
+                Ok(Tensor::from_vec(rows, (total, nkv, hd), &self.device)?
+                    .transpose(0, 1)? // [kv_heads, total, hd]
+                    .unsqueeze(1)?
+                    .expand((nkv, rep, total, hd))?
+                    .reshape((nh, total, hd))?)
+            };
+            let (kc, vc) = (expand(kc)?, expand(vc)?);
+            let q = q.squeeze(0)?; // [heads, t, hd]
+            let mut att = (q.matmul(&kc.t()?)? * scale)?; // [heads, t, total]
+            if let Some(mask) = &mask {
+                att = att.broadcast_add(mask)?;
+            }
+            let att = candle_nn::ops::softmax_last_dim(&att)?;
+            let out = att
+                .matmul(&vc)? // [heads, t, hd]
+                .transpose(0, 1)?
+                .reshape((t, nh * hd))?;
+            x = (x + layer.o_proj.forward(&out)?)?;
+
+            let h = layer.post_norm.forward(&x)?;
+            let gate = candle_nn::ops::silu(&layer.gate_proj.forward(&h)?)?;
+            let mlp = layer
+                .down_proj
+                .forward(&(gate * layer.up_proj.forward(&h)?)?)?;
+            x = (x + mlp)?;
+        }
+        let last = self.norm.forward(&x.narrow(0, t - 1, 1)?)?;
+        Ok(self.lm_head.forward(&last)?.squeeze(0)?.to_vec1::<f32>()?)
+    }
+}
+
+/// `cos`/`sin` of `pos * theta^(-2i/head_dim)`, `[max_context_tokens][head_dim / 2]`, in the
+/// non-interleaved ("rotate half") convention of Hugging Face Llama.
+fn rotary_tables(cfg: &ModelConfig, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let half = cfg.head_dim / 2;
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.head_dim as f32))
+        .collect();
+    let n = cfg.max_context_tokens;
+    let mut cos = Vec::with_capacity(n * half);
+    let mut sin = Vec::with_capacity(n * half);
+    for pos in 0..n {
+        for f in &inv_freq {
+            let a = pos as f32 * f;
+            cos.push(a.cos());
+            sin.push(a.sin());
+        }
+    }
+    Ok((
+        Tensor::from_vec(cos, (n, half), dev)?,
+        Tensor::from_vec(sin, (n, half), dev)?,
+    ))
+}
+
+/// `[t][start_pos + t]` with `-inf` where query `i` (position `start_pos + i`) would see a
+/// later key; `None` for one query, which sees everything cached.
+fn causal_mask(t: usize, start_pos: usize, dev: &Device) -> Result<Option<Tensor>> {
+    if t == 1 {
+        return Ok(None);
+    }
+    let total = start_pos + t;
+    let data: Vec<f32> = (0..t)
+        .flat_map(|i| {
+            (0..total).map(move |j| {
+                if j > start_pos + i {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+        })
+        .collect();
+    Ok(Some(Tensor::from_vec(data, (t, total), dev)?))
+}
+
+/// Index of the largest logit (the first on ties; NaN never wins).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in logits.iter().enumerate() {
+        if x > logits[best] || logits[best].is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}
