@@ -142,6 +142,12 @@ impl Drop for Worker {
                 quiet = 0;
             }
         }
+        // Then flush the whole worker: UCX may still hold requests of its own in transport
+        // pending queues (e.g. puts of a cancelled transfer), which a destroy would purge, and
+        // purging crashed UCX 1.13 here. A flush that does not finish in time means leaking.
+        if !st.stuck && st.pending.is_empty() && !flush_worker(st) {
+            st.stuck = true;
+        }
         if st.stuck || !st.pending.is_empty() {
             // UCX still holds requests it can no longer finish (their peer vanished on a
             // transport without failure detection): destroying the worker would purge them
@@ -660,6 +666,34 @@ unsafe extern "C" fn ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, _status: sys
     // (after its endpoint is closed, so no callback runs later).
     let dead = unsafe { &*(arg as *const AtomicBool) };
     dead.store(true, Ordering::Release);
+}
+
+/// Flushes every endpoint of the worker and drives it until the flush completes, bounded by
+/// [`EP_CLOSE_DEADLINE`]; false when it did not complete (or could not start).
+fn flush_worker(st: &mut WorkerState) -> bool {
+    // SAFETY: the worker is live and `st` is its state, held exclusively (worker teardown);
+    // the request returned by the flush is checked, driven and freed here only.
+    unsafe {
+        let p: sys::ucp_request_param_t = std::mem::zeroed();
+        let req = sys::ucp_worker_flush_nbx(st.handle, &p);
+        if sys::ucs_ptr_is_err(req) {
+            return false;
+        }
+        if !sys::ucs_ptr_is_ptr(req) {
+            return true; // completed at once
+        }
+        let start = std::time::Instant::now();
+        while sys::ucp_request_check_status(req) == sys::UCS_INPROGRESS as sys::ucs_status_t
+            && start.elapsed() < EP_CLOSE_DEADLINE
+        {
+            progress_once(st);
+        }
+        let done = sys::ucp_request_check_status(req) != sys::UCS_INPROGRESS as sys::ucs_status_t;
+        if done {
+            sys::ucp_request_free(req);
+        }
+        done
+    }
 }
 
 /// Closes an endpoint (in force mode where it has peer-failure handling: outstanding requests
