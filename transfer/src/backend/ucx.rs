@@ -671,29 +671,38 @@ unsafe extern "C" fn ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, _status: sys
 /// Flushes every endpoint of the worker and drives it until the flush completes, bounded by
 /// [`EP_CLOSE_DEADLINE`]; false when it did not complete (or could not start).
 fn flush_worker(st: &mut WorkerState) -> bool {
-    // SAFETY: the worker is live and `st` is its state, held exclusively (worker teardown);
-    // the request returned by the flush is checked, driven and freed here only.
+    // SAFETY: the worker is live and `st` is its state, held exclusively (worker teardown).
     unsafe {
         let p: sys::ucp_request_param_t = std::mem::zeroed();
         let req = sys::ucp_worker_flush_nbx(st.handle, &p);
-        if sys::ucs_ptr_is_err(req) {
-            return false;
-        }
-        if !sys::ucs_ptr_is_ptr(req) {
-            return true; // completed at once
-        }
+        !sys::ucs_ptr_is_err(req) && drive_request(st, req)
+    }
+}
+
+/// Drives the worker until the request `req` (as returned by a `_nbx` call that did not fail)
+/// completes, bounded by [`EP_CLOSE_DEADLINE`]; frees it when it did. False when it is still
+/// in progress (and so must not be freed: the worker is then leaked, see `WorkerState::stuck`).
+///
+/// # Safety
+/// `st`'s worker must be live and held exclusively; `req` is not used by the caller afterwards.
+unsafe fn drive_request(st: &mut WorkerState, req: *mut c_void) -> bool {
+    if !sys::ucs_ptr_is_ptr(req) {
+        return true; // completed at once
+    }
+    // SAFETY: per the function contract, `req` is a live request of this worker.
+    unsafe {
+        let in_progress =
+            || sys::ucp_request_check_status(req) == sys::UCS_INPROGRESS as sys::ucs_status_t;
         let start = std::time::Instant::now();
-        while sys::ucp_request_check_status(req) == sys::UCS_INPROGRESS as sys::ucs_status_t
-            && start.elapsed() < EP_CLOSE_DEADLINE
-        {
+        while in_progress() && start.elapsed() < EP_CLOSE_DEADLINE {
             progress_once(st);
         }
-        let done = sys::ucp_request_check_status(req) != sys::UCS_INPROGRESS as sys::ucs_status_t;
-        if done {
-            sys::ucp_request_free(req);
+        if in_progress() {
+            return false;
         }
-        done
+        sys::ucp_request_free(req);
     }
+    true
 }
 
 /// Closes an endpoint (in force mode where it has peer-failure handling: outstanding requests
@@ -713,17 +722,8 @@ unsafe fn close_ep(st: &mut WorkerState, ep: sys::ucp_ep_h, force: bool) {
             p.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
         }
         let req = sys::ucp_ep_close_nbx(ep, &p);
-        if sys::ucs_ptr_is_ptr(req) {
-            let start = std::time::Instant::now();
-            while sys::ucp_request_check_status(req) == sys::UCS_INPROGRESS as sys::ucs_status_t
-                && start.elapsed() < EP_CLOSE_DEADLINE
-            {
-                progress_once(st);
-            }
-            if sys::ucp_request_check_status(req) == sys::UCS_INPROGRESS as sys::ucs_status_t {
-                st.stuck = true;
-            }
-            sys::ucp_request_free(req);
+        if !sys::ucs_ptr_is_err(req) && !drive_request(st, req) {
+            st.stuck = true;
         }
         progress_once(st);
     }
