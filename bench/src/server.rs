@@ -354,7 +354,7 @@ async fn raw_quinn(clients: usize, ws: Arc<WorkingSet>, secs: f64) -> Result<f64
         vec![rustls::pki_types::CertificateDer::from(der.clone())],
         key,
     )?;
-    sc.transport_config(windows());
+    sc.transport_config(kvtier_client::quic_transport());
     let ep = quinn::Endpoint::server(sc, "127.0.0.1:0".parse()?)?;
     let addr = ep.local_addr()?;
     let srv_ep = ep.clone();
@@ -384,7 +384,7 @@ async fn raw_quinn(clients: usize, ws: Arc<WorkingSet>, secs: f64) -> Result<f64
     let mut roots = rustls::RootCertStore::empty();
     roots.add(rustls::pki_types::CertificateDer::from(der))?;
     let mut cc = quinn::ClientConfig::with_root_certificates(Arc::new(roots))?;
-    cc.transport_config(windows());
+    cc.transport_config(kvtier_client::quic_transport());
     let mut streams = Vec::new();
     for _ in 0..clients {
         let mut cep = quinn::Endpoint::client("127.0.0.1:0".parse()?)?;
@@ -413,16 +413,6 @@ async fn raw_quinn(clients: usize, ws: Arc<WorkingSet>, secs: f64) -> Result<f64
     srv.abort();
     ep.close(0u32.into(), b"done");
     r
-}
-
-/// The same flow-control windows as the server's.
-fn windows() -> Arc<quinn::TransportConfig> {
-    use kvtier_server::server::{QUIC_CONNECTION_WINDOW_BYTES, QUIC_STREAM_WINDOW_BYTES};
-    let mut t = quinn::TransportConfig::default();
-    t.stream_receive_window(quinn::VarInt::from_u32(QUIC_STREAM_WINDOW_BYTES));
-    t.receive_window(quinn::VarInt::from_u32(QUIC_CONNECTION_WINDOW_BYTES));
-    t.send_window(u64::from(QUIC_CONNECTION_WINDOW_BYTES));
-    Arc::new(t)
 }
 
 /// The reference servers' payload: a working set of distinct blocks, answered `batch` at a

@@ -49,6 +49,8 @@ mod conn;
 mod error;
 mod quic;
 
+pub use quic::transport as quic_transport;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

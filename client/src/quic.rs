@@ -48,12 +48,14 @@ pub(crate) async fn connect(
         .map_err(|e| ClientError::Connect(format!("{addr}: {e}")))
 }
 
-/// Flow-control windows as the server's (a few blocks in flight; quinn buffers them).
-pub(crate) fn transport() -> Arc<quinn::TransportConfig> {
+/// The QUIC transport settings kvtier clients use: the protocol's flow-control windows
+/// ([`kvtier_core::protocol::QUIC_WINDOW_BYTES`]) and a keep-alive.
+pub fn transport() -> Arc<quinn::TransportConfig> {
+    let w = kvtier_core::protocol::QUIC_WINDOW_BYTES;
     let mut t = quinn::TransportConfig::default();
-    t.stream_receive_window(quinn::VarInt::from_u32(4 << 20));
-    t.receive_window(quinn::VarInt::from_u32(4 << 20));
-    t.send_window(4 << 20);
+    t.stream_receive_window(quinn::VarInt::from_u32(w));
+    t.receive_window(quinn::VarInt::from_u32(w));
+    t.send_window(u64::from(w));
     t.keep_alive_interval(Some(std::time::Duration::from_secs(5)));
     Arc::new(t)
 }

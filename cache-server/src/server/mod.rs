@@ -24,7 +24,6 @@ use tokio_util::sync::CancellationToken;
 pub use config::{ConfigError, ConfigLoader, ServerConfig, Size, parse_size};
 use events::EventBus;
 use metrics::{Metrics, Transport};
-pub use tls::{QUIC_CONNECTION_WINDOW_BYTES, QUIC_STREAM_WINDOW_BYTES};
 
 use crate::{StoreError, TieredStore};
 

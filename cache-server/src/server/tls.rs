@@ -8,17 +8,14 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
 use super::{ServerConfig, ServerError};
 
-/// Flow-control windows: a few 2 MiB blocks in flight per stream, and no more, because quinn
-/// buffers what is in flight (sent-unacknowledged and received-unread) in its own memory: the
-/// windows bound the server's memory per QUIC connection (counted against the 5 % RSS budget).
-pub const QUIC_STREAM_WINDOW_BYTES: u32 = 4 << 20;
-pub const QUIC_CONNECTION_WINDOW_BYTES: u32 = 4 << 20;
-
+/// Flow-control windows: [`kvtier_core::protocol::QUIC_WINDOW_BYTES`] (they bound the
+/// server's memory per QUIC connection, counted against the 5 % RSS budget).
 pub fn transport() -> Arc<quinn::TransportConfig> {
     let mut t = quinn::TransportConfig::default();
-    t.stream_receive_window(quinn::VarInt::from_u32(QUIC_STREAM_WINDOW_BYTES));
-    t.receive_window(quinn::VarInt::from_u32(QUIC_CONNECTION_WINDOW_BYTES));
-    t.send_window(u64::from(QUIC_CONNECTION_WINDOW_BYTES));
+    let w = kvtier_core::protocol::QUIC_WINDOW_BYTES;
+    t.stream_receive_window(quinn::VarInt::from_u32(w));
+    t.receive_window(quinn::VarInt::from_u32(w));
+    t.send_window(u64::from(w));
     t.max_concurrent_bidi_streams(quinn::VarInt::from_u32(16));
     t.keep_alive_interval(Some(std::time::Duration::from_secs(5)));
     Arc::new(t)

@@ -52,6 +52,10 @@ pub const MAGIC: u32 = u32::from_le_bytes(*b"KVT1");
 pub const VERSION: u16 = 1;
 /// Oldest protocol version this build still speaks.
 pub const MIN_VERSION: u16 = 1;
+/// QUIC flow-control window (per stream and per connection) of kvtier's QUIC peers: a couple
+/// of 2 MiB blocks in flight, and no more, because quinn buffers what is in flight in its own
+/// memory, so the window bounds a server's memory per QUIC connection.
+pub const QUIC_WINDOW_BYTES: u32 = 4 << 20;
 /// Size of the fixed header.
 pub const HEADER_BYTES: usize = 32;
 
