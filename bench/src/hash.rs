@@ -11,7 +11,6 @@ use serde::Serialize;
 use crate::util::SplitMix64;
 
 const SECRET: &[u8] = b"kvtier-bench-secret-0123456789abcdef";
-const SEED: u64 = 0x6b76_7469_6572_2021;
 /// Without `--iters`, each scheme is timed for about this long.
 const AUTO_SECONDS: f64 = 1.0;
 const WARMUP: Duration = Duration::from_millis(200);
@@ -50,7 +49,7 @@ pub struct SchemeResult {
     pub prompts_per_sec: f64,
 }
 
-pub fn run(args: &HashArgs) -> Result<HashReport> {
+pub fn run(args: &HashArgs, seed: u64) -> Result<HashReport> {
     if args.blocks == 0 {
         bail!("--blocks must be at least 1");
     }
@@ -61,7 +60,7 @@ pub fn run(args: &HashArgs) -> Result<HashReport> {
         .blocks
         .checked_mul(args.block_tokens as usize)
         .context("--blocks x --block-tokens overflows")?;
-    let mut rng = SplitMix64::new(SEED);
+    let mut rng = SplitMix64::new(seed);
     // Token ids below 2^17, like a real vocabulary.
     let tokens: Vec<u32> = (0..tokens_len)
         .map(|_| (rng.next_u64() % 131_072) as u32)
@@ -121,31 +120,39 @@ pub fn run(args: &HashArgs) -> Result<HashReport> {
         block_tokens: args.block_tokens,
         tokens: tokens_len,
         token_bytes: tokens_len * 4,
-        seed: SEED,
+        seed,
         results,
     })
 }
 
-pub fn print(r: &HashReport) {
-    println!(
-        "prompt: {} blocks x {} tokens = {} tokens ({} token bytes), seed {:#x}",
-        r.blocks, r.block_tokens, r.tokens, r.token_bytes, r.seed
-    );
-    println!();
-    println!(
-        "{:<8} {:>8} {:>9} {:>14} {:>10} {:>14} {:>12}",
-        "scheme", "iters", "seconds", "keys/s", "ns/key", "token MB/s", "prompts/s"
-    );
-    for s in &r.results {
-        println!(
-            "{:<8} {:>8} {:>9.2} {:>14.0} {:>10.2} {:>14.2} {:>12.2}",
-            s.scheme,
-            s.iters,
-            s.seconds,
-            s.keys_per_sec,
-            s.ns_per_key,
-            s.token_mb_per_sec,
-            s.prompts_per_sec
+impl crate::report::Report for HashReport {
+    fn tables(&self) -> Vec<crate::report::Table> {
+        let mut t = crate::report::Table::new(
+            format!(
+                "prompt: {} blocks x {} tokens = {} tokens ({} token bytes), seed {}",
+                self.blocks, self.block_tokens, self.tokens, self.token_bytes, self.seed
+            ),
+            &[
+                "scheme",
+                "iters",
+                "seconds",
+                "keys/s",
+                "ns/key",
+                "token MB/s",
+                "prompts/s",
+            ],
         );
+        for s in &self.results {
+            t.row([
+                s.scheme.to_string(),
+                s.iters.to_string(),
+                format!("{:.2}", s.seconds),
+                format!("{:.0}", s.keys_per_sec),
+                format!("{:.2}", s.ns_per_key),
+                format!("{:.2}", s.token_mb_per_sec),
+                format!("{:.2}", s.prompts_per_sec),
+            ]);
+        }
+        vec![t]
     }
 }

@@ -7,17 +7,19 @@
 //! * `server`: the sidecar over its transports against memcpy, raw sockets, raw quinn, Redis.
 //! * `transfer`: the transfer library (nixlbench-style sweep) against memcpy, raw TCP and quinn.
 //!
-//! Tables go to stdout (or one JSON document with `--json`); progress goes to stderr.
+//! Tables go to stdout (or one JSON document with `--json`, or CSV with `--csv`); plots are
+//! written as SVG under `--plots DIR`; progress bars go to stderr. Every run prints its seed.
 
 mod hash;
 mod lookup;
 mod policy;
+mod report;
 mod server;
 mod tiers;
 mod transfer;
 mod util;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use serde::Serialize;
 
@@ -25,8 +27,17 @@ use serde::Serialize;
 #[command(name = "kvtier-bench", version, about = "kvtier benchmarks")]
 struct Cli {
     /// Print one JSON document instead of tables.
-    #[arg(long, global = true)]
+    #[arg(long, global = true, conflicts_with = "csv")]
     json: bool,
+    /// Print the tables as CSV (one block per table, after a `# title` line).
+    #[arg(long, global = true)]
+    csv: bool,
+    /// Write plots (SVG) into this directory (created if missing).
+    #[arg(long, global = true, value_name = "DIR")]
+    plots: Option<std::path::PathBuf>,
+    /// Seed of every pseudo-random choice of the run (workloads, payloads).
+    #[arg(long, global = true, default_value_t = DEFAULT_SEED)]
+    seed: u64,
     #[command(subcommand)]
     command: Command,
 }
@@ -54,10 +65,62 @@ enum Command {
     Transfer(transfer::TransferArgs),
 }
 
+/// The seed when `--seed` is not given.
+pub const DEFAULT_SEED: u64 = 0x6b76_7469_6572;
+
+/// What every benchmark gets besides its own arguments.
+pub struct Ctx {
+    pub command_line: String,
+    pub machine: util::Machine,
+    pub json: bool,
+    pub csv: bool,
+    pub plots: Option<std::path::PathBuf>,
+    pub seed: u64,
+}
+
+impl Ctx {
+    /// Prints `result` as JSON, CSV or tables, and writes its plots.
+    pub fn emit<T: report::Report>(&self, benchmark: &'static str, result: T) -> Result<()> {
+        if self.json {
+            let doc = Document {
+                command_line: &self.command_line,
+                machine: &self.machine,
+                seed: Some(self.seed),
+                benchmark,
+                result: &result,
+            };
+            println!("{}", serde_json::to_string_pretty(&doc)?);
+        } else if self.csv {
+            for t in result.tables() {
+                println!("{}", t.csv());
+            }
+        } else {
+            println!("command: {}", self.command_line);
+            println!("{}", self.machine);
+            println!("seed: {}", self.seed);
+            for t in result.tables() {
+                println!();
+                print!("{}", t.render());
+            }
+        }
+        if let Some(dir) = &self.plots {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("cannot create plot directory {}", dir.display()))?;
+            for p in result.plots() {
+                let path = p.write(dir)?;
+                eprintln!("plot: {}", path.display());
+            }
+        }
+        Ok(())
+    }
+}
+
 #[derive(Serialize)]
 struct Document<'a, T: Serialize> {
     command_line: &'a str,
     machine: &'a util::Machine,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seed: Option<u64>,
     benchmark: &'static str,
     result: T,
 }
@@ -86,6 +149,7 @@ fn emit<T: Serialize>(
         let doc = Document {
             command_line,
             machine,
+            seed: None,
             benchmark,
             result,
         };
@@ -112,11 +176,16 @@ fn main() -> Result<()> {
         .join(" ");
     let cli = Cli::parse();
     let machine = util::Machine::probe();
+    let ctx = Ctx {
+        command_line: command_line.clone(),
+        machine: machine.clone(),
+        json: cli.json,
+        csv: cli.csv,
+        plots: cli.plots.clone(),
+        seed: cli.seed,
+    };
     match &cli.command {
-        Command::Hash(a) => {
-            let r = hash::run(a)?;
-            emit(cli.json, &command_line, &machine, "hash", r, hash::print)
-        }
+        Command::Hash(a) => ctx.emit("hash", hash::run(a, ctx.seed)?),
         Command::Tiers(a) => {
             let r = tiers::run(a)?;
             emit(cli.json, &command_line, &machine, "tiers", r, tiers::print)

@@ -228,13 +228,21 @@ pub fn run(args: &PolicyArgs) -> Result<PolicyReport> {
         args.traces.clone()
     };
     let mut out = Vec::new();
+    let pb = crate::report::bar(
+        (traces.len() * args.capacities.0.len()) as u64,
+        "policy replays",
+    );
     for path in &traces {
         let trace = load_mooncake(path, args.full_blocks_only, args.limit)?;
         let blocks = trace.iter().map(|r| r.block_ids.len() as u64).sum();
         let mut rows = Vec::new();
         for &tokens in &args.capacities.0 {
             let cap = tokens / TRACE_BLOCK_TOKENS;
-            eprintln!("[kvtier-bench] {}: {} tokens", path.display(), tokens);
+            pb.set_message(format!(
+                "{} @ {}",
+                path.file_name().unwrap_or_default().to_string_lossy(),
+                tokens
+            ));
             let lru = replay(&trace, cap, EvictionKind::Lru)?.hit_rate();
             let t = Instant::now();
             let def = replay(&trace, cap, EvictionKind::default())?.hit_rate();
@@ -250,6 +258,7 @@ pub fn run(args: &PolicyArgs) -> Result<PolicyReport> {
                 gap_closed: if gap > 1e-12 { (def - lru) / gap } else { 0.0 },
                 default_seconds,
             });
+            pb.inc(1);
         }
         out.push(TraceResult {
             trace: path.file_name().map_or_else(
@@ -262,6 +271,7 @@ pub fn run(args: &PolicyArgs) -> Result<PolicyReport> {
             rows,
         });
     }
+    pb.finish_and_clear();
     Ok(PolicyReport {
         rule: if args.full_blocks_only {
             "full blocks only"
