@@ -529,55 +529,54 @@ fn label(path: &str, threads: usize) -> String {
 impl Report for TiersReport {
     fn tables(&self) -> Vec<Table> {
         let mut out = Vec::new();
-        let mut run = Table::new("run", &["setting", "value"]);
-        run.row([
-            "parts".to_string(),
+        // One left-aligned column: values are long and of every kind.
+        let mut run = Table::new("run", &["setting: value"]);
+        let mut kv = |k: &str, v: String| run.row([format!("{k}: {v}")]);
+        kv(
+            "parts",
             join(&self.settings.parts, |p| format!("{p:?}").to_lowercase()),
-        ]);
-        run.row([
-            "seconds per case".to_string(),
+        );
+        kv(
+            "seconds per case",
             self.settings.seconds_per_case.to_string(),
-        ]);
+        );
         if let Some(s) = &self.store {
-            run.row([
-                "store dir".to_string(),
+            kv(
+                "store dir",
                 format!("{} (fs {}, {} free)", s.dir, s.fs_type, Bytes(s.free_bytes)),
-            ]);
-            run.row([
-                "store threads".to_string(),
+            );
+            kv(
+                "store threads",
                 format!(
                     "dram {} / nvme {}",
                     self.settings.dram_threads, self.settings.threads
                 ),
-            ]);
-            run.row([
-                "store capacity".to_string(),
+            );
+            kv(
+                "store capacity",
                 format!(
                     "dram tier {}, nvme working set {}",
                     Bytes(s.dram_bytes),
                     Bytes(s.nvme_bytes)
                 ),
-            ]);
+            );
         }
         if self.settings.parts.contains(&Part::Server) {
-            run.row([
-                "server".to_string(),
+            kv(
+                "server",
                 format!(
                     "transports {}, clients {}, {} block(s) a request",
                     join(&self.settings.transports, |t| t.name().to_string()),
                     join(&self.settings.clients, ToString::to_string),
                     self.settings.batch
                 ),
-            ]);
-            run.row(["redis".to_string(), self.redis.clone()]);
+            );
+            kv("redis", self.redis.clone());
         }
         for n in &self.notes {
-            run.row(["note".to_string(), n.clone()]);
+            kv("note", n.clone());
         }
-        run.row([
-            "total time".to_string(),
-            format!("{:.1} s", self.total_seconds),
-        ]);
+        kv("total time", format!("{:.1} s", self.total_seconds));
         out.push(run);
 
         let mut t = Table::new(
@@ -1257,14 +1256,14 @@ fn store_size(
         .with_context(|| format!("removing {}", tier_dir.display()))?;
 
     let path = "kvtier nvme tier, in-process";
-    let reference = if raw_direct {
-        "O_DIRECT pwrite/pread"
-    } else {
-        "buffered pwrite/pread"
-    };
+    let io = if raw_direct { "O_DIRECT" } else { "buffered" };
     for (op, kv, r) in [(Op::Put, &tier_w, &raw_w), (Op::Get, &tier_r, &raw_r)] {
         let a = Row::new(Part::Store, path, true, op, block, nt).with_phase(kv);
-        let b = Row::new(Part::Store, reference, false, op, block, nt).with_phase(r);
+        let reference = match op {
+            Op::Put => format!("{io} pwrite"),
+            Op::Get => format!("{io} pread"),
+        };
+        let b = Row::new(Part::Store, &reference, false, op, block, nt).with_phase(r);
         comparisons.push(Comparison::of(&a, &b, Some(0.8)));
         rows.push(a);
         rows.push(b);
