@@ -669,113 +669,94 @@ impl Report for TiersReport {
     fn plots(&self) -> Vec<Plot> {
         let mut plots = Vec::new();
         for op in [Op::Get, Op::Put] {
-            let mut series: Vec<Series> = Vec::new();
-            for r in self.rows.iter().filter(|r| r.op == op) {
-                let name = label(&r.path, r.threads);
-                let point = (r.block_bytes as f64, r.figure.gb_per_s);
-                match series.iter_mut().find(|s| s.name == name) {
-                    Some(s) => s.points.push(point),
-                    None => series.push(Series {
-                        name,
-                        points: vec![point],
-                    }),
-                }
-            }
-            if series.is_empty() {
-                continue;
-            }
-            plots.push(Plot {
-                file: format!("tiers-{}-gbps", op.name()),
-                title: format!(
-                    "{} GB/s by block size: kvtier and its references",
-                    op.name()
-                ),
-                x_label: "block size".into(),
-                y_label: "GB/s".into(),
-                kind: PlotKind::Lines {
-                    series,
-                    log_x: true,
-                },
-            });
-            // Latency percentiles at the largest block size.
-            let Some(block) = self
-                .rows
-                .iter()
-                .filter(|r| r.op == op)
-                .map(|r| r.block_bytes)
-                .max()
-            else {
-                continue;
+            let rows = || self.rows.iter().filter(move |r| r.op == op);
+            let per_row = |what: fn(&Row) -> f64| {
+                lines(rows().map(|r| (label(&r.path, r.threads), r.block_bytes, what(r))))
             };
-            let rows: Vec<&Row> = self
-                .rows
-                .iter()
-                .filter(|r| r.op == op && r.block_bytes == block)
-                .collect();
-            plots.push(Plot {
-                file: format!("tiers-{}-latency-{}", op.name(), block),
-                title: format!(
-                    "{} latency per operation, {} blocks",
-                    op.name(),
-                    Bytes(block)
-                ),
-                x_label: "path".into(),
-                y_label: "microseconds".into(),
-                kind: PlotKind::Bars {
-                    categories: rows
-                        .iter()
-                        .map(|r| short(&label(&r.path, r.threads)))
-                        .collect(),
-                    series: vec![
-                        (
-                            "p50".into(),
-                            rows.iter().map(|r| r.figure.latency_us_p50).collect(),
-                        ),
-                        (
-                            "p99".into(),
-                            rows.iter().map(|r| r.figure.latency_us_p99).collect(),
-                        ),
-                    ],
-                },
-            });
-        }
-        if !self.comparisons.is_empty() {
-            let mut series: Vec<(String, Vec<f64>)> = Vec::new();
-            let mut categories: Vec<String> = Vec::new();
-            for c in &self.comparisons {
-                let cat = short(&format!(
-                    "{} {} x{} / {}",
-                    c.path,
-                    c.op.name(),
-                    c.threads,
-                    c.reference
-                ));
-                if !categories.contains(&cat) {
-                    categories.push(cat.clone());
+            let mut add = |file: &str, title: String, y: &str, series: Vec<Series>| {
+                if !series.is_empty() {
+                    plots.push(Plot {
+                        file: format!("tiers-{}-{file}", op.name()),
+                        title,
+                        x_label: "block size".into(),
+                        y_label: y.into(),
+                        kind: PlotKind::Lines {
+                            series,
+                            log_x: true,
+                        },
+                    });
                 }
-                let name = Bytes(c.block_bytes).to_string();
-                let i = categories.iter().position(|x| *x == cat).unwrap_or(0);
-                let s = match series.iter().position(|s| s.0 == name) {
-                    Some(k) => &mut series[k].1,
-                    None => {
-                        series.push((name, Vec::new()));
-                        let k = series.len() - 1;
-                        &mut series[k].1
-                    }
-                };
-                s.resize(categories.len(), f64::NAN);
-                s[i] = c.ratio.unwrap_or(f64::NAN);
+            };
+            let n = op.name();
+            add(
+                "gbps",
+                format!("{n} GB/s by block size: kvtier and its references"),
+                "GB/s",
+                per_row(|r| r.figure.gb_per_s),
+            );
+            for part in [Part::Store, Part::Server] {
+                let series = lines(rows().filter(|r| r.part == part).map(|r| {
+                    (
+                        label(&r.path, r.threads),
+                        r.block_bytes,
+                        r.figure.latency_us_p50,
+                    )
+                }));
+                let p = format!("{part:?}").to_lowercase();
+                add(
+                    &format!("{p}-p50"),
+                    format!("{n} latency p50 per operation ({p} part)"),
+                    "microseconds",
+                    series,
+                );
+                let series = lines(rows().filter(|r| r.part == part).map(|r| {
+                    (
+                        label(&r.path, r.threads),
+                        r.block_bytes,
+                        r.figure.latency_us_p99,
+                    )
+                }));
+                add(
+                    &format!("{p}-p99"),
+                    format!("{n} latency p99 per operation ({p} part)"),
+                    "microseconds",
+                    series,
+                );
             }
-            plots.push(Plot {
-                file: "tiers-ratios".into(),
-                title: "kvtier over its reference (1.0 = as fast)".into(),
-                x_label: "comparison".into(),
-                y_label: "ratio".into(),
-                kind: PlotKind::Bars { categories, series },
-            });
+            add(
+                "ratios",
+                format!("{n}: kvtier GB/s over its reference (1.0 = as fast)"),
+                "ratio",
+                lines(self.comparisons.iter().filter(|c| c.op == op).map(|c| {
+                    (
+                        short(&format!("{} x{} / {}", c.path, c.threads, c.reference)),
+                        c.block_bytes,
+                        c.ratio.unwrap_or(f64::NAN),
+                    )
+                })),
+            );
         }
         plots
     }
+}
+
+/// Series of (name, block size, value) points, in order of first appearance, by block size.
+fn lines(points: impl Iterator<Item = (String, u64, f64)>) -> Vec<Series> {
+    let mut series: Vec<Series> = Vec::new();
+    for (name, x, y) in points {
+        let point = (x as f64, y);
+        match series.iter_mut().find(|s| s.name == name) {
+            Some(s) => s.points.push(point),
+            None => series.push(Series {
+                name,
+                points: vec![point],
+            }),
+        }
+    }
+    for s in &mut series {
+        s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+    }
+    series
 }
 
 /// Abbreviates a plot label so grouped bars stay readable.
@@ -1514,10 +1495,16 @@ mod tests {
             files,
             [
                 "tiers-get-gbps",
-                "tiers-get-latency-2097152",
-                "tiers-ratios"
+                "tiers-get-store-p50",
+                "tiers-get-store-p99",
+                "tiers-get-ratios"
             ]
         );
+        let PlotKind::Lines { series, .. } = &plots[3].kind else {
+            panic!("ratios are lines")
+        };
+        assert_eq!(series.len(), 1);
+        assert_eq!(series[0].points, vec![(65536.0, 1.0), (2097152.0, 1.0)]);
         assert!(plots[0].svg().contains("memcpy x1"));
     }
 }

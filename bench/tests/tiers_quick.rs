@@ -84,7 +84,10 @@ fn tiers_quick_runs_every_path_and_says_redis_was_skipped() {
     for f in [
         "tiers-get-gbps.svg",
         "tiers-put-gbps.svg",
-        "tiers-ratios.svg",
+        "tiers-get-ratios.svg",
+        "tiers-put-ratios.svg",
+        "tiers-get-server-p99.svg",
+        "tiers-put-store-p50.svg",
     ] {
         assert!(svgs.iter().any(|s| s == f), "{f} not in {svgs:?}");
     }
