@@ -8,6 +8,11 @@
 //!   GET/SET over TCP;
 //! * quic: raw quinn streams the same way, with the client's transport settings;
 //!
+//! and, with the NVMe tier (`--server-tiers nvme`: a DRAM tier of a few blocks over a
+//! write-through NVMe tier holding a working set at least 4x larger, in the bench directory),
+//! O_DIRECT pread / pwrite of the same block size in the same directory, one thread per
+//! client; the share of blocks actually served from NVMe is reported;
+//!
 //! plus the lookup latency of a long prefix over the Unix socket, and the server's peak RSS.
 //! Gets cycle through a working set of `--blocks` distinct blocks (all in DRAM); puts store
 //! fresh keys (eviction is part of their cost). All gets run before all puts, so puts do not
@@ -22,17 +27,19 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use indicatif::ProgressBar;
 use kvtier_client::{Client, ClientConfig};
+use kvtier_core::protocol::{PutStatus, TierCode};
 use kvtier_core::{BlockKey, HashSecret, KvLayout, NamespaceBuilder, PrefixHasher};
 use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::report::Table;
-use crate::tiers::{Comparison, Op, Part, Row, Settings, Transport, layout_for};
+use crate::tiers::{Comparison, Op, Part, Row, ServerTier, Settings, Transport, layout_for};
 use crate::util::{self, Budget, Bytes, Figure, Latency, fmt_f, sub_seed};
 
 const TOKEN: &str = "kvtier-bench-token";
@@ -51,6 +58,7 @@ pub struct ServerInfo {
 
 #[derive(Debug, Serialize)]
 pub struct ServerSize {
+    pub tier: ServerTier,
     pub block_bytes: u64,
     pub working_set_blocks: usize,
     pub server_dram_bytes: u64,
@@ -70,8 +78,9 @@ pub struct LookupLatency {
 impl ServerInfo {
     pub fn tables(&self) -> Vec<Table> {
         let mut t = Table::new(
-            "server child (DRAM tier only)",
+            "server child",
             &[
+                "tier",
                 "block",
                 "working set",
                 "DRAM tier",
@@ -81,6 +90,7 @@ impl ServerInfo {
         );
         for s in &self.sizes {
             t.row([
+                s.tier.name().to_string(),
                 Bytes(s.block_bytes).to_string(),
                 format!("{} blocks", s.working_set_blocks),
                 Bytes(s.server_dram_bytes).to_string(),
@@ -128,8 +138,22 @@ struct ServerChild {
 }
 
 impl ServerChild {
-    fn start(layout: &KvLayout, dram_bytes: u64) -> Result<ServerChild> {
+    /// A server with a DRAM tier of `dram_bytes` and, with `nvme = Some((dir, bytes))`, an
+    /// NVMe tier (write-through) in `dir`.
+    fn start(
+        layout: &KvLayout,
+        dram_bytes: u64,
+        nvme: Option<(&Path, u64)>,
+    ) -> Result<ServerChild> {
         let dir = tempfile::tempdir()?;
+        let nvme_sets = match nvme {
+            None => vec!["store.nvme_dir=\"\"".to_string()],
+            Some((d, b)) => vec![
+                format!("store.nvme_dir={:?}", d.display().to_string()),
+                format!("store.nvme_bytes={b}"),
+                "store.demotion=\"write-through\"".to_string(),
+            ],
+        };
         let sets = [
             format!(
                 "server.runtime_dir={:?}",
@@ -140,7 +164,6 @@ impl ServerChild {
             "server.admin=off".into(),
             format!("server.token={TOKEN:?}"),
             format!("store.dram_bytes={dram_bytes}"),
-            "store.nvme_dir=\"\"".into(),
             format!("layout.layers={}", layout.num_layers()),
             format!("layout.kv_heads={}", layout.num_kv_heads()),
             format!("layout.head_dim={}", layout.head_dim()),
@@ -149,7 +172,7 @@ impl ServerChild {
         ];
         let mut cmd = Command::new(std::env::current_exe()?);
         cmd.arg("serve-child");
-        for s in &sets {
+        for s in sets.iter().chain(&nvme_sets) {
             cmd.arg("--set").arg(s);
         }
         let mut child = cmd
@@ -859,7 +882,15 @@ pub fn steps(s: &Settings, redis: Option<&Redis>) -> u64 {
             Transport::Quic => 2,
         })
         .sum();
-    let per_size = 1 + 2 + 2 * per_clients * s.clients.len() as u64;
+    let clients = s.clients.len() as u64;
+    let mut per_size = 0;
+    if s.server_tiers.contains(&ServerTier::Dram) {
+        per_size += 1 + 2 + 2 * per_clients * clients;
+    }
+    if s.server_tiers.contains(&ServerTier::Nvme) {
+        // Fill; per client count the O_DIRECT references (3 steps); per transport, get and put.
+        per_size += 1 + clients * (3 + 2 * s.transports.len() as u64);
+    }
     per_size * s.sizes.len() as u64 + u64::from(s.lookup_blocks > 0)
 }
 
@@ -889,9 +920,16 @@ pub fn measure(s: &Settings, redis: Option<&Redis>, bar: &ProgressBar) -> Result
         );
     }
     for &block in &s.sizes {
-        let size = measure_size(s, &rt, redis, bar, block, &mut part)
-            .with_context(|| format!("server part, {} blocks", Bytes(block)))?;
-        part.info.sizes.push(size);
+        for &tier in &s.server_tiers {
+            let size = match tier {
+                ServerTier::Dram => measure_size(s, &rt, redis, bar, block, &mut part),
+                ServerTier::Nvme => measure_nvme(s, &rt, bar, block, &mut part),
+            }
+            .with_context(|| {
+                format!("server part, {} tier, {} blocks", tier.name(), Bytes(block))
+            })?;
+            part.info.sizes.push(size);
+        }
     }
     if s.lookup_blocks > 0 {
         bar.set_message(format!("lookup of {} blocks over unix", s.lookup_blocks));
@@ -920,28 +958,12 @@ fn measure_size(
     // Room for the working set, every client's puts in flight, and some slack.
     let max_clients = s.clients.iter().copied().max().unwrap_or(1);
     let dram = (blocks + max_clients * batch + 16) as u64 * block_bytes;
-    let srv = ServerChild::start(&layout, dram)?;
+    let srv = ServerChild::start(&layout, dram, None)?;
     let keys = Arc::new(keys(blocks, &layout, sub_seed(seed, 1))?);
     let ws = WorkingSet::new(block, blocks, batch, seed);
 
-    // Fill the working set through the local path.
     bar.set_message(format!("{sz}: filling the server"));
-    rt.block_on(async {
-        let c = srv.client(Transport::Unix).await?;
-        for (n, chunk) in keys.chunks(16).enumerate() {
-            let refs: Vec<&[u8]> = (0..chunk.len())
-                .map(|i| ws.blocks[(n * 16 + i) % ws.blocks.len()].as_slice())
-                .collect();
-            let parent = (n * 16).checked_sub(1).map(|p| keys[p]);
-            let st = tokio::time::timeout(OP_TIMEOUT, c.put_chain(chunk, parent, &refs))
-                .await
-                .map_err(|_| anyhow!("a put took over {OP_TIMEOUT:?}"))?;
-            if st.cached() != chunk.len() {
-                bail!("the server refused blocks while filling: {st:?}");
-            }
-        }
-        Ok::<_, anyhow::Error>(())
-    })?;
+    fill(rt, &srv, &keys, &ws, 16)?;
     bar.inc(1);
 
     // memcpy of the same blocks over the same working set, one thread, both directions.
@@ -997,14 +1019,11 @@ fn measure_size(
                     t.name(),
                     op.name()
                 ));
-                let d = rt.block_on(kvtier_case(&srv, t, clients, op, &keys, &ws, dur, seed))?;
+                let (d, _) =
+                    rt.block_on(kvtier_case(&srv, t, clients, op, &keys, &ws, dur, seed))?;
                 bar.inc(1);
-                let path = match t {
-                    Transport::Unix => "kvtier dram, unix zero-copy",
-                    Transport::Tcp => "kvtier dram, tcp",
-                    Transport::Quic => "kvtier dram, quic",
-                };
-                let kv = Row::new(Part::Server, path, true, op, block_bytes, clients)
+                let path = kvtier_path(ServerTier::Dram, t);
+                let kv = Row::new(Part::Server, &path, true, op, block_bytes, clients)
                     .with(d.figure((block * batch) as u64), d.bad);
                 if d.bad > 0 {
                     part.notes.push(format!(
@@ -1106,6 +1125,170 @@ fn measure_size(
     let rss = srv.peak_rss();
     drop(srv);
     Ok(ServerSize {
+        tier: ServerTier::Dram,
+        block_bytes,
+        working_set_blocks: blocks,
+        server_dram_bytes: dram,
+        server_peak_rss_bytes: rss,
+    })
+}
+
+/// Stores the working set through the local path, `chunk` blocks a request. A chunk the
+/// server could not take whole (no free DRAM slot while earlier blocks are still being
+/// written through to NVMe) is retried from its first missing block for up to
+/// [`OP_TIMEOUT`].
+fn fill(
+    rt: &tokio::runtime::Runtime,
+    srv: &ServerChild,
+    keys: &[BlockKey],
+    ws: &WorkingSet,
+    chunk: usize,
+) -> Result<()> {
+    let chunk = chunk.max(1);
+    rt.block_on(async {
+        let c = srv.client(Transport::Unix).await?;
+        let mut at = 0;
+        let mut since = Instant::now();
+        while at < keys.len() {
+            let end = (at + chunk).min(keys.len());
+            let refs: Vec<&[u8]> = (at..end)
+                .map(|i| ws.blocks[i % ws.blocks.len()].as_slice())
+                .collect();
+            let parent = at.checked_sub(1).map(|p| keys[p]);
+            let st = tokio::time::timeout(OP_TIMEOUT, c.put_chain(&keys[at..end], parent, &refs))
+                .await
+                .map_err(|_| anyhow!("a put took over {OP_TIMEOUT:?}"))?;
+            let done = st
+                .statuses
+                .iter()
+                .take_while(|s| matches!(s, PutStatus::Stored | PutStatus::AlreadyPresent))
+                .count();
+            if done > 0 {
+                at += done;
+                since = Instant::now();
+            } else if since.elapsed() > OP_TIMEOUT {
+                bail!("the server refused blocks while filling for {OP_TIMEOUT:?}: {st:?}");
+            } else {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        Ok::<_, anyhow::Error>(())
+    })
+}
+
+fn kvtier_path(tier: ServerTier, t: Transport) -> String {
+    let how = match t {
+        Transport::Unix => "unix zero-copy",
+        Transport::Tcp => "tcp",
+        Transport::Quic => "quic",
+    };
+    format!("kvtier {}, {how}", tier.name())
+}
+
+/// The NVMe tier through the sidecar: a DRAM tier of a few blocks over an NVMe tier (in the
+/// bench directory, write-through) holding the working set, so gets read NVMe (and promote)
+/// and puts write through to NVMe. Reference: O_DIRECT pread / pwrite of the same block size
+/// in the same directory, one thread per client.
+fn measure_nvme(
+    s: &Settings,
+    rt: &tokio::runtime::Runtime,
+    bar: &ProgressBar,
+    block_bytes: u64,
+    part: &mut ServerPart,
+) -> Result<ServerSize> {
+    let layout = layout_for(block_bytes)?;
+    let block = usize::try_from(block_bytes)?;
+    let batch = s.batch;
+    let dur = s.case_time();
+    let seed = s.seed;
+    let sz = Bytes(block_bytes);
+    let max_clients = s.clients.iter().copied().max().unwrap_or(1);
+    // DRAM: room for every client's blocks in flight (pins, reservations), little more.
+    let dram_slots = 4 * max_clients * batch + 8;
+    let dram = dram_slots as u64 * block_bytes;
+    // A working set at least 4x the DRAM tier, so gets cycling through it miss DRAM.
+    let blocks = s.blocks_for(block_bytes).max(4 * dram_slots);
+    // NVMe: the working set, the puts of a run, slack; each slot has a 4 KiB header.
+    let nvme = (2 * blocks + 64) as u64 * (block_bytes + 4096);
+    let base = crate::tiers::base_dir(s.dir.as_deref())?;
+    let work = tempfile::Builder::new()
+        .prefix("kvtier-bench-server-")
+        .tempdir_in(&base)
+        .with_context(|| format!("{} is not writable", base.display()))?;
+    let free = util::free_bytes(work.path())?;
+    if nvme + blocks as u64 * block_bytes > free / 10 * 9 {
+        bail!(
+            "the NVMe server case needs {} in {} ({} free); lower --blocks or use --server-tiers dram",
+            Bytes(nvme + blocks as u64 * block_bytes),
+            base.display(),
+            Bytes(free)
+        );
+    }
+    let srv = ServerChild::start(&layout, dram, Some((work.path(), nvme)))?;
+    let keys = Arc::new(keys(blocks, &layout, sub_seed(seed, 3))?);
+    let ws = WorkingSet::new(block, blocks, batch, sub_seed(seed, 4));
+    bar.set_message(format!("{sz}: filling the server's NVMe tier"));
+    fill(rt, &srv, &keys, &ws, max_clients * batch)?;
+    bar.inc(1);
+    let budget = Budget::Time {
+        warm: (dur / 4).min(Duration::from_millis(500)),
+        run: dur,
+    };
+    for &clients in &s.clients {
+        let per = (blocks as u64 / clients as u64).max(1);
+        let (w, r, direct) = crate::tiers::direct_io_reference(
+            work.path(),
+            block_bytes,
+            clients,
+            per,
+            &budget,
+            sub_seed(seed, 5),
+            bar,
+        )?;
+        let io = if direct { "O_DIRECT" } else { "buffered" };
+        for op in [Op::Get, Op::Put] {
+            let (phase, name) = match op {
+                Op::Get => (&r, format!("{io} pread")),
+                Op::Put => (&w, format!("{io} pwrite")),
+            };
+            let reference = Row::new(Part::Server, &name, false, op, block_bytes, clients)
+                .with(phase.figure(block_bytes), 0);
+            for &t in &s.transports {
+                let path = kvtier_path(ServerTier::Nvme, t);
+                bar.set_message(format!("{sz}: {path} {} x{clients}", op.name()));
+                let (d, from_nvme) =
+                    rt.block_on(kvtier_case(&srv, t, clients, op, &keys, &ws, dur, seed))?;
+                bar.inc(1);
+                let kv = Row::new(Part::Server, &path, true, op, block_bytes, clients)
+                    .with(d.figure((block * batch) as u64), d.bad);
+                if op == Op::Get {
+                    part.notes.push(format!(
+                        "{path} get x{clients}, {sz}: {:.0} % of the blocks came from NVMe",
+                        100.0 * from_nvme
+                    ));
+                }
+                if d.bad > 0 {
+                    part.notes.push(format!(
+                        "{path} {} x{clients}, {sz}: {} of {} requests did not complete (not counted)",
+                        op.name(),
+                        d.bad,
+                        d.ops
+                    ));
+                }
+                let target = (t == Transport::Unix).then_some(0.8);
+                part.comparisons
+                    .push(Comparison::of(&kv, &reference, target));
+                part.rows.push(kv);
+            }
+            part.rows.push(reference);
+        }
+    }
+    let rss = srv.peak_rss();
+    drop(srv);
+    let shown = work.path().display().to_string();
+    work.close().with_context(|| format!("removing {shown}"))?;
+    Ok(ServerSize {
+        tier: ServerTier::Nvme,
         block_bytes,
         working_set_blocks: blocks,
         server_dram_bytes: dram,
@@ -1114,7 +1297,8 @@ fn measure_size(
 }
 
 /// kvtier gets (of the working set, `batch` keys a request) or puts (of fresh keys) through
-/// `clients` connections over `t`.
+/// `clients` connections over `t`; also returns the fraction of the blocks got that came
+/// from NVMe.
 #[allow(clippy::too_many_arguments)]
 async fn kvtier_case(
     srv: &ServerChild,
@@ -1125,8 +1309,11 @@ async fn kvtier_case(
     ws: &Arc<WorkingSet>,
     dur: Duration,
     seed: u64,
-) -> Result<Driven> {
+) -> Result<(Driven, f64)> {
     let batch = ws.batch;
+    // Blocks got (warm-up included), and how many of them came from NVMe.
+    let from_nvme = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
+    let counter = from_nvme.clone();
     let block = ws.blocks[0].len();
     let mut conns = Vec::new();
     for _ in 0..clients {
@@ -1138,9 +1325,10 @@ async fn kvtier_case(
     let (k, ws) = (keys.clone(), ws.clone());
     // Fresh put keys: a stream of the seed per transport and op, numbered by client and op.
     let put_base = u128::from(sub_seed(seed, 0x7075_7400 + t as u64)) << 64;
-    drive(clients, dur, move |c, n| {
+    let d = drive(clients, dur, move |c, n| {
         let conn = conns[c].clone();
         let (k, ws) = (k.clone(), ws.clone());
+        let counter = counter.clone();
         async move {
             let mut g = conn.lock().await;
             let (client, bufs) = &mut *g;
@@ -1159,6 +1347,9 @@ async fn kvtier_case(
                             f.miss
                         );
                     }
+                    let nvme = f.tiers.iter().filter(|t| **t == TierCode::Nvme).count();
+                    counter[0].fetch_add(f.blocks as u64, Ordering::Relaxed);
+                    counter[1].fetch_add(nvme as u64, Ordering::Relaxed);
                     Ok(true)
                 }
                 Op::Put => {
@@ -1181,13 +1372,18 @@ async fn kvtier_case(
             }
         }
     })
-    .await
+    .await?;
+    let (got, nvme) = (
+        from_nvme[0].load(Ordering::Relaxed),
+        from_nvme[1].load(Ordering::Relaxed),
+    );
+    Ok((d, nvme as f64 / got.max(1) as f64))
 }
 
 /// Lookup latency of a cached prefix of `lookup_blocks` 64 KiB blocks over the Unix socket.
 fn lookup_latency(s: &Settings, rt: &tokio::runtime::Runtime) -> Result<LookupLatency> {
     let small = layout_for(64 << 10)?;
-    let srv = ServerChild::start(&small, (s.lookup_blocks as u64 + 64) * (64 << 10))?;
+    let srv = ServerChild::start(&small, (s.lookup_blocks as u64 + 64) * (64 << 10), None)?;
     rt.block_on(async {
         let c = srv.client(Transport::Unix).await?;
         let k = keys(s.lookup_blocks, &small, sub_seed(s.seed, 2))?;

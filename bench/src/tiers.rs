@@ -16,10 +16,12 @@
 //!     (pwrite/pread with O_DIRECT) runs first, for the given time, on a file of
 //!     `slots x block` bytes; then the tier does exactly as many operations per thread (same
 //!     total bytes, same slot sequence). Each thread owns an equal share of the slots.
-//! * `server`: the sidecar in a child process (`serve-child`), DRAM tier only, over each of
-//!   `--transports` with each of `--clients`; see `server.rs` for the references (memcpy,
-//!   raw loopback TCP, raw quinn, Redis over its Unix socket and TCP), the lookup latency of a
-//!   long prefix over the Unix socket, and the server's peak RSS.
+//! * `server`: the sidecar in a child process (`serve-child`) over each of `--transports` with
+//!   each of `--clients`, for each of `--server-tiers`: DRAM (NVMe off) and NVMe (a DRAM tier
+//!   of a few blocks over an NVMe tier holding the working set). See `server.rs` for the
+//!   references (memcpy, raw loopback TCP, raw quinn, Redis over its Unix socket and TCP,
+//!   O_DIRECT I/O for the NVMe tier), the lookup latency of a long prefix over the Unix
+//!   socket, and the server's peak RSS.
 //!
 //! Redis is started by the bench when `redis-server` is installed (bench/install-redis.sh),
 //! reached with `--redis URL`, or skipped with `--no-redis`; a skipped Redis is said so in
@@ -173,6 +175,44 @@ fn parse_transports(s: &str) -> Result<TransportList, String> {
     Ok(TransportList(v))
 }
 
+/// The tier the server part's blocks live in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ServerTier {
+    /// DRAM only (NVMe off): gets hit DRAM.
+    Dram,
+    /// A DRAM tier of a few blocks over an NVMe tier (write-through) holding the working
+    /// set: gets come from NVMe (and are promoted), puts are written through to NVMe.
+    Nvme,
+}
+
+impl ServerTier {
+    pub fn name(self) -> &'static str {
+        match self {
+            ServerTier::Dram => "dram",
+            ServerTier::Nvme => "nvme",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ServerTierList(pub Vec<ServerTier>);
+
+fn parse_server_tiers(s: &str) -> Result<ServerTierList, String> {
+    let mut v = Vec::new();
+    for p in s.split(',') {
+        let t = match p.trim() {
+            "dram" => ServerTier::Dram,
+            "nvme" => ServerTier::Nvme,
+            other => return Err(format!("unknown tier {other:?} (dram, nvme)")),
+        };
+        if !v.contains(&t) {
+            v.push(t);
+        }
+    }
+    Ok(ServerTierList(v))
+}
+
 #[derive(Clone, Debug)]
 pub struct CountList(pub Vec<usize>);
 
@@ -196,6 +236,10 @@ pub struct TiersArgs {
     /// Transports of the server part (unix = local zero-copy, tcp, quic).
     #[arg(long, default_value = "unix,tcp,quic", value_parser = parse_transports)]
     pub transports: TransportList,
+    /// Tiers the server part serves from: dram (NVMe off), nvme (a few DRAM blocks over an
+    /// NVMe tier holding the working set, under --dir).
+    #[arg(long, default_value = "dram,nvme", value_parser = parse_server_tiers)]
+    pub server_tiers: ServerTierList,
     /// Block sizes (binary units, multiples of 4 KiB). [default: 64k,2m; --quick: 64k]
     #[arg(long, alias = "block-size", value_parser = parse_sizes, value_name = "LIST")]
     pub sizes: Option<SizeList>,
@@ -267,6 +311,7 @@ pub enum RedisChoice {
 pub struct Settings {
     pub parts: Vec<Part>,
     pub transports: Vec<Transport>,
+    pub server_tiers: Vec<ServerTier>,
     pub sizes: Vec<u64>,
     pub seconds_per_case: f64,
     pub threads: usize,
@@ -325,8 +370,8 @@ impl TiersArgs {
         if parts.is_empty() {
             bail!("--parts: nothing to run");
         }
-        if parts.contains(&Part::Server) && self.transports.0.is_empty() {
-            bail!("--transports: no transport given");
+        if parts.contains(&Part::Server) && self.server_tiers.0.is_empty() {
+            bail!("--server-tiers: no tier given");
         }
         let redis = if self.no_redis {
             RedisChoice::Off
@@ -338,6 +383,7 @@ impl TiersArgs {
         Ok(Settings {
             parts,
             transports: self.transports.0.clone(),
+            server_tiers: self.server_tiers.0.clone(),
             sizes: self
                 .sizes
                 .as_ref()
@@ -565,7 +611,8 @@ impl Report for TiersReport {
             kv(
                 "server",
                 format!(
-                    "transports {}, clients {}, {} block(s) a request",
+                    "tiers {}, transports {}, clients {}, {} block(s) a request",
+                    join(&self.settings.server_tiers, |t| t.name().to_string()),
                     join(&self.settings.transports, |t| t.name().to_string()),
                     join(&self.settings.clients, ToString::to_string),
                     self.settings.batch
@@ -900,7 +947,7 @@ fn describe(l: &KvLayout) -> String {
 
 /// The directory to run in: `--dir` (created if missing), else ./kvtier-data/bench, else
 /// $TMPDIR. Fails if it is not writable.
-fn base_dir(arg: Option<&Path>) -> Result<PathBuf> {
+pub(crate) fn base_dir(arg: Option<&Path>) -> Result<PathBuf> {
     if let Some(d) = arg {
         std::fs::create_dir_all(d)
             .with_context(|| format!("--dir {} cannot be created", d.display()))?;
@@ -1165,37 +1212,9 @@ fn store_size(
     let slot_of = |t: usize, i: u64| t as u64 * per + i % per;
     let key_of = |slot: u64| store_key(seed, 2, slot);
 
-    let raw_path = dir.join(format!("raw-{block}.dat"));
     let raw_len = nt as u64 * per * block;
-    let (raw, raw_direct) = open_raw(&raw_path, raw_len)?;
-    let raw_write = |buf: &mut AlignedBuf, t: usize, i: u64| -> Result<bool> {
-        let off = slot_of(t, i) * block;
-        raw.write_all_at(buf, off)
-            .with_context(|| format!("pwrite at {off} in {}", raw_path.display()))?;
-        Ok(true)
-    };
+    let (raw_w, raw_r, raw_direct) = direct_io_reference(dir, block, nt, per, budget, seed, bar)?;
     let src = |t: usize| Ok(util::random_buf(bs, sub_seed(seed, 500 + t as u64)));
-    step(bar, format!("{sz}: filling the reference file"), || {
-        phase(nt, &Budget::Fixed(per), src, raw_write)
-    })?;
-    let raw_w = step(bar, format!("{sz}: O_DIRECT pwrite x{nt}"), || {
-        phase(nt, budget, src, raw_write)
-    })?;
-    let raw_r = step(bar, format!("{sz}: O_DIRECT pread x{nt}"), || {
-        phase(
-            nt,
-            budget,
-            |_| Ok(AlignedBuf::new(bs)),
-            |buf, t, i| {
-                let off = slot_of(t, i) * block;
-                raw.read_exact_at(buf, off)
-                    .with_context(|| format!("pread at {off} in {}", raw_path.display()))?;
-                Ok(true)
-            },
-        )
-    })?;
-    drop(raw);
-    std::fs::remove_file(&raw_path).with_context(|| format!("removing {}", raw_path.display()))?;
 
     let tier_dir = dir.join(format!("tier-{block}"));
     let (tier, report) = NvmeTierConfig::new(&tier_dir, file_len, block, layout.fingerprint())
@@ -1264,6 +1283,55 @@ fn store_size(
             reference_file_bytes: raw_len,
         },
     })
+}
+
+/// The NVMe references: pwrite, then pread (O_DIRECT where the file system allows), on
+/// `threads` threads, each cycling over its own `per` blocks of a file in `dir`, which is
+/// filled first (untimed) and removed afterwards. Returns (write, read, whether O_DIRECT).
+pub(crate) fn direct_io_reference(
+    dir: &Path,
+    block: u64,
+    nt: usize,
+    per: u64,
+    budget: &Budget<'_>,
+    seed: u64,
+    bar: &ProgressBar,
+) -> Result<(Phase, Phase, bool)> {
+    let bs = usize::try_from(block)?;
+    let sz = Bytes(block);
+    let slot_of = |t: usize, i: u64| t as u64 * per + i % per;
+    let raw_path = dir.join(format!("raw-{block}-{nt}.dat"));
+    let raw_len = nt as u64 * per * block;
+    let (raw, raw_direct) = open_raw(&raw_path, raw_len)?;
+    let raw_write = |buf: &mut AlignedBuf, t: usize, i: u64| -> Result<bool> {
+        let off = slot_of(t, i) * block;
+        raw.write_all_at(buf, off)
+            .with_context(|| format!("pwrite at {off} in {}", raw_path.display()))?;
+        Ok(true)
+    };
+    let src = |t: usize| Ok(util::random_buf(bs, sub_seed(seed, 500 + t as u64)));
+    step(bar, format!("{sz}: filling the reference file"), || {
+        phase(nt, &Budget::Fixed(per), src, raw_write)
+    })?;
+    let raw_w = step(bar, format!("{sz}: O_DIRECT pwrite x{nt}"), || {
+        phase(nt, budget, src, raw_write)
+    })?;
+    let raw_r = step(bar, format!("{sz}: O_DIRECT pread x{nt}"), || {
+        phase(
+            nt,
+            budget,
+            |_| Ok(AlignedBuf::new(bs)),
+            |buf, t, i| {
+                let off = slot_of(t, i) * block;
+                raw.read_exact_at(buf, off)
+                    .with_context(|| format!("pread at {off} in {}", raw_path.display()))?;
+                Ok(true)
+            },
+        )
+    })?;
+    drop(raw);
+    std::fs::remove_file(&raw_path).with_context(|| format!("removing {}", raw_path.display()))?;
+    Ok((raw_w, raw_r, raw_direct))
 }
 
 /// Creates `path` with `len` bytes allocated, opened with O_DIRECT where the file system
@@ -1411,6 +1479,7 @@ mod tests {
         }
         check(&["--parts", "store,disk"], "unknown part \"disk\"");
         check(&["--transports", "unix,rdma"], "unknown transport \"rdma\"");
+        check(&["--server-tiers", "dram,hbm"], "unknown tier \"hbm\"");
         check(
             &["--sizes", "64k,1000"],
             "1000 is not a non-zero multiple of 4096",

@@ -70,6 +70,10 @@ fn tiers_quick_runs_every_path_and_says_redis_was_skipped() {
         "kvtier dram, unix zero-copy",
         "kvtier dram, tcp",
         "kvtier dram, quic",
+        "kvtier nvme, unix zero-copy",
+        "kvtier nvme, tcp",
+        "O_DIRECT pread",
+        "came from NVMe",
         "raw loopback TCP",
         "raw quinn",
         "memcpy",
@@ -105,6 +109,8 @@ fn tiers_quick_runs_every_path_and_says_redis_was_skipped() {
             "server",
             "--transports",
             "unix,tcp",
+            "--dir",
+            data.to_str().unwrap(),
         ],
     );
     let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
@@ -113,8 +119,8 @@ fn tiers_quick_runs_every_path_and_says_redis_was_skipped() {
     assert_eq!(doc["result"]["redis"], "SKIPPED: --no-redis");
     let rows = doc["result"]["rows"].as_array().unwrap();
     let kv: Vec<_> = rows.iter().filter(|r| r["kvtier"] == true).collect();
-    // unix and tcp, get and put, one client count.
-    assert_eq!(kv.len(), 4, "{rows:?}");
+    // dram and nvme, unix and tcp, get and put, one client count.
+    assert_eq!(kv.len(), 8, "{rows:?}");
     for r in rows {
         assert!(r["gb_per_s"].as_f64().unwrap() > 0.0, "{r}");
         let (p50, p99) = (
@@ -124,8 +130,9 @@ fn tiers_quick_runs_every_path_and_says_redis_was_skipped() {
         assert!(p50 > 0.0 && p99 >= p50, "{r}");
     }
     let comparisons = doc["result"]["comparisons"].as_array().unwrap();
-    // unix: memcpy (get, put); tcp: raw TCP (get, put).
-    assert_eq!(comparisons.len(), 4, "{comparisons:?}");
+    // dram: unix against memcpy, tcp against raw TCP; nvme: both against O_DIRECT; get and
+    // put each.
+    assert_eq!(comparisons.len(), 8, "{comparisons:?}");
     for c in comparisons {
         assert!(c["ratio"].as_f64().unwrap() > 0.0, "{c}");
     }
