@@ -69,7 +69,7 @@ struct Defaults {
 
 const FULL: Defaults = Defaults {
     sizes: &[64 << 10, 2 << 20],
-    seconds_per_case: 0.5,
+    seconds_per_case: 0.3,
     threads: 4,
     dram_bytes: None,
     nvme_bytes: None,
@@ -243,7 +243,7 @@ pub struct TiersArgs {
     /// Block sizes (binary units, multiples of 4 KiB). [default: 64k,2m; --quick: 64k]
     #[arg(long, alias = "block-size", value_parser = parse_sizes, value_name = "LIST")]
     pub sizes: Option<SizeList>,
-    /// Measured time of each case (warm-up comes on top). [default: 0.5; --quick: 0.05]
+    /// Measured time of each case (warm-up comes on top). [default: 0.3; --quick: 0.05]
     #[arg(long, alias = "seconds", value_name = "SECONDS")]
     pub seconds_per_case: Option<f64>,
     /// Threads for the in-process NVMe cases (tier and pread/pwrite alike). [default: 4;
