@@ -1,10 +1,12 @@
 //! kvtier-bench: micro-benchmarks of kvtier's hot paths.
 //!
 //! * `hash`: the chained prefix hasher (keys/s) for both hash schemes.
-//! * `tiers`: the DRAM tier against memcpy and the NVMe tier against plain O_DIRECT I/O.
+//! * `tiers`: per tier (DRAM, NVMe) and block size, put/get GB/s and latency in-process and
+//!   through the sidecar (unix zero-copy, TCP, QUIC) against memcpy, O_DIRECT I/O, raw
+//!   loopback TCP, raw quinn and Redis, all in the same run, with the ratios.
 //! * `lookup`: in-process longest-prefix lookup through the store's index.
 //! * `policy`: eviction policies on block-hash traces against LRU and the offline optimum.
-//! * `server`: the sidecar over its transports against memcpy, raw sockets, raw quinn, Redis.
+//! * `server`: `tiers --parts server` (the sidecar over its transports only).
 //! * `transfer`: the transfer library (nixlbench-style sweep) against memcpy, raw TCP and quinn.
 //!
 //! Tables go to stdout (or one JSON document with `--json`, or CSV with `--csv`); plots are
@@ -46,15 +48,18 @@ struct Cli {
 enum Command {
     /// Prefix hasher throughput (keys/s) for xxh3 and blake3.
     Hash(hash::HashArgs),
-    /// DRAM and NVMe tier throughput against memcpy and O_DIRECT pread/pwrite.
+    /// Per tier and block size: put/get GB/s and latency in-process and through the sidecar
+    /// (unix zero-copy, TCP, QUIC) against memcpy, O_DIRECT I/O, raw loopback TCP, raw
+    /// quinn and Redis, measured in the same run, with the ratios.
     Tiers(tiers::TiersArgs),
     /// In-process longest-prefix lookup of a long prompt (keys/s, latency).
     Lookup(lookup::LookupArgs),
     /// Eviction hit rates on block-hash traces against LRU and the offline optimum.
     Policy(policy::PolicyArgs),
-    /// The sidecar over Unix (zero-copy), TCP and QUIC against memcpy, raw sockets, raw
-    /// quinn and Redis; lookup latency over the Unix socket; server peak RSS.
-    Server(server::ServerArgs),
+    /// `tiers` with `--parts server` by default: the sidecar over Unix (zero-copy), TCP and
+    /// QUIC against memcpy, raw sockets, raw quinn and Redis; lookup latency over the Unix
+    /// socket; server peak RSS.
+    Server(tiers::TiersArgs),
     /// (internal) A server child process for `server`.
     #[command(hide = true)]
     ServeChild {
@@ -186,33 +191,13 @@ fn main() -> Result<()> {
     };
     match &cli.command {
         Command::Hash(a) => ctx.emit("hash", hash::run(a, ctx.seed)?),
-        Command::Tiers(a) => {
-            let r = tiers::run(a)?;
-            emit(cli.json, &command_line, &machine, "tiers", r, tiers::print)
-        }
-        Command::Lookup(a) => {
-            let r = lookup::run(a)?;
-            emit(
-                cli.json,
-                &command_line,
-                &machine,
-                "lookup",
-                r,
-                lookup::print,
-            )
-        }
+        Command::Tiers(a) => ctx.emit(
+            "tiers",
+            tiers::run(a, &[tiers::Part::Store, tiers::Part::Server], ctx.seed)?,
+        ),
+        Command::Lookup(a) => ctx.emit("lookup", lookup::run(a, ctx.seed)?),
         Command::ServeChild { set } => server::serve_child(set),
-        Command::Server(a) => {
-            let r = server::run(a)?;
-            emit(
-                cli.json,
-                &command_line,
-                &machine,
-                "server",
-                r,
-                server::print,
-            )
-        }
+        Command::Server(a) => ctx.emit("server", tiers::run(a, &[tiers::Part::Server], ctx.seed)?),
         Command::Policy(a) => {
             let r = policy::run(a)?;
             emit(
@@ -224,17 +209,7 @@ fn main() -> Result<()> {
                 policy::print,
             )
         }
-        Command::Transfer(a) => {
-            let r = transfer::run(a)?;
-            emit(
-                cli.json,
-                &command_line,
-                &machine,
-                "transfer",
-                r,
-                transfer::print,
-            )
-        }
+        Command::Transfer(a) => ctx.emit("transfer", transfer::run(a, ctx.seed)?),
     }
 }
 

@@ -1,83 +1,135 @@
-//! `kvtier-bench server`: the sidecar over its transports against the references measured in
-//! the same run: memcpy (local zero-copy path), raw loopback TCP streams, Redis (over its
-//! Unix socket and TCP, when `redis-server` is installed), a raw quinn stream (QUIC); lookup
-//! latency of a long prefix over the Unix socket; the server's peak RSS.
+//! The server part of `kvtier-bench tiers` (also `kvtier-bench server`, which runs only this
+//! part): the sidecar over its transports against references measured in the same run:
+//!
+//! * unix (local, zero-copy out of the mapped arena): single-thread memcpy of the same
+//!   blocks over the same working set; Redis GET/SET over its Unix socket;
+//! * tcp: raw loopback TCP streams, one per client, moving the same bytes per request (a
+//!   1-byte request answered by the blocks, or the blocks answered by a 1-byte ack); Redis
+//!   GET/SET over TCP;
+//! * quic: raw quinn streams the same way, with the client's transport settings;
+//!
+//! and, with the NVMe tier (`--server-tiers nvme`: a DRAM tier of a few blocks over a
+//! write-through NVMe tier holding a working set at least 4x larger, in the bench directory),
+//! O_DIRECT pread / pwrite of the same block size in the same directory, one thread per
+//! client; the share of blocks actually served from NVMe is reported;
+//!
+//! plus the lookup latency of a long prefix over the Unix socket, and the server's peak RSS.
+//! Gets cycle through a working set of `--blocks` distinct blocks (all in DRAM); puts store
+//! fresh keys (eviction is part of their cost). All gets run before all puts, so puts do not
+//! evict the get working set.
 //!
 //! The server runs as a child process (this binary's hidden `serve-child` command), so its
-//! RSS is its own and clients and server do not share a runtime.
+//! RSS is its own and clients and server do not share a runtime. Redis values are one block;
+//! kvtier requests carry `--batch` blocks.
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
-use clap::Args;
+use anyhow::{Context, Result, anyhow, bail};
+use indicatif::ProgressBar;
 use kvtier_client::{Client, ClientConfig};
-use kvtier_core::{BlockKey, Dtype, HashSecret, KvLayout, NamespaceBuilder, PrefixHasher};
+use kvtier_core::protocol::{PutStatus, TierCode};
+use kvtier_core::{BlockKey, HashSecret, KvLayout, NamespaceBuilder, PrefixHasher};
 use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::util::{Bytes, parse_size};
+use crate::report::Table;
+use crate::tiers::{Comparison, Op, Part, Row, ServerTier, Settings, Transport, layout_for};
+use crate::util::{self, Budget, Bytes, Figure, Latency, fmt_f, sub_seed};
 
-#[derive(Args, Debug)]
-pub struct ServerArgs {
-    /// Block (and Redis value) size: a multiple of 64 KiB.
-    #[arg(long, default_value = "2m", value_parser = parse_size)]
-    pub block_size: u64,
-    /// Client counts to run every transport at (comma separated).
-    #[arg(long, default_value = "1,4", value_delimiter = ',')]
-    pub clients: Vec<usize>,
-    /// Blocks per get request.
-    #[arg(long, default_value_t = 1)]
-    pub batch: usize,
-    /// Distinct blocks the clients cycle through (the working set, all in DRAM).
-    #[arg(long, default_value_t = 128)]
-    pub blocks: usize,
-    /// Seconds per case.
-    #[arg(long, default_value_t = 2.0)]
-    pub seconds: f64,
-    /// Blocks in the prefix whose lookup latency is measured over the Unix socket.
-    #[arg(long, default_value_t = 4096)]
-    pub lookup_blocks: usize,
-    /// Skip Redis even when installed.
-    #[arg(long)]
-    pub no_redis: bool,
-    /// Transports to measure.
-    #[arg(long, default_value = "unix,tcp,quic", value_delimiter = ',')]
-    pub transports: Vec<String>,
+const TOKEN: &str = "kvtier-bench-token";
+/// Longest any single request (kvtier, Redis, raw socket) may take before the run fails.
+const OP_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long connecting (or a server starting) may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Distinct Redis keys the GETs cycle through.
+const REDIS_KEYS: u64 = 16;
+
+#[derive(Debug, Serialize)]
+pub struct ServerInfo {
+    pub sizes: Vec<ServerSize>,
+    pub lookup: Option<LookupLatency>,
 }
 
-#[derive(Serialize, Clone)]
-pub struct Case {
-    pub path: String,
-    pub clients: usize,
-    pub gb_s: f64,
-    pub reference: String,
-    pub reference_gb_s: f64,
-    pub ratio: f64,
-}
-
-#[derive(Serialize)]
-pub struct ServerReport {
+#[derive(Debug, Serialize)]
+pub struct ServerSize {
+    pub tier: ServerTier,
     pub block_bytes: u64,
-    pub batch: usize,
-    pub cases: Vec<Case>,
-    pub memcpy_gb_s: f64,
-    pub lookup_blocks: usize,
-    pub lookup_us_p50: f64,
-    pub lookup_us_p99: f64,
+    pub working_set_blocks: usize,
+    pub server_dram_bytes: u64,
+    pub server_peak_rss_bytes: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct LookupLatency {
+    pub blocks: usize,
+    pub lookups: u64,
+    pub latency_us_p50: f64,
+    pub latency_us_p99: f64,
     /// Round trip of a ping over the same socket (the floor under any request).
     pub ping_us_p50: f64,
-    pub server_peak_rss_bytes: u64,
-    pub server_dram_bytes: u64,
-    pub redis: Option<String>,
 }
 
-/// A server in a child process.
-struct Child_ {
+impl ServerInfo {
+    pub fn tables(&self) -> Vec<Table> {
+        let mut t = Table::new(
+            "server child",
+            &[
+                "tier",
+                "block",
+                "working set",
+                "DRAM tier",
+                "peak RSS",
+                "RSS / DRAM",
+            ],
+        );
+        for s in &self.sizes {
+            t.row([
+                s.tier.name().to_string(),
+                Bytes(s.block_bytes).to_string(),
+                format!("{} blocks", s.working_set_blocks),
+                Bytes(s.server_dram_bytes).to_string(),
+                Bytes(s.server_peak_rss_bytes).to_string(),
+                format!(
+                    "{:.2}",
+                    s.server_peak_rss_bytes as f64 / s.server_dram_bytes.max(1) as f64
+                ),
+            ]);
+        }
+        let mut out = vec![t];
+        if let Some(l) = &self.lookup {
+            let mut t = Table::new(
+                "lookup of a cached prefix over the Unix socket (target p99 <= 100 us at 4096 blocks)",
+                &["blocks", "lookups", "p50 us", "p99 us", "ping p50 us"],
+            );
+            t.row([
+                l.blocks.to_string(),
+                l.lookups.to_string(),
+                fmt_f(l.latency_us_p50, 1),
+                fmt_f(l.latency_us_p99, 1),
+                fmt_f(l.ping_us_p50, 1),
+            ]);
+            out.push(t);
+        }
+        out
+    }
+}
+
+/// What the server part measured.
+pub struct ServerPart {
+    pub rows: Vec<Row>,
+    pub comparisons: Vec<Comparison>,
+    pub info: ServerInfo,
+    pub notes: Vec<String>,
+}
+
+/// A server in a child process (stopped on drop).
+struct ServerChild {
     child: Child,
     unix: PathBuf,
     tcp: SocketAddr,
@@ -85,25 +137,23 @@ struct Child_ {
     dir: tempfile::TempDir,
 }
 
-const TOKEN: &str = "kvtier-bench-token";
-
-fn layout_for(block: u64) -> Result<KvLayout> {
-    if block == 0 || !block.is_multiple_of(64 << 10) {
-        bail!("--block-size must be a multiple of 64 KiB");
-    }
-    // 8 kv heads x 128 dims x bf16 x 16 tokens x (K+V) = 64 KiB a layer.
-    Ok(KvLayout::new(
-        (block >> 16) as u32,
-        8,
-        128,
-        Dtype::Bf16,
-        16,
-    )?)
-}
-
-impl Child_ {
-    fn start(layout: &KvLayout, dram_bytes: u64) -> Result<Child_> {
+impl ServerChild {
+    /// A server with a DRAM tier of `dram_bytes` and, with `nvme = Some((dir, bytes))`, an
+    /// NVMe tier (write-through) in `dir`.
+    fn start(
+        layout: &KvLayout,
+        dram_bytes: u64,
+        nvme: Option<(&Path, u64)>,
+    ) -> Result<ServerChild> {
         let dir = tempfile::tempdir()?;
+        let nvme_sets = match nvme {
+            None => vec!["store.nvme_dir=\"\"".to_string()],
+            Some((d, b)) => vec![
+                format!("store.nvme_dir={:?}", d.display().to_string()),
+                format!("store.nvme_bytes={b}"),
+                "store.demotion=\"write-through\"".to_string(),
+            ],
+        };
         let sets = [
             format!(
                 "server.runtime_dir={:?}",
@@ -114,7 +164,6 @@ impl Child_ {
             "server.admin=off".into(),
             format!("server.token={TOKEN:?}"),
             format!("store.dram_bytes={dram_bytes}"),
-            "store.nvme_dir=\"\"".into(),
             format!("layout.layers={}", layout.num_layers()),
             format!("layout.kv_heads={}", layout.num_kv_heads()),
             format!("layout.head_dim={}", layout.head_dim()),
@@ -123,7 +172,7 @@ impl Child_ {
         ];
         let mut cmd = Command::new(std::env::current_exe()?);
         cmd.arg("serve-child");
-        for s in &sets {
+        for s in sets.iter().chain(&nvme_sets) {
             cmd.arg("--set").arg(s);
         }
         let mut child = cmd
@@ -132,31 +181,58 @@ impl Child_ {
             .spawn()
             .context("starting the server child")?;
         let out = child.stdout.take().context("child stdout")?;
-        let mut line = String::new();
-        let mut r = BufReader::new(out);
-        loop {
-            line.clear();
-            if r.read_line(&mut line)? == 0 {
+        // Read the "listening" line on a thread, so a child that hangs cannot hang us.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut r = BufReader::new(out);
+            let mut line = String::new();
+            loop {
+                line.clear();
+                match r.read_line(&mut line) {
+                    Ok(0) | Err(_) => {
+                        let _ = tx.send(None);
+                        return;
+                    }
+                    Ok(_) if line.starts_with("listening ") => {
+                        let _ = tx.send(Some(line.clone()));
+                        break;
+                    }
+                    Ok(_) => {}
+                }
+            }
+            for _ in r.lines() {}
+        });
+        let line = match rx.recv_timeout(CONNECT_TIMEOUT) {
+            Ok(Some(l)) => l,
+            Ok(None) => {
+                let _ = child.wait();
                 bail!("the server child exited before listening");
             }
-            if line.starts_with("listening ") {
-                break;
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!("the server child did not listen within {CONNECT_TIMEOUT:?}");
             }
-        }
-        std::thread::spawn(move || for _ in r.lines() {});
+        };
         let field = |n: &str| -> Result<String> {
             line.split_whitespace()
                 .find_map(|kv| kv.strip_prefix(&format!("{n}=")))
                 .map(str::to_string)
-                .with_context(|| format!("no {n}= in {line:?}"))
+                .with_context(|| format!("no {n}= in the server child's {line:?}"))
         };
-        Ok(Child_ {
-            unix: PathBuf::from(field("unix")?),
-            tcp: field("tcp")?.parse()?,
-            quic: field("quic")?.parse()?,
+        let (unix, tcp, quic) = (field("unix"), field("tcp"), field("quic"));
+        let mut s = ServerChild {
+            unix: PathBuf::new(),
+            tcp: SocketAddr::from(([127, 0, 0, 1], 0)),
+            quic: SocketAddr::from(([127, 0, 0, 1], 0)),
             child,
             dir,
-        })
+        };
+        // From here on, an error drops `s`, which stops the child.
+        s.unix = PathBuf::from(unix?);
+        s.tcp = tcp?.parse().context("the server child's tcp address")?;
+        s.quic = quic?.parse().context("the server child's quic address")?;
+        Ok(s)
     }
 
     fn peak_rss(&self) -> u64 {
@@ -170,32 +246,34 @@ impl Child_ {
             .map_or(0, |kb| kb * 1024)
     }
 
-    async fn client(&self, transport: &str) -> Result<Client> {
+    async fn client(&self, transport: Transport) -> Result<Client> {
         let (url, cfg) = match transport {
-            "unix" => (
+            Transport::Unix => (
                 format!("unix://{}", self.unix.display()),
                 ClientConfig::default(),
             ),
-            "tcp" => (
+            Transport::Tcp => (
                 format!("tcp://{}", self.tcp),
                 ClientConfig::default().token(TOKEN),
             ),
-            "quic" => (
+            Transport::Quic => (
                 format!("quic://{}", self.quic),
                 ClientConfig::default()
                     .token(TOKEN)
                     .quic_cert_der(std::fs::read(self.dir.path().join("run/quic-cert.der"))?),
             ),
-            t => bail!("unknown transport {t:?} (unix, tcp, quic)"),
         };
-        let cfg = cfg.timeout(Duration::from_secs(30));
-        Ok(Client::connect(&url, cfg).await?)
+        let cfg = cfg.timeout(OP_TIMEOUT);
+        tokio::time::timeout(CONNECT_TIMEOUT, Client::connect(&url, cfg))
+            .await
+            .map_err(|_| anyhow!("connecting to {url} timed out"))?
+            .with_context(|| format!("connecting to {url}"))
     }
 }
 
-impl Drop for Child_ {
+impl Drop for ServerChild {
     fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child's pid.
+        // SAFETY: kill(2) on our own child's pid, which we have not waited for yet.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let until = Instant::now() + Duration::from_secs(10);
         while Instant::now() < until {
@@ -238,102 +316,191 @@ pub fn serve_child(sets: &[String]) -> Result<()> {
     })
 }
 
-fn keys(n: usize, layout: &KvLayout, seed: u32) -> Result<Vec<BlockKey>> {
+/// `n` chained keys of a seeded random prompt.
+fn keys(n: usize, layout: &KvLayout, seed: u64) -> Result<Vec<BlockKey>> {
     let secret = HashSecret::development();
     let ns = NamespaceBuilder::new("bench", layout.fingerprint()).build(&secret)?;
     let mut h = PrefixHasher::new(secret, ns, layout.block_tokens())?;
-    let tokens: Vec<u32> = (0..(n * layout.block_tokens() as usize) as u32)
-        .map(|t| t ^ seed)
+    let mut rng = util::SplitMix64::new(seed);
+    let tokens: Vec<u32> = (0..n * layout.block_tokens() as usize)
+        .map(|_| (rng.next_u64() % 131_072) as u32)
         .collect();
     let mut k = Vec::new();
     h.prompt_keys(&tokens, &mut k);
     Ok(k)
 }
 
-/// Runs `clients` loops of `op` for `secs`; returns bytes moved per second.
-async fn drive<F, Fut>(clients: usize, secs: f64, bytes_per_op: u64, op: F) -> Result<f64>
+/// What [`drive`] measured.
+struct Driven {
+    ops: u64,
+    bad: u64,
+    wall: Duration,
+    latency: Latency,
+}
+
+impl Driven {
+    fn figure(&self, bytes_per_op: u64) -> Figure {
+        Figure::new(self.ops - self.bad, bytes_per_op, self.wall, &self.latency)
+    }
+}
+
+/// Runs `clients` concurrent loops of `op(client, n)`: a warm-up of a quarter of `dur` (at
+/// most 0.5 s), then `dur` measured. `op` returns false for an operation that did not do its
+/// work. Each operation must finish within [`OP_TIMEOUT`].
+async fn drive<F, Fut>(clients: usize, dur: Duration, op: F) -> Result<Driven>
 where
     F: Fn(usize, u64) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Result<()>> + Send,
+    Fut: std::future::Future<Output = Result<bool>> + Send,
 {
     let op = Arc::new(op);
-    let dur = Duration::from_secs_f64(secs);
+    let warm = (dur / 4).min(Duration::from_millis(500));
     let start = Instant::now();
+    let (measure_from, end) = (start + warm, start + warm + dur);
     let mut tasks = Vec::new();
     for c in 0..clients {
         let op = op.clone();
         tasks.push(tokio::spawn(async move {
-            let mut n = 0u64;
-            while start.elapsed() < dur {
-                op(c, n).await?;
+            let (mut n, mut ops, mut bad, mut last) = (0u64, 0u64, 0u64, start);
+            let mut lat = Latency::new();
+            loop {
+                let t = Instant::now();
+                if t >= end {
+                    break;
+                }
+                let ok = tokio::time::timeout(OP_TIMEOUT, op(c, n))
+                    .await
+                    .map_err(|_| anyhow!("an operation took over {OP_TIMEOUT:?}"))??;
                 n += 1;
+                if t >= measure_from {
+                    last = Instant::now();
+                    lat.record(last - t);
+                    ops += 1;
+                    bad += u64::from(!ok);
+                }
             }
-            Ok::<u64, anyhow::Error>(n)
+            Ok::<_, anyhow::Error>((ops, bad, last, lat))
         }));
     }
-    let mut total = 0;
+    let mut d = Driven {
+        ops: 0,
+        bad: 0,
+        wall: Duration::ZERO,
+        latency: Latency::new(),
+    };
+    let mut last = measure_from;
     for t in tasks {
-        total += t.await??;
+        let (ops, bad, l, lat) = t.await??;
+        d.ops += ops;
+        d.bad += bad;
+        last = last.max(l);
+        d.latency.add(&lat);
     }
-    Ok(total as f64 * bytes_per_op as f64 / start.elapsed().as_secs_f64() / 1e9)
+    d.wall = last.saturating_duration_since(measure_from);
+    Ok(d)
 }
 
-/// Single-thread memcpy of `block`-byte blocks out of a working set of `blocks` distinct
-/// blocks (the same bytes the gets move: out of cache when the gets' are).
-fn memcpy_gb_s(block: usize, blocks: usize, batch: usize, secs: f64) -> f64 {
-    let src: Vec<Vec<u8>> = (0..blocks).map(|i| vec![i as u8; block]).collect();
-    // As many destination buffers as a get fills.
-    let mut dst = vec![vec![0u8; block]; batch];
-    let dur = Duration::from_secs_f64(secs);
-    let t = Instant::now();
+/// The reference servers' payload: a working set of distinct blocks, answered `batch` at a
+/// time in turn (the same bytes, and as cold in cache, as the gets').
+struct WorkingSet {
+    blocks: Vec<Vec<u8>>,
+    batch: usize,
+}
+
+impl WorkingSet {
+    fn new(block: usize, blocks: usize, batch: usize, seed: u64) -> Arc<Self> {
+        Arc::new(Self {
+            blocks: (0..blocks.max(batch))
+                .map(|i| util::random_buf(block, sub_seed(seed, 7000 + i as u64)).to_vec())
+                .collect(),
+            batch,
+        })
+    }
+    fn response(&self, n: usize) -> impl Iterator<Item = &[u8]> {
+        let start = (n * self.batch) % (self.blocks.len() - self.batch + 1);
+        self.blocks[start..start + self.batch]
+            .iter()
+            .map(|b| b.as_slice())
+    }
+    fn response_bytes(&self) -> usize {
+        self.batch * self.blocks[0].len()
+    }
+}
+
+/// One request of the raw references: `g` asks for the next response; `p` is followed by a
+/// response's worth of bytes and answered with one byte.
+async fn serve_raw<R, W>(mut r: R, mut w: W, ws: Arc<WorkingSet>)
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    let mut b = [0u8; 1];
+    let mut sink = vec![0u8; ws.response_bytes()];
     let mut n = 0;
-    while t.elapsed() < dur {
-        let d = &mut dst[n % batch];
-        d.copy_from_slice(&src[n % src.len()]);
-        std::hint::black_box(&d);
+    'serve: while r.read_exact(&mut b).await.is_ok() {
+        if b[0] == b'p' {
+            if r.read_exact(&mut sink).await.is_err() || w.write_all(b"k").await.is_err() {
+                break;
+            }
+            continue;
+        }
+        for part in ws.response(n) {
+            if w.write_all(part).await.is_err() {
+                break 'serve;
+            }
+        }
         n += 1;
     }
-    n as f64 * block as f64 / t.elapsed().as_secs_f64() / 1e9
 }
 
-/// A raw loopback TCP reference: a server answering a 1-byte request with the next `batch`
-/// blocks of its working set, `clients` streams at once (what a get is, without kvtier).
-async fn raw_tcp(clients: usize, ws: Arc<WorkingSet>, secs: f64) -> Result<f64> {
+/// The client side of one raw request.
+async fn raw_request<R, W>(r: &mut R, w: &mut W, op: Op, buf: &mut [u8]) -> Result<()>
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    match op {
+        Op::Get => {
+            w.write_all(b"g").await?;
+            r.read_exact(buf).await?;
+        }
+        Op::Put => {
+            w.write_all(b"p").await?;
+            w.write_all(buf).await?;
+            let mut k = [0u8; 1];
+            r.read_exact(&mut k).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Raw loopback TCP: one stream per client, the request protocol of [`serve_raw`].
+async fn raw_tcp(clients: usize, ws: Arc<WorkingSet>, op: Op, dur: Duration) -> Result<Driven> {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = l.local_addr()?;
     let bytes = ws.response_bytes();
     let srv = tokio::spawn(async move {
-        while let Ok((mut s, _)) = l.accept().await {
-            let ws = ws.clone();
+        while let Ok((s, _)) = l.accept().await {
             let _ = s.set_nodelay(true);
-            tokio::spawn(async move {
-                let mut b = [0u8; 1];
-                let mut n = 0;
-                'serve: while s.read_exact(&mut b).await.is_ok() {
-                    for part in ws.response(n) {
-                        if s.write_all(part).await.is_err() {
-                            break 'serve;
-                        }
-                    }
-                    n += 1;
-                }
-            });
+            let (r, w) = s.into_split();
+            tokio::spawn(serve_raw(r, w, ws.clone()));
         }
     });
     let mut streams = Vec::new();
     for _ in 0..clients {
-        let s = tokio::net::TcpStream::connect(addr).await?;
+        let s = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(addr))
+            .await
+            .map_err(|_| anyhow!("raw TCP connect timed out"))??;
         s.set_nodelay(true)?;
-        streams.push(Arc::new(tokio::sync::Mutex::new((s, vec![0u8; bytes]))));
+        streams.push(Arc::new(tokio::sync::Mutex::new((s, vec![7u8; bytes]))));
     }
-    let r = drive(clients, secs, bytes as u64, move |c, _| {
+    let r = drive(clients, dur, move |c, _| {
         let s = streams[c].clone();
         async move {
             let mut g = s.lock().await;
             let (s, buf) = &mut *g;
-            s.write_all(&[1]).await?;
-            s.read_exact(buf).await?;
-            Ok(())
+            let (mut r, mut w) = s.split();
+            raw_request(&mut r, &mut w, op, buf).await?;
+            Ok(true)
         }
     })
     .await;
@@ -341,9 +508,9 @@ async fn raw_tcp(clients: usize, ws: Arc<WorkingSet>, secs: f64) -> Result<f64> 
     r
 }
 
-/// A raw quinn reference: one connection per client, one stream each, 1-byte request,
-/// `block` bytes back.
-async fn raw_quinn(clients: usize, ws: Arc<WorkingSet>, secs: f64) -> Result<f64> {
+/// Raw quinn: one connection and one stream per client, the client's transport settings,
+/// the request protocol of [`serve_raw`].
+async fn raw_quinn(clients: usize, ws: Arc<WorkingSet>, op: Op, dur: Duration) -> Result<Driven> {
     let bytes = ws.response_bytes();
     let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string()])?;
     let der = ck.cert.der().to_vec();
@@ -363,20 +530,8 @@ async fn raw_quinn(clients: usize, ws: Arc<WorkingSet>, secs: f64) -> Result<f64
             let ws = ws.clone();
             tokio::spawn(async move {
                 let Ok(conn) = inc.await else { return };
-                while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-                    let ws = ws.clone();
-                    tokio::spawn(async move {
-                        let mut b = [0u8; 1];
-                        let mut n = 0;
-                        'serve: while AsyncReadExt::read_exact(&mut recv, &mut b).await.is_ok() {
-                            for part in ws.response(n) {
-                                if AsyncWriteExt::write_all(&mut send, part).await.is_err() {
-                                    break 'serve;
-                                }
-                            }
-                            n += 1;
-                        }
-                    });
+                while let Ok((send, recv)) = conn.accept_bi().await {
+                    tokio::spawn(serve_raw(recv, send, ws.clone()));
                 }
             });
         }
@@ -389,24 +544,25 @@ async fn raw_quinn(clients: usize, ws: Arc<WorkingSet>, secs: f64) -> Result<f64
     for _ in 0..clients {
         let mut cep = quinn::Endpoint::client("127.0.0.1:0".parse()?)?;
         cep.set_default_client_config(cc.clone());
-        let conn = cep.connect(addr, "localhost")?.await?;
+        let conn = tokio::time::timeout(CONNECT_TIMEOUT, cep.connect(addr, "localhost")?)
+            .await
+            .map_err(|_| anyhow!("raw quinn connect timed out"))??;
         let (send, recv) = conn.open_bi().await?;
         streams.push(Arc::new(tokio::sync::Mutex::new((
             send,
             recv,
-            vec![0u8; bytes],
+            vec![7u8; bytes],
             cep,
             conn,
         ))));
     }
-    let r = drive(clients, secs, bytes as u64, move |c, _| {
+    let r = drive(clients, dur, move |c, _| {
         let s = streams[c].clone();
         async move {
             let mut g = s.lock().await;
             let (send, recv, buf, _, _) = &mut *g;
-            AsyncWriteExt::write_all(send, &[1]).await?;
-            AsyncReadExt::read_exact(recv, buf).await?;
-            Ok(())
+            raw_request(recv, send, op, buf).await?;
+            Ok(true)
         }
     })
     .await;
@@ -415,53 +571,71 @@ async fn raw_quinn(clients: usize, ws: Arc<WorkingSet>, secs: f64) -> Result<f64
     r
 }
 
-/// The reference servers' payload: a working set of distinct blocks, answered `batch` at a
-/// time in turn (the same bytes, and as cold in cache, as the gets').
-struct WorkingSet {
-    blocks: Vec<Vec<u8>>,
-    batch: usize,
+/// Where to reach a Redis given with `--redis`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RedisUrl {
+    Tcp(String),
+    Unix(PathBuf),
 }
 
-impl WorkingSet {
-    fn new(block: usize, blocks: usize, batch: usize) -> Arc<Self> {
-        Arc::new(Self {
-            blocks: (0..blocks.max(batch))
-                .map(|i| vec![i as u8; block])
-                .collect(),
-            batch,
-        })
+/// Parses `redis://HOST:PORT`, `tcp://HOST:PORT` or `unix:///PATH`.
+pub fn parse_redis_url(s: &str) -> Result<RedisUrl, String> {
+    let bad = || {
+        format!("{s:?} is not a Redis address (redis://HOST:PORT, tcp://HOST:PORT or unix:///PATH)")
+    };
+    if let Some(p) = s.strip_prefix("unix://") {
+        if !p.starts_with('/') {
+            return Err(bad());
+        }
+        return Ok(RedisUrl::Unix(PathBuf::from(p)));
     }
-    fn response(&self, n: usize) -> impl Iterator<Item = &[u8]> {
-        let start = (n * self.batch) % (self.blocks.len() - self.batch + 1);
-        self.blocks[start..start + self.batch]
-            .iter()
-            .map(|b| b.as_slice())
-    }
-    fn response_bytes(&self) -> usize {
-        self.batch * self.blocks[0].len()
+    let hp = s
+        .strip_prefix("redis://")
+        .or_else(|| s.strip_prefix("tcp://"))
+        .ok_or_else(bad)?
+        .trim_end_matches('/');
+    match hp.rsplit_once(':') {
+        Some((h, p))
+            if !h.is_empty() && !h.contains('@') && p.parse::<u16>().is_ok_and(|p| p > 0) =>
+        {
+            Ok(RedisUrl::Tcp(hp.to_string()))
+        }
+        _ => Err(bad()),
     }
 }
 
-/// Redis started for the run (stopped on drop).
-struct Redis {
-    child: Child,
-    port: u16,
-    unix: PathBuf,
-    _dir: tempfile::TempDir,
+/// A Redis reached over TCP, its Unix socket, or both: one started for the run (stopped by
+/// [`Redis::stop`] or on drop), or an external one (its keys deleted by `stop`).
+pub struct Redis {
+    child: Option<Child>,
+    tcp: Option<String>,
+    unix: Option<PathBuf>,
+    /// Prefix of every key the bench writes.
+    prefix: String,
+    /// What this Redis is, for the report.
+    pub label: String,
+    _dir: Option<tempfile::TempDir>,
 }
 
 impl Redis {
-    fn start() -> Result<Option<Redis>> {
+    /// Starts `redis-server` on a private port and socket; None when it is not installed.
+    pub fn start(seed: u64) -> Result<Option<Redis>> {
         let Some(bin) = which("redis-server") else {
             return Ok(None);
         };
+        let version = Command::new(&bin)
+            .arg("--version")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default();
         let dir = tempfile::tempdir()?;
         let port = {
             let l = std::net::TcpListener::bind("127.0.0.1:0")?;
             l.local_addr()?.port()
         };
         let unix = dir.path().join("redis.sock");
-        let child = Command::new(bin)
+        let child = Command::new(&bin)
             .args([
                 "--port",
                 &port.to_string(),
@@ -481,28 +655,118 @@ impl Redis {
             .current_dir(dir.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
-            .spawn()?;
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
         let r = Redis {
-            child,
-            port,
-            unix,
-            _dir: dir,
+            child: Some(child),
+            tcp: Some(format!("127.0.0.1:{port}")),
+            unix: Some(unix),
+            prefix: format!("kvtier-bench:{seed}:"),
+            label: format!("started for this run ({version})"),
+            _dir: Some(dir),
         };
-        let until = Instant::now() + Duration::from_secs(10);
-        while !r.unix.exists() {
+        let until = Instant::now() + CONNECT_TIMEOUT;
+        while !r.unix.as_ref().is_some_and(|u| u.exists()) {
             if Instant::now() > until {
-                bail!("redis-server did not start");
+                bail!("redis-server did not open its socket within {CONNECT_TIMEOUT:?}");
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(Some(r))
     }
+
+    /// An external Redis; fails unless it answers PING.
+    pub fn external(url: &RedisUrl, seed: u64) -> Result<Redis> {
+        let (tcp, unix, label) = match url {
+            RedisUrl::Tcp(a) => (Some(a.clone()), None, format!("external, tcp {a}")),
+            RedisUrl::Unix(p) => (
+                None,
+                Some(p.clone()),
+                format!("external, unix {}", p.display()),
+            ),
+        };
+        let r = Redis {
+            child: None,
+            tcp,
+            unix,
+            prefix: format!("kvtier-bench:{seed}:"),
+            label,
+            _dir: None,
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(async {
+            let mut s = r.connect(r.unix.is_some()).await?;
+            resp(s.as_mut(), &[b"PING"], &mut []).await
+        })
+        .with_context(|| format!("--redis: {} does not answer PING", r.label))?;
+        Ok(r)
+    }
+
+    async fn connect(&self, unix: bool) -> Result<Box<dyn Stream>> {
+        let s: Box<dyn Stream> = match (unix, &self.unix, &self.tcp) {
+            (true, Some(p), _) => Box::new(
+                tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::UnixStream::connect(p))
+                    .await
+                    .map_err(|_| anyhow!("connecting to redis at {} timed out", p.display()))?
+                    .with_context(|| format!("connecting to redis at {}", p.display()))?,
+            ),
+            (false, _, Some(a)) => {
+                let s = tokio::time::timeout(
+                    CONNECT_TIMEOUT,
+                    tokio::net::TcpStream::connect(a.as_str()),
+                )
+                .await
+                .map_err(|_| anyhow!("connecting to redis at {a} timed out"))?
+                .with_context(|| format!("connecting to redis at {a}"))?;
+                s.set_nodelay(true)?;
+                Box::new(s)
+            }
+            _ => bail!(
+                "this redis has no {} endpoint",
+                if unix { "unix" } else { "tcp" }
+            ),
+        };
+        Ok(s)
+    }
+
+    /// Stops a started Redis, or deletes the bench's keys from an external one.
+    pub fn stop(mut self) -> Result<()> {
+        if self.child.is_none() {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(async {
+                let mut s = self.connect(self.unix.is_some()).await?;
+                for i in 0..REDIS_KEYS {
+                    let k = format!("{}{i}", self.prefix);
+                    tokio::time::timeout(
+                        OP_TIMEOUT,
+                        resp(s.as_mut(), &[b"DEL", k.as_bytes()], &mut []),
+                    )
+                    .await
+                    .map_err(|_| anyhow!("redis DEL timed out"))??;
+                }
+                Ok::<_, anyhow::Error>(())
+            })
+            .context("deleting the bench's keys from --redis")?;
+        }
+        self.kill();
+        Ok(())
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
 }
 
 impl Drop for Redis {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.kill();
     }
 }
 
@@ -514,15 +778,14 @@ fn which(name: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// A connection and its buffer, shared with the driving task.
-type Shared<T> = Arc<tokio::sync::Mutex<T>>;
-/// A Redis connection and the buffer its replies land in.
-type RedisConn = (Box<dyn Stream>, Vec<u8>);
-
 trait Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
 impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Stream for T {}
 
-/// One RESP command; reads a bulk-string reply into `buf` (or "+OK").
+/// Longest RESP reply header we accept (`$<len>\r\n`, `+OK\r\n`, `:1\r\n`, an error).
+const RESP_HEAD_MAX: usize = 512;
+
+/// One RESP command; a bulk-string reply lands in `buf` (which must be its exact size);
+/// simple-string and integer replies are accepted; an error reply is an error.
 async fn resp(s: &mut dyn Stream, args: &[&[u8]], buf: &mut [u8]) -> Result<()> {
     let mut cmd = format!("*{}\r\n", args.len()).into_bytes();
     for a in args {
@@ -538,12 +801,15 @@ async fn resp(s: &mut dyn Stream, args: &[&[u8]], buf: &mut [u8]) -> Result<()> 
         if head.ends_with(b"\r\n") {
             break;
         }
+        if head.len() > RESP_HEAD_MAX {
+            bail!("redis reply header longer than {RESP_HEAD_MAX} bytes");
+        }
     }
     match head[0] {
-        b'+' => Ok(()),
+        b'+' | b':' => Ok(()),
         b'$' => {
-            let n: usize = std::str::from_utf8(&head[1..head.len() - 2])?.parse()?;
-            if n != buf.len() {
+            let n: i64 = std::str::from_utf8(&head[1..head.len() - 2])?.parse()?;
+            if n != buf.len() as i64 {
                 bail!("redis returned {n} bytes, expected {}", buf.len());
             }
             s.read_exact(buf).await?;
@@ -551,237 +817,721 @@ async fn resp(s: &mut dyn Stream, args: &[&[u8]], buf: &mut [u8]) -> Result<()> 
             s.read_exact(&mut crlf).await?;
             Ok(())
         }
-        _ => bail!("redis said {:?}", String::from_utf8_lossy(&head)),
+        _ => bail!("redis said {:?}", String::from_utf8_lossy(&head).trim_end()),
     }
 }
 
-async fn redis_get(r: &Redis, unix: bool, clients: usize, block: usize, secs: f64) -> Result<f64> {
-    let mut conns: Vec<Shared<RedisConn>> = Vec::new();
+/// Redis GET (or SET) of `block`-byte values, `clients` connections, over its Unix socket or
+/// TCP. GETs cycle through [`REDIS_KEYS`] keys set beforehand.
+async fn redis_case(
+    r: &Redis,
+    unix: bool,
+    clients: usize,
+    block: usize,
+    op: Op,
+    dur: Duration,
+    seed: u64,
+) -> Result<Driven> {
+    type Conn = Arc<tokio::sync::Mutex<(Box<dyn Stream>, Vec<u8>)>>;
+    let mut conns: Vec<Conn> = Vec::new();
     for _ in 0..clients {
-        let s: Box<dyn Stream> = if unix {
-            Box::new(tokio::net::UnixStream::connect(&r.unix).await?)
-        } else {
-            let s = tokio::net::TcpStream::connect(("127.0.0.1", r.port)).await?;
-            s.set_nodelay(true)?;
-            Box::new(s)
-        };
-        conns.push(Arc::new(tokio::sync::Mutex::new((s, vec![0u8; block]))));
+        let s = r.connect(unix).await?;
+        let v = util::random_buf(block, sub_seed(seed, 9000)).to_vec();
+        conns.push(Arc::new(tokio::sync::Mutex::new((s, v))));
     }
     {
         let mut g = conns[0].lock().await;
-        let (s, _) = &mut *g;
-        let v = vec![3u8; block];
-        for i in 0..16 {
-            resp(
-                s.as_mut(),
-                &[b"SET", format!("k{i}").as_bytes(), &v],
-                &mut [],
+        let (s, v) = &mut *g;
+        for i in 0..REDIS_KEYS {
+            let k = format!("{}{i}", r.prefix);
+            tokio::time::timeout(
+                OP_TIMEOUT,
+                resp(s.as_mut(), &[b"SET", k.as_bytes(), v], &mut []),
             )
-            .await?;
+            .await
+            .map_err(|_| anyhow!("redis SET timed out"))??;
         }
     }
-    drive(clients, secs, block as u64, move |c, n| {
+    let prefix = r.prefix.clone();
+    drive(clients, dur, move |c, n| {
         let s = conns[c].clone();
+        let key = format!("{prefix}{}", (n + c as u64) % REDIS_KEYS);
         async move {
             let mut g = s.lock().await;
             let (s, buf) = &mut *g;
-            let key = format!("k{}", n % 16);
-            resp(s.as_mut(), &[b"GET", key.as_bytes()], buf).await
+            match op {
+                Op::Get => resp(s.as_mut(), &[b"GET", key.as_bytes()], buf).await?,
+                Op::Put => resp(s.as_mut(), &[b"SET", key.as_bytes(), buf], &mut []).await?,
+            }
+            Ok(true)
         }
     })
     .await
 }
 
-pub fn run(args: &ServerArgs) -> Result<ServerReport> {
-    if args.seconds <= 0.0 || args.blocks == 0 || args.batch == 0 || args.clients.is_empty() {
-        bail!("--seconds, --blocks, --batch and --clients must be above zero");
+/// Timed steps of the server part (for the progress bar).
+pub fn steps(s: &Settings, redis: Option<&Redis>) -> u64 {
+    let redis_unix = redis.is_some_and(|r| r.unix.is_some());
+    let redis_tcp = redis.is_some_and(|r| r.tcp.is_some());
+    let per_clients: u64 = s
+        .transports
+        .iter()
+        .map(|t| match t {
+            Transport::Unix => 1 + u64::from(redis_unix),
+            Transport::Tcp => 2 + u64::from(redis_tcp),
+            Transport::Quic => 2,
+        })
+        .sum();
+    let clients = s.clients.len() as u64;
+    let mut per_size = 0;
+    if s.server_tiers.contains(&ServerTier::Dram) {
+        per_size += 1 + 2 + 2 * per_clients * clients;
     }
-    if args.clients.contains(&0) {
-        bail!("--clients must be above zero");
+    if s.server_tiers.contains(&ServerTier::Nvme) {
+        // Fill; per client count the O_DIRECT references (3 steps); per transport, get and put.
+        per_size += 1 + clients * (3 + 2 * s.transports.len() as u64);
     }
-    let layout = layout_for(args.block_size)?;
-    let block = args.block_size as usize;
+    per_size * s.sizes.len() as u64 + u64::from(s.lookup_blocks > 0)
+}
+
+/// Runs the server part for every block size.
+pub fn measure(s: &Settings, redis: Option<&Redis>, bar: &ProgressBar) -> Result<ServerPart> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let dram = (args.blocks as u64 + 16) * args.block_size;
-    let srv = Child_::start(&layout, dram)?;
-    let memcpy = memcpy_gb_s(block, args.blocks, args.batch, args.seconds.min(1.0));
-    let redis = if args.no_redis { None } else { Redis::start()? };
-    let mut cases = Vec::new();
-    let keys = keys(args.blocks, &layout, 1)?;
-    let ws = WorkingSet::new(block, args.blocks, args.batch);
-    rt.block_on(async {
-        // Fill the working set through the local path.
-        let c = srv.client("unix").await?;
-        for chunk in keys.chunks(16) {
-            let bufs: Vec<Vec<u8>> = chunk.iter().map(|_| vec![5u8; block]).collect();
-            let refs: Vec<&[u8]> = bufs.iter().map(|b| b.as_slice()).collect();
-            let first = keys.iter().position(|k| *k == chunk[0]).unwrap_or(0);
-            let s = c
-                .put_chain(chunk, first.checked_sub(1).map(|p| keys[p]), &refs)
-                .await;
-            if s.cached() != chunk.len() {
-                bail!("the server refused blocks while filling: {:?}", s);
+    let mut part = ServerPart {
+        rows: Vec::new(),
+        comparisons: Vec::new(),
+        info: ServerInfo {
+            sizes: Vec::new(),
+            lookup: None,
+        },
+        notes: Vec::new(),
+    };
+    if redis.is_some_and(|r| r.unix.is_none()) && s.transports.contains(&Transport::Unix) {
+        part.notes.push(
+            "redis has no Unix socket here (--redis tcp://...): unix has no Redis reference".into(),
+        );
+    }
+    if redis.is_some_and(|r| r.tcp.is_none()) && s.transports.contains(&Transport::Tcp) {
+        part.notes.push(
+            "redis has no TCP endpoint here (--redis unix://...): tcp has no Redis reference"
+                .into(),
+        );
+    }
+    for &block in &s.sizes {
+        for &tier in &s.server_tiers {
+            let size = match tier {
+                ServerTier::Dram => measure_size(s, &rt, redis, bar, block, &mut part),
+                ServerTier::Nvme => measure_nvme(s, &rt, bar, block, &mut part),
             }
+            .with_context(|| {
+                format!("server part, {} tier, {} blocks", tier.name(), Bytes(block))
+            })?;
+            part.info.sizes.push(size);
         }
-        let keys = Arc::new(keys);
-        for t in &args.transports {
-            for &clients in &args.clients {
-                eprintln!("server bench: {t}, {clients} client(s)...");
-                let mut conns = Vec::new();
-                for _ in 0..clients {
-                    conns.push(Arc::new(tokio::sync::Mutex::new((
-                        srv.client(t).await?,
-                        vec![vec![0u8; block]; args.batch],
-                    ))));
-                }
-                let (k, batch) = (keys.clone(), args.batch);
-                let gb = drive(
-                    clients,
-                    args.seconds,
-                    (block * batch) as u64,
-                    move |c, n| {
-                        let conn = conns[c].clone();
-                        let k = k.clone();
-                        async move {
-                            let mut g = conn.lock().await;
-                            let (client, bufs) = &mut *g;
-                            let start = (n as usize * batch + c * 7) % (k.len() - batch + 1).max(1);
-                            let want = &k[start..start + batch.min(k.len())];
-                            let mut dst: Vec<&mut [u8]> =
-                                bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
-                            let f = client.get_into(want, &mut dst).await;
-                            if f.blocks != want.len() {
-                                bail!(
-                                    "get returned {} of {} blocks: {:?}",
-                                    f.blocks,
-                                    want.len(),
-                                    f.miss
-                                );
-                            }
-                            Ok(())
+    }
+    if s.lookup_blocks > 0 {
+        bar.set_message(format!("lookup of {} blocks over unix", s.lookup_blocks));
+        part.info.lookup =
+            Some(lookup_latency(s, &rt).context("lookup latency over the Unix socket")?);
+        bar.inc(1);
+    }
+    Ok(part)
+}
+
+fn measure_size(
+    s: &Settings,
+    rt: &tokio::runtime::Runtime,
+    redis: Option<&Redis>,
+    bar: &ProgressBar,
+    block_bytes: u64,
+    part: &mut ServerPart,
+) -> Result<ServerSize> {
+    let layout = layout_for(block_bytes)?;
+    let block = usize::try_from(block_bytes)?;
+    let blocks = s.blocks_for(block_bytes);
+    let batch = s.batch;
+    let dur = s.case_time();
+    let seed = s.seed;
+    let sz = Bytes(block_bytes);
+    // Room for the working set, every client's puts in flight, and some slack.
+    let max_clients = s.clients.iter().copied().max().unwrap_or(1);
+    let dram = (blocks + max_clients * batch + 16) as u64 * block_bytes;
+    let srv = ServerChild::start(&layout, dram, None)?;
+    let keys = Arc::new(keys(blocks, &layout, sub_seed(seed, 1))?);
+    let ws = WorkingSet::new(block, blocks, batch, seed);
+
+    bar.set_message(format!("{sz}: filling the server"));
+    fill(rt, &srv, &keys, &ws, 16)?;
+    bar.inc(1);
+
+    // memcpy of the same blocks over the same working set, one thread, both directions.
+    let memcpy = |op: Op| -> Result<Figure> {
+        let b = Budget::Time {
+            warm: (dur / 4).min(Duration::from_millis(500)),
+            run: dur,
+        };
+        let p = util::phase(
+            1,
+            &b,
+            |_| {
+                // Puts copy into a region as large as the working set (the set itself is
+                // shared with the reference servers).
+                let region: Vec<Vec<u8>> = match op {
+                    Op::Get => Vec::new(),
+                    Op::Put => (0..ws.blocks.len()).map(|_| vec![1u8; block]).collect(),
+                };
+                let bufs = vec![util::random_buf(block, sub_seed(seed, 8000)).to_vec(); batch];
+                Ok((region, bufs))
+            },
+            |(region, bufs), _, i| {
+                for (k, b) in bufs.iter_mut().enumerate() {
+                    let j = (i as usize * batch + k) % ws.blocks.len();
+                    match op {
+                        Op::Get => {
+                            b.copy_from_slice(&ws.blocks[j]);
+                            std::hint::black_box(b.as_ptr());
                         }
-                    },
-                )
-                .await?;
-                let mut refs: Vec<(String, f64)> = Vec::new();
-                match t.as_str() {
-                    "unix" => refs.push(("memcpy (1 thread)".into(), memcpy)),
-                    "tcp" => refs.push((
-                        format!("raw loopback TCP, {clients} stream(s)"),
-                        raw_tcp(clients, ws.clone(), args.seconds).await?,
-                    )),
-                    _ => refs.push((
-                        format!("raw quinn, {clients} stream(s)"),
-                        raw_quinn(clients, ws.clone(), args.seconds).await?,
-                    )),
+                        Op::Put => {
+                            region[j].copy_from_slice(b);
+                            std::hint::black_box(region[j].as_ptr());
+                        }
+                    }
                 }
-                if let (Some(r), true) = (&redis, t != "quic") {
-                    let over_unix = t == "unix";
-                    refs.push((
-                        format!(
-                            "redis GET over {}",
-                            if over_unix { "unix socket" } else { "TCP" }
-                        ),
-                        redis_get(r, over_unix, clients, block, args.seconds).await?,
+                Ok(true)
+            },
+        )?;
+        Ok(p.figure((block * batch) as u64))
+    };
+    bar.set_message(format!("{sz}: memcpy (server working set)"));
+    let memcpy_get = memcpy(Op::Get)?;
+    bar.inc(1);
+    let memcpy_put = memcpy(Op::Put)?;
+    bar.inc(1);
+    let memcpy_name = format!("memcpy ({blocks}-block working set)");
+
+    for op in [Op::Get, Op::Put] {
+        for &t in &s.transports {
+            for &clients in &s.clients {
+                bar.set_message(format!(
+                    "{sz}: kvtier {} {} x{clients}",
+                    t.name(),
+                    op.name()
+                ));
+                let (d, _) =
+                    rt.block_on(kvtier_case(&srv, t, clients, op, &keys, &ws, dur, seed))?;
+                bar.inc(1);
+                let path = kvtier_path(ServerTier::Dram, t);
+                let kv = Row::new(Part::Server, &path, true, op, block_bytes, clients)
+                    .with(d.figure((block * batch) as u64), d.bad);
+                if d.bad > 0 {
+                    part.notes.push(format!(
+                        "{path} {} x{clients}, {sz}: {} of {} requests did not complete (not counted)",
+                        op.name(),
+                        d.bad,
+                        d.ops
                     ));
                 }
-                for (name, r) in refs {
-                    cases.push(Case {
-                        path: format!("{t} get"),
-                        clients,
-                        gb_s: gb,
-                        reference: name,
-                        reference_gb_s: r,
-                        ratio: gb / r.max(1e-9),
-                    });
+                // (reference row, target ratio) pairs.
+                let mut refs: Vec<(Row, Option<f64>)> = Vec::new();
+                let bytes = (block * batch) as u64;
+                match t {
+                    Transport::Unix => {
+                        let f = if op == Op::Get {
+                            &memcpy_get
+                        } else {
+                            &memcpy_put
+                        };
+                        let target = (op == Op::Get).then_some(0.8);
+                        refs.push((
+                            Row::new(Part::Server, &memcpy_name, false, op, block_bytes, 1)
+                                .with(f.clone(), 0),
+                            target,
+                        ));
+                    }
+                    Transport::Tcp => {
+                        bar.set_message(format!("{sz}: raw loopback TCP {} x{clients}", op.name()));
+                        let d = rt.block_on(raw_tcp(clients, ws.clone(), op, dur))?;
+                        bar.inc(1);
+                        refs.push((
+                            Row::new(
+                                Part::Server,
+                                "raw loopback TCP",
+                                false,
+                                op,
+                                block_bytes,
+                                clients,
+                            )
+                            .with(d.figure(bytes), 0),
+                            (op == Op::Get).then_some(0.8),
+                        ));
+                    }
+                    Transport::Quic => {
+                        bar.set_message(format!("{sz}: raw quinn {} x{clients}", op.name()));
+                        let d = rt.block_on(raw_quinn(clients, ws.clone(), op, dur))?;
+                        bar.inc(1);
+                        refs.push((
+                            Row::new(Part::Server, "raw quinn", false, op, block_bytes, clients)
+                                .with(d.figure(bytes), 0),
+                            (op == Op::Get).then_some(0.8),
+                        ));
+                    }
+                }
+                let over_unix = t == Transport::Unix;
+                let has = |r: &&Redis| {
+                    if over_unix {
+                        r.unix.is_some()
+                    } else {
+                        r.tcp.is_some()
+                    }
+                };
+                if let (Some(r), true) = (redis.filter(has), t != Transport::Quic) {
+                    let name = if over_unix {
+                        "redis (unix socket)"
+                    } else {
+                        "redis (tcp)"
+                    };
+                    bar.set_message(format!("{sz}: {name} {} x{clients}", op.name()));
+                    let d = rt.block_on(redis_case(r, over_unix, clients, block, op, dur, seed))?;
+                    bar.inc(1);
+                    let target = match (op, t) {
+                        (Op::Get, Transport::Unix) => Some(1.8),
+                        (Op::Get, Transport::Tcp) => Some(1.0),
+                        _ => None,
+                    };
+                    refs.push((
+                        Row::new(Part::Server, name, false, op, block_bytes, clients)
+                            .with(d.figure(block_bytes), 0),
+                        target,
+                    ));
+                }
+                for (r, target) in refs {
+                    part.comparisons.push(Comparison::of(&kv, &r, target));
+                    // memcpy appears once per size and op, not once per transport x clients.
+                    if !part.rows.iter().any(|x| {
+                        x.path == r.path
+                            && x.op == r.op
+                            && x.block_bytes == r.block_bytes
+                            && x.threads == r.threads
+                    }) {
+                        part.rows.push(r);
+                    }
+                }
+                part.rows.push(kv);
+            }
+        }
+    }
+    let rss = srv.peak_rss();
+    drop(srv);
+    Ok(ServerSize {
+        tier: ServerTier::Dram,
+        block_bytes,
+        working_set_blocks: blocks,
+        server_dram_bytes: dram,
+        server_peak_rss_bytes: rss,
+    })
+}
+
+/// Stores the working set through the local path, `chunk` blocks a request. A chunk the
+/// server could not take whole (no free DRAM slot while earlier blocks are still being
+/// written through to NVMe) is retried from its first missing block for up to
+/// [`OP_TIMEOUT`].
+fn fill(
+    rt: &tokio::runtime::Runtime,
+    srv: &ServerChild,
+    keys: &[BlockKey],
+    ws: &WorkingSet,
+    chunk: usize,
+) -> Result<()> {
+    let chunk = chunk.max(1);
+    rt.block_on(async {
+        let c = srv.client(Transport::Unix).await?;
+        let mut at = 0;
+        let mut since = Instant::now();
+        while at < keys.len() {
+            let end = (at + chunk).min(keys.len());
+            let refs: Vec<&[u8]> = (at..end)
+                .map(|i| ws.blocks[i % ws.blocks.len()].as_slice())
+                .collect();
+            let parent = at.checked_sub(1).map(|p| keys[p]);
+            let st = tokio::time::timeout(OP_TIMEOUT, c.put_chain(&keys[at..end], parent, &refs))
+                .await
+                .map_err(|_| anyhow!("a put took over {OP_TIMEOUT:?}"))?;
+            let done = st
+                .statuses
+                .iter()
+                .take_while(|s| matches!(s, PutStatus::Stored | PutStatus::AlreadyPresent))
+                .count();
+            if done > 0 {
+                at += done;
+                since = Instant::now();
+            } else if since.elapsed() > OP_TIMEOUT {
+                bail!("the server refused blocks while filling for {OP_TIMEOUT:?}: {st:?}");
+            } else {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        Ok::<_, anyhow::Error>(())
+    })
+}
+
+fn kvtier_path(tier: ServerTier, t: Transport) -> String {
+    let how = match t {
+        Transport::Unix => "unix zero-copy",
+        Transport::Tcp => "tcp",
+        Transport::Quic => "quic",
+    };
+    format!("kvtier {}, {how}", tier.name())
+}
+
+/// The NVMe tier through the sidecar: a DRAM tier of a few blocks over an NVMe tier (in the
+/// bench directory, write-through) holding the working set, so gets read NVMe (and promote)
+/// and puts write through to NVMe. Reference: O_DIRECT pread / pwrite of the same block size
+/// in the same directory, one thread per client.
+fn measure_nvme(
+    s: &Settings,
+    rt: &tokio::runtime::Runtime,
+    bar: &ProgressBar,
+    block_bytes: u64,
+    part: &mut ServerPart,
+) -> Result<ServerSize> {
+    let layout = layout_for(block_bytes)?;
+    let block = usize::try_from(block_bytes)?;
+    let batch = s.batch;
+    let dur = s.case_time();
+    let seed = s.seed;
+    let sz = Bytes(block_bytes);
+    let max_clients = s.clients.iter().copied().max().unwrap_or(1);
+    // DRAM: room for every client's blocks in flight (pins, reservations), little more.
+    let dram_slots = 4 * max_clients * batch + 8;
+    let dram = dram_slots as u64 * block_bytes;
+    // A working set at least 4x the DRAM tier, so gets cycling through it miss DRAM.
+    let blocks = s.blocks_for(block_bytes).max(4 * dram_slots);
+    // NVMe: the working set, the puts of a run, slack; each slot has a 4 KiB header.
+    let nvme = (2 * blocks + 64) as u64 * (block_bytes + 4096);
+    let base = crate::tiers::base_dir(s.dir.as_deref())?;
+    let work = tempfile::Builder::new()
+        .prefix("kvtier-bench-server-")
+        .tempdir_in(&base)
+        .with_context(|| format!("{} is not writable", base.display()))?;
+    let free = util::free_bytes(work.path())?;
+    if nvme + blocks as u64 * block_bytes > free / 10 * 9 {
+        bail!(
+            "the NVMe server case needs {} in {} ({} free); lower --blocks or use --server-tiers dram",
+            Bytes(nvme + blocks as u64 * block_bytes),
+            base.display(),
+            Bytes(free)
+        );
+    }
+    let srv = ServerChild::start(&layout, dram, Some((work.path(), nvme)))?;
+    let keys = Arc::new(keys(blocks, &layout, sub_seed(seed, 3))?);
+    let ws = WorkingSet::new(block, blocks, batch, sub_seed(seed, 4));
+    bar.set_message(format!("{sz}: filling the server's NVMe tier"));
+    fill(rt, &srv, &keys, &ws, max_clients * batch)?;
+    bar.inc(1);
+    let budget = Budget::Time {
+        warm: (dur / 4).min(Duration::from_millis(500)),
+        run: dur,
+    };
+    // The references first, per client count (pread for gets, pwrite for puts).
+    let mut references: Vec<(usize, Row, Row)> = Vec::new();
+    for &clients in &s.clients {
+        let per = (blocks as u64 / clients as u64).max(1);
+        let (w, r, direct) = crate::tiers::direct_io_reference(
+            work.path(),
+            block_bytes,
+            clients,
+            per,
+            &budget,
+            sub_seed(seed, 5),
+            bar,
+        )?;
+        let io = if direct { "O_DIRECT" } else { "buffered" };
+        let row = |op: Op, name: String, p: &util::Phase| {
+            Row::new(Part::Server, &name, false, op, block_bytes, clients)
+                .with(p.figure(block_bytes), 0)
+        };
+        references.push((
+            clients,
+            row(Op::Get, format!("{io} pread"), &r),
+            row(Op::Put, format!("{io} pwrite"), &w),
+        ));
+    }
+    // All gets before all puts: the puts' fresh keys evict working-set blocks from NVMe.
+    for op in [Op::Get, Op::Put] {
+        for (clients, get_ref, put_ref) in &references {
+            let clients = *clients;
+            let reference = if op == Op::Get { get_ref } else { put_ref };
+            for &t in &s.transports {
+                let path = kvtier_path(ServerTier::Nvme, t);
+                bar.set_message(format!("{sz}: {path} {} x{clients}", op.name()));
+                let (d, from_nvme) =
+                    rt.block_on(kvtier_case(&srv, t, clients, op, &keys, &ws, dur, seed))?;
+                bar.inc(1);
+                let kv = Row::new(Part::Server, &path, true, op, block_bytes, clients)
+                    .with(d.figure((block * batch) as u64), d.bad);
+                if op == Op::Get {
+                    part.notes.push(format!(
+                        "{path} get x{clients}, {sz}: {:.0} % of the blocks came from NVMe",
+                        100.0 * from_nvme
+                    ));
+                }
+                if d.bad > 0 {
+                    part.notes.push(format!(
+                        "{path} {} x{clients}, {sz}: {} of {} requests did not complete (not counted)",
+                        op.name(),
+                        d.bad,
+                        d.ops
+                    ));
+                }
+                let target = (t == Transport::Unix).then_some(0.8);
+                part.comparisons
+                    .push(Comparison::of(&kv, reference, target));
+                part.rows.push(kv);
+            }
+            part.rows.push(reference.clone());
+        }
+    }
+    let rss = srv.peak_rss();
+    drop(srv);
+    let shown = work.path().display().to_string();
+    work.close().with_context(|| format!("removing {shown}"))?;
+    Ok(ServerSize {
+        tier: ServerTier::Nvme,
+        block_bytes,
+        working_set_blocks: blocks,
+        server_dram_bytes: dram,
+        server_peak_rss_bytes: rss,
+    })
+}
+
+/// kvtier gets (of the working set, `batch` keys a request) or puts (of fresh keys) through
+/// `clients` connections over `t`; also returns the fraction of the blocks got that came
+/// from NVMe.
+#[allow(clippy::too_many_arguments)]
+async fn kvtier_case(
+    srv: &ServerChild,
+    t: Transport,
+    clients: usize,
+    op: Op,
+    keys: &Arc<Vec<BlockKey>>,
+    ws: &Arc<WorkingSet>,
+    dur: Duration,
+    seed: u64,
+) -> Result<(Driven, f64)> {
+    let batch = ws.batch;
+    // Blocks got (warm-up included), and how many of them came from NVMe.
+    let from_nvme = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
+    let counter = from_nvme.clone();
+    let block = ws.blocks[0].len();
+    let mut conns = Vec::new();
+    for _ in 0..clients {
+        conns.push(Arc::new(tokio::sync::Mutex::new((
+            srv.client(t).await?,
+            vec![vec![0u8; block]; batch],
+        ))));
+    }
+    let (k, ws) = (keys.clone(), ws.clone());
+    // Fresh put keys: a stream of the seed per transport and op, numbered by client and op.
+    let put_base = u128::from(sub_seed(seed, 0x7075_7400 + t as u64)) << 64;
+    let d = drive(clients, dur, move |c, n| {
+        let conn = conns[c].clone();
+        let (k, ws) = (k.clone(), ws.clone());
+        let counter = counter.clone();
+        async move {
+            let mut g = conn.lock().await;
+            let (client, bufs) = &mut *g;
+            match op {
+                Op::Get => {
+                    let start = (n as usize * batch + c * 7) % (k.len() - batch + 1).max(1);
+                    let want = &k[start..start + batch.min(k.len())];
+                    let mut dst: Vec<&mut [u8]> =
+                        bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+                    let f = client.get_into(want, &mut dst).await;
+                    if f.blocks != want.len() {
+                        bail!(
+                            "get returned {} of {} blocks: {:?}",
+                            f.blocks,
+                            want.len(),
+                            f.miss
+                        );
+                    }
+                    let nvme = f.tiers.iter().filter(|t| **t == TierCode::Nvme).count();
+                    counter[0].fetch_add(f.blocks as u64, Ordering::Relaxed);
+                    counter[1].fetch_add(nvme as u64, Ordering::Relaxed);
+                    Ok(true)
+                }
+                Op::Put => {
+                    let fresh: Vec<BlockKey> = (0..batch as u128)
+                        .map(|i| {
+                            BlockKey::from_u128(
+                                put_base
+                                    | ((c as u128) << 48)
+                                    | (u128::from(n) * batch as u128 + i),
+                            )
+                        })
+                        .collect();
+                    let refs: Vec<&[u8]> = ws.response(n as usize).collect();
+                    let st = client.put_chain(&fresh, None, &refs).await;
+                    if let Some(m) = &st.failure {
+                        bail!("put failed: {m:?}");
+                    }
+                    Ok(st.cached() == fresh.len())
                 }
             }
         }
-        Ok::<(), anyhow::Error>(())
-    })?;
-    let rss = srv.peak_rss();
-    drop(srv);
-    // Lookup latency: a long prefix of small blocks.
+    })
+    .await?;
+    let (got, nvme) = (
+        from_nvme[0].load(Ordering::Relaxed),
+        from_nvme[1].load(Ordering::Relaxed),
+    );
+    Ok((d, nvme as f64 / got.max(1) as f64))
+}
+
+/// Lookup latency of a cached prefix of `lookup_blocks` 64 KiB blocks over the Unix socket.
+fn lookup_latency(s: &Settings, rt: &tokio::runtime::Runtime) -> Result<LookupLatency> {
     let small = layout_for(64 << 10)?;
-    let lsrv = Child_::start(&small, (args.lookup_blocks as u64 + 64) * (64 << 10))?;
-    let (p50, p99, ping) = rt.block_on(async {
-        let c = lsrv.client("unix").await?;
-        let k = self::keys(args.lookup_blocks, &small, 2)?;
+    let srv = ServerChild::start(&small, (s.lookup_blocks as u64 + 64) * (64 << 10), None)?;
+    rt.block_on(async {
+        let c = srv.client(Transport::Unix).await?;
+        let k = keys(s.lookup_blocks, &small, sub_seed(s.seed, 2))?;
         let zero = vec![0u8; 64 << 10];
-        for chunk in k.chunks(256) {
+        for (n, chunk) in k.chunks(256).enumerate() {
             let refs: Vec<&[u8]> = chunk.iter().map(|_| zero.as_slice()).collect();
-            let first = k.iter().position(|x| *x == chunk[0]).unwrap_or(0);
-            c.put_chain(chunk, first.checked_sub(1).map(|p| k[p]), &refs)
-                .await;
+            let parent = (n * 256).checked_sub(1).map(|p| k[p]);
+            tokio::time::timeout(OP_TIMEOUT, c.put_chain(chunk, parent, &refs))
+                .await
+                .map_err(|_| anyhow!("a put took over {OP_TIMEOUT:?}"))?;
         }
         if c.lookup(&k).await.tiers.len() != k.len() {
             bail!("the lookup prefix is not fully cached");
         }
-        let mut times = Vec::new();
+        let mut lat = Latency::new();
         let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs_f64(args.seconds) {
+        while t0.elapsed() < s.case_time() || lat.count() < 10 {
             let t = Instant::now();
-            let l = c.lookup(&k).await;
-            times.push(t.elapsed().as_secs_f64() * 1e6);
+            let l = tokio::time::timeout(OP_TIMEOUT, c.lookup(&k))
+                .await
+                .map_err(|_| anyhow!("a lookup took over {OP_TIMEOUT:?}"))?;
+            lat.record(t.elapsed());
             if l.tiers.len() != k.len() {
                 bail!("lookup lost blocks");
             }
         }
-        times.sort_by(f64::total_cmp);
-        let q = |p: f64| times[((times.len() - 1) as f64 * p) as usize];
-        let mut pings = Vec::new();
+        let mut pings = Latency::new();
         for _ in 0..2000 {
-            pings.push(c.ping().await?.as_secs_f64() * 1e6);
+            pings.record(c.ping().await?);
         }
-        pings.sort_by(f64::total_cmp);
-        Ok::<_, anyhow::Error>((q(0.5), q(0.99), pings[pings.len() / 2]))
-    })?;
-    Ok(ServerReport {
-        block_bytes: args.block_size,
-        batch: args.batch,
-        cases,
-        memcpy_gb_s: memcpy,
-        lookup_blocks: args.lookup_blocks,
-        lookup_us_p50: p50,
-        lookup_us_p99: p99,
-        ping_us_p50: ping,
-        server_peak_rss_bytes: rss,
-        server_dram_bytes: dram,
-        redis: redis
-            .as_ref()
-            .map(|_| "redis-server (started for this run)".to_string()),
+        Ok(LookupLatency {
+            blocks: s.lookup_blocks,
+            lookups: lat.count(),
+            latency_us_p50: lat.quantile_us(0.5),
+            latency_us_p99: lat.quantile_us(0.99),
+            ping_us_p50: pings.quantile_us(0.5),
+        })
     })
 }
 
-pub fn print(r: &ServerReport) {
-    println!(
-        "kvtier-server gets of {} blocks, {} block(s) a request",
-        Bytes(r.block_bytes),
-        r.batch
-    );
-    println!(
-        "{:<10} {:>7} {:>9}  {:<32} {:>9} {:>7}",
-        "path", "clients", "GB/s", "reference", "ref GB/s", "ratio"
-    );
-    for c in &r.cases {
-        println!(
-            "{:<10} {:>7} {:>9.2}  {:<32} {:>9.2} {:>6.2}x",
-            c.path, c.clients, c.gb_s, c.reference, c.reference_gb_s, c.ratio
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redis_urls() {
+        assert_eq!(
+            parse_redis_url("redis://127.0.0.1:6379"),
+            Ok(RedisUrl::Tcp("127.0.0.1:6379".into()))
         );
+        assert_eq!(
+            parse_redis_url("tcp://localhost:7000/"),
+            Ok(RedisUrl::Tcp("localhost:7000".into()))
+        );
+        assert_eq!(
+            parse_redis_url("unix:///run/redis.sock"),
+            Ok(RedisUrl::Unix("/run/redis.sock".into()))
+        );
+        for bad in [
+            "",
+            "127.0.0.1:6379",
+            "redis://",
+            "redis://host",
+            "redis://host:0",
+            "redis://host:99999",
+            "redis://user@host:6379",
+            "unix://relative.sock",
+            "http://host:80",
+        ] {
+            let e = parse_redis_url(bad).unwrap_err();
+            assert!(e.contains("not a Redis address"), "{bad:?}: {e}");
+        }
     }
-    if r.redis.is_none() {
-        println!("(redis-server not installed: no Redis reference; bench/redis.sh installs it)");
+
+    #[test]
+    fn working_set_cycles_through_distinct_blocks() {
+        let ws = WorkingSet::new(4096, 4, 2, 1);
+        assert_eq!(ws.response_bytes(), 8192);
+        let first: Vec<&[u8]> = ws.response(0).collect();
+        let second: Vec<&[u8]> = ws.response(1).collect();
+        assert_ne!(first[0], second[0]);
+        assert_ne!(first[0], first[1]);
     }
-    println!(
-        "lookup of a {}-block prefix over the Unix socket: p50 {:.1} us, p99 {:.1} us (ping p50 {:.1} us)",
-        r.lookup_blocks, r.lookup_us_p50, r.lookup_us_p99, r.ping_us_p50
-    );
-    println!(
-        "server peak RSS {} with a {} DRAM tier ({:.2}x)",
-        Bytes(r.server_peak_rss_bytes),
-        Bytes(r.server_dram_bytes),
-        r.server_peak_rss_bytes as f64 / r.server_dram_bytes.max(1) as f64
-    );
+
+    /// The raw references' protocol, both directions, over an in-memory pipe.
+    #[test]
+    fn raw_protocol_round_trips() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let ws = WorkingSet::new(4096, 2, 1, 3);
+            let (a, b) = tokio::io::duplex(1 << 16);
+            let (sr, sw) = tokio::io::split(b);
+            let srv = tokio::spawn(serve_raw(sr, sw, ws.clone()));
+            let (mut r, mut w) = tokio::io::split(a);
+            let mut buf = vec![0u8; 4096];
+            raw_request(&mut r, &mut w, Op::Get, &mut buf)
+                .await
+                .unwrap();
+            assert_eq!(buf, ws.blocks[0]);
+            raw_request(&mut r, &mut w, Op::Put, &mut buf)
+                .await
+                .unwrap();
+            raw_request(&mut r, &mut w, Op::Get, &mut buf)
+                .await
+                .unwrap();
+            assert_eq!(buf, ws.blocks[1]);
+            drop((r, w));
+            tokio::time::timeout(Duration::from_secs(5), srv)
+                .await
+                .unwrap()
+                .unwrap();
+        });
+    }
+
+    #[test]
+    fn drive_counts_and_times_operations() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let d = rt
+            .block_on(drive(3, Duration::from_millis(40), |c, n| async move {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                Ok(c != 0 || n % 2 == 0)
+            }))
+            .unwrap();
+        assert!(d.ops >= 3, "{}", d.ops);
+        assert_eq!(d.latency.count(), d.ops);
+        assert!(d.bad > 0 && d.bad < d.ops);
+        assert!(d.wall >= Duration::from_millis(30), "{:?}", d.wall);
+        assert!(d.latency.quantile_us(0.5) >= 1000.0);
+        let e = rt.block_on(drive(1, Duration::from_millis(10), |_, _| async {
+            bail!("boom")
+        }));
+        assert!(e.is_err());
+    }
 }

@@ -1,111 +1,531 @@
-//! `kvtier-bench tiers`: DRAM tier put/get against memcpy, and NVMe tier write/read against
-//! plain O_DIRECT pwrite/pread, for each block size, in one run.
+//! `kvtier-bench tiers`: the one answer to "how fast are kvtier's tiers?". For each tier
+//! (DRAM, NVMe) and block size: put and get GB/s and per-operation latency (p50/p99), in
+//! process and through the sidecar (local zero-copy over its Unix socket, remote over TCP and
+//! QUIC), with the references measured in the same run and the ratios printed.
 //!
-//! * DRAM: the store is opened without an NVMe tier, so puts and gets touch only the DRAM
-//!   arena and the index. Puts use fresh keys (eviction, once the arena is full, is part of
-//!   the cost); gets read a pre-filled set round-robin. The reference copies one block-sized
-//!   buffer into another, for the same time, on the same number of threads.
-//! * NVMe: both sides first fill their whole working set (untimed), so measured writes are
-//!   overwrites, as in a full cache, and reads never hit unwritten extents. The reference runs
-//!   first, for the given time, on a file of `slots x block` bytes (block `i` at `i x block`);
-//!   then the tier does exactly as many operations per thread (same total bytes, same slot
-//!   sequence). Each thread owns an equal share of the slots and cycles through it.
+//! Parts (`--parts`, default `store,server`):
+//!
+//! * `store`, in-process:
+//!   - DRAM: the store is opened without an NVMe tier, so puts and gets touch only the DRAM
+//!     arena and the index. Puts use fresh keys (eviction, once the arena is full, is part of
+//!     the cost); gets read a pre-filled set round-robin. Reference: memcpy of the same
+//!     blocks over a working set as large as the arena, for the same time, on the same number
+//!     of threads.
+//!   - NVMe: both sides first fill their whole working set (untimed), so measured writes are
+//!     overwrites, as in a full cache, and reads never hit unwritten extents. The reference
+//!     (pwrite/pread with O_DIRECT) runs first, for the given time, on a file of
+//!     `slots x block` bytes; then the tier does exactly as many operations per thread (same
+//!     total bytes, same slot sequence). Each thread owns an equal share of the slots.
+//! * `server`: the sidecar in a child process (`serve-child`) over each of `--transports` with
+//!   each of `--clients`, for each of `--server-tiers`: DRAM (NVMe off) and NVMe (a DRAM tier
+//!   of a few blocks over an NVMe tier holding the working set). See `server.rs` for the
+//!   references (memcpy, raw loopback TCP, raw quinn, Redis over its Unix socket and TCP,
+//!   O_DIRECT I/O for the NVMe tier), the lookup latency of a long prefix over the Unix
+//!   socket, and the server's peak RSS.
+//!
+//! Redis is started by the bench when `redis-server` is installed (bench/install-redis.sh),
+//! reached with `--redis URL`, or skipped with `--no-redis`; a skipped Redis is said so in
+//! the output. Payloads and keys come from `--seed`.
 
-use std::cell::Cell;
 use std::fs::{File, OpenOptions};
 use std::hint::black_box;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
+use indicatif::ProgressBar;
 use kvtier_core::{BlockKey, Dtype, KvLayout};
 use kvtier_server::tier::{NvmeTierConfig, SlotId, Tier, TierKind};
 use kvtier_server::{GetOutcome, PutOutcome, StoreConfig, TieredStore};
 use serde::Serialize;
 
-use crate::util::{self, ALIGN, AlignedBuf, Bytes, parse_size, parse_size_list};
+use crate::report::{Plot, PlotKind, Report, Series, Table};
+use crate::server::{self, Redis, RedisUrl};
+use crate::util::{
+    self, ALIGN, AlignedBuf, Budget, Bytes, Figure, Phase, fmt_f, fmt_ratio, parse_size,
+    parse_size_list, phase, ratio, sub_seed,
+};
 
 /// NVMe slot header bytes (the tier's on-disk format puts one before every payload).
 const HEADER_BYTES: u64 = 4096;
-const DEFAULT_NVME_MAX: u64 = 2 << 30;
-const DEFAULT_DRAM_MAX: u64 = 1 << 30;
+const DEFAULT_NVME_MAX: u64 = 512 << 20;
+const DEFAULT_DRAM_MAX: u64 = 512 << 20;
 const MAX_WARMUP: Duration = Duration::from_millis(500);
+
+/// Defaults (finish in about a minute on a 2-core machine) and `--quick` (a smoke test).
+struct Defaults {
+    sizes: &'static [u64],
+    seconds_per_case: f64,
+    threads: usize,
+    dram_bytes: Option<u64>,
+    nvme_bytes: Option<u64>,
+    clients: &'static [usize],
+    blocks: Option<usize>,
+    lookup_blocks: usize,
+}
+
+const FULL: Defaults = Defaults {
+    sizes: &[64 << 10, 2 << 20],
+    seconds_per_case: 0.3,
+    threads: 4,
+    dram_bytes: None,
+    nvme_bytes: None,
+    clients: &[1, 4],
+    blocks: None,
+    lookup_blocks: 4096,
+};
+
+const QUICK: Defaults = Defaults {
+    sizes: &[64 << 10],
+    seconds_per_case: 0.05,
+    threads: 2,
+    dram_bytes: Some(16 << 20),
+    nvme_bytes: Some(16 << 20),
+    clients: &[1],
+    blocks: Some(8),
+    lookup_blocks: 256,
+};
 
 /// A comma-separated list of block sizes.
 #[derive(Clone, Debug)]
 pub struct SizeList(pub Vec<u64>);
 
 fn parse_sizes(s: &str) -> Result<SizeList, String> {
-    parse_size_list(s).map(SizeList)
+    let v = parse_size_list(s)?;
+    if let Some(bad) = v
+        .iter()
+        .find(|&&b| b == 0 || !b.is_multiple_of(ALIGN as u64))
+    {
+        return Err(format!(
+            "{bad} is not a non-zero multiple of 4096 (the NVMe tier's slot unit)"
+        ));
+    }
+    Ok(SizeList(v))
 }
 
-#[derive(Args, Debug)]
+/// What to measure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Part {
+    /// The store in-process (DRAM and NVMe tiers) against memcpy and O_DIRECT I/O.
+    Store,
+    /// The sidecar over its transports against memcpy, raw sockets, raw quinn and Redis.
+    Server,
+}
+
+#[derive(Clone, Debug)]
+pub struct PartList(pub Vec<Part>);
+
+fn parse_parts(s: &str) -> Result<PartList, String> {
+    let mut v = Vec::new();
+    for p in s.split(',') {
+        let part = match p.trim() {
+            "store" => Part::Store,
+            "server" => Part::Server,
+            other => return Err(format!("unknown part {other:?} (store, server)")),
+        };
+        if !v.contains(&part) {
+            v.push(part);
+        }
+    }
+    Ok(PartList(v))
+}
+
+/// How a client reaches the sidecar.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// The local Unix socket, blocks copied straight from the mapped arena (zero-copy).
+    Unix,
+    /// Remote: TCP with a token.
+    Tcp,
+    /// Remote: QUIC (TLS).
+    Quic,
+}
+
+impl Transport {
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Unix => "unix",
+            Transport::Tcp => "tcp",
+            Transport::Quic => "quic",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct TransportList(pub Vec<Transport>);
+
+fn parse_transports(s: &str) -> Result<TransportList, String> {
+    let mut v = Vec::new();
+    for p in s.split(',') {
+        let t = match p.trim() {
+            "unix" => Transport::Unix,
+            "tcp" => Transport::Tcp,
+            "quic" => Transport::Quic,
+            other => return Err(format!("unknown transport {other:?} (unix, tcp, quic)")),
+        };
+        if !v.contains(&t) {
+            v.push(t);
+        }
+    }
+    Ok(TransportList(v))
+}
+
+/// The tier the server part's blocks live in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ServerTier {
+    /// DRAM only (NVMe off): gets hit DRAM.
+    Dram,
+    /// A DRAM tier of a few blocks over an NVMe tier (write-through) holding the working
+    /// set: gets come from NVMe (and are promoted), puts are written through to NVMe.
+    Nvme,
+}
+
+impl ServerTier {
+    pub fn name(self) -> &'static str {
+        match self {
+            ServerTier::Dram => "dram",
+            ServerTier::Nvme => "nvme",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ServerTierList(pub Vec<ServerTier>);
+
+fn parse_server_tiers(s: &str) -> Result<ServerTierList, String> {
+    let mut v = Vec::new();
+    for p in s.split(',') {
+        let t = match p.trim() {
+            "dram" => ServerTier::Dram,
+            "nvme" => ServerTier::Nvme,
+            other => return Err(format!("unknown tier {other:?} (dram, nvme)")),
+        };
+        if !v.contains(&t) {
+            v.push(t);
+        }
+    }
+    Ok(ServerTierList(v))
+}
+
+#[derive(Clone, Debug)]
+pub struct CountList(pub Vec<usize>);
+
+fn parse_counts(s: &str) -> Result<CountList, String> {
+    s.split(',')
+        .map(|c| match c.trim().parse::<usize>() {
+            Ok(0) => Err("0 clients: every count must be at least 1".to_string()),
+            Ok(n) => Ok(n),
+            Err(e) => Err(format!("{c:?} is not a client count: {e}")),
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(CountList)
+}
+
+#[derive(Args, Debug, Clone)]
 pub struct TiersArgs {
-    /// Directory for the NVMe files (a temporary directory is made inside it and removed
-    /// afterwards). Must be on a real disk, not tmpfs. Default: ./kvtier-data/bench, else
-    /// $TMPDIR.
+    /// Parts to run: store (in-process tiers), server (the sidecar over its transports).
+    /// [default: store,server; `server` subcommand: server]
+    #[arg(long, value_parser = parse_parts, value_name = "LIST")]
+    pub parts: Option<PartList>,
+    /// Transports of the server part (unix = local zero-copy, tcp, quic).
+    #[arg(long, default_value = "unix,tcp,quic", value_parser = parse_transports)]
+    pub transports: TransportList,
+    /// Tiers the server part serves from: dram (NVMe off), nvme (a few DRAM blocks over an
+    /// NVMe tier holding the working set, under --dir).
+    #[arg(long, default_value = "dram,nvme", value_parser = parse_server_tiers)]
+    pub server_tiers: ServerTierList,
+    /// Block sizes (binary units, multiples of 4 KiB). [default: 64k,2m; --quick: 64k]
+    #[arg(long, alias = "block-size", value_parser = parse_sizes, value_name = "LIST")]
+    pub sizes: Option<SizeList>,
+    /// Measured time of each case (warm-up comes on top). [default: 0.3; --quick: 0.05]
+    #[arg(long, alias = "seconds", value_name = "SECONDS")]
+    pub seconds_per_case: Option<f64>,
+    /// Threads for the in-process NVMe cases (tier and pread/pwrite alike). [default: 4;
+    /// --quick: 2]
     #[arg(long)]
-    pub dir: Option<PathBuf>,
-    /// Block sizes (binary units, multiples of 4 KiB).
-    #[arg(long, default_value = "64k,2m,16m", value_parser = parse_sizes)]
-    pub sizes: SizeList,
-    /// Measured time of each case (warm-up comes on top).
-    #[arg(long, default_value_t = 2.0)]
-    pub seconds_per_case: f64,
-    /// Threads for the NVMe cases (tier and pread/pwrite alike).
-    #[arg(long, default_value_t = 4)]
-    pub threads: usize,
-    /// Threads for the DRAM cases (store and memcpy alike).
+    pub threads: Option<usize>,
+    /// Threads for the in-process DRAM cases (store and memcpy alike).
     #[arg(long, default_value_t = 1)]
     pub dram_threads: usize,
-    /// DRAM tier capacity. Default: 1 GiB, or a quarter of available memory if less.
+    /// In-process DRAM tier capacity. [default: 512 MiB, or a quarter of available memory if
+    /// less; --quick: 16m]
     #[arg(long, value_parser = parse_size)]
     pub dram_bytes: Option<u64>,
-    /// NVMe working set (tier capacity, and size of the reference file). Default: 2 GiB, or a
-    /// quarter of the free space if less.
+    /// In-process NVMe working set (tier capacity, and size of the reference file).
+    /// [default: 512 MiB, or a quarter of the free space if less; --quick: 16m]
     #[arg(long, value_parser = parse_size)]
     pub nvme_bytes: Option<u64>,
+    /// Directory for the NVMe files (a temporary directory is made inside it and removed
+    /// afterwards). Must be on a real disk, not tmpfs. [default: ./kvtier-data/bench, else
+    /// $TMPDIR]
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Client counts of the server part (each transport runs at each). [default: 1,4;
+    /// --quick: 1]
+    #[arg(long, value_parser = parse_counts, value_name = "LIST")]
+    pub clients: Option<CountList>,
+    /// Distinct blocks the server part's clients cycle through (all in DRAM). [default:
+    /// 256 MiB worth, 16 to 4096 blocks; --quick: 8]
+    #[arg(long)]
+    pub blocks: Option<usize>,
+    /// Blocks per server request.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Blocks in the prefix whose lookup latency is measured over the Unix socket (0: skip).
+    /// [default: 4096; --quick: 256]
+    #[arg(long)]
+    pub lookup_blocks: Option<usize>,
+    /// Skip the Redis reference (said so in the output).
+    #[arg(long, conflicts_with = "redis")]
+    pub no_redis: bool,
+    /// Use this Redis instead of starting one: redis://HOST:PORT, tcp://HOST:PORT or
+    /// unix:///PATH. Its keys are prefixed `kvtier-bench:` and deleted afterwards.
+    #[arg(long, value_parser = server::parse_redis_url, value_name = "URL")]
+    pub redis: Option<RedisUrl>,
+    /// A smoke test: one small block size, short cases, small working sets (explicit options
+    /// still win).
+    #[arg(long)]
+    pub quick: bool,
 }
 
-#[derive(Debug, Serialize)]
-pub struct TiersReport {
-    pub dir: String,
-    pub fs_type: String,
-    pub free_bytes: u64,
+/// How Redis is reached, or why it is not.
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RedisChoice {
+    /// Start `redis-server` when installed.
+    Start,
+    /// Use this instance.
+    External(RedisUrl),
+    /// `--no-redis`.
+    Off,
+}
+
+/// Every setting of the run, defaults resolved.
+#[derive(Clone, Debug, Serialize)]
+pub struct Settings {
+    pub parts: Vec<Part>,
+    pub transports: Vec<Transport>,
+    pub server_tiers: Vec<ServerTier>,
+    pub sizes: Vec<u64>,
     pub seconds_per_case: f64,
-    pub nvme_threads: usize,
+    pub threads: usize,
     pub dram_threads: usize,
-    pub dram_bytes: u64,
-    pub nvme_bytes: u64,
-    pub sizes: Vec<SizeResult>,
-    pub total_seconds: f64,
+    pub dram_bytes: Option<u64>,
+    pub nvme_bytes: Option<u64>,
+    #[serde(skip)]
+    pub dir: Option<PathBuf>,
+    pub clients: Vec<usize>,
+    pub blocks: Option<usize>,
+    pub batch: usize,
+    pub lookup_blocks: usize,
+    pub redis: RedisChoice,
+    pub quick: bool,
+    pub seed: u64,
+}
+
+impl Settings {
+    /// The server part's working set at `block` bytes a block.
+    pub fn blocks_for(&self, block: u64) -> usize {
+        self.blocks
+            .unwrap_or_else(|| ((256u64 << 20) / block).clamp(16, 4096) as usize)
+            .max(self.batch)
+    }
+
+    pub fn case_time(&self) -> Duration {
+        Duration::from_secs_f64(self.seconds_per_case)
+    }
+}
+
+impl TiersArgs {
+    /// Resolves the defaults (`--quick` or not); `default_parts` when `--parts` is absent.
+    pub fn settings(&self, default_parts: &[Part], seed: u64) -> Result<Settings> {
+        let d = if self.quick { &QUICK } else { &FULL };
+        let seconds = self.seconds_per_case.unwrap_or(d.seconds_per_case);
+        if !(seconds.is_finite() && seconds > 0.0 && seconds <= 3600.0) {
+            bail!(
+                "--seconds-per-case {seconds}: must be a positive number of seconds (at most 3600)"
+            );
+        }
+        let threads = self.threads.unwrap_or(d.threads);
+        if threads == 0 || self.dram_threads == 0 {
+            bail!("--threads and --dram-threads must be at least 1");
+        }
+        if self.batch == 0 {
+            bail!("--batch must be at least 1");
+        }
+        let blocks = self.blocks.or(d.blocks);
+        if blocks == Some(0) {
+            bail!("--blocks must be at least 1");
+        }
+        let parts = self
+            .parts
+            .as_ref()
+            .map_or_else(|| default_parts.to_vec(), |p| p.0.clone());
+        if parts.is_empty() {
+            bail!("--parts: nothing to run");
+        }
+        if parts.contains(&Part::Server) && self.server_tiers.0.is_empty() {
+            bail!("--server-tiers: no tier given");
+        }
+        let redis = if self.no_redis {
+            RedisChoice::Off
+        } else if let Some(u) = &self.redis {
+            RedisChoice::External(u.clone())
+        } else {
+            RedisChoice::Start
+        };
+        Ok(Settings {
+            parts,
+            transports: self.transports.0.clone(),
+            server_tiers: self.server_tiers.0.clone(),
+            sizes: self
+                .sizes
+                .as_ref()
+                .map_or_else(|| d.sizes.to_vec(), |s| s.0.clone()),
+            seconds_per_case: seconds,
+            threads,
+            dram_threads: self.dram_threads,
+            dram_bytes: self.dram_bytes.or(d.dram_bytes),
+            nvme_bytes: self.nvme_bytes.or(d.nvme_bytes),
+            dir: self.dir.clone(),
+            clients: self
+                .clients
+                .as_ref()
+                .map_or_else(|| d.clients.to_vec(), |c| c.0.clone()),
+            blocks,
+            batch: self.batch,
+            lookup_blocks: self.lookup_blocks.unwrap_or(d.lookup_blocks),
+            redis,
+            quick: self.quick,
+            seed,
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The report.
+
+/// get or put (the NVMe tier's read and write are its get and put).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Op {
+    Get,
+    Put,
+}
+
+impl Op {
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Get => "get",
+            Op::Put => "put",
+        }
+    }
+}
+
+/// One measured case: kvtier on some path, or a reference.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    pub part: Part,
+    /// What was measured: `kvtier dram, tcp`, `raw loopback TCP`, `redis (unix socket)`...
+    pub path: String,
+    /// Whether this is kvtier (else a reference).
+    pub kvtier: bool,
+    pub op: Op,
+    pub block_bytes: u64,
+    /// Threads (in-process) or clients (server).
+    pub threads: usize,
+    #[serde(flatten)]
+    pub figure: Figure,
+    /// Operations that did not do their work (rejected puts, missed gets); not counted.
+    pub failed_ops: u64,
+}
+
+impl Row {
+    pub fn new(part: Part, path: &str, kvtier: bool, op: Op, block: u64, threads: usize) -> Self {
+        Self {
+            part,
+            path: path.to_owned(),
+            kvtier,
+            op,
+            block_bytes: block,
+            threads,
+            figure: Figure::new(0, 0, Duration::ZERO, &util::Latency::new()),
+            failed_ops: 0,
+        }
+    }
+
+    pub fn with(mut self, figure: Figure, failed_ops: u64) -> Self {
+        self.figure = figure;
+        self.failed_ops = failed_ops;
+        self
+    }
+
+    fn with_phase(self, p: &Phase) -> Self {
+        let block = self.block_bytes;
+        let bad = p.bad;
+        self.with(p.figure(block), bad)
+    }
+}
+
+/// kvtier on one path over a reference measured in the same run.
+#[derive(Clone, Debug, Serialize)]
+pub struct Comparison {
+    pub path: String,
+    pub op: Op,
+    pub block_bytes: u64,
+    pub threads: usize,
+    pub gb_per_s: f64,
+    pub reference: String,
+    pub reference_threads: usize,
+    pub reference_gb_per_s: f64,
+    /// kvtier GB/s over reference GB/s (absent when the reference measured nothing).
+    pub ratio: Option<f64>,
+    /// The ratio docs/../TARGETS.md asks for, where it names one.
+    pub target: Option<f64>,
+    pub meets_target: Option<bool>,
+}
+
+impl Comparison {
+    pub fn of(subject: &Row, reference: &Row, target: Option<f64>) -> Self {
+        let r = ratio(subject.figure.gb_per_s, reference.figure.gb_per_s);
+        Self {
+            path: subject.path.clone(),
+            op: subject.op,
+            block_bytes: subject.block_bytes,
+            threads: subject.threads,
+            gb_per_s: subject.figure.gb_per_s,
+            reference: reference.path.clone(),
+            reference_threads: reference.threads,
+            reference_gb_per_s: reference.figure.gb_per_s,
+            ratio: r,
+            target,
+            meets_target: target.and_then(|t| r.map(|r| r >= t)),
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
-pub struct SizeResult {
+pub struct StoreSize {
     pub block_bytes: u64,
     pub layout: String,
     pub dram: DramInfo,
     pub nvme: NvmeInfo,
-    pub cases: Vec<CaseResult>,
 }
 
 #[derive(Debug, Serialize)]
 pub struct DramInfo {
     pub capacity_bytes: u64,
     pub slots: u32,
-    /// Puts refused by the store (not counted as throughput).
-    pub put_rejected: u64,
     /// Evictions the puts caused.
     pub put_evictions: u64,
     /// Blocks stored before the get case.
     pub get_prefilled: u64,
-    /// Gets not served from DRAM (not counted as throughput).
-    pub get_misses: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -124,157 +544,363 @@ pub struct NvmeInfo {
 }
 
 #[derive(Debug, Serialize)]
-pub struct CaseResult {
-    pub case: &'static str,
-    pub reference: &'static str,
-    pub threads: usize,
-    pub tier: Throughput,
-    pub reference_result: Throughput,
-    /// tier GB/s over reference GB/s.
-    pub ratio: f64,
+pub struct StoreInfo {
+    pub dir: String,
+    pub fs_type: String,
+    pub free_bytes: u64,
+    pub dram_bytes: u64,
+    pub nvme_bytes: u64,
+    pub sizes: Vec<StoreSize>,
 }
 
 #[derive(Debug, Serialize)]
-pub struct Throughput {
-    pub ops: u64,
-    pub bytes: u64,
-    pub seconds: f64,
-    pub gb_per_sec: f64,
-    pub ops_per_sec: f64,
+pub struct TiersReport {
+    pub settings: Settings,
+    /// Every measured case, kvtier's and the references'.
+    pub rows: Vec<Row>,
+    pub comparisons: Vec<Comparison>,
+    pub store: Option<StoreInfo>,
+    pub server: Option<server::ServerInfo>,
+    /// What Redis was: started, external, or skipped and why.
+    pub redis: String,
+    pub notes: Vec<String>,
+    pub total_seconds: f64,
 }
 
-impl Throughput {
-    fn of(p: &Phase, block: u64) -> Self {
-        let ops: u64 = p.ops.iter().sum::<u64>() - p.bad;
-        let secs = p.wall.as_secs_f64();
-        let bytes = ops * block;
-        Self {
-            ops,
-            bytes,
-            seconds: secs,
-            gb_per_sec: bytes as f64 / secs / 1e9,
-            ops_per_sec: ops as f64 / secs,
+/// The short label of a row in plots and tables.
+fn label(path: &str, threads: usize) -> String {
+    format!("{path} x{threads}")
+}
+
+impl Report for TiersReport {
+    fn tables(&self) -> Vec<Table> {
+        let mut out = Vec::new();
+        // One left-aligned column: values are long and of every kind.
+        let mut run = Table::new("run", &["setting: value"]);
+        let mut kv = |k: &str, v: String| run.row([format!("{k}: {v}")]);
+        kv(
+            "parts",
+            join(&self.settings.parts, |p| format!("{p:?}").to_lowercase()),
+        );
+        kv(
+            "seconds per case",
+            self.settings.seconds_per_case.to_string(),
+        );
+        if let Some(s) = &self.store {
+            kv(
+                "store dir",
+                format!("{} (fs {}, {} free)", s.dir, s.fs_type, Bytes(s.free_bytes)),
+            );
+            kv(
+                "store threads",
+                format!(
+                    "dram {} / nvme {}",
+                    self.settings.dram_threads, self.settings.threads
+                ),
+            );
+            kv(
+                "store capacity",
+                format!(
+                    "dram tier {}, nvme working set {}",
+                    Bytes(s.dram_bytes),
+                    Bytes(s.nvme_bytes)
+                ),
+            );
+        }
+        if self.settings.parts.contains(&Part::Server) {
+            kv(
+                "server",
+                format!(
+                    "tiers {}, transports {}, clients {}, {} block(s) a request",
+                    join(&self.settings.server_tiers, |t| t.name().to_string()),
+                    join(&self.settings.transports, |t| t.name().to_string()),
+                    join(&self.settings.clients, ToString::to_string),
+                    self.settings.batch
+                ),
+            );
+            kv("redis", self.redis.clone());
+        }
+        for n in &self.notes {
+            kv("note", n.clone());
+        }
+        kv("total time", format!("{:.1} s", self.total_seconds));
+        out.push(run);
+
+        let mut t = Table::new(
+            "throughput and latency per operation (kvtier and references, same run)",
+            &[
+                "path", "op", "block", "thr", "GB/s", "ops/s", "p50 us", "p99 us", "failed",
+            ],
+        );
+        for r in &self.rows {
+            t.row([
+                r.path.clone(),
+                r.op.name().into(),
+                Bytes(r.block_bytes).to_string(),
+                r.threads.to_string(),
+                fmt_f(r.figure.gb_per_s, 2),
+                fmt_f(r.figure.ops_per_s, 0),
+                fmt_f(r.figure.latency_us_p50, 1),
+                fmt_f(r.figure.latency_us_p99, 1),
+                r.failed_ops.to_string(),
+            ]);
+        }
+        out.push(t);
+
+        let mut c = Table::new(
+            "ratios: kvtier GB/s over the reference's (target from TARGETS.md where it names one)",
+            &[
+                "path",
+                "op",
+                "block",
+                "thr",
+                "GB/s",
+                "reference",
+                "ref GB/s",
+                "ratio",
+                "target",
+            ],
+        );
+        for x in &self.comparisons {
+            c.row([
+                x.path.clone(),
+                x.op.name().into(),
+                Bytes(x.block_bytes).to_string(),
+                x.threads.to_string(),
+                fmt_f(x.gb_per_s, 2),
+                label(&x.reference, x.reference_threads),
+                fmt_f(x.reference_gb_per_s, 2),
+                fmt_ratio(x.ratio),
+                match (x.target, x.meets_target) {
+                    (Some(t), Some(true)) => format!(">= {t}x: met"),
+                    (Some(t), Some(false)) => format!(">= {t}x: MISSED"),
+                    (Some(t), None) => format!(">= {t}x: no reference"),
+                    (None, _) => String::new(),
+                },
+            ]);
+        }
+        out.push(c);
+
+        if let Some(s) = &self.store {
+            let mut d = Table::new(
+                "store details",
+                &[
+                    "block",
+                    "layout",
+                    "dram slots",
+                    "put evictions",
+                    "nvme slots",
+                    "nvme used",
+                    "O_DIRECT tier/ref",
+                ],
+            );
+            for z in &s.sizes {
+                d.row([
+                    Bytes(z.block_bytes).to_string(),
+                    z.layout.clone(),
+                    z.dram.slots.to_string(),
+                    z.dram.put_evictions.to_string(),
+                    z.nvme.slots.to_string(),
+                    z.nvme.used_slots.to_string(),
+                    format!("{}/{}", z.nvme.tier_direct_io, z.nvme.raw_direct_io),
+                ]);
+            }
+            out.push(d);
+        }
+        if let Some(s) = &self.server {
+            out.extend(s.tables());
+        }
+        out
+    }
+
+    fn plots(&self) -> Vec<Plot> {
+        let mut plots = Vec::new();
+        for op in [Op::Get, Op::Put] {
+            let rows = || self.rows.iter().filter(move |r| r.op == op);
+            let per_row = |what: fn(&Row) -> f64| {
+                lines(rows().map(|r| (label(&r.path, r.threads), r.block_bytes, what(r))))
+            };
+            let mut add = |file: &str, title: String, y: &str, series: Vec<Series>| {
+                if !series.is_empty() {
+                    plots.push(Plot {
+                        file: format!("tiers-{}-{file}", op.name()),
+                        title,
+                        x_label: "block size".into(),
+                        y_label: y.into(),
+                        kind: PlotKind::Lines {
+                            series,
+                            log_x: true,
+                        },
+                    });
+                }
+            };
+            let n = op.name();
+            add(
+                "gbps",
+                format!("{n} GB/s by block size: kvtier and its references"),
+                "GB/s",
+                per_row(|r| r.figure.gb_per_s),
+            );
+            for part in [Part::Store, Part::Server] {
+                let series = lines(rows().filter(|r| r.part == part).map(|r| {
+                    (
+                        label(&r.path, r.threads),
+                        r.block_bytes,
+                        r.figure.latency_us_p50,
+                    )
+                }));
+                let p = format!("{part:?}").to_lowercase();
+                add(
+                    &format!("{p}-p50"),
+                    format!("{n} latency p50 per operation ({p} part)"),
+                    "microseconds",
+                    series,
+                );
+                let series = lines(rows().filter(|r| r.part == part).map(|r| {
+                    (
+                        label(&r.path, r.threads),
+                        r.block_bytes,
+                        r.figure.latency_us_p99,
+                    )
+                }));
+                add(
+                    &format!("{p}-p99"),
+                    format!("{n} latency p99 per operation ({p} part)"),
+                    "microseconds",
+                    series,
+                );
+            }
+            add(
+                "ratios",
+                format!("{n}: kvtier GB/s over its reference (1.0 = as fast)"),
+                "ratio",
+                lines(self.comparisons.iter().filter(|c| c.op == op).map(|c| {
+                    (
+                        short(&format!("{} x{} / {}", c.path, c.threads, c.reference)),
+                        c.block_bytes,
+                        c.ratio.unwrap_or(f64::NAN),
+                    )
+                })),
+            );
+        }
+        plots
+    }
+}
+
+/// Series of (name, block size, value) points, in order of first appearance, by block size.
+fn lines(points: impl Iterator<Item = (String, u64, f64)>) -> Vec<Series> {
+    let mut series: Vec<Series> = Vec::new();
+    for (name, x, y) in points {
+        let point = (x as f64, y);
+        match series.iter_mut().find(|s| s.name == name) {
+            Some(s) => s.points.push(point),
+            None => series.push(Series {
+                name,
+                points: vec![point],
+            }),
         }
     }
+    for s in &mut series {
+        s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+    }
+    series
 }
 
-fn case(
-    case: &'static str,
-    reference: &'static str,
-    threads: usize,
-    tier: Throughput,
-    r: Throughput,
-) -> CaseResult {
-    let ratio = if r.gb_per_sec > 0.0 {
-        tier.gb_per_sec / r.gb_per_sec
+/// Abbreviates a plot label so grouped bars stay readable.
+fn short(s: &str) -> String {
+    s.replace("kvtier ", "")
+        .replace(", in-process", " inproc")
+        .replace("raw loopback TCP", "raw tcp")
+        .replace("(unix socket)", "unix")
+        .replace("(tcp)", "tcp")
+}
+
+fn join<T>(v: &[T], f: impl Fn(&T) -> String) -> String {
+    v.iter().map(f).collect::<Vec<_>>().join(",")
+}
+
+// ---------------------------------------------------------------------------------------
+// The run.
+
+/// Runs the parts `args` selects (`default_parts` when `--parts` is absent).
+pub fn run(args: &TiersArgs, default_parts: &[Part], seed: u64) -> Result<TiersReport> {
+    let t0 = Instant::now();
+    let s = args.settings(default_parts, seed)?;
+    let mut notes = Vec::new();
+    let mut rows = Vec::new();
+    let mut comparisons = Vec::new();
+
+    let want_server = s.parts.contains(&Part::Server);
+    let (redis, redis_status) = if !want_server {
+        (None, "not used (no server part)".to_string())
     } else {
-        f64::NAN
+        match &s.redis {
+            RedisChoice::Off => (None, "SKIPPED: --no-redis".to_string()),
+            RedisChoice::External(u) => {
+                let r = Redis::external(u, seed)?;
+                let l = r.label.clone();
+                (Some(r), l)
+            }
+            RedisChoice::Start => match Redis::start(seed)? {
+                Some(r) => {
+                    let l = r.label.clone();
+                    (Some(r), l)
+                }
+                None => (
+                    None,
+                    "SKIPPED: redis-server is not on PATH (bench/install-redis.sh installs it; \
+                     or give --redis URL)"
+                        .to_string(),
+                ),
+            },
+        }
     };
-    CaseResult {
-        case,
-        reference,
-        threads,
-        tier,
-        reference_result: r,
-        ratio,
+    if want_server && redis.is_none() {
+        eprintln!("kvtier-bench: Redis reference {redis_status}");
     }
-}
 
-/// What one multi-threaded phase did.
-struct Phase {
-    /// Warm-up operations per thread.
-    warm: Vec<u64>,
-    /// Measured operations per thread.
-    ops: Vec<u64>,
-    /// Measured operations that did not do the work (rejected puts, missed gets).
-    bad: u64,
-    /// Longest measured time of any thread.
-    wall: Duration,
-}
+    let mut steps = 0;
+    if s.parts.contains(&Part::Store) {
+        steps += STORE_STEPS * s.sizes.len() as u64;
+    }
+    if want_server {
+        steps += server::steps(&s, redis.as_ref());
+    }
+    let bar = crate::report::bar(steps, "tiers");
 
-enum Budget<'a> {
-    /// Warm up for `warm`, then measure for `run`.
-    Time { warm: Duration, run: Duration },
-    /// Repeat another phase's per-thread warm-up and measured operation counts.
-    Match(&'a Phase),
-    /// No warm-up; exactly this many operations per thread.
-    Fixed(u64),
-}
-
-/// Runs `op(state, thread, i)` on `threads` threads, each with its own `make(thread)` state;
-/// `i` counts on from the warm-up into the measured part. `op` returns false for an operation
-/// that did not do its work. Threads start measuring together.
-fn phase<S, M, F>(threads: usize, budget: &Budget<'_>, make: M, op: F) -> Result<Phase>
-where
-    M: Fn(usize) -> Result<S> + Sync,
-    F: Fn(&mut S, usize, u64) -> Result<bool> + Sync,
-{
-    let barrier = Barrier::new(threads);
-    let results: Vec<Result<(u64, u64, u64, Duration)>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|t| {
-                let (barrier, make, op) = (&barrier, &make, &op);
-                s.spawn(move || -> Result<(u64, u64, u64, Duration)> {
-                    let bad = Cell::new(0u64);
-                    let step = |st: &mut S, i: u64| -> Result<()> {
-                        if !op(st, t, i)? {
-                            bad.set(bad.get() + 1);
-                        }
-                        Ok(())
-                    };
-                    // Every thread must reach the barrier, even after an error.
-                    let warmed = make(t).and_then(|mut st| {
-                        let w = match budget {
-                            Budget::Time { warm, .. } => {
-                                util::run_for(*warm, |i| step(&mut st, i))?.0
-                            }
-                            Budget::Match(p) => {
-                                let w = p.warm[t];
-                                util::run_n(w, |i| step(&mut st, i))?;
-                                w
-                            }
-                            Budget::Fixed(_) => 0,
-                        };
-                        Ok((st, w))
-                    });
-                    barrier.wait();
-                    let (mut st, w) = warmed?;
-                    bad.set(0);
-                    let (n, el) = match budget {
-                        Budget::Time { run, .. } => util::run_for(*run, |i| step(&mut st, w + i))?,
-                        Budget::Match(p) => {
-                            let n = p.ops[t];
-                            (n, util::run_n(n, |i| step(&mut st, w + i))?)
-                        }
-                        Budget::Fixed(n) => (*n, util::run_n(*n, |i| step(&mut st, w + i))?),
-                    };
-                    Ok((w, n, bad.get(), el))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow!("a benchmark thread panicked")))
-            })
-            .collect()
-    });
-    let mut p = Phase {
-        warm: Vec::with_capacity(threads),
-        ops: Vec::with_capacity(threads),
-        bad: 0,
-        wall: Duration::ZERO,
+    let store = if s.parts.contains(&Part::Store) {
+        let st = run_store(&s, &bar, &mut rows, &mut comparisons, &mut notes)?;
+        Some(st)
+    } else {
+        None
     };
-    for r in results {
-        let (w, n, bad, el) = r?;
-        p.warm.push(w);
-        p.ops.push(n);
-        p.bad += bad;
-        p.wall = p.wall.max(el);
+    let server = if want_server {
+        let sp = server::measure(&s, redis.as_ref(), &bar)?;
+        rows.extend(sp.rows);
+        comparisons.extend(sp.comparisons);
+        notes.extend(sp.notes);
+        Some(sp.info)
+    } else {
+        None
+    };
+    bar.finish_and_clear();
+    if let Some(r) = redis {
+        r.stop()?;
     }
-    Ok(p)
+    Ok(TiersReport {
+        settings: s,
+        rows,
+        comparisons,
+        store,
+        server,
+        redis: redis_status,
+        notes,
+        total_seconds: t0.elapsed().as_secs_f64(),
+    })
 }
+
+/// Timed or filling phases per block size in the store part (for the progress bar).
+const STORE_STEPS: u64 = 10;
 
 /// A layout whose blocks are exactly `bytes` long (bf16, K and V): 8 KV heads of 128 and 16
 /// tokens per block where the size allows, else other factors.
@@ -321,7 +947,7 @@ fn describe(l: &KvLayout) -> String {
 
 /// The directory to run in: `--dir` (created if missing), else ./kvtier-data/bench, else
 /// $TMPDIR. Fails if it is not writable.
-fn base_dir(arg: Option<&Path>) -> Result<PathBuf> {
+pub(crate) fn base_dir(arg: Option<&Path>) -> Result<PathBuf> {
     if let Some(d) = arg {
         std::fs::create_dir_all(d)
             .with_context(|| format!("--dir {} cannot be created", d.display()))?;
@@ -337,30 +963,19 @@ fn base_dir(arg: Option<&Path>) -> Result<PathBuf> {
     Ok(tmp)
 }
 
-fn progress(msg: std::fmt::Arguments<'_>) {
-    eprintln!("[kvtier-bench] {msg}");
-}
-
-pub fn run(args: &TiersArgs) -> Result<TiersReport> {
-    let t0 = Instant::now();
-    if !(args.seconds_per_case.is_finite() && args.seconds_per_case > 0.0) {
-        bail!("--seconds-per-case must be a positive number of seconds");
-    }
-    if args.threads == 0 || args.dram_threads == 0 {
-        bail!("--threads and --dram-threads must be at least 1");
-    }
-    for &s in &args.sizes.0 {
-        if s == 0 || s % ALIGN as u64 != 0 {
-            bail!("--sizes: {s} is not a non-zero multiple of 4096 (the NVMe tier's slot unit)");
-        }
-    }
-    let run_time = Duration::from_secs_f64(args.seconds_per_case);
+fn run_store(
+    s: &Settings,
+    bar: &ProgressBar,
+    rows: &mut Vec<Row>,
+    comparisons: &mut Vec<Comparison>,
+    notes: &mut Vec<String>,
+) -> Result<StoreInfo> {
+    let run_time = s.case_time();
     let budget = Budget::Time {
         warm: MAX_WARMUP.min(run_time / 4),
         run: run_time,
     };
-
-    let base = base_dir(args.dir.as_deref())?;
+    let base = base_dir(s.dir.as_deref())?;
     let work = tempfile::Builder::new()
         .prefix("kvtier-bench-")
         .tempdir_in(&base)
@@ -369,14 +984,15 @@ pub fn run(args: &TiersArgs) -> Result<TiersReport> {
     let fs_type = util::fs_type(&dir)?;
     let free = util::free_bytes(&dir)?;
     if util::is_memory_fs(&fs_type) {
-        eprintln!(
-            "warning: {} is on {fs_type}: the NVMe figures measure memory, not a disk",
+        let n = format!(
+            "{} is on {fs_type}: the NVMe figures measure memory, not a disk",
             dir.display()
         );
+        bar.suspend(|| eprintln!("warning: {n}"));
+        notes.push(n);
     }
-
-    let max_block = args.sizes.0.iter().copied().max().unwrap_or(ALIGN as u64);
-    let dram_bytes = match args.dram_bytes {
+    let max_block = s.sizes.iter().copied().max().unwrap_or(ALIGN as u64);
+    let dram_bytes = match s.dram_bytes {
         Some(b) => b,
         None => {
             let avail = util::mem_available().unwrap_or(4 * DEFAULT_DRAM_MAX);
@@ -390,7 +1006,7 @@ pub fn run(args: &TiersArgs) -> Result<TiersReport> {
             Bytes(max_block)
         );
     }
-    let nvme_bytes = args
+    let nvme_bytes = s
         .nvme_bytes
         .unwrap_or_else(|| DEFAULT_NVME_MAX.min(free / 4));
     if nvme_bytes > free / 10 * 9 {
@@ -401,45 +1017,67 @@ pub fn run(args: &TiersArgs) -> Result<TiersReport> {
             Bytes(free)
         );
     }
-
     let mut sizes = Vec::new();
-    for &block in &args.sizes.0 {
-        sizes.push(
-            bench_size(args, &budget, &dir, block, dram_bytes, nvme_bytes)
-                .with_context(|| format!("{} blocks", Bytes(block)))?,
-        );
+    for &block in &s.sizes {
+        let z = store_size(
+            s,
+            &budget,
+            bar,
+            &dir,
+            block,
+            dram_bytes,
+            nvme_bytes,
+            rows,
+            comparisons,
+        )
+        .with_context(|| format!("store part, {} blocks", Bytes(block)))?;
+        sizes.push(z);
     }
     let dir_shown = dir.display().to_string();
     work.close()
         .with_context(|| format!("removing {dir_shown}"))?;
-    Ok(TiersReport {
+    Ok(StoreInfo {
         dir: dir_shown,
         fs_type,
         free_bytes: free,
-        seconds_per_case: args.seconds_per_case,
-        nvme_threads: args.threads,
-        dram_threads: args.dram_threads,
         dram_bytes,
         nvme_bytes,
         sizes,
-        total_seconds: t0.elapsed().as_secs_f64(),
     })
 }
 
-fn bench_size(
-    args: &TiersArgs,
+/// Keys of the store part: stream `tag` of the run's seed, numbered by `i`.
+fn store_key(seed: u64, tag: u64, i: u64) -> BlockKey {
+    BlockKey::from_u128((u128::from(sub_seed(seed, tag)) << 64) | u128::from(i))
+}
+
+/// Runs one phase with the progress bar showing what it is.
+fn step<T>(bar: &ProgressBar, what: String, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    bar.set_message(what);
+    let r = f();
+    bar.inc(1);
+    r
+}
+
+#[allow(clippy::too_many_arguments)]
+fn store_size(
+    s: &Settings,
     budget: &Budget<'_>,
+    bar: &ProgressBar,
     dir: &Path,
     block: u64,
     dram_bytes: u64,
     nvme_bytes: u64,
-) -> Result<SizeResult> {
+    rows: &mut Vec<Row>,
+    comparisons: &mut Vec<Comparison>,
+) -> Result<StoreSize> {
     let layout = layout_for(block)?;
     let bs = usize::try_from(block)?;
-    let mut cases = Vec::new();
+    let seed = s.seed;
+    let sz = Bytes(block);
 
     // ---- DRAM ----
-    let dt = args.dram_threads;
+    let dt = s.dram_threads;
     let mut cfg = StoreConfig::new(layout, dram_bytes);
     cfg.dram_prefault = true;
     cfg.nvme = None;
@@ -457,107 +1095,109 @@ fn bench_size(
     // region as large as the arena (per thread, its share) to or from one buffer. Copying
     // one buffer pair over and over would measure the CPU cache, not memory.
     let region_blocks = (u64::from(slots) / dt as u64).max(1);
-    let region_setup = |t: usize, seed: u64| -> Result<(AlignedBuf, AlignedBuf)> {
-        let region = util::random_buf(bs * region_blocks as usize, seed + t as u64);
-        Ok((region, util::random_buf(bs, seed + 50 + t as u64)))
+    let region_setup = |t: usize, tag: u64| -> Result<(AlignedBuf, AlignedBuf)> {
+        let region = util::random_buf(bs * region_blocks as usize, sub_seed(seed, tag + t as u64));
+        Ok((
+            region,
+            util::random_buf(bs, sub_seed(seed, tag + 50 + t as u64)),
+        ))
     };
-    progress(format_args!("{}: memcpy get/put x{dt}", Bytes(block)));
-    let memcpy_get = phase(
-        dt,
-        budget,
-        |t| region_setup(t, 300),
-        |(region, buf), _, i| {
-            let j = (i % region_blocks) as usize;
-            buf.copy_from_slice(&region[j * bs..(j + 1) * bs]);
-            black_box(buf.as_ptr());
-            Ok(true)
-        },
-    )?;
-    let memcpy_put = phase(
-        dt,
-        budget,
-        |t| region_setup(t, 400),
-        |(region, buf), _, i| {
-            let j = (i % region_blocks) as usize;
-            region[j * bs..(j + 1) * bs].copy_from_slice(buf);
-            black_box(region.as_ptr());
-            Ok(true)
-        },
-    )?;
+    let memcpy_get = step(bar, format!("{sz}: memcpy get x{dt}"), || {
+        phase(
+            dt,
+            budget,
+            |t| region_setup(t, 300),
+            |(region, buf), _, i| {
+                let j = (i % region_blocks) as usize;
+                buf.copy_from_slice(&region[j * bs..(j + 1) * bs]);
+                black_box(buf.as_ptr());
+                Ok(true)
+            },
+        )
+    })?;
+    let memcpy_put = step(bar, format!("{sz}: memcpy put x{dt}"), || {
+        phase(
+            dt,
+            budget,
+            |t| region_setup(t, 400),
+            |(region, buf), _, i| {
+                let j = (i % region_blocks) as usize;
+                region[j * bs..(j + 1) * bs].copy_from_slice(buf);
+                black_box(region.as_ptr());
+                Ok(true)
+            },
+        )
+    })?;
 
     // Gets first: their pre-fill writes every slot once, so the puts that follow do not
     // pay the arena's first-touch page faults (a long-running server has paid them).
     let prefill = u64::from(slots);
     {
-        let src = util::random_buf(bs, 200);
+        let src = util::random_buf(bs, sub_seed(seed, 200));
         for i in 0..prefill {
-            match store.put(BlockKey::from_u128(u128::from(i) + 1), None, &src)? {
+            match store.put(store_key(seed, 1, i), None, &src)? {
                 PutOutcome::Stored(_) => {}
                 other => bail!("pre-filling block {i} of {prefill}: {other:?}"),
             }
         }
     }
-    progress(format_args!("{}: dram get x{dt}", Bytes(block)));
     let per_thread = |t: usize| (prefill - t as u64).div_ceil(dt as u64);
-    let get = phase(
-        dt,
-        budget,
-        |_| Ok(AlignedBuf::new(bs)),
-        |buf, t, i| {
-            let j = t as u64 + (i % per_thread(t)) * dt as u64;
-            let key = BlockKey::from_u128(u128::from(j) + 1);
-            Ok(matches!(
-                store.get(&key, buf)?,
-                GetOutcome::Hit(TierKind::Dram)
-            ))
-        },
-    )?;
+    let get = step(bar, format!("{sz}: dram get x{dt}"), || {
+        phase(
+            dt,
+            budget,
+            |_| Ok(AlignedBuf::new(bs)),
+            |buf, t, i| {
+                let j = t as u64 + (i % per_thread(t)) * dt as u64;
+                Ok(matches!(
+                    store.get(&store_key(seed, 1, j), buf)?,
+                    GetOutcome::Hit(TierKind::Dram)
+                ))
+            },
+        )
+    })?;
     store.clear().context("clearing the store")?;
-    progress(format_args!("{}: dram put x{dt}", Bytes(block)));
-    let put = phase(
-        dt,
-        budget,
-        |t| Ok(util::random_buf(bs, 100 + t as u64)),
-        |src, t, i| {
-            let key = BlockKey::from_u128((1u128 << 100) | ((t as u128) << 64) | u128::from(i));
-            match store.put(key, None, src)? {
-                PutOutcome::Stored(_) => Ok(true),
-                PutOutcome::Rejected(_) => Ok(false),
-                PutOutcome::AlreadyPresent => bail!("put of a fresh key {key} found it present"),
-            }
-        },
-    )?;
+    let put = step(bar, format!("{sz}: dram put x{dt}"), || {
+        phase(
+            dt,
+            budget,
+            |t| Ok(util::random_buf(bs, sub_seed(seed, 100 + t as u64))),
+            |src, t, i| {
+                let key = store_key(seed, 1000 + t as u64, i);
+                match store.put(key, None, src)? {
+                    PutOutcome::Stored(_) => Ok(true),
+                    PutOutcome::Rejected(_) => Ok(false),
+                    PutOutcome::AlreadyPresent => {
+                        bail!("put of a fresh key {key} found it present")
+                    }
+                }
+            },
+        )
+    })?;
     let put_evictions = store
         .stats()
         .tier(TierKind::Dram)
-        .map_or(0, |s| s.evictions);
-
+        .map_or(0, |st| st.evictions);
     drop(store);
+
+    let path = "kvtier dram, in-process";
+    let pairs = [(Op::Put, &put, &memcpy_put), (Op::Get, &get, &memcpy_get)];
+    for (op, kv, reference) in pairs {
+        let a = Row::new(Part::Store, path, true, op, block, dt).with_phase(kv);
+        let b = Row::new(Part::Store, "memcpy", false, op, block, dt).with_phase(reference);
+        comparisons.push(Comparison::of(&a, &b, None));
+        rows.push(a);
+        rows.push(b);
+    }
     let dram = DramInfo {
         capacity_bytes: dram_bytes,
         slots,
-        put_rejected: put.bad,
         put_evictions,
         get_prefilled: prefill,
-        get_misses: get.bad,
     };
-    cases.push(case(
-        "dram put",
-        "memcpy",
-        dt,
-        Throughput::of(&put, block),
-        Throughput::of(&memcpy_put, block),
-    ));
-    cases.push(case(
-        "dram get",
-        "memcpy",
-        dt,
-        Throughput::of(&get, block),
-        Throughput::of(&memcpy_get, block),
-    ));
 
     // ---- NVMe ----
-    let nt = args.threads;
+    let nt = s.threads;
     let stride = HEADER_BYTES + block;
     let nslots = nvme_bytes / stride;
     let per = nslots / nt as u64;
@@ -570,36 +1210,11 @@ fn bench_size(
     }
     let file_len = nslots * stride;
     let slot_of = |t: usize, i: u64| t as u64 * per + i % per;
-    let key_of = |slot: u64| BlockKey::from_u128(u128::from(slot) + 1);
+    let key_of = |slot: u64| store_key(seed, 2, slot);
 
-    let raw_path = dir.join(format!("raw-{block}.dat"));
     let raw_len = nt as u64 * per * block;
-    let (raw, raw_direct) = open_raw(&raw_path, raw_len)?;
-    let raw_write = |buf: &mut AlignedBuf, t: usize, i: u64| -> Result<bool> {
-        let off = slot_of(t, i) * block;
-        raw.write_all_at(buf, off)
-            .with_context(|| format!("pwrite at {off} in {}", raw_path.display()))?;
-        Ok(true)
-    };
-    let src = |t: usize| Ok(util::random_buf(bs, 300 + t as u64));
-    progress(format_args!("{}: filling the reference file", Bytes(block)));
-    phase(nt, &Budget::Fixed(per), src, raw_write)?;
-    progress(format_args!("{}: pwrite x{nt}", Bytes(block)));
-    let raw_w = phase(nt, budget, src, raw_write)?;
-    progress(format_args!("{}: pread x{nt}", Bytes(block)));
-    let raw_r = phase(
-        nt,
-        budget,
-        |_| Ok(AlignedBuf::new(bs)),
-        |buf, t, i| {
-            let off = slot_of(t, i) * block;
-            raw.read_exact_at(buf, off)
-                .with_context(|| format!("pread at {off} in {}", raw_path.display()))?;
-            Ok(true)
-        },
-    )?;
-    drop(raw);
-    std::fs::remove_file(&raw_path).with_context(|| format!("removing {}", raw_path.display()))?;
+    let (raw_w, raw_r, raw_direct) = direct_io_reference(dir, block, nt, per, budget, seed, bar)?;
+    let src = |t: usize| Ok(util::random_buf(bs, sub_seed(seed, 500 + t as u64)));
 
     let tier_dir = dir.join(format!("tier-{block}"));
     let (tier, report) = NvmeTierConfig::new(&tier_dir, file_len, block, layout.fingerprint())
@@ -617,42 +1232,44 @@ fn bench_size(
             .with_context(|| format!("tier write of slot {slot}"))?;
         Ok(true)
     };
-    progress(format_args!("{}: filling the NVMe tier", Bytes(block)));
-    phase(nt, &Budget::Fixed(per), src, tier_write)?;
-    progress(format_args!("{}: nvme tier write x{nt}", Bytes(block)));
-    let tier_w = phase(nt, &Budget::Match(&raw_w), src, tier_write)?;
-    progress(format_args!("{}: nvme tier read x{nt}", Bytes(block)));
-    let tier_r = phase(
-        nt,
-        &Budget::Match(&raw_r),
-        |_| Ok(AlignedBuf::new(bs)),
-        |buf, t, i| {
-            let slot = slot_of(t, i);
-            tier.read(SlotId(u32::try_from(slot)?), key_of(slot), buf)
-                .with_context(|| format!("tier read of slot {slot}"))?;
-            Ok(true)
-        },
-    )?;
+    step(bar, format!("{sz}: filling the NVMe tier"), || {
+        phase(nt, &Budget::Fixed(per), src, tier_write)
+    })?;
+    let tier_w = step(bar, format!("{sz}: nvme tier write x{nt}"), || {
+        phase(nt, &Budget::Match(&raw_w), src, tier_write)
+    })?;
+    let tier_r = step(bar, format!("{sz}: nvme tier read x{nt}"), || {
+        phase(
+            nt,
+            &Budget::Match(&raw_r),
+            |_| Ok(AlignedBuf::new(bs)),
+            |buf, t, i| {
+                let slot = slot_of(t, i);
+                tier.read(SlotId(u32::try_from(slot)?), key_of(slot), buf)
+                    .with_context(|| format!("tier read of slot {slot}"))?;
+                Ok(true)
+            },
+        )
+    })?;
     drop(tier);
     std::fs::remove_dir_all(&tier_dir)
         .with_context(|| format!("removing {}", tier_dir.display()))?;
 
-    cases.push(case(
-        "nvme write",
-        "pwrite",
-        nt,
-        Throughput::of(&tier_w, block),
-        Throughput::of(&raw_w, block),
-    ));
-    cases.push(case(
-        "nvme read",
-        "pread",
-        nt,
-        Throughput::of(&tier_r, block),
-        Throughput::of(&raw_r, block),
-    ));
+    let path = "kvtier nvme tier, in-process";
+    let io = if raw_direct { "O_DIRECT" } else { "buffered" };
+    for (op, kv, r) in [(Op::Put, &tier_w, &raw_w), (Op::Get, &tier_r, &raw_r)] {
+        let a = Row::new(Part::Store, path, true, op, block, nt).with_phase(kv);
+        let reference = match op {
+            Op::Put => format!("{io} pwrite"),
+            Op::Get => format!("{io} pread"),
+        };
+        let b = Row::new(Part::Store, &reference, false, op, block, nt).with_phase(r);
+        comparisons.push(Comparison::of(&a, &b, Some(0.8)));
+        rows.push(a);
+        rows.push(b);
+    }
 
-    Ok(SizeResult {
+    Ok(StoreSize {
         block_bytes: block,
         layout: describe(&layout),
         dram,
@@ -665,8 +1282,56 @@ fn bench_size(
             used_slots: nt as u64 * per,
             reference_file_bytes: raw_len,
         },
-        cases,
     })
+}
+
+/// The NVMe references: pwrite, then pread (O_DIRECT where the file system allows), on
+/// `threads` threads, each cycling over its own `per` blocks of a file in `dir`, which is
+/// filled first (untimed) and removed afterwards. Returns (write, read, whether O_DIRECT).
+pub(crate) fn direct_io_reference(
+    dir: &Path,
+    block: u64,
+    nt: usize,
+    per: u64,
+    budget: &Budget<'_>,
+    seed: u64,
+    bar: &ProgressBar,
+) -> Result<(Phase, Phase, bool)> {
+    let bs = usize::try_from(block)?;
+    let sz = Bytes(block);
+    let slot_of = |t: usize, i: u64| t as u64 * per + i % per;
+    let raw_path = dir.join(format!("raw-{block}-{nt}.dat"));
+    let raw_len = nt as u64 * per * block;
+    let (raw, raw_direct) = open_raw(&raw_path, raw_len)?;
+    let raw_write = |buf: &mut AlignedBuf, t: usize, i: u64| -> Result<bool> {
+        let off = slot_of(t, i) * block;
+        raw.write_all_at(buf, off)
+            .with_context(|| format!("pwrite at {off} in {}", raw_path.display()))?;
+        Ok(true)
+    };
+    let src = |t: usize| Ok(util::random_buf(bs, sub_seed(seed, 500 + t as u64)));
+    step(bar, format!("{sz}: filling the reference file"), || {
+        phase(nt, &Budget::Fixed(per), src, raw_write)
+    })?;
+    let raw_w = step(bar, format!("{sz}: O_DIRECT pwrite x{nt}"), || {
+        phase(nt, budget, src, raw_write)
+    })?;
+    let raw_r = step(bar, format!("{sz}: O_DIRECT pread x{nt}"), || {
+        phase(
+            nt,
+            budget,
+            |_| Ok(AlignedBuf::new(bs)),
+            |buf, t, i| {
+                let off = slot_of(t, i) * block;
+                raw.read_exact_at(buf, off)
+                    .with_context(|| format!("pread at {off} in {}", raw_path.display()))?;
+                Ok(true)
+            },
+        )
+    })?;
+    drop(raw);
+    std::fs::remove_file(&raw_path).with_context(|| format!("removing {}", raw_path.display()))?;
+    Ok((raw_w, raw_r, raw_direct))
 }
 
 /// Creates `path` with `len` bytes allocated, opened with O_DIRECT where the file system
@@ -711,79 +1376,20 @@ fn open_raw(path: &Path, len: u64) -> Result<(File, bool)> {
     Ok((f, direct))
 }
 
-fn gb(t: &Throughput) -> String {
-    format!("{:.2}", t.gb_per_sec)
-}
-
-fn ops(t: &Throughput) -> String {
-    if t.ops_per_sec >= 100.0 {
-        format!("{:.0}", t.ops_per_sec)
-    } else {
-        format!("{:.2}", t.ops_per_sec)
-    }
-}
-
-pub fn print(r: &TiersReport) {
-    println!(
-        "dir: {} (fs {}, {} free)",
-        r.dir,
-        r.fs_type,
-        Bytes(r.free_bytes)
-    );
-    println!(
-        "seconds per case: {}  threads: dram {} / nvme {}  dram tier: {}  nvme working set: {}",
-        r.seconds_per_case,
-        r.dram_threads,
-        r.nvme_threads,
-        Bytes(r.dram_bytes),
-        Bytes(r.nvme_bytes)
-    );
-    for s in &r.sizes {
-        println!();
-        println!("== block {} ({}) ==", Bytes(s.block_bytes), s.layout);
-        println!(
-            "dram: {} slots; puts rejected {}, evictions during puts {}; gets over {} blocks, misses {}",
-            s.dram.slots,
-            s.dram.put_rejected,
-            s.dram.put_evictions,
-            s.dram.get_prefilled,
-            s.dram.get_misses
-        );
-        println!(
-            "nvme: {} slots of 4 KiB header + {} = {} of tier files, {} used (pre-filled); reference file {}; O_DIRECT: tier {} (report.direct_io), reference {}",
-            s.nvme.slots,
-            Bytes(s.block_bytes),
-            Bytes(s.nvme.working_set_bytes),
-            s.nvme.used_slots,
-            Bytes(s.nvme.reference_file_bytes),
-            s.nvme.tier_direct_io,
-            s.nvme.raw_direct_io
-        );
-        println!(
-            "{:<11} {:>3}  {:>9} {:>10}  {:<8} {:>9} {:>10}  {:>8}",
-            "case", "thr", "tier GB/s", "tier ops/s", "ref", "ref GB/s", "ref ops/s", "tier/ref"
-        );
-        for c in &s.cases {
-            println!(
-                "{:<11} {:>3}  {:>9} {:>10}  {:<8} {:>9} {:>10}  {:>8.2}",
-                c.case,
-                c.threads,
-                gb(&c.tier),
-                ops(&c.tier),
-                c.reference,
-                gb(&c.reference_result),
-                ops(&c.reference_result),
-                c.ratio
-            );
-        }
-    }
-    println!();
-    println!("total time: {:.1} s", r.total_seconds);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        args: TiersArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<TiersArgs, clap::Error> {
+        Cli::try_parse_from(std::iter::once("tiers").chain(args.iter().copied())).map(|c| c.args)
+    }
 
     #[test]
     fn layouts_match_block_sizes() {
@@ -809,22 +1415,165 @@ mod tests {
     }
 
     #[test]
-    fn phases_count_operations() {
-        let p = phase(
-            2,
-            &Budget::Time {
-                warm: Duration::from_millis(5),
-                run: Duration::from_millis(20),
-            },
-            |_| Ok(()),
-            |_, _, i| Ok(i % 2 == 0),
-        )
+    fn defaults_and_quick_mode() {
+        let s = parse(&[])
+            .unwrap()
+            .settings(&[Part::Store, Part::Server], 7)
+            .unwrap();
+        assert_eq!(s.parts, vec![Part::Store, Part::Server]);
+        assert_eq!(s.sizes, vec![64 << 10, 2 << 20]);
+        assert_eq!(s.clients, vec![1, 4]);
+        assert_eq!(
+            s.transports,
+            vec![Transport::Unix, Transport::Tcp, Transport::Quic]
+        );
+        assert!(matches!(s.redis, RedisChoice::Start));
+        assert_eq!(s.blocks_for(2 << 20), 128);
+        assert_eq!(s.blocks_for(64 << 10), 4096);
+        assert_eq!(s.seed, 7);
+        let q = parse(&["--quick", "--no-redis", "--seconds", "0.2"])
+            .unwrap()
+            .settings(&[Part::Server], 1)
+            .unwrap();
+        assert_eq!(q.parts, vec![Part::Server]);
+        assert_eq!(q.sizes, vec![64 << 10]);
+        assert_eq!(q.seconds_per_case, 0.2, "an explicit option beats --quick");
+        assert_eq!(q.blocks_for(64 << 10), 8);
+        assert!(matches!(q.redis, RedisChoice::Off));
+        // The old `server` spellings still parse.
+        let o = parse(&[
+            "--block-size",
+            "256k",
+            "--clients",
+            "1",
+            "--blocks",
+            "8",
+            "--lookup-blocks",
+            "256",
+        ])
+        .unwrap()
+        .settings(&[Part::Server], 1)
         .unwrap();
-        assert_eq!(p.ops.len(), 2);
-        assert!(p.ops.iter().all(|&n| n > 0));
-        let q = phase(2, &Budget::Match(&p), |_| Ok(()), |_, _, _| Ok(true)).unwrap();
-        assert_eq!(q.ops, p.ops);
-        assert_eq!(q.warm, p.warm);
-        assert_eq!(q.bad, 0);
+        assert_eq!(
+            (o.sizes.clone(), o.blocks, o.lookup_blocks),
+            (vec![256 << 10], Some(8), 256)
+        );
+        let p = parse(&["--parts", "server,store,server", "--transports", "tcp"]).unwrap();
+        let p = p.settings(&[Part::Store], 1).unwrap();
+        assert_eq!(p.parts, vec![Part::Server, Part::Store]);
+        assert_eq!(p.transports, vec![Transport::Tcp]);
+    }
+
+    /// Each bad value is refused with a message naming the option or the value.
+    #[test]
+    fn bad_arguments_are_refused_clearly() {
+        fn check(args: &[&str], needle: &str) {
+            let msg = match parse(args) {
+                Err(e) => e.to_string(),
+                Ok(a) => match a.settings(&[Part::Store, Part::Server], 1) {
+                    Err(e) => format!("{e:#}"),
+                    Ok(_) => panic!("{args:?} was accepted"),
+                },
+            };
+            assert!(msg.contains(needle), "{args:?}: {msg:?} lacks {needle:?}");
+        }
+        check(&["--parts", "store,disk"], "unknown part \"disk\"");
+        check(&["--transports", "unix,rdma"], "unknown transport \"rdma\"");
+        check(&["--server-tiers", "dram,hbm"], "unknown tier \"hbm\"");
+        check(
+            &["--sizes", "64k,1000"],
+            "1000 is not a non-zero multiple of 4096",
+        );
+        check(&["--sizes", "64k,,2m"], "--sizes");
+        check(&["--clients", "1,0"], "0 clients");
+        check(&["--clients", "x"], "\"x\" is not a client count");
+        check(&["--seconds-per-case", "0"], "--seconds-per-case");
+        check(&["--seconds-per-case", "nan"], "--seconds-per-case");
+        check(&["--threads", "0"], "--threads");
+        check(&["--batch", "0"], "--batch");
+        check(&["--blocks", "0"], "--blocks");
+        check(
+            &["--no-redis", "--redis", "redis://127.0.0.1:6379"],
+            "--redis",
+        );
+        check(&["--redis", "http://x"], "redis://HOST:PORT");
+    }
+
+    #[test]
+    fn comparisons_divide_and_check_targets() {
+        let mut l = util::Latency::new();
+        l.record(Duration::from_micros(100));
+        let fig = |gb: f64| Figure::new((gb * 1e3) as u64, 1_000_000, Duration::from_secs(1), &l);
+        let a =
+            Row::new(Part::Server, "kvtier dram, tcp", true, Op::Get, 1 << 20, 4).with(fig(3.0), 0);
+        let b = Row::new(Part::Server, "raw loopback TCP", false, Op::Get, 1 << 20, 4)
+            .with(fig(4.0), 0);
+        let c = Comparison::of(&a, &b, Some(0.8));
+        assert!((c.ratio.unwrap() - 0.75).abs() < 1e-9);
+        assert_eq!(c.meets_target, Some(false));
+        let c = Comparison::of(&b, &a, Some(0.8));
+        assert_eq!(c.meets_target, Some(true));
+        let none = Row::new(Part::Server, "redis (tcp)", false, Op::Get, 1 << 20, 4);
+        let c = Comparison::of(&a, &none, Some(1.0));
+        assert_eq!((c.ratio, c.meets_target), (None, None));
+    }
+
+    #[test]
+    fn report_renders_tables_and_plots() {
+        let mut l = util::Latency::new();
+        l.record(Duration::from_micros(40));
+        let mut rows = Vec::new();
+        for block in [64u64 << 10, 2 << 20] {
+            let f = Figure::new(1000, block, Duration::from_secs(1), &l);
+            rows.push(
+                Row::new(
+                    Part::Store,
+                    "kvtier dram, in-process",
+                    true,
+                    Op::Get,
+                    block,
+                    1,
+                )
+                .with(f.clone(), 0),
+            );
+            rows.push(Row::new(Part::Store, "memcpy", false, Op::Get, block, 1).with(f, 0));
+        }
+        let comparisons = vec![
+            Comparison::of(&rows[0], &rows[1], None),
+            Comparison::of(&rows[2], &rows[3], None),
+        ];
+        let r = TiersReport {
+            settings: parse(&["--no-redis"])
+                .unwrap()
+                .settings(&[Part::Store], 1)
+                .unwrap(),
+            rows,
+            comparisons,
+            store: None,
+            server: None,
+            redis: "SKIPPED: --no-redis".into(),
+            notes: vec![],
+            total_seconds: 1.0,
+        };
+        let text: String = r.tables().iter().map(Table::render).collect();
+        assert!(text.contains("1.00x"), "{text}");
+        assert!(text.contains("kvtier dram, in-process"));
+        let plots = r.plots();
+        let files: Vec<&str> = plots.iter().map(|p| p.file.as_str()).collect();
+        assert_eq!(
+            files,
+            [
+                "tiers-get-gbps",
+                "tiers-get-store-p50",
+                "tiers-get-store-p99",
+                "tiers-get-ratios"
+            ]
+        );
+        let PlotKind::Lines { series, .. } = &plots[3].kind else {
+            panic!("ratios are lines")
+        };
+        assert_eq!(series.len(), 1);
+        assert_eq!(series[0].points, vec![(65536.0, 1.0), (2097152.0, 1.0)]);
+        assert!(plots[0].svg().contains("memcpy x1"));
     }
 }

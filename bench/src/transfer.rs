@@ -17,7 +17,7 @@
 //!   here, so a block-sized reference would flatter the backend.)
 //!
 //! Each transfer's remote descriptors are laid out in reverse order, so a batch never merges
-//! into one descriptor.
+//! into one descriptor. Payload bytes come from `--seed`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -25,11 +25,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
+use indicatif::ProgressBar;
 use kvtier_transfer::{Agent, AgentConfig, BackendKind, Descriptor, Op, Peer, RegionHandle};
 use serde::Serialize;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::util::{Bytes, parse_size, parse_size_list};
+use crate::report::{Plot, PlotKind, Report, Series, Table};
+use crate::util::{Bytes, fmt_f, fmt_ratio, parse_size, parse_size_list, ratio, sub_seed};
 
 /// Bytes of the fixed-cost case.
 const FIXED_COST_BYTES: u64 = 64;
@@ -82,6 +84,7 @@ pub struct TransferArgs {
 
 #[derive(Debug, Serialize)]
 pub struct TransferReport {
+    pub seed: u64,
     pub seconds_per_case: f64,
     pub inflight: usize,
     pub tcp_streams: usize,
@@ -89,6 +92,8 @@ pub struct TransferReport {
     pub chunk_bytes: u64,
     pub fixed_cost: Vec<FixedCost>,
     pub cases: Vec<Case>,
+    /// Cases skipped and references missing, and why.
+    pub notes: Vec<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -115,7 +120,8 @@ pub struct Case {
     pub post_us_p50: f64,
     pub reference: String,
     pub reference_gb_per_s: f64,
-    pub ratio: f64,
+    /// GB/s over the reference's (absent when the reference was not measured).
+    pub ratio: Option<f64>,
 }
 
 fn parse_backends(s: &str) -> Result<Vec<BackendKind>> {
@@ -147,7 +153,7 @@ fn op_name(op: Op) -> &'static str {
     }
 }
 
-pub fn run(args: &TransferArgs) -> Result<TransferReport> {
+pub fn run(args: &TransferArgs, seed: u64) -> Result<TransferReport> {
     let backends = parse_backends(&args.backends)?;
     let ops = parse_ops(&args.ops)?;
     let batches: Vec<usize> = args
@@ -155,14 +161,25 @@ pub fn run(args: &TransferArgs) -> Result<TransferReport> {
         .split(',')
         .map(|b| b.trim().parse::<usize>().context("--batches"))
         .collect::<Result<_>>()?;
-    if batches.contains(&0) || args.seconds_per_case <= 0.0 || args.inflight == 0 {
+    if batches.contains(&0)
+        || !(args.seconds_per_case.is_finite() && args.seconds_per_case > 0.0)
+        || args.inflight == 0
+    {
         bail!("--batches, --inflight and --seconds-per-case must be above zero");
+    }
+    if args.tcp_streams == 0 || args.quic_streams == 0 || args.chunk_bytes == 0 {
+        bail!("--tcp-streams, --quic-streams and --chunk-bytes must be above zero");
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(run_async(args, &backends, &ops, &batches))
+    let steps = backends.len() as u64
+        * (ops.len() as u64 + (args.sizes.0.len() * batches.len()) as u64 * (1 + ops.len() as u64));
+    let bar = crate::report::bar(steps, "transfer");
+    let r = rt.block_on(run_async(args, &backends, &ops, &batches, seed, &bar));
+    bar.finish_and_clear();
+    r
 }
 
 struct Times(Vec<Duration>);
@@ -250,8 +267,8 @@ fn config(args: &TransferArgs) -> AgentConfig {
     }
 }
 
-fn fill(region: &RegionHandle) -> Result<()> {
-    let piece = crate::util::random_buf(1 << 20, 42);
+fn fill(region: &RegionHandle, seed: u64) -> Result<()> {
+    let piece = crate::util::random_buf(1 << 20, seed);
     let mut off = 0u64;
     while off < region.len() {
         let n = (region.len() - off).min(piece.len() as u64) as usize;
@@ -266,9 +283,12 @@ async fn run_async(
     backends: &[BackendKind],
     ops: &[Op],
     batches: &[usize],
+    seed: u64,
+    bar: &ProgressBar,
 ) -> Result<TransferReport> {
     let dur = Duration::from_secs_f64(args.seconds_per_case);
     let mut report = TransferReport {
+        seed,
         seconds_per_case: args.seconds_per_case,
         inflight: args.inflight,
         tcp_streams: args.tcp_streams,
@@ -276,6 +296,7 @@ async fn run_async(
         chunk_bytes: args.chunk_bytes,
         fixed_cost: Vec::new(),
         cases: Vec::new(),
+        notes: Vec::new(),
     };
     // UCX's reference depends on the message size only; cached by it.
     let mut reference_cache: Vec<(BackendKind, u64, f64)> = Vec::new();
@@ -289,8 +310,9 @@ async fn run_async(
             let peer = initiator.connect(&target.metadata()?, backend).await?;
             let d = [Descriptor::new(src.id(), 0, dst.id(), 0, FIXED_COST_BYTES)];
             for &op in ops {
-                eprintln!("transfer: {backend} {} fixed cost", op_name(op));
+                bar.set_message(format!("{backend} {} fixed cost", op_name(op)));
                 let mut m = measure(&peer, op, &d, dur).await?;
+                bar.inc(1);
                 report.fixed_cost.push(FixedCost {
                     backend: backend.to_string(),
                     op: op_name(op).into(),
@@ -307,10 +329,12 @@ async fn run_async(
                 let total = block * batch as u64;
                 let inflight = args.inflight as u64;
                 if total * inflight > args.max_case_bytes {
-                    eprintln!(
-                        "transfer: skip {backend} {} x {batch} (over --max-case-bytes)",
-                        Bytes(block)
-                    );
+                    report.notes.push(format!(
+                        "skipped {backend} {} x {batch}: over --max-case-bytes {}",
+                        Bytes(block),
+                        Bytes(args.max_case_bytes)
+                    ));
+                    bar.inc(1 + ops.len() as u64);
                     continue;
                 }
                 let message = block.min(args.chunk_bytes);
@@ -320,15 +344,26 @@ async fn run_async(
                 {
                     Some((_, _, gbps)) if backend == BackendKind::Ucx => *gbps,
                     _ => {
-                        let gbps = reference_gbps(args, backend, block, batch, dur).await?;
+                        bar.set_message(format!("reference for {backend} {}", Bytes(block)));
+                        let gbps = reference_gbps(args, backend, block, batch, dur, seed).await?;
+                        if gbps.is_nan() {
+                            let n = format!(
+                                "no reference for {backend}: {}",
+                                reference_name(backend, args)
+                            );
+                            if !report.notes.contains(&n) {
+                                report.notes.push(n);
+                            }
+                        }
                         reference_cache.push((backend, message, gbps));
                         gbps
                     }
                 };
+                bar.inc(1);
                 let src = initiator.alloc_dram(total * inflight)?;
                 let dst = target.alloc_dram(total * inflight)?;
-                fill(&src)?;
-                fill(&dst)?;
+                fill(&src, sub_seed(seed, 1))?;
+                fill(&dst, sub_seed(seed, 2))?;
                 let peer = initiator.connect(&target.metadata()?, backend).await?;
                 let lists: Vec<Vec<Descriptor>> = (0..inflight)
                     .map(|k| {
@@ -347,12 +382,13 @@ async fn run_async(
                     })
                     .collect();
                 for &op in ops {
-                    eprintln!(
-                        "transfer: {backend} {} {} x {batch}",
+                    bar.set_message(format!(
+                        "{backend} {} {} x {batch}",
                         op_name(op),
                         Bytes(block)
-                    );
+                    ));
                     let mut m = measure_inflight(&peer, op, lists.clone(), dur).await?;
+                    bar.inc(1);
                     let gbps = (m.transfers * total) as f64 / m.elapsed.as_secs_f64() / 1e9;
                     report.cases.push(Case {
                         backend: backend.to_string(),
@@ -366,7 +402,7 @@ async fn run_async(
                         post_us_p50: m.post.pct_us(0.5),
                         reference: reference_name(backend, args),
                         reference_gb_per_s: reference,
-                        ratio: gbps / reference,
+                        ratio: ratio(gbps, reference),
                     });
                 }
             }
@@ -391,10 +427,10 @@ async fn reference_gbps(
     block: u64,
     batch: usize,
     dur: Duration,
+    seed: u64,
 ) -> Result<f64> {
-    eprintln!("transfer: reference for {backend} {}", Bytes(block));
     match backend {
-        BackendKind::Shm => Ok(memcpy_gbps(block as usize, batch, dur)),
+        BackendKind::Shm => Ok(memcpy_gbps(block as usize, batch, dur, seed)),
         BackendKind::Tcp => {
             let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
             let addr = l.local_addr()?;
@@ -408,7 +444,15 @@ async fn reference_gbps(
                 let (r, _) = s.into_split();
                 pairs.push((w, r));
             }
-            raw_streams(pairs, block as usize, batch, args.chunk_bytes as usize, dur).await
+            raw_streams(
+                pairs,
+                block as usize,
+                batch,
+                args.chunk_bytes as usize,
+                dur,
+                seed,
+            )
+            .await
         }
         BackendKind::Quic => {
             use kvtier_transfer::backend::quic;
@@ -436,7 +480,15 @@ async fn reference_gbps(
                 recv.read_exact(&mut one).await?;
                 pairs.push((send, recv));
             }
-            raw_streams(pairs, block as usize, batch, args.chunk_bytes as usize, dur).await
+            raw_streams(
+                pairs,
+                block as usize,
+                batch,
+                args.chunk_bytes as usize,
+                dur,
+                seed,
+            )
+            .await
         }
         BackendKind::Ucx => ucx_perftest_gbps(&args.ucx_tls, block.min(args.chunk_bytes), dur),
         other => bail!("no reference for {other}"),
@@ -454,7 +506,7 @@ fn ucx_perftest_gbps(tls: &str, block: u64, dur: Duration) -> Result<f64> {
         .status()
         .is_err()
     {
-        eprintln!("transfer: ucx_perftest not installed (ucx-utils); no UCX reference");
+        // Reported as a missing reference (a note and no ratio).
         return Ok(f64::NAN);
     }
     let port = {
@@ -496,9 +548,9 @@ fn ucx_perftest_gbps(tls: &str, block: u64, dur: Duration) -> Result<f64> {
     result
 }
 
-fn memcpy_gbps(block: usize, batch: usize, dur: Duration) -> f64 {
+fn memcpy_gbps(block: usize, batch: usize, dur: Duration, seed: u64) -> f64 {
     let total = block * batch;
-    let src = crate::util::random_buf(total, 7);
+    let src = crate::util::random_buf(total, sub_seed(seed, 3));
     let mut dst = vec![0u8; total];
     dst.copy_from_slice(&src[..total]);
     let start = Instant::now();
@@ -523,6 +575,7 @@ async fn raw_streams<W, R>(
     batch: usize,
     chunk: usize,
     dur: Duration,
+    seed: u64,
 ) -> Result<f64>
 where
     W: AsyncWrite + Unpin + Send + 'static,
@@ -537,7 +590,7 @@ where
     for (mut w, mut r) in pairs {
         let stop_w = Arc::clone(&stop);
         tasks.push(tokio::spawn(async move {
-            let src = crate::util::random_buf(share, 3);
+            let src = crate::util::random_buf(share, sub_seed(seed, 4));
             let mut off = 0;
             while !stop_w.load(Ordering::Relaxed) {
                 let n = write_len.min(share - off);
@@ -573,44 +626,181 @@ where
     Ok(bytes_at_stop as f64 / elapsed.as_secs_f64() / 1e9)
 }
 
-pub fn print(r: &TransferReport) {
-    println!(
-        "{} transfer(s) in flight; tcp streams {}, quic streams {}, chunk {}; {} s per case",
-        r.inflight,
-        r.tcp_streams,
-        r.quic_streams,
-        Bytes(r.chunk_bytes),
-        r.seconds_per_case
-    );
-    println!("fixed cost (one {FIXED_COST_BYTES}-byte descriptor):");
-    println!(
-        "  {:<5} {:<6} {:>10} {:>10} {:>10}",
-        "back", "op", "p50 us", "p99 us", "post us"
-    );
-    for f in &r.fixed_cost {
-        println!(
-            "  {:<5} {:<6} {:>10.2} {:>10.2} {:>10.2}",
-            f.backend, f.op, f.latency_us_p50, f.latency_us_p99, f.post_us_p50
+impl Report for TransferReport {
+    fn tables(&self) -> Vec<Table> {
+        let mut run = Table::new("run", &["setting", "value"]);
+        run.row(["transfers in flight".to_string(), self.inflight.to_string()]);
+        run.row([
+            "streams".to_string(),
+            format!("tcp {}, quic {}", self.tcp_streams, self.quic_streams),
+        ]);
+        run.row(["chunk".to_string(), Bytes(self.chunk_bytes).to_string()]);
+        run.row([
+            "seconds per case".to_string(),
+            self.seconds_per_case.to_string(),
+        ]);
+        for n in &self.notes {
+            run.row(["note".to_string(), n.clone()]);
+        }
+        let mut f = Table::new(
+            format!(
+                "fixed cost: one {FIXED_COST_BYTES}-byte descriptor (target <= 20 us over shm)"
+            ),
+            &[
+                "backend",
+                "op",
+                "transfers",
+                "p50 us",
+                "p99 us",
+                "post p50 us",
+            ],
+        );
+        for x in &self.fixed_cost {
+            f.row([
+                x.backend.clone(),
+                x.op.clone(),
+                x.transfers.to_string(),
+                fmt_f(x.latency_us_p50, 2),
+                fmt_f(x.latency_us_p99, 2),
+                fmt_f(x.post_us_p50, 2),
+            ]);
+        }
+        let mut c = Table::new(
+            "sweep: GB/s and latency per transfer against the reference (target >= 0.8x for shm and tcp)",
+            &[
+                "backend",
+                "op",
+                "block",
+                "batch",
+                "GB/s",
+                "p50 us",
+                "p99 us",
+                "post us",
+                "ref GB/s",
+                "ratio",
+                "reference",
+            ],
+        );
+        for x in &self.cases {
+            c.row([
+                x.backend.clone(),
+                x.op.clone(),
+                Bytes(x.block_bytes).to_string(),
+                x.batch.to_string(),
+                fmt_f(x.gb_per_s, 2),
+                fmt_f(x.latency_us_p50, 1),
+                fmt_f(x.latency_us_p99, 1),
+                fmt_f(x.post_us_p50, 2),
+                fmt_f(x.reference_gb_per_s, 2),
+                fmt_ratio(x.ratio),
+                x.reference.clone(),
+            ]);
+        }
+        vec![run, f, c]
+    }
+
+    fn plots(&self) -> Vec<Plot> {
+        let mut plots = Vec::new();
+        let mut backends: Vec<&str> = self.cases.iter().map(|c| c.backend.as_str()).collect();
+        backends.dedup();
+        for b in backends {
+            let mut series: Vec<Series> = Vec::new();
+            let mut push = |name: String, point: (f64, f64)| match series
+                .iter_mut()
+                .find(|s| s.name == name)
+            {
+                Some(s) => {
+                    if !s.points.contains(&point) {
+                        s.points.push(point);
+                    }
+                }
+                None => series.push(Series {
+                    name,
+                    points: vec![point],
+                }),
+            };
+            for c in self.cases.iter().filter(|c| c.backend == b) {
+                let x = c.block_bytes as f64;
+                push(format!("{} x{}", c.op, c.batch), (x, c.gb_per_s));
+                if c.reference_gb_per_s.is_finite() {
+                    push(format!("reference x{}", c.batch), (x, c.reference_gb_per_s));
+                }
+            }
+            for s in &mut series {
+                s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+            }
+            plots.push(Plot {
+                file: format!("transfer-{b}-gbps"),
+                title: format!("transfer library, {b}: GB/s by block size (batch = descriptors)"),
+                x_label: "block size".into(),
+                y_label: "GB/s".into(),
+                kind: PlotKind::Lines {
+                    series,
+                    log_x: true,
+                },
+            });
+        }
+        plots
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_backends_and_ops() {
+        assert_eq!(
+            parse_backends("shm, tcp").unwrap(),
+            vec![BackendKind::Shm, BackendKind::Tcp]
+        );
+        let e = parse_backends("shm,rdma").unwrap_err().to_string();
+        assert!(e.contains("unknown backend \"rdma\""), "{e}");
+        assert_eq!(parse_ops("read").unwrap(), vec![Op::Read]);
+        assert!(
+            parse_ops("write,copy")
+                .unwrap_err()
+                .to_string()
+                .contains("\"copy\"")
         );
     }
-    println!(
-        "{:<5} {:<6} {:>8} {:>5} {:>8} {:>10} {:>10} {:>8} {:>9} {:>6}  reference",
-        "back", "op", "block", "batch", "GB/s", "p50 us", "p99 us", "post us", "ref GB/s", "ratio"
-    );
-    for c in &r.cases {
-        println!(
-            "{:<5} {:<6} {:>8} {:>5} {:>8.2} {:>10.1} {:>10.1} {:>8.2} {:>9.2} {:>6.2}  {}",
-            c.backend,
-            c.op,
-            Bytes(c.block_bytes).to_string(),
-            c.batch,
-            c.gb_per_s,
-            c.latency_us_p50,
-            c.latency_us_p99,
-            c.post_us_p50,
-            c.reference_gb_per_s,
-            c.ratio,
-            c.reference
-        );
+
+    #[test]
+    fn report_has_tables_and_a_plot_per_backend() {
+        let case = |backend: &str, block: u64, gb: f64, reference: f64| Case {
+            backend: backend.into(),
+            op: "WRITE".into(),
+            block_bytes: block,
+            batch: 1,
+            transfers: 10,
+            gb_per_s: gb,
+            latency_us_p50: 1.0,
+            latency_us_p99: 2.0,
+            post_us_p50: 0.5,
+            reference: "memcpy".into(),
+            reference_gb_per_s: reference,
+            ratio: ratio(gb, reference),
+        };
+        let r = TransferReport {
+            seed: 1,
+            seconds_per_case: 0.1,
+            inflight: 1,
+            tcp_streams: 4,
+            quic_streams: 1,
+            chunk_bytes: 1 << 20,
+            fixed_cost: vec![],
+            cases: vec![
+                case("shm", 4096, 1.0, 2.0),
+                case("shm", 65536, 3.0, 4.0),
+                case("ucx", 65536, 1.0, f64::NAN),
+            ],
+            notes: vec!["no reference for ucx".into()],
+        };
+        let text: String = r.tables().iter().map(Table::render).collect();
+        assert!(text.contains("0.50x") && text.contains("0.75x"), "{text}");
+        assert!(text.contains("no reference for ucx"));
+        let plots = r.plots();
+        assert_eq!(plots.len(), 2);
+        assert_eq!(plots[0].file, "transfer-shm-gbps");
     }
 }

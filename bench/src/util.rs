@@ -1,13 +1,18 @@
 //! Helpers shared by the benchmarks: size parsing and printing, aligned buffers, a seeded
-//! PRNG, a timed loop, and facts about the machine and the benchmark directory.
+//! PRNG, timed loops (single and multi-threaded) with latency histograms, the figures they
+//! produce and the ratio between two of them, and facts about the machine and the benchmark
+//! directory.
 
+use std::cell::Cell;
 use std::ffi::CString;
 use std::fmt;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
+use hdrhistogram::Histogram;
 use serde::Serialize;
 
 /// Direct I/O alignment (buffers, offsets and lengths).
@@ -115,6 +120,241 @@ where
         op(i)?;
     }
     Ok(start.elapsed())
+}
+
+/// Latency of individual operations: an HDR histogram of nanoseconds (3 significant digits,
+/// 1 ns to 1 hour; longer operations are recorded as 1 hour).
+#[derive(Clone, Debug)]
+pub struct Latency(Histogram<u64>);
+
+const LATENCY_MAX_NS: u64 = 3_600_000_000_000;
+
+impl Default for Latency {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Latency {
+    pub fn new() -> Self {
+        // The bounds are constants that hdrhistogram accepts (low >= 1, high >= 2 * low,
+        // 3 significant digits); a failure here is a programming error caught by the tests.
+        Self(
+            Histogram::new_with_bounds(1, LATENCY_MAX_NS, 3)
+                .expect("constant histogram bounds are valid"),
+        )
+    }
+
+    pub fn record(&mut self, d: Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.0.saturating_record(ns.clamp(1, LATENCY_MAX_NS));
+    }
+
+    /// Adds another histogram's samples (another thread's, another client's).
+    pub fn add(&mut self, other: &Latency) {
+        // Same bounds on both sides, so adding cannot fail; saturate if it ever did.
+        if self.0.add(&other.0).is_err() {
+            for v in other.0.iter_recorded() {
+                self.0
+                    .saturating_record_n(v.value_iterated_to(), v.count_at_value());
+            }
+        }
+    }
+
+    pub fn count(&self) -> u64 {
+        self.0.len()
+    }
+
+    /// The `q` quantile (0..=1) in microseconds; NaN when nothing was recorded.
+    pub fn quantile_us(&self, q: f64) -> f64 {
+        if self.0.is_empty() {
+            f64::NAN
+        } else {
+            self.0.value_at_quantile(q) as f64 / 1e3
+        }
+    }
+
+    pub fn max_us(&self) -> f64 {
+        if self.0.is_empty() {
+            f64::NAN
+        } else {
+            self.0.max() as f64 / 1e3
+        }
+    }
+}
+
+/// What a timed case did: operations that did their work, bytes they moved, the time, and
+/// per-operation latency.
+#[derive(Clone, Debug, Serialize)]
+pub struct Figure {
+    pub ops: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub gb_per_s: f64,
+    pub ops_per_s: f64,
+    pub latency_us_p50: f64,
+    pub latency_us_p99: f64,
+    pub latency_us_max: f64,
+}
+
+impl Figure {
+    /// `ops` operations of `bytes_per_op` bytes in `wall`; latency from `lat`.
+    pub fn new(ops: u64, bytes_per_op: u64, wall: Duration, lat: &Latency) -> Self {
+        let secs = wall.as_secs_f64();
+        let bytes = ops.saturating_mul(bytes_per_op);
+        let per_s = |v: f64| if secs > 0.0 { v / secs } else { f64::NAN };
+        Self {
+            ops,
+            bytes,
+            seconds: secs,
+            gb_per_s: per_s(bytes as f64) / 1e9,
+            ops_per_s: per_s(ops as f64),
+            latency_us_p50: lat.quantile_us(0.5),
+            latency_us_p99: lat.quantile_us(0.99),
+            latency_us_max: lat.max_us(),
+        }
+    }
+}
+
+/// `subject / reference`, or None when the reference is not a positive finite number (a
+/// reference that was not measured, or measured nothing) or the subject is not finite.
+pub fn ratio(subject: f64, reference: f64) -> Option<f64> {
+    (subject.is_finite() && reference.is_finite() && reference > 0.0).then(|| subject / reference)
+}
+
+/// Formats an optional ratio as `0.93x`, or `-` when absent.
+pub fn fmt_ratio(r: Option<f64>) -> String {
+    r.map_or_else(|| "-".into(), |r| format!("{r:.2}x"))
+}
+
+/// Formats a float with `digits` decimals, or `-` when it is not finite.
+pub fn fmt_f(v: f64, digits: usize) -> String {
+    if v.is_finite() {
+        format!("{v:.digits$}")
+    } else {
+        "-".into()
+    }
+}
+
+/// What one multi-threaded phase did.
+pub struct Phase {
+    /// Warm-up operations per thread.
+    pub warm: Vec<u64>,
+    /// Measured operations per thread.
+    pub ops: Vec<u64>,
+    /// Measured operations that did not do the work (rejected puts, missed gets).
+    pub bad: u64,
+    /// Longest measured time of any thread.
+    pub wall: Duration,
+    /// Latency of the measured operations, all threads together.
+    pub latency: Latency,
+}
+
+impl Phase {
+    /// The phase's figure for operations of `bytes_per_op` bytes (failed operations left out).
+    pub fn figure(&self, bytes_per_op: u64) -> Figure {
+        let ops = self.ops.iter().sum::<u64>().saturating_sub(self.bad);
+        Figure::new(ops, bytes_per_op, self.wall, &self.latency)
+    }
+}
+
+pub enum Budget<'a> {
+    /// Warm up for `warm`, then measure for `run`.
+    Time { warm: Duration, run: Duration },
+    /// Repeat another phase's per-thread warm-up and measured operation counts.
+    Match(&'a Phase),
+    /// No warm-up; exactly this many operations per thread.
+    Fixed(u64),
+}
+
+/// Runs `op(state, thread, i)` on `threads` threads, each with its own `make(thread)` state;
+/// `i` counts on from the warm-up into the measured part. `op` returns false for an operation
+/// that did not do its work. Threads start measuring together; each measured operation's
+/// latency is recorded.
+pub fn phase<S, M, F>(threads: usize, budget: &Budget<'_>, make: M, op: F) -> Result<Phase>
+where
+    M: Fn(usize) -> Result<S> + Sync,
+    F: Fn(&mut S, usize, u64) -> Result<bool> + Sync,
+{
+    type ThreadResult = Result<(u64, u64, u64, Duration, Latency)>;
+    let barrier = Barrier::new(threads);
+    let results: Vec<ThreadResult> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (barrier, make, op) = (&barrier, &make, &op);
+                s.spawn(move || -> ThreadResult {
+                    let bad = Cell::new(0u64);
+                    let step = |st: &mut S, i: u64| -> Result<()> {
+                        if !op(st, t, i)? {
+                            bad.set(bad.get() + 1);
+                        }
+                        Ok(())
+                    };
+                    // Every thread must reach the barrier, even after an error.
+                    let warmed = make(t).and_then(|mut st| {
+                        let w = match budget {
+                            Budget::Time { warm, .. } => run_for(*warm, |i| step(&mut st, i))?.0,
+                            Budget::Match(p) => {
+                                let w = p.warm[t];
+                                run_n(w, |i| step(&mut st, i))?;
+                                w
+                            }
+                            Budget::Fixed(_) => 0,
+                        };
+                        Ok((st, w))
+                    });
+                    barrier.wait();
+                    let (mut st, w) = warmed?;
+                    bad.set(0);
+                    let mut lat = Latency::new();
+                    let mut timed = |i: u64| -> Result<()> {
+                        let t0 = Instant::now();
+                        step(&mut st, w + i)?;
+                        lat.record(t0.elapsed());
+                        Ok(())
+                    };
+                    let (n, el) = match budget {
+                        Budget::Time { run, .. } => run_for(*run, &mut timed)?,
+                        Budget::Match(p) => {
+                            let n = p.ops[t];
+                            (n, run_n(n, &mut timed)?)
+                        }
+                        Budget::Fixed(n) => (*n, run_n(*n, &mut timed)?),
+                    };
+                    Ok((w, n, bad.get(), el, lat))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow!("a benchmark thread panicked")))
+            })
+            .collect()
+    });
+    let mut p = Phase {
+        warm: Vec::with_capacity(threads),
+        ops: Vec::with_capacity(threads),
+        bad: 0,
+        wall: Duration::ZERO,
+        latency: Latency::new(),
+    };
+    for r in results {
+        let (w, n, bad, el, lat) = r?;
+        p.warm.push(w);
+        p.ops.push(n);
+        p.bad += bad;
+        p.wall = p.wall.max(el);
+        p.latency.add(&lat);
+    }
+    Ok(p)
+}
+
+/// Mixes `seed` with a stream number: independent, reproducible sub-seeds.
+pub fn sub_seed(seed: u64, stream: u64) -> u64 {
+    let mut r = SplitMix64::new(seed ^ stream.wrapping_mul(0xd134_2543_de82_ef95));
+    r.next_u64()
 }
 
 /// What the benchmark ran on.
@@ -264,6 +504,99 @@ mod tests {
         assert_eq!(Bytes((1 << 30) + 1).to_string(), "1.00 GiB");
         assert_eq!(Bytes(68 << 10).to_string(), "68 KiB");
         assert_eq!(Bytes(2052 << 10).to_string(), "2.00 MiB");
+    }
+
+    #[test]
+    fn latency_percentiles_count_every_sample() {
+        let mut a = Latency::new();
+        assert!(a.quantile_us(0.5).is_nan());
+        // 1..=100 us on one thread, 1 ms x 100 on another: p50 in the first half, p99 in
+        // the second.
+        for us in 1..=100u64 {
+            a.record(Duration::from_micros(us));
+        }
+        let mut b = Latency::new();
+        for _ in 0..100 {
+            b.record(Duration::from_millis(1));
+        }
+        assert!(
+            (a.quantile_us(0.5) - 50.0).abs() < 0.1,
+            "{}",
+            a.quantile_us(0.5)
+        );
+        assert!((a.quantile_us(0.99) - 99.0).abs() < 0.1);
+        a.add(&b);
+        assert_eq!(a.count(), 200);
+        assert!((a.quantile_us(0.5) - 100.0).abs() < 0.1);
+        assert!((a.quantile_us(0.99) - 1000.0).abs() < 1.0);
+        assert!((a.max_us() - 1000.0).abs() < 1.0);
+        // Out-of-range samples are clamped, not lost.
+        a.record(Duration::ZERO);
+        a.record(Duration::from_secs(7200));
+        assert_eq!(a.count(), 202);
+    }
+
+    #[test]
+    fn figures_and_ratios() {
+        let mut l = Latency::new();
+        l.record(Duration::from_micros(10));
+        let f = Figure::new(1000, 1 << 20, Duration::from_millis(500), &l);
+        assert_eq!(f.bytes, 1000 << 20);
+        assert!((f.gb_per_s - 1000.0 * 1048576.0 / 0.5 / 1e9).abs() < 1e-9);
+        assert!((f.ops_per_s - 2000.0).abs() < 1e-9);
+        assert_eq!(ratio(4.0, 5.0), Some(0.8));
+        assert_eq!(ratio(4.0, 0.0), None);
+        assert_eq!(ratio(4.0, f64::NAN), None);
+        assert_eq!(ratio(f64::NAN, 2.0), None);
+        assert_eq!(ratio(0.0, 2.0), Some(0.0));
+        assert_eq!(fmt_ratio(Some(0.834)), "0.83x");
+        assert_eq!(fmt_ratio(None), "-");
+        assert_eq!(fmt_f(f64::NAN, 2), "-");
+        let empty = Figure::new(0, 10, Duration::ZERO, &Latency::new());
+        assert!(empty.gb_per_s.is_nan() && empty.latency_us_p50.is_nan());
+    }
+
+    #[test]
+    fn phases_count_operations_and_latency() {
+        let p = phase(
+            2,
+            &Budget::Time {
+                warm: Duration::from_millis(5),
+                run: Duration::from_millis(20),
+            },
+            |_| Ok(()),
+            |_, _, i| Ok(i % 2 == 0),
+        )
+        .unwrap();
+        assert_eq!(p.ops.len(), 2);
+        assert!(p.ops.iter().all(|&n| n > 0));
+        assert_eq!(p.latency.count(), p.ops.iter().sum::<u64>());
+        let q = phase(2, &Budget::Match(&p), |_| Ok(()), |_, _, _| Ok(true)).unwrap();
+        assert_eq!(q.ops, p.ops);
+        assert_eq!(q.warm, p.warm);
+        assert_eq!(q.bad, 0);
+        let f = phase(3, &Budget::Fixed(5), |_| Ok(()), |_, t, _| Ok(t != 1)).unwrap();
+        assert_eq!((f.ops.iter().sum::<u64>(), f.bad), (15, 5));
+        assert_eq!(f.figure(10).ops, 10);
+        let err = phase(
+            2,
+            &Budget::Fixed(3),
+            |_| Ok(()),
+            |_, t, i| {
+                if t == 1 && i == 1 {
+                    bail!("boom")
+                }
+                Ok(true)
+            },
+        );
+        assert!(err.is_err());
+    }
+
+    #[test]
+    fn sub_seeds_differ() {
+        assert_ne!(sub_seed(1, 0), sub_seed(1, 1));
+        assert_ne!(sub_seed(1, 0), sub_seed(2, 0));
+        assert_eq!(sub_seed(9, 3), sub_seed(9, 3));
     }
 
     #[test]

@@ -1,0 +1,145 @@
+//! End to end: `kvtier-bench tiers --quick` on loopback, without Redis, in bounded time.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A debug build of the quick mode takes seconds; this bounds a hang.
+const LIMIT: Duration = Duration::from_secs(180);
+
+/// Runs kvtier-bench with `args`; returns (stdout, stderr), or fails after [`LIMIT`].
+fn bench(dir: &Path, args: &[&str]) -> (String, String) {
+    let (out, err) = (dir.join("stdout"), dir.join("stderr"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > LIMIT {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "kvtier-bench {args:?} ran over {LIMIT:?}; stderr: {}",
+                std::fs::read_to_string(&err).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (stdout, stderr) = (
+        std::fs::read_to_string(&out).unwrap(),
+        std::fs::read_to_string(&err).unwrap(),
+    );
+    assert!(
+        status.success(),
+        "kvtier-bench {args:?}: {status}\n{stderr}"
+    );
+    (stdout, stderr)
+}
+
+#[test]
+fn tiers_quick_runs_every_path_and_says_redis_was_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let plots = dir.path().join("plots");
+    let (text, _) = bench(
+        dir.path(),
+        &[
+            "--seed",
+            "42",
+            "--plots",
+            plots.to_str().unwrap(),
+            "tiers",
+            "--quick",
+            "--no-redis",
+            "--dir",
+            data.to_str().unwrap(),
+        ],
+    );
+    assert!(text.contains("seed: 42"), "{text}");
+    assert!(text.contains("SKIPPED: --no-redis"), "{text}");
+    for path in [
+        "kvtier dram, in-process",
+        "kvtier nvme tier, in-process",
+        "kvtier dram, unix zero-copy",
+        "kvtier dram, tcp",
+        "kvtier dram, quic",
+        "kvtier nvme, unix zero-copy",
+        "kvtier nvme, tcp",
+        "O_DIRECT pread",
+        "came from NVMe",
+        "raw loopback TCP",
+        "raw quinn",
+        "memcpy",
+    ] {
+        assert!(text.contains(path), "no {path:?} in\n{text}");
+    }
+    assert!(text.contains("ratios"), "{text}");
+    let svgs: Vec<_> = std::fs::read_dir(&plots)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    for f in [
+        "tiers-get-gbps.svg",
+        "tiers-put-gbps.svg",
+        "tiers-get-ratios.svg",
+        "tiers-put-ratios.svg",
+        "tiers-get-server-p99.svg",
+        "tiers-put-store-p50.svg",
+    ] {
+        assert!(svgs.iter().any(|s| s == f), "{f} not in {svgs:?}");
+    }
+
+    // The same run as JSON: every kvtier row moved bytes and has latency percentiles, and
+    // every comparison has a ratio.
+    let (json, _) = bench(
+        dir.path(),
+        &[
+            "--json",
+            "tiers",
+            "--quick",
+            "--no-redis",
+            "--parts",
+            "server",
+            "--transports",
+            "unix,tcp",
+            "--dir",
+            data.to_str().unwrap(),
+        ],
+    );
+    let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(doc["benchmark"], "tiers");
+    assert!(doc["seed"].is_u64());
+    assert_eq!(doc["result"]["redis"], "SKIPPED: --no-redis");
+    let rows = doc["result"]["rows"].as_array().unwrap();
+    let kv: Vec<_> = rows.iter().filter(|r| r["kvtier"] == true).collect();
+    // dram and nvme, unix and tcp, get and put, one client count.
+    assert_eq!(kv.len(), 8, "{rows:?}");
+    for r in rows {
+        assert!(r["gb_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        let (p50, p99) = (
+            r["latency_us_p50"].as_f64().unwrap(),
+            r["latency_us_p99"].as_f64().unwrap(),
+        );
+        assert!(p50 > 0.0 && p99 >= p50, "{r}");
+    }
+    let comparisons = doc["result"]["comparisons"].as_array().unwrap();
+    // dram: unix against memcpy, tcp against raw TCP; nvme: both against O_DIRECT; get and
+    // put each.
+    assert_eq!(comparisons.len(), 8, "{comparisons:?}");
+    for c in comparisons {
+        assert!(c["ratio"].as_f64().unwrap() > 0.0, "{c}");
+    }
+    assert!(
+        doc["result"]["server"]["lookup"]["latency_us_p99"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+}
