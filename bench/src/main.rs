@@ -6,10 +6,13 @@
 //! * `policy`: eviction policies on block-hash traces against LRU and the offline optimum.
 //! * `server`: the sidecar over its transports against memcpy, raw sockets, raw quinn, Redis.
 //! * `transfer`: the transfer library (nixlbench-style sweep) against memcpy, raw TCP and quinn.
+//! * `agentic`: agentic sessions driven closed-loop against OpenAI-compatible endpoints, side by
+//!   side across configurations (cache off, DRAM, DRAM + NVMe, disaggregated).
 //!
 //! Tables go to stdout (or one JSON document with `--json`, or CSV with `--csv`); plots are
 //! written as SVG under `--plots DIR`; progress bars go to stderr. Every run prints its seed.
 
+mod agentic;
 mod hash;
 mod lookup;
 mod policy;
@@ -63,6 +66,9 @@ enum Command {
     },
     /// Transfer library: block size x batch x backend x READ/WRITE against raw references.
     Transfer(transfer::TransferArgs),
+    /// Agentic sessions against OpenAI-compatible endpoints (TTFT, ITL, e2e, goodput, prefix
+    /// hit rate), one or several configurations side by side.
+    Agentic(Box<agentic::AgenticArgs>),
 }
 
 /// The seed when `--seed` is not given.
@@ -186,6 +192,7 @@ fn main() -> Result<()> {
     };
     match &cli.command {
         Command::Hash(a) => ctx.emit("hash", hash::run(a, ctx.seed)?),
+        Command::Agentic(a) => ctx.emit("agentic", agentic::run(a, ctx.seed, true)?),
         Command::Tiers(a) => {
             let r = tiers::run(a)?;
             emit(cli.json, &command_line, &machine, "tiers", r, tiers::print)
