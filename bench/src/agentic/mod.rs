@@ -598,6 +598,7 @@ pub struct Comparison {
 fn f(v: Option<f64>) -> String {
     match v {
         None => "-".into(),
+        Some(x) if x.fract() == 0.0 && x.abs() < 1e15 => format!("{x:.0}"),
         Some(x) if x >= 100.0 => format!("{x:.0}"),
         Some(x) if x >= 10.0 => format!("{x:.1}"),
         Some(x) => format!("{x:.2}"),

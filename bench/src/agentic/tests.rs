@@ -108,10 +108,9 @@ fn ttft_itl_and_e2e_follow_the_stream() {
         assert_eq!(c.cached_tokens, Some(0));
         assert!(ms(c.ttft) >= 60.0 && ms(c.ttft) < 400.0, "ttft {:?}", c.ttft);
         assert_eq!(c.itl.len(), 4);
-        for g in &c.itl {
-            assert!(ms(*g) >= 14.0 && ms(*g) < 300.0, "itl {g:?}");
-        }
+        // One gap can look short when the chunk before it was delayed; their sum cannot.
         let sum: Duration = c.itl.iter().sum();
+        assert!(ms(sum) >= 50.0 && ms(sum) < 600.0, "itl {:?}", c.itl);
         assert!(c.e2e >= c.ttft + sum, "{c:?}");
         // The same prompt again: its one whole 16-token block... none (11 tokens), so a longer
         // prompt shows the cache.
