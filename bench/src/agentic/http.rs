@@ -92,7 +92,12 @@ pub async fn probe(ep: &Endpoint, t: Timeouts) -> Result<(), String> {
 async fn connect(ep: &Endpoint, timeout: Duration) -> Result<TcpStream, String> {
     let s = tokio::time::timeout(timeout, TcpStream::connect((ep.host.as_str(), ep.port)))
         .await
-        .map_err(|_| format!("connect to {}:{} timed out after {timeout:?}", ep.host, ep.port))?
+        .map_err(|_| {
+            format!(
+                "connect to {}:{} timed out after {timeout:?}",
+                ep.host, ep.port
+            )
+        })?
         .map_err(|e| format!("cannot connect to {}:{}: {e}", ep.host, ep.port))?;
     let _ = s.set_nodelay(true);
     Ok(s)

@@ -100,10 +100,10 @@ pub struct AgenticArgs {
     #[arg(long, default_value_t = 900.0)]
     pub gap_cap_s: f64,
     /// Probability that a main-chain turn spawns subagents.
-    #[arg(long, default_value_t = 0.15)]
+    #[arg(long, default_value_t = 0.1)]
     pub subagent_prob: f64,
     /// Subagents per spawn: uniform in [1, max].
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 2)]
     pub subagents_max: usize,
     /// Turns per subagent: uniform in [1, max].
     #[arg(long, default_value_t = 3)]
@@ -347,14 +347,24 @@ async fn run_one(w: &Workload, t: &TargetSpec, o: &ComparisonOptions) -> Result<
     let (name, url, processes, data) = match t {
         TargetSpec::Url { name, url } => {
             let ep = http::Endpoint::parse(url).map_err(|e| anyhow::anyhow!(e))?;
-            (name, url.clone(), Vec::new(), driver::drive(w, &ep, &o.drive).await?)
+            (
+                name,
+                url.clone(),
+                Vec::new(),
+                driver::drive(w, &ep, &o.drive).await?,
+            )
         }
         TargetSpec::Mock { name, url } => {
             let cfg = mock::MockConfig::from_url(url).map_err(|e| anyhow::anyhow!(e))?;
             let m = mock::MockServer::start(cfg).await?;
             let ep = http::Endpoint::parse(&m.url()).map_err(|e| anyhow::anyhow!(e))?;
             let d = driver::drive(w, &ep, &o.drive).await?;
-            (name, url.clone(), vec![format!("in-process mock at {}", m.url())], d)
+            (
+                name,
+                url.clone(),
+                vec![format!("in-process mock at {}", m.url())],
+                d,
+            )
         }
         TargetSpec::Spawn(spec) => {
             let (spec2, so) = (spec.clone(), o.spawn.clone());
@@ -495,9 +505,7 @@ impl ConfigResult {
         let cached_tokens = if ok.is_empty() {
             None
         } else {
-            ok.iter()
-                .map(|(_, m)| m.cached_tokens)
-                .sum::<Option<u64>>()
+            ok.iter().map(|(_, m)| m.cached_tokens).sum::<Option<u64>>()
         };
         let all_prompt: usize = d.records.iter().map(|r| r.prompt_tokens).sum();
         let reusable: usize = d.records.iter().map(|r| r.reusable_tokens).sum();
@@ -618,14 +626,26 @@ impl Report for Comparison {
             ("sessions", w.sessions.to_string()),
             ("turns (all chains)", w.turns.to_string()),
             ("subagents", w.subagents.to_string()),
-            ("turns cut by the context limit", w.truncated_turns.to_string()),
+            (
+                "turns cut by the context limit",
+                w.truncated_turns.to_string(),
+            ),
             ("concurrency (sessions)", w.concurrency.to_string()),
             ("time scale", w.time_scale.to_string()),
-            ("long idle at or above (workload s)", w.long_idle_s.to_string()),
-            ("prompt format", format!("{:?}", w.prompt_format).to_lowercase()),
+            (
+                "long idle at or above (workload s)",
+                w.long_idle_s.to_string(),
+            ),
+            (
+                "prompt format",
+                format!("{:?}", w.prompt_format).to_lowercase(),
+            ),
             (
                 "goodput SLO",
-                format!("TTFT <= {} ms, mean ITL <= {} ms", w.slo_ttft_ms, w.slo_itl_ms),
+                format!(
+                    "TTFT <= {} ms, mean ITL <= {} ms",
+                    w.slo_ttft_ms, w.slo_itl_ms
+                ),
             ),
         ] {
             wt.row([k.to_string(), v]);

@@ -110,6 +110,13 @@ pub struct Spawned {
     _dir: tempfile::TempDir,
 }
 
+impl Spawned {
+    /// Process ids of the children, in start order.
+    pub fn pids(&self) -> Vec<u32> {
+        self.children.iter().map(|(_, c)| c.id()).collect()
+    }
+}
+
 impl Drop for Spawned {
     fn drop(&mut self) {
         // Stop in reverse order of start (workers before the server).
@@ -226,7 +233,11 @@ pub fn start(spec: &SpawnSpec, o: &SpawnOptions) -> Result<Spawned> {
                     String::new(),
                 ]);
             }
-            for s in WORKER_LAYOUT_SETS.iter().map(|s| s.to_string()).chain(o.server_sets.clone()) {
+            for s in WORKER_LAYOUT_SETS
+                .iter()
+                .map(|s| s.to_string())
+                .chain(o.server_sets.clone())
+            {
                 args.push("--set".into());
                 args.push(s);
             }
@@ -425,7 +436,10 @@ mod tests {
         assert_eq!(s.name, "on");
         assert_eq!(s.kind, Kind::Dram);
         assert_eq!(s.worker_args, ["--pool-blocks", "64"]);
-        assert_eq!(SpawnSpec::parse("x=dram+nvme").unwrap().kind, Kind::DramNvme);
+        assert_eq!(
+            SpawnSpec::parse("x=dram+nvme").unwrap().kind,
+            Kind::DramNvme
+        );
         assert_eq!(SpawnSpec::parse("x=disagg").unwrap().kind, Kind::Disagg);
         assert_eq!(SpawnSpec::parse("x=off").unwrap().kind, Kind::Off);
         for (bad, part) in [
@@ -449,11 +463,144 @@ mod tests {
         assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
     }
 
+    fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let p = dir.join(name);
+        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        p
+    }
+
+    fn options(dir: &Path, worker: PathBuf, server: Option<PathBuf>) -> SpawnOptions {
+        SpawnOptions {
+            worker_bin: Some(worker),
+            server_bin: server,
+            seed: 9,
+            model: "tiny".into(),
+            dram_bytes: "16MiB".into(),
+            nvme_dram_bytes: "8MiB".into(),
+            nvme_bytes: "64MiB".into(),
+            scratch_dir: dir.to_owned(),
+            server_sets: vec!["limits.max_keys=100".into()],
+            startup_timeout: Duration::from_secs(5),
+        }
+    }
+
+    #[test]
+    fn disagg_starts_a_server_and_two_workers_wired_together_and_stops_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display().to_string();
+        let worker = script(
+            dir.path(),
+            "fake-worker",
+            &format!(
+                "echo \"$@\" >> {d}/worker-args\necho loading\n\
+                 case \"$*\" in *\"--role prefill\"*) p=1001;; *) p=1002;; esac\n\
+                 echo \"listening http=127.0.0.1:$p\"\nexec sleep 30"
+            ),
+        );
+        let server = script(
+            dir.path(),
+            "fake-server",
+            &format!(
+                "echo \"$@\" > {d}/server-args\n\
+                 echo \"listening unix={d}/s.sock tcp=off quic=off admin=off\"\nexec sleep 30"
+            ),
+        );
+        let spec = SpawnSpec::parse("split=disagg --pool-blocks 64").unwrap();
+        let sp = start(&spec, &options(dir.path(), worker, Some(server))).unwrap();
+        assert_eq!(sp.url, "http://127.0.0.1:1002");
+        assert_eq!(sp.describe.len(), 3);
+        let pids = sp.pids();
+        let args = std::fs::read_to_string(dir.path().join("worker-args")).unwrap();
+        let lines: Vec<&str> = args.lines().collect();
+        assert_eq!(lines.len(), 2, "{args}");
+        let sidecar = format!("--sidecar unix://{d}/s.sock");
+        assert!(
+            lines[0].starts_with("serve --listen 127.0.0.1:0"),
+            "{}",
+            lines[0]
+        );
+        for want in [
+            &sidecar,
+            "--role prefill",
+            "--seed 9",
+            "--model-name tiny",
+            "--pool-blocks 64",
+        ] {
+            assert!(lines[0].contains(want), "{want}: {}", lines[0]);
+        }
+        assert!(
+            lines[1].contains("--role decode --prefill-url http://127.0.0.1:1001"),
+            "{}",
+            lines[1]
+        );
+        assert!(lines[1].contains(&sidecar), "{}", lines[1]);
+        let sargs = std::fs::read_to_string(dir.path().join("server-args")).unwrap();
+        for want in [
+            "layout.layers=4",
+            "layout.kv_heads=2",
+            "layout.head_dim=32",
+            "layout.dtype=\"f32\"",
+            "layout.block_tokens=16",
+            "--dram-bytes 16MiB",
+            "--tcp off",
+            "limits.max_keys=100",
+        ] {
+            assert!(sargs.contains(want), "{want}: {sargs}");
+        }
+        drop(sp);
+        for pid in pids {
+            assert!(
+                !Path::new(&format!("/proc/{pid}")).exists(),
+                "{pid} still runs"
+            );
+        }
+    }
+
+    #[test]
+    fn a_child_that_dies_or_stays_silent_is_a_clear_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let dies = script(dir.path(), "dies", "echo model file missing >&2\nexit 3");
+        let spec = SpawnSpec::parse("x=off").unwrap();
+        let e = start(&spec, &options(dir.path(), dies, None))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("exited") && e.contains("model file missing"),
+            "{e}"
+        );
+        let silent = script(dir.path(), "silent", "exec sleep 30");
+        let mut o = options(dir.path(), silent, None);
+        o.startup_timeout = Duration::from_millis(500);
+        let t = Instant::now();
+        let e = start(&spec, &o).err().unwrap().to_string();
+        assert!(e.contains("did not print \"listening http=\""), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+        let e = start(
+            &SpawnSpec::parse("x=dram").unwrap(),
+            &options(
+                dir.path(),
+                dir.path().join("dies"),
+                Some(dir.path().join("nope")),
+            ),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("--server-bin"), "{e}");
+    }
+
     #[test]
     fn missing_binaries_name_the_flag() {
-        let e = find_bin("kvtier-worker", Some(Path::new("/nonexistent/w")), "--worker-bin")
-            .unwrap_err()
-            .to_string();
+        let e = find_bin(
+            "kvtier-worker",
+            Some(Path::new("/nonexistent/w")),
+            "--worker-bin",
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("--worker-bin /nonexistent/w"), "{e}");
     }
 }

@@ -106,7 +106,11 @@ fn ttft_itl_and_e2e_follow_the_stream() {
         assert_eq!(c.completion_tokens, Some(5));
         assert_eq!(c.prompt_tokens, Some(11));
         assert_eq!(c.cached_tokens, Some(0));
-        assert!(ms(c.ttft) >= 60.0 && ms(c.ttft) < 400.0, "ttft {:?}", c.ttft);
+        assert!(
+            ms(c.ttft) >= 60.0 && ms(c.ttft) < 400.0,
+            "ttft {:?}",
+            c.ttft
+        );
         assert_eq!(c.itl.len(), 4);
         // One gap can look short when the chunk before it was delayed; their sum cannot.
         let sum: Duration = c.itl.iter().sum();
@@ -123,7 +127,12 @@ fn ttft_itl_and_e2e_follow_the_stream() {
             .await
             .unwrap();
         assert_eq!(c.cached_tokens, Some(32));
-        m.with_log(|l| assert_eq!(l.prompts[1], long.iter().map(|b| *b as u32).collect::<Vec<_>>()));
+        m.with_log(|l| {
+            assert_eq!(
+                l.prompts[1],
+                long.iter().map(|b| *b as u32).collect::<Vec<_>>()
+            )
+        });
     });
 }
 
@@ -144,7 +153,10 @@ fn closed_loop_keeps_at_most_n_sessions_and_requests_in_flight() {
         assert_eq!(d.peak_sessions, 3);
         assert!(d.peak_inflight <= 3, "{}", d.peak_inflight);
         assert!(m.peak_inflight() <= 3, "{}", m.peak_inflight());
-        assert!(m.peak_inflight() >= 2, "the loop never ran requests side by side");
+        assert!(
+            m.peak_inflight() >= 2,
+            "the loop never ran requests side by side"
+        );
     });
 }
 
@@ -162,13 +174,21 @@ fn each_turn_extends_the_previous_one_and_sessions_share_the_harness() {
             for s in [a, b] {
                 for pair in s.windows(2) {
                     assert!(pair[1].len() > pair[0].len());
-                    assert_eq!(&pair[1][..pair[0].len()], &pair[0][..], "not a prefix extension");
+                    assert_eq!(
+                        &pair[1][..pair[0].len()],
+                        &pair[0][..],
+                        "not a prefix extension"
+                    );
                 }
                 assert!(s.iter().flatten().all(|t| *t < 256));
             }
             let h = p.harness_tokens;
             assert_eq!(a[0][..h], b[0][..h], "sessions do not share the harness");
-            assert_ne!(a[0][h..h + 16], b[0][h..h + 16], "sessions share their task context");
+            assert_ne!(
+                a[0][h..h + 16],
+                b[0][h..h + 16],
+                "sessions share their task context"
+            );
         });
     });
 }
@@ -219,11 +239,17 @@ fn subagents_branch_off_the_parent_and_rejoin_before_it_continues() {
                 let sub: Vec<_> = d.records.iter().filter(|r| r.chain == id).collect();
                 assert!(!sub.is_empty(), "subagent {id} sent nothing");
                 assert!(sub.iter().all(|r| r.kind == TurnKind::Subagent));
-                assert!(sub[0].start_s >= end(spawner) - 1e-3, "branched before the spawn");
+                assert!(
+                    sub[0].start_s >= end(spawner) - 1e-3,
+                    "branched before the spawn"
+                );
                 if rejoin < main.turns() {
                     let next = main_rec(rejoin);
                     for r in &sub {
-                        assert!(next.start_s >= end(r) - 1e-3, "parent went on before the join");
+                        assert!(
+                            next.start_s >= end(r) - 1e-3,
+                            "parent went on before the join"
+                        );
                     }
                 }
             }
@@ -253,9 +279,11 @@ fn the_generator_is_deterministic_per_seed() {
     assert_ne!(a.harness(64), b.harness(64));
     // The defaults produce a realistic mix: subagents, long idles, growing contexts.
     assert!(a.sessions.iter().any(|s| s.main.subagents() > 0));
-    let idle = a.sessions.iter().flat_map(|s| &s.main.steps).any(
-        |s| matches!(s, Step::Turn { gap_s, .. } if *gap_s >= p.long_idle_s),
-    );
+    let idle = a
+        .sessions
+        .iter()
+        .flat_map(|s| &s.main.steps)
+        .any(|s| matches!(s, Step::Turn { gap_s, .. } if *gap_s >= p.long_idle_s));
     assert!(idle, "no long idle gap in 16 sessions");
     let e = workload::generate(
         &GenParams {
@@ -272,8 +300,14 @@ fn the_generator_is_deterministic_per_seed() {
 #[test]
 fn http_errors_and_bad_streams_are_counted_with_their_message() {
     let cases = [
-        (Fail::Status(500, "engine exploded".into()), "HTTP 500: engine exploded"),
-        (Fail::Status(400, "prompt too long".into()), "HTTP 400: prompt too long"),
+        (
+            Fail::Status(500, "engine exploded".into()),
+            "HTTP 500: engine exploded",
+        ),
+        (
+            Fail::Status(400, "prompt too long".into()),
+            "HTTP 400: prompt too long",
+        ),
         (Fail::MalformedSse, "malformed event data"),
         (Fail::Truncate, "without data: [DONE]"),
     ];
@@ -292,7 +326,11 @@ fn http_errors_and_bad_streams_are_counted_with_their_message() {
             assert_eq!(r.requests, w.turns());
             assert_eq!(r.errors, w.turns() / 2, "{want2}");
             assert_eq!(r.error_samples.len(), 1, "{:?}", r.error_samples);
-            assert!(r.error_samples[0].0.contains(&want2), "{:?}", r.error_samples);
+            assert!(
+                r.error_samples[0].0.contains(&want2),
+                "{:?}",
+                r.error_samples
+            );
         });
     }
 }
@@ -371,7 +409,11 @@ fn hit_rate_is_unknown_when_the_endpoint_does_not_report_it() {
         // counts as reusable.
         let hit = r.prefix_hit_rate.unwrap();
         assert!(hit > 0.3, "{hit}");
-        assert!((hit - r.reusable_share).abs() < 1e-9, "{hit} vs {}", r.reusable_share);
+        assert!(
+            (hit - r.reusable_share).abs() < 1e-9,
+            "{hit} vs {}",
+            r.reusable_share
+        );
     });
 }
 

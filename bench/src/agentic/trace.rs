@@ -255,18 +255,19 @@ fn parse(text: &str, file: &Path) -> Result<TraceSession, String> {
     let obj = v
         .as_object()
         .ok_or_else(|| err(file, "(document)", "expected a JSON object"))?;
-    let num = |o: &serde_json::Map<String, Value>, field: &str, path: &str| -> Result<u64, String> {
-        match o.get(field) {
-            None => Ok(0),
-            Some(x) => x.as_u64().ok_or_else(|| {
-                err(
-                    file,
-                    &format!("{path}{field}"),
-                    format!("expected a non-negative integer, got {x}"),
-                )
-            }),
-        }
-    };
+    let num =
+        |o: &serde_json::Map<String, Value>, field: &str, path: &str| -> Result<u64, String> {
+            match o.get(field) {
+                None => Ok(0),
+                Some(x) => x.as_u64().ok_or_else(|| {
+                    err(
+                        file,
+                        &format!("{path}{field}"),
+                        format!("expected a non-negative integer, got {x}"),
+                    )
+                }),
+            }
+        };
     let secs = |o: &serde_json::Map<String, Value>,
                 field: &str,
                 path: &str,
