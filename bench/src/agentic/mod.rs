@@ -709,14 +709,12 @@ impl Report for Comparison {
             Box::new(|c| Some(c.peak_inflight as f64)),
         ));
         for (label, g) in rows {
-            let vals: Vec<Option<f64>> = self.configs.iter().map(|c| g(c)).collect();
+            let vals: Vec<Option<f64>> = self.configs.iter().map(&g).collect();
             let mut row = vec![label.clone()];
-            for (c, v) in self.configs.iter().zip(&vals) {
-                row.push(if label == "prefix hit rate %" && v.is_none() {
-                    let _ = c;
-                    "unknown".into()
-                } else {
-                    f(*v)
+            for v in &vals {
+                row.push(match v {
+                    None if label == "prefix hit rate %" => "unknown".into(),
+                    v => f(*v),
                 });
             }
             let base = vals.first().copied().flatten();

@@ -112,6 +112,7 @@ pub struct Spawned {
 
 impl Spawned {
     /// Process ids of the children, in start order.
+    #[cfg(test)]
     pub fn pids(&self) -> Vec<u32> {
         self.children.iter().map(|(_, c)| c.id()).collect()
     }
