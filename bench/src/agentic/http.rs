@@ -313,10 +313,13 @@ async fn read_response(s: &mut TcpStream, start: Instant) -> Result<Completion, 
             }
         }
         text.truncate(MAX_ERROR_BODY);
-        return Err(format!(
-            "HTTP {code}: {}",
-            String::from_utf8_lossy(&text).trim()
-        ));
+        let text = String::from_utf8_lossy(&text);
+        let text = text.trim();
+        return Err(if text.is_empty() {
+            format!("HTTP {code} (empty body)")
+        } else {
+            format!("HTTP {code}: {text}")
+        });
     }
     let mut sse = Sse::new(start);
     while let Some(piece) = body.next().await? {

@@ -108,14 +108,23 @@ pub fn load(paths: &[PathBuf], p: &TraceParams, seed: u64) -> anyhow::Result<Wor
         })
         .collect();
     Ok(Workload {
-        source: format!(
-            "claude-code trace: {}",
-            files
-                .iter()
-                .map(|f| f.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
+        source: {
+            let name = |f: &PathBuf| {
+                f.file_name().map_or_else(
+                    || f.display().to_string(),
+                    |n| n.to_string_lossy().into_owned(),
+                )
+            };
+            match (files.first(), files.last()) {
+                (Some(a), Some(b)) if files.len() > 1 => format!(
+                    "claude-code trace: {} .. {} ({} files)",
+                    name(a),
+                    name(b),
+                    files.len()
+                ),
+                _ => format!("claude-code trace: {}", files[0].display()),
+            }
+        },
         harness_seed: mix(seed, 0x4a52_4e45_5353),
         sessions,
         long_idle_s: p.long_idle_s,
