@@ -455,7 +455,7 @@ mod tests {
     }
 
     #[test]
-    fn stop_ends_a_child_that_ignores_nothing() {
+    fn stop_ends_a_running_child() {
         // Exercises the kill(2) call: a sleeping child stops on SIGTERM, well before the grace.
         let mut c = Command::new("sleep").arg("30").spawn().unwrap();
         let t = Instant::now();
