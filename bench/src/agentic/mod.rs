@@ -729,25 +729,25 @@ impl Report for Comparison {
             t.row(row);
         }
         let mut out = vec![wt, t];
+        // One left-aligned column: process command lines are long.
         let mut et = Table::new(
             "configurations and errors",
-            &["configuration", "what", "detail"],
+            &["configuration: what: detail"],
         );
         for c in &self.configs {
-            et.row([c.name.clone(), "url".into(), c.url.clone()]);
+            let mut line = |what: &str, detail: &str| {
+                et.row([format!("{}: {what}: {detail}", c.name)]);
+            };
+            line("url", &c.url);
             for p in &c.processes {
-                et.row([c.name.clone(), "process".into(), p.clone()]);
+                line("process", p);
             }
-            et.row([
-                c.name.clone(),
-                "prefix hit rate".into(),
-                pct(c.prefix_hit_rate),
-            ]);
+            line("prefix hit rate", &pct(c.prefix_hit_rate));
             if let Some(a) = &c.aborted {
-                et.row([c.name.clone(), "aborted".into(), a.clone()]);
+                line("aborted", a);
             }
             for (m, n) in &c.error_samples {
-                et.row([c.name.clone(), format!("error x{n}"), m.clone()]);
+                line(&format!("error x{n}"), m);
             }
         }
         out.push(et);

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use super::workload::{Base, Chain, Rng, Segment, Session, Step, Workload, mix};
+use super::workload::{BOS_MARGIN, Base, Chain, Rng, Segment, Session, Step, Workload, mix};
 
 #[derive(Clone, Debug)]
 pub struct TraceParams {
@@ -231,7 +231,7 @@ fn turn(q: &Req, p: &TraceParams, r: &mut Rng, ctx: usize, gap: bool) -> Option<
     let target = scale(q.input, p);
     let append = target.saturating_sub(ctx).max(1);
     let out = scale(q.output, p).clamp(1, p.max_output);
-    if ctx + append + out > p.max_context {
+    if ctx + append + out + BOS_MARGIN > p.max_context {
         return None;
     }
     Some((

@@ -19,6 +19,9 @@ use crate::util::SplitMix64;
 /// tokenizer, and every id is below 256 for any vocabulary).
 const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz     ";
 
+/// Tokens kept free under `--max-context` for a BOS the engine may put before the prompt.
+pub const BOS_MARGIN: usize = 1;
+
 /// `len` tokens drawn from `seed`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Segment {
@@ -357,7 +360,7 @@ fn gen_chain(
     let mut pending_join = 0usize;
     for t in 0..turns {
         let out = r.tokens(p.output_tokens).min(p.output_tokens * 4);
-        if *ctx + append + out > p.max_context {
+        if *ctx + append + out + BOS_MARGIN > p.max_context {
             *truncated += turns - t;
             break;
         }
