@@ -192,7 +192,12 @@ fn main() -> Result<()> {
     };
     match &cli.command {
         Command::Hash(a) => ctx.emit("hash", hash::run(a, ctx.seed)?),
-        Command::Agentic(a) => ctx.emit("agentic", agentic::run(a, ctx.seed, true)?),
+        Command::Agentic(a) => {
+            let r = agentic::run(a, ctx.seed, true)?;
+            let failures = r.failures();
+            ctx.emit("agentic", r)?;
+            failures
+        }
         Command::Tiers(a) => {
             let r = tiers::run(a)?;
             emit(cli.json, &command_line, &machine, "tiers", r, tiers::print)

@@ -328,14 +328,33 @@ pub fn run_comparison(
         .build()
         .context("cannot start the async runtime")?;
     let mut configs = Vec::new();
+    let mut failures = Vec::new();
     for t in targets {
+        let mut interrupted = false;
         let r = rt.block_on(async {
             tokio::select! {
                 r = run_one(w, t, o) => r,
-                _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+                _ = tokio::signal::ctrl_c() => {
+                    interrupted = true;
+                    Err(anyhow::anyhow!("interrupted"))
+                }
             }
         });
-        configs.push(r.with_context(|| format!("configuration {:?}", t.name()))?);
+        match r {
+            Ok(c) => configs.push(c),
+            Err(e) if interrupted => return Err(e),
+            // A configuration that cannot start or be reached is reported in its column; the
+            // others still run.
+            Err(e) => {
+                let msg = format!("{e:#}");
+                eprintln!("configuration {:?} failed: {msg}", t.name());
+                failures.push(format!("configuration {:?}: {msg}", t.name()));
+                configs.push(ConfigResult::failed(t.name(), &msg, o));
+            }
+        }
+    }
+    if failures.len() == targets.len() {
+        bail!("{}", failures.join("\n"));
     }
     Ok(Comparison {
         workload: WorkloadSummary::of(w, o),
@@ -424,6 +443,8 @@ pub struct ConfigResult {
     /// Up to five distinct error messages with their counts.
     pub error_samples: Vec<(String, usize)>,
     pub aborted: Option<String>,
+    /// Why the configuration has no figures (it did not start or could not be reached).
+    pub failed: Option<String>,
     pub wall_s: f64,
     pub ttft_first_ms: Pct,
     pub ttft_warm_ms: Pct,
@@ -525,6 +546,7 @@ impl ConfigResult {
             errors: d.records.len() - ok.len(),
             error_samples: samples,
             aborted: d.aborted.clone(),
+            failed: None,
             wall_s,
             ttft_first_ms: ttft(Some(TurnKind::First)),
             ttft_warm_ms: ttft(Some(TurnKind::Warm)),
@@ -558,6 +580,42 @@ impl ConfigResult {
                 .map(|(t, (s, n))| (t, s / n as f64))
                 .collect(),
             ttft_samples: ok.iter().map(|(_, m)| m.ttft_ms).collect(),
+        }
+    }
+}
+
+impl ConfigResult {
+    /// A configuration that produced no figures.
+    pub fn failed(name: &str, why: &str, o: &ComparisonOptions) -> Self {
+        let empty = RunData {
+            records: Vec::new(),
+            wall: Duration::ZERO,
+            peak_inflight: 0,
+            peak_sessions: 0,
+            aborted: None,
+        };
+        let mut c = Self::of(name, "", Vec::new(), &empty, o);
+        c.failed = Some(why.to_owned());
+        c
+    }
+}
+
+impl Comparison {
+    /// An error naming every configuration that failed, if one did.
+    pub fn failures(&self) -> Result<()> {
+        let f: Vec<String> = self
+            .configs
+            .iter()
+            .filter_map(|c| {
+                c.failed
+                    .as_ref()
+                    .map(|m| format!("configuration {:?}: {m}", c.name))
+            })
+            .collect();
+        if f.is_empty() {
+            Ok(())
+        } else {
+            bail!("{}", f.join("\n"))
         }
     }
 }
@@ -709,7 +767,11 @@ impl Report for Comparison {
             Box::new(|c| Some(c.peak_inflight as f64)),
         ));
         for (label, g) in rows {
-            let vals: Vec<Option<f64>> = self.configs.iter().map(&g).collect();
+            let vals: Vec<Option<f64>> = self
+                .configs
+                .iter()
+                .map(|c| if c.failed.is_some() { None } else { g(c) })
+                .collect();
             let mut row = vec![label.clone()];
             for v in &vals {
                 row.push(match v {
@@ -743,6 +805,9 @@ impl Report for Comparison {
                 line("process", p);
             }
             line("prefix hit rate", &pct(c.prefix_hit_rate));
+            if let Some(m) = &c.failed {
+                line("FAILED", m);
+            }
             if let Some(a) = &c.aborted {
                 line("aborted", a);
             }

@@ -451,6 +451,33 @@ fn comparison_puts_configurations_side_by_side() {
     assert!(plots[1].svg().contains(">on<"));
     let e = TargetSpec::parse_target("x=mock://?cache=maybe").unwrap_err();
     assert!(e.contains("expected on or off"), "{e}");
+    // A configuration that cannot be reached gets a FAILED column; the others still run.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead = format!("dead=http://{}", l.local_addr().unwrap());
+    drop(l);
+    let with_dead = vec![TargetSpec::parse_target(&dead).unwrap(), targets[1].clone()];
+    let c = run_comparison(&w, &with_dead, &cmp_opts(2)).unwrap();
+    assert!(
+        c.configs[0]
+            .failed
+            .as_deref()
+            .unwrap()
+            .contains("unreachable")
+    );
+    assert!(c.configs[1].failed.is_none() && c.configs[1].errors == 0);
+    assert!(c.failures().unwrap_err().to_string().contains("\"dead\""));
+    let t = &c.tables()[1];
+    assert_eq!(t.rows[0][1], "-");
+    assert!(
+        c.tables()[2]
+            .rows
+            .iter()
+            .any(|r| r[0].starts_with("dead: FAILED: "))
+    );
+    let all_dead = run_comparison(&w, &with_dead[..1], &cmp_opts(1))
+        .unwrap_err()
+        .to_string();
+    assert!(all_dead.contains("unreachable"), "{all_dead}");
     let dup = run_comparison(&w, &[targets[0].clone(), targets[0].clone()], &cmp_opts(1))
         .unwrap_err()
         .to_string();
