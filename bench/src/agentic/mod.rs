@@ -800,14 +800,15 @@ impl Report for Comparison {
             let mut line = |what: &str, detail: &str| {
                 et.row([format!("{}: {what}: {detail}", c.name)]);
             };
+            if let Some(m) = &c.failed {
+                line("FAILED", m);
+                continue;
+            }
             line("url", &c.url);
             for p in &c.processes {
                 line("process", p);
             }
             line("prefix hit rate", &pct(c.prefix_hit_rate));
-            if let Some(m) = &c.failed {
-                line("FAILED", m);
-            }
             if let Some(a) = &c.aborted {
                 line("aborted", a);
             }
