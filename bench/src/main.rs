@@ -8,10 +8,13 @@
 //! * `policy`: eviction policies on block-hash traces against LRU and the offline optimum.
 //! * `server`: `tiers --parts server` (the sidecar over its transports only).
 //! * `transfer`: the transfer library (nixlbench-style sweep) against memcpy, raw TCP and quinn.
+//! * `agentic`: agentic sessions driven closed-loop against OpenAI-compatible endpoints, side by
+//!   side across configurations (cache off, DRAM, DRAM + NVMe, disaggregated).
 //!
 //! Tables go to stdout (or one JSON document with `--json`, or CSV with `--csv`); plots are
 //! written as SVG under `--plots DIR`; progress bars go to stderr. Every run prints its seed.
 
+mod agentic;
 mod hash;
 mod lookup;
 mod policy;
@@ -68,6 +71,9 @@ enum Command {
     },
     /// Transfer library: block size x batch x backend x READ/WRITE against raw references.
     Transfer(transfer::TransferArgs),
+    /// Agentic sessions against OpenAI-compatible endpoints (TTFT, ITL, e2e, goodput, prefix
+    /// hit rate), one or several configurations side by side.
+    Agentic(Box<agentic::AgenticArgs>),
 }
 
 /// The seed when `--seed` is not given.
@@ -191,6 +197,12 @@ fn main() -> Result<()> {
     };
     match &cli.command {
         Command::Hash(a) => ctx.emit("hash", hash::run(a, ctx.seed)?),
+        Command::Agentic(a) => {
+            let r = agentic::run(a, ctx.seed, true)?;
+            let failures = r.failures();
+            ctx.emit("agentic", r)?;
+            failures
+        }
         Command::Tiers(a) => ctx.emit(
             "tiers",
             tiers::run(a, &[tiers::Part::Store, tiers::Part::Server], ctx.seed)?,
