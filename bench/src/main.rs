@@ -92,6 +92,7 @@ pub struct Ctx {
 impl Ctx {
     /// Prints `result` as JSON, CSV or tables, and writes its plots.
     pub fn emit<T: report::Report>(&self, benchmark: &'static str, result: T) -> Result<()> {
+        let mut out = String::new();
         if self.json {
             let doc = Document {
                 command_line: &self.command_line,
@@ -100,20 +101,24 @@ impl Ctx {
                 benchmark,
                 result: &result,
             };
-            println!("{}", serde_json::to_string_pretty(&doc)?);
+            out = serde_json::to_string_pretty(&doc)?;
+            out.push('\n');
         } else if self.csv {
             for t in result.tables() {
-                println!("{}", t.csv());
+                out.push_str(&t.csv());
+                out.push('\n');
             }
         } else {
-            println!("command: {}", self.command_line);
-            println!("{}", self.machine);
-            println!("seed: {}", self.seed);
+            out.push_str(&format!(
+                "command: {}\n{}\nseed: {}\n",
+                self.command_line, self.machine, self.seed
+            ));
             for t in result.tables() {
-                println!();
-                print!("{}", t.render());
+                out.push('\n');
+                out.push_str(&t.render());
             }
         }
+        write_stdout(&out)?;
         if let Some(dir) = &self.plots {
             std::fs::create_dir_all(dir)
                 .with_context(|| format!("cannot create plot directory {}", dir.display()))?;
@@ -123,6 +128,18 @@ impl Ctx {
             }
         }
         Ok(())
+    }
+}
+
+/// Writes to stdout; a reader that went away (`| head`) ends the output quietly.
+fn write_stdout(s: &str) -> Result<()> {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_all(s.as_bytes()).and_then(|()| stdout.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(e).context("cannot write to stdout")
+        }
+        _ => Ok(()),
     }
 }
 
