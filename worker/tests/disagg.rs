@@ -195,9 +195,17 @@ async fn remote_prefill_equals_a_single_worker_over_shm_and_tcp() -> Result<()> 
             let g = d.generate(p.clone(), 12, Sampling::GREEDY).await?;
             ensure!(g.path == PrefillPath::Remote);
             ensure!(g.generation.tokens == reference(&p, 12)?.0, "{backend}");
+            // Sampling stays on the decode side: a seeded sampled generation matches too.
+            let sampling = Sampling {
+                temperature: 0.8,
+                seed: 11,
+            };
+            let g = d.generate(p.clone(), 12, sampling).await?;
+            let mut single = Engine::new(Model::random(cfg(), SEED)?, POOL_BLOCKS)?;
+            ensure!(g.generation.tokens == single.generate(&p, 12, sampling)?.tokens);
         }
         let s = pw.server.stats();
-        ensure!(s.served == 10 && s.rejected == 0 && s.failed == 0, "{s:?}");
+        ensure!(s.served == 12 && s.rejected == 0 && s.failed == 0, "{s:?}");
         ensure!(s.bytes > 0);
         pw.stop().await;
         Ok(())
