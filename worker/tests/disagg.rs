@@ -217,30 +217,45 @@ async fn remote_prefill_equals_a_single_worker_over_shm_and_tcp() -> Result<()> 
 async fn concurrent_requests_each_get_their_own_kv() -> Result<()> {
     bounded(async {
         let pw = PrefillWorker::start().await?;
-        let d = Arc::new(decoder(&pw.url, BackendKind::Tcp).await?);
         let prompts: Vec<Vec<u32>> = (0..4)
             .map(|i| prompt(100 + i, 20 + 13 * i as usize))
             .collect();
-        let mut tasks = Vec::new();
-        for p in prompts.clone() {
-            let d = Arc::clone(&d);
-            tasks.push(tokio::spawn(async move {
-                d.generate(p, 6, Sampling::GREEDY).await
-            }));
+        let wants = prompts
+            .iter()
+            .map(|p| Ok(reference(p, 6)?.0))
+            .collect::<Result<Vec<_>>>()?;
+        // With layer streaming, and without (every layer landed before the engine is taken).
+        for stream_layers in [true, false] {
+            let d = decoder_with(
+                |c| c.stream_layers = stream_layers,
+                &pw.url,
+                BackendKind::Tcp,
+            );
+            let d = Arc::new(d.await?);
+            let mut tasks = Vec::new();
+            for p in prompts.clone() {
+                let d = Arc::clone(&d);
+                tasks.push(tokio::spawn(async move {
+                    d.generate(p, 6, Sampling::GREEDY).await
+                }));
+            }
+            for (want, t) in wants.iter().zip(tasks) {
+                let g = t.await??;
+                ensure!(g.path == PrefillPath::Remote, "{:?}", g.path);
+                ensure!(
+                    &g.generation.tokens == want,
+                    "stream_layers {stream_layers}"
+                );
+            }
+            ensure!(d.stats().remote == 4);
+            let free = d
+                .engine()
+                .lock()
+                .map_err(|_| anyhow::anyhow!("poisoned"))?
+                .cache()
+                .free_blocks();
+            ensure!(free == POOL_BLOCKS, "{free} free");
         }
-        for (p, t) in prompts.iter().zip(tasks) {
-            let g = t.await??;
-            ensure!(g.path == PrefillPath::Remote, "{:?}", g.path);
-            ensure!(g.generation.tokens == reference(p, 6)?.0);
-        }
-        ensure!(d.stats().remote == 4);
-        let free = d
-            .engine()
-            .lock()
-            .map_err(|_| anyhow::anyhow!("poisoned"))?
-            .cache()
-            .free_blocks();
-        ensure!(free == POOL_BLOCKS, "{free} free");
         pw.stop().await;
         Ok(())
     })

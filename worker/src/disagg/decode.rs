@@ -47,6 +47,11 @@ pub struct DecodeConfig {
     /// Prompts shorter than this are prefilled locally (the round trip would cost more than
     /// the compute it saves). At least 2: the last token is always run locally. Default: 2.
     pub min_remote_tokens: usize,
+    /// Start the decode worker's last-token step when layer 0 has landed and run each layer
+    /// as its KV lands (layer streaming). When false, the step waits for every layer before
+    /// taking the engine, so a request waiting on a long remote prefill never holds the engine
+    /// (the choice for a batching scheduler that shares it). Default: true.
+    pub stream_layers: bool,
 }
 
 impl DecodeConfig {
@@ -58,6 +63,7 @@ impl DecodeConfig {
             connect_timeout: Duration::from_secs(1),
             quarantine: Duration::from_secs(60),
             min_remote_tokens: 2,
+            stream_layers: true,
         }
     }
 }
@@ -403,9 +409,15 @@ impl DisaggDecoder {
         };
         let control = tokio::spawn(call_prefill(inner.cfg.clone(), req, Arc::clone(&gate)));
 
-        // The last token, each layer as soon as its KV has landed. Layer 0 is awaited before
-        // taking the engine so other requests run meanwhile.
+        // The last token, each layer as soon as its KV has landed. Layer 0 (every layer
+        // without streaming) is awaited before taking the engine so other requests run
+        // meanwhile.
         let deadline = t0 + inner.cfg.request_timeout;
+        let before_lock = if inner.cfg.stream_layers {
+            1
+        } else {
+            inner.num_layers
+        };
         let engine = Arc::clone(&inner.engine);
         let step_gate = Arc::clone(&gate);
         let stepped = joined(
@@ -416,9 +428,11 @@ impl DisaggDecoder {
                     deadline,
                     step_started: None,
                 };
-                let r = hook.gate.wait(0, deadline).and_then(|()| {
-                    lock(&engine).prefill_hooked(&prompt, n - 1, &mut table, &mut hook)
-                });
+                let r = (0..before_lock)
+                    .try_for_each(|l| hook.gate.wait(l, deadline))
+                    .and_then(|()| {
+                        lock(&engine).prefill_hooked(&prompt, n - 1, &mut table, &mut hook)
+                    });
                 (prompt, table, r, hook.step_started, Instant::now())
             })
             .await,
