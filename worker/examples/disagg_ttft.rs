@@ -62,7 +62,7 @@ async fn main() -> Result<()> {
         ..ModelConfig::default()
     };
     let max = args.tokens.iter().copied().max().context("no --tokens")?;
-    let blocks = max.div_ceil(cfg.block_tokens) + 2;
+    let blocks = 2 * max.div_ceil(cfg.block_tokens) + 2;
     let agent_cfg = AgentConfig::default();
 
     let prefill_agent = Arc::new(Agent::new("prefill", agent_cfg.clone()).await?);
@@ -142,6 +142,8 @@ async fn main() -> Result<()> {
             );
         }
     }
+    // The last answer may still be on its way (the decode side does not wait for it).
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let s = server.stats();
     println!();
     println!(

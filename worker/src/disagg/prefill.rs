@@ -19,7 +19,7 @@ use super::wire::{
     ErrorBody, MAX_REQUEST_BYTES, PREFILL_PATH, PrefillRequest, PrefillResponse,
     encode_notification, hex_decode, layer_runs,
 };
-use super::{joined, lock, parse_backend};
+use super::{lock, parse_backend};
 use crate::engine::Engine;
 use crate::error::{Result, WorkerError};
 use crate::kv_cache::{BlockTable, PagedKvCache};
@@ -90,6 +90,8 @@ pub struct PrefillServer {
     vocab_size: usize,
     max_context_tokens: usize,
     peers: Mutex<HashMap<(BackendKind, Vec<u8>), Peer>>,
+    /// Source blocks whose writes are over, waiting for the engine to be free.
+    to_release: Arc<Mutex<Vec<BlockTable>>>,
     cfg: PrefillConfig,
     served: AtomicU64,
     rejected: AtomicU64,
@@ -139,6 +141,7 @@ impl PrefillServer {
             vocab_size,
             max_context_tokens,
             peers: Mutex::new(HashMap::new()),
+            to_release: Arc::new(Mutex::new(Vec::new())),
             cfg,
             served: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
@@ -216,6 +219,23 @@ impl PrefillServer {
         result
     }
 
+    /// Frees a request's source blocks now if the engine is free, else hands them to the next
+    /// forward (which frees them before reserving its own): the answer never waits behind
+    /// another request's forward.
+    fn release(&self, table: BlockTable) {
+        self.to_release
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(table);
+        let engine = match self.engine.try_lock() {
+            Ok(e) => e,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
+        let mut engine = engine;
+        release_deferred(&mut engine, &self.to_release);
+    }
+
     async fn peer(&self, blob: &[u8], backend: BackendKind) -> std::result::Result<Peer, Failure> {
         let key = (backend, blob.to_vec());
         if let Some(p) = self
@@ -247,6 +267,7 @@ impl PrefillServer {
         peer: Peer,
     ) -> std::result::Result<PrefillResponse, Failure> {
         let engine = Arc::clone(&self.engine);
+        let to_release = Arc::clone(&self.to_release);
         let layout = self.layout;
         let (src_region, block_bytes) = (self.region, self.block_bytes);
         let rt = tokio::runtime::Handle::current();
@@ -254,6 +275,7 @@ impl PrefillServer {
         let n = req.tokens.len();
         let computed = tokio::task::spawn_blocking(move || {
             let mut e = lock(&engine);
+            release_deferred(&mut e, &to_release);
             let mut table = BlockTable::new();
             if let Err(err) = e.cache_mut().reserve(&mut table, n) {
                 return (table, Vec::new(), Err(err), Duration::ZERO);
@@ -278,7 +300,7 @@ impl PrefillServer {
             (table, hook.posted, r, t0.elapsed())
         })
         .await;
-        let (mut table, posted, forward, compute) = match computed {
+        let (table, posted, forward, compute) = match computed {
             Ok(c) => c,
             Err(e) => {
                 return Err(Failure {
@@ -297,13 +319,8 @@ impl PrefillServer {
             Ok(()) => self.await_writes(posted).await,
         };
         // Every write has completed or been cancelled and dropped: the source blocks may go.
-        let engine = Arc::clone(&self.engine);
-        let released = tokio::task::spawn_blocking(move || {
-            lock(&engine).cache_mut().release_table(&mut table)
-        })
-        .await;
-        let released = joined(released).and_then(|r| r);
-        match outcome.and_then(|bytes| released.map(|()| bytes)) {
+        self.release(table);
+        match outcome {
             Ok(bytes) => {
                 self.bytes.fetch_add(bytes, Ordering::Relaxed);
                 Ok(PrefillResponse {
@@ -376,6 +393,15 @@ impl PrefillServer {
                 Err(e)
             }
         }
+    }
+}
+
+/// Frees the tables queued in `to_release` (their writes are over).
+fn release_deferred(engine: &mut Engine, to_release: &Mutex<Vec<BlockTable>>) {
+    let tables = std::mem::take(&mut *to_release.lock().unwrap_or_else(|p| p.into_inner()));
+    for mut t in tables {
+        // Only tables this server reserved are queued, once each: release cannot fail.
+        let _ = engine.cache_mut().release_table(&mut t);
     }
 }
 
