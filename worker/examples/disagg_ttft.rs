@@ -78,7 +78,10 @@ async fn main() -> Result<()> {
     let serving = tokio::spawn(async move { axum::serve(listener, app).await });
 
     // Run like the roles run their engines: on a blocking-pool thread.
-    let single = Arc::new(Mutex::new(Engine::new(Model::random(cfg.clone(), 0)?, blocks)?));
+    let single = Arc::new(Mutex::new(Engine::new(
+        Model::random(cfg.clone(), 0)?,
+        blocks,
+    )?));
     println!(
         "model: {} layers, {} KiB of KV per 16-token block; medians of {} runs",
         cfg.num_layers,
