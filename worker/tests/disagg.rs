@@ -214,6 +214,26 @@ async fn remote_prefill_equals_a_single_worker_over_shm_and_tcp() -> Result<()> 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_prefill_over_quic() -> Result<()> {
+    bounded(async {
+        let pw = PrefillWorker::start().await?;
+        // The decode agent serves QUIC (the test agents otherwise do not).
+        let agent = Arc::new(Agent::new("decode", AgentConfig::default()).await?);
+        let engine = engine_in_agent(Model::random(cfg(), SEED)?, POOL_BLOCKS, &agent)?;
+        let d = DisaggDecoder::new(
+            Arc::new(Mutex::new(engine)),
+            agent,
+            DecodeConfig::new(&pw.url, BackendKind::Quic),
+        )?;
+        check_remote(&d, prompt(21, 45)).await?;
+        ensure!(d.stats().remote == 1 && d.stats().fallbacks == 0);
+        pw.stop().await;
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_each_get_their_own_kv() -> Result<()> {
     bounded(async {
         let pw = PrefillWorker::start().await?;
