@@ -465,23 +465,31 @@ pub fn prefill_router(server: Arc<PrefillServer>) -> Router {
 }
 
 async fn handle(State(server): State<Arc<PrefillServer>>, body: axum::body::Bytes) -> Response {
-    let answer = match serde_json::from_slice::<PrefillRequest>(&body) {
-        Err(e) => Err(bad(format!("malformed prefill request: {e}"))),
-        Ok(req) => server.serve(req).await,
-    };
-    match answer {
-        Ok(r) => {
-            server.served.fetch_add(1, Ordering::Relaxed);
-            axum::Json(r).into_response()
-        }
-        Err(f) => {
-            let counter = if f.status == StatusCode::BAD_REQUEST {
-                &server.rejected
-            } else {
-                &server.failed
-            };
-            counter.fetch_add(1, Ordering::Relaxed);
-            (f.status, axum::Json(ErrorBody { error: f.reason })).into_response()
-        }
+    // The work runs as its own task: a client that hangs up (a decode worker past its
+    // deadline) drops this future, and must not cut the request short between its forward
+    // and the release of its source blocks.
+    let work = tokio::spawn(async move {
+        let answer = match serde_json::from_slice::<PrefillRequest>(&body) {
+            Err(e) => Err(bad(format!("malformed prefill request: {e}"))),
+            Ok(req) => server.serve(req).await,
+        };
+        let counter = match &answer {
+            Ok(_) => &server.served,
+            Err(f) if f.status == StatusCode::BAD_REQUEST => &server.rejected,
+            Err(_) => &server.failed,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        answer
+    });
+    match work.await {
+        Ok(Ok(r)) => axum::Json(r).into_response(),
+        Ok(Err(f)) => (f.status, axum::Json(ErrorBody { error: f.reason })).into_response(),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            axum::Json(ErrorBody {
+                error: format!("prefill task failed: {e}"),
+            }),
+        )
+            .into_response(),
     }
 }
