@@ -386,6 +386,36 @@ async fn a_hung_or_failing_prefill_worker_means_a_local_prefill_and_fenced_block
         }
         ensure!(g.generation.tokens == want);
         ensure!(pw.server.stats().failed == 1);
+
+        // A decode worker that gives up while the prefill worker is mid-forward hangs up on
+        // it; the prefill request still runs to its end (writes, then its source blocks
+        // freed) and is counted, and the decode worker's output is a single worker's.
+        let long = prompt(6, 1000);
+        let d = decoder_with(
+            |c| c.request_timeout = Duration::from_millis(150),
+            &pw.url,
+            BackendKind::Tcp,
+        )
+        .await?;
+        let g = d.generate(long.clone(), 4, Sampling::GREEDY).await?;
+        ensure!(
+            matches!(g.path, PrefillPath::Fallback { .. }),
+            "{:?}",
+            g.path
+        );
+        ensure!(g.generation.tokens == reference(&long, 4)?.0);
+        // 63 of the 64 blocks were the failed request's: no room for fresh ones, so the
+        // fallback waited for its writes to be over and reused them.
+        ensure!(d.stats().fence_waits == 1 && d.stats().quarantined_blocks == 0);
+        let until = tokio::time::Instant::now() + Duration::from_secs(30);
+        while pw.server.stats().served != 1 {
+            ensure!(
+                tokio::time::Instant::now() < until,
+                "{:?}",
+                pw.server.stats()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         pw.stop().await;
         Ok(())
     })
@@ -500,24 +530,6 @@ async fn malformed_control_requests_get_clear_errors() -> Result<()> {
             let err: wire::ErrorBody = serde_json::from_str(&text).context(text.clone())?;
             ensure!(err.error.contains(want), "wanted `{want}` in `{}`", err.error);
         }
-        // A client that hangs up right after sending: the request still runs to its end (its
-        // source blocks freed), counted as served.
-        {
-            let addr = pw.url.trim_start_matches("http://");
-            let mut sock = TcpStream::connect(addr).await?;
-            let body = json(&good)?;
-            let head = format!(
-                "POST {PREFILL_PATH} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n",
-                body.len()
-            );
-            sock.write_all(head.as_bytes()).await?;
-            sock.write_all(&body).await?;
-        }
-        let until = tokio::time::Instant::now() + Duration::from_secs(20);
-        while pw.server.stats().served != 1 {
-            ensure!(tokio::time::Instant::now() < until, "{:?}", pw.server.stats());
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
         // Still serving, and the rejections were counted.
         let (status, text) = post_raw(&pw.url, &json(&good)?).await?;
         ensure!(status == 200, "{text}");
@@ -525,7 +537,7 @@ async fn malformed_control_requests_get_clear_errors() -> Result<()> {
         ensure!(r.request_id == 1 && r.layers == cfg().num_layers as u32);
         ensure!(r.bytes == 20 * cfg().kv_layout()?.bytes_per_token(), "{r:?}");
         let s = pw.server.stats();
-        ensure!(s.rejected == cases.len() as u64 && s.served == 2, "{s:?}");
+        ensure!(s.rejected == cases.len() as u64 && s.served == 1, "{s:?}");
         pw.stop().await;
         Ok(())
     })

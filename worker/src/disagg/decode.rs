@@ -134,6 +134,9 @@ pub struct DecodeStats {
     pub short: u64,
     /// Blocks put in quarantine after failures (each returns to the pool later).
     pub quarantined_blocks: u64,
+    /// Fallbacks that waited for a failed request's writes to be over and reused its blocks,
+    /// because the pool had no room for fresh ones.
+    pub fence_waits: u64,
     /// Notifications for no request in flight (late writes of a failed request) or not ours.
     pub stray_notifications: u64,
 }
@@ -144,6 +147,7 @@ struct Counters {
     fallbacks: AtomicU64,
     short: AtomicU64,
     quarantined_blocks: AtomicU64,
+    fence_waits: AtomicU64,
     stray_notifications: AtomicU64,
 }
 
@@ -251,6 +255,7 @@ struct Inner {
     blob_hex: String,
     layout_fingerprint: u64,
     num_layers: usize,
+    block_tokens: usize,
     vocab_size: usize,
     max_context_tokens: usize,
     gates: Mutex<HashMap<u64, Arc<LayerGate>>>,
@@ -297,7 +302,7 @@ impl DisaggDecoder {
                 reason: "must be at least 2 (the last token always runs locally)".to_owned(),
             });
         }
-        let (region, layout_fingerprint, num_layers, vocab_size, max_context_tokens) = {
+        let (region, layout_fingerprint, num_layers, block_tokens, vocab_size, max_context_tokens) = {
             let e = lock(&engine);
             let region = e.cache().region().ok_or_else(|| WorkerError::Config {
                 field: "kv cache".to_owned(),
@@ -308,6 +313,7 @@ impl DisaggDecoder {
                 region.id(),
                 e.cache().layout().fingerprint(),
                 m.num_layers,
+                e.cache().block_tokens(),
                 m.vocab_size,
                 m.max_context_tokens,
             )
@@ -319,6 +325,7 @@ impl DisaggDecoder {
             blob_hex: hex_encode(&agent.metadata()?),
             layout_fingerprint,
             num_layers,
+            block_tokens,
             vocab_size,
             max_context_tokens,
             gates: Mutex::new(HashMap::new()),
@@ -344,6 +351,7 @@ impl DisaggDecoder {
             fallbacks: c.fallbacks.load(Ordering::Relaxed),
             short: c.short.load(Ordering::Relaxed),
             quarantined_blocks: c.quarantined_blocks.load(Ordering::Relaxed),
+            fence_waits: c.fence_waits.load(Ordering::Relaxed),
             stray_notifications: c.stray_notifications.load(Ordering::Relaxed),
         }
     }
@@ -467,20 +475,23 @@ impl DisaggDecoder {
             Err(e) => {
                 inner.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
                 let reason = e.to_string();
-                let table = self.fence(table, control).await;
+                let table = self.fence(table, control, prompt.len()).await;
                 self.prefill_locally(prompt, table, PrefillPath::Fallback { reason }, t0)
                     .await
             }
         }
     }
 
-    /// After a failed remote prefill: the blocks to prefill into locally. The same ones when
-    /// the request never reached the prefill worker; otherwise fresh ones, the old ones kept
-    /// out of the pool until no write of the failed request can still land.
+    /// After a failed remote prefill: the blocks to prefill `prompt_tokens` into locally. The
+    /// same ones when the request never reached the prefill worker or all its writes are
+    /// done; otherwise fresh ones, the old ones kept out of the pool until no write of the
+    /// failed request can still land, or, when the pool has no room for fresh ones, the same
+    /// ones after waiting that long (slower, but the request does not fail).
     async fn fence(
         &self,
         table: BlockTable,
         mut control: JoinHandle<std::result::Result<PrefillResponse, ControlError>>,
+        prompt_tokens: usize,
     ) -> BlockTable {
         // A failed call marks the gate just before it returns: give it a moment to finish.
         let pending = match tokio::time::timeout(CONTROL_SETTLE, &mut control).await {
@@ -491,12 +502,27 @@ impl DisaggDecoder {
             Ok(_) => None,
             Err(_) => Some(control),
         };
+        let quarantine = self.inner.cfg.quarantine;
+        let engine = Arc::clone(&self.inner.engine);
+        let free = tokio::task::spawn_blocking(move || lock(&engine).cache().free_blocks())
+            .await
+            .unwrap_or(0);
+        if free < prompt_tokens.div_ceil(self.inner.block_tokens) {
+            self.inner
+                .counters
+                .fence_waits
+                .fetch_add(1, Ordering::Relaxed);
+            if let Some(control) = pending {
+                let _ = tokio::time::timeout(quarantine, control).await;
+            }
+            tokio::time::sleep(QUARANTINE_GRACE).await;
+            return table;
+        }
         self.inner
             .counters
             .quarantined_blocks
             .fetch_add(table.len() as u64, Ordering::Relaxed);
         let engine = Arc::clone(&self.inner.engine);
-        let quarantine = self.inner.cfg.quarantine;
         tokio::spawn(async move {
             if let Some(control) = pending {
                 let _ = tokio::time::timeout(quarantine, control).await;
