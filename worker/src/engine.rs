@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Result, WorkerError};
 use crate::kv_cache::{BlockTable, PagedKvCache};
-use crate::model::{Model, argmax};
+use crate::model::{LayerHook, Model, NoHook, argmax};
 use crate::rng::SplitMix64;
 use crate::tokenizer::ByteTokenizer;
 
@@ -95,6 +95,19 @@ impl Engine {
         Ok(Self { model, cache })
     }
 
+    /// An engine over a pool built by the caller (for example one in a registered transfer
+    /// region, [`PagedKvCache::in_region`]). The pool's layout must be the model's.
+    pub fn with_cache(model: Model, cache: PagedKvCache) -> Result<Self> {
+        let layout = model.config().kv_layout()?;
+        if *cache.layout() != layout {
+            return Err(WorkerError::Config {
+                field: "kv cache".to_owned(),
+                reason: "the pool's KV layout is not the model's".to_owned(),
+            });
+        }
+        Ok(Self { model, cache })
+    }
+
     pub fn model(&self) -> &Model {
         &self.model
     }
@@ -121,6 +134,17 @@ impl Engine {
         start_pos: usize,
         table: &mut BlockTable,
     ) -> Result<Vec<f32>> {
+        self.prefill_hooked(tokens, start_pos, table, &mut NoHook)
+    }
+
+    /// [`prefill`](Self::prefill), calling `hook` around each layer of the forward.
+    pub fn prefill_hooked(
+        &mut self,
+        tokens: &[u32],
+        start_pos: usize,
+        table: &mut BlockTable,
+        hook: &mut dyn LayerHook,
+    ) -> Result<Vec<f32>> {
         if tokens.is_empty() {
             return Err(WorkerError::EmptyPrompt);
         }
@@ -145,7 +169,7 @@ impl Engine {
         }
         self.cache.reserve(table, tokens.len())?;
         self.model
-            .forward(&tokens[start..], start, &mut self.cache, table)
+            .forward_hooked(&tokens[start..], start, &mut self.cache, table, hook)
     }
 
     /// Runs one token at position `pos` (positions `0..pos` cached) and returns its logits.

@@ -42,6 +42,12 @@ pub enum WorkerError {
     },
     #[error("empty prompt: at least one token is needed")]
     EmptyPrompt,
+    /// Disaggregated prefill: a control request is malformed, or a remote prefill failed (the
+    /// decode side then prefills locally; see `disagg`).
+    #[error("disaggregation: {reason}")]
+    Disagg { reason: String },
+    #[error("transfer: {0}")]
+    Transfer(#[from] kvtier_transfer::TransferError),
 }
 
 pub type Result<T, E = WorkerError> = std::result::Result<T, E>;

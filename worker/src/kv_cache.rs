@@ -11,6 +11,7 @@
 //! attention kernel that reads blocks in place is later work).
 
 use kvtier_core::{KvLayout, KvTensor};
+use kvtier_transfer::RegionHandle;
 
 use crate::error::{Result, WorkerError};
 
@@ -49,6 +50,57 @@ impl BlockTable {
     }
 }
 
+/// Where the pool's bytes live.
+#[derive(Debug)]
+enum PoolMemory {
+    /// A plain heap buffer.
+    Owned(Vec<u8>),
+    /// Host memory registered with a kvtier-transfer agent (block `b` at offset
+    /// `b * block_bytes`), so peers can read and write blocks one-sidedly (disaggregation).
+    Region(RegionHandle),
+}
+
+impl PoolMemory {
+    /// `len` bytes at `start`. Callers pass ranges inside the pool (`check_allocated` bounds
+    /// every block, and the constructors check the pool fits the memory).
+    fn range(&self, start: usize, len: usize) -> &[u8] {
+        match self {
+            PoolMemory::Owned(v) => &v[start..start + len],
+            PoolMemory::Region(r) => {
+                assert!(
+                    start as u64 + len as u64 <= r.len(),
+                    "pool range out of bounds"
+                );
+                // SAFETY: the region is host memory (checked in `PagedKvCache::in_region`),
+                // mapped for as long as its handle lives, and the handle lives in `self`; the
+                // range is in bounds (asserted above). Only this range is borrowed, never the
+                // whole region: the memory contract of `RegionHandle` lets a peer write other
+                // blocks, or other layers of a block, while we read these bytes, and the
+                // disaggregation protocol reads a block's layer only after the transfer
+                // writing it has completed (its notification arrives after its data).
+                unsafe { std::slice::from_raw_parts(r.as_ptr().add(start), len) }
+            }
+        }
+    }
+
+    /// As [`range`](Self::range), mutable. `&mut self` rules out other borrows in this
+    /// process; peers write only ranges no local reader or writer touches (see above).
+    fn range_mut(&mut self, start: usize, len: usize) -> &mut [u8] {
+        match self {
+            PoolMemory::Owned(v) => &mut v[start..start + len],
+            PoolMemory::Region(r) => {
+                assert!(
+                    start as u64 + len as u64 <= r.len(),
+                    "pool range out of bounds"
+                );
+                // SAFETY: as in `range`; `&mut self` makes this the only borrow of these
+                // bytes in this process.
+                unsafe { std::slice::from_raw_parts_mut(r.as_ptr().add(start), len) }
+            }
+        }
+    }
+}
+
 /// The block pool.
 #[derive(Debug)]
 pub struct PagedKvCache {
@@ -56,7 +108,7 @@ pub struct PagedKvCache {
     block_bytes: usize,
     tensor_bytes: usize,
     token_bytes: usize,
-    data: Vec<u8>,
+    data: PoolMemory,
     allocated: Vec<bool>,
     free: Vec<BlockId>,
 }
@@ -64,6 +116,61 @@ pub struct PagedKvCache {
 impl PagedKvCache {
     /// A pool of `num_blocks` zeroed blocks of `layout` (which must be f32).
     pub fn new(layout: KvLayout, num_blocks: usize) -> Result<Self> {
+        let (block_bytes, total) = Self::pool_size(&layout, num_blocks)?;
+        Ok(Self::with_memory(
+            layout,
+            block_bytes,
+            num_blocks,
+            PoolMemory::Owned(vec![0; total]),
+        ))
+    }
+
+    /// A pool of `num_blocks` blocks of `layout` laid out from offset 0 of `region`, a host
+    /// region registered with a kvtier-transfer agent (for example from
+    /// `Agent::alloc_dram`, which is zeroed and reachable over every backend). Block `b` is
+    /// then at offset `b * block_size_bytes()` of the region, where peers can read or write
+    /// it. The region must hold the pool; its bytes are used as they are (not zeroed).
+    pub fn in_region(layout: KvLayout, num_blocks: usize, region: RegionHandle) -> Result<Self> {
+        let (block_bytes, total) = Self::pool_size(&layout, num_blocks)?;
+        if !region.kind().is_host() {
+            return Err(WorkerError::Config {
+                field: "kv cache".to_owned(),
+                reason: format!("region {} is not host memory", region.id()),
+            });
+        }
+        if region.len() < total as u64 {
+            return Err(WorkerError::Config {
+                field: "kv cache".to_owned(),
+                reason: format!(
+                    "region {} holds {} bytes, the pool needs {total}",
+                    region.id(),
+                    region.len()
+                ),
+            });
+        }
+        Ok(Self::with_memory(
+            layout,
+            block_bytes,
+            num_blocks,
+            PoolMemory::Region(region),
+        ))
+    }
+
+    /// The registered region the pool lives in ([`in_region`](Self::in_region)), if any.
+    pub fn region(&self) -> Option<&RegionHandle> {
+        match &self.data {
+            PoolMemory::Region(r) => Some(r),
+            PoolMemory::Owned(_) => None,
+        }
+    }
+
+    /// Bytes of one block (`layout().block_bytes()` as a `usize`).
+    pub fn block_size_bytes(&self) -> usize {
+        self.block_bytes
+    }
+
+    /// `(block_bytes, pool_bytes)`, checked.
+    fn pool_size(layout: &KvLayout, num_blocks: usize) -> Result<(usize, usize)> {
         if layout.dtype().bytes() as usize != F32_BYTES {
             return Err(WorkerError::Config {
                 field: "kv dtype".to_owned(),
@@ -81,17 +188,26 @@ impl PagedKvCache {
         if u32::try_from(num_blocks).is_err() {
             return Err(too_big("a pool of more than 2^32 blocks"));
         }
-        Ok(Self {
+        Ok((block_bytes, total))
+    }
+
+    fn with_memory(
+        layout: KvLayout,
+        block_bytes: usize,
+        num_blocks: usize,
+        data: PoolMemory,
+    ) -> Self {
+        Self {
             layout,
             block_bytes,
             // Both divide block_bytes, so they fit in usize too.
             tensor_bytes: layout.tensor_bytes() as usize,
             token_bytes: layout.token_bytes() as usize,
-            data: vec![0; total],
+            data,
             allocated: vec![false; num_blocks],
             // Pop from the end: hand out low ids first.
             free: (0..num_blocks as u32).rev().map(BlockId).collect(),
-        })
+        }
     }
 
     pub fn layout(&self) -> &KvLayout {
@@ -170,7 +286,7 @@ impl PagedKvCache {
     /// The raw bytes of an allocated block, in kvtier's layout.
     pub fn block_bytes(&self, id: BlockId) -> Result<&[u8]> {
         let start = self.check_allocated(id)?;
-        Ok(&self.data[start..start + self.block_bytes])
+        Ok(self.data.range(start, self.block_bytes))
     }
 
     /// Overwrites an allocated block with `bytes` (one whole block in kvtier's layout).
@@ -182,7 +298,10 @@ impl PagedKvCache {
             });
         }
         let start = self.check_allocated(id)?;
-        self.data[start..start + self.block_bytes].copy_from_slice(bytes);
+        let block_bytes = self.block_bytes;
+        self.data
+            .range_mut(start, block_bytes)
+            .copy_from_slice(bytes);
         Ok(())
     }
 
@@ -235,7 +354,8 @@ impl PagedKvCache {
                 let run_tokens =
                     (self.block_tokens() - pos % self.block_tokens()).min((src.len() - done) / row);
                 let start = self.row_start(table, layer, tensor, pos)?;
-                let dst = &mut self.data[start..start + run_tokens * self.token_bytes];
+                let len = run_tokens * self.token_bytes;
+                let dst = self.data.range_mut(start, len);
                 for (d, s) in dst
                     .chunks_exact_mut(F32_BYTES)
                     .zip(&src[done..done + run_tokens * row])
@@ -268,7 +388,8 @@ impl PagedKvCache {
                 let start = self.row_start(table, layer, tensor, pos)?;
                 debug_assert!(run_tokens * self.token_bytes <= self.tensor_bytes);
                 dst.extend(
-                    self.data[start..start + run_tokens * self.token_bytes]
+                    self.data
+                        .range(start, run_tokens * self.token_bytes)
                         .chunks_exact(F32_BYTES)
                         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
                 );
@@ -380,6 +501,58 @@ mod tests {
         for (id, bytes) in t2.blocks().iter().zip(&copied) {
             assert_eq!(b.block_bytes(*id).unwrap(), bytes.as_slice());
         }
+    }
+
+    /// Exercises the `unsafe` range accessors of a region-backed pool: what `write_kv` puts
+    /// there is what the region holds (read back through the transfer library's own copy) and
+    /// what `gather` returns; a region too small for the pool is refused.
+    #[test]
+    fn a_pool_in_a_registered_region_reads_and_writes_the_region() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let agent = rt
+            .block_on(kvtier_transfer::Agent::new(
+                "kv-cache-test",
+                kvtier_transfer::AgentConfig::default(),
+            ))
+            .unwrap();
+        let l = layout();
+        let small = agent.alloc_dram(l.block_bytes() * 2).unwrap();
+        assert!(matches!(
+            PagedKvCache::in_region(l, 3, small),
+            Err(WorkerError::Config { .. })
+        ));
+        let region = agent.alloc_dram(l.block_bytes() * 3).unwrap();
+        let mut cache = PagedKvCache::in_region(l, 3, region).unwrap();
+        let mut table = BlockTable::new();
+        let _skip = cache.allocate().unwrap();
+        cache.reserve(&mut table, 7).unwrap();
+        let k: Vec<f32> = (0..7 * 8).map(|i| i as f32 + 0.25).collect();
+        let v: Vec<f32> = (0..7 * 8).map(|i| -(i as f32)).collect();
+        for layer in 0..3 {
+            cache.write_kv(&table, layer, 0, &k, &v).unwrap();
+            assert_eq!(
+                cache.gather(&table, layer, 7).unwrap(),
+                (k.clone(), v.clone())
+            );
+        }
+        let bb = cache.block_size_bytes();
+        for &id in table.blocks() {
+            let mut from_region = vec![0u8; bb];
+            let r = cache.region().unwrap();
+            r.read_at(id.0 as u64 * bb as u64, &mut from_region)
+                .unwrap();
+            assert_eq!(cache.block_bytes(id).unwrap(), from_region.as_slice());
+            assert!(from_region.iter().any(|&b| b != 0));
+        }
+        let ones = vec![1u8; bb];
+        cache.write_block(table.blocks()[1], &ones).unwrap();
+        let mut back = vec![0u8; bb];
+        let off = table.blocks()[1].0 as u64 * bb as u64;
+        cache.region().unwrap().read_at(off, &mut back).unwrap();
+        assert_eq!(back, ones);
     }
 
     #[test]

@@ -3,10 +3,12 @@
 //! [`kvtier_core::KvLayout`], so a block moves between the worker and kvtier as raw bytes.
 //!
 //! This part holds the model, the byte tokenizer, the paged cache and the engine (prefill from
-//! any block-aligned position, decode, sampling). Prefix reuse through the sidecar, the
-//! prefill/decode roles and the HTTP API come later; see `docs/worker.md`.
+//! any block-aligned position, decode, sampling) and disaggregated prefill/decode over
+//! kvtier-transfer ([`disagg`]). Prefix reuse through the sidecar and the HTTP API come later;
+//! see `docs/worker.md`.
 
 pub mod config;
+pub mod disagg;
 pub mod engine;
 mod error;
 pub mod kv_cache;

@@ -27,6 +27,28 @@ struct Layer {
     down_proj: Linear,
 }
 
+/// Called by [`Model::forward_hooked`] around each layer, on the thread running the forward.
+/// An error aborts the forward and is returned by it. Disaggregated prefill uses it to ship
+/// each layer's KV as soon as it is in the cache, and the decode side to wait for each layer's
+/// KV to land before the layer reads it.
+pub trait LayerHook {
+    /// Before layer `layer` reads or writes the cache.
+    fn before_layer(&mut self, _layer: usize, _cache: &PagedKvCache) -> Result<()> {
+        Ok(())
+    }
+
+    /// After layer `layer` has written the new positions' K and V into the cache (before its
+    /// attention runs); the cache is not written at that layer again during this forward.
+    fn after_kv_write(&mut self, _layer: usize, _cache: &PagedKvCache) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The hook that does nothing ([`Model::forward`]).
+pub struct NoHook;
+
+impl LayerHook for NoHook {}
+
 /// The model: weights plus rotary tables. Holds no KV; the caller's [`PagedKvCache`] does.
 pub struct Model {
     cfg: ModelConfig,
@@ -181,6 +203,18 @@ impl Model {
         cache: &mut PagedKvCache,
         table: &BlockTable,
     ) -> Result<Vec<f32>> {
+        self.forward_hooked(tokens, start_pos, cache, table, &mut NoHook)
+    }
+
+    /// [`forward`](Self::forward), calling `hook` around each layer.
+    pub fn forward_hooked(
+        &self,
+        tokens: &[u32],
+        start_pos: usize,
+        cache: &mut PagedKvCache,
+        table: &BlockTable,
+        hook: &mut dyn LayerHook,
+    ) -> Result<Vec<f32>> {
         let t = tokens.len();
         if t == 0 {
             return Err(WorkerError::EmptyPrompt);
@@ -210,6 +244,7 @@ impl Model {
         let mask = causal_mask(t, start_pos, &self.device)?;
         let scale = 1.0 / (hd as f64).sqrt();
         for (li, layer) in self.layers.iter().enumerate() {
+            hook.before_layer(li, cache)?;
             let h = layer.input_norm.forward(&x)?;
             // [1, heads, t, head_dim] for rope.
             let heads = |proj: &Linear, n: usize| -> Result<Tensor> {
@@ -230,6 +265,7 @@ impl Model {
                 .to_vec1::<f32>()?;
             let v_rows = v.flatten_all()?.to_vec1::<f32>()?;
             cache.write_kv(table, li, start_pos, &k_rows, &v_rows)?;
+            hook.after_kv_write(li, cache)?;
 
             let (kc, vc) = cache.gather(table, li, total)?;
             let expand = |rows: Vec<f32>| -> Result<Tensor> {
