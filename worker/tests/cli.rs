@@ -85,7 +85,10 @@ fn serve_prints_its_address_and_stops_on_sigterm() -> Result<()> {
         .stderr(Stdio::null())
         .spawn()?;
     let result = (|| -> Result<()> {
-        let stdout = child.stdout.take().ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("no stdout"))?;
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut line = String::new();

@@ -70,14 +70,19 @@ async fn check_round_trip(url: String, salt: Option<&[u8]>) -> Result<f32> {
 
     // Worker B loads them and computes only the rest.
     let prefix = sc.prepare(&prompt, salt).await;
-    ensure!(prefix.source.blocks() == full, "loaded {}", prefix.source.blocks());
+    ensure!(
+        prefix.source.blocks() == full,
+        "loaded {}",
+        prefix.source.blocks()
+    );
     ensure!(prefix.store_from == full);
     let mut b = engine()?;
     let _skip = b.cache_mut().allocate()?; // other block ids than A's
     let mut tb = BlockTable::new();
     b.cache_mut().reserve(&mut tb, prompt.len())?;
     for i in 0..full {
-        b.cache_mut().write_block(tb.blocks()[i], prefix.source.block(i))?;
+        b.cache_mut()
+            .write_block(tb.blocks()[i], prefix.source.block(i))?;
         assert_eq!(
             b.cache().block_bytes(tb.blocks()[i])?,
             a.cache().block_bytes(ta.blocks()[i])?,
