@@ -46,20 +46,23 @@ pub struct Generation {
     pub decode_time: Duration,
 }
 
-struct Sampler {
+/// Picks tokens from logits under a [`Sampling`]; one per sequence (it holds the PRNG).
+#[derive(Clone, Debug)]
+pub struct Sampler {
     temperature: f32,
     rng: SplitMix64,
 }
 
 impl Sampler {
-    fn new(s: Sampling) -> Self {
+    pub fn new(s: Sampling) -> Self {
         Self {
             temperature: s.temperature,
             rng: SplitMix64::new(s.seed),
         }
     }
 
-    fn sample(&mut self, logits: &[f32]) -> u32 {
+    /// The next token: argmax when greedy, else a seeded draw from the softmax.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.temperature.is_nan() || self.temperature <= 0.0 {
             return argmax(logits);
         }

@@ -48,6 +48,13 @@ pub enum WorkerError {
     Disagg { reason: String },
     #[error("transfer: {0}")]
     Transfer(#[from] kvtier_transfer::TransferError),
+    /// The kvtier sidecar cannot be used as configured (a wrong address, or a server whose
+    /// blocks differ from this model's).
+    #[error("sidecar {url}: {reason}")]
+    Sidecar { url: String, reason: String },
+    /// A `serve` setting is unusable.
+    #[error("serve setting `{setting}`: {reason}")]
+    Serve { setting: String, reason: String },
 }
 
 pub type Result<T, E = WorkerError> = std::result::Result<T, E>;

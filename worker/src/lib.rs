@@ -2,22 +2,27 @@
 //! candle on the CPU, with a paged KV cache whose blocks are laid out byte for byte as kvtier's
 //! [`kvtier_core::KvLayout`], so a block moves between the worker and kvtier as raw bytes.
 //!
-//! This part holds the model, the byte tokenizer, the paged cache and the engine (prefill from
-//! any block-aligned position, decode, sampling) and disaggregated prefill/decode over
-//! kvtier-transfer ([`disagg`]). Prefix reuse through the sidecar and the HTTP API come later;
-//! see `docs/worker.md`.
+//! Model, byte tokenizer, paged cache and engine (prefill from any block-aligned position,
+//! decode, sampling); prefix reuse through the kvtier sidecar ([`sidecar`]); continuous
+//! batching ([`scheduler`]); the OpenAI-compatible HTTP server ([`serve`]); disaggregated
+//! prefill/decode over kvtier-transfer ([`disagg`]). See `docs/worker.md`.
 
+pub mod api;
 pub mod config;
 pub mod disagg;
 pub mod engine;
 mod error;
 pub mod kv_cache;
+pub mod metrics;
 pub mod model;
 pub mod rng;
+pub mod scheduler;
+pub mod serve;
+pub mod sidecar;
 pub mod tokenizer;
 
 pub use config::ModelConfig;
-pub use engine::{Engine, Generation, Sampling};
+pub use engine::{Engine, FinishReason, Generation, Sampler, Sampling};
 pub use error::WorkerError;
 pub use kv_cache::{BlockId, BlockTable, PagedKvCache};
 pub use model::Model;

@@ -1,10 +1,13 @@
-//! `kvtier-worker`: for now, `kvtier-worker generate --prompt TEXT --max-tokens N` runs the
-//! built-in random-weight model (or a Hugging Face directory) and prints the text and speed.
+//! `kvtier-worker serve ...` runs the OpenAI-compatible worker (see `docs/worker.md`);
+//! `kvtier-worker generate --prompt TEXT --max-tokens N` runs the built-in random-weight model
+//! (or a Hugging Face directory) once and prints the text and speed.
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use kvtier_core::{HashScheme, HashSecret};
+use kvtier_worker::serve::{Role, ServeConfig, WorkerServer};
 use kvtier_worker::{ByteTokenizer, Engine, Model, ModelConfig, Sampling};
 
 #[derive(Parser)]
@@ -20,6 +23,43 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the OpenAI-compatible HTTP API. Prints `listening http=IP:PORT` when ready.
+    Serve {
+        /// HTTP listen address (port 0 picks a free port).
+        #[arg(long, default_value = "127.0.0.1:8000")]
+        listen: String,
+        /// kvtier sidecar: unix:///path, tcp://host:port, quic://host:port, or off.
+        #[arg(long, default_value = "off")]
+        sidecar: String,
+        /// Token for a tcp/quic sidecar (default: KVTIER_TOKEN).
+        #[arg(long)]
+        sidecar_token: Option<String>,
+        /// File holding the deployment's block-key secret (at least 16 bytes; a trailing
+        /// newline is ignored). Without it the public development secret is used.
+        #[arg(long)]
+        hash_secret_file: Option<PathBuf>,
+        /// A Hugging Face Llama directory (config.json + *.safetensors).
+        #[arg(long)]
+        model_dir: Option<PathBuf>,
+        /// Served model name; requests naming another model get 404.
+        #[arg(long, default_value = "kvtier-tiny")]
+        model_name: String,
+        /// Seed of the random weights.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// KV pool size in blocks.
+        #[arg(long, default_value_t = 2048)]
+        pool_blocks: usize,
+        /// Sequences running at once.
+        #[arg(long, default_value_t = 8)]
+        max_batch: usize,
+        /// both | prefill | decode (only both in this build).
+        #[arg(long, default_value = "both")]
+        role: String,
+        /// The prefill worker's URL (role decode).
+        #[arg(long)]
+        prefill_url: Option<String>,
+    },
     /// Generate text from a prompt and report prefill and decode speed.
     Generate {
         #[arg(long)]
@@ -45,8 +85,79 @@ enum Command {
     },
 }
 
+fn read_secret(path: &std::path::Path) -> anyhow::Result<HashSecret> {
+    let mut bytes = std::fs::read(path)
+        .with_context(|| format!("reading --hash-secret-file {}", path.display()))?;
+    while bytes.last().is_some_and(|b| b.is_ascii_whitespace()) {
+        bytes.pop();
+    }
+    HashSecret::new(HashScheme::Xxh3Keyed, &bytes)
+        .with_context(|| format!("--hash-secret-file {}", path.display()))
+}
+
+async fn serve(config: ServeConfig) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let server = WorkerServer::start(config).await?;
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "listening http={}", server.addr())?;
+        out.flush()?;
+    }
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: draining"),
+        _ = int.recv() => tracing::info!("interrupt: draining"),
+    }
+    server.shutdown().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
+        Command::Serve {
+            listen,
+            sidecar,
+            sidecar_token,
+            hash_secret_file,
+            model_dir,
+            model_name,
+            seed,
+            pool_blocks,
+            max_batch,
+            role,
+            prefill_url,
+        } => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| "info".into()),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            let hash_secret = hash_secret_file.as_deref().map(read_secret).transpose()?;
+            let config = ServeConfig {
+                listen,
+                sidecar: (sidecar != "off").then_some(sidecar),
+                sidecar_token,
+                hash_secret,
+                model_dir,
+                model_name,
+                seed,
+                pool_blocks,
+                max_batch,
+                role: Role::parse(&role)?,
+                prefill_url,
+                ..ServeConfig::default()
+            };
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .thread_name("kvtier-worker")
+                .build()?;
+            rt.block_on(serve(config))
+        }
         Command::Generate {
             prompt,
             max_tokens,

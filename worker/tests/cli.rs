@@ -73,3 +73,78 @@ fn a_bad_model_dir_fails_with_its_path() -> Result<()> {
     );
     Ok(())
 }
+
+/// `serve` prints exactly `listening http=IP:PORT` when ready, answers HTTP there, and stops
+/// cleanly (exit 0) on SIGTERM.
+#[test]
+fn serve_prints_its_address_and_stops_on_sigterm() -> Result<()> {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier-worker"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--pool-blocks", "64"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let result = (|| -> Result<()> {
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx.recv_timeout(Duration::from_secs(60))?;
+        let addr = line
+            .trim_end()
+            .strip_prefix("listening http=")
+            .ok_or_else(|| anyhow::anyhow!("first line {line:?}"))?;
+        let addr: std::net::SocketAddr = addr.parse()?;
+        assert_ne!(addr.port(), 0);
+        let mut s = std::net::TcpStream::connect(addr)?;
+        s.set_read_timeout(Some(Duration::from_secs(20)))?;
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
+        let mut resp = String::new();
+        s.read_to_string(&mut resp)?;
+        assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+        assert!(resp.contains("\"status\":\"ok\""), "{resp}");
+        let killed = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()?;
+        assert!(killed.success());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = child.try_wait()? {
+                assert!(status.success(), "exit status {status}");
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("still running 20 s after SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    })();
+    if child.try_wait()?.is_none() {
+        child.kill()?;
+        child.wait()?;
+    }
+    result
+}
+
+#[test]
+fn serve_refuses_roles_this_build_lacks() -> Result<()> {
+    let (ok, out) = run(
+        &["serve", "--listen", "127.0.0.1:0", "--role", "decode"],
+        Duration::from_secs(60),
+    )?;
+    assert!(!ok);
+    assert!(
+        out.contains("role decode is not available in this build yet"),
+        "{out}"
+    );
+    let (ok, out) = run(&["serve", "--role", "other"], Duration::from_secs(60))?;
+    assert!(!ok);
+    assert!(out.contains("unknown role"), "{out}");
+    Ok(())
+}

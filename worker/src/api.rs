@@ -1,0 +1,614 @@
+//! The OpenAI-compatible request and response bodies: parsing and validation (every bad
+//! field gets a 4xx with an OpenAI-style error body), the chat template, and the JSON the
+//! worker answers with.
+//!
+//! Chat template (byte tokenizer, documented in `docs/worker.md`): BOS, then for each message
+//! `<|{role}|>\n{content}\n`, then `<|assistant|>\n`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::engine::{FinishReason, Sampling};
+use crate::scheduler::Usage;
+use crate::tokenizer::ByteTokenizer;
+
+/// `max_tokens` when the request gives none.
+pub const DEFAULT_MAX_TOKENS: usize = 16;
+/// Highest accepted `temperature` (as OpenAI).
+pub const MAX_TEMPERATURE: f64 = 2.0;
+/// Largest accepted request body.
+pub const MAX_BODY_BYTES: usize = 4 << 20;
+/// Longest accepted `cache_salt`.
+pub const MAX_CACHE_SALT_BYTES: usize = 1024;
+
+/// An error answered as `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<&'static str>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param,
+            code: None,
+        }
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    pub fn with_status(mut self, status: StatusCode) -> Self {
+        self.status = status;
+        self
+    }
+
+    pub fn server(status: StatusCode, message: impl Into<String>, code: &'static str) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: Some(code),
+        }
+    }
+
+    pub fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+
+    /// The `requests_total` label of this outcome.
+    pub fn status_label(&self) -> &'static str {
+        match self.status {
+            StatusCode::NOT_FOUND => "not_found",
+            StatusCode::PAYLOAD_TOO_LARGE => "too_large",
+            StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS => "busy",
+            s if s.is_client_error() => "bad_request",
+            _ => "error",
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+/// Which endpoint a request came in on (shapes the response).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+}
+
+/// A validated request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParsedRequest {
+    pub endpoint: Endpoint,
+    pub model: String,
+    pub tokens: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: Sampling,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub cache_salt: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+#[derive(Deserialize)]
+struct RawRequest {
+    model: Option<String>,
+    prompt: Option<Value>,
+    messages: Option<Vec<RawMessage>>,
+    max_tokens: Option<i64>,
+    max_completion_tokens: Option<i64>,
+    temperature: Option<f64>,
+    seed: Option<u64>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    cache_salt: Option<String>,
+    n: Option<i64>,
+}
+
+#[derive(Deserialize)]
+struct RawMessage {
+    role: String,
+    content: Value,
+}
+
+/// What the server checks a request against.
+pub struct Limits<'a> {
+    pub model_name: &'a str,
+    pub max_context_tokens: usize,
+    pub vocab_size: usize,
+    /// Seed for sampled requests that give none.
+    pub fallback_seed: u64,
+}
+
+/// Parses and validates a request body for `endpoint`.
+pub fn parse(body: &[u8], endpoint: Endpoint, lim: &Limits) -> Result<ParsedRequest, ApiError> {
+    let raw: RawRequest = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}"), None))?;
+    if let Some(m) = &raw.model
+        && m != lim.model_name
+    {
+        return Err(ApiError::invalid(
+            format!(
+                "the model `{m}` does not exist; this worker serves `{}`",
+                lim.model_name
+            ),
+            Some("model"),
+        )
+        .with_code("model_not_found")
+        .with_status(StatusCode::NOT_FOUND));
+    }
+    if let Some(n) = raw.n
+        && n != 1
+    {
+        return Err(ApiError::invalid(
+            format!("n = {n} is not supported; only n = 1"),
+            Some("n"),
+        ));
+    }
+    let max_tokens = match (endpoint, raw.max_tokens, raw.max_completion_tokens) {
+        (_, Some(m), _) => (m, "max_tokens"),
+        (Endpoint::Chat, None, Some(m)) => (m, "max_completion_tokens"),
+        _ => (DEFAULT_MAX_TOKENS as i64, "max_tokens"),
+    };
+    if max_tokens.0 < 1 {
+        return Err(ApiError::invalid(
+            format!("{} must be at least 1, got {}", max_tokens.1, max_tokens.0),
+            Some(max_tokens.1),
+        ));
+    }
+    let max_tokens = usize::try_from(max_tokens.0).unwrap_or(usize::MAX);
+    let temperature = raw.temperature.unwrap_or(1.0);
+    if !temperature.is_finite() || !(0.0..=MAX_TEMPERATURE).contains(&temperature) {
+        return Err(ApiError::invalid(
+            format!("temperature must be between 0 and {MAX_TEMPERATURE}, got {temperature}"),
+            Some("temperature"),
+        ));
+    }
+    if let Some(s) = &raw.cache_salt
+        && s.len() > MAX_CACHE_SALT_BYTES
+    {
+        return Err(ApiError::invalid(
+            format!("cache_salt is longer than {MAX_CACHE_SALT_BYTES} bytes"),
+            Some("cache_salt"),
+        ));
+    }
+    let tokens = match endpoint {
+        Endpoint::Completions => {
+            if raw.messages.is_some() {
+                return Err(ApiError::invalid(
+                    "`messages` belongs to /v1/chat/completions; use `prompt` here",
+                    Some("messages"),
+                ));
+            }
+            prompt_tokens(raw.prompt.as_ref(), lim.vocab_size)?
+        }
+        Endpoint::Chat => {
+            if raw.prompt.is_some() {
+                return Err(ApiError::invalid(
+                    "`prompt` belongs to /v1/completions; use `messages` here",
+                    Some("prompt"),
+                ));
+            }
+            let msgs = raw
+                .messages
+                .ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
+            ByteTokenizer.encode(&chat_template(&msgs)?, true)
+        }
+    };
+    if tokens.len() > lim.max_context_tokens {
+        return Err(ApiError::invalid(
+            format!(
+                "this model's maximum context length is {} tokens, but the prompt has {} tokens",
+                lim.max_context_tokens,
+                tokens.len()
+            ),
+            Some(match endpoint {
+                Endpoint::Completions => "prompt",
+                Endpoint::Chat => "messages",
+            }),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    Ok(ParsedRequest {
+        endpoint,
+        model: lim.model_name.to_owned(),
+        tokens,
+        max_tokens,
+        sampling: Sampling {
+            temperature: temperature as f32,
+            seed: raw.seed.unwrap_or(lim.fallback_seed),
+        },
+        stream: raw.stream,
+        include_usage: raw.stream_options.is_some_and(|o| o.include_usage),
+        cache_salt: raw.cache_salt,
+    })
+}
+
+fn prompt_tokens(prompt: Option<&Value>, vocab_size: usize) -> Result<Vec<u32>, ApiError> {
+    let bad = |m: String| ApiError::invalid(m, Some("prompt"));
+    match prompt {
+        None => Err(bad("`prompt` is required".into())),
+        Some(Value::String(s)) => Ok(ByteTokenizer.encode(s, true)),
+        Some(Value::Array(items)) => {
+            if items.is_empty() {
+                return Err(bad("`prompt` is an empty token list".into()));
+            }
+            items
+                .iter()
+                .map(|v| match v.as_u64() {
+                    Some(id) if (id as usize) < vocab_size => Ok(id as u32),
+                    Some(id) => Err(bad(format!(
+                        "token id {id} is outside the vocabulary of {vocab_size}"
+                    ))),
+                    None => Err(bad(format!(
+                        "`prompt` must be a string or an array of token ids; found {v} in the array (batched prompts are not supported)"
+                    ))),
+                })
+                .collect()
+        }
+        Some(other) => Err(bad(format!(
+            "`prompt` must be a string or an array of token ids, not {other}"
+        ))),
+    }
+}
+
+fn chat_template(msgs: &[RawMessage]) -> Result<String, ApiError> {
+    if msgs.is_empty() {
+        return Err(ApiError::invalid("`messages` is empty", Some("messages")));
+    }
+    let mut out = String::new();
+    for m in msgs {
+        if !matches!(
+            m.role.as_str(),
+            "system" | "developer" | "user" | "assistant" | "tool"
+        ) {
+            return Err(ApiError::invalid(
+                format!("unknown message role `{}`", m.role),
+                Some("messages"),
+            ));
+        }
+        let content = match &m.content {
+            Value::String(s) => s.clone(),
+            Value::Null => String::new(),
+            Value::Array(parts) => {
+                let mut s = String::new();
+                for p in parts {
+                    match (
+                        p.get("type").and_then(Value::as_str),
+                        p.get("text").and_then(Value::as_str),
+                    ) {
+                        (Some("text"), Some(t)) => s.push_str(t),
+                        _ => {
+                            return Err(ApiError::invalid(
+                                "message content parts must be {\"type\": \"text\", \"text\": ...}",
+                                Some("messages"),
+                            ));
+                        }
+                    }
+                }
+                s
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "message content must be a string or an array of text parts",
+                    Some("messages"),
+                ));
+            }
+        };
+        out.push_str(&format!("<|{}|>\n{}\n", m.role, content));
+    }
+    out.push_str("<|assistant|>\n");
+    Ok(out)
+}
+
+pub fn finish_reason(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Eos => "stop",
+        FinishReason::MaxTokens | FinishReason::ContextFull => "length",
+    }
+}
+
+pub fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    })
+}
+
+/// The non-streaming response body.
+pub fn full_response(req: &ParsedRequest, id: &str, created: u64, text: &str, u: &Usage) -> Value {
+    let finish = finish_reason(u.finish);
+    match req.endpoint {
+        Endpoint::Completions => json!({
+            "id": id, "object": "text_completion", "created": created, "model": req.model,
+            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+            "usage": usage_json(u),
+        }),
+        Endpoint::Chat => json!({
+            "id": id, "object": "chat.completion", "created": created, "model": req.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": null, "finish_reason": finish}],
+            "usage": usage_json(u),
+        }),
+    }
+}
+
+/// One streaming chunk: `text` (may be empty), an optional finish reason.
+pub fn stream_chunk(
+    req: &ParsedRequest,
+    id: &str,
+    created: u64,
+    text: &str,
+    first: bool,
+    finish: Option<FinishReason>,
+) -> Value {
+    let finish = finish.map(finish_reason);
+    let mut v = match req.endpoint {
+        Endpoint::Completions => json!({
+            "id": id, "object": "text_completion", "created": created, "model": req.model,
+            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+        }),
+        Endpoint::Chat => {
+            let delta = if first {
+                json!({"role": "assistant", "content": text})
+            } else {
+                json!({"content": text})
+            };
+            json!({
+                "id": id, "object": "chat.completion.chunk", "created": created,
+                "model": req.model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+            })
+        }
+    };
+    if req.include_usage {
+        v["usage"] = Value::Null;
+    }
+    v
+}
+
+/// The last chunk when `stream_options.include_usage`: no choices, the usage.
+pub fn usage_chunk(req: &ParsedRequest, id: &str, created: u64, u: &Usage) -> Value {
+    let object = match req.endpoint {
+        Endpoint::Completions => "text_completion",
+        Endpoint::Chat => "chat.completion.chunk",
+    };
+    json!({"id": id, "object": object, "created": created, "model": req.model,
+           "choices": [], "usage": usage_json(u)})
+}
+
+/// Turns byte tokens into text as they arrive: holds back an incomplete UTF-8 sequence until
+/// its last byte comes; invalid bytes become U+FFFD (as [`ByteTokenizer::decode`]).
+#[derive(Default)]
+pub struct Utf8Stream {
+    pending: Vec<u8>,
+}
+
+impl Utf8Stream {
+    /// Text completed by `token` (often one character, sometimes none).
+    pub fn push(&mut self, token: u32) -> String {
+        if let Ok(b) = u8::try_from(token) {
+            self.pending.push(b);
+        }
+        match std::str::from_utf8(&self.pending) {
+            Ok(s) => {
+                let s = s.to_owned();
+                self.pending.clear();
+                s
+            }
+            Err(e) if e.error_len().is_none() => {
+                // Incomplete at the end: emit the valid part, keep the tail.
+                let valid = e.valid_up_to();
+                let s = String::from_utf8_lossy(&self.pending[..valid]).into_owned();
+                self.pending.drain(..valid);
+                s
+            }
+            Err(_) => {
+                let s = String::from_utf8_lossy(&self.pending).into_owned();
+                self.pending.clear();
+                s
+            }
+        }
+    }
+
+    /// Whatever is held back, lossily.
+    pub fn finish(&mut self) -> String {
+        let s = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lim() -> Limits<'static> {
+        Limits {
+            model_name: "kvtier-tiny",
+            max_context_tokens: 32,
+            vocab_size: 258,
+            fallback_seed: 7,
+        }
+    }
+
+    fn check(body: &str, endpoint: Endpoint, expected: Result<(), (u16, Option<&str>, &str)>) {
+        let got = parse(body.as_bytes(), endpoint, &lim());
+        match (got, expected) {
+            (Ok(_), Ok(())) => {}
+            (Err(e), Err((status, param, needle))) => {
+                assert_eq!(e.status.as_u16(), status, "{body}: {e:?}");
+                assert_eq!(e.param, param, "{body}: {e:?}");
+                assert!(e.message.contains(needle), "{body}: {}", e.message);
+            }
+            (got, want) => panic!("{body}: got {got:?}, want {want:?}"),
+        }
+    }
+
+    #[test]
+    fn requests_are_validated() {
+        use Endpoint::*;
+        check(r#"{"prompt":"hi"}"#, Completions, Ok(()));
+        check(r#"{"prompt":[1,2,3],"max_tokens":4}"#, Completions, Ok(()));
+        check(
+            r#"{"messages":[{"role":"user","content":"hi"}]}"#,
+            Chat,
+            Ok(()),
+        );
+        check(
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}]}"#,
+            Chat,
+            Ok(()),
+        );
+        check(
+            r#"{"prompt":"hi""#,
+            Completions,
+            Err((400, None, "invalid JSON")),
+        );
+        check(
+            r#"{"prompt":"hi","max_tokens":-1}"#,
+            Completions,
+            Err((400, Some("max_tokens"), "at least 1")),
+        );
+        check(
+            r#"{"prompt":"hi","max_tokens":0}"#,
+            Completions,
+            Err((400, Some("max_tokens"), "at least 1")),
+        );
+        check(
+            r#"{"prompt":"hi","temperature":-0.5}"#,
+            Completions,
+            Err((400, Some("temperature"), "between")),
+        );
+        check(
+            r#"{"prompt":"hi","temperature":2.5}"#,
+            Completions,
+            Err((400, Some("temperature"), "between")),
+        );
+        check(
+            r#"{"prompt":"hi","model":"gpt-4"}"#,
+            Completions,
+            Err((404, Some("model"), "does not exist")),
+        );
+        check(
+            r#"{"prompt":"hi","n":2}"#,
+            Completions,
+            Err((400, Some("n"), "n = 2")),
+        );
+        check(r#"{}"#, Completions, Err((400, Some("prompt"), "required")));
+        check(
+            r#"{"prompt":[]}"#,
+            Completions,
+            Err((400, Some("prompt"), "empty")),
+        );
+        check(
+            r#"{"prompt":[999]}"#,
+            Completions,
+            Err((400, Some("prompt"), "vocabulary")),
+        );
+        check(
+            r#"{"prompt":["a","b"]}"#,
+            Completions,
+            Err((400, Some("prompt"), "batched")),
+        );
+        check(
+            r#"{"prompt":7}"#,
+            Completions,
+            Err((400, Some("prompt"), "string or an array")),
+        );
+        check(
+            &format!(r#"{{"prompt":"{}"}}"#, "x".repeat(40)),
+            Completions,
+            Err((400, Some("prompt"), "maximum context length is 32")),
+        );
+        check(
+            r#"{"messages":[]}"#,
+            Chat,
+            Err((400, Some("messages"), "empty")),
+        );
+        check(
+            r#"{"messages":[{"role":"wizard","content":"x"}]}"#,
+            Chat,
+            Err((400, Some("messages"), "role")),
+        );
+        check(
+            r#"{"prompt":"x"}"#,
+            Chat,
+            Err((400, Some("prompt"), "belongs to")),
+        );
+        check(
+            r#"{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":0}"#,
+            Chat,
+            Err((400, Some("max_completion_tokens"), "at least 1")),
+        );
+        check(
+            &format!(r#"{{"prompt":"x","cache_salt":"{}"}}"#, "s".repeat(2000)),
+            Completions,
+            Err((400, Some("cache_salt"), "longer")),
+        );
+    }
+
+    #[test]
+    fn chat_template_is_as_documented() {
+        let r = parse(
+            br#"{"messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi"}],"temperature":0}"#,
+            Endpoint::Chat,
+            &Limits { max_context_tokens: 100, ..lim() },
+        )
+        .unwrap();
+        let text = ByteTokenizer.decode(&r.tokens).unwrap();
+        assert_eq!(text, "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n");
+        assert_eq!(r.tokens[0], ByteTokenizer::BOS);
+        assert_eq!(
+            r.sampling,
+            Sampling {
+                temperature: 0.0,
+                seed: 7
+            }
+        );
+        assert_eq!(r.max_tokens, DEFAULT_MAX_TOKENS);
+    }
+
+    #[test]
+    fn utf8_stream_holds_back_partial_characters() {
+        let mut s = Utf8Stream::default();
+        let bytes = "aé🦀".as_bytes();
+        let out: Vec<String> = bytes.iter().map(|&b| s.push(b as u32)).collect();
+        assert_eq!(out.concat(), "aé🦀");
+        assert_eq!(out[0], "a");
+        assert_eq!(out[1], "", "first byte of é is held");
+        assert_eq!(s.push(0xff), "\u{FFFD}");
+        assert_eq!(s.push(0xC3), "");
+        assert_eq!(s.finish(), "\u{FFFD}");
+    }
+}

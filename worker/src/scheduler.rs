@@ -1,0 +1,477 @@
+//! Continuous batching: one thread owns the [`Engine`] and runs every admitted sequence a
+//! step at a time, round-robin. A step is one prefill chunk ([`PREFILL_CHUNK_TOKENS`]) or one
+//! decode token, so a long prompt never holds up the others' decoding for longer than a chunk,
+//! and requests join and leave between steps.
+//!
+//! The forward itself is per sequence (candle's `forward` takes one sequence; a batched
+//! forward over sequences of different lengths needs a paged-attention kernel, later work):
+//! this is interleaving, not a fused batch, so throughput is that of one sequence at a time
+//! and latency is shared fairly.
+//!
+//! Admission: a bounded queue ([`ADMISSION_QUEUE_DEPTH`], full = "busy" to the caller); the
+//! head request is admitted when fewer than `max_batch` sequences run and the pool has the
+//! blocks for its whole worst case (prompt + `max_tokens`), so a running sequence never runs
+//! out of blocks. Pool exhaustion queues; a request larger than the whole pool is refused
+//! before it is queued ([`Scheduler::blocks_needed`]).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::mpsc;
+
+use crate::engine::{Engine, FinishReason, Sampler, Sampling};
+use crate::error::{Result, WorkerError};
+use crate::kv_cache::BlockTable;
+use crate::metrics::{Metrics, add};
+use crate::sidecar::{Prefix, PrefixSource, Sidecar, StoreJob};
+use crate::tokenizer::ByteTokenizer;
+
+/// Tokens computed per prefill step.
+pub const PREFILL_CHUNK_TOKENS: usize = 512;
+/// Requests waiting for admission; more are refused as busy.
+pub const ADMISSION_QUEUE_DEPTH: usize = 256;
+
+/// One generation request.
+pub struct GenRequest {
+    pub tokens: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: Sampling,
+    /// What the sidecar has for this prompt ([`Prefix::none`] without one).
+    pub prefix: Prefix,
+    pub events: mpsc::UnboundedSender<SeqEvent>,
+    /// When the request arrived (TTFT and end-to-end latency count from here).
+    pub arrived: Instant,
+}
+
+/// What a running request reports.
+#[derive(Debug)]
+pub enum SeqEvent {
+    Token(u32),
+    Done(Usage),
+    Failed(String),
+}
+
+/// A finished request's accounting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Usage {
+    pub finish: FinishReason,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from kvtier (not recomputed).
+    pub cached_tokens: usize,
+}
+
+/// Why a request could not be queued.
+#[derive(Debug)]
+pub enum SubmitError {
+    /// The admission queue is full.
+    Busy,
+    /// The scheduler has stopped.
+    Stopped,
+}
+
+/// Handle to the scheduler thread.
+#[derive(Clone)]
+pub struct Scheduler {
+    tx: mpsc::Sender<GenRequest>,
+    pool_blocks: usize,
+    block_tokens: usize,
+    max_context_tokens: usize,
+}
+
+impl Scheduler {
+    /// Starts the scheduler thread. It enters `runtime` (pinned prefixes release their pins
+    /// through it) and stops when every handle is dropped and the last sequence ends.
+    pub fn start(
+        engine: Engine,
+        max_batch: usize,
+        sidecar: Option<Arc<Sidecar>>,
+        metrics: Arc<Metrics>,
+        runtime: tokio::runtime::Handle,
+    ) -> Result<(Scheduler, std::thread::JoinHandle<()>)> {
+        if max_batch == 0 {
+            return Err(WorkerError::Serve {
+                setting: "max_batch".into(),
+                reason: "must be at least 1".into(),
+            });
+        }
+        let (tx, rx) = mpsc::channel(ADMISSION_QUEUE_DEPTH);
+        let handle = Scheduler {
+            tx,
+            pool_blocks: engine.cache().num_blocks(),
+            block_tokens: engine.cache().block_tokens(),
+            max_context_tokens: engine.model().config().max_context_tokens,
+        };
+        let join = std::thread::Builder::new()
+            .name("kvtier-scheduler".into())
+            .spawn(move || {
+                let _rt = runtime.enter();
+                Loop {
+                    engine,
+                    max_batch,
+                    sidecar,
+                    metrics,
+                    rx,
+                    running: Vec::new(),
+                    waiting: VecDeque::new(),
+                }
+                .run();
+            })
+            .map_err(|e| WorkerError::Serve {
+                setting: "scheduler thread".into(),
+                reason: e.to_string(),
+            })?;
+        Ok((handle, join))
+    }
+
+    /// Pool blocks a request needs for its worst case.
+    pub fn blocks_needed(&self, prompt_tokens: usize, max_tokens: usize) -> usize {
+        positions_needed(prompt_tokens, max_tokens, self.max_context_tokens)
+            .div_ceil(self.block_tokens)
+    }
+
+    pub fn pool_blocks(&self) -> usize {
+        self.pool_blocks
+    }
+
+    pub fn max_context_tokens(&self) -> usize {
+        self.max_context_tokens
+    }
+
+    /// Queues a request without waiting.
+    pub fn submit(&self, req: GenRequest) -> Result<(), SubmitError> {
+        self.tx.try_send(req).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => SubmitError::Busy,
+            mpsc::error::TrySendError::Closed(_) => SubmitError::Stopped,
+        })
+    }
+}
+
+/// KV positions a request can write: the prompt and every generated token but the last
+/// (which is never fed back), capped by the context.
+fn positions_needed(prompt: usize, max_tokens: usize, max_ctx: usize) -> usize {
+    (prompt + max_tokens.saturating_sub(1))
+        .min(max_ctx)
+        .max(prompt)
+}
+
+struct Seq {
+    req: GenRequest,
+    table: BlockTable,
+    sampler: Sampler,
+    /// Next prompt position to compute, while prefilling.
+    prefill_next: Option<usize>,
+    /// The token to feed next and its position, while decoding.
+    next: Option<(u32, usize)>,
+    out: Vec<u32>,
+    cached_tokens: usize,
+    last_token_at: Option<Instant>,
+    finished: Option<FinishReason>,
+}
+
+struct Loop {
+    engine: Engine,
+    max_batch: usize,
+    sidecar: Option<Arc<Sidecar>>,
+    metrics: Arc<Metrics>,
+    rx: mpsc::Receiver<GenRequest>,
+    running: Vec<Seq>,
+    waiting: VecDeque<GenRequest>,
+}
+
+impl Loop {
+    fn run(mut self) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match self.rx.blocking_recv() {
+                    Some(r) => self.waiting.push_back(r),
+                    None => return,
+                }
+            }
+            self.admit();
+            let n = self.running.len() as u64;
+            self.metrics
+                .running
+                .store(n, std::sync::atomic::Ordering::Relaxed);
+            self.metrics
+                .peak_running
+                .fetch_max(n, std::sync::atomic::Ordering::Relaxed);
+            for i in 0..self.running.len() {
+                self.step(i);
+            }
+            let mut i = 0;
+            while i < self.running.len() {
+                if self.running[i].finished.is_some() || self.running[i].req.events.is_closed() {
+                    let seq = self.running.swap_remove(i);
+                    self.finish(seq);
+                } else {
+                    i += 1;
+                }
+            }
+            self.metrics.running.store(
+                self.running.len() as u64,
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        }
+    }
+
+    fn admit(&mut self) {
+        loop {
+            if self.waiting.is_empty() {
+                match self.rx.try_recv() {
+                    Ok(r) => self.waiting.push_back(r),
+                    Err(_) => return,
+                }
+            }
+            if self.running.len() >= self.max_batch {
+                return;
+            }
+            let Some(front) = self.waiting.front() else {
+                return;
+            };
+            if front.events.is_closed() {
+                self.waiting.pop_front();
+                self.metrics.requests.inc("cancelled");
+                continue;
+            }
+            let max_ctx = self.engine.model().config().max_context_tokens;
+            let need = positions_needed(front.tokens.len(), front.max_tokens, max_ctx);
+            let blocks = need.div_ceil(self.engine.cache().block_tokens());
+            if blocks > self.engine.cache().free_blocks() {
+                if self.running.is_empty() {
+                    // Nothing will free blocks: the request can never fit (the HTTP layer
+                    // refuses these before queueing; this is the backstop).
+                    let req = self.waiting.pop_front().expect("front exists");
+                    let _ = req.events.send(SeqEvent::Failed(format!(
+                        "the request needs {blocks} KV blocks, the pool has {}",
+                        self.engine.cache().num_blocks()
+                    )));
+                    self.metrics.requests.inc("too_large");
+                    continue;
+                }
+                return;
+            }
+            let req = self.waiting.pop_front().expect("front exists");
+            let mut table = BlockTable::new();
+            if let Err(e) = self.engine.cache_mut().reserve(&mut table, need) {
+                let _ = req.events.send(SeqEvent::Failed(e.to_string()));
+                self.metrics.requests.inc("error");
+                continue;
+            }
+            let mut seq = Seq {
+                sampler: Sampler::new(req.sampling),
+                req,
+                table,
+                prefill_next: Some(0),
+                next: None,
+                out: Vec::new(),
+                cached_tokens: 0,
+                last_token_at: None,
+                finished: None,
+            };
+            self.load_prefix(&mut seq);
+            self.running.push(seq);
+        }
+    }
+
+    /// Copies the request's cached prefix into its first blocks.
+    fn load_prefix(&mut self, seq: &mut Seq) {
+        let source = std::mem::replace(&mut seq.req.prefix.source, PrefixSource::None);
+        let n = source.blocks().min(seq.table.len());
+        if n == 0 {
+            return;
+        }
+        if !source.usable() {
+            self.metrics.cache_fallbacks.inc("lease_expired");
+            seq.req.prefix.store_from = 0;
+            return;
+        }
+        let t = Instant::now();
+        for i in 0..n {
+            let id = seq.table.blocks()[i];
+            if let Err(e) = self.engine.cache_mut().write_block(id, source.block(i)) {
+                tracing::warn!(error = %e, "cannot copy a cached block into the pool");
+                self.metrics.cache_fallbacks.inc("copy_error");
+                seq.req.prefix.store_from = 0;
+                return;
+            }
+        }
+        let any_nvme = match &source {
+            PrefixSource::Pinned(p) => p
+                .tiers()
+                .iter()
+                .any(|t| *t != kvtier_client::TierCode::Dram),
+            _ => false,
+        };
+        drop(source);
+        let bytes = n * self.engine.cache().layout().block_bytes() as usize;
+        let took = seq.req.prefix.fetch_time + t.elapsed();
+        if let Some(s) = &self.sidecar {
+            s.observe_load(bytes, took, any_nvme);
+        }
+        self.metrics.load_time.observe(took);
+        add(&self.metrics.bytes_loaded, bytes as u64);
+        add(&self.metrics.blocks_loaded, n as u64);
+        let bt = self.engine.cache().block_tokens();
+        let len = seq.req.tokens.len();
+        // A full-prompt hit still computes the last token.
+        seq.cached_tokens = (n * bt).min(len - 1);
+        seq.prefill_next = Some(n * bt);
+    }
+
+    fn step(&mut self, i: usize) {
+        let seq = &mut self.running[i];
+        if seq.finished.is_some() || seq.req.events.is_closed() {
+            return;
+        }
+        let r = if let Some(start) = seq.prefill_next {
+            Self::prefill_step(
+                &mut self.engine,
+                self.sidecar.as_deref(),
+                &self.metrics,
+                seq,
+                start,
+            )
+        } else if let Some((token, pos)) = seq.next {
+            match self.engine.decode_step(token, pos, &mut seq.table) {
+                Ok(logits) => {
+                    let max_ctx = self.engine.model().config().max_context_tokens;
+                    Self::after_logits(&self.metrics, seq, &logits, max_ctx);
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            }
+        } else {
+            Ok(())
+        };
+        if let Err(e) = r {
+            tracing::error!(error = %e, "sequence failed");
+            let _ = seq.req.events.send(SeqEvent::Failed(e.to_string()));
+            self.metrics.requests.inc("error");
+            // Marked finished; `finish` frees the blocks but sends nothing more.
+            seq.finished = Some(FinishReason::Eos);
+            seq.req.events = mpsc::unbounded_channel().0;
+        }
+    }
+
+    fn prefill_step(
+        engine: &mut Engine,
+        sidecar: Option<&Sidecar>,
+        metrics: &Metrics,
+        seq: &mut Seq,
+        start: usize,
+    ) -> Result<()> {
+        let len = seq.req.tokens.len();
+        let from = start.min(len - 1);
+        let end = (from + PREFILL_CHUNK_TOKENS).min(len);
+        let t = Instant::now();
+        let logits = engine.prefill(&seq.req.tokens[..end], from, &mut seq.table)?;
+        let took = t.elapsed();
+        if let Some(s) = sidecar {
+            s.observe_prefill(end - from, took);
+        }
+        add(&metrics.prompt_tokens_computed, (end - from) as u64);
+        if end < len {
+            seq.prefill_next = Some(end);
+            return Ok(());
+        }
+        seq.prefill_next = None;
+        let max_ctx = engine.model().config().max_context_tokens;
+        Self::after_logits(metrics, seq, &logits, max_ctx);
+        // After the first token is out: copy the new full blocks for the sidecar.
+        if let Some(s) = sidecar {
+            Self::store_blocks(engine, s, seq);
+        }
+        Ok(())
+    }
+
+    fn store_blocks(engine: &Engine, sidecar: &Sidecar, seq: &Seq) {
+        let p = &seq.req.prefix;
+        let full = p.keys.len().min(seq.table.len());
+        if !p.store || p.store_from >= full {
+            return;
+        }
+        let from = p.store_from;
+        sidecar.queue_store(|| {
+            let block = engine.cache().layout().block_bytes() as usize;
+            let mut bytes = Vec::with_capacity((full - from) * block);
+            for id in &seq.table.blocks()[from..full] {
+                bytes.extend_from_slice(engine.cache().block_bytes(*id).ok()?);
+            }
+            Some(StoreJob {
+                keys: p.keys[from..full].to_vec(),
+                parent: from.checked_sub(1).map(|i| p.keys[i]),
+                bytes,
+            })
+        });
+    }
+
+    /// Samples from the logits of position `len - 1` (prompt) or of the last fed token, as
+    /// [`Engine::decode`] does: same stops, same order.
+    fn after_logits(metrics: &Metrics, seq: &mut Seq, logits: &[f32], max_ctx: usize) {
+        let max_tokens = seq.req.max_tokens;
+        if seq.out.len() >= max_tokens {
+            seq.finished = Some(FinishReason::MaxTokens);
+            return;
+        }
+        let token = seq.sampler.sample(logits);
+        if token == ByteTokenizer::EOS {
+            seq.finished = Some(FinishReason::Eos);
+            return;
+        }
+        seq.out.push(token);
+        let now = Instant::now();
+        match seq.last_token_at {
+            None => metrics.ttft.observe(now - seq.req.arrived),
+            Some(prev) => metrics.inter_token.observe(now - prev),
+        }
+        seq.last_token_at = Some(now);
+        add(&metrics.generated_tokens, 1);
+        let _ = seq.req.events.send(SeqEvent::Token(token));
+        let pos = seq.req.tokens.len() + seq.out.len() - 1;
+        if seq.out.len() >= max_tokens {
+            seq.finished = Some(FinishReason::MaxTokens);
+        } else if pos >= max_ctx {
+            seq.finished = Some(FinishReason::ContextFull);
+        } else {
+            seq.next = Some((token, pos));
+        }
+    }
+
+    fn finish(&mut self, mut seq: Seq) {
+        if let Err(e) = self.engine.cache_mut().release_table(&mut seq.table) {
+            tracing::error!(error = %e, "releasing a finished sequence's blocks");
+        }
+        let Some(finish) = seq.finished else {
+            self.metrics.requests.inc("cancelled");
+            return;
+        };
+        if seq.req.events.is_closed() {
+            return;
+        }
+        self.metrics.e2e.observe(seq.req.arrived.elapsed());
+        add(&self.metrics.prompt_tokens_cached, seq.cached_tokens as u64);
+        self.metrics.requests.inc("ok");
+        let _ = seq.req.events.send(SeqEvent::Done(Usage {
+            finish,
+            prompt_tokens: seq.req.tokens.len(),
+            completion_tokens: seq.out.len(),
+            cached_tokens: seq.cached_tokens,
+        }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worst_case_positions() {
+        // prompt + max_tokens - 1, capped by the context, never below the prompt.
+        assert_eq!(positions_needed(10, 1, 100), 10);
+        assert_eq!(positions_needed(10, 5, 100), 14);
+        assert_eq!(positions_needed(10, 500, 100), 100);
+        assert_eq!(positions_needed(100, 5, 100), 100);
+    }
+}

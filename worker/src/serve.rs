@@ -1,0 +1,578 @@
+//! The serving worker: an OpenAI-compatible HTTP API (axum) in front of the continuous-batching
+//! [`Scheduler`], with prefix reuse through the kvtier [`Sidecar`].
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), kvtier_worker::WorkerError> {
+//! use kvtier_worker::serve::{ServeConfig, WorkerServer};
+//! let server = WorkerServer::start(ServeConfig {
+//!     listen: "127.0.0.1:0".into(),
+//!     sidecar: Some("unix:///run/user/1000/kvtier/kvtier.sock".into()),
+//!     ..ServeConfig::default()
+//! })
+//! .await?;
+//! println!("POST http://{}/v1/completions", server.addr());
+//! server.shutdown().await;
+//! # Ok(()) }
+//! ```
+//!
+//! Request path, per request: parse and validate ([`crate::api`]) -> bring the cached prefix
+//! ([`Sidecar::prepare`]: lookup, cost model, pin or get) -> queue for the scheduler, which
+//! copies the prefix into pool blocks, prefills the rest in chunks, stores the new blocks off
+//! the critical path and decodes, interleaved with the other running requests -> tokens back
+//! through a channel, as one JSON body or as server-sent events.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use kvtier_core::HashSecret;
+use serde_json::json;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{self, ApiError, Endpoint, Limits, ParsedRequest, Utf8Stream};
+use crate::config::ModelConfig;
+use crate::engine::Engine;
+use crate::error::{Result, WorkerError};
+use crate::metrics::Metrics;
+use crate::model::Model;
+use crate::scheduler::{GenRequest, Scheduler, SeqEvent, SubmitError, Usage};
+use crate::sidecar::{Prefix, Sidecar, SidecarSettings};
+use crate::tokenizer::ByteTokenizer;
+
+/// Time in-flight requests get to finish after a shutdown starts.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Time queued stores get to reach the sidecar at shutdown.
+pub const STORE_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What this worker does in disaggregated serving.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Prefill and decode (the only role of this build).
+    Both,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn parse(s: &str) -> Result<Role> {
+        match s {
+            "both" => Ok(Role::Both),
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            other => Err(WorkerError::Serve {
+                setting: "role".into(),
+                reason: format!("unknown role {other:?} (expected both, prefill or decode)"),
+            }),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Both => "both",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// Everything [`WorkerServer::start`] needs. Each field's doc ends with its default.
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    /// HTTP listen address (port 0 picks one). Default: "127.0.0.1:8000".
+    pub listen: String,
+    /// kvtier sidecar URL (`unix:///path`, `tcp://host:port`, `quic://host:port`); None =
+    /// no prefix reuse. Default: None.
+    pub sidecar: Option<String>,
+    /// Token for a tcp/quic sidecar. Default: None (`KVTIER_TOKEN` from the environment).
+    pub sidecar_token: Option<String>,
+    /// The sidecar's QUIC certificate (DER). Default: None.
+    pub sidecar_quic_cert_der: Option<Vec<u8>>,
+    /// Block-key secret; None = the public development secret (with a warning). Default: None.
+    pub hash_secret: Option<HashSecret>,
+    /// Hugging Face Llama directory; None = seeded random weights. Default: None.
+    pub model_dir: Option<PathBuf>,
+    /// Shape of the random-weight model (ignored with `model_dir`, except `block_tokens`).
+    /// Default: [`ModelConfig::default`].
+    pub model_config: ModelConfig,
+    /// Served model name (requests naming another get 404). Default: "kvtier-tiny".
+    pub model_name: String,
+    /// Seed of the random weights. Default: 0.
+    pub seed: u64,
+    /// KV pool size in blocks. Default: 2048 (64 MiB for the default model).
+    pub pool_blocks: usize,
+    /// Sequences running at once. Default: 8.
+    pub max_batch: usize,
+    /// Default: [`Role::Both`].
+    pub role: Role,
+    /// The prefill worker (role decode). Default: None.
+    pub prefill_url: Option<String>,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8000".into(),
+            sidecar: None,
+            sidecar_token: None,
+            sidecar_quic_cert_der: None,
+            hash_secret: None,
+            model_dir: None,
+            model_config: ModelConfig::default(),
+            model_name: "kvtier-tiny".into(),
+            seed: 0,
+            pool_blocks: 2048,
+            max_batch: 8,
+            role: Role::Both,
+            prefill_url: None,
+        }
+    }
+}
+
+struct AppInner {
+    sched: Scheduler,
+    sidecar: Option<Arc<Sidecar>>,
+    metrics: Arc<Metrics>,
+    model_name: String,
+    vocab_size: usize,
+    next_id: AtomicU64,
+}
+
+type App = Arc<AppInner>;
+
+/// A running worker. Stop it with [`WorkerServer::shutdown`].
+pub struct WorkerServer {
+    addr: SocketAddr,
+    cancel: CancellationToken,
+    http: tokio::task::JoinHandle<()>,
+    scheduler: std::thread::JoinHandle<()>,
+    sidecar: Option<Arc<Sidecar>>,
+    metrics: Arc<Metrics>,
+}
+
+impl WorkerServer {
+    /// Builds the model, connects the sidecar (an unreachable one is retried later; one with
+    /// another block size is an error), starts the scheduler and the HTTP listener.
+    pub async fn start(config: ServeConfig) -> Result<WorkerServer> {
+        if config.role != Role::Both {
+            return Err(WorkerError::Serve {
+                setting: "role".into(),
+                reason: format!(
+                    "role {} is not available in this build yet (only both)",
+                    config.role.name()
+                ),
+            });
+        }
+        let cfg = config.clone();
+        let model = tokio::task::spawn_blocking(move || match &cfg.model_dir {
+            Some(dir) => Model::from_hf_dir(dir, cfg.model_config.block_tokens),
+            None => Model::random(cfg.model_config.clone(), cfg.seed),
+        })
+        .await
+        .map_err(|e| WorkerError::Serve {
+            setting: "model".into(),
+            reason: e.to_string(),
+        })??;
+        let layout = model.config().kv_layout()?;
+        let vocab_size = model.config().vocab_size;
+        let metrics = Arc::new(Metrics::default());
+        let sidecar = match &config.sidecar {
+            None => None,
+            Some(url) => {
+                let secret = match &config.hash_secret {
+                    Some(s) => s.clone(),
+                    None => {
+                        tracing::warn!(
+                            "no --hash-secret-file: block keys use the public development secret; \
+                             any client could compute them (fine for one tenant, not for many)"
+                        );
+                        HashSecret::development()
+                    }
+                };
+                Some(
+                    Sidecar::connect(
+                        SidecarSettings {
+                            url: url.clone(),
+                            token: config.sidecar_token.clone(),
+                            quic_cert_der: config.sidecar_quic_cert_der.clone(),
+                            secret,
+                            model_id: config.model_name.clone(),
+                        },
+                        layout,
+                        metrics.clone(),
+                    )
+                    .await?,
+                )
+            }
+        };
+        let engine = Engine::new(model, config.pool_blocks)?;
+        let (sched, scheduler) = Scheduler::start(
+            engine,
+            config.max_batch,
+            sidecar.clone(),
+            metrics.clone(),
+            tokio::runtime::Handle::current(),
+        )?;
+        let listener = tokio::net::TcpListener::bind(&config.listen)
+            .await
+            .map_err(|e| WorkerError::Serve {
+                setting: "listen".into(),
+                reason: format!("cannot bind {}: {e}", config.listen),
+            })?;
+        let addr = listener.local_addr().map_err(|e| WorkerError::Serve {
+            setting: "listen".into(),
+            reason: e.to_string(),
+        })?;
+        let app: App = Arc::new(AppInner {
+            sched,
+            sidecar: sidecar.clone(),
+            metrics: metrics.clone(),
+            model_name: config.model_name.clone(),
+            vocab_size,
+            next_id: AtomicU64::new(1),
+        });
+        let router = router(app);
+        let cancel = CancellationToken::new();
+        let stop = cancel.clone();
+        let http = tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, router)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await
+            {
+                tracing::error!(error = %e, "HTTP server failed");
+            }
+        });
+        tracing::info!(%addr, model = %config.model_name, pool_blocks = config.pool_blocks,
+            max_batch = config.max_batch, sidecar = ?config.sidecar, "kvtier-worker serving");
+        Ok(WorkerServer {
+            addr,
+            cancel,
+            http,
+            scheduler,
+            sidecar,
+            metrics,
+        })
+    }
+
+    /// The HTTP address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The sidecar link (None with `sidecar: None`).
+    pub fn sidecar(&self) -> Option<&Arc<Sidecar>> {
+        self.sidecar.as_ref()
+    }
+
+    /// Stops accepting, lets requests in flight finish (up to [`DRAIN_TIMEOUT`]), stops the
+    /// scheduler and flushes queued stores (up to [`STORE_DRAIN_TIMEOUT`]).
+    pub async fn shutdown(self) {
+        self.cancel.cancel();
+        let mut http = self.http;
+        if tokio::time::timeout(DRAIN_TIMEOUT, &mut http)
+            .await
+            .is_err()
+        {
+            tracing::warn!("requests still running after the drain timeout; cutting them");
+            http.abort();
+            let _ = http.await;
+        }
+        // Every scheduler handle lived in the router; with it gone the thread ends once its
+        // sequences do (cut connections cancel theirs).
+        let join = self.scheduler;
+        let _ = tokio::task::spawn_blocking(move || join.join()).await;
+        if let Some(s) = &self.sidecar {
+            s.close(STORE_DRAIN_TIMEOUT).await;
+        }
+    }
+}
+
+fn router(app: App) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .with_state(app)
+}
+
+async fn not_found() -> Response {
+    ApiError::invalid("no such endpoint", None)
+        .with_status(StatusCode::NOT_FOUND)
+        .into_response()
+}
+
+async fn health(State(app): State<App>) -> Response {
+    let sidecar = match &app.sidecar {
+        None => "off",
+        Some(s) if s.is_connected() => "connected",
+        Some(_) => "unreachable",
+    };
+    axum::Json(json!({"status": "ok", "sidecar": sidecar})).into_response()
+}
+
+async fn models(State(app): State<App>) -> Response {
+    axum::Json(json!({"object": "list", "data": [{
+        "id": app.model_name, "object": "model", "created": 0, "owned_by": "kvtier",
+        "max_model_len": app.sched.max_context_tokens(),
+    }]}))
+    .into_response()
+}
+
+async fn metrics(State(app): State<App>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        app.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn completions(State(app): State<App>, body: Body) -> Response {
+    handle(app, body, Endpoint::Completions).await
+}
+
+async fn chat_completions(State(app): State<App>, body: Body) -> Response {
+    handle(app, body, Endpoint::Chat).await
+}
+
+async fn handle(app: App, body: Body, endpoint: Endpoint) -> Response {
+    let arrived = Instant::now();
+    match handle_inner(&app, body, endpoint, arrived).await {
+        Ok(r) => r,
+        Err(e) => {
+            app.metrics.requests.inc(e.status_label());
+            e.into_response()
+        }
+    }
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn handle_inner(
+    app: &App,
+    body: Body,
+    endpoint: Endpoint,
+    arrived: Instant,
+) -> Result<Response, ApiError> {
+    let bytes = axum::body::to_bytes(body, api::MAX_BODY_BYTES)
+        .await
+        .map_err(|e| {
+            ApiError::invalid(
+                format!(
+                    "cannot read the request body (at most {} bytes): {e}",
+                    api::MAX_BODY_BYTES
+                ),
+                None,
+            )
+            .with_status(StatusCode::PAYLOAD_TOO_LARGE)
+        })?;
+    let n = app.next_id.fetch_add(1, Ordering::Relaxed);
+    let lim = Limits {
+        model_name: &app.model_name,
+        max_context_tokens: app.sched.max_context_tokens(),
+        vocab_size: app.vocab_size,
+        fallback_seed: n ^ now_secs(),
+    };
+    let req = api::parse(&bytes, endpoint, &lim)?;
+    let need = app.sched.blocks_needed(req.tokens.len(), req.max_tokens);
+    if need > app.sched.pool_blocks() {
+        return Err(ApiError::invalid(
+            format!(
+                "the request needs {need} KV blocks (prompt + max_tokens) but the pool holds {}; \
+                 lower max_tokens or shorten the prompt",
+                app.sched.pool_blocks()
+            ),
+            Some("max_tokens"),
+        )
+        .with_code("kv_pool_too_small"));
+    }
+    let prefix = match &app.sidecar {
+        Some(s) => {
+            s.prepare(&req.tokens, req.cache_salt.as_deref().map(str::as_bytes))
+                .await
+        }
+        None => Prefix::none(),
+    };
+    let (tx, rx) = mpsc::unbounded_channel();
+    app.sched
+        .submit(GenRequest {
+            tokens: req.tokens.clone(),
+            max_tokens: req.max_tokens,
+            sampling: req.sampling,
+            prefix,
+            events: tx,
+            arrived,
+        })
+        .map_err(|e| match e {
+            SubmitError::Busy => ApiError::server(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the worker's admission queue is full; retry later",
+                "overloaded",
+            ),
+            SubmitError::Stopped => ApiError::server(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the worker is shutting down",
+                "shutting_down",
+            ),
+        })?;
+    let id = match endpoint {
+        Endpoint::Completions => format!("cmpl-{n}"),
+        Endpoint::Chat => format!("chatcmpl-{n}"),
+    };
+    if req.stream {
+        Ok(stream_response(req, id, rx))
+    } else {
+        collect_response(req, id, rx).await
+    }
+}
+
+async fn collect_response(
+    req: ParsedRequest,
+    id: String,
+    mut rx: mpsc::UnboundedReceiver<SeqEvent>,
+) -> Result<Response, ApiError> {
+    let mut tokens = Vec::new();
+    loop {
+        match rx.recv().await {
+            Some(SeqEvent::Token(t)) => tokens.push(t),
+            Some(SeqEvent::Done(u)) => {
+                let text = ByteTokenizer.decode(&tokens).unwrap_or_default();
+                let body = api::full_response(&req, &id, now_secs(), &text, &u);
+                return Ok(axum::Json(body).into_response());
+            }
+            Some(SeqEvent::Failed(m)) => {
+                return Err(ApiError::server(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    m,
+                    "generation_failed",
+                ));
+            }
+            None => {
+                return Err(ApiError::server(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the worker stopped before the request finished",
+                    "shutting_down",
+                ));
+            }
+        }
+    }
+}
+
+struct StreamState {
+    req: ParsedRequest,
+    id: String,
+    created: u64,
+    rx: mpsc::UnboundedReceiver<SeqEvent>,
+    utf8: Utf8Stream,
+    first: bool,
+    done: bool,
+}
+
+fn sse(v: &serde_json::Value) -> String {
+    format!("data: {v}\n\n")
+}
+
+impl StreamState {
+    fn finish(&mut self, u: &Usage) -> String {
+        let rest = self.utf8.finish();
+        let mut out = sse(&api::stream_chunk(
+            &self.req,
+            &self.id,
+            self.created,
+            &rest,
+            self.first,
+            Some(u.finish),
+        ));
+        if self.req.include_usage {
+            out.push_str(&sse(&api::usage_chunk(
+                &self.req,
+                &self.id,
+                self.created,
+                u,
+            )));
+        }
+        out.push_str("data: [DONE]\n\n");
+        out
+    }
+}
+
+fn stream_response(
+    req: ParsedRequest,
+    id: String,
+    rx: mpsc::UnboundedReceiver<SeqEvent>,
+) -> Response {
+    let state = StreamState {
+        req,
+        id,
+        created: now_secs(),
+        rx,
+        utf8: Utf8Stream::default(),
+        first: true,
+        done: false,
+    };
+    let stream = futures_util::stream::unfold(state, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        loop {
+            let out = match st.rx.recv().await {
+                Some(SeqEvent::Token(t)) => {
+                    let text = st.utf8.push(t);
+                    if text.is_empty() {
+                        continue;
+                    }
+                    let chunk =
+                        api::stream_chunk(&st.req, &st.id, st.created, &text, st.first, None);
+                    st.first = false;
+                    sse(&chunk)
+                }
+                Some(SeqEvent::Done(u)) => {
+                    st.done = true;
+                    st.finish(&u)
+                }
+                Some(SeqEvent::Failed(m)) => {
+                    st.done = true;
+                    let e =
+                        ApiError::server(StatusCode::INTERNAL_SERVER_ERROR, m, "generation_failed");
+                    format!("{}data: [DONE]\n\n", sse(&e.body()))
+                }
+                None => {
+                    st.done = true;
+                    let e = ApiError::server(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "the worker stopped before the request finished",
+                        "shutting_down",
+                    );
+                    format!("{}data: [DONE]\n\n", sse(&e.body()))
+                }
+            };
+            return Some((Ok::<Bytes, std::convert::Infallible>(Bytes::from(out)), st));
+        }
+    });
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}

@@ -1,0 +1,188 @@
+//! Helpers for the serving tests: an in-process kvtier-server with this model's layout, a
+//! worker on a loopback port, and a minimal HTTP/1.1 client (one request per connection).
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use kvtier_server::server::{ConfigLoader, Server, ServerConfig};
+use kvtier_worker::serve::{ServeConfig, WorkerServer};
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Bound on every HTTP exchange of the tests.
+pub const HTTP_TIMEOUT: Duration = Duration::from_secs(60);
+pub const TOKEN: &str = "worker-test-token-0123456789";
+
+/// A kvtier-server config for the default model (4 layers, 2 KV heads, head dim 32, f32,
+/// 16-token blocks = 32 KiB), with a Unix socket and TCP on loopback, NVMe in `dir/nvme`.
+pub fn kvtier_config(dir: &Path, dram: &str, layers: u32) -> Result<ServerConfig> {
+    let q = |s: String| format!("{s:?}");
+    let c = ConfigLoader::new()
+        .set(&format!(
+            "server.runtime_dir={}",
+            q(dir.join("run").display().to_string())
+        ))?
+        .set(&format!(
+            "server.unix={}",
+            q(dir.join("kvtier.sock").display().to_string())
+        ))?
+        .set("server.tcp=\"127.0.0.1:0\"")?
+        .set("server.quic=\"off\"")?
+        .set("server.admin=\"off\"")?
+        .set(&format!("server.token={}", q(TOKEN.into())))?
+        .set(&format!("store.dram_bytes={}", q(dram.into())))?
+        .set("store.dram_prefault=false")?
+        .set(&format!(
+            "store.nvme_dir={}",
+            q(dir.join("nvme").display().to_string())
+        ))?
+        .set("store.nvme_bytes=\"16MiB\"")?
+        .set(&format!("layout.layers={layers}"))?
+        .set("layout.kv_heads=2")?
+        .set("layout.head_dim=32")?
+        .set("layout.dtype=\"f32\"")?
+        .set("layout.block_tokens=16")?
+        .build()?;
+    Ok(c)
+}
+
+pub async fn start_kvtier(config: &ServerConfig) -> Result<(Server, String, String)> {
+    let server = Server::start(config.clone()).await?;
+    let e = server.endpoints();
+    let unix = format!(
+        "unix://{}",
+        e.unix.as_ref().context("unix socket")?.display()
+    );
+    let tcp = format!("tcp://{}", e.tcp.context("tcp")?);
+    Ok((server, unix, tcp))
+}
+
+pub fn worker_config(sidecar: Option<String>) -> ServeConfig {
+    ServeConfig {
+        listen: "127.0.0.1:0".into(),
+        sidecar,
+        sidecar_token: Some(TOKEN.into()),
+        pool_blocks: 256,
+        max_batch: 4,
+        ..ServeConfig::default()
+    }
+}
+
+pub async fn start_worker(sidecar: Option<String>) -> Result<WorkerServer> {
+    Ok(WorkerServer::start(worker_config(sidecar)).await?)
+}
+
+/// An HTTP response: status and body (de-chunked).
+pub struct HttpResponse {
+    pub status: u16,
+    pub body: String,
+}
+
+impl HttpResponse {
+    pub fn json(&self) -> Result<Value> {
+        serde_json::from_str(&self.body).with_context(|| format!("not JSON: {}", self.body))
+    }
+
+    /// The `data:` payloads of a server-sent-event body.
+    pub fn sse_data(&self) -> Vec<String> {
+        self.body
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+pub async fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> Result<HttpResponse> {
+    tokio::time::timeout(HTTP_TIMEOUT, request_inner(addr, method, path, body))
+        .await
+        .context("HTTP request timed out")?
+}
+
+pub async fn post(addr: SocketAddr, path: &str, body: &Value) -> Result<HttpResponse> {
+    request(addr, "POST", path, &body.to_string()).await
+}
+
+async fn request_inner(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> Result<HttpResponse> {
+    let s = tokio::net::TcpStream::connect(addr).await?;
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let (mut rd, mut wr) = s.into_split();
+    let mut req = head.into_bytes();
+    req.extend_from_slice(body.as_bytes());
+    // Write while reading: a server may answer (413) before it reads the whole body.
+    let writer = tokio::spawn(async move {
+        let _ = wr.write_all(&req).await;
+        wr
+    });
+    let mut raw = Vec::new();
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        match rd.read(&mut buf).await {
+            Ok(0) => break,
+            Ok(n) => raw.extend_from_slice(&buf[..n]),
+            Err(e) if raw.is_empty() => return Err(e.into()),
+            Err(_) => break,
+        }
+    }
+    drop(writer.await);
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, rest) = text.split_once("\r\n\r\n").context("no header end")?;
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .context("no status")?
+        .parse()?;
+    let chunked = head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked");
+    let body = if chunked {
+        dechunk(rest)?
+    } else {
+        rest.to_owned()
+    };
+    Ok(HttpResponse { status, body })
+}
+
+fn dechunk(mut s: &str) -> Result<String> {
+    let mut out = String::new();
+    loop {
+        let (len, rest) = s.split_once("\r\n").context("bad chunk")?;
+        let n = usize::from_str_radix(len.trim(), 16)?;
+        if n == 0 {
+            return Ok(out);
+        }
+        if rest.len() < n + 2 {
+            bail!("short chunk");
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+}
+
+/// Waits until `f` holds, up to `limit`.
+pub async fn wait_for(limit: Duration, mut f: impl FnMut() -> bool) -> Result<()> {
+    let deadline = Instant::now() + limit;
+    while !f() {
+        if Instant::now() > deadline {
+            bail!("condition not met within {limit:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
