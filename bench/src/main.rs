@@ -8,6 +8,7 @@
 //! * `policy`: eviction policies on block-hash traces against LRU and the offline optimum.
 //! * `server`: `tiers --parts server` (the sidecar over its transports only).
 //! * `transfer`: the transfer library (nixlbench-style sweep) against memcpy, raw TCP and quinn.
+//! * `demo`: the README's main command (an embedded server and workers, cache off vs on).
 //! * `agentic`: agentic sessions driven closed-loop against OpenAI-compatible endpoints, side by
 //!   side across configurations (cache off, DRAM, DRAM + NVMe, disaggregated).
 //!
@@ -15,6 +16,7 @@
 //! written as SVG under `--plots DIR`; progress bars go to stderr. Every run prints its seed.
 
 mod agentic;
+mod demo;
 mod hash;
 mod lookup;
 mod policy;
@@ -74,6 +76,9 @@ enum Command {
     /// Agentic sessions against OpenAI-compatible endpoints (TTFT, ITL, e2e, goodput, prefix
     /// hit rate), one or several configurations side by side.
     Agentic(Box<agentic::AgenticArgs>),
+    /// The one-command demo: an embedded kvtier server and two reference workers (cache off,
+    /// kvtier on) driven with the same agentic workload, side by side.
+    Demo(demo::DemoArgs),
 }
 
 /// The seed when `--seed` is not given.
@@ -214,6 +219,12 @@ fn main() -> Result<()> {
     };
     match &cli.command {
         Command::Hash(a) => ctx.emit("hash", hash::run(a, ctx.seed)?),
+        Command::Demo(a) => {
+            let r = demo::run(a, ctx.seed)?;
+            let failures = r.failures();
+            ctx.emit("demo", r)?;
+            failures
+        }
         Command::Agentic(a) => {
             let r = agentic::run(a, ctx.seed, true)?;
             let failures = r.failures();
