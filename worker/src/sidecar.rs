@@ -469,7 +469,9 @@ impl Sidecar {
                     {
                         self.metrics.cache_fallbacks.inc(miss_reason(m));
                     }
-                    if p.len() < cached {
+                    // Stopped before `want` (evicted, corrupt, busy): the chain is stored
+                    // again from there. Blocks skipped by the cost model are still cached.
+                    if p.len() < want {
                         prefix.store_from = p.len();
                     }
                     prefix.source = PrefixSource::Pinned(p);
@@ -490,7 +492,7 @@ impl Sidecar {
             {
                 self.metrics.cache_fallbacks.inc(miss_reason(m));
             }
-            if got.blocks < cached {
+            if got.blocks < want {
                 prefix.store_from = got.blocks;
             }
             bytes.truncate(got.blocks * self.block_bytes);
