@@ -262,15 +262,17 @@ async fn a_sidecar_with_other_blocks_is_a_clear_startup_error() -> Result<()> {
     server.shutdown().await;
 
     let e = WorkerServer::start(ServeConfig {
-        role: Role::Prefill,
-        ..worker_config(None)
+        role: Role::Decode,
+        prefill_url: Some("http://127.0.0.1:9".into()),
+        // Refused before any connection is tried.
+        ..worker_config(Some("unix:///nonexistent/kvtier.sock".into()))
     })
     .await
     .err()
-    .context("role prefill started")?;
+    .context("role decode with a sidecar started")?;
     assert!(
         e.to_string()
-            .contains("role prefill is not available in this build yet"),
+            .contains("role decode with a sidecar is not supported yet"),
         "{e}"
     );
     Ok(())
