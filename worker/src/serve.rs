@@ -178,8 +178,8 @@ struct Disagg {
     /// prefill reserves any: everything the requests in flight can hold fits in the pool.
     budget: Arc<Semaphore>,
     metrics: DisaggMetrics,
-    block_tokens: usize,
-    block_bytes: u64,
+    /// KV bytes of one token, all layers.
+    token_bytes: u64,
 }
 
 /// The transfer agent's listen IP: the host of `listen`, which must be an address.
@@ -235,6 +235,20 @@ fn check_role(config: &ServeConfig) -> Result<()> {
              prefill worker); run the decode worker with --sidecar off"
                 .into(),
         ),
+        (Role::Prefill | Role::Decode, _)
+            if !matches!(
+                config.transfer_backend,
+                BackendKind::Shm | BackendKind::Tcp | BackendKind::Quic
+            ) =>
+        {
+            bad(
+                "transfer_backend",
+                format!(
+                    "--transfer-backend {} is not supported by serve (shm, tcp or quic)",
+                    config.transfer_backend.name()
+                ),
+            )
+        }
         (Role::Decode, Some(url)) => match url.strip_prefix("http://") {
             Some(rest) if rest.split('/').next().is_some_and(|a| a.contains(':')) => Ok(()),
             _ => bad(
@@ -422,18 +436,17 @@ async fn start_disagg(config: &ServeConfig, model: Model) -> Result<(Arc<Mutex<E
         config.pool_blocks,
         &agent,
     )?));
-    let (block_tokens, block_bytes) = {
-        let e = crate::scheduler::lock(&engine);
-        (e.cache().block_tokens(), e.cache().layout().block_bytes())
-    };
+    let token_bytes = crate::scheduler::lock(&engine)
+        .cache()
+        .layout()
+        .bytes_per_token();
     let mut disagg = Disagg {
         engine: Arc::clone(&engine),
         decoder: None,
         prefill: None,
         budget: Arc::new(Semaphore::new(config.pool_blocks)),
         metrics: DisaggMetrics::default(),
-        block_tokens,
-        block_bytes,
+        token_bytes,
     };
     match (config.role, &config.prefill_url) {
         (Role::Decode, Some(url)) => {
@@ -685,10 +698,9 @@ async fn remote_prefill(d: &Disagg, tokens: &[u32], need: usize) -> Result<Prefi
     let n = tokens.len();
     match path {
         PrefillPath::Remote => {
-            // The prefill worker wrote every layer of the blocks of all but the last token.
-            let blocks = (n - 1).div_ceil(d.block_tokens) as u64;
+            // The prefill worker wrote every layer's K/V of all but the last token.
             d.metrics
-                .observe_remote(ttft, n - 1, blocks * d.block_bytes);
+                .observe_remote(ttft, n - 1, (n as u64 - 1) * d.token_bytes);
         }
         PrefillPath::Fallback { .. } | PrefillPath::Short => d.metrics.observe_local(n),
     }

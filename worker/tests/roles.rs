@@ -136,7 +136,7 @@ async fn decode_equals_both(backend: BackendKind) -> Result<()> {
     let requests = (3 * LENGTHS.len()) as f64;
     assert_eq!(metric(decode.addr(), REMOTE).await?, requests);
     assert_eq!(metric(decode.addr(), FALLBACK).await?, 0.0);
-    assert!(metric(decode.addr(), "kvtier_worker_disagg_received_bytes_total").await? > 0.0);
+    let received = metric(decode.addr(), "kvtier_worker_disagg_received_bytes_total").await?;
     assert_eq!(
         metric(
             decode.addr(),
@@ -149,7 +149,9 @@ async fn decode_equals_both(backend: BackendKind) -> Result<()> {
         metric(prefill.addr(), "kvtier_worker_disagg_prefill_served_total").await?,
         requests
     );
-    assert!(metric(prefill.addr(), "kvtier_worker_disagg_sent_bytes_total").await? > 0.0);
+    let sent = metric(prefill.addr(), "kvtier_worker_disagg_sent_bytes_total").await?;
+    assert!(received > 0.0);
+    assert_eq!(received, sent, "bytes the decode worker counts as received");
     // Every block came back to the decode worker's pool: a request needing all of it runs.
     let whole = text(DECODE_POOL_BLOCKS * 16 - 11);
     assert_eq!(
@@ -242,6 +244,10 @@ async fn role_settings_that_do_not_go_together_are_startup_errors() -> Result<()
                 ..config(Role::Prefill, BackendKind::Shm, None)
             },
             "need a concrete IP in --listen",
+        ),
+        (
+            config(Role::Prefill, BackendKind::Cuda, None),
+            "--transfer-backend cuda is not supported by serve",
         ),
         (
             config(Role::Decode, BackendKind::Shm, Some("ftp://x".into())),
