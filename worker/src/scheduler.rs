@@ -559,4 +559,39 @@ mod tests {
         assert_eq!(positions_needed(10, 500, 100), 100);
         assert_eq!(positions_needed(100, 5, 100), 100);
     }
+
+    #[test]
+    fn unscheduled_prefilled_kv_returns_its_blocks() -> Result<()> {
+        let model = crate::model::Model::random(crate::config::ModelConfig::default(), 0)?;
+        let engine = Arc::new(Mutex::new(Engine::new(model, 8)?));
+        let mut table = BlockTable::new();
+        let logits = lock(&engine).prefill(
+            &[256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
+            0,
+            &mut table,
+        )?;
+        assert_eq!(table.len(), 2);
+        assert_eq!(lock(&engine).cache().free_blocks(), 6);
+        let budget = Arc::new(tokio::sync::Semaphore::new(8));
+        let permit = Arc::clone(&budget)
+            .try_acquire_many_owned(3)
+            .expect("permits");
+        drop(PrefilledKv {
+            table,
+            logits,
+            engine: Arc::clone(&engine),
+            budget: Some(permit),
+        });
+        assert_eq!(lock(&engine).cache().free_blocks(), 8);
+        assert_eq!(budget.available_permits(), 8);
+        // Taken by the scheduler (an empty table), it frees nothing.
+        drop(PrefilledKv {
+            table: BlockTable::new(),
+            logits: Vec::new(),
+            engine: Arc::clone(&engine),
+            budget: None,
+        });
+        assert_eq!(lock(&engine).cache().free_blocks(), 8);
+        Ok(())
+    }
 }

@@ -136,6 +136,11 @@ async fn decode_equals_both(backend: BackendKind) -> Result<()> {
     let requests = (3 * LENGTHS.len()) as f64;
     assert_eq!(metric(decode.addr(), REMOTE).await?, requests);
     assert_eq!(metric(decode.addr(), FALLBACK).await?, 0.0);
+    // The decode worker's scheduler computed no prompt token: it decoded on the KV it got.
+    assert_eq!(
+        metric(decode.addr(), "kvtier_worker_prompt_tokens_computed_total").await?,
+        0.0
+    );
     let received = metric(decode.addr(), "kvtier_worker_disagg_received_bytes_total").await?;
     assert_eq!(
         metric(
