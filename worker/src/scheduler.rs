@@ -52,17 +52,18 @@ pub struct GenRequest {
     /// The prompt's KV, already in the pool (disaggregated decode role); `None` to prefill
     /// here.
     pub prefilled: Option<PrefilledKv>,
+    /// Whatever the caller reserved for the request (the decode role's block budget), released
+    /// when the request ends (after `prefilled`, declared before it, has freed its blocks).
+    pub budget: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 /// A prompt whose KV is already in pool blocks: `table` covers every prompt position and
 /// `logits` are those of the last one. Dropped before the scheduler takes it (a full queue,
-/// a cancelled request), it returns its blocks to the pool; `budget` (whatever the caller
-/// reserved for the request) is released with the request.
+/// a cancelled request), it returns its blocks to the pool.
 pub struct PrefilledKv {
     pub table: BlockTable,
     pub logits: Vec<f32>,
     pub engine: Arc<Mutex<Engine>>,
-    pub budget: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl Drop for PrefilledKv {
@@ -348,6 +349,11 @@ impl Loop {
                 Some(logits) => {
                     seq.prefill_next = None;
                     Self::after_logits(&self.metrics, &mut seq, &logits, max_ctx);
+                    // After the first token is out: copy the prompt's new full blocks for the
+                    // sidecar, as after a local prefill.
+                    if let Some(s) = &self.sidecar {
+                        Self::store_blocks(&lock(&self.engine), s, &seq);
+                    }
                 }
                 None => self.load_prefix(&mut seq),
             }
@@ -572,24 +578,17 @@ mod tests {
         )?;
         assert_eq!(table.len(), 2);
         assert_eq!(lock(&engine).cache().free_blocks(), 6);
-        let budget = Arc::new(tokio::sync::Semaphore::new(8));
-        let permit = Arc::clone(&budget)
-            .try_acquire_many_owned(3)
-            .expect("permits");
         drop(PrefilledKv {
             table,
             logits,
             engine: Arc::clone(&engine),
-            budget: Some(permit),
         });
         assert_eq!(lock(&engine).cache().free_blocks(), 8);
-        assert_eq!(budget.available_permits(), 8);
         // Taken by the scheduler (an empty table), it frees nothing.
         drop(PrefilledKv {
             table: BlockTable::new(),
             logits: Vec::new(),
             engine: Arc::clone(&engine),
-            budget: None,
         });
         assert_eq!(lock(&engine).cache().free_blocks(), 8);
         Ok(())

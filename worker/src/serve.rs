@@ -43,7 +43,7 @@ use axum::routing::{get, post};
 use kvtier_core::HashSecret;
 use kvtier_transfer::{Agent, AgentConfig, BackendKind};
 use serde_json::json;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{self, ApiError, Endpoint, Limits, ParsedRequest, Utf8Stream};
@@ -228,12 +228,6 @@ fn check_role(config: &ServeConfig) -> Result<()> {
                 "--prefill-url {url} is for role decode only (this worker's role is {})",
                 config.role.name()
             ),
-        ),
-        (Role::Decode, Some(_)) if config.sidecar.is_some() => bad(
-            "sidecar",
-            "role decode with a sidecar is not supported yet (the prompt's KV comes from the \
-             prefill worker); run the decode worker with --sidecar off"
-                .into(),
         ),
         (Role::Prefill | Role::Decode, _)
             if !matches!(
@@ -587,6 +581,12 @@ async fn handle_inner(
         )
         .with_code("kv_pool_too_small"));
     }
+    // Role decode: the request's worst case comes out of the block budget first (held until
+    // it ends), so whatever the requests in flight hold fits in the pool.
+    let budget = match &app.disagg {
+        Some(d) if d.decoder.is_some() => Some(take_budget(d, need).await?),
+        _ => None,
+    };
     let prefix = match &app.sidecar {
         Some(s) => {
             s.prepare(&req.tokens, req.cache_salt.as_deref().map(str::as_bytes))
@@ -594,9 +594,14 @@ async fn handle_inner(
         }
         None => Prefix::none(),
     };
-    let prefilled = match &app.disagg {
-        Some(d) if d.decoder.is_some() => Some(remote_prefill(d, &req.tokens, need).await?),
-        _ => None,
+    // Role decode: a cached prefix the cost model chose to load is used here (the rest is
+    // computed locally); otherwise the prefill worker computes the prompt.
+    let (prefilled, budget) = match (&app.disagg, budget) {
+        (Some(d), Some(budget)) if prefix.source.blocks() == 0 => {
+            let (kv, budget) = remote_prefill(d, &req.tokens, budget).await?;
+            (Some(kv), Some(budget))
+        }
+        (_, budget) => (None, budget),
     };
     let (tx, rx) = mpsc::unbounded_channel();
     app.sched
@@ -608,6 +613,7 @@ async fn handle_inner(
             events: tx,
             arrived,
             prefilled,
+            budget,
         })
         .map_err(|e| match e {
             SubmitError::Busy => ApiError::server(
@@ -632,28 +638,42 @@ async fn handle_inner(
     }
 }
 
-/// The decode role: the prompt's KV in pool blocks, from the prefill worker (or a local
-/// prefill when the remote path fails), with `need` blocks of the pool promised to the
-/// request until it ends.
-async fn remote_prefill(d: &Disagg, tokens: &[u32], need: usize) -> Result<PrefilledKv, ApiError> {
-    let stopped = || {
-        ApiError::server(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the worker is shutting down",
-            "shutting_down",
-        )
-    };
+/// The decode role: `need` blocks of the pool promised to a request until it ends (first come,
+/// first served).
+async fn take_budget(d: &Disagg, need: usize) -> Result<OwnedSemaphorePermit, ApiError> {
     let permits = u32::try_from(need).map_err(|_| {
         ApiError::invalid(
             format!("the request needs {need} KV blocks"),
             Some("max_tokens"),
         )
     })?;
-    let budget = Arc::clone(&d.budget)
+    Arc::clone(&d.budget)
         .acquire_many_owned(permits)
         .await
-        .map_err(|_| stopped())?;
-    let decoder = d.decoder.clone().ok_or_else(stopped)?;
+        .map_err(|_| {
+            ApiError::server(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the worker is shutting down",
+                "shutting_down",
+            )
+        })
+}
+
+/// The decode role: the prompt's KV in pool blocks, from the prefill worker (or a local
+/// prefill when the remote path fails). `budget` comes back with it; if the request is
+/// dropped meanwhile, both go once the prefill is over, the blocks first.
+async fn remote_prefill(
+    d: &Disagg,
+    tokens: &[u32],
+    budget: OwnedSemaphorePermit,
+) -> Result<(PrefilledKv, OwnedSemaphorePermit), ApiError> {
+    let decoder = d.decoder.clone().ok_or_else(|| {
+        ApiError::server(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "this worker has no decode role",
+            "prefill_failed",
+        )
+    })?;
     let engine = Arc::clone(&d.engine);
     let prompt = tokens.to_vec();
     // Its own task: a client that hangs up drops this future, and the prefilled blocks must
@@ -665,13 +685,13 @@ async fn remote_prefill(d: &Disagg, tokens: &[u32], need: usize) -> Result<Prefi
                 table: p.table,
                 logits: p.logits,
                 engine,
-                budget: Some(budget),
             },
+            budget,
             p.path,
             p.ttft,
         ))
     });
-    let (kv, path, ttft) = match task.await {
+    let (kv, budget, path, ttft) = match task.await {
         Ok(Ok(r)) => r,
         Ok(Err(e @ WorkerError::CacheFull { .. })) => {
             return Err(ApiError::server(
@@ -704,7 +724,7 @@ async fn remote_prefill(d: &Disagg, tokens: &[u32], need: usize) -> Result<Prefi
         }
         PrefillPath::Fallback { .. } | PrefillPath::Short => d.metrics.observe_local(n),
     }
-    Ok(kv)
+    Ok((kv, budget))
 }
 
 async fn collect_response(

@@ -221,6 +221,52 @@ async fn a_stopped_prefill_worker_costs_a_local_prefill() -> Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_with_a_sidecar_stores_remote_prefills_and_reuses_them() -> Result<()> {
+    tokio::time::timeout(DEADLINE, async {
+        let dir = tempfile::tempdir()?;
+        let (server, unix, _tcp) = start_kvtier(&kvtier_config(dir.path(), "8MiB", 4)?).await?;
+        let both = start_worker(None).await?;
+        let prefill = WorkerServer::start(config(Role::Prefill, BackendKind::Shm, None)).await?;
+        let decode = WorkerServer::start(ServeConfig {
+            sidecar: Some(unix),
+            ..config(
+                Role::Decode,
+                BackendKind::Shm,
+                Some(format!("http://{}", prefill.addr())),
+            )
+        })
+        .await?;
+        let prompt = text(40);
+        let want = complete(both.addr(), &prompt, false).await?.0;
+        // Cold: the prefill worker computes the prompt; its two full blocks go to the sidecar.
+        let (cold, usage) = complete(decode.addr(), &prompt, false).await?;
+        assert_eq!(cold, want);
+        assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);
+        assert_eq!(metric(decode.addr(), REMOTE).await?, 1.0);
+        let m = decode.metrics().clone();
+        wait_for(Duration::from_secs(20), || {
+            m.blocks_stored.load(std::sync::atomic::Ordering::Relaxed) >= 2
+        })
+        .await?;
+        // Warm: the cached prefix is loaded here and only the rest computed locally.
+        let (warm, usage) = complete(decode.addr(), &prompt, true).await?;
+        assert_eq!(warm, want);
+        assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 32);
+        assert_eq!(metric(decode.addr(), REMOTE).await?, 1.0);
+        assert_eq!(
+            metric(decode.addr(), "kvtier_worker_prompt_tokens_computed_total").await?,
+            8.0
+        );
+        decode.shutdown().await;
+        prefill.shutdown().await;
+        both.shutdown().await;
+        server.shutdown().await;
+        Ok(())
+    })
+    .await?
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn role_settings_that_do_not_go_together_are_startup_errors() -> Result<()> {
     let cases = [
         (
