@@ -53,12 +53,17 @@ enum Command {
         /// Sequences running at once.
         #[arg(long, default_value_t = 8)]
         max_batch: usize,
-        /// both | prefill | decode (only both in this build).
+        /// both | prefill (also serves POST /kvtier/prefill) | decode (needs --prefill-url).
         #[arg(long, default_value = "both")]
         role: String,
-        /// The prefill worker's URL (role decode).
+        /// The prefill worker's URL, http://host:port (role decode only).
         #[arg(long)]
         prefill_url: Option<String>,
+        /// Backend the prefill worker writes KV over: shm (one host), tcp or quic. Give the
+        /// prefill and the decode worker the same. The transfer agent listens on the
+        /// --listen IP.
+        #[arg(long, default_value = "shm")]
+        transfer_backend: String,
     },
     /// Generate text from a prompt and report prefill and decode speed.
     Generate {
@@ -129,6 +134,7 @@ fn main() -> anyhow::Result<()> {
             max_batch,
             role,
             prefill_url,
+            transfer_backend,
         } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -150,6 +156,7 @@ fn main() -> anyhow::Result<()> {
                 max_batch,
                 role: Role::parse(&role)?,
                 prefill_url,
+                transfer_backend: kvtier_worker::disagg::parse_backend(&transfer_backend)?,
                 ..ServeConfig::default()
             };
             let rt = tokio::runtime::Builder::new_multi_thread()

@@ -272,6 +272,135 @@ impl Metrics {
     }
 }
 
+/// The disaggregation metrics of a prefill or decode worker, rendered after [`Metrics`].
+pub struct DisaggMetrics {
+    /// Decode role: from the call to the remote prefill to its logits, per remote prefill.
+    pub remote_prefill: Histogram,
+    /// Decode role: prompt tokens the prefill worker computed.
+    pub remote_tokens: AtomicU64,
+    /// Decode role: KV bytes the prefill worker wrote into this pool.
+    pub remote_bytes: AtomicU64,
+    /// Decode role: prompt tokens prefilled here (fallbacks and short prompts).
+    pub local_tokens: AtomicU64,
+}
+
+impl Default for DisaggMetrics {
+    fn default() -> Self {
+        Self {
+            remote_prefill: Histogram::new(LATENCY_BUCKETS_S),
+            remote_tokens: AtomicU64::new(0),
+            remote_bytes: AtomicU64::new(0),
+            local_tokens: AtomicU64::new(0),
+        }
+    }
+}
+
+impl DisaggMetrics {
+    pub fn observe_remote(&self, took: Duration, tokens: usize, bytes: u64) {
+        self.remote_prefill.observe(took);
+        add(&self.remote_tokens, tokens as u64);
+        add(&self.remote_bytes, bytes);
+    }
+
+    pub fn observe_local(&self, tokens: usize) {
+        add(&self.local_tokens, tokens as u64);
+    }
+
+    /// Appends the decode role's metrics (with `decode`) and the prefill role's (with
+    /// `prefill`).
+    pub fn render(
+        &self,
+        out: &mut String,
+        decode: Option<crate::disagg::DecodeStats>,
+        prefill: Option<crate::disagg::PrefillStats>,
+    ) {
+        let counter = |out: &mut String, name: &str, v: u64, help: &str| {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} counter");
+            let _ = writeln!(out, "{name} {v}");
+        };
+        if let Some(d) = decode {
+            self.remote_prefill.render(
+                out,
+                "kvtier_worker_disagg_remote_prefill_seconds",
+                "Decode role: time from asking the prefill worker to the prompt's last logits.",
+            );
+            let _ = writeln!(
+                out,
+                "# HELP kvtier_worker_disagg_prefills_total Decode role: prompts by how they \
+                 were prefilled (remote, fallback = locally after the remote path failed, \
+                 short = too short to send)."
+            );
+            let _ = writeln!(out, "# TYPE kvtier_worker_disagg_prefills_total counter");
+            for (path, v) in [
+                ("remote", d.remote),
+                ("fallback", d.fallbacks),
+                ("short", d.short),
+            ] {
+                let _ = writeln!(
+                    out,
+                    "kvtier_worker_disagg_prefills_total{{path=\"{path}\"}} {v}"
+                );
+            }
+            for (name, v, help) in [
+                (
+                    "kvtier_worker_disagg_remote_prompt_tokens_total",
+                    self.remote_tokens.load(Ordering::Relaxed),
+                    "Decode role: prompt tokens computed by the prefill worker.",
+                ),
+                (
+                    "kvtier_worker_disagg_local_prompt_tokens_total",
+                    self.local_tokens.load(Ordering::Relaxed),
+                    "Decode role: prompt tokens prefilled locally (fallbacks, short prompts).",
+                ),
+                (
+                    "kvtier_worker_disagg_received_bytes_total",
+                    self.remote_bytes.load(Ordering::Relaxed),
+                    "Decode role: KV bytes the prefill worker wrote into this pool.",
+                ),
+                (
+                    "kvtier_worker_disagg_quarantined_blocks_total",
+                    d.quarantined_blocks,
+                    "Decode role: blocks kept out of the pool for a while after a failure.",
+                ),
+                (
+                    "kvtier_worker_disagg_stray_notifications_total",
+                    d.stray_notifications,
+                    "Decode role: transfer notifications for no request in flight.",
+                ),
+            ] {
+                counter(out, name, v, help);
+            }
+        }
+        if let Some(p) = prefill {
+            for (name, v, help) in [
+                (
+                    "kvtier_worker_disagg_prefill_served_total",
+                    p.served,
+                    "Prefill role: requests whose every layer was written.",
+                ),
+                (
+                    "kvtier_worker_disagg_prefill_rejected_total",
+                    p.rejected,
+                    "Prefill role: malformed requests (answered 400).",
+                ),
+                (
+                    "kvtier_worker_disagg_prefill_failed_total",
+                    p.failed,
+                    "Prefill role: requests that failed after validation.",
+                ),
+                (
+                    "kvtier_worker_disagg_sent_bytes_total",
+                    p.bytes,
+                    "Prefill role: KV bytes written to decode workers.",
+                ),
+            ] {
+                counter(out, name, v, help);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

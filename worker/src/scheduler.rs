@@ -13,10 +13,17 @@
 //! blocks for its whole worst case (prompt + `max_tokens`), so a running sequence never runs
 //! out of blocks. Pool exhaustion queues; a request larger than the whole pool is refused
 //! before it is queued ([`Scheduler::blocks_needed`]).
+//!
+//! A request may arrive already prefilled ([`GenRequest::prefilled`], the decode role of
+//! disaggregated serving): its prompt's KV is in pool blocks it holds, so admission reserves
+//! only the blocks its decoding adds, and its first step samples from the prefill's logits.
+//!
+//! The engine sits behind a mutex shared with the disaggregation objects (which reserve
+//! blocks and run forwards of their own); the loop takes it per step.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
@@ -42,7 +49,46 @@ pub struct GenRequest {
     pub events: mpsc::UnboundedSender<SeqEvent>,
     /// When the request arrived (TTFT and end-to-end latency count from here).
     pub arrived: Instant,
+    /// The prompt's KV, already in the pool (disaggregated decode role); `None` to prefill
+    /// here.
+    pub prefilled: Option<PrefilledKv>,
+    /// Whatever the caller reserved for the request (the decode role's block budget), released
+    /// when the request ends (after `prefilled`, declared before it, has freed its blocks).
+    pub budget: Option<tokio::sync::OwnedSemaphorePermit>,
 }
+
+/// A prompt whose KV is already in pool blocks: `table` covers every prompt position and
+/// `logits` are those of the last one. Dropped before the scheduler takes it (a full queue,
+/// a cancelled request), it returns its blocks to the pool.
+pub struct PrefilledKv {
+    pub table: BlockTable,
+    pub logits: Vec<f32>,
+    pub engine: Arc<Mutex<Engine>>,
+}
+
+impl Drop for PrefilledKv {
+    fn drop(&mut self) {
+        if self.table.is_empty() {
+            return;
+        }
+        if let Err(e) = lock(&self.engine)
+            .cache_mut()
+            .release_table(&mut self.table)
+        {
+            tracing::error!(error = %e, "releasing an unscheduled prefilled prompt's blocks");
+        }
+    }
+}
+
+/// Locks the engine, recovering it from a holder that panicked (the pool's bookkeeping only
+/// changes in short sections that call no candle code).
+pub(crate) fn lock(engine: &Mutex<Engine>) -> MutexGuard<'_, Engine> {
+    engine.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// How long the loop sleeps when the head request waits for blocks held outside the
+/// scheduler (a remote prefill in flight, a quarantine) and nothing runs.
+const BLOCKED_POLL: Duration = Duration::from_millis(2);
 
 /// What a running request reports.
 #[derive(Debug)]
@@ -84,7 +130,7 @@ impl Scheduler {
     /// Starts the scheduler thread. It enters `runtime` (pinned prefixes release their pins
     /// through it) and stops when every handle is dropped and the last sequence ends.
     pub fn start(
-        engine: Engine,
+        engine: Arc<Mutex<Engine>>,
         max_batch: usize,
         sidecar: Option<Arc<Sidecar>>,
         metrics: Arc<Metrics>,
@@ -97,11 +143,14 @@ impl Scheduler {
             });
         }
         let (tx, rx) = mpsc::channel(ADMISSION_QUEUE_DEPTH);
-        let handle = Scheduler {
-            tx,
-            pool_blocks: engine.cache().num_blocks(),
-            block_tokens: engine.cache().block_tokens(),
-            max_context_tokens: engine.model().config().max_context_tokens,
+        let handle = {
+            let e = lock(&engine);
+            Scheduler {
+                tx,
+                pool_blocks: e.cache().num_blocks(),
+                block_tokens: e.cache().block_tokens(),
+                max_context_tokens: e.model().config().max_context_tokens,
+            }
         };
         let join = std::thread::Builder::new()
             .name("kvtier-scheduler".into())
@@ -171,7 +220,7 @@ struct Seq {
 }
 
 struct Loop {
-    engine: Engine,
+    engine: Arc<Mutex<Engine>>,
     max_batch: usize,
     sidecar: Option<Arc<Sidecar>>,
     metrics: Arc<Metrics>,
@@ -190,6 +239,11 @@ impl Loop {
                 }
             }
             self.admit();
+            if self.running.is_empty() && !self.waiting.is_empty() {
+                // The head waits for blocks held outside the scheduler (see `admit`).
+                std::thread::sleep(BLOCKED_POLL);
+                continue;
+            }
             let n = self.running.len() as u64;
             self.metrics
                 .running
@@ -235,26 +289,46 @@ impl Loop {
                 self.metrics.requests.inc("cancelled");
                 continue;
             }
-            let max_ctx = self.engine.model().config().max_context_tokens;
+            let held = front.prefilled.as_ref().map_or(0, |p| p.table.len());
+            let engine = lock(&self.engine);
+            let max_ctx = engine.model().config().max_context_tokens;
             let need = positions_needed(front.tokens.len(), front.max_tokens, max_ctx);
-            let blocks = need.div_ceil(self.engine.cache().block_tokens());
-            if blocks > self.engine.cache().free_blocks() {
-                if self.running.is_empty() {
-                    // Nothing will free blocks: the request can never fit (the HTTP layer
-                    // refuses these before queueing; this is the backstop).
+            let blocks = need.div_ceil(engine.cache().block_tokens());
+            let pool = engine.cache().num_blocks();
+            if blocks.saturating_sub(held) > engine.cache().free_blocks() {
+                drop(engine);
+                if self.running.is_empty() && blocks > pool {
+                    // The request can never fit (the HTTP layer refuses these before
+                    // queueing; this is the backstop).
                     let req = self.waiting.pop_front().expect("front exists");
                     let _ = req.events.send(SeqEvent::Failed(format!(
-                        "the request needs {blocks} KV blocks, the pool has {}",
-                        self.engine.cache().num_blocks()
+                        "the request needs {blocks} KV blocks, the pool has {pool}"
                     )));
                     self.metrics.requests.inc("too_large");
                     continue;
                 }
+                // Running sequences free blocks as they end; blocks held outside the
+                // scheduler (a remote prefill in flight, a quarantine) come back too.
                 return;
             }
-            let req = self.waiting.pop_front().expect("front exists");
-            let mut table = BlockTable::new();
-            if let Err(e) = self.engine.cache_mut().reserve(&mut table, need) {
+            drop(engine);
+            let mut req = self.waiting.pop_front().expect("front exists");
+            let (mut table, logits) = match req.prefilled.as_mut() {
+                Some(p) => (
+                    std::mem::take(&mut p.table),
+                    Some(std::mem::take(&mut p.logits)),
+                ),
+                None => (BlockTable::new(), None),
+            };
+            let reserved = {
+                let mut engine = lock(&self.engine);
+                let r = engine.cache_mut().reserve(&mut table, need);
+                if r.is_err() {
+                    let _ = engine.cache_mut().release_table(&mut table);
+                }
+                r
+            };
+            if let Err(e) = reserved {
                 let _ = req.events.send(SeqEvent::Failed(e.to_string()));
                 self.metrics.requests.inc("error");
                 continue;
@@ -270,7 +344,19 @@ impl Loop {
                 last_token_at: None,
                 finished: None,
             };
-            self.load_prefix(&mut seq);
+            match logits {
+                // The prompt's KV is in the table: sample the first token now.
+                Some(logits) => {
+                    seq.prefill_next = None;
+                    Self::after_logits(&self.metrics, &mut seq, &logits, max_ctx);
+                    // After the first token is out: copy the prompt's new full blocks for the
+                    // sidecar, as after a local prefill.
+                    if let Some(s) = &self.sidecar {
+                        Self::store_blocks(&lock(&self.engine), s, &seq);
+                    }
+                }
+                None => self.load_prefix(&mut seq),
+            }
             self.running.push(seq);
         }
     }
@@ -288,9 +374,10 @@ impl Loop {
             return;
         }
         let t = Instant::now();
+        let mut engine = lock(&self.engine);
         for i in 0..n {
             let id = seq.table.blocks()[i];
-            if let Err(e) = self.engine.cache_mut().write_block(id, source.block(i)) {
+            if let Err(e) = engine.cache_mut().write_block(id, source.block(i)) {
                 tracing::warn!(error = %e, "cannot copy a cached block into the pool");
                 self.metrics.cache_fallbacks.inc("copy_error");
                 seq.req.prefix.store_from = 0;
@@ -305,7 +392,9 @@ impl Loop {
             _ => false,
         };
         drop(source);
-        let bytes = n * self.engine.cache().layout().block_bytes() as usize;
+        let bytes = n * engine.cache().layout().block_bytes() as usize;
+        let bt = engine.cache().block_tokens();
+        drop(engine);
         let took = seq.req.prefix.fetch_time + t.elapsed();
         if let Some(s) = &self.sidecar {
             s.observe_load(bytes, took, any_nvme);
@@ -313,7 +402,6 @@ impl Loop {
         self.metrics.load_time.observe(took);
         add(&self.metrics.bytes_loaded, bytes as u64);
         add(&self.metrics.blocks_loaded, n as u64);
-        let bt = self.engine.cache().block_tokens();
         let len = seq.req.tokens.len();
         // A full-prompt hit still computes the last token.
         seq.cached_tokens = (n * bt).min(len - 1);
@@ -325,18 +413,19 @@ impl Loop {
         if seq.finished.is_some() || seq.req.events.is_closed() {
             return;
         }
+        let mut engine = lock(&self.engine);
         let r = if let Some(start) = seq.prefill_next {
             Self::prefill_step(
-                &mut self.engine,
+                &mut engine,
                 self.sidecar.as_deref(),
                 &self.metrics,
                 seq,
                 start,
             )
         } else if let Some((token, pos)) = seq.next {
-            match self.engine.decode_step(token, pos, &mut seq.table) {
+            match engine.decode_step(token, pos, &mut seq.table) {
                 Ok(logits) => {
-                    let max_ctx = self.engine.model().config().max_context_tokens;
+                    let max_ctx = engine.model().config().max_context_tokens;
                     Self::after_logits(&self.metrics, seq, &logits, max_ctx);
                     Ok(())
                 }
@@ -345,6 +434,7 @@ impl Loop {
         } else {
             Ok(())
         };
+        drop(engine);
         if let Err(e) = r {
             tracing::error!(error = %e, "sequence failed");
             let _ = seq.req.events.send(SeqEvent::Failed(e.to_string()));
@@ -440,7 +530,8 @@ impl Loop {
     }
 
     fn finish(&mut self, mut seq: Seq) {
-        if let Err(e) = self.engine.cache_mut().release_table(&mut seq.table) {
+        let released = lock(&self.engine).cache_mut().release_table(&mut seq.table);
+        if let Err(e) = released {
             tracing::error!(error = %e, "releasing a finished sequence's blocks");
         }
         let Some(finish) = seq.finished else {
@@ -473,5 +564,33 @@ mod tests {
         assert_eq!(positions_needed(10, 5, 100), 14);
         assert_eq!(positions_needed(10, 500, 100), 100);
         assert_eq!(positions_needed(100, 5, 100), 100);
+    }
+
+    #[test]
+    fn unscheduled_prefilled_kv_returns_its_blocks() -> Result<()> {
+        let model = crate::model::Model::random(crate::config::ModelConfig::default(), 0)?;
+        let engine = Arc::new(Mutex::new(Engine::new(model, 8)?));
+        let mut table = BlockTable::new();
+        let logits = lock(&engine).prefill(
+            &[256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
+            0,
+            &mut table,
+        )?;
+        assert_eq!(table.len(), 2);
+        assert_eq!(lock(&engine).cache().free_blocks(), 6);
+        drop(PrefilledKv {
+            table,
+            logits,
+            engine: Arc::clone(&engine),
+        });
+        assert_eq!(lock(&engine).cache().free_blocks(), 8);
+        // Taken by the scheduler (an empty table), it frees nothing.
+        drop(PrefilledKv {
+            table: BlockTable::new(),
+            logits: Vec::new(),
+            engine: Arc::clone(&engine),
+        });
+        assert_eq!(lock(&engine).cache().free_blocks(), 8);
+        Ok(())
     }
 }

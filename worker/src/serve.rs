@@ -20,11 +20,18 @@
 //! copies the prefix into pool blocks, prefills the rest in chunks, stores the new blocks off
 //! the critical path and decodes, interleaved with the other running requests -> tokens back
 //! through a channel, as one JSON body or as server-sent events.
+//!
+//! Disaggregated serving ([`Role`]): a worker of role prefill also serves
+//! `POST /kvtier/prefill` ([`crate::disagg::prefill_router`]); a worker of role decode takes
+//! the client's request, has its prefill worker compute the prompt's KV into its own pool
+//! ([`DisaggDecoder::prefill`], falling back to a local prefill on any failure) and hands the
+//! prefilled blocks to the scheduler, which decodes. Both keep their pool in memory
+//! registered with one transfer [`Agent`] per process.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
@@ -34,17 +41,22 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use kvtier_core::HashSecret;
+use kvtier_transfer::{Agent, AgentConfig, BackendKind};
 use serde_json::json;
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{self, ApiError, Endpoint, Limits, ParsedRequest, Utf8Stream};
 use crate::config::ModelConfig;
+use crate::disagg::{
+    DecodeConfig, DisaggDecoder, PrefillConfig, PrefillPath, PrefillServer, engine_in_agent,
+    prefill_router,
+};
 use crate::engine::Engine;
 use crate::error::{Result, WorkerError};
-use crate::metrics::Metrics;
+use crate::metrics::{DisaggMetrics, Metrics};
 use crate::model::Model;
-use crate::scheduler::{GenRequest, Scheduler, SeqEvent, SubmitError, Usage};
+use crate::scheduler::{GenRequest, PrefilledKv, Scheduler, SeqEvent, SubmitError, Usage};
 use crate::sidecar::{Prefix, Sidecar, SidecarSettings};
 use crate::tokenizer::ByteTokenizer;
 
@@ -56,9 +68,11 @@ pub const STORE_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 /// What this worker does in disaggregated serving.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
-    /// Prefill and decode (the only role of this build).
+    /// Prefill and decode, alone.
     Both,
+    /// Also serves `POST /kvtier/prefill`: computes prompts' KV into decode workers' pools.
     Prefill,
+    /// Has a prefill worker ([`ServeConfig::prefill_url`]) prefill each prompt, then decodes.
     Decode,
 }
 
@@ -113,8 +127,12 @@ pub struct ServeConfig {
     pub max_batch: usize,
     /// Default: [`Role::Both`].
     pub role: Role,
-    /// The prefill worker (role decode). Default: None.
+    /// The prefill worker (role decode), `http://host:port`. Default: None.
     pub prefill_url: Option<String>,
+    /// Backend the prefill worker writes KV over (roles prefill and decode; give both workers
+    /// the same). The transfer agent listens on the IP of [`listen`](Self::listen).
+    /// Default: [`BackendKind::Shm`] (one host).
+    pub transfer_backend: BackendKind,
 }
 
 impl Default for ServeConfig {
@@ -133,6 +151,7 @@ impl Default for ServeConfig {
             max_batch: 8,
             role: Role::Both,
             prefill_url: None,
+            transfer_backend: BackendKind::Shm,
         }
     }
 }
@@ -141,12 +160,99 @@ struct AppInner {
     sched: Scheduler,
     sidecar: Option<Arc<Sidecar>>,
     metrics: Arc<Metrics>,
+    role: Role,
+    disagg: Option<Disagg>,
     model_name: String,
     vocab_size: usize,
     next_id: AtomicU64,
 }
 
 type App = Arc<AppInner>;
+
+/// The disaggregation side of a prefill or decode worker.
+struct Disagg {
+    engine: Arc<Mutex<Engine>>,
+    decoder: Option<Arc<DisaggDecoder>>,
+    prefill: Option<Arc<PrefillServer>>,
+    /// Pool blocks promised to decode-role requests, taken (worst case) before the remote
+    /// prefill reserves any: everything the requests in flight can hold fits in the pool.
+    budget: Arc<Semaphore>,
+    metrics: DisaggMetrics,
+    /// KV bytes of one token, all layers.
+    token_bytes: u64,
+}
+
+/// The transfer agent's listen IP: the host of `listen`, which must be an address.
+fn transfer_ip(listen: &str) -> Result<std::net::IpAddr> {
+    let bad = |reason: String| WorkerError::Serve {
+        setting: "listen".into(),
+        reason,
+    };
+    let ip = match listen.parse::<SocketAddr>() {
+        Ok(a) => a.ip(),
+        Err(_) => match listen.rsplit_once(':') {
+            Some(("localhost", _)) => std::net::Ipv4Addr::LOCALHOST.into(),
+            _ => {
+                return Err(bad(format!(
+                    "roles prefill and decode need an IP address in --listen ({listen:?} is not \
+                     IP:PORT): the transfer agent listens on that IP"
+                )));
+            }
+        },
+    };
+    if ip.is_unspecified() {
+        return Err(bad(format!(
+            "roles prefill and decode need a concrete IP in --listen, not {ip}: the transfer \
+             agent advertises it to its peers"
+        )));
+    }
+    Ok(ip)
+}
+
+/// Refuses role settings that do not go together.
+fn check_role(config: &ServeConfig) -> Result<()> {
+    let bad = |setting: &str, reason: String| {
+        Err(WorkerError::Serve {
+            setting: setting.into(),
+            reason,
+        })
+    };
+    match (config.role, &config.prefill_url) {
+        (Role::Decode, None) => bad(
+            "prefill_url",
+            "role decode needs --prefill-url, the prefill worker's http://host:port".into(),
+        ),
+        (Role::Both | Role::Prefill, Some(url)) => bad(
+            "prefill_url",
+            format!(
+                "--prefill-url {url} is for role decode only (this worker's role is {})",
+                config.role.name()
+            ),
+        ),
+        (Role::Prefill | Role::Decode, _)
+            if !matches!(
+                config.transfer_backend,
+                BackendKind::Shm | BackendKind::Tcp | BackendKind::Quic
+            ) =>
+        {
+            bad(
+                "transfer_backend",
+                format!(
+                    "--transfer-backend {} is not supported by serve (shm, tcp or quic)",
+                    config.transfer_backend.name()
+                ),
+            )
+        }
+        (Role::Decode, Some(url)) => match url.strip_prefix("http://") {
+            Some(rest) if rest.split('/').next().is_some_and(|a| a.contains(':')) => Ok(()),
+            _ => bad(
+                "prefill_url",
+                format!("--prefill-url {url:?} is not http://host:port"),
+            ),
+        },
+        _ => Ok(()),
+    }
+}
 
 /// A running worker. Stop it with [`WorkerServer::shutdown`].
 pub struct WorkerServer {
@@ -162,15 +268,7 @@ impl WorkerServer {
     /// Builds the model, connects the sidecar (an unreachable one is retried later; one with
     /// another block size is an error), starts the scheduler and the HTTP listener.
     pub async fn start(config: ServeConfig) -> Result<WorkerServer> {
-        if config.role != Role::Both {
-            return Err(WorkerError::Serve {
-                setting: "role".into(),
-                reason: format!(
-                    "role {} is not available in this build yet (only both)",
-                    config.role.name()
-                ),
-            });
-        }
+        check_role(&config)?;
         let cfg = config.clone();
         let model = tokio::task::spawn_blocking(move || match &cfg.model_dir {
             Some(dir) => Model::from_hf_dir(dir, cfg.model_config.block_tokens),
@@ -213,7 +311,16 @@ impl WorkerServer {
                 )
             }
         };
-        let engine = Engine::new(model, config.pool_blocks)?;
+        let (engine, disagg) = match config.role {
+            Role::Both => (
+                Arc::new(Mutex::new(Engine::new(model, config.pool_blocks)?)),
+                None,
+            ),
+            Role::Prefill | Role::Decode => {
+                let (engine, disagg) = start_disagg(&config, model).await?;
+                (engine, Some(disagg))
+            }
+        };
         let (sched, scheduler) = Scheduler::start(
             engine,
             config.max_batch,
@@ -235,6 +342,8 @@ impl WorkerServer {
             sched,
             sidecar: sidecar.clone(),
             metrics: metrics.clone(),
+            role: config.role,
+            disagg,
             model_name: config.model_name.clone(),
             vocab_size,
             next_id: AtomicU64::new(1),
@@ -251,7 +360,8 @@ impl WorkerServer {
             }
         });
         tracing::info!(%addr, model = %config.model_name, pool_blocks = config.pool_blocks,
-            max_batch = config.max_batch, sidecar = ?config.sidecar, "kvtier-worker serving");
+            max_batch = config.max_batch, sidecar = ?config.sidecar, role = config.role.name(),
+            prefill_url = ?config.prefill_url, "kvtier-worker serving");
         Ok(WorkerServer {
             addr,
             cancel,
@@ -299,15 +409,75 @@ impl WorkerServer {
     }
 }
 
+/// The transfer agent, the engine in its memory and the role's disaggregation object.
+async fn start_disagg(config: &ServeConfig, model: Model) -> Result<(Arc<Mutex<Engine>>, Disagg)> {
+    let agent = Agent::new(
+        &format!("kvtier-worker-{}", config.role.name()),
+        AgentConfig {
+            listen_ip: transfer_ip(&config.listen)?,
+            quic: config.transfer_backend == BackendKind::Quic,
+            ..AgentConfig::default()
+        },
+    )
+    .await
+    .map_err(|e| WorkerError::Serve {
+        setting: "transfer agent".into(),
+        reason: e.to_string(),
+    })?;
+    let agent = Arc::new(agent);
+    let engine = Arc::new(Mutex::new(engine_in_agent(
+        model,
+        config.pool_blocks,
+        &agent,
+    )?));
+    let token_bytes = crate::scheduler::lock(&engine)
+        .cache()
+        .layout()
+        .bytes_per_token();
+    let mut disagg = Disagg {
+        engine: Arc::clone(&engine),
+        decoder: None,
+        prefill: None,
+        budget: Arc::new(Semaphore::new(config.pool_blocks)),
+        metrics: DisaggMetrics::default(),
+        token_bytes,
+    };
+    match (config.role, &config.prefill_url) {
+        (Role::Decode, Some(url)) => {
+            let mut c = DecodeConfig::new(url.clone(), config.transfer_backend);
+            // The scheduler shares the engine: wait for every layer before taking it.
+            c.stream_layers = false;
+            disagg.decoder = Some(Arc::new(DisaggDecoder::new(Arc::clone(&engine), agent, c)?));
+        }
+        _ => {
+            disagg.prefill = Some(PrefillServer::new(
+                Arc::clone(&engine),
+                agent,
+                PrefillConfig::default(),
+            )?);
+        }
+    }
+    Ok((engine, disagg))
+}
+
 fn router(app: App) -> Router {
-    Router::new()
+    let prefill = app
+        .disagg
+        .as_ref()
+        .and_then(|d| d.prefill.clone())
+        .map(prefill_router);
+    let main = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
-        .with_state(app)
+        .with_state(app);
+    match prefill {
+        Some(p) => main.merge(p),
+        None => main,
+    }
 }
 
 async fn not_found() -> Response {
@@ -322,7 +492,7 @@ async fn health(State(app): State<App>) -> Response {
         Some(s) if s.is_connected() => "connected",
         Some(_) => "unreachable",
     };
-    axum::Json(json!({"status": "ok", "sidecar": sidecar})).into_response()
+    axum::Json(json!({"status": "ok", "sidecar": sidecar, "role": app.role.name()})).into_response()
 }
 
 async fn models(State(app): State<App>) -> Response {
@@ -334,10 +504,17 @@ async fn models(State(app): State<App>) -> Response {
 }
 
 async fn metrics(State(app): State<App>) -> Response {
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        app.metrics.render(),
-    )
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], {
+        let mut text = app.metrics.render();
+        if let Some(d) = &app.disagg {
+            d.metrics.render(
+                &mut text,
+                d.decoder.as_ref().map(|x| x.stats()),
+                d.prefill.as_ref().map(|x| x.stats()),
+            );
+        }
+        text
+    })
         .into_response()
 }
 
@@ -404,12 +581,27 @@ async fn handle_inner(
         )
         .with_code("kv_pool_too_small"));
     }
+    // Role decode: the request's worst case comes out of the block budget first (held until
+    // it ends), so whatever the requests in flight hold fits in the pool.
+    let budget = match &app.disagg {
+        Some(d) if d.decoder.is_some() => Some(take_budget(d, need).await?),
+        _ => None,
+    };
     let prefix = match &app.sidecar {
         Some(s) => {
             s.prepare(&req.tokens, req.cache_salt.as_deref().map(str::as_bytes))
                 .await
         }
         None => Prefix::none(),
+    };
+    // Role decode: a cached prefix the cost model chose to load is used here (the rest is
+    // computed locally); otherwise the prefill worker computes the prompt.
+    let (prefilled, budget) = match (&app.disagg, budget) {
+        (Some(d), Some(budget)) if prefix.source.blocks() == 0 => {
+            let (kv, budget) = remote_prefill(d, &req.tokens, budget).await?;
+            (Some(kv), Some(budget))
+        }
+        (_, budget) => (None, budget),
     };
     let (tx, rx) = mpsc::unbounded_channel();
     app.sched
@@ -420,6 +612,8 @@ async fn handle_inner(
             prefix,
             events: tx,
             arrived,
+            prefilled,
+            budget,
         })
         .map_err(|e| match e {
             SubmitError::Busy => ApiError::server(
@@ -442,6 +636,95 @@ async fn handle_inner(
     } else {
         collect_response(req, id, rx).await
     }
+}
+
+/// The decode role: `need` blocks of the pool promised to a request until it ends (first come,
+/// first served).
+async fn take_budget(d: &Disagg, need: usize) -> Result<OwnedSemaphorePermit, ApiError> {
+    let permits = u32::try_from(need).map_err(|_| {
+        ApiError::invalid(
+            format!("the request needs {need} KV blocks"),
+            Some("max_tokens"),
+        )
+    })?;
+    Arc::clone(&d.budget)
+        .acquire_many_owned(permits)
+        .await
+        .map_err(|_| {
+            ApiError::server(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the worker is shutting down",
+                "shutting_down",
+            )
+        })
+}
+
+/// The decode role: the prompt's KV in pool blocks, from the prefill worker (or a local
+/// prefill when the remote path fails). `budget` comes back with it; if the request is
+/// dropped meanwhile, both go once the prefill is over, the blocks first.
+async fn remote_prefill(
+    d: &Disagg,
+    tokens: &[u32],
+    budget: OwnedSemaphorePermit,
+) -> Result<(PrefilledKv, OwnedSemaphorePermit), ApiError> {
+    let decoder = d.decoder.clone().ok_or_else(|| {
+        ApiError::server(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "this worker has no decode role",
+            "prefill_failed",
+        )
+    })?;
+    let engine = Arc::clone(&d.engine);
+    let prompt = tokens.to_vec();
+    // Its own task: a client that hangs up drops this future, and the prefilled blocks must
+    // still reach `PrefilledKv` (whose drop frees them).
+    let task = tokio::spawn(async move {
+        let p = decoder.prefill(prompt).await?;
+        Ok::<_, WorkerError>((
+            PrefilledKv {
+                table: p.table,
+                logits: p.logits,
+                engine,
+            },
+            budget,
+            p.path,
+            p.ttft,
+        ))
+    });
+    let (kv, budget, path, ttft) = match task.await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e @ WorkerError::CacheFull { .. })) => {
+            return Err(ApiError::server(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("no room in the KV pool for the prompt: {e}; retry later"),
+                "overloaded",
+            ));
+        }
+        Ok(Err(e)) => {
+            return Err(ApiError::server(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("prefill failed: {e}"),
+                "prefill_failed",
+            ));
+        }
+        Err(e) => {
+            return Err(ApiError::server(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("prefill task failed: {e}"),
+                "prefill_failed",
+            ));
+        }
+    };
+    let n = tokens.len();
+    match path {
+        PrefillPath::Remote => {
+            // The prefill worker wrote every layer's K/V of all but the last token.
+            d.metrics
+                .observe_remote(ttft, n - 1, (n as u64 - 1) * d.token_bytes);
+        }
+        PrefillPath::Fallback { .. } | PrefillPath::Short => d.metrics.observe_local(n),
+    }
+    Ok((kv, budget))
 }
 
 async fn collect_response(

@@ -133,16 +133,31 @@ fn serve_prints_its_address_and_stops_on_sigterm() -> Result<()> {
 }
 
 #[test]
-fn serve_refuses_roles_this_build_lacks() -> Result<()> {
+fn serve_refuses_role_settings_that_do_not_go_together() -> Result<()> {
     let (ok, out) = run(
         &["serve", "--listen", "127.0.0.1:0", "--role", "decode"],
         Duration::from_secs(60),
     )?;
     assert!(!ok);
-    assert!(
-        out.contains("role decode is not available in this build yet"),
-        "{out}"
-    );
+    assert!(out.contains("role decode needs --prefill-url"), "{out}");
+    let (ok, out) = run(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--prefill-url",
+            "http://127.0.0.1:9",
+        ],
+        Duration::from_secs(60),
+    )?;
+    assert!(!ok);
+    assert!(out.contains("is for role decode only"), "{out}");
+    let (ok, out) = run(
+        &["serve", "--role", "prefill", "--transfer-backend", "pigeon"],
+        Duration::from_secs(60),
+    )?;
+    assert!(!ok);
+    assert!(out.contains("unknown transfer backend `pigeon`"), "{out}");
     let (ok, out) = run(&["serve", "--role", "other"], Duration::from_secs(60))?;
     assert!(!ok);
     assert!(out.contains("unknown role"), "{out}");

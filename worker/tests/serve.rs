@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, ensure};
 use common::*;
 use kvtier_server::TierKind;
-use kvtier_worker::serve::{Role, ServeConfig, WorkerServer};
+use kvtier_worker::serve::{ServeConfig, WorkerServer};
 use kvtier_worker::{ByteTokenizer, Engine, Model, ModelConfig, Sampling};
 use serde_json::{Value, json};
 
@@ -260,19 +260,6 @@ async fn a_sidecar_with_other_blocks_is_a_clear_startup_error() -> Result<()> {
     assert!(e.contains("32768"), "{e}");
     assert!(e.contains("--set layout.layers=4"), "{e}");
     server.shutdown().await;
-
-    let e = WorkerServer::start(ServeConfig {
-        role: Role::Prefill,
-        ..worker_config(None)
-    })
-    .await
-    .err()
-    .context("role prefill started")?;
-    assert!(
-        e.to_string()
-            .contains("role prefill is not available in this build yet"),
-        "{e}"
-    );
     Ok(())
 }
 
