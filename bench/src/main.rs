@@ -4,6 +4,7 @@
 //! * `tiers`: the DRAM tier against memcpy and the NVMe tier against plain O_DIRECT I/O.
 //! * `lookup`: in-process longest-prefix lookup through the store's index.
 //! * `policy`: eviction policies on block-hash traces against LRU and the offline optimum.
+//! * `replay`: a block-hash trace replayed against a real server, with verified payloads.
 //! * `server`: the sidecar over its transports against memcpy, raw sockets, raw quinn, Redis.
 //! * `transfer`: the transfer library (nixlbench-style sweep) against memcpy, raw TCP and quinn.
 //!
@@ -13,9 +14,11 @@
 mod hash;
 mod lookup;
 mod policy;
+mod replay;
 mod report;
 mod server;
 mod tiers;
+mod trace;
 mod transfer;
 mod util;
 
@@ -52,6 +55,9 @@ enum Command {
     Lookup(lookup::LookupArgs),
     /// Eviction hit rates on block-hash traces against LRU and the offline optimum.
     Policy(policy::PolicyArgs),
+    /// Replays a block-hash trace (Mooncake or Claude Code) against a kvtier server:
+    /// hit rate per tier, bytes moved, checksums, against LRU and the offline optimum.
+    Replay(replay::ReplayArgs),
     /// The sidecar over Unix (zero-copy), TCP and QUIC against memcpy, raw sockets, raw
     /// quinn and Redis; lookup latency over the Unix socket; server peak RSS.
     Server(server::ServerArgs),
@@ -213,17 +219,8 @@ fn main() -> Result<()> {
                 server::print,
             )
         }
-        Command::Policy(a) => {
-            let r = policy::run(a)?;
-            emit(
-                cli.json,
-                &command_line,
-                &machine,
-                "policy",
-                r,
-                policy::print,
-            )
-        }
+        Command::Policy(a) => ctx.emit("policy", policy::run(a)?),
+        Command::Replay(a) => ctx.emit("replay", replay::run(a, ctx.seed)?),
         Command::Transfer(a) => {
             let r = transfer::run(a)?;
             emit(
