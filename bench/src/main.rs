@@ -220,7 +220,12 @@ fn main() -> Result<()> {
             )
         }
         Command::Policy(a) => ctx.emit("policy", policy::run(a)?),
-        Command::Replay(a) => ctx.emit("replay", replay::run(a, ctx.seed)?),
+        Command::Replay(a) => {
+            let r = replay::run(a, ctx.seed)?;
+            let corrupt = r.overall.corrupt_blocks;
+            ctx.emit("replay", r)?;
+            replay::fail_on_corruption(corrupt)
+        }
         Command::Transfer(a) => {
             let r = transfer::run(a)?;
             emit(

@@ -727,6 +727,14 @@ async fn replay_against(
     })
 }
 
+/// A replay that loaded corrupt blocks fails (after its report is printed).
+pub fn fail_on_corruption(corrupt_blocks: u64) -> Result<()> {
+    if corrupt_blocks > 0 {
+        bail!("{corrupt_blocks} loaded block(s) failed verification (checksum or key)");
+    }
+    Ok(())
+}
+
 fn pct(x: f64) -> String {
     format!("{:.2}", x * 100.0)
 }
@@ -739,7 +747,6 @@ impl Report for ReplayReport {
     fn tables(&self) -> Vec<Table> {
         let o = &self.overall;
         let m = &self.model;
-        let mut run = Table::new("replay", &["what", "value"]);
         let speed = self
             .speedup
             .map_or("max (no waits)".to_owned(), |s| format!("{s}x"));
@@ -797,11 +804,12 @@ impl Report for ReplayReport {
                 format!("{}: {}", self.skipped.count, self.skipped.first.join("; ")),
             ));
         }
-        for (k, v) in rows {
-            run.row([k.to_owned(), v]);
-        }
+        let title: Vec<String> = rows.iter().map(|(k, v)| format!("{k}: {v}")).collect();
 
-        let mut overall = Table::new("overall", &["metric", "value"]);
+        let mut overall = Table::new(
+            format!("{}\n\noverall", title.join("\n")),
+            &["metric", "value"],
+        );
         for (k, v) in [
             ("requests", o.requests.to_string()),
             ("blocks", o.blocks.to_string()),
@@ -905,7 +913,7 @@ impl Report for ReplayReport {
             pct(p.unlimited),
             format!("{:.1}", p.gap_closed * 100.0),
         ]);
-        let mut out = vec![run, overall, tiers, pol];
+        let mut out = vec![overall, tiers, pol];
         if let Some(t) = &self.ttft {
             let mut tt = Table::new(
                 format!(
