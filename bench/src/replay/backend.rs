@@ -21,10 +21,13 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 pub struct ClientBackend {
     client: Client,
     block_bytes: usize,
+    lookup_only: bool,
 }
 
 impl ClientBackend {
-    pub fn new(client: Client) -> Result<Self> {
+    /// With `lookup_only`, hits are what the lookup reports and nothing is loaded (nor
+    /// verified): the request pattern of the store's simulator.
+    pub fn new(client: Client, lookup_only: bool) -> Result<Self> {
         let block_bytes = client.block_bytes();
         if block_bytes < HEADER_BYTES {
             bail!(
@@ -35,6 +38,7 @@ impl ClientBackend {
         Ok(Self {
             client,
             block_bytes,
+            lookup_only,
         })
     }
 }
@@ -61,7 +65,10 @@ impl Backend for ClientBackend {
         out.busy += usize::from(look.miss == Some(Miss::Busy));
         out.lookup_blocks = look.tiers.len().min(keys.len());
         let n = out.lookup_blocks;
-        if n > 0 {
+        if self.lookup_only {
+            out.hit_blocks = n;
+            out.tiers = look.tiers.iter().take(n).map(|t| *t as u8).collect();
+        } else if n > 0 {
             let mut buf = vec![0u8; n * self.block_bytes];
             let mut bufs: Vec<&mut [u8]> = buf.chunks_mut(self.block_bytes).collect();
             let f = self.client.get_into(&keys[..n], &mut bufs).await;
@@ -110,8 +117,15 @@ impl Backend for ClientBackend {
 }
 
 /// Connects to `url`; an unreachable server is an error within [`CONNECT_TIMEOUT`].
-pub async fn connect(url: &str, token: Option<&str>, quic_cert: Option<&Path>) -> Result<Client> {
-    let mut cfg = ClientConfig::default().timeout(Duration::from_secs(30));
+pub async fn connect(
+    url: &str,
+    token: Option<&str>,
+    quic_cert: Option<&Path>,
+    zero_copy: bool,
+) -> Result<Client> {
+    let mut cfg = ClientConfig::default()
+        .timeout(Duration::from_secs(30))
+        .zero_copy(zero_copy);
     cfg.connect_timeout = CONNECT_TIMEOUT;
     if let Some(t) = token {
         cfg = cfg.token(t);

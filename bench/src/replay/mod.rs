@@ -126,6 +126,13 @@ pub struct ReplayArgs {
     /// saved report. Default for the model time: 10,000.
     #[arg(long)]
     pub prefill_tok_s: Option<f64>,
+    /// On a unix:// server, send bytes over the socket instead of through the mapped arena.
+    #[arg(long)]
+    pub copy: bool,
+    /// Count hits from the lookup alone and load nothing (no verification): the request
+    /// pattern of the store's simulator, to tell the policy's figure from the load's effect.
+    #[arg(long)]
+    pub lookup_only: bool,
     /// Worker decode rate in tokens/s (model time of calls).
     #[arg(long, default_value_t = 50.0)]
     pub decode_tok_s: f64,
@@ -242,6 +249,10 @@ pub struct ReplayReport {
     pub capacity: Capacity,
     pub speedup: Option<f64>,
     pub max_inflight: usize,
+    /// "lookup + load + verify", or "lookup only (nothing loaded or verified)".
+    pub load: &'static str,
+    /// Whether bytes went through the server's mapped arena (unix:// zero-copy).
+    pub zero_copy: bool,
     pub sessions: Option<usize>,
     pub repeat: u32,
     pub worker: Worker,
@@ -478,7 +489,7 @@ async fn replay_against(
     embedded: bool,
 ) -> Result<ReplayReport> {
     let bt = layout.block_tokens();
-    let client = backend::connect(url, a.token.as_deref(), a.quic_cert.as_deref()).await?;
+    let client = backend::connect(url, a.token.as_deref(), a.quic_cert.as_deref(), !a.copy).await?;
     let block_bytes = client.block_bytes() as u64;
     if embedded && block_bytes != layout.block_bytes() {
         bail!(
@@ -514,7 +525,7 @@ async fn replay_against(
         worker,
         seed,
     };
-    let backend = Arc::new(ClientBackend::new(client.clone())?);
+    let backend = Arc::new(ClientBackend::new(client.clone(), a.lookup_only)?);
     let (total, trace_name, format) = match work {
         Workload::Mooncake(t) => (
             t.requests.len() as u64,
@@ -711,6 +722,12 @@ async fn replay_against(
         },
         speedup: a.speedup.0,
         max_inflight: a.max_inflight,
+        load: if a.lookup_only {
+            "lookup only (nothing loaded or verified)"
+        } else {
+            "lookup + load + verify"
+        },
+        zero_copy: client.is_local(),
         sessions: matches!(work, Workload::Sessions(_)).then_some(a.sessions),
         repeat: a.repeat,
         worker: Worker {
@@ -781,6 +798,18 @@ impl Report for ReplayReport {
                     self.capacity.demotion,
                     self.capacity.simulated_blocks,
                     self.capacity.simulated_tokens
+                ),
+            ),
+            (
+                "requests",
+                format!(
+                    "{}; bytes {}",
+                    self.load,
+                    if self.zero_copy {
+                        "through the mapped arena (zero-copy)"
+                    } else {
+                        "over the socket"
+                    }
                 ),
             ),
             (
@@ -1047,37 +1076,41 @@ mod tests {
     fn a_large_cache_hits_exactly_what_an_unlimited_one_does() {
         let dir = tempfile::tempdir().unwrap();
         let p = mooncake_file(dir.path());
-        let a = args(&[
-            "--trace",
-            p.to_str().unwrap(),
-            "--dram-tokens",
-            "1m",
-            "--max-inflight",
-            "1",
-            "--prefill-tok-s",
-            "5000",
-        ]);
-        let r = within(60, move || run(&a, 7)).unwrap();
-        let o = &r.overall;
-        assert_eq!(o.requests, 60);
-        assert_eq!(o.corrupt_blocks, 0);
-        assert!(o.hit_blocks > 0);
-        assert!(
-            (r.policies.unlimited - o.hit_rate).abs() < 1e-12,
-            "{:?}",
-            (r.policies.unlimited, o.hit_rate)
-        );
-        assert!((r.policies.optimum - o.hit_rate).abs() < 1e-12);
-        // Every hit came from DRAM (no NVMe tier), and every miss was stored.
-        let dram = r.tiers.iter().find(|t| t.tier == "dram").unwrap();
-        assert_eq!(dram.hit_blocks, o.hit_blocks);
-        assert_eq!(o.stored_blocks, o.put_blocks);
-        assert_eq!(o.put_blocks, o.blocks - o.hit_blocks);
-        let t = r.ttft.as_ref().unwrap();
-        assert!(t.recompute_s > t.with_cache_s);
-        // The report renders.
-        assert!(r.tables().iter().any(|t| t.render().contains("optimum")));
-        assert_eq!(r.plots().len(), 2);
+        for mode in ["--skip-bad", "--copy", "--lookup-only"] {
+            let a = args(&[
+                "--trace",
+                p.to_str().unwrap(),
+                "--dram-tokens",
+                "1m",
+                "--max-inflight",
+                "1",
+                "--prefill-tok-s",
+                "5000",
+                mode,
+            ]);
+            let r = within(60, move || run(&a, 7)).unwrap();
+            let o = &r.overall;
+            assert_eq!(o.requests, 60);
+            assert_eq!(o.corrupt_blocks, 0);
+            assert!(o.hit_blocks > 0);
+            assert!(
+                (r.policies.unlimited - o.hit_rate).abs() < 1e-12,
+                "{mode}: {:?}",
+                (r.policies.unlimited, o.hit_rate)
+            );
+            assert!((r.policies.optimum - o.hit_rate).abs() < 1e-12);
+            assert_eq!(r.zero_copy, mode != "--copy");
+            // Every hit came from DRAM (no NVMe tier), and every miss was stored.
+            let dram = r.tiers.iter().find(|t| t.tier == "dram").unwrap();
+            assert_eq!(dram.hit_blocks, o.hit_blocks);
+            assert_eq!(o.stored_blocks, o.put_blocks);
+            assert_eq!(o.put_blocks, o.blocks - o.hit_blocks);
+            let t = r.ttft.as_ref().unwrap();
+            assert!(t.recompute_s > t.with_cache_s);
+            // The report renders.
+            assert!(r.tables().iter().any(|t| t.render().contains("optimum")));
+            assert_eq!(r.plots().len(), 2);
+        }
     }
 
     #[test]
