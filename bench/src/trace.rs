@@ -357,8 +357,19 @@ fn read_chain(
                 };
                 items.push(item);
             }
-            Err(why) if opts.skip_bad => skipped.add(format!("{file}: {here}: {why}")),
-            Err(why) => bail!("{file}: {here}: {why}"),
+            Err(why) => {
+                // A nested entry's error already names its full path.
+                let at = if why.starts_with(&format!("{here}.")) {
+                    format!("{file}: {why}")
+                } else {
+                    format!("{file}: {here}: {why}")
+                };
+                if opts.skip_bad {
+                    skipped.add(at);
+                } else {
+                    bail!(at);
+                }
+            }
         }
     }
     Ok(Chain { items })
@@ -656,7 +667,7 @@ mod tests {
         );
         check(
             &SESSION.replace("\"hash_ids\": [7]", "\"hash_ids\": \"x\""),
-            &["s.json", "requests[1].requests[0]", "invalid type"],
+            &["s.json: requests[1].requests[0]: invalid type"],
         );
         check(
             &SESSION.replace("\"t\": 6.0", "\"t\": 1.0"),
