@@ -6,6 +6,7 @@
 //!   loopback TCP, raw quinn and Redis, all in the same run, with the ratios.
 //! * `lookup`: in-process longest-prefix lookup through the store's index.
 //! * `policy`: eviction policies on block-hash traces against LRU and the offline optimum.
+//! * `replay`: a block-hash trace replayed against a real server, with verified payloads.
 //! * `server`: `tiers --parts server` (the sidecar over its transports only).
 //! * `transfer`: the transfer library (nixlbench-style sweep) against memcpy, raw TCP and quinn.
 //! * `demo`: the README's main command (an embedded server and workers, cache off vs on).
@@ -20,9 +21,11 @@ mod demo;
 mod hash;
 mod lookup;
 mod policy;
+mod replay;
 mod report;
 mod server;
 mod tiers;
+mod trace;
 mod transfer;
 mod util;
 
@@ -61,6 +64,9 @@ enum Command {
     Lookup(lookup::LookupArgs),
     /// Eviction hit rates on block-hash traces against LRU and the offline optimum.
     Policy(policy::PolicyArgs),
+    /// Replays a block-hash trace (Mooncake or Claude Code) against a kvtier server:
+    /// hit rate per tier, bytes moved, checksums, against LRU and the offline optimum.
+    Replay(replay::ReplayArgs),
     /// `tiers` with `--parts server` by default: the sidecar over Unix (zero-copy), TCP and
     /// QUIC against memcpy, raw sockets, raw quinn and Redis; lookup latency over the Unix
     /// socket; server peak RSS.
@@ -102,7 +108,7 @@ impl Ctx {
             let doc = Document {
                 command_line: &self.command_line,
                 machine: &self.machine,
-                seed: Some(self.seed),
+                seed: self.seed,
                 benchmark,
                 result: &result,
             };
@@ -152,8 +158,7 @@ fn write_stdout(s: &str) -> Result<()> {
 struct Document<'a, T: Serialize> {
     command_line: &'a str,
     machine: &'a util::Machine,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    seed: Option<u64>,
+    seed: u64,
     benchmark: &'static str,
     result: T,
 }
@@ -168,31 +173,6 @@ fn shell_quote(arg: &str) -> String {
     } else {
         format!("'{}'", arg.replace('\'', r"'\''"))
     }
-}
-
-fn emit<T: Serialize>(
-    json: bool,
-    command_line: &str,
-    machine: &util::Machine,
-    benchmark: &'static str,
-    result: T,
-    table: impl FnOnce(&T),
-) -> Result<()> {
-    if json {
-        let doc = Document {
-            command_line,
-            machine,
-            seed: None,
-            benchmark,
-            result,
-        };
-        println!("{}", serde_json::to_string_pretty(&doc)?);
-    } else {
-        println!("command: {command_line}");
-        println!("{machine}");
-        table(&result);
-    }
-    Ok(())
 }
 
 fn main() -> Result<()> {
@@ -238,16 +218,12 @@ fn main() -> Result<()> {
         Command::Lookup(a) => ctx.emit("lookup", lookup::run(a, ctx.seed)?),
         Command::ServeChild { set } => server::serve_child(set),
         Command::Server(a) => ctx.emit("server", tiers::run(a, &[tiers::Part::Server], ctx.seed)?),
-        Command::Policy(a) => {
-            let r = policy::run(a)?;
-            emit(
-                cli.json,
-                &command_line,
-                &machine,
-                "policy",
-                r,
-                policy::print,
-            )
+        Command::Policy(a) => ctx.emit("policy", policy::run(a)?),
+        Command::Replay(a) => {
+            let r = replay::run(a, ctx.seed)?;
+            let corrupt = r.overall.corrupt_blocks;
+            ctx.emit("replay", r)?;
+            replay::fail_on_corruption(corrupt)
         }
         Command::Transfer(a) => ctx.emit("transfer", transfer::run(a, ctx.seed)?),
     }

@@ -3,18 +3,20 @@
 //! trace, at several capacities.
 
 use std::collections::{BinaryHeap, HashMap, HashSet};
-use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 use clap::Args;
 use kvtier_server::policy::EvictionKind;
 use kvtier_server::replay::{TraceRequest, replay};
 use serde::Serialize;
 
+use crate::report::{Plot, PlotKind, Report, Table};
+use crate::trace::{self, ReadOptions};
+
 /// Tokens per block in the Mooncake traces.
-const TRACE_BLOCK_TOKENS: u64 = 512;
+const TRACE_BLOCK_TOKENS: u64 = trace::MOONCAKE_BLOCK_TOKENS as u64;
 
 #[derive(Args, Debug)]
 pub struct PolicyArgs {
@@ -38,7 +40,8 @@ pub struct PolicyArgs {
 #[derive(Clone, Debug)]
 pub struct TokenList(pub Vec<u64>);
 
-fn parse_tokens(s: &str) -> Result<u64, String> {
+/// Parses a token count in decimal units: `3m` is 3,000,000, `500k` 500,000.
+pub fn token_count(s: &str) -> Result<u64, String> {
     let t = s.trim().to_ascii_lowercase();
     let (num, mult) = match t.strip_suffix('m') {
         Some(n) => (n, 1_000_000),
@@ -47,11 +50,15 @@ fn parse_tokens(s: &str) -> Result<u64, String> {
             None => (t.as_str(), 1),
         },
     };
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a token count (e.g. 3m, 500k, 1000000)"))?;
-    match n.checked_mul(mult) {
-        Some(v) if v >= TRACE_BLOCK_TOKENS => Ok(v),
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("{s:?} is not a token count (e.g. 3m, 500k, 1000000)"))
+}
+
+pub fn parse_tokens(s: &str) -> Result<u64, String> {
+    match token_count(s)? {
+        v if v >= TRACE_BLOCK_TOKENS => Ok(v),
         _ => Err(format!("{s:?} must be at least one 512-token block")),
     }
 }
@@ -90,78 +97,13 @@ pub struct CapacityRow {
     pub default_seconds: f64,
 }
 
-/// Reads a Mooncake JSONL trace; a malformed line is an error naming the file and line.
-pub fn load_mooncake(
-    path: &Path,
-    full_blocks_only: bool,
-    limit: Option<usize>,
-) -> Result<Vec<TraceRequest>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let mut out = Vec::new();
-    let mut last_ts = 0;
-    for (n, line) in text.lines().enumerate() {
-        if limit.is_some_and(|l| out.len() >= l) {
-            break;
-        }
-        if line.trim().is_empty() {
-            continue;
-        }
-        let at = || format!("{}:{}", path.display(), n + 1);
-        let v: serde_json::Value =
-            serde_json::from_str(line).with_context(|| format!("{}: not JSON", at()))?;
-        let ts = v["timestamp"]
-            .as_u64()
-            .with_context(|| format!("{}: no integer `timestamp`", at()))?;
-        let input = v["input_length"]
-            .as_u64()
-            .with_context(|| format!("{}: no integer `input_length`", at()))?;
-        let ids = v["hash_ids"]
-            .as_array()
-            .with_context(|| format!("{}: no `hash_ids` array", at()))?
-            .iter()
-            .map(|x| x.as_u64())
-            .collect::<Option<Vec<u64>>>()
-            .with_context(|| format!("{}: `hash_ids` holds a non-integer", at()))?;
-        if ids.len() as u64 != input.div_ceil(TRACE_BLOCK_TOKENS) {
-            bail!(
-                "{}: {} hash_ids for {input} input tokens (want ceil(input/512))",
-                at(),
-                ids.len()
-            );
-        }
-        if ts < last_ts {
-            bail!(
-                "{}: timestamp {ts} goes back in time (previous {last_ts})",
-                at()
-            );
-        }
-        last_ts = ts;
-        let partial = !input.is_multiple_of(TRACE_BLOCK_TOKENS);
-        let blocks_to_store = if full_blocks_only && partial {
-            ids.len() - 1
-        } else {
-            ids.len()
-        };
-        out.push(TraceRequest {
-            timestamp_ms: ts,
-            block_ids: ids,
-            blocks_to_store,
-        });
-    }
-    if out.is_empty() {
-        bail!("{}: no requests", path.display());
-    }
-    Ok(out)
-}
-
 /// The request's hit count: its longest prefix of ids for which `cached` holds.
 fn leading_hits(r: &TraceRequest, cached: impl Fn(&u64) -> bool) -> u64 {
     r.block_ids.iter().take_while(|id| cached(id)).count() as u64
 }
 
 /// Hit rate with unlimited capacity: a block hits when its whole prefix was seen before.
-fn unlimited(trace: &[TraceRequest]) -> f64 {
+pub fn unlimited(trace: &[TraceRequest]) -> f64 {
     let mut seen = HashSet::new();
     let (mut hits, mut total) = (0u64, 0u64);
     for r in trace {
@@ -175,7 +117,7 @@ fn unlimited(trace: &[TraceRequest]) -> f64 {
 /// The offline optimum (Belady): on overflow, evict the block whose next use is farthest in
 /// the future (ties: the deepest, i.e. the largest id). A request's blocks are all inserted
 /// before evicting, so a block never used again can be dropped at once.
-fn optimum(trace: &[TraceRequest], capacity: u64) -> f64 {
+pub fn optimum(trace: &[TraceRequest], capacity: u64) -> f64 {
     const NEVER: u64 = u64::MAX;
     // next_use[r][i]: the index of the next request containing trace[r].block_ids[i].
     let mut next_use: Vec<Vec<u64>> = Vec::with_capacity(trace.len());
@@ -214,7 +156,7 @@ fn optimum(trace: &[TraceRequest], capacity: u64) -> f64 {
 }
 
 fn default_traces() -> Vec<PathBuf> {
-    let shared = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces");
+    let shared = trace::shared_traces_dir();
     ["conversation_trace.jsonl", "synthetic_trace.jsonl"]
         .iter()
         .map(|f| shared.join(f))
@@ -233,7 +175,11 @@ pub fn run(args: &PolicyArgs) -> Result<PolicyReport> {
         "policy replays",
     );
     for path in &traces {
-        let trace = load_mooncake(path, args.full_blocks_only, args.limit)?;
+        let opts = ReadOptions {
+            skip_bad: false,
+            limit: args.limit,
+        };
+        let trace = trace::read_mooncake(path, &opts)?.trace_requests(args.full_blocks_only);
         let blocks = trace.iter().map(|r| r.block_ids.len() as u64).sum();
         let mut rows = Vec::new();
         for &tokens in &args.capacities.0 {
@@ -282,32 +228,77 @@ pub fn run(args: &PolicyArgs) -> Result<PolicyReport> {
     })
 }
 
-pub fn print(r: &PolicyReport) {
-    println!("blocks stored: {}", r.rule);
-    for t in &r.traces {
-        println!(
-            "\n== {} ({} requests, {} blocks; unlimited capacity hit rate {:.2} %) ==",
-            t.trace,
-            t.requests,
-            t.blocks,
-            t.unlimited_hit_rate * 100.0
-        );
-        println!("capacity (tokens)  blocks    lru %  default %  optimum %  gap closed  default s");
-        for row in &t.rows {
-            let mut line = String::new();
-            let _ = write!(
-                line,
-                "{:>17} {:>7} {:>8.2} {:>10.2} {:>10.2} {:>10.1}% {:>10.2}",
-                row.capacity_tokens,
-                row.capacity_blocks,
-                row.lru_hit_rate * 100.0,
-                row.default_hit_rate * 100.0,
-                row.optimum_hit_rate * 100.0,
-                row.gap_closed * 100.0,
-                row.default_seconds
-            );
-            println!("{line}");
-        }
+impl Report for PolicyReport {
+    fn tables(&self) -> Vec<Table> {
+        self.traces
+            .iter()
+            .map(|t| {
+                let mut table = Table::new(
+                    format!(
+                        "{} ({} requests, {} blocks; blocks stored: {}; unlimited capacity hit rate {:.2} %)",
+                        t.trace,
+                        t.requests,
+                        t.blocks,
+                        self.rule,
+                        t.unlimited_hit_rate * 100.0
+                    ),
+                    &[
+                        "capacity (tokens)",
+                        "blocks",
+                        "lru %",
+                        "default %",
+                        "optimum %",
+                        "gap closed %",
+                        "default s",
+                    ],
+                );
+                for row in &t.rows {
+                    table.row([
+                        row.capacity_tokens.to_string(),
+                        row.capacity_blocks.to_string(),
+                        format!("{:.2}", row.lru_hit_rate * 100.0),
+                        format!("{:.2}", row.default_hit_rate * 100.0),
+                        format!("{:.2}", row.optimum_hit_rate * 100.0),
+                        format!("{:.1}", row.gap_closed * 100.0),
+                        format!("{:.2}", row.default_seconds),
+                    ]);
+                }
+                table
+            })
+            .collect()
+    }
+
+    fn plots(&self) -> Vec<Plot> {
+        self.traces
+            .iter()
+            .map(|t| Plot {
+                file: format!("policy-{}", t.trace),
+                title: format!("{}: hit rate by capacity", t.trace),
+                x_label: "capacity (tokens)".into(),
+                y_label: "hit rate %".into(),
+                kind: PlotKind::Bars {
+                    categories: t
+                        .rows
+                        .iter()
+                        .map(|r| format!("{}", r.capacity_tokens))
+                        .collect(),
+                    series: vec![
+                        (
+                            "lru".into(),
+                            t.rows.iter().map(|r| r.lru_hit_rate * 100.0).collect(),
+                        ),
+                        (
+                            "default".into(),
+                            t.rows.iter().map(|r| r.default_hit_rate * 100.0).collect(),
+                        ),
+                        (
+                            "optimum".into(),
+                            t.rows.iter().map(|r| r.optimum_hit_rate * 100.0).collect(),
+                        ),
+                    ],
+                },
+            })
+            .collect()
     }
 }
 
@@ -338,28 +329,5 @@ mod tests {
         assert_eq!(parse_tokens("500k"), Ok(500_000));
         assert!(parse_tokens("100").is_err());
         assert!(parse_tokens("x").is_err());
-    }
-
-    #[test]
-    fn malformed_trace_lines_name_the_line() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("t.jsonl");
-        std::fs::write(&p, "{\"timestamp\":0,\"input_length\":600,\"hash_ids\":[1,2]}\n{\"timestamp\":1,\"input_length\":5}\n").unwrap();
-        let e = format!("{:#}", load_mooncake(&p, false, None).unwrap_err());
-        assert!(e.contains("t.jsonl:2") && e.contains("hash_ids"), "{e}");
-        std::fs::write(
-            &p,
-            "{\"timestamp\":0,\"input_length\":600,\"hash_ids\":[1]}\n",
-        )
-        .unwrap();
-        let e = format!("{:#}", load_mooncake(&p, false, None).unwrap_err());
-        assert!(e.contains("t.jsonl:1"), "{e}");
-        std::fs::write(
-            &p,
-            "{\"timestamp\":0,\"input_length\":600,\"hash_ids\":[1,2]}\n",
-        )
-        .unwrap();
-        let t = load_mooncake(&p, true, None).unwrap();
-        assert_eq!(t[0].blocks_to_store, 1);
     }
 }

@@ -1,0 +1,343 @@
+//! The replay's server side: an embedded server (started in this process, reached over its
+//! Unix socket) or one at an address, served through kvtier-client; the server's statistics.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use kvtier_client::{Client, ClientConfig, Miss, PutStatus};
+use kvtier_core::{BlockKey, KvLayout};
+use kvtier_server::server::{ConfigLoader, Server};
+use serde::Serialize;
+
+use super::payload::{self, HEADER_BYTES};
+use super::schedule::{Backend, Served};
+use crate::util;
+
+/// How long connecting to a server may take before the replay gives up.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Serves requests through a client: lookup, load and verify the hit prefix, store the rest.
+pub struct ClientBackend {
+    client: Client,
+    block_bytes: usize,
+    lookup_only: bool,
+}
+
+impl ClientBackend {
+    /// With `lookup_only`, hits are what the lookup reports and nothing is loaded (nor
+    /// verified): the request pattern of the store's simulator.
+    pub fn new(client: Client, lookup_only: bool) -> Result<Self> {
+        let block_bytes = client.block_bytes();
+        if block_bytes < HEADER_BYTES {
+            bail!(
+                "the server's blocks are {block_bytes} bytes; the replay needs at least {HEADER_BYTES} \
+                 for its checksum and key"
+            );
+        }
+        Ok(Self {
+            client,
+            block_bytes,
+            lookup_only,
+        })
+    }
+}
+
+/// A miss that means the server is gone or refuses us: the replay stops.
+fn fatal(m: &Miss) -> Option<String> {
+    match m {
+        Miss::Unavailable(why) => Some(format!("server unavailable: {why}")),
+        Miss::Refused(why) => Some(format!("server refused: {why}")),
+        Miss::Disconnected => Some("server disconnected".into()),
+        Miss::Timeout => Some("server call timed out".into()),
+        Miss::NotCached | Miss::Corrupt | Miss::IoError | Miss::Busy => None,
+    }
+}
+
+impl Backend for ClientBackend {
+    async fn serve(&self, keys: Vec<BlockKey>, blocks_to_store: usize) -> Result<Served> {
+        let mut out = Served::default();
+        let t = Instant::now();
+        let look = self.client.lookup(&keys).await;
+        if let Some(why) = look.miss.as_ref().and_then(fatal) {
+            bail!("lookup: {why}");
+        }
+        out.busy += usize::from(look.miss == Some(Miss::Busy));
+        out.lookup_blocks = look.tiers.len().min(keys.len());
+        let n = out.lookup_blocks;
+        if self.lookup_only {
+            out.hit_blocks = n;
+            out.tiers = look.tiers.iter().take(n).map(|t| *t as u8).collect();
+        } else if n > 0 {
+            let mut buf = vec![0u8; n * self.block_bytes];
+            let mut bufs: Vec<&mut [u8]> = buf.chunks_mut(self.block_bytes).collect();
+            let f = self.client.get_into(&keys[..n], &mut bufs).await;
+            if let Some(why) = f.miss.as_ref().and_then(fatal) {
+                bail!("get: {why}");
+            }
+            out.busy += usize::from(f.miss == Some(Miss::Busy));
+            let got = f.blocks.min(n);
+            // The usable prefix ends at the first block that fails verification.
+            let mut good = got;
+            for (i, b) in buf.chunks(self.block_bytes).take(got).enumerate() {
+                if payload::verify(keys[i], b).is_err() {
+                    out.corrupt_blocks += 1;
+                    good = good.min(i);
+                }
+            }
+            out.hit_blocks = good;
+            out.tiers = f.tiers.iter().take(good).map(|t| *t as u8).collect();
+        }
+        out.load_s = t.elapsed().as_secs_f64();
+        let from = out.hit_blocks;
+        let to = blocks_to_store.min(keys.len());
+        if from < to {
+            let t = Instant::now();
+            let mut buf = vec![0u8; (to - from) * self.block_bytes];
+            for (k, b) in keys[from..to].iter().zip(buf.chunks_mut(self.block_bytes)) {
+                payload::fill(*k, b);
+            }
+            let bufs: Vec<&[u8]> = buf.chunks(self.block_bytes).collect();
+            let parent = from.checked_sub(1).map(|p| keys[p]);
+            let stored = self.client.put_chain(&keys[from..to], parent, &bufs).await;
+            if let Some(why) = stored.failure.as_ref().and_then(fatal) {
+                bail!("put: {why}");
+            }
+            out.busy += usize::from(stored.failure == Some(Miss::Busy));
+            out.put_blocks = to - from;
+            out.stored_blocks = stored
+                .statuses
+                .iter()
+                .filter(|s| matches!(s, PutStatus::Stored | PutStatus::AlreadyPresent))
+                .count();
+            out.store_s = t.elapsed().as_secs_f64();
+        }
+        Ok(out)
+    }
+}
+
+/// Connects to `url`; an unreachable server is an error within [`CONNECT_TIMEOUT`].
+pub async fn connect(
+    url: &str,
+    token: Option<&str>,
+    quic_cert: Option<&Path>,
+    zero_copy: bool,
+) -> Result<Client> {
+    let mut cfg = ClientConfig::default()
+        .timeout(Duration::from_secs(30))
+        .zero_copy(zero_copy);
+    cfg.connect_timeout = CONNECT_TIMEOUT;
+    if let Some(t) = token {
+        cfg = cfg.token(t);
+    }
+    if let Some(p) = quic_cert {
+        let der = std::fs::read(p)
+            .with_context(|| format!("reading the QUIC certificate {}", p.display()))?;
+        cfg = cfg.quic_cert_der(der);
+    }
+    match tokio::time::timeout(
+        CONNECT_TIMEOUT + Duration::from_secs(1),
+        Client::connect(url, cfg),
+    )
+    .await
+    {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => bail!("cannot reach the kvtier server at {url}: {e}"),
+        Err(_) => bail!(
+            "cannot reach the kvtier server at {url}: no answer within {} s",
+            CONNECT_TIMEOUT.as_secs()
+        ),
+    }
+}
+
+/// Tier sizes of an embedded server, in blocks.
+#[derive(Clone, Debug)]
+pub struct EmbeddedConfig {
+    pub layout: KvLayout,
+    pub dram_blocks: u64,
+    pub nvme_blocks: u64,
+    /// Parent of the NVMe tier's temporary directory.
+    pub nvme_base: PathBuf,
+    pub demotion: String,
+    /// Extra `section.key=value` settings, applied last.
+    pub sets: Vec<String>,
+}
+
+/// A server started in this process; its files live in temporary directories.
+pub struct Embedded {
+    pub server: Server,
+    pub url: String,
+    pub nvme_fs: Option<String>,
+    _run: tempfile::TempDir,
+    _nvme: Option<tempfile::TempDir>,
+}
+
+impl Embedded {
+    pub async fn start(c: &EmbeddedConfig) -> Result<Embedded> {
+        let run = tempfile::Builder::new()
+            .prefix("kvtier-replay-")
+            .tempdir()
+            .context("creating the embedded server's runtime directory")?;
+        let block = c.layout.block_bytes();
+        let page = util::ALIGN as u64;
+        let slot = block.next_multiple_of(page);
+        let mut sets = vec![
+            format!("server.runtime_dir={:?}", run.path().display().to_string()),
+            "server.tcp=\"off\"".into(),
+            "server.quic=\"off\"".into(),
+            "server.admin=\"off\"".into(),
+            format!("store.dram_bytes={}", c.dram_blocks * slot),
+            "store.dram_prefault=false".into(),
+            format!("store.demotion={:?}", c.demotion),
+            format!("layout.layers={}", c.layout.num_layers()),
+            format!("layout.kv_heads={}", c.layout.num_kv_heads()),
+            format!("layout.head_dim={}", c.layout.head_dim()),
+            format!("layout.dtype={:?}", c.layout.dtype().name()),
+            format!("layout.block_tokens={}", c.layout.block_tokens()),
+        ];
+        let (nvme, nvme_fs) = if c.nvme_blocks > 0 {
+            std::fs::create_dir_all(&c.nvme_base).with_context(|| {
+                format!("--nvme-dir {} cannot be created", c.nvme_base.display())
+            })?;
+            let dir = tempfile::Builder::new()
+                .prefix("kvtier-replay-nvme-")
+                .tempdir_in(&c.nvme_base)
+                .with_context(|| format!("--nvme-dir {} is not writable", c.nvme_base.display()))?;
+            let fs = util::fs_type(dir.path())?;
+            if util::is_memory_fs(&fs) {
+                eprintln!(
+                    "warning: {} is on {fs}: the NVMe tier lives in memory, not on a disk",
+                    dir.path().display()
+                );
+            }
+            let need = c.nvme_blocks * (page + slot);
+            let free = util::free_bytes(dir.path())?;
+            if need > free {
+                bail!(
+                    "--nvme-tokens needs {} on {} but only {} are free",
+                    util::Bytes(need),
+                    dir.path().display(),
+                    util::Bytes(free)
+                );
+            }
+            sets.push(format!(
+                "store.nvme_dir={:?}",
+                dir.path().display().to_string()
+            ));
+            sets.push(format!("store.nvme_bytes={need}"));
+            (Some(dir), Some(fs))
+        } else {
+            sets.push("store.nvme_dir=\"\"".into());
+            (None, None)
+        };
+        let mut l = ConfigLoader::new();
+        for s in sets.iter().chain(&c.sets) {
+            l = l
+                .set(s)
+                .with_context(|| format!("embedded server setting {s}"))?;
+        }
+        let config = l.build()?;
+        let server = Server::start(config)
+            .await
+            .context("starting the embedded server")?;
+        let sock = server
+            .endpoints()
+            .unix
+            .clone()
+            .context("the embedded server has no Unix socket (server.unix=off?)")?;
+        Ok(Embedded {
+            server,
+            url: format!("unix://{}", sock.display()),
+            nvme_fs,
+            _run: run,
+            _nvme: nvme,
+        })
+    }
+
+    pub async fn stop(self) {
+        let Embedded {
+            server,
+            _run,
+            _nvme,
+            ..
+        } = self;
+        server.shutdown().await;
+        drop((_run, _nvme));
+    }
+}
+
+/// One tier's counters from the server's statistics.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct TierCounters {
+    pub tier: String,
+    pub hits: u64,
+    pub misses: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    pub evictions: u64,
+    pub demotions: u64,
+    pub demotions_dropped: u64,
+    pub promotions: u64,
+    pub admissions_refused: u64,
+    pub corrupt_dropped: u64,
+    pub io_errors: u64,
+    pub used_slots: u64,
+    pub capacity_slots: u64,
+    pub slot_bytes: u64,
+}
+
+impl TierCounters {
+    /// `self - before` for the counters; levels (slots) as in `self`.
+    pub fn since(&self, before: &TierCounters) -> TierCounters {
+        let d = |a: u64, b: u64| a.saturating_sub(b);
+        TierCounters {
+            tier: self.tier.clone(),
+            hits: d(self.hits, before.hits),
+            misses: d(self.misses, before.misses),
+            bytes_in: d(self.bytes_in, before.bytes_in),
+            bytes_out: d(self.bytes_out, before.bytes_out),
+            evictions: d(self.evictions, before.evictions),
+            demotions: d(self.demotions, before.demotions),
+            demotions_dropped: d(self.demotions_dropped, before.demotions_dropped),
+            promotions: d(self.promotions, before.promotions),
+            admissions_refused: d(self.admissions_refused, before.admissions_refused),
+            corrupt_dropped: d(self.corrupt_dropped, before.corrupt_dropped),
+            io_errors: d(self.io_errors, before.io_errors),
+            used_slots: self.used_slots,
+            capacity_slots: self.capacity_slots,
+            slot_bytes: self.slot_bytes,
+        }
+    }
+}
+
+/// The per-tier counters in a server's `stats` JSON.
+pub fn parse_stats(json: &str) -> Result<Vec<TierCounters>> {
+    let v: serde_json::Value =
+        serde_json::from_str(json).context("the server's stats are not JSON")?;
+    let tiers = v["store"]["tiers"]
+        .as_array()
+        .context("the server's stats have no store.tiers list")?;
+    tiers
+        .iter()
+        .map(|t| {
+            let n = |k: &str| t[k].as_u64().unwrap_or(0);
+            Ok(TierCounters {
+                tier: t["tier"].as_str().unwrap_or("?").to_owned(),
+                hits: n("hits"),
+                misses: n("misses"),
+                bytes_in: n("bytes_in"),
+                bytes_out: n("bytes_out"),
+                evictions: n("evictions"),
+                demotions: n("demotions"),
+                demotions_dropped: n("demotions_dropped"),
+                promotions: n("promotions"),
+                admissions_refused: n("admissions_refused"),
+                corrupt_dropped: n("corrupt_dropped"),
+                io_errors: n("io_errors"),
+                used_slots: n("used_slots"),
+                capacity_slots: n("capacity_slots"),
+                slot_bytes: n("slot_bytes"),
+            })
+        })
+        .collect()
+}
