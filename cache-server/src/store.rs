@@ -416,18 +416,20 @@ impl TieredStore {
         key: BlockKey,
         parent: Option<BlockKey>,
     ) -> Result<Reservation, PutOutcome> {
-        self.inner.reserve(key, parent, false)
+        self.inner.reserve(key, parent, None)
     }
 
     /// Like [`TieredStore::reserve`] for a block whose parent is reserved earlier in the same
-    /// batch (not yet committed): the parent is not required to be cached now. Commit the
-    /// batch in order; a child whose parent was not committed is refused at its commit.
+    /// batch (not yet committed): the parent is not required to be cached now. The eviction
+    /// policy sees the child linked to the parent's slot, exactly as if the parent had been
+    /// committed first. Commit the batch in order; a child whose parent was not committed is
+    /// refused at its commit.
     pub fn reserve_after(
         &self,
         key: BlockKey,
-        parent: BlockKey,
+        parent: &Reservation,
     ) -> Result<Reservation, PutOutcome> {
-        self.inner.reserve(key, Some(parent), true)
+        self.inner.reserve(key, Some(parent.key), Some(parent.slot))
     }
 
     /// Every cached block and the tiers holding it. O(blocks); for resyncing subscribers.
@@ -776,7 +778,7 @@ impl Inner {
                 expected: self.block_bytes,
             });
         }
-        match self.reserve(key, parent, false) {
+        match self.reserve(key, parent, None) {
             Ok(mut r) => {
                 r.bytes_mut().copy_from_slice(data);
                 r.commit()
@@ -789,7 +791,7 @@ impl Inner {
         self: &Arc<Self>,
         key: BlockKey,
         parent: Option<BlockKey>,
-        parent_pending: bool,
+        pending_parent_slot: Option<u32>,
     ) -> Result<Reservation, PutOutcome> {
         if self.shard(&key).contains_key(&key) {
             return Err(PutOutcome::AlreadyPresent);
@@ -798,7 +800,7 @@ impl Inner {
         let parent_slot = match parent {
             Some(p) => match self.shard(&p).get(&p) {
                 Some(e) => (e.dram != NONE).then_some(e.dram),
-                None if parent_pending => None,
+                None if pending_parent_slot.is_some() => pending_parent_slot,
                 None => {
                     TierCounters::inc(&c.admissions_refused);
                     return Err(PutOutcome::Rejected(RejectReason::OrphanBlock));

@@ -5,6 +5,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use kvtier_core::BlockKey;
 use kvtier_server::policy::admission::RejectReason;
 use kvtier_server::{GetOutcome, MissReason, PutOutcome, StoreError, TierKind, TieredStore};
 
@@ -443,4 +444,76 @@ fn snapshot_lists_every_block_and_its_tiers() {
     assert_eq!(snap.len(), 3);
     assert!(snap.iter().all(|e| e.in_nvme));
     assert_eq!(snap.iter().filter(|e| e.in_dram).count(), 2);
+}
+
+/// A chain stored as one batch (each block reserved after its uncommitted parent, then all
+/// committed) must look to the eviction policy exactly like the same chain stored block by
+/// block: same blocks survive the same later traffic.
+#[test]
+fn batch_reserved_chains_evict_like_chains_put_one_by_one() {
+    use std::sync::Arc;
+    let clock = Arc::new(kvtier_server::clock::ManualClock::default());
+    let open = || {
+        let mut c = config(24, None);
+        c.clock = clock.clone();
+        TieredStore::open(c).unwrap().0
+    };
+    let (one_by_one, batched) = (open(), open());
+    // Conversations: a shared 3-block system prefix, then each conversation's own blocks,
+    // revisited (lookup) now and then, so the chain-aware policy has chains to reason about.
+    let mut next = 1000u64;
+    let mut chains: Vec<Vec<BlockKey>> = Vec::new();
+    let system: Vec<BlockKey> = (0..3).map(key).collect();
+    for step in 0..60u64 {
+        clock.set_ms(step * 1000);
+        let chain: Vec<BlockKey> = if step % 3 == 2 && !chains.is_empty() {
+            // A later turn of an earlier conversation: its chain plus two new blocks.
+            let mut c = chains[(step as usize * 7) % chains.len()].clone();
+            c.extend((0..2).map(|_| {
+                next += 1;
+                key(next)
+            }));
+            c
+        } else {
+            let mut c = system.clone();
+            c.extend((0..(2 + step % 4)).map(|_| {
+                next += 1;
+                key(next)
+            }));
+            c
+        };
+        for s in [&one_by_one, &batched] {
+            let _ = s.lookup(&chain);
+        }
+        let cached = one_by_one.lookup(&chain).len();
+        assert_eq!(cached, batched.lookup(&chain).len(), "step {step}");
+        let new = &chain[cached..];
+        let parent = cached.checked_sub(1).map(|i| chain[i]);
+        for (i, k) in new.iter().enumerate() {
+            let p = if i == 0 { parent } else { Some(new[i - 1]) };
+            let _ = one_by_one.put(*k, p, &data(*k)).unwrap();
+        }
+        let mut held: Vec<kvtier_server::store::Reservation> = Vec::new();
+        for (i, k) in new.iter().enumerate() {
+            let r = match held.last() {
+                Some(prev) if i > 0 => batched.reserve_after(*k, prev),
+                _ => batched.reserve(*k, parent),
+            };
+            let Ok(mut r) = r else { break };
+            r.bytes_mut().copy_from_slice(&data(*k));
+            held.push(r);
+        }
+        for r in held {
+            r.commit().unwrap();
+        }
+        chains.push(chain);
+    }
+    let all: Vec<BlockKey> = chains.iter().flatten().copied().collect();
+    let survivors = |s: &TieredStore| all.iter().filter(|k| s.contains(k)).count();
+    assert!(survivors(&one_by_one) < all.len(), "the test must evict");
+    for k in &all {
+        assert_eq!(one_by_one.contains(k), batched.contains(k), "{k:?}");
+    }
+    one_by_one.check_consistency().unwrap();
+    batched.check_consistency().unwrap();
 }

@@ -958,11 +958,12 @@ fn reserve_batch(s: &Shared, entries: &[PutEntry]) -> (Vec<Option<Reservation>>,
     let mut slots: Vec<Option<Reservation>> = Vec::with_capacity(entries.len());
     let mut statuses = Vec::with_capacity(entries.len());
     for (i, e) in entries.iter().enumerate() {
-        let pending_parent = e.parent.filter(|p| {
-            i > 0 && entries[i - 1].key == *p && slots.last().is_some_and(Option::is_some)
-        });
+        let pending_parent = match (e.parent, slots.last()) {
+            (Some(p), Some(Some(prev))) if i > 0 && entries[i - 1].key == p => Some(prev),
+            _ => None,
+        };
         let r = match pending_parent {
-            Some(p) => s.store.reserve_after(e.key, p),
+            Some(prev) => s.store.reserve_after(e.key, prev),
             None => s.store.reserve(e.key, e.parent),
         };
         match r {
