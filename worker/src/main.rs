@@ -34,6 +34,10 @@ enum Command {
         /// Token for a tcp/quic sidecar (default: KVTIER_TOKEN).
         #[arg(long)]
         sidecar_token: Option<String>,
+        /// The QUIC sidecar's certificate in DER (the server writes its generated one to
+        /// `<runtime_dir>/quic-cert.der`), pinned for a quic:// sidecar.
+        #[arg(long)]
+        sidecar_cert: Option<PathBuf>,
         /// File holding the deployment's block-key secret (at least 16 bytes; a trailing
         /// newline is ignored). Without it the public development secret is used.
         #[arg(long)]
@@ -120,12 +124,31 @@ async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Reads the sidecar's QUIC certificate (DER).
+fn read_cert(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
+    use anyhow::Context as _;
+    let bytes = std::fs::read(path)
+        .with_context(|| format!("--sidecar-cert {}: cannot read", path.display()))?;
+    if bytes.starts_with(b"-----BEGIN") {
+        anyhow::bail!(
+            "--sidecar-cert {}: a PEM file; give the DER form (the server writes \
+             <runtime_dir>/quic-cert.der; or `openssl x509 -outform der`)",
+            path.display()
+        );
+    }
+    if bytes.is_empty() {
+        anyhow::bail!("--sidecar-cert {}: empty file", path.display());
+    }
+    Ok(bytes)
+}
+
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Serve {
             listen,
             sidecar,
             sidecar_token,
+            sidecar_cert,
             hash_secret_file,
             model_dir,
             model_name,
@@ -144,10 +167,12 @@ fn main() -> anyhow::Result<()> {
                 .with_writer(std::io::stderr)
                 .init();
             let hash_secret = hash_secret_file.as_deref().map(read_secret).transpose()?;
+            let sidecar_quic_cert_der = sidecar_cert.as_deref().map(read_cert).transpose()?;
             let config = ServeConfig {
                 listen,
                 sidecar: (sidecar != "off").then_some(sidecar),
                 sidecar_token,
+                sidecar_quic_cert_der,
                 hash_secret,
                 model_dir,
                 model_name,

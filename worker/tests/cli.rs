@@ -163,3 +163,34 @@ fn serve_refuses_role_settings_that_do_not_go_together() -> Result<()> {
     assert!(out.contains("unknown role"), "{out}");
     Ok(())
 }
+
+#[test]
+fn serve_refuses_a_missing_or_pem_sidecar_certificate() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let pem = dir.path().join("cert.pem");
+    std::fs::write(
+        &pem,
+        "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+    )?;
+    let missing = dir.path().join("nope.der");
+    for (file, want) in [(&pem, "a PEM file"), (&missing, "cannot read")] {
+        let (ok, out) = run(
+            &[
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--sidecar",
+                "quic://127.0.0.1:9",
+                "--sidecar-cert",
+                file.to_str().unwrap_or_default(),
+            ],
+            Duration::from_secs(60),
+        )?;
+        assert!(!ok);
+        assert!(
+            out.contains("--sidecar-cert") && out.contains(want),
+            "{out}"
+        );
+    }
+    Ok(())
+}

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use common::*;
 use kvtier_core::HashSecret;
 use kvtier_worker::metrics::Metrics;
@@ -23,14 +23,18 @@ fn engine() -> Result<Engine> {
     Ok(Engine::new(Model::random(ModelConfig::default(), 0)?, 64)?)
 }
 
-async fn check_round_trip(url: String, salt: Option<&[u8]>) -> Result<f32> {
+async fn check_round_trip(
+    url: String,
+    quic_cert_der: Option<Vec<u8>>,
+    salt: Option<&[u8]>,
+) -> Result<f32> {
     let cfg = ModelConfig::default();
     let metrics = Arc::new(Metrics::default());
     let sc = Sidecar::connect(
         SidecarSettings {
             url,
             token: Some(TOKEN.into()),
-            quic_cert_der: None,
+            quic_cert_der,
             secret: HashSecret::development(),
             model_id: "kvtier-tiny".into(),
         },
@@ -107,13 +111,17 @@ async fn check_round_trip(url: String, salt: Option<&[u8]>) -> Result<f32> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn loaded_prefix_logits_equal_recomputed_over_unix_and_tcp() -> Result<()> {
+async fn loaded_prefix_logits_equal_recomputed_over_unix_tcp_and_quic() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let cfg = kvtier_config(dir.path(), "8MiB", 4)?;
     let (server, unix, tcp) = start_kvtier(&cfg).await?;
-    let d1 = check_round_trip(unix, None).await?;
-    let d2 = check_round_trip(tcp, Some(b"tenant-a")).await?;
-    println!("max |loaded - recomputed| logits: unix {d1:e}, tcp {d2:e}");
+    let e = server.endpoints();
+    let quic = format!("quic://{}", e.quic.context("quic listener")?);
+    let cert = e.quic_cert_der.clone();
+    let d1 = check_round_trip(unix, None, None).await?;
+    let d2 = check_round_trip(tcp, None, Some(b"tenant-a")).await?;
+    let d3 = check_round_trip(quic, Some(cert), Some(b"tenant-b")).await?;
+    println!("max |loaded - recomputed| logits: unix {d1:e}, tcp {d2:e}, quic {d3:e}");
     server.shutdown().await;
     Ok(())
 }
