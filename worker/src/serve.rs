@@ -112,7 +112,8 @@ pub struct ServeConfig {
     pub sidecar_quic_cert_der: Option<Vec<u8>>,
     /// Block-key secret; None = the public development secret (with a warning). Default: None.
     pub hash_secret: Option<HashSecret>,
-    /// Hugging Face Llama directory; None = seeded random weights. Default: None.
+    /// Hugging Face Llama directory (config.json, *.safetensors, and tokenizer.json when
+    /// present, else the byte tokenizer); None = seeded random weights. Default: None.
     pub model_dir: Option<PathBuf>,
     /// Shape of the random-weight model (ignored with `model_dir`, except `block_tokens`).
     /// Default: [`ModelConfig::default`].
