@@ -2,7 +2,7 @@
 //! field gets a 4xx with an OpenAI-style error body), the chat template, and the JSON the
 //! worker answers with.
 //!
-//! Chat template (byte tokenizer, documented in `docs/worker.md`): BOS, then for each message
+//! Chat template (the same with every tokenizer, documented in `docs/worker.md`): BOS, then for each message
 //! `<|{role}|>\n{content}\n`, then `<|assistant|>\n`.
 
 use axum::http::StatusCode;
@@ -12,7 +12,9 @@ use serde_json::{Value, json};
 
 use crate::engine::{FinishReason, Sampling};
 use crate::scheduler::Usage;
-use crate::tokenizer::ByteTokenizer;
+use crate::tokenizer::Tokenizer;
+#[cfg(test)]
+use crate::tokenizer::{ByteTokenizer, Utf8Stream};
 
 /// `max_tokens` when the request gives none.
 pub const DEFAULT_MAX_TOKENS: usize = 16;
@@ -144,6 +146,8 @@ pub struct Limits<'a> {
     pub model_name: &'a str,
     pub max_context_tokens: usize,
     pub vocab_size: usize,
+    /// Encodes text prompts and chat templates.
+    pub tokenizer: &'a Tokenizer,
     /// Seed for sampled requests that give none.
     pub fallback_seed: u64,
 }
@@ -208,7 +212,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint, lim: &Limits) -> Result<ParsedRequ
                     Some("messages"),
                 ));
             }
-            prompt_tokens(raw.prompt.as_ref(), lim.vocab_size)?
+            prompt_tokens(raw.prompt.as_ref(), lim)?
         }
         Endpoint::Chat => {
             if raw.prompt.is_some() {
@@ -220,7 +224,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint, lim: &Limits) -> Result<ParsedRequ
             let msgs = raw
                 .messages
                 .ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
-            ByteTokenizer.encode(&chat_template(&msgs)?, true)
+            encode(lim.tokenizer, &chat_template(&msgs)?, "messages")?
         }
     };
     if tokens.len() > lim.max_context_tokens {
@@ -252,11 +256,17 @@ pub fn parse(body: &[u8], endpoint: Endpoint, lim: &Limits) -> Result<ParsedRequ
     })
 }
 
-fn prompt_tokens(prompt: Option<&Value>, vocab_size: usize) -> Result<Vec<u32>, ApiError> {
+fn encode(tok: &Tokenizer, text: &str, param: &'static str) -> Result<Vec<u32>, ApiError> {
+    tok.encode(text, true)
+        .map_err(|e| ApiError::invalid(format!("cannot tokenize the prompt: {e}"), Some(param)))
+}
+
+fn prompt_tokens(prompt: Option<&Value>, lim: &Limits) -> Result<Vec<u32>, ApiError> {
+    let vocab_size = lim.vocab_size;
     let bad = |m: String| ApiError::invalid(m, Some("prompt"));
     match prompt {
         None => Err(bad("`prompt` is required".into())),
-        Some(Value::String(s)) => Ok(ByteTokenizer.encode(s, true)),
+        Some(Value::String(s)) => encode(lim.tokenizer, s, "prompt"),
         Some(Value::Array(items)) => {
             if items.is_empty() {
                 return Err(bad("`prompt` is an empty token list".into()));
@@ -407,48 +417,6 @@ pub fn usage_chunk(req: &ParsedRequest, id: &str, created: u64, u: &Usage) -> Va
            "choices": [], "usage": usage_json(u)})
 }
 
-/// Turns byte tokens into text as they arrive: holds back an incomplete UTF-8 sequence until
-/// its last byte comes; invalid bytes become U+FFFD (as [`ByteTokenizer::decode`]).
-#[derive(Default)]
-pub struct Utf8Stream {
-    pending: Vec<u8>,
-}
-
-impl Utf8Stream {
-    /// Text completed by `token` (often one character, sometimes none).
-    pub fn push(&mut self, token: u32) -> String {
-        if let Ok(b) = u8::try_from(token) {
-            self.pending.push(b);
-        }
-        match std::str::from_utf8(&self.pending) {
-            Ok(s) => {
-                let s = s.to_owned();
-                self.pending.clear();
-                s
-            }
-            Err(e) if e.error_len().is_none() => {
-                // Incomplete at the end: emit the valid part, keep the tail.
-                let valid = e.valid_up_to();
-                let s = String::from_utf8_lossy(&self.pending[..valid]).into_owned();
-                self.pending.drain(..valid);
-                s
-            }
-            Err(_) => {
-                let s = String::from_utf8_lossy(&self.pending).into_owned();
-                self.pending.clear();
-                s
-            }
-        }
-    }
-
-    /// Whatever is held back, lossily.
-    pub fn finish(&mut self) -> String {
-        let s = String::from_utf8_lossy(&self.pending).into_owned();
-        self.pending.clear();
-        s
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -458,6 +426,7 @@ mod tests {
             model_name: "kvtier-tiny",
             max_context_tokens: 32,
             vocab_size: 258,
+            tokenizer: &Tokenizer::Byte,
             fallback_seed: 7,
         }
     }

@@ -88,6 +88,8 @@ impl Sampler {
 pub struct Engine {
     model: Model,
     cache: PagedKvCache,
+    /// Tokens that end generation (the byte tokenizer's EOS unless set).
+    eos: Vec<u32>,
 }
 
 impl Engine {
@@ -95,7 +97,11 @@ impl Engine {
     pub fn new(model: Model, num_blocks: usize) -> Result<Self> {
         let layout = model.config().kv_layout()?;
         let cache = PagedKvCache::new(layout, num_blocks)?;
-        Ok(Self { model, cache })
+        Ok(Self {
+            model,
+            cache,
+            eos: vec![ByteTokenizer::EOS],
+        })
     }
 
     /// An engine over a pool built by the caller (for example one in a registered transfer
@@ -108,7 +114,21 @@ impl Engine {
                 reason: "the pool's KV layout is not the model's".to_owned(),
             });
         }
-        Ok(Self { model, cache })
+        Ok(Self {
+            model,
+            cache,
+            eos: vec![ByteTokenizer::EOS],
+        })
+    }
+
+    /// Sets the tokens that end generation (the tokenizer's EOS ids).
+    pub fn set_eos(&mut self, eos: Vec<u32>) {
+        self.eos = eos;
+    }
+
+    /// The tokens that end generation.
+    pub fn eos(&self) -> &[u32] {
+        &self.eos
     }
 
     pub fn model(&self) -> &Model {
@@ -213,7 +233,7 @@ impl Engine {
                 return Ok((out, FinishReason::MaxTokens));
             }
             let token = sampler.sample(&logits);
-            if token == ByteTokenizer::EOS {
+            if self.eos.contains(&token) {
                 return Ok((out, FinishReason::Eos));
             }
             out.push(token);

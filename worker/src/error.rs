@@ -52,6 +52,9 @@ pub enum WorkerError {
     /// blocks differ from this model's).
     #[error("sidecar {url}: {reason}")]
     Sidecar { url: String, reason: String },
+    /// A model directory's `tokenizer.json` cannot be read or does not fit the model.
+    #[error("tokenizer {path}: {reason}")]
+    Tokenizer { path: PathBuf, reason: String },
     /// A `serve` setting is unusable.
     #[error("serve setting `{setting}`: {reason}")]
     Serve { setting: String, reason: String },

@@ -2,8 +2,8 @@
 //! candle on the CPU, with a paged KV cache whose blocks are laid out byte for byte as kvtier's
 //! [`kvtier_core::KvLayout`], so a block moves between the worker and kvtier as raw bytes.
 //!
-//! Model, byte tokenizer, paged cache and engine (prefill from any block-aligned position,
-//! decode, sampling); prefix reuse through the kvtier sidecar ([`sidecar`]); continuous
+//! Model, tokenizers (byte-level or a Hugging Face `tokenizer.json`), paged cache and engine
+//! (prefill from any block-aligned position, decode, sampling); prefix reuse through the kvtier sidecar ([`sidecar`]); continuous
 //! batching ([`scheduler`]); the OpenAI-compatible HTTP server ([`serve`]); disaggregated
 //! prefill/decode over kvtier-transfer ([`disagg`]). See `docs/worker.md`.
 
@@ -26,4 +26,4 @@ pub use engine::{Engine, FinishReason, Generation, Sampler, Sampling};
 pub use error::WorkerError;
 pub use kv_cache::{BlockId, BlockTable, PagedKvCache};
 pub use model::Model;
-pub use tokenizer::ByteTokenizer;
+pub use tokenizer::{ByteTokenizer, TextStream, Tokenizer};

@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use kvtier_core::{HashScheme, HashSecret};
 use kvtier_worker::serve::{Role, ServeConfig, WorkerServer};
-use kvtier_worker::{ByteTokenizer, Engine, Model, ModelConfig, Sampling};
+use kvtier_worker::{Engine, Model, ModelConfig, Sampling, Tokenizer};
 
 #[derive(Parser)]
 #[command(
@@ -42,7 +42,8 @@ enum Command {
         /// newline is ignored). Without it the public development secret is used.
         #[arg(long)]
         hash_secret_file: Option<PathBuf>,
-        /// A Hugging Face Llama directory (config.json + *.safetensors).
+        /// A Hugging Face Llama directory (config.json + *.safetensors; tokenizer.json when
+        /// present, else prompts are byte-tokenized).
         #[arg(long)]
         model_dir: Option<PathBuf>,
         /// Served model name; requests naming another model get 404.
@@ -81,8 +82,8 @@ enum Command {
         /// 0 is greedy.
         #[arg(long, default_value_t = 0.0)]
         temperature: f32,
-        /// A Hugging Face Llama directory (config.json + *.safetensors). Its tokenizer is not
-        /// used yet: prompts are byte-tokenized, so only a byte-vocabulary model makes sense.
+        /// A Hugging Face Llama directory (config.json + *.safetensors, and tokenizer.json,
+        /// without which prompts are byte-tokenized).
         #[arg(long)]
         model_dir: Option<PathBuf>,
         /// Tokens per KV block.
@@ -228,9 +229,13 @@ fn main() -> anyhow::Result<()> {
                 layout.block_bytes(),
                 cfg.block_tokens,
             );
-            let tok = ByteTokenizer;
-            let ids = tok.encode(&prompt, true);
+            let tok = match &model_dir {
+                Some(dir) => Tokenizer::for_model_dir(dir, cfg.vocab_size)?,
+                None => Tokenizer::Byte,
+            };
+            let ids = tok.encode(&prompt, true)?;
             let mut engine = Engine::new(model, kv_blocks)?;
+            engine.set_eos(tok.eos());
             let g = engine.generate(&ids, max_tokens, Sampling { temperature, seed })?;
             println!("{:?}", tok.decode(&g.tokens)?);
             let rate = |n: usize, d: std::time::Duration| n as f64 / d.as_secs_f64().max(1e-9);

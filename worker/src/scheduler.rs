@@ -32,7 +32,6 @@ use crate::error::{Result, WorkerError};
 use crate::kv_cache::BlockTable;
 use crate::metrics::{Metrics, add};
 use crate::sidecar::{Prefix, PrefixSource, Sidecar, StoreJob};
-use crate::tokenizer::ByteTokenizer;
 
 /// Tokens computed per prefill step.
 pub const PREFILL_CHUNK_TOKENS: usize = 512;
@@ -292,6 +291,7 @@ impl Loop {
             let held = front.prefilled.as_ref().map_or(0, |p| p.table.len());
             let engine = lock(&self.engine);
             let max_ctx = engine.model().config().max_context_tokens;
+            let eos = engine.eos().to_vec();
             let need = positions_needed(front.tokens.len(), front.max_tokens, max_ctx);
             let blocks = need.div_ceil(engine.cache().block_tokens());
             let pool = engine.cache().num_blocks();
@@ -348,7 +348,7 @@ impl Loop {
                 // The prompt's KV is in the table: sample the first token now.
                 Some(logits) => {
                     seq.prefill_next = None;
-                    Self::after_logits(&self.metrics, &mut seq, &logits, max_ctx);
+                    Self::after_logits(&self.metrics, &mut seq, &logits, max_ctx, &eos);
                     // After the first token is out: copy the prompt's new full blocks for the
                     // sidecar, as after a local prefill.
                     if let Some(s) = &self.sidecar {
@@ -426,7 +426,7 @@ impl Loop {
             match engine.decode_step(token, pos, &mut seq.table) {
                 Ok(logits) => {
                     let max_ctx = engine.model().config().max_context_tokens;
-                    Self::after_logits(&self.metrics, seq, &logits, max_ctx);
+                    Self::after_logits(&self.metrics, seq, &logits, max_ctx, engine.eos());
                     Ok(())
                 }
                 Err(e) => Err(e),
@@ -468,7 +468,7 @@ impl Loop {
         }
         seq.prefill_next = None;
         let max_ctx = engine.model().config().max_context_tokens;
-        Self::after_logits(metrics, seq, &logits, max_ctx);
+        Self::after_logits(metrics, seq, &logits, max_ctx, engine.eos());
         // After the first token is out: copy the new full blocks for the sidecar.
         if let Some(s) = sidecar {
             Self::store_blocks(engine, s, seq);
@@ -499,14 +499,14 @@ impl Loop {
 
     /// Samples from the logits of position `len - 1` (prompt) or of the last fed token, as
     /// [`Engine::decode`] does: same stops, same order.
-    fn after_logits(metrics: &Metrics, seq: &mut Seq, logits: &[f32], max_ctx: usize) {
+    fn after_logits(metrics: &Metrics, seq: &mut Seq, logits: &[f32], max_ctx: usize, eos: &[u32]) {
         let max_tokens = seq.req.max_tokens;
         if seq.out.len() >= max_tokens {
             seq.finished = Some(FinishReason::MaxTokens);
             return;
         }
         let token = seq.sampler.sample(logits);
-        if token == ByteTokenizer::EOS {
+        if eos.contains(&token) {
             seq.finished = Some(FinishReason::Eos);
             return;
         }

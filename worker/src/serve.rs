@@ -46,7 +46,7 @@ use serde_json::json;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{self, ApiError, Endpoint, Limits, ParsedRequest, Utf8Stream};
+use crate::api::{self, ApiError, Endpoint, Limits, ParsedRequest};
 use crate::config::ModelConfig;
 use crate::disagg::{
     DecodeConfig, DisaggDecoder, PrefillConfig, PrefillPath, PrefillServer, engine_in_agent,
@@ -58,7 +58,7 @@ use crate::metrics::{DisaggMetrics, Metrics};
 use crate::model::Model;
 use crate::scheduler::{GenRequest, PrefilledKv, Scheduler, SeqEvent, SubmitError, Usage};
 use crate::sidecar::{Prefix, Sidecar, SidecarSettings};
-use crate::tokenizer::ByteTokenizer;
+use crate::tokenizer::{TextStream, Tokenizer};
 
 /// Time in-flight requests get to finish after a shutdown starts.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -112,7 +112,8 @@ pub struct ServeConfig {
     pub sidecar_quic_cert_der: Option<Vec<u8>>,
     /// Block-key secret; None = the public development secret (with a warning). Default: None.
     pub hash_secret: Option<HashSecret>,
-    /// Hugging Face Llama directory; None = seeded random weights. Default: None.
+    /// Hugging Face Llama directory (config.json, *.safetensors, and tokenizer.json when
+    /// present, else the byte tokenizer); None = seeded random weights. Default: None.
     pub model_dir: Option<PathBuf>,
     /// Shape of the random-weight model (ignored with `model_dir`, except `block_tokens`).
     /// Default: [`ModelConfig::default`].
@@ -164,6 +165,7 @@ struct AppInner {
     disagg: Option<Disagg>,
     model_name: String,
     vocab_size: usize,
+    tokenizer: Tokenizer,
     next_id: AtomicU64,
 }
 
@@ -270,9 +272,16 @@ impl WorkerServer {
     pub async fn start(config: ServeConfig) -> Result<WorkerServer> {
         check_role(&config)?;
         let cfg = config.clone();
-        let model = tokio::task::spawn_blocking(move || match &cfg.model_dir {
-            Some(dir) => Model::from_hf_dir(dir, cfg.model_config.block_tokens),
-            None => Model::random(cfg.model_config.clone(), cfg.seed),
+        let (model, tokenizer) = tokio::task::spawn_blocking(move || match &cfg.model_dir {
+            Some(dir) => {
+                let model = Model::from_hf_dir(dir, cfg.model_config.block_tokens)?;
+                let tokenizer = Tokenizer::for_model_dir(dir, model.config().vocab_size)?;
+                Ok::<_, WorkerError>((model, tokenizer))
+            }
+            None => Ok((
+                Model::random(cfg.model_config.clone(), cfg.seed)?,
+                Tokenizer::Byte,
+            )),
         })
         .await
         .map_err(|e| WorkerError::Serve {
@@ -321,6 +330,7 @@ impl WorkerServer {
                 (engine, Some(disagg))
             }
         };
+        crate::scheduler::lock(&engine).set_eos(tokenizer.eos());
         let (sched, scheduler) = Scheduler::start(
             engine,
             config.max_batch,
@@ -346,6 +356,7 @@ impl WorkerServer {
             disagg,
             model_name: config.model_name.clone(),
             vocab_size,
+            tokenizer,
             next_id: AtomicU64::new(1),
         });
         let router = router(app);
@@ -566,6 +577,7 @@ async fn handle_inner(
         model_name: &app.model_name,
         max_context_tokens: app.sched.max_context_tokens(),
         vocab_size: app.vocab_size,
+        tokenizer: &app.tokenizer,
         fallback_seed: n ^ now_secs(),
     };
     let req = api::parse(&bytes, endpoint, &lim)?;
@@ -632,9 +644,9 @@ async fn handle_inner(
         Endpoint::Chat => format!("chatcmpl-{n}"),
     };
     if req.stream {
-        Ok(stream_response(req, id, rx))
+        Ok(stream_response(req, id, rx, app.tokenizer.stream()))
     } else {
-        collect_response(req, id, rx).await
+        collect_response(req, id, rx, &app.tokenizer).await
     }
 }
 
@@ -731,13 +743,14 @@ async fn collect_response(
     req: ParsedRequest,
     id: String,
     mut rx: mpsc::UnboundedReceiver<SeqEvent>,
+    tokenizer: &Tokenizer,
 ) -> Result<Response, ApiError> {
     let mut tokens = Vec::new();
     loop {
         match rx.recv().await {
             Some(SeqEvent::Token(t)) => tokens.push(t),
             Some(SeqEvent::Done(u)) => {
-                let text = ByteTokenizer.decode(&tokens).unwrap_or_default();
+                let text = tokenizer.decode(&tokens).unwrap_or_default();
                 let body = api::full_response(&req, &id, now_secs(), &text, &u);
                 return Ok(axum::Json(body).into_response());
             }
@@ -764,7 +777,7 @@ struct StreamState {
     id: String,
     created: u64,
     rx: mpsc::UnboundedReceiver<SeqEvent>,
-    utf8: Utf8Stream,
+    text: TextStream,
     first: bool,
     done: bool,
 }
@@ -775,7 +788,7 @@ fn sse(v: &serde_json::Value) -> String {
 
 impl StreamState {
     fn finish(&mut self, u: &Usage) -> String {
-        let rest = self.utf8.finish();
+        let rest = self.text.finish();
         let mut out = sse(&api::stream_chunk(
             &self.req,
             &self.id,
@@ -801,13 +814,14 @@ fn stream_response(
     req: ParsedRequest,
     id: String,
     rx: mpsc::UnboundedReceiver<SeqEvent>,
+    text: TextStream,
 ) -> Response {
     let state = StreamState {
         req,
         id,
         created: now_secs(),
         rx,
-        utf8: Utf8Stream::default(),
+        text,
         first: true,
         done: false,
     };
@@ -818,7 +832,7 @@ fn stream_response(
         loop {
             let out = match st.rx.recv().await {
                 Some(SeqEvent::Token(t)) => {
-                    let text = st.utf8.push(t);
+                    let text = st.text.push(t);
                     if text.is_empty() {
                         continue;
                     }

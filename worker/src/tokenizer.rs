@@ -1,5 +1,9 @@
-//! A byte-level tokenizer: ids 0..=255 are the bytes, then BOS and EOS. Enough for a
-//! random-weight model and for prefix hashing; a Hugging Face tokenizer comes with real models.
+//! Tokenizers: a byte-level one (ids 0..=255 are the bytes, then BOS and EOS), enough for a
+//! random-weight model and for prefix hashing, and a Hugging Face `tokenizer.json` loaded from
+//! a model directory ([`Tokenizer::load`]).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::error::{Result, WorkerError};
 
@@ -40,6 +44,320 @@ impl ByteTokenizer {
     }
 }
 
+/// Added tokens taken as BOS when `config.json` names none.
+const BOS_NAMES: &[&str] = &[
+    "<s>",
+    "<|begin_of_text|>",
+    "<bos>",
+    "<|startoftext|>",
+    "[BOS]",
+];
+/// Added tokens taken as EOS when `config.json` names none.
+const EOS_NAMES: &[&str] = &[
+    "</s>",
+    "<|end_of_text|>",
+    "<|eot_id|>",
+    "<eos>",
+    "<|endoftext|>",
+    "[EOS]",
+];
+
+/// A Hugging Face tokenizer with the BOS and stop tokens the worker uses.
+pub struct HfTokenizer {
+    inner: tokenizers::Tokenizer,
+    bos: Option<u32>,
+    eos: Vec<u32>,
+    /// One past the largest id the tokenizer can produce.
+    id_bound: usize,
+}
+
+impl std::fmt::Debug for HfTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HfTokenizer")
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .field("id_bound", &self.id_bound)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The tokenizer a worker encodes prompts and decodes completions with.
+#[derive(Clone, Debug)]
+pub enum Tokenizer {
+    /// [`ByteTokenizer`].
+    Byte,
+    /// A `tokenizer.json`.
+    Hf(Arc<HfTokenizer>),
+}
+
+fn tok_err(path: &Path, reason: impl Into<String>) -> WorkerError {
+    WorkerError::Tokenizer {
+        path: path.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// Ids under `key` of a `config.json` object: a number or a list of numbers.
+fn config_ids(config: &serde_json::Value, key: &str) -> Vec<u32> {
+    let one = |v: &serde_json::Value| v.as_u64().and_then(|n| u32::try_from(n).ok());
+    match config.get(key) {
+        Some(serde_json::Value::Array(items)) => items.iter().filter_map(one).collect(),
+        Some(v) => one(v).into_iter().collect(),
+        None => Vec::new(),
+    }
+}
+
+impl Tokenizer {
+    /// The tokenizer for model directory `dir`: `dir/tokenizer.json` when there is one (its
+    /// BOS/EOS from `dir/config.json`'s `bos_token_id`/`eos_token_id`, else from its added
+    /// tokens), else the byte tokenizer. Every id the tokenizer can produce must be below
+    /// `vocab_size`.
+    pub fn for_model_dir(dir: &Path, vocab_size: usize) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        if !path.exists() {
+            tracing::warn!(
+                dir = %dir.display(),
+                "no tokenizer.json in the model directory: prompts are byte-tokenized"
+            );
+            return Tokenizer::Byte.checked(vocab_size, &path);
+        }
+        let config = match std::fs::read(dir.join("config.json")) {
+            Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+            Err(_) => serde_json::Value::Null,
+        };
+        let tok = Self::load(&path, &config)?;
+        tracing::info!(path = %path.display(), "using the model directory's tokenizer");
+        tok.checked(vocab_size, &path)
+    }
+
+    /// Loads `path` (a `tokenizer.json`); `config` is the model's `config.json` (or null).
+    pub fn load(path: &Path, config: &serde_json::Value) -> Result<Self> {
+        let bytes = std::fs::read(path).map_err(|source| WorkerError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        let inner: tokenizers::Tokenizer = std::str::from_utf8(&bytes)
+            .map_err(|e| e.to_string())
+            .and_then(|s| s.parse().map_err(|e: tokenizers::Error| e.to_string()))
+            .map_err(|e| tok_err(path, format!("not a valid tokenizer.json: {e}")))?;
+        let by_name = |names: &[&str]| names.iter().find_map(|n| inner.token_to_id(n));
+        let bos = config_ids(config, "bos_token_id")
+            .first()
+            .copied()
+            .or_else(|| by_name(BOS_NAMES));
+        let mut eos = config_ids(config, "eos_token_id");
+        if eos.is_empty() {
+            eos.extend(by_name(EOS_NAMES));
+        }
+        let id_bound = inner
+            .get_vocab(true)
+            .values()
+            .map(|&id| id as usize + 1)
+            .chain(bos.map(|id| id as usize + 1))
+            .chain(eos.iter().map(|&id| id as usize + 1))
+            .max()
+            .unwrap_or(0);
+        if id_bound == 0 {
+            return Err(tok_err(path, "the vocabulary is empty"));
+        }
+        Ok(Tokenizer::Hf(Arc::new(HfTokenizer {
+            inner,
+            bos,
+            eos,
+            id_bound,
+        })))
+    }
+
+    /// `self`, if every id it can produce is below `vocab_size`.
+    fn checked(self, vocab_size: usize, path: &Path) -> Result<Self> {
+        let bound = self.id_bound();
+        if bound > vocab_size {
+            let what = match self {
+                Tokenizer::Byte => {
+                    PathBuf::from(format!("{} absent, so the byte tokenizer", path.display()))
+                }
+                Tokenizer::Hf(_) => path.to_owned(),
+            };
+            return Err(WorkerError::Tokenizer {
+                path: what,
+                reason: format!(
+                    "produces token ids up to {}, but the model's vocab_size is {vocab_size}",
+                    bound - 1
+                ),
+            });
+        }
+        Ok(self)
+    }
+
+    /// One past the largest id this tokenizer can produce.
+    pub fn id_bound(&self) -> usize {
+        match self {
+            Tokenizer::Byte => ByteTokenizer::VOCAB_SIZE,
+            Tokenizer::Hf(h) => h.id_bound,
+        }
+    }
+
+    pub fn bos(&self) -> Option<u32> {
+        match self {
+            Tokenizer::Byte => Some(ByteTokenizer::BOS),
+            Tokenizer::Hf(h) => h.bos,
+        }
+    }
+
+    /// Tokens that end generation.
+    pub fn eos(&self) -> Vec<u32> {
+        match self {
+            Tokenizer::Byte => vec![ByteTokenizer::EOS],
+            Tokenizer::Hf(h) => h.eos.clone(),
+        }
+    }
+
+    /// Ids of `text` (no special tokens added by the tokenizer's post-processor), after the
+    /// BOS when `add_bos` and the tokenizer has one.
+    pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
+        match self {
+            Tokenizer::Byte => Ok(ByteTokenizer.encode(text, add_bos)),
+            Tokenizer::Hf(h) => {
+                let enc = h
+                    .inner
+                    .encode(text, false)
+                    .map_err(|e| WorkerError::Tokenizer {
+                        path: PathBuf::from("tokenizer.json"),
+                        reason: format!("encoding failed: {e}"),
+                    })?;
+                let mut ids = Vec::with_capacity(enc.get_ids().len() + 1);
+                if add_bos {
+                    ids.extend(h.bos);
+                }
+                ids.extend_from_slice(enc.get_ids());
+                Ok(ids)
+            }
+        }
+    }
+
+    /// Text of `ids`, skipping special tokens (and, with a `tokenizer.json`, ids it does not
+    /// know, such as a model's padding rows past the tokenizer's vocabulary).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        match self {
+            Tokenizer::Byte => ByteTokenizer.decode(ids),
+            Tokenizer::Hf(h) => h
+                .inner
+                .decode(ids, true)
+                .map_err(|e| WorkerError::Tokenizer {
+                    path: PathBuf::from("tokenizer.json"),
+                    reason: format!("decoding failed: {e}"),
+                }),
+        }
+    }
+
+    /// An incremental decoder for streamed text.
+    pub fn stream(&self) -> TextStream {
+        match self {
+            Tokenizer::Byte => TextStream::Byte(Utf8Stream::default()),
+            Tokenizer::Hf(h) => TextStream::Hf {
+                tok: h.clone(),
+                ids: Vec::new(),
+                emitted: 0,
+            },
+        }
+    }
+}
+
+/// Turns generated tokens into text deltas whose concatenation is the decoded completion.
+pub enum TextStream {
+    Byte(Utf8Stream),
+    /// Decodes all ids so far and emits the new suffix, holding it back while it ends in an
+    /// incomplete character (U+FFFD) or while earlier text changed.
+    Hf {
+        tok: Arc<HfTokenizer>,
+        ids: Vec<u32>,
+        /// Bytes of the decoded text already emitted.
+        emitted: usize,
+    },
+}
+
+impl TextStream {
+    /// Text completed by `token` (possibly none).
+    pub fn push(&mut self, token: u32) -> String {
+        match self {
+            TextStream::Byte(u) => u.push(token),
+            TextStream::Hf { tok, ids, emitted } => {
+                ids.push(token);
+                let Ok(text) = tok.inner.decode(ids, true) else {
+                    return String::new();
+                };
+                if text.ends_with('\u{FFFD}') {
+                    return String::new();
+                }
+                Self::suffix(&text, emitted)
+            }
+        }
+    }
+
+    /// Whatever is held back.
+    pub fn finish(&mut self) -> String {
+        match self {
+            TextStream::Byte(u) => u.finish(),
+            TextStream::Hf { tok, ids, emitted } => {
+                let text = tok.inner.decode(ids, true).unwrap_or_default();
+                Self::suffix(&text, emitted)
+            }
+        }
+    }
+
+    fn suffix(text: &str, emitted: &mut usize) -> String {
+        match text.get(*emitted..) {
+            Some(new) => {
+                *emitted = text.len();
+                new.to_owned()
+            }
+            None => String::new(),
+        }
+    }
+}
+
+/// Turns byte tokens into text as they arrive: holds back an incomplete UTF-8 sequence until
+/// its last byte comes; invalid bytes become U+FFFD (as [`ByteTokenizer::decode`]).
+#[derive(Default)]
+pub struct Utf8Stream {
+    pending: Vec<u8>,
+}
+
+impl Utf8Stream {
+    /// Text completed by `token` (often one character, sometimes none).
+    pub fn push(&mut self, token: u32) -> String {
+        if let Ok(b) = u8::try_from(token) {
+            self.pending.push(b);
+        }
+        match std::str::from_utf8(&self.pending) {
+            Ok(s) => {
+                let s = s.to_owned();
+                self.pending.clear();
+                s
+            }
+            Err(e) if e.error_len().is_none() => {
+                // Incomplete at the end: emit the valid part, keep the tail.
+                let valid = e.valid_up_to();
+                let s = String::from_utf8_lossy(&self.pending[..valid]).into_owned();
+                self.pending.drain(..valid);
+                s
+            }
+            Err(_) => {
+                let s = String::from_utf8_lossy(&self.pending).into_owned();
+                self.pending.clear();
+                s
+            }
+        }
+    }
+
+    /// Whatever is held back, lossily.
+    pub fn finish(&mut self) -> String {
+        let s = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        s
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -66,5 +384,26 @@ mod tests {
         ));
         // A split multi-byte character decodes lossily rather than failing.
         assert_eq!(t.decode(&[0xC3]).unwrap(), "\u{FFFD}");
+    }
+
+    #[test]
+    fn config_ids_take_a_number_or_a_list() {
+        let v = serde_json::json!({"bos_token_id": 1, "eos_token_id": [2, 7], "pad": "x"});
+        assert_eq!(config_ids(&v, "bos_token_id"), vec![1]);
+        assert_eq!(config_ids(&v, "eos_token_id"), vec![2, 7]);
+        assert!(config_ids(&v, "pad").is_empty());
+        assert!(config_ids(&v, "absent").is_empty());
+        assert!(config_ids(&serde_json::json!({"bos_token_id": -1}), "bos_token_id").is_empty());
+    }
+
+    #[test]
+    fn the_byte_tokenizer_is_refused_for_a_smaller_vocabulary() {
+        let p = Path::new("x/tokenizer.json");
+        assert!(Tokenizer::Byte.checked(258, p).is_ok());
+        let e = Tokenizer::Byte.checked(100, p).unwrap_err().to_string();
+        assert!(
+            e.contains("byte tokenizer") && e.contains("vocab_size is 100"),
+            "{e}"
+        );
     }
 }

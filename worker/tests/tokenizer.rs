@@ -1,0 +1,259 @@
+//! A model directory's `tokenizer.json`: a small WordLevel tokenizer built at test time next to
+//! a random-weight model saved as safetensors, served over loopback HTTP.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use common::*;
+use kvtier_worker::model::random_weights;
+use kvtier_worker::serve::{ServeConfig, WorkerServer};
+use kvtier_worker::{Engine, Model, ModelConfig, Sampling, Tokenizer, WorkerError};
+use serde_json::{Value, json};
+use tokenizers::models::wordlevel::WordLevel;
+use tokenizers::pre_tokenizers::whitespace::Whitespace;
+use tokenizers::{AddedToken, Tokenizer as HfTokenizer};
+
+const LIMIT: Duration = Duration::from_secs(60);
+const BOS: u32 = 1;
+const EOS: u32 = 2;
+const WORDS: &[&str] = &[
+    "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "kvtier", "keeps", "its", "KV",
+    "blocks", "for", "next", "turn", "of", "agent", ".", ",", "a", "cache", "tier", "is", "fast",
+    "slow", "warm", "cold", "hello", "world", "!", "?",
+];
+
+/// `<unk>` 0, `<s>` 1, `</s>` 2, then `WORDS` (and `extra` at the ids given).
+fn hf_tokenizer(extra: &[(&str, u32)]) -> Result<HfTokenizer> {
+    let mut vocab: Vec<(String, u32)> = vec![
+        ("<unk>".into(), 0),
+        ("<s>".into(), BOS),
+        ("</s>".into(), EOS),
+    ];
+    vocab.extend(WORDS.iter().zip(3u32..).map(|(w, i)| (w.to_string(), i)));
+    vocab.extend(extra.iter().map(|&(w, i)| (w.to_owned(), i)));
+    let model = WordLevel::builder()
+        .vocab(vocab.into_iter().collect())
+        .unk_token("<unk>".into())
+        .build()
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut tok = HfTokenizer::new(model);
+    tok.with_pre_tokenizer(Some(Whitespace {}));
+    tok.add_special_tokens([
+        AddedToken::from("<s>", true),
+        AddedToken::from("</s>", true),
+    ])
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(tok)
+}
+
+fn vocab_size() -> usize {
+    WORDS.len() + 3
+}
+
+fn model_config() -> ModelConfig {
+    ModelConfig {
+        vocab_size: vocab_size(),
+        ..ModelConfig::default()
+    }
+}
+
+/// Saves the seeded random model (config.json with BOS/EOS, model.safetensors) in `dir`.
+fn save_model(dir: &Path, cfg: &ModelConfig) -> Result<()> {
+    std::fs::write(
+        dir.join("config.json"),
+        json!({
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads,
+            "rope_theta": cfg.rope_theta,
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "max_position_embeddings": cfg.max_context_tokens,
+            "bos_token_id": BOS,
+            "eos_token_id": EOS,
+        })
+        .to_string(),
+    )?;
+    let weights = random_weights(cfg, 3)?;
+    candle_core::safetensors::save(&weights, dir.join("model.safetensors"))?;
+    Ok(())
+}
+
+async fn start(dir: &Path) -> Result<WorkerServer, WorkerError> {
+    WorkerServer::start(ServeConfig {
+        model_dir: Some(dir.to_owned()),
+        pool_blocks: 64,
+        ..worker_config(None)
+    })
+    .await
+}
+
+async fn complete(w: &WorkerServer, prompt: Value, stream: bool) -> Result<HttpResponse> {
+    let r = tokio::time::timeout(
+        LIMIT,
+        post(
+            w.addr(),
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": stream}),
+        ),
+    )
+    .await
+    .context("request timed out")??;
+    ensure!(r.status == 200, "status {}: {}", r.status, r.body);
+    Ok(r)
+}
+
+fn text(v: &Value) -> Result<String> {
+    Ok(v["choices"][0]["text"]
+        .as_str()
+        .context("choices[0].text")?
+        .to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_prompts_use_the_model_directorys_tokenizer() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cfg = model_config();
+    save_model(dir.path(), &cfg)?;
+    let hf = hf_tokenizer(&[])?;
+    hf.save(dir.path().join("tokenizer.json"), false)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+
+    let prompt = "the quick brown fox jumps over the lazy dog , kvtier keeps its KV blocks";
+    let words = hf
+        .encode(prompt, false)
+        .map_err(|e| anyhow::anyhow!("{e}"))?
+        .get_ids()
+        .to_vec();
+    assert_eq!(words.len(), prompt.split_whitespace().count());
+    assert!(
+        !words.contains(&0),
+        "every prompt word is in the vocabulary"
+    );
+    let mut ids = vec![BOS];
+    ids.extend(&words);
+
+    // The library type: same ids, BOS from config.json, EOS the stop token.
+    let tok = Tokenizer::for_model_dir(dir.path(), cfg.vocab_size)?;
+    assert_eq!(tok.encode(prompt, true)?, ids);
+    assert_eq!(tok.bos(), Some(BOS));
+    assert_eq!(tok.eos(), vec![EOS]);
+
+    // The reference: the loaded model alone, stopping at the tokenizer's EOS.
+    let mut engine = Engine::new(Model::from_hf_dir(dir.path(), cfg.block_tokens)?, 64)?;
+    engine.set_eos(tok.eos());
+    let g = engine.generate(&ids, 12, Sampling::GREEDY)?;
+    ensure!(!g.tokens.is_empty(), "the seeded model stopped at once");
+    let want = hf
+        .decode(&g.tokens, true)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    ensure!(!want.is_empty(), "the completion decodes to text");
+
+    let w = start(dir.path()).await?;
+    let v = complete(&w, json!(prompt), false).await?.json()?;
+    assert_eq!(v["usage"]["prompt_tokens"], ids.len(), "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], g.tokens.len(), "{v}");
+    let got = text(&v)?;
+    assert_eq!(got, want);
+
+    // The same prompt as token ids gives the same completion.
+    let v = complete(&w, json!(ids), false).await?.json()?;
+    assert_eq!(v["usage"]["prompt_tokens"], ids.len());
+    assert_eq!(text(&v)?, want);
+
+    // Streaming deltas concatenate to the non-streaming text.
+    let r = complete(&w, json!(prompt), true).await?;
+    let data = r.sse_data();
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let mut streamed = String::new();
+    let mut deltas = 0;
+    for d in &data[..data.len() - 1] {
+        let c: Value = serde_json::from_str(d)?;
+        if let Some(t) = c["choices"].get(0).and_then(|c| c["text"].as_str()) {
+            streamed.push_str(t);
+            deltas += usize::from(!t.is_empty());
+        }
+    }
+    assert_eq!(streamed, want);
+    assert!(deltas >= 2, "text arrives in pieces: {data:?}");
+
+    // A word the tokenizer does not know is its <unk>, not bytes.
+    let v = complete(&w, json!("the zebra"), false).await?.json()?;
+    assert_eq!(v["usage"]["prompt_tokens"], 3);
+    w.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_tokenizer_json_is_a_startup_error_naming_it() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    save_model(dir.path(), &model_config())?;
+    std::fs::write(dir.path().join("tokenizer.json"), "{\"model\": [not json")?;
+    let e = start(dir.path())
+        .await
+        .err()
+        .context("a malformed tokenizer.json was accepted")?
+        .to_string();
+    assert!(e.contains("tokenizer.json"), "{e}");
+    assert!(e.contains("not a valid tokenizer.json"), "{e}");
+
+    // Valid JSON that is not a tokenizer.
+    std::fs::write(dir.path().join("tokenizer.json"), "{\"hello\": 1}")?;
+    let e = start(dir.path())
+        .await
+        .err()
+        .context("accepted")?
+        .to_string();
+    assert!(e.contains("tokenizer.json"), "{e}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tokenizer_with_ids_past_the_models_vocabulary_is_refused() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cfg = model_config();
+    save_model(dir.path(), &cfg)?;
+    let big = cfg.vocab_size as u32 + 5;
+    hf_tokenizer(&[("zebra", big)])?
+        .save(dir.path().join("tokenizer.json"), false)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let e = start(dir.path())
+        .await
+        .err()
+        .context("a tokenizer past the vocabulary was accepted")?
+        .to_string();
+    assert!(e.contains("tokenizer.json"), "{e}");
+    assert!(e.contains(&format!("up to {big}")), "{e}");
+    assert!(
+        e.contains(&format!("vocab_size is {}", cfg.vocab_size)),
+        "{e}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_tokenizer_json_prompts_are_byte_tokenized() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cfg = ModelConfig::default();
+    save_model(dir.path(), &cfg)?;
+    let w = start(dir.path()).await?;
+    let v = complete(&w, json!("hello"), false).await?.json()?;
+    assert_eq!(v["usage"]["prompt_tokens"], "hello".len() + 1);
+    w.shutdown().await;
+
+    // A model too small for the byte tokenizer is refused at startup.
+    let small = tempfile::tempdir()?;
+    save_model(small.path(), &model_config())?;
+    let e = start(small.path())
+        .await
+        .err()
+        .context("accepted")?
+        .to_string();
+    assert!(e.contains("byte tokenizer"), "{e}");
+    Ok(())
+}
