@@ -30,8 +30,10 @@ impl TierCounters {
     }
 }
 
-/// A point-in-time copy of one tier's counters and gauges.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+/// A point-in-time copy of one tier's counters and gauges (also what a client reads back
+/// from the server's `stats` JSON: fields a server does not send stay 0).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct TierStats {
     pub tier: Option<TierKind>,
     pub hits: u64,
@@ -75,6 +77,31 @@ impl TierStats {
         }
     }
 
+    /// The counters' change since `before` (saturating); gauges (slots, pins, sizes) as in
+    /// `self`.
+    pub fn since(&self, before: &TierStats) -> TierStats {
+        let d = |a: u64, b: u64| a.saturating_sub(b);
+        TierStats {
+            hits: d(self.hits, before.hits),
+            misses: d(self.misses, before.misses),
+            bytes_in: d(self.bytes_in, before.bytes_in),
+            bytes_out: d(self.bytes_out, before.bytes_out),
+            evictions: d(self.evictions, before.evictions),
+            demotions: d(self.demotions, before.demotions),
+            demotions_dropped: d(self.demotions_dropped, before.demotions_dropped),
+            promotions: d(self.promotions, before.promotions),
+            admissions_refused: d(self.admissions_refused, before.admissions_refused),
+            corrupt_dropped: d(self.corrupt_dropped, before.corrupt_dropped),
+            io_errors: d(self.io_errors, before.io_errors),
+            ..self.clone()
+        }
+    }
+
+    /// The tier's name (`"?"` when unknown).
+    pub fn tier_name(&self) -> &'static str {
+        self.tier.map_or("?", TierKind::name)
+    }
+
     /// Hits over hits + misses (0 when nothing was asked).
     pub fn hit_rate(&self) -> f64 {
         let total = self.hits + self.misses;
@@ -103,5 +130,40 @@ pub struct StoreStats {
 impl StoreStats {
     pub fn tier(&self, kind: TierKind) -> Option<&TierStats> {
         self.tiers.iter().find(|t| t.tier == Some(kind))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tier_stats_read_back_from_json_and_subtract() {
+        let before = TierStats {
+            tier: Some(TierKind::Nvme),
+            hits: 3,
+            corrupt_dropped: 1,
+            used_slots: 7,
+            ..TierStats::default()
+        };
+        let after = TierStats {
+            hits: 10,
+            corrupt_dropped: 4,
+            used_slots: 9,
+            ..before.clone()
+        };
+        let json = serde_json::to_string(&[&after]).unwrap();
+        assert!(json.contains("\"tier\":\"nvme\""), "{json}");
+        let back: Vec<TierStats> = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, vec![after.clone()]);
+        // A server that sends fewer fields still parses; the rest stay 0.
+        let partial: TierStats = serde_json::from_str(r#"{"tier":"dram","hits":5}"#).unwrap();
+        assert_eq!(
+            (partial.tier_name(), partial.hits, partial.misses),
+            ("dram", 5, 0)
+        );
+        let d = after.since(&before);
+        assert_eq!((d.hits, d.corrupt_dropped, d.used_slots), (7, 3, 9));
+        assert_eq!(before.since(&after).hits, 0);
     }
 }

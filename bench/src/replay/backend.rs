@@ -8,7 +8,6 @@ use anyhow::{Context, Result, bail};
 use kvtier_client::{Client, ClientConfig, Miss, PutStatus};
 use kvtier_core::{BlockKey, KvLayout};
 use kvtier_server::server::{ConfigLoader, Server};
-use serde::Serialize;
 
 use super::payload::{self, HEADER_BYTES};
 use super::schedule::{Backend, Served};
@@ -267,77 +266,15 @@ impl Embedded {
 }
 
 /// One tier's counters from the server's statistics.
-#[derive(Clone, Debug, Default, Serialize, PartialEq)]
-pub struct TierCounters {
-    pub tier: String,
-    pub hits: u64,
-    pub misses: u64,
-    pub bytes_in: u64,
-    pub bytes_out: u64,
-    pub evictions: u64,
-    pub demotions: u64,
-    pub demotions_dropped: u64,
-    pub promotions: u64,
-    pub admissions_refused: u64,
-    pub corrupt_dropped: u64,
-    pub io_errors: u64,
-    pub used_slots: u64,
-    pub capacity_slots: u64,
-    pub slot_bytes: u64,
-}
-
-impl TierCounters {
-    /// `self - before` for the counters; levels (slots) as in `self`.
-    pub fn since(&self, before: &TierCounters) -> TierCounters {
-        let d = |a: u64, b: u64| a.saturating_sub(b);
-        TierCounters {
-            tier: self.tier.clone(),
-            hits: d(self.hits, before.hits),
-            misses: d(self.misses, before.misses),
-            bytes_in: d(self.bytes_in, before.bytes_in),
-            bytes_out: d(self.bytes_out, before.bytes_out),
-            evictions: d(self.evictions, before.evictions),
-            demotions: d(self.demotions, before.demotions),
-            demotions_dropped: d(self.demotions_dropped, before.demotions_dropped),
-            promotions: d(self.promotions, before.promotions),
-            admissions_refused: d(self.admissions_refused, before.admissions_refused),
-            corrupt_dropped: d(self.corrupt_dropped, before.corrupt_dropped),
-            io_errors: d(self.io_errors, before.io_errors),
-            used_slots: self.used_slots,
-            capacity_slots: self.capacity_slots,
-            slot_bytes: self.slot_bytes,
-        }
-    }
-}
+pub type TierCounters = kvtier_server::TierStats;
 
 /// The per-tier counters in a server's `stats` JSON.
 pub fn parse_stats(json: &str) -> Result<Vec<TierCounters>> {
     let v: serde_json::Value =
         serde_json::from_str(json).context("the server's stats are not JSON")?;
-    let tiers = v["store"]["tiers"]
-        .as_array()
-        .context("the server's stats have no store.tiers list")?;
-    tiers
-        .iter()
-        .map(|t| {
-            let n = |k: &str| t[k].as_u64().unwrap_or(0);
-            Ok(TierCounters {
-                tier: t["tier"].as_str().unwrap_or("?").to_owned(),
-                hits: n("hits"),
-                misses: n("misses"),
-                bytes_in: n("bytes_in"),
-                bytes_out: n("bytes_out"),
-                evictions: n("evictions"),
-                demotions: n("demotions"),
-                demotions_dropped: n("demotions_dropped"),
-                promotions: n("promotions"),
-                admissions_refused: n("admissions_refused"),
-                corrupt_dropped: n("corrupt_dropped"),
-                io_errors: n("io_errors"),
-                used_slots: n("used_slots"),
-                capacity_slots: n("capacity_slots"),
-                slot_bytes: n("slot_bytes"),
-            })
-        })
-        .collect()
+    let tiers = v["store"]["tiers"].clone();
+    if !tiers.is_array() {
+        anyhow::bail!("the server's stats have no store.tiers list");
+    }
+    serde_json::from_value(tiers).context("the server's store.tiers are malformed")
 }

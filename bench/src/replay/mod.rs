@@ -501,7 +501,7 @@ async fn replay_against(
     let slots = |name: &str| {
         before
             .iter()
-            .find(|t| t.tier == name)
+            .find(|t| t.tier_name() == name)
             .map_or(0, |t| t.capacity_slots)
     };
     let (dram_blocks, nvme_blocks) = (slots("dram"), slots("nvme"));
@@ -623,7 +623,10 @@ async fn replay_against(
         .iter()
         .enumerate()
         .filter_map(|(i, name)| {
-            let server = server_tiers.iter().find(|t| t.tier == *name).cloned();
+            let server = server_tiers
+                .iter()
+                .find(|t| t.tier_name() == *name)
+                .cloned();
             if server.is_none() && tier_hits[i] == 0 {
                 return None;
             }

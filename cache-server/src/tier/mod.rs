@@ -20,7 +20,9 @@ pub use dram::{DramTier, DramTierConfig};
 pub use nvme::{NvmeOpenReport, NvmeTier, NvmeTierConfig};
 
 /// Which tier a block lives in, fastest first.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum TierKind {
     Hbm,
