@@ -93,9 +93,15 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// An engine with a pool of `num_blocks` blocks.
+    /// An engine with a pool of `num_blocks` blocks, in the memory of the device the model
+    /// runs on.
     pub fn new(model: Model, num_blocks: usize) -> Result<Self> {
         let layout = model.config().kv_layout()?;
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = model.gpu() {
+            let cache = PagedKvCache::on_gpu(layout, num_blocks, gpu)?;
+            return Self::with_cache(model, cache);
+        }
         let cache = PagedKvCache::new(layout, num_blocks)?;
         Ok(Self {
             model,
@@ -112,6 +118,16 @@ impl Engine {
             return Err(WorkerError::Config {
                 field: "kv cache".to_owned(),
                 reason: "the pool's KV layout is not the model's".to_owned(),
+            });
+        }
+        if cache.is_on_gpu() != (model.device() != crate::model::DeviceSpec::Cpu) {
+            return Err(WorkerError::Config {
+                field: "kv cache".to_owned(),
+                reason: format!(
+                    "the model runs on {} but its pool is in {} memory",
+                    model.device(),
+                    if cache.is_on_gpu() { "GPU" } else { "host" }
+                ),
             });
         }
         Ok(Self {

@@ -55,6 +55,9 @@ pub enum WorkerError {
     /// A model directory's `tokenizer.json` cannot be read or does not fit the model.
     #[error("tokenizer {path}: {reason}")]
     Tokenizer { path: PathBuf, reason: String },
+    /// The GPU path cannot run (no driver, no device, a CUDA call failed) or was not built.
+    #[error("GPU: {reason}")]
+    Gpu { reason: String },
     /// A `serve` setting is unusable.
     #[error("serve setting `{setting}`: {reason}")]
     Serve { setting: String, reason: String },

@@ -58,13 +58,28 @@ enum PoolMemory {
     /// Host memory registered with a kvtier-transfer agent (block `b` at offset
     /// `b * block_bytes`), so peers can read and write blocks one-sidedly (disaggregation).
     Region(RegionHandle),
+    /// GPU memory (feature `cuda`): read and written by the GPU forward's kernels in place;
+    /// blocks are copied in and out through host memory.
+    #[cfg(feature = "cuda")]
+    Device(crate::gpu::DevicePool),
+}
+
+#[cfg(feature = "cuda")]
+fn on_device() -> WorkerError {
+    WorkerError::Config {
+        field: "kv cache".to_owned(),
+        reason: "the pool is in GPU memory: the CPU forward cannot use it (copy blocks with \
+                 read_block / write_block)"
+            .to_owned(),
+    }
 }
 
 impl PoolMemory {
     /// `len` bytes at `start`. Callers pass ranges inside the pool (`check_allocated` bounds
-    /// every block, and the constructors check the pool fits the memory).
-    fn range(&self, start: usize, len: usize) -> &[u8] {
-        match self {
+    /// every block, and the constructors check the pool fits the memory). A GPU pool has no
+    /// host view: an error.
+    fn range(&self, start: usize, len: usize) -> Result<&[u8]> {
+        Ok(match self {
             PoolMemory::Owned(v) => &v[start..start + len],
             PoolMemory::Region(r) => {
                 assert!(
@@ -80,13 +95,15 @@ impl PoolMemory {
                 // writing it has completed (its notification arrives after its data).
                 unsafe { std::slice::from_raw_parts(r.as_ptr().add(start), len) }
             }
-        }
+            #[cfg(feature = "cuda")]
+            PoolMemory::Device(_) => return Err(on_device()),
+        })
     }
 
     /// As [`range`](Self::range), mutable. `&mut self` rules out other borrows in this
     /// process; peers write only ranges no local reader or writer touches (see above).
-    fn range_mut(&mut self, start: usize, len: usize) -> &mut [u8] {
-        match self {
+    fn range_mut(&mut self, start: usize, len: usize) -> Result<&mut [u8]> {
+        Ok(match self {
             PoolMemory::Owned(v) => &mut v[start..start + len],
             PoolMemory::Region(r) => {
                 assert!(
@@ -97,7 +114,9 @@ impl PoolMemory {
                 // bytes in this process.
                 unsafe { std::slice::from_raw_parts_mut(r.as_ptr().add(start), len) }
             }
-        }
+            #[cfg(feature = "cuda")]
+            PoolMemory::Device(_) => return Err(on_device()),
+        })
     }
 }
 
@@ -156,11 +175,49 @@ impl PagedKvCache {
         ))
     }
 
+    /// A pool of `num_blocks` zeroed blocks in `gpu`'s memory (feature `cuda`), read and
+    /// written in place by the GPU forward ([`crate::gpu`]).
+    #[cfg(feature = "cuda")]
+    pub fn on_gpu(
+        layout: KvLayout,
+        num_blocks: usize,
+        gpu: &std::sync::Arc<crate::gpu::Gpu>,
+    ) -> Result<Self> {
+        let (block_bytes, total) = Self::pool_size(&layout, num_blocks)?;
+        let pool = crate::gpu::DevicePool::alloc(gpu, total)?;
+        Ok(Self::with_memory(
+            layout,
+            block_bytes,
+            num_blocks,
+            PoolMemory::Device(pool),
+        ))
+    }
+
+    /// The GPU memory the pool lives in ([`on_gpu`](Self::on_gpu)).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device_pool_mut(&mut self) -> Result<&mut crate::gpu::DevicePool> {
+        match &mut self.data {
+            PoolMemory::Device(p) => Ok(p),
+            _ => Err(WorkerError::Gpu {
+                reason: "the model runs on a GPU but its KV pool is in host memory".to_owned(),
+            }),
+        }
+    }
+
+    /// Whether the pool is in GPU memory.
+    pub fn is_on_gpu(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if matches!(self.data, PoolMemory::Device(_)) {
+            return true;
+        }
+        false
+    }
+
     /// The registered region the pool lives in ([`in_region`](Self::in_region)), if any.
     pub fn region(&self) -> Option<&RegionHandle> {
         match &self.data {
             PoolMemory::Region(r) => Some(r),
-            PoolMemory::Owned(_) => None,
+            _ => None,
         }
     }
 
@@ -271,6 +328,11 @@ impl PagedKvCache {
         Ok(())
     }
 
+    /// Ok when `id` is an allocated block of this pool.
+    pub fn check_block(&self, id: BlockId) -> Result<()> {
+        self.check_allocated(id).map(|_| ())
+    }
+
     fn check_allocated(&self, id: BlockId) -> Result<usize> {
         let i = id.0 as usize;
         match self.allocated.get(i) {
@@ -283,10 +345,24 @@ impl PagedKvCache {
         }
     }
 
-    /// The raw bytes of an allocated block, in kvtier's layout.
+    /// The raw bytes of an allocated block, in kvtier's layout. Host pools only: a GPU
+    /// pool's blocks are copied out with [`read_block`](Self::read_block).
     pub fn block_bytes(&self, id: BlockId) -> Result<&[u8]> {
         let start = self.check_allocated(id)?;
-        Ok(self.data.range(start, self.block_bytes))
+        self.data.range(start, self.block_bytes)
+    }
+
+    /// Appends an allocated block's bytes to `out` (from host or GPU memory).
+    pub fn read_block(&self, id: BlockId, out: &mut Vec<u8>) -> Result<()> {
+        let start = self.check_allocated(id)?;
+        #[cfg(feature = "cuda")]
+        if let PoolMemory::Device(pool) = &self.data {
+            let at = out.len();
+            out.resize(at + self.block_bytes, 0);
+            return pool.read(start, &mut out[at..]);
+        }
+        out.extend_from_slice(self.data.range(start, self.block_bytes)?);
+        Ok(())
     }
 
     /// Overwrites an allocated block with `bytes` (one whole block in kvtier's layout).
@@ -299,8 +375,12 @@ impl PagedKvCache {
         }
         let start = self.check_allocated(id)?;
         let block_bytes = self.block_bytes;
+        #[cfg(feature = "cuda")]
+        if let PoolMemory::Device(pool) = &mut self.data {
+            return pool.write(start, bytes);
+        }
         self.data
-            .range_mut(start, block_bytes)
+            .range_mut(start, block_bytes)?
             .copy_from_slice(bytes);
         Ok(())
     }
@@ -355,7 +435,7 @@ impl PagedKvCache {
                     (self.block_tokens() - pos % self.block_tokens()).min((src.len() - done) / row);
                 let start = self.row_start(table, layer, tensor, pos)?;
                 let len = run_tokens * self.token_bytes;
-                let dst = self.data.range_mut(start, len);
+                let dst = self.data.range_mut(start, len)?;
                 for (d, s) in dst
                     .chunks_exact_mut(F32_BYTES)
                     .zip(&src[done..done + run_tokens * row])
@@ -389,7 +469,7 @@ impl PagedKvCache {
                 debug_assert!(run_tokens * self.token_bytes <= self.tensor_bytes);
                 dst.extend(
                     self.data
-                        .range(start, run_tokens * self.token_bytes)
+                        .range(start, run_tokens * self.token_bytes)?
                         .chunks_exact(F32_BYTES)
                         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
                 );

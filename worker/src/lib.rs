@@ -12,6 +12,8 @@ pub mod config;
 pub mod disagg;
 pub mod engine;
 mod error;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod kv_cache;
 pub mod metrics;
 pub mod model;
@@ -25,5 +27,5 @@ pub use config::ModelConfig;
 pub use engine::{Engine, FinishReason, Generation, Sampler, Sampling};
 pub use error::WorkerError;
 pub use kv_cache::{BlockId, BlockTable, PagedKvCache};
-pub use model::Model;
+pub use model::{DeviceSpec, Model};
 pub use tokenizer::{ByteTokenizer, TextStream, Tokenizer};

@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use kvtier_core::{HashScheme, HashSecret};
 use kvtier_worker::serve::{Role, ServeConfig, WorkerServer};
-use kvtier_worker::{Engine, Model, ModelConfig, Sampling, Tokenizer};
+use kvtier_worker::{DeviceSpec, Engine, Model, ModelConfig, Sampling, Tokenizer};
 
 #[derive(Parser)]
 #[command(
@@ -69,6 +69,9 @@ enum Command {
         /// --listen IP.
         #[arg(long, default_value = "shm")]
         transfer_backend: String,
+        /// Where the model and its KV pool run: cpu, cuda or cuda:N (a `cuda` build).
+        #[arg(long, default_value = "cpu")]
+        device: DeviceSpec,
     },
     /// Generate text from a prompt and report prefill and decode speed.
     Generate {
@@ -92,6 +95,9 @@ enum Command {
         /// KV pool size in blocks.
         #[arg(long, default_value_t = 1024)]
         kv_blocks: usize,
+        /// Where the model and its KV pool run: cpu, cuda or cuda:N (a `cuda` build).
+        #[arg(long, default_value = "cpu")]
+        device: DeviceSpec,
     },
 }
 
@@ -159,6 +165,7 @@ fn main() -> anyhow::Result<()> {
             role,
             prefill_url,
             transfer_backend,
+            device,
         } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -183,6 +190,7 @@ fn main() -> anyhow::Result<()> {
                 role: Role::parse(&role)?,
                 prefill_url,
                 transfer_backend: kvtier_worker::disagg::parse_backend(&transfer_backend)?,
+                device,
                 ..ServeConfig::default()
             };
             let rt = tokio::runtime::Builder::new_multi_thread()
@@ -199,6 +207,7 @@ fn main() -> anyhow::Result<()> {
             model_dir,
             block_tokens,
             kv_blocks,
+            device,
         } => {
             let model = match &model_dir {
                 Some(dir) => Model::from_hf_dir(dir, block_tokens)
@@ -211,10 +220,11 @@ fn main() -> anyhow::Result<()> {
                     seed,
                 )?,
             };
+            let model = model.to_device(device)?;
             let cfg = model.config().clone();
             let layout = cfg.kv_layout()?;
             println!(
-                "model: {} ({} layers, hidden {}, {} heads / {} kv heads x {}, vocab {}), {} parameters, KV {} bytes/token ({} bytes per {}-token block)",
+                "model: {} ({} layers, hidden {}, {} heads / {} kv heads x {}, vocab {}), {} parameters, KV {} bytes/token ({} bytes per {}-token block), on {}",
                 model_dir
                     .as_ref()
                     .map_or("random weights".to_owned(), |d| d.display().to_string()),
@@ -228,6 +238,7 @@ fn main() -> anyhow::Result<()> {
                 layout.bytes_per_token(),
                 layout.block_bytes(),
                 cfg.block_tokens,
+                device,
             );
             let tok = match &model_dir {
                 Some(dir) => Tokenizer::for_model_dir(dir, cfg.vocab_size)?,

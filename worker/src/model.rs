@@ -49,6 +49,44 @@ pub struct NoHook;
 
 impl LayerHook for NoHook {}
 
+/// Where a model runs: the CPU (candle), or an NVIDIA GPU (feature `cuda`, [`crate::gpu`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeviceSpec {
+    #[default]
+    Cpu,
+    /// A CUDA device by ordinal.
+    Cuda(usize),
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = WorkerError;
+
+    /// `cpu`, `cuda` (device 0) or `cuda:N`.
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || WorkerError::Config {
+            field: "device".to_owned(),
+            reason: format!("`{s}`: expected cpu, cuda or cuda:N"),
+        };
+        match s {
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "cuda" => Ok(DeviceSpec::Cuda(0)),
+            _ => {
+                let n = s.strip_prefix("cuda:").ok_or_else(bad)?;
+                n.parse().map(DeviceSpec::Cuda).map_err(|_| bad())
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceSpec::Cpu => f.write_str("cpu"),
+            DeviceSpec::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
 /// The model: weights plus rotary tables. Holds no KV; the caller's [`PagedKvCache`] does.
 pub struct Model {
     cfg: ModelConfig,
@@ -60,6 +98,9 @@ pub struct Model {
     /// `[max_context_tokens][head_dim / 2]`, built here: a VarMap would hand back zeros.
     cos: Tensor,
     sin: Tensor,
+    /// The weights on a GPU ([`Model::to_device`]); the forward then runs there.
+    #[cfg(feature = "cuda")]
+    gpu: Option<crate::gpu::GpuModel>,
 }
 
 /// Seeded random weights under Hugging Face names: linear layers uniform in
@@ -185,11 +226,77 @@ impl Model {
             lm_head,
             cos,
             sin,
+            #[cfg(feature = "cuda")]
+            gpu: None,
         })
     }
 
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    /// Where the forward runs.
+    pub fn device(&self) -> DeviceSpec {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.gpu {
+            return DeviceSpec::Cuda(g.gpu().ordinal());
+        }
+        DeviceSpec::Cpu
+    }
+
+    /// The model, running on `device`: for a GPU its weights are copied there (f32) and its
+    /// forward runs there; it then needs a pool in that GPU's memory
+    /// ([`PagedKvCache::on_gpu`], which [`crate::Engine::new`] builds). The host copy of the
+    /// weights is kept. Without the `cuda` feature a GPU is an error.
+    pub fn to_device(self, device: DeviceSpec) -> Result<Self> {
+        match device {
+            DeviceSpec::Cpu => Ok(self),
+            #[cfg(feature = "cuda")]
+            DeviceSpec::Cuda(n) => {
+                let gpu = crate::gpu::Gpu::open(n)?;
+                let layers = self
+                    .layers
+                    .iter()
+                    .map(|l| {
+                        [
+                            l.input_norm.weight(),
+                            l.q_proj.weight(),
+                            l.k_proj.weight(),
+                            l.v_proj.weight(),
+                            l.o_proj.weight(),
+                            l.post_norm.weight(),
+                            l.gate_proj.weight(),
+                            l.up_proj.weight(),
+                            l.down_proj.weight(),
+                        ]
+                    })
+                    .collect();
+                let weights = crate::gpu::HostWeights {
+                    embed: self.embed.embeddings(),
+                    layers,
+                    norm: self.norm.weight(),
+                    lm_head: (!self.cfg.tie_word_embeddings).then(|| self.lm_head.weight()),
+                    cos: &self.cos,
+                    sin: &self.sin,
+                };
+                let g = crate::gpu::GpuModel::upload(&gpu, &self.cfg, weights)?;
+                Ok(Self {
+                    gpu: Some(g),
+                    ..self
+                })
+            }
+            #[cfg(not(feature = "cuda"))]
+            DeviceSpec::Cuda(_) => Err(WorkerError::Gpu {
+                reason: "this kvtier-worker was built without the `cuda` feature (rebuild with \
+                         `--features cuda`)"
+                    .to_owned(),
+            }),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn gpu_model(&self) -> Option<&crate::gpu::GpuModel> {
+        self.gpu.as_ref()
     }
 
     /// Runs `tokens` at positions `start_pos..start_pos + tokens.len()`. Positions before
@@ -234,6 +341,10 @@ impl Model {
                 tokens: total,
                 max_context_tokens: self.cfg.max_context_tokens,
             });
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.gpu {
+            return g.forward(tokens, start_pos, cache, table, hook);
         }
         let (nh, nkv, hd) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
         let rep = nh / nkv;

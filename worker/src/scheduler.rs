@@ -487,7 +487,7 @@ impl Loop {
             let block = engine.cache().layout().block_bytes() as usize;
             let mut bytes = Vec::with_capacity((full - from) * block);
             for id in &seq.table.blocks()[from..full] {
-                bytes.extend_from_slice(engine.cache().block_bytes(*id).ok()?);
+                engine.cache().read_block(*id, &mut bytes).ok()?;
             }
             Some(StoreJob {
                 keys: p.keys[from..full].to_vec(),

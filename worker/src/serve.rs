@@ -55,7 +55,7 @@ use crate::disagg::{
 use crate::engine::Engine;
 use crate::error::{Result, WorkerError};
 use crate::metrics::{DisaggMetrics, Metrics};
-use crate::model::Model;
+use crate::model::{DeviceSpec, Model};
 use crate::scheduler::{GenRequest, PrefilledKv, Scheduler, SeqEvent, SubmitError, Usage};
 use crate::sidecar::{Prefix, Sidecar, SidecarSettings};
 use crate::tokenizer::{TextStream, Tokenizer};
@@ -122,6 +122,9 @@ pub struct ServeConfig {
     pub model_name: String,
     /// Seed of the random weights. Default: 0.
     pub seed: u64,
+    /// Where the forward and the KV pool run ([`DeviceSpec::Cuda`] needs the `cuda` feature
+    /// and role both). Default: [`DeviceSpec::Cpu`].
+    pub device: DeviceSpec,
     /// KV pool size in blocks. Default: 2048 (64 MiB for the default model).
     pub pool_blocks: usize,
     /// Sequences running at once. Default: 8.
@@ -148,6 +151,7 @@ impl Default for ServeConfig {
             model_config: ModelConfig::default(),
             model_name: "kvtier-tiny".into(),
             seed: 0,
+            device: DeviceSpec::Cpu,
             pool_blocks: 2048,
             max_batch: 8,
             role: Role::Both,
@@ -219,6 +223,17 @@ fn check_role(config: &ServeConfig) -> Result<()> {
             reason,
         })
     };
+    if config.device != DeviceSpec::Cpu && config.role != Role::Both {
+        return bad(
+            "device",
+            format!(
+                "role {} needs the KV pool in host memory (the transfer backends write host \
+                 memory); --device {} runs with role both only",
+                config.role.name(),
+                config.device
+            ),
+        );
+    }
     match (config.role, &config.prefill_url) {
         (Role::Decode, None) => bad(
             "prefill_url",
@@ -272,16 +287,19 @@ impl WorkerServer {
     pub async fn start(config: ServeConfig) -> Result<WorkerServer> {
         check_role(&config)?;
         let cfg = config.clone();
-        let (model, tokenizer) = tokio::task::spawn_blocking(move || match &cfg.model_dir {
-            Some(dir) => {
-                let model = Model::from_hf_dir(dir, cfg.model_config.block_tokens)?;
-                let tokenizer = Tokenizer::for_model_dir(dir, model.config().vocab_size)?;
-                Ok::<_, WorkerError>((model, tokenizer))
-            }
-            None => Ok((
-                Model::random(cfg.model_config.clone(), cfg.seed)?,
-                Tokenizer::Byte,
-            )),
+        let (model, tokenizer) = tokio::task::spawn_blocking(move || {
+            let (model, tokenizer) = match &cfg.model_dir {
+                Some(dir) => {
+                    let model = Model::from_hf_dir(dir, cfg.model_config.block_tokens)?;
+                    let tokenizer = Tokenizer::for_model_dir(dir, model.config().vocab_size)?;
+                    (model, tokenizer)
+                }
+                None => (
+                    Model::random(cfg.model_config.clone(), cfg.seed)?,
+                    Tokenizer::Byte,
+                ),
+            };
+            Ok::<_, WorkerError>((model.to_device(cfg.device)?, tokenizer))
         })
         .await
         .map_err(|e| WorkerError::Serve {
@@ -372,6 +390,7 @@ impl WorkerServer {
         });
         tracing::info!(%addr, model = %config.model_name, pool_blocks = config.pool_blocks,
             max_batch = config.max_batch, sidecar = ?config.sidecar, role = config.role.name(),
+            device = %config.device,
             prefill_url = ?config.prefill_url, "kvtier-worker serving");
         Ok(WorkerServer {
             addr,
