@@ -698,6 +698,11 @@ mod cuda {
         match kvtier_transfer::cuda_probe() {
             Ok(_) => true,
             Err(e) => {
+                // .ci/gpu-check on a GPU machine: a skip there is a failure.
+                assert!(
+                    std::env::var_os("KVTIER_REQUIRE_GPU").is_none(),
+                    "KVTIER_REQUIRE_GPU is set but {e}"
+                );
                 eprintln!("no GPU: skipping cuda::{test} ({e})");
                 false
             }

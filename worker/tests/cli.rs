@@ -194,3 +194,25 @@ fn serve_refuses_a_missing_or_pem_sidecar_certificate() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn the_device_flag_is_checked() -> Result<()> {
+    let (ok, out) = run(
+        &["generate", "--prompt", "x", "--device", "gpu0"],
+        Duration::from_secs(60),
+    )?;
+    assert!(!ok && out.contains("expected cpu, cuda or cuda:N"), "{out}");
+    // Without the `cuda` feature a GPU is a clear error, not a silent CPU run.
+    #[cfg(not(feature = "cuda"))]
+    {
+        let (ok, out) = run(
+            &["generate", "--prompt", "x", "--device", "cuda"],
+            Duration::from_secs(60),
+        )?;
+        assert!(
+            !ok && out.contains("built without the `cuda` feature"),
+            "{out}"
+        );
+    }
+    Ok(())
+}

@@ -209,6 +209,10 @@ mod tests {
                 });
             }
             Err(e) => {
+                assert!(
+                    std::env::var_os("KVTIER_REQUIRE_GPU").is_none(),
+                    "KVTIER_REQUIRE_GPU is set but {e}"
+                );
                 eprintln!("HBM conformance NOT run: {e}");
                 let e = HbmTierConfig::new(1 << 20, 4096).open().err().unwrap();
                 assert!(matches!(e, TierError::Unavailable { .. }), "{e}");
