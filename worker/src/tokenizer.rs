@@ -257,7 +257,8 @@ impl Tokenizer {
             Tokenizer::Hf(h) => TextStream::Hf {
                 tok: h.clone(),
                 ids: Vec::new(),
-                emitted: 0,
+                prefix: 0,
+                read: 0,
             },
         }
     }
@@ -266,13 +267,19 @@ impl Tokenizer {
 /// Turns generated tokens into text deltas whose concatenation is the decoded completion.
 pub enum TextStream {
     Byte(Utf8Stream),
-    /// Decodes all ids so far and emits the new suffix, holding it back while it ends in an
-    /// incomplete character (U+FFFD) or while earlier text changed.
+    /// Incremental detokenization over a sliding window: each push decodes only the ids from
+    /// `prefix` on (the tokens of the last emitted delta and those after it), so the cost per
+    /// token stays constant instead of growing with the completion. The window keeps the
+    /// previous delta's tokens as context, because some decoders (SentencePiece's leading
+    /// space, byte-level merges) render a token differently after another. New text is held
+    /// back while it ends in an incomplete character (U+FFFD).
     Hf {
         tok: Arc<HfTokenizer>,
         ids: Vec<u32>,
-        /// Bytes of the decoded text already emitted.
-        emitted: usize,
+        /// Start of the decode window.
+        prefix: usize,
+        /// End of the ids whose text was emitted.
+        read: usize,
     },
 }
 
@@ -281,15 +288,14 @@ impl TextStream {
     pub fn push(&mut self, token: u32) -> String {
         match self {
             TextStream::Byte(u) => u.push(token),
-            TextStream::Hf { tok, ids, emitted } => {
+            TextStream::Hf {
+                tok,
+                ids,
+                prefix,
+                read,
+            } => {
                 ids.push(token);
-                let Ok(text) = tok.inner.decode(ids, true) else {
-                    return String::new();
-                };
-                if text.ends_with('\u{FFFD}') {
-                    return String::new();
-                }
-                Self::suffix(&text, emitted)
+                Self::delta(tok, ids, prefix, read, false)
             }
         }
     }
@@ -298,21 +304,40 @@ impl TextStream {
     pub fn finish(&mut self) -> String {
         match self {
             TextStream::Byte(u) => u.finish(),
-            TextStream::Hf { tok, ids, emitted } => {
-                let text = tok.inner.decode(ids, true).unwrap_or_default();
-                Self::suffix(&text, emitted)
-            }
+            TextStream::Hf {
+                tok,
+                ids,
+                prefix,
+                read,
+            } => Self::delta(tok, ids, prefix, read, true),
         }
     }
 
-    fn suffix(text: &str, emitted: &mut usize) -> String {
-        match text.get(*emitted..) {
-            Some(new) => {
-                *emitted = text.len();
-                new.to_owned()
-            }
-            None => String::new(),
+    /// The text `ids[read..]` adds after `ids[prefix..read]`, moving the window when any is
+    /// emitted. `last`: emit even an incomplete character (the stream ended).
+    fn delta(
+        tok: &HfTokenizer,
+        ids: &[u32],
+        prefix: &mut usize,
+        read: &mut usize,
+        last: bool,
+    ) -> String {
+        let decode = |range: &[u32]| tok.inner.decode(range, true).ok();
+        let (Some(before), Some(now)) = (decode(&ids[*prefix..*read]), decode(&ids[*prefix..]))
+        else {
+            return String::new();
+        };
+        if now.len() <= before.len() || (!last && now.ends_with('\u{FFFD}')) {
+            return String::new();
         }
+        // The window's earlier text is a prefix of its text now (its tokens are unchanged);
+        // hold back while the cut falls inside a character.
+        let Some(new) = now.get(before.len()..) else {
+            return String::new();
+        };
+        *prefix = *read;
+        *read = ids.len();
+        new.to_owned()
     }
 }
 

@@ -257,3 +257,202 @@ async fn without_tokenizer_json_prompts_are_byte_tokenized() -> Result<()> {
     assert!(e.contains("byte tokenizer"), "{e}");
     Ok(())
 }
+
+/// GPT-2's byte-to-character map of byte-level BPE: printable Latin-1 bytes stand for
+/// themselves, the others for the characters after U+00FF, in byte order.
+fn byte_chars() -> Vec<char> {
+    let printable = |b: u32| (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
+    let mut shifted = 0;
+    (0..256u32)
+        .map(|b| {
+            if printable(b) {
+                char::from_u32(b)
+            } else {
+                shifted += 1;
+                char::from_u32(255 + shifted)
+            }
+            .expect("a valid char")
+        })
+        .collect()
+}
+
+/// The pre-tokenizer regex of Llama 3's tokenizer.json.
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A tokenizer.json shaped like Llama 3's (byte-level BPE: the Split regex then ByteLevel,
+/// a ByteLevel decoder, special tokens added after the vocabulary), with the 256 byte tokens
+/// (id = byte) and a few merges. Returns it and its vocabulary size; BOS is `n`, EOS `n + 1`
+/// and `n + 2` (end of turn).
+fn llama3_style_tokenizer_json() -> (Value, usize) {
+    let chars = byte_chars();
+    let mut vocab: Vec<(String, u32)> = chars
+        .iter()
+        .enumerate()
+        .map(|(b, c)| (c.to_string(), b as u32))
+        .collect();
+    let c = |b: u8| chars[b as usize].to_string();
+    let space = c(b' ');
+    let merges: Vec<(String, String)> = vec![
+        (space.clone(), "t".into()),
+        ("h".into(), "e".into()),
+        (format!("{space}t"), "he".into()),
+        (space.clone(), "k".into()),
+        ("v".into(), "t".into()),
+        (format!("{space}k"), "vt".into()),
+        ("i".into(), "e".into()),
+        ("ie".into(), "r".into()),
+        (format!("{space}kvt"), "ier".into()),
+        // é (C3 A9) as one token; other multi-byte characters stay split across tokens.
+        (c(0xC3), c(0xA9)),
+        (c(b'\n'), c(b'\n')),
+    ];
+    for (a, b) in &merges {
+        let id = vocab.len() as u32;
+        vocab.push((format!("{a}{b}"), id));
+    }
+    let n = vocab.len();
+    let special = |id: usize, content: &str| {
+        json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+               "rstrip": false, "normalized": false, "special": true})
+    };
+    let tok = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [
+            special(n, "<|begin_of_text|>"),
+            special(n + 1, "<|end_of_text|>"),
+            special(n + 2, "<|eot_id|>"),
+        ],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated",
+             "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+             "use_regex": false},
+        ]},
+        "post_processor": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false,
+                           "use_regex": true},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
+                    "use_regex": true},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+            "byte_fallback": false, "ignore_merges": true,
+            "vocab": vocab
+                .into_iter()
+                .map(|(k, v)| (k, json!(v)))
+                .collect::<serde_json::Map<String, Value>>(),
+            "merges": merges.iter().map(|(a, b)| json!([a, b])).collect::<Vec<_>>(),
+        },
+    });
+    (tok, n + 3)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_llama3_style_byte_level_bpe_tokenizer_round_trips_and_streams() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (tok_json, vocab) = llama3_style_tokenizer_json();
+    let (bos, eos, eot) = (vocab as u32 - 3, vocab as u32 - 2, vocab as u32 - 1);
+    std::fs::write(dir.path().join("tokenizer.json"), tok_json.to_string())?;
+    let cfg = ModelConfig {
+        vocab_size: vocab,
+        ..ModelConfig::default()
+    };
+    save_model(dir.path(), &cfg)?;
+    // Llama 3 instruct lists two stop tokens.
+    let mut config: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("config.json"))?)?;
+    config["bos_token_id"] = json!(bos);
+    config["eos_token_id"] = json!([eos, eot]);
+    std::fs::write(dir.path().join("config.json"), config.to_string())?;
+
+    let tok = Tokenizer::for_model_dir(dir.path(), vocab)?;
+    assert_eq!(tok.bos(), Some(bos));
+    assert_eq!(tok.eos(), vec![eos, eot]);
+    let reference = HfTokenizer::from_file(dir.path().join("tokenizer.json"))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let texts = [
+        "hello kvtier",
+        "the kvtier  café 🦀\n\nnaïve 中文, it's 12345 tokens!",
+        " leading space and trailing space ",
+        "\n",
+    ];
+    for text in texts {
+        let ids = tok.encode(text, false)?;
+        let want = reference
+            .encode(text, false)
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .get_ids()
+            .to_vec();
+        assert_eq!(ids, want, "{text:?}: the tokenizers crate's own ids");
+        assert_eq!(tok.decode(&ids)?, text, "{text:?} round trip");
+        assert_eq!(tok.encode(text, true)?[0], bos);
+        // Streaming, one token at a time: the deltas add up to the text, and a character
+        // split across tokens (🦀 is four byte tokens) is held back until it is whole.
+        let mut stream = tok.stream();
+        let mut streamed = String::new();
+        for &id in &ids {
+            let delta = stream.push(id);
+            assert!(
+                !delta.contains('\u{FFFD}'),
+                "{text:?}: partial character {delta:?}"
+            );
+            streamed.push_str(&delta);
+        }
+        streamed.push_str(&stream.finish());
+        assert_eq!(streamed, text);
+    }
+    // The merges apply (" kvtier" is one token), and 🦀 takes four.
+    let merged = tok.encode(" kvtier", false)?;
+    assert_eq!(merged.len(), 1, "{merged:?}");
+    assert_eq!(tok.encode("🦀", false)?.len(), 4);
+
+    // Served: the prompt counts BOS + its tokens; streamed text equals the plain completion.
+    let prompt = "the kvtier café 🦀";
+    let w = start(dir.path()).await?;
+    let v = complete(&w, json!(prompt), false).await?.json()?;
+    assert_eq!(
+        v["usage"]["prompt_tokens"],
+        tok.encode(prompt, true)?.len(),
+        "{v}"
+    );
+    let want = text(&v)?;
+    let r = complete(&w, json!(prompt), true).await?;
+    let data = r.sse_data();
+    let mut streamed = String::new();
+    for d in &data[..data.len() - 1] {
+        let c: Value = serde_json::from_str(d)?;
+        if let Some(t) = c["choices"].get(0).and_then(|c| c["text"].as_str()) {
+            streamed.push_str(t);
+        }
+    }
+    assert_eq!(streamed, want);
+    w.shutdown().await;
+    Ok(())
+}
+
+/// The incremental decoder (a sliding window, not the whole completion per token) over a
+/// long completion with multi-byte characters split across tokens: the deltas add up to the
+/// full decode.
+#[test]
+fn a_long_streamed_completion_adds_up_to_its_full_decode() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (tok_json, vocab) = llama3_style_tokenizer_json();
+    std::fs::write(dir.path().join("tokenizer.json"), tok_json.to_string())?;
+    let tok = Tokenizer::load(&dir.path().join("tokenizer.json"), &Value::Null)?;
+    let ids: Vec<u32> = tok
+        .encode(&"the kvtier café 🦀 naïve 中文 ".repeat(200), false)?
+        .into_iter()
+        .take(4000)
+        .collect();
+    assert!(ids.iter().all(|&i| (i as usize) < vocab));
+    let mut stream = tok.stream();
+    let mut streamed = String::new();
+    for &id in &ids {
+        streamed.push_str(&stream.push(id));
+    }
+    streamed.push_str(&stream.finish());
+    assert_eq!(streamed, tok.decode(&ids)?);
+    Ok(())
+}
