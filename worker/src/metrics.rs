@@ -116,6 +116,8 @@ pub struct Metrics {
     pub stores_queued: AtomicU64,
     pub stores_dropped: AtomicU64,
     pub blocks_stored: AtomicU64,
+    /// Blocks that hold generated tokens, queued for storing when their sequence ended.
+    pub generated_blocks_queued: AtomicU64,
     pub store_failures: AtomicU64,
     /// Loads skipped because the cost model said recomputing is faster.
     pub loads_skipped_cost: AtomicU64,
@@ -145,6 +147,7 @@ impl Default for Metrics {
             stores_queued: AtomicU64::new(0),
             stores_dropped: AtomicU64::new(0),
             blocks_stored: AtomicU64::new(0),
+            generated_blocks_queued: AtomicU64::new(0),
             store_failures: AtomicU64::new(0),
             loads_skipped_cost: AtomicU64::new(0),
             running: AtomicU64::new(0),
@@ -183,7 +186,7 @@ impl Metrics {
             "kvtier_worker_prefix_load_seconds",
             "Time to load a cached prefix from kvtier into the KV pool.",
         );
-        let counters: [(&str, &AtomicU64, &str); 10] = [
+        let counters: [(&str, &AtomicU64, &str); 11] = [
             (
                 "kvtier_worker_prompt_tokens_cached_total",
                 &self.prompt_tokens_cached,
@@ -223,6 +226,12 @@ impl Metrics {
                 "kvtier_worker_blocks_stored_total",
                 &self.blocks_stored,
                 "Blocks the sidecar reports cached after a store.",
+            ),
+            (
+                "kvtier_worker_generated_blocks_queued_total",
+                &self.generated_blocks_queued,
+                "Full blocks of generated tokens queued for storing at the end of their \
+                 sequence (an agent's next prompt repeats the answer).",
             ),
             (
                 "kvtier_worker_store_failures_total",

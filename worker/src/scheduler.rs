@@ -214,6 +214,8 @@ struct Seq {
     next: Option<(u32, usize)>,
     out: Vec<u32>,
     cached_tokens: usize,
+    /// Positions whose K and V are in `table` (prompt and fed generated tokens).
+    kv_tokens: usize,
     last_token_at: Option<Instant>,
     finished: Option<FinishReason>,
 }
@@ -341,6 +343,7 @@ impl Loop {
                 next: None,
                 out: Vec::new(),
                 cached_tokens: 0,
+                kv_tokens: 0,
                 last_token_at: None,
                 finished: None,
             };
@@ -348,6 +351,7 @@ impl Loop {
                 // The prompt's KV is in the table: sample the first token now.
                 Some(logits) => {
                     seq.prefill_next = None;
+                    seq.kv_tokens = seq.req.tokens.len();
                     Self::after_logits(&self.metrics, &mut seq, &logits, max_ctx, &eos);
                     // After the first token is out: copy the prompt's new full blocks for the
                     // sidecar, as after a local prefill.
@@ -425,6 +429,7 @@ impl Loop {
         } else if let Some((token, pos)) = seq.next {
             match engine.decode_step(token, pos, &mut seq.table) {
                 Ok(logits) => {
+                    seq.kv_tokens = pos + 1;
                     let max_ctx = engine.model().config().max_context_tokens;
                     Self::after_logits(&self.metrics, seq, &logits, max_ctx, engine.eos());
                     Ok(())
@@ -467,6 +472,7 @@ impl Loop {
             return Ok(());
         }
         seq.prefill_next = None;
+        seq.kv_tokens = len;
         let max_ctx = engine.model().config().max_context_tokens;
         Self::after_logits(metrics, seq, &logits, max_ctx, engine.eos());
         // After the first token is out: copy the new full blocks for the sidecar.
@@ -529,7 +535,55 @@ impl Loop {
         }
     }
 
+    /// At the end of a sequence: queues the full blocks that hold generated tokens (past the
+    /// prompt's full blocks), keyed as the prompt's continuation. An agent's next prompt
+    /// repeats this answer, so its blocks are then loaded instead of recomputed. Only
+    /// positions whose KV was computed count (the last sampled token is never fed).
+    fn store_generated(engine: &Engine, sidecar: &Sidecar, metrics: &Metrics, seq: &Seq) {
+        let p = &seq.req.prefix;
+        let bt = engine.cache().block_tokens();
+        let full = (seq.kv_tokens / bt).min(seq.table.len());
+        let first = p.keys.len();
+        if !p.store || full <= first {
+            return;
+        }
+        let mut tokens = seq.req.tokens.clone();
+        tokens.extend_from_slice(&seq.out);
+        let keys = match sidecar.keys(&tokens[..full * bt], p.cache_salt.as_deref()) {
+            Ok(k) if k.len() == full && k[..first] == p.keys[..] => k,
+            Ok(_) => {
+                tracing::error!("generated blocks: keys do not continue the prompt's");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot hash the generated tokens");
+                return;
+            }
+        };
+        let queued = sidecar.queue_store(|| {
+            let block = engine.cache().layout().block_bytes() as usize;
+            let mut bytes = Vec::with_capacity((full - first) * block);
+            for id in &seq.table.blocks()[first..full] {
+                engine.cache().read_block(*id, &mut bytes).ok()?;
+            }
+            Some(StoreJob {
+                keys: keys[first..].to_vec(),
+                parent: first.checked_sub(1).map(|i| keys[i]),
+                bytes,
+            })
+        });
+        if queued {
+            add(&metrics.generated_blocks_queued, (full - first) as u64);
+        }
+    }
+
     fn finish(&mut self, mut seq: Seq) {
+        if let Some(s) = &self.sidecar
+            && seq.finished.is_some()
+            && !seq.req.events.is_closed()
+        {
+            Self::store_generated(&lock(&self.engine), s, &self.metrics, &seq);
+        }
         let released = lock(&self.engine).cache_mut().release_table(&mut seq.table);
         if let Err(e) = released {
             tracing::error!(error = %e, "releasing a finished sequence's blocks");

@@ -110,6 +110,8 @@ pub struct Prefix {
     pub fetch_time: Duration,
     /// Whether the blocks may be stored (false without a sidecar).
     pub store: bool,
+    /// The request's `cache_salt` (part of the keys), for keying generated blocks later.
+    pub cache_salt: Option<Vec<u8>>,
 }
 
 impl Prefix {
@@ -121,6 +123,7 @@ impl Prefix {
             store_from: 0,
             fetch_time: Duration::ZERO,
             store: false,
+            cache_salt: None,
         }
     }
 }
@@ -429,6 +432,7 @@ impl Sidecar {
             store_from: 0,
             fetch_time: Duration::ZERO,
             store: true,
+            cache_salt: cache_salt.map(<[u8]>::to_vec),
         };
         if prefix.keys.is_empty() {
             return prefix;

@@ -489,3 +489,55 @@ async fn concurrent_requests_interleave_and_each_equals_its_solo_run() -> Result
     w.shutdown().await;
     Ok(())
 }
+
+/// An agent's next prompt repeats the previous answer: the answer's full blocks are stored when
+/// its sequence ends, so the next turn loads them instead of recomputing them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_turn_loads_the_previous_answer_from_kvtier() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (server, unix, _tcp) = start_kvtier(&kvtier_config(dir.path(), "8MiB", 4)?).await?;
+    let w = start_worker(Some(unix)).await?;
+    let prompt = ByteTokenizer.encode("An agent asks a question; kvtier keeps the answer.", true);
+    let g = Engine::new(Model::random(ModelConfig::default(), 0)?, 256)?.generate(
+        &prompt,
+        40,
+        Sampling::GREEDY,
+    )?;
+    // Positions with KV: the prompt and every generated token fed back (the last one sampled
+    // at max_tokens never is).
+    let fed = g.tokens.len() - usize::from(g.finish == kvtier_worker::FinishReason::MaxTokens);
+    let (prompt_blocks, all_blocks) = (prompt.len() / 16, (prompt.len() + fed) / 16);
+    ensure!(
+        all_blocks > prompt_blocks,
+        "the answer fills no block ({} prompt tokens, {fed} fed)",
+        prompt.len()
+    );
+
+    let ask = |p: &[u32], n: usize| json!({"model": "kvtier-tiny", "prompt": p, "max_tokens": n, "temperature": 0});
+    let r = post(w.addr(), "/v1/completions", &ask(&prompt, 40)).await?;
+    ensure!(r.status == 200, "status {}: {}", r.status, r.body);
+    assert_eq!(r.json()?["usage"]["completion_tokens"], g.tokens.len());
+    stores_done(&w, all_blocks as u64).await?;
+    let m = w.metrics().clone();
+    assert_eq!(
+        m.generated_blocks_queued.load(Ordering::Relaxed),
+        (all_blocks - prompt_blocks) as u64
+    );
+
+    // Turn 2: the previous prompt, the answer, a new message.
+    let mut next = prompt.clone();
+    next.extend(&g.tokens);
+    next.extend(ByteTokenizer.encode(" And then?", false));
+    let r = post(w.addr(), "/v1/completions", &ask(&next, 8)).await?;
+    ensure!(r.status == 200, "status {}: {}", r.status, r.body);
+    let v = r.json()?;
+    assert_eq!(cached(&v["usage"]), (all_blocks * 16) as u64, "{v}");
+    assert_eq!(
+        v["choices"][0]["text"].as_str().context("text")?,
+        solo(&next, 8, Sampling::GREEDY)?,
+        "output with the answer's blocks loaded equals recomputing them"
+    );
+    w.shutdown().await;
+    server.shutdown().await;
+    Ok(())
+}
