@@ -120,12 +120,12 @@ impl Engine {
                 reason: "the pool's KV layout is not the model's".to_owned(),
             });
         }
-        if cache.is_on_gpu() != (model.device() != crate::model::DeviceSpec::Cpu) {
+        if cache.is_on_gpu() != model.on_gpu() {
             return Err(WorkerError::Config {
                 field: "kv cache".to_owned(),
                 reason: format!(
                     "the model runs on {} but its pool is in {} memory",
-                    model.device(),
+                    model.device_label(),
                     if cache.is_on_gpu() { "GPU" } else { "host" }
                 ),
             });

@@ -235,13 +235,22 @@ impl Model {
         &self.cfg
     }
 
-    /// Where the forward runs.
-    pub fn device(&self) -> DeviceSpec {
+    /// Whether the forward runs on a GPU (or the GPU emulator).
+    pub fn on_gpu(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.gpu.is_some() {
+            return true;
+        }
+        false
+    }
+
+    /// Where the forward runs: `cpu`, `cuda:N` or `emulated`.
+    pub fn device_label(&self) -> String {
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu {
-            return DeviceSpec::Cuda(g.gpu().ordinal());
+            return g.gpu().label().to_owned();
         }
-        DeviceSpec::Cpu
+        "cpu".to_owned()
     }
 
     /// The model, running on `device`: for a GPU its weights are copied there (f32) and its
@@ -252,39 +261,7 @@ impl Model {
         match device {
             DeviceSpec::Cpu => Ok(self),
             #[cfg(feature = "cuda")]
-            DeviceSpec::Cuda(n) => {
-                let gpu = crate::gpu::Gpu::open(n)?;
-                let layers = self
-                    .layers
-                    .iter()
-                    .map(|l| {
-                        [
-                            l.input_norm.weight(),
-                            l.q_proj.weight(),
-                            l.k_proj.weight(),
-                            l.v_proj.weight(),
-                            l.o_proj.weight(),
-                            l.post_norm.weight(),
-                            l.gate_proj.weight(),
-                            l.up_proj.weight(),
-                            l.down_proj.weight(),
-                        ]
-                    })
-                    .collect();
-                let weights = crate::gpu::HostWeights {
-                    embed: self.embed.embeddings(),
-                    layers,
-                    norm: self.norm.weight(),
-                    lm_head: (!self.cfg.tie_word_embeddings).then(|| self.lm_head.weight()),
-                    cos: &self.cos,
-                    sin: &self.sin,
-                };
-                let g = crate::gpu::GpuModel::upload(&gpu, &self.cfg, weights)?;
-                Ok(Self {
-                    gpu: Some(g),
-                    ..self
-                })
-            }
+            DeviceSpec::Cuda(n) => self.to_gpu(&crate::gpu::Gpu::open(n)?),
             #[cfg(not(feature = "cuda"))]
             DeviceSpec::Cuda(_) => Err(WorkerError::Gpu {
                 reason: "this kvtier-worker was built without the `cuda` feature (rebuild with \
@@ -292,6 +269,41 @@ impl Model {
                     .to_owned(),
             }),
         }
+    }
+
+    /// The model on `gpu` (a CUDA device, or the emulator): see [`to_device`](Self::to_device).
+    #[cfg(feature = "cuda")]
+    pub fn to_gpu(self, gpu: &std::sync::Arc<crate::gpu::Gpu>) -> Result<Self> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                [
+                    l.input_norm.weight(),
+                    l.q_proj.weight(),
+                    l.k_proj.weight(),
+                    l.v_proj.weight(),
+                    l.o_proj.weight(),
+                    l.post_norm.weight(),
+                    l.gate_proj.weight(),
+                    l.up_proj.weight(),
+                    l.down_proj.weight(),
+                ]
+            })
+            .collect();
+        let weights = crate::gpu::HostWeights {
+            embed: self.embed.embeddings(),
+            layers,
+            norm: self.norm.weight(),
+            lm_head: (!self.cfg.tie_word_embeddings).then(|| self.lm_head.weight()),
+            cos: &self.cos,
+            sin: &self.sin,
+        };
+        let g = crate::gpu::GpuModel::upload(gpu, &self.cfg, weights)?;
+        Ok(Self {
+            gpu: Some(g),
+            ..self
+        })
     }
 
     #[cfg(feature = "cuda")]

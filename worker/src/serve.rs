@@ -125,6 +125,10 @@ pub struct ServeConfig {
     /// Where the forward and the KV pool run ([`DeviceSpec::Cuda`] needs the `cuda` feature
     /// and role both). Default: [`DeviceSpec::Cpu`].
     pub device: DeviceSpec,
+    /// A GPU opened by the caller (for example the emulator, `Gpu::emulated`), used instead
+    /// of `device`. Default: None.
+    #[cfg(feature = "cuda")]
+    pub gpu: Option<std::sync::Arc<crate::gpu::Gpu>>,
     /// KV pool size in blocks. Default: 2048 (64 MiB for the default model).
     pub pool_blocks: usize,
     /// Sequences running at once. Default: 8.
@@ -152,6 +156,8 @@ impl Default for ServeConfig {
             model_name: "kvtier-tiny".into(),
             seed: 0,
             device: DeviceSpec::Cpu,
+            #[cfg(feature = "cuda")]
+            gpu: None,
             pool_blocks: 2048,
             max_batch: 8,
             role: Role::Both,
@@ -223,7 +229,11 @@ fn check_role(config: &ServeConfig) -> Result<()> {
             reason,
         })
     };
-    if config.device != DeviceSpec::Cpu && config.role != Role::Both {
+    #[cfg(feature = "cuda")]
+    let on_gpu = config.device != DeviceSpec::Cpu || config.gpu.is_some();
+    #[cfg(not(feature = "cuda"))]
+    let on_gpu = config.device != DeviceSpec::Cpu;
+    if on_gpu && config.role != Role::Both {
         return bad(
             "device",
             format!(
@@ -299,6 +309,10 @@ impl WorkerServer {
                     Tokenizer::Byte,
                 ),
             };
+            #[cfg(feature = "cuda")]
+            if let Some(gpu) = &cfg.gpu {
+                return Ok((model.to_gpu(gpu)?, tokenizer));
+            }
             Ok::<_, WorkerError>((model.to_device(cfg.device)?, tokenizer))
         })
         .await
@@ -308,6 +322,7 @@ impl WorkerServer {
         })??;
         let layout = model.config().kv_layout()?;
         let vocab_size = model.config().vocab_size;
+        let device = model.device_label();
         let metrics = Arc::new(Metrics::default());
         let sidecar = match &config.sidecar {
             None => None,
@@ -390,7 +405,7 @@ impl WorkerServer {
         });
         tracing::info!(%addr, model = %config.model_name, pool_blocks = config.pool_blocks,
             max_batch = config.max_batch, sidecar = ?config.sidecar, role = config.role.name(),
-            device = %config.device,
+            device = %device,
             prefill_url = ?config.prefill_url, "kvtier-worker serving");
         Ok(WorkerServer {
             addr,

@@ -1,48 +1,162 @@
 //! The GPU path (feature `cuda`) against the CPU forward: logits, the KV bytes in the pool,
 //! prefix blocks loaded into GPU memory, generation, and serving with a kvtier sidecar.
 //!
-//! Tests that need a GPU print `SKIPPED ...` where there is none (and fail instead when
-//! `KVTIER_REQUIRE_GPU=1`, for runs on a GPU machine). The settings checks run everywhere.
+//! Every check runs on two backends of the same host code (`worker/src/gpu`):
+//! * **the emulator**, always: `kernels.cu` built by g++ with the CPU emulation of CUDA in
+//!   `tests/emu/` into a shared library that `Gpu::emulated` loads, so allocation, copies,
+//!   launch shapes and arguments, and the kernels run unchanged on the CPU (one real thread
+//!   per CUDA thread; slow, so these runs use a smaller model and shorter prompts);
+//! * **a real GPU**, where one exists (the default model, longer prompts). Elsewhere those runs
+//!   print `SKIPPED ...`, and fail instead when `KVTIER_REQUIRE_GPU=1` (`.ci/gpu-check`).
+//!
+//! What only a real GPU shows: the PTX (NVRTC's output, loaded and JIT-compiled by the driver),
+//! the driver calls, and the GPU's own execution and memory model.
 #![cfg(feature = "cuda")]
 
 mod common;
 
-use std::time::Duration;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use common::*;
+use kvtier_worker::gpu::Gpu;
 use kvtier_worker::serve::{Role, ServeConfig, WorkerServer};
 use kvtier_worker::{
-    BlockTable, ByteTokenizer, DeviceSpec, Engine, Model, ModelConfig, PagedKvCache, Sampling,
+    BlockTable, ByteTokenizer, DeviceSpec, Engine, FinishReason, Model, ModelConfig, PagedKvCache,
+    Sampling,
 };
 use serde_json::json;
 
-/// Logits agree within this, relative to the largest CPU logit (at least 1): the GPU kernels
-/// sum in another order than candle's CPU matmul, and fuse multiply-adds.
+/// Logits agree within this, relative to the largest CPU logit (at least 1): the kernels sum in
+/// another order than candle's CPU matmul (and a GPU fuses multiply-adds).
 const LOGIT_TOL: f32 = 2e-3;
 /// KV values agree within this, relative to the value (at least 1).
 const KV_TOL: f32 = 1e-4;
 
-fn have_gpu(test: &str) -> bool {
-    match kvtier_worker::gpu::probe() {
-        Ok(_) => true,
-        Err(e) => {
-            assert!(
-                std::env::var_os("KVTIER_REQUIRE_GPU").is_none(),
-                "KVTIER_REQUIRE_GPU is set but {e}"
-            );
-            eprintln!("SKIPPED {test}: {e}");
-            false
-        }
+/// One backend under test, with the model shape and prompt lengths it can afford.
+struct Case {
+    gpu: Arc<Gpu>,
+    cfg: ModelConfig,
+    /// Prompt lengths for the logits check (1 token, a partial block, several attention
+    /// tiles, and for a real GPU a long prompt).
+    lengths: &'static [usize],
+    /// (first chunk, total) for the chunked-prefill check.
+    chunked: (usize, usize),
+    /// Tokens to generate in the greedy and serving checks.
+    generate: usize,
+}
+
+/// A small model for the emulator (the emulation runs one OS thread per CUDA thread). Its KV
+/// layout (2 KV heads x 32, 16-token blocks, f32) is what `common::kvtier_config` serves.
+fn small_config() -> ModelConfig {
+    ModelConfig {
+        hidden_size: 128,
+        intermediate_size: 160,
+        num_layers: 2,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 32,
+        ..ModelConfig::default()
     }
 }
 
-fn models(seed: u64) -> Result<(Model, Model)> {
-    let cfg = ModelConfig::default();
-    Ok((
-        Model::random(cfg.clone(), seed)?,
-        Model::random(cfg, seed)?.to_device(DeviceSpec::Cuda(0))?,
-    ))
+/// Builds `tests/emu/launcher.cpp` once per test run (into cargo's per-target temporary
+/// directory), bounded in time.
+fn emulator_library() -> Result<PathBuf> {
+    static LIB: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
+    LIB.get_or_init(|| build_emulator().map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(|e| anyhow::anyhow!(e))
+}
+
+fn build_emulator() -> Result<PathBuf> {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/emu/launcher.cpp");
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("libkvtier-gpu-emu-{}.so", std::process::id()));
+    let mut child = Command::new("g++")
+        .args(["-std=c++20", "-O2", "-pthread", "-shared", "-fPIC", "-o"])
+        .arg(&out)
+        .arg(&src)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("this test needs g++ (C++20) on PATH to build the CUDA emulator")?;
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while child.try_wait()?.is_none() {
+        if Instant::now() > deadline {
+            child.kill()?;
+            bail!("g++ building the CUDA emulator took over 180 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o = child.wait_with_output()?;
+    ensure!(
+        o.status.success(),
+        "g++ failed on {}:\n{}",
+        src.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Ok(out)
+}
+
+fn emulated() -> Result<Case> {
+    let lib = emulator_library()?;
+    // SAFETY: the library was just built from tests/emu/launcher.cpp, which exports
+    // kvtier_emu_launch with the signature Gpu::emulated calls.
+    let gpu = unsafe { Gpu::emulated(&lib) }?;
+    Ok(Case {
+        gpu,
+        cfg: small_config(),
+        lengths: &[17, 70],
+        chunked: (40, 90),
+        generate: 4,
+    })
+}
+
+/// The real GPU, or None with a SKIPPED line (a failure under KVTIER_REQUIRE_GPU=1).
+fn real_gpu(test: &str) -> Result<Option<Case>> {
+    if let Err(e) = kvtier_worker::gpu::probe() {
+        ensure!(
+            std::env::var_os("KVTIER_REQUIRE_GPU").is_none(),
+            "KVTIER_REQUIRE_GPU is set but {e}"
+        );
+        eprintln!("SKIPPED {test} on a real GPU (it runs on the emulator only): {e}");
+        return Ok(None);
+    }
+    Ok(Some(Case {
+        gpu: Gpu::open(0)?,
+        cfg: ModelConfig::default(),
+        lengths: &[1, 17, 100, 700],
+        chunked: (300, 450),
+        generate: 16,
+    }))
+}
+
+/// The emulator runs one launch at a time: the tests take turns, so that the serving test's
+/// HTTP deadlines do not run out while another test holds the emulator.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The emulator, then the real GPU where there is one.
+fn cases(test: &str) -> Result<Vec<Case>> {
+    let mut v = vec![emulated()?];
+    v.extend(real_gpu(test)?);
+    Ok(v)
+}
+
+impl Case {
+    fn models(&self, seed: u64) -> Result<(Model, Model)> {
+        Ok((
+            Model::random(self.cfg.clone(), seed)?,
+            Model::random(self.cfg.clone(), seed)?.to_gpu(&self.gpu)?,
+        ))
+    }
 }
 
 /// Deterministic pseudo-text token ids below the byte vocabulary.
@@ -73,7 +187,14 @@ fn assert_logits_close(cpu: &[f32], gpu: &[f32], what: &str) {
     );
 }
 
-fn assert_blocks_close(cpu: &PagedKvCache, gpu: &PagedKvCache, ct: &BlockTable, gt: &BlockTable) {
+fn assert_blocks_close(
+    cpu: &PagedKvCache,
+    gpu: &PagedKvCache,
+    ct: &BlockTable,
+    gt: &BlockTable,
+    what: &str,
+) {
+    assert_eq!(ct.len(), gt.len(), "{what}: blocks");
     for (i, (c, g)) in ct.blocks().iter().zip(gt.blocks()).enumerate() {
         let (mut a, mut b) = (Vec::new(), Vec::new());
         cpu.read_block(*c, &mut a).unwrap();
@@ -86,7 +207,7 @@ fn assert_blocks_close(cpu: &PagedKvCache, gpu: &PagedKvCache, ct: &BlockTable, 
         for (j, (x, y)) in f(&a).iter().zip(f(&b)).enumerate() {
             assert!(
                 (x - y).abs() <= KV_TOL * x.abs().max(1.0),
-                "block {i}, value {j}: cpu {x}, gpu {y}"
+                "{what}: block {i}, value {j}: cpu {x}, gpu {y}"
             );
         }
     }
@@ -94,143 +215,162 @@ fn assert_blocks_close(cpu: &PagedKvCache, gpu: &PagedKvCache, ct: &BlockTable, 
 
 #[test]
 fn gpu_logits_and_kv_match_the_cpu_for_prompts_chunks_and_decode_steps() -> Result<()> {
-    if !have_gpu("gpu_logits_and_kv_match_the_cpu") {
-        return Ok(());
-    }
-    let (cpu_model, gpu_model) = models(7)?;
-    let mut cpu = Engine::new(cpu_model, 128)?;
-    let mut gpu = Engine::new(gpu_model, 128)?;
-    ensure!(
-        gpu.cache().is_on_gpu(),
-        "the GPU engine's pool is in GPU memory"
-    );
-    // One token, a partial block, more keys than one attention tile, and a long prompt with
-    // rows that are not a multiple of the matmul tile.
-    for (n, salt) in [(1, 1), (17, 2), (100, 3), (700, 4)] {
-        let p = tokens(n, salt);
+    let _turn = serial();
+    for case in cases("gpu_logits_and_kv_match_the_cpu")? {
+        let on = case.gpu.label().to_owned();
+        let (cpu_model, gpu_model) = case.models(7)?;
+        let mut cpu = Engine::new(cpu_model, 128)?;
+        let mut gpu = Engine::new(gpu_model, 128)?;
+        ensure!(gpu.cache().is_on_gpu(), "{on}: the pool is in GPU memory");
+        for (i, &n) in case.lengths.iter().enumerate() {
+            let p = tokens(n, i as u32 + 1);
+            let (mut ct, mut gt) = (BlockTable::new(), BlockTable::new());
+            let a = cpu.prefill(&p, 0, &mut ct)?;
+            let b = gpu.prefill(&p, 0, &mut gt)?;
+            assert_logits_close(&a, &b, &format!("{on}: prefill of {n} tokens"));
+            assert_blocks_close(cpu.cache(), gpu.cache(), &ct, &gt, &on);
+            // Decode steps on top (the one-row GEMV path).
+            let mut a = a;
+            for step in 0..2 {
+                let next = kvtier_worker::model::argmax(&a);
+                a = cpu.decode_step(next, n + step, &mut ct)?;
+                let b = gpu.decode_step(next, n + step, &mut gt)?;
+                assert_logits_close(&a, &b, &format!("{on}: decode step {step} after {n}"));
+            }
+            assert_blocks_close(cpu.cache(), gpu.cache(), &ct, &gt, &on);
+            cpu.cache_mut().release_table(&mut ct)?;
+            gpu.cache_mut().release_table(&mut gt)?;
+        }
+        // Chunked prefill (as the scheduler does): the second chunk starts past the first,
+        // reading the first's KV from the pool; equals the CPU running everything at once.
+        let (first, total) = case.chunked;
+        let p = tokens(total, 9);
         let (mut ct, mut gt) = (BlockTable::new(), BlockTable::new());
         let a = cpu.prefill(&p, 0, &mut ct)?;
-        let b = gpu.prefill(&p, 0, &mut gt)?;
-        assert_logits_close(&a, &b, &format!("prefill of {n} tokens"));
-        assert_blocks_close(cpu.cache(), gpu.cache(), &ct, &gt);
-        // Decode steps on top.
-        let mut a = a;
-        for step in 0..4 {
-            let next = kvtier_worker::model::argmax(&a);
-            a = cpu.decode_step(next, n + step, &mut ct)?;
-            let b = gpu.decode_step(next, n + step, &mut gt)?;
-            assert_logits_close(&a, &b, &format!("decode step {step} after {n} tokens"));
-        }
-        assert_blocks_close(cpu.cache(), gpu.cache(), &ct, &gt);
-        cpu.cache_mut().release_table(&mut ct)?;
-        gpu.cache_mut().release_table(&mut gt)?;
+        gpu.prefill(&p[..first], 0, &mut gt)?;
+        let b = gpu.prefill(&p, first, &mut gt)?;
+        assert_logits_close(&a, &b, &format!("{on}: chunked prefill"));
+        assert_blocks_close(cpu.cache(), gpu.cache(), &ct, &gt, &on);
     }
-    // Chunked prefill (the scheduler's 512-token chunks): 300 tokens, then 150 more from
-    // position 300, equals the CPU running all 450 at once.
-    let p = tokens(450, 9);
-    let (mut ct, mut gt) = (BlockTable::new(), BlockTable::new());
-    let a = cpu.prefill(&p, 0, &mut ct)?;
-    gpu.prefill(&p[..300], 0, &mut gt)?;
-    let b = gpu.prefill(&p, 300, &mut gt)?;
-    assert_logits_close(&a, &b, "chunked prefill");
-    assert_blocks_close(cpu.cache(), gpu.cache(), &ct, &gt);
     Ok(())
 }
 
 #[test]
 fn a_prefix_loaded_into_gpu_memory_equals_computing_it() -> Result<()> {
-    if !have_gpu("a_prefix_loaded_into_gpu_memory_equals_computing_it") {
-        return Ok(());
+    let _turn = serial();
+    for case in cases("a_prefix_loaded_into_gpu_memory_equals_computing_it")? {
+        let on = case.gpu.label().to_owned();
+        let (cpu_model, gpu_model) = case.models(11)?;
+        let mut cpu = Engine::new(cpu_model, 64)?;
+        let mut gpu = Engine::new(gpu_model, 64)?;
+        let p = tokens(64 + 20, 5);
+        // The CPU computes the whole prompt; its first 4 blocks (64 tokens) are what kvtier
+        // would hand back as raw bytes. The GPU pool gets them in other block ids.
+        let mut ct = BlockTable::new();
+        let want = cpu.prefill(&p, 0, &mut ct)?;
+        let mut gt = BlockTable::new();
+        let spare = gpu.cache_mut().allocate()?;
+        gpu.cache_mut().reserve(&mut gt, 64)?;
+        for (c, g) in ct.blocks()[..4].iter().zip(gt.clone().blocks()) {
+            let mut bytes = Vec::new();
+            cpu.cache().read_block(*c, &mut bytes)?;
+            gpu.cache_mut().write_block(*g, &bytes)?;
+        }
+        gpu.cache_mut().release(spare)?;
+        let got = gpu.prefill(&p, 64, &mut gt)?;
+        assert_logits_close(
+            &want,
+            &got,
+            &format!("{on}: after a loaded 64-token prefix"),
+        );
+        assert_blocks_close(cpu.cache(), gpu.cache(), &ct, &gt, &on);
     }
-    let (cpu_model, gpu_model) = models(11)?;
-    let mut cpu = Engine::new(cpu_model, 64)?;
-    let mut gpu = Engine::new(gpu_model, 64)?;
-    let p = tokens(64 + 20, 5);
-    // The CPU computes the whole prompt; its first 4 blocks (64 tokens) are what kvtier would
-    // hand back as raw bytes.
-    let mut ct = BlockTable::new();
-    let want = cpu.prefill(&p, 0, &mut ct)?;
-    let mut gt = BlockTable::new();
-    gpu.cache_mut().reserve(&mut gt, 64)?;
-    for (c, g) in ct.blocks()[..4].iter().zip(gt.clone().blocks()) {
-        let mut bytes = Vec::new();
-        cpu.cache().read_block(*c, &mut bytes)?;
-        gpu.cache_mut().write_block(*g, &bytes)?;
-    }
-    let got = gpu.prefill(&p, 64, &mut gt)?;
-    assert_logits_close(&want, &got, "prefill after a loaded 64-token prefix");
-    assert_blocks_close(cpu.cache(), gpu.cache(), &ct, &gt);
     Ok(())
 }
 
 #[test]
 fn greedy_generation_on_the_gpu_equals_the_cpu() -> Result<()> {
-    if !have_gpu("greedy_generation_on_the_gpu_equals_the_cpu") {
-        return Ok(());
+    let _turn = serial();
+    for case in cases("greedy_generation_on_the_gpu_equals_the_cpu")? {
+        let (cpu_model, gpu_model) = case.models(0)?;
+        let prompt = ByteTokenizer.encode("kvtier keeps the prefix; the GPU runs the rest.", true);
+        let a = Engine::new(cpu_model, 64)?.generate(&prompt, case.generate, Sampling::GREEDY)?;
+        let b = Engine::new(gpu_model, 64)?.generate(&prompt, case.generate, Sampling::GREEDY)?;
+        assert_eq!(a.tokens, b.tokens, "{}: greedy tokens", case.gpu.label());
+        assert_eq!(a.finish, b.finish);
     }
-    let (cpu_model, gpu_model) = models(0)?;
-    let prompt = ByteTokenizer.encode("kvtier keeps the prefix; the GPU computes the rest.", true);
-    let a = Engine::new(cpu_model, 64)?.generate(&prompt, 16, Sampling::GREEDY)?;
-    let b = Engine::new(gpu_model, 64)?.generate(&prompt, 16, Sampling::GREEDY)?;
-    assert_eq!(a.tokens, b.tokens, "greedy tokens, CPU vs GPU");
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn serving_on_the_gpu_with_a_sidecar_reuses_the_prefix() -> Result<()> {
-    if !have_gpu("serving_on_the_gpu_with_a_sidecar_reuses_the_prefix") {
-        return Ok(());
-    }
-    let prompt =
-        "The GPU worker stores its prompt blocks in kvtier and loads them on the next turn.";
-    let want = {
-        let model = Model::random(ModelConfig::default(), 0)?;
-        let g = Engine::new(model, 64)?.generate(
-            &ByteTokenizer.encode(prompt, true),
-            12,
+#[test]
+fn serving_on_the_gpu_with_a_sidecar_reuses_the_prefix() -> Result<()> {
+    let _turn = serial();
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?
+        .block_on(serve_twice())
+}
+
+async fn serve_twice() -> Result<()> {
+    for case in cases("serving_on_the_gpu_with_a_sidecar_reuses_the_prefix")? {
+        let on = case.gpu.label().to_owned();
+        let prompt = "The GPU worker stores its prompt blocks in kvtier and loads them next turn.";
+        let ids = ByteTokenizer.encode(prompt, true);
+        let g = Engine::new(Model::random(case.cfg.clone(), 0)?, 64)?.generate(
+            &ids,
+            case.generate,
             Sampling::GREEDY,
         )?;
-        ByteTokenizer.decode(&g.tokens)?
-    };
-    let dir = tempfile::tempdir()?;
-    let (server, unix, _tcp) = start_kvtier(&kvtier_config(dir.path(), "8MiB", 4)?).await?;
-    let w = WorkerServer::start(ServeConfig {
-        device: DeviceSpec::Cuda(0),
-        ..worker_config(Some(unix))
-    })
-    .await?;
-    let full_blocks = (prompt.len() as u64 + 1) / 16;
-    let mut cached = Vec::new();
-    for turn in 0..2 {
-        let r = post(
-            w.addr(),
-            "/v1/completions",
-            &json!({"model": "kvtier-tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}),
-        )
+        let want = ByteTokenizer.decode(&g.tokens)?;
+        let dir = tempfile::tempdir()?;
+        let kv = kvtier_config(dir.path(), "8MiB", case.cfg.num_layers as u32)?;
+        let (server, unix, _tcp) = start_kvtier(&kv).await?;
+        let w = WorkerServer::start(ServeConfig {
+            model_config: case.cfg.clone(),
+            gpu: Some(case.gpu.clone()),
+            pool_blocks: 64,
+            ..worker_config(Some(unix))
+        })
         .await?;
-        ensure!(r.status == 200, "status {}: {}", r.status, r.body);
-        let v = r.json()?;
-        let text = v["choices"][0]["text"].as_str().context("text")?;
-        assert_eq!(
-            text, want,
-            "turn {turn}: GPU output equals the CPU reference"
-        );
-        cached.push(v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64());
-        if turn == 0 {
-            let m = w.metrics().clone();
-            wait_for(Duration::from_secs(20), || {
-                m.blocks_stored.load(std::sync::atomic::Ordering::Relaxed) >= full_blocks
-            })
+        let prompt_blocks = ids.len() / 16;
+        // The answer's blocks are stored too when the sequence ends (positions with KV).
+        let fed = g.tokens.len() - usize::from(g.finish == FinishReason::MaxTokens);
+        let all_blocks = (ids.len() + fed) / 16;
+        let mut cached = Vec::new();
+        for turn in 0..2 {
+            let r = post(
+                w.addr(),
+                "/v1/completions",
+                &json!({"model": "kvtier-tiny", "prompt": prompt,
+                        "max_tokens": case.generate, "temperature": 0}),
+            )
             .await?;
+            ensure!(r.status == 200, "{on}: status {}: {}", r.status, r.body);
+            let v = r.json()?;
+            let text = v["choices"][0]["text"].as_str().context("text")?;
+            assert_eq!(text, want, "{on}, turn {turn}: the CPU reference");
+            cached.push(v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64());
+            if turn == 0 {
+                let m = w.metrics().clone();
+                wait_for(Duration::from_secs(60), || {
+                    m.blocks_stored.load(std::sync::atomic::Ordering::Relaxed) >= all_blocks as u64
+                })
+                .await?;
+            }
         }
+        assert_eq!(
+            cached,
+            [Some(0), Some(prompt_blocks as u64 * 16)],
+            "{on}: the second turn loads the prompt's blocks into GPU memory"
+        );
+        w.shutdown().await;
+        server.shutdown().await;
     }
-    assert_eq!(cached, [Some(0), Some(full_blocks * 16)]);
-    w.shutdown().await;
-    server.shutdown().await;
     Ok(())
 }
 
-/// Runs everywhere: settings that cannot work are refused before any GPU is touched.
+/// Settings that cannot work are refused before any GPU is touched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_worker_refuses_the_disaggregated_roles() -> Result<()> {
     for role in [Role::Prefill, Role::Decode] {
@@ -249,19 +389,17 @@ async fn a_gpu_worker_refuses_the_disaggregated_roles() -> Result<()> {
     Ok(())
 }
 
-/// Runs everywhere: a GPU model with a host pool (or the reverse) is refused, not run.
+/// A GPU model with a host pool, or the reverse, is refused, not run.
 #[test]
 fn an_engine_refuses_a_pool_on_the_wrong_device() -> Result<()> {
-    let layout = ModelConfig::default().kv_layout()?;
-    let cpu = Model::random(ModelConfig::default(), 0)?;
-    assert_eq!(cpu.device(), DeviceSpec::Cpu);
-    Engine::with_cache(cpu, PagedKvCache::new(layout, 4)?)?;
-    if !have_gpu("an_engine_refuses_a_pool_on_the_wrong_device (GPU half)") {
-        return Ok(());
-    }
-    let (cpu, gpu) = models(0)?;
+    let _turn = serial();
+    let case = emulated()?;
+    let layout = case.cfg.kv_layout()?;
+    let (cpu, gpu) = case.models(0)?;
+    assert!(!cpu.on_gpu() && gpu.on_gpu());
+    assert_eq!(gpu.device_label(), "emulated");
     let host = PagedKvCache::new(layout, 4)?;
-    let dev = PagedKvCache::on_gpu(layout, 4, gpu.gpu().context("gpu")?)?;
+    let dev = PagedKvCache::on_gpu(layout, 4, &case.gpu)?;
     assert!(Engine::with_cache(gpu, host).is_err());
     assert!(Engine::with_cache(cpu, dev).is_err());
     Ok(())

@@ -1,9 +1,9 @@
 //! The GPU path (feature `cuda`): the model's forward on an NVIDIA GPU, with the paged KV pool
 //! in device memory and attention reading it in place.
 //!
-//! It runs on our cudarc configuration (driver API, `dynamic-loading`): the build needs no CUDA
-//! toolkit, and a machine needs only the CUDA driver. The kernels (`kernels.cu`, f32) ship as
-//! PTX compiled by NVRTC (`kernels.ptx`, checked in; a test compiles the source again and
+//! It runs on our cudarc configuration (the driver API, `dynamic-loading`): the build needs no
+//! CUDA toolkit, and a machine needs only the CUDA driver. The kernels (`kernels.cu`, f32) ship
+//! as PTX compiled by NVRTC (`kernels.ptx`, checked in; a test compiles the source again and
 //! compares, see [`compile_kernels`]); the driver JIT-compiles the PTX for the GPU it finds.
 //! candle's own CUDA backend is not used: it compiles its kernels with nvcc at build time and
 //! links cudarc dynamically, which clashes with the `dynamic-loading` the server's HBM tier and
@@ -14,17 +14,21 @@
 //! (copies through host memory, [`DevicePool`]). Disaggregation needs a host pool (the
 //! transfer backends write host memory) and refuses a GPU model.
 //!
-//! **Verification:** no GPU was available where this was written. The kernels compile with
-//! NVRTC in CI (`cargo test -p kvtier-worker --features cuda`); the tests that run them and
-//! compare with the CPU forward (`tests/gpu.rs`) run where a GPU exists and say they were
-//! skipped elsewhere. See `docs/worker.md`.
+//! Every device operation goes through [`Gpu`], which has two backends: the CUDA driver, and an
+//! **emulator** ([`Gpu::emulated`]): a shared library built from the same `kernels.cu` with a
+//! CPU emulation of CUDA (`tests/emu/`), where "device memory" is host memory and a launch runs
+//! every CUDA thread as a real thread. The host code here (allocation, copies, launch shapes
+//! and arguments, synchronisation) is the same for both, so the tests run the whole GPU forward
+//! on the CPU and compare it with candle's. Every launch is also checked against the kernel's
+//! parameter list, which a test checks against the PTX.
+//!
+//! **Verification:** no GPU was available where this was written; see `docs/worker.md`.
 
+use std::ffi::{CString, c_char, c_int, c_void};
+use std::path::Path;
 use std::sync::Arc;
 
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg, result, sys,
-};
-use cudarc::nvrtc::Ptx;
+use cudarc::driver::{CudaContext, result, sys};
 
 use crate::config::ModelConfig;
 use crate::error::{Result, WorkerError};
@@ -84,32 +88,151 @@ pub fn probe() -> Result<usize> {
     }
 }
 
-struct Kernels {
-    embed: CudaFunction,
-    rms_norm: CudaFunction,
-    matmul_nt: CudaFunction,
-    gemv_nt: CudaFunction,
-    rope: CudaFunction,
-    kv_write: CudaFunction,
-    attention: CudaFunction,
-    silu_mul: CudaFunction,
+/// The kernels, in the order of [`SIGNATURES`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Embed,
+    RmsNorm,
+    MatmulNt,
+    GemvNt,
+    Rope,
+    KvWrite,
+    Attention,
+    SiluMul,
 }
 
-/// One GPU: its context, the stream every operation of this worker runs on, and the kernels.
-pub struct Gpu {
-    ordinal: usize,
-    stream: Arc<CudaStream>,
-    k: Kernels,
+const ALL_KERNELS: [Kernel; 8] = [
+    Kernel::Embed,
+    Kernel::RmsNorm,
+    Kernel::MatmulNt,
+    Kernel::GemvNt,
+    Kernel::Rope,
+    Kernel::KvWrite,
+    Kernel::Attention,
+    Kernel::SiluMul,
+];
+
+/// Each kernel's name and parameter types as the PTX declares them (pointers and `long long`
+/// are `.u64`, `int` is `.u32`, `float` is `.f32`). Every launch is checked against this, and a
+/// test checks this against `kernels.ptx`.
+const SIGNATURES: [(&str, &[&str]); 8] = [
+    ("embed", &[".u64", ".u64", ".u64", ".u32"]),
+    ("rms_norm", &[".u64", ".u64", ".u64", ".u32", ".f32"]),
+    (
+        "matmul_nt",
+        &[".u64", ".u64", ".u64", ".u32", ".u32", ".u32", ".u32"],
+    ),
+    ("gemv_nt", &[".u64", ".u64", ".u64", ".u32", ".u32", ".u32"]),
+    ("rope", &[".u64", ".u64", ".u64", ".u32", ".u32", ".u32"]),
+    (
+        "kv_write",
+        &[
+            ".u64", ".u64", ".u64", ".u64", ".u32", ".u32", ".u32", ".u32", ".u32", ".u64",
+        ],
+    ),
+    (
+        "attention",
+        &[
+            ".u64", ".u64", ".u64", ".u64", ".u32", ".u32", ".u32", ".u32", ".u32", ".u32", ".u64",
+            ".f32",
+        ],
+    ),
+    ("silu_mul", &[".u64", ".u64", ".u64"]),
+];
+
+impl Kernel {
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    fn name(self) -> &'static str {
+        SIGNATURES[self.index()].0
+    }
 }
+
+/// A kernel argument, by value.
+#[derive(Clone, Copy, Debug)]
+enum Arg {
+    /// A device address.
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+impl Arg {
+    fn ptx_type(self) -> &'static str {
+        match self {
+            Arg::Ptr(_) | Arg::I64(_) => ".u64",
+            Arg::I32(_) => ".u32",
+            Arg::F32(_) => ".f32",
+        }
+    }
+
+    /// The value's bytes in the low end of a u64 slot (little-endian: a pointer to the slot
+    /// is a pointer to the value, as a launch's parameter array needs).
+    fn slot(self) -> u64 {
+        match self {
+            Arg::Ptr(p) => p,
+            Arg::I32(v) => u64::from(v as u32),
+            Arg::I64(v) => v as u64,
+            Arg::F32(v) => u64::from(v.to_bits()),
+        }
+    }
+}
+
+#[cfg(not(target_endian = "little"))]
+compile_error!("kernel arguments are passed in little-endian u64 slots");
+
+/// `kvtier_emu_launch(name, grid[3], block[3], shared_bytes, params) -> 0 on success`.
+type EmuLaunch =
+    unsafe extern "C" fn(*const c_char, *const u32, *const u32, u32, *mut *mut c_void) -> c_int;
+
+enum Backend {
+    Cuda {
+        ctx: Arc<CudaContext>,
+        module: sys::CUmodule,
+        functions: Vec<sys::CUfunction>,
+    },
+    Emulated {
+        launch: EmuLaunch,
+        _lib: libloading::Library,
+    },
+}
+
+/// One GPU (or the emulator): every allocation, copy and launch of the GPU path.
+pub struct Gpu {
+    label: String,
+    backend: Backend,
+}
+
+// SAFETY: the CUDA handles (module, functions) are plain driver handles, valid in the
+// context on any thread once it is bound (every operation binds it first); the emulator's
+// entry point serialises launches itself.
+unsafe impl Send for Gpu {}
+// SAFETY: as above; no method mutates `self`.
+unsafe impl Sync for Gpu {}
 
 impl std::fmt::Debug for Gpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Gpu(cuda:{})", self.ordinal)
+        write!(f, "Gpu({})", self.label)
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        if let Backend::Cuda { ctx, module, .. } = &self.backend
+            && ctx.bind_to_thread().is_ok()
+        {
+            // SAFETY: the module was loaded in this context and is unloaded only here; the
+            // buffers that used it hold an Arc to this Gpu, so no launch is pending.
+            let _ = unsafe { result::module::unload(*module) };
+        }
     }
 }
 
 impl Gpu {
-    /// Opens device `ordinal` and loads the kernels.
+    /// Opens CUDA device `ordinal` and loads the kernels' PTX.
     pub fn open(ordinal: usize) -> Result<Arc<Self>> {
         let n = probe()?;
         if ordinal >= n {
@@ -118,124 +241,373 @@ impl Gpu {
             });
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| gpu_err("CUDA context", e))?;
-        let module = ctx
-            .load_module(Ptx::from_src(KERNELS_PTX))
+        ctx.bind_to_thread()
+            .map_err(|e| gpu_err("binding the CUDA context", e))?;
+        let ptx = CString::new(KERNELS_PTX).map_err(|e| gpu_err("kernels.ptx", e))?;
+        // SAFETY: `ptx` is a NUL-terminated PTX image; the context is current.
+        let module = unsafe { result::module::load_data(ptx.as_ptr().cast()) }
             .map_err(|e| gpu_err("loading the kernels' PTX", e))?;
-        let f = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(|e| gpu_err(&format!("kernel {name}"), e))
-        };
-        let k = Kernels {
-            embed: f("embed")?,
-            rms_norm: f("rms_norm")?,
-            matmul_nt: f("matmul_nt")?,
-            gemv_nt: f("gemv_nt")?,
-            rope: f("rope")?,
-            kv_write: f("kv_write")?,
-            attention: f("attention")?,
-            silu_mul: f("silu_mul")?,
-        };
+        let mut functions = Vec::with_capacity(ALL_KERNELS.len());
+        for k in ALL_KERNELS {
+            let name = CString::new(k.name()).expect("kernel names have no NUL");
+            // SAFETY: `module` is loaded in the current context.
+            let f = unsafe { result::module::get_function(module, name) }
+                .map_err(|e| gpu_err(&format!("kernel {}", k.name()), e))?;
+            functions.push(f);
+        }
         Ok(Arc::new(Self {
-            ordinal,
-            stream: ctx.default_stream(),
-            k,
+            label: format!("cuda:{ordinal}"),
+            backend: Backend::Cuda {
+                ctx,
+                module,
+                functions,
+            },
         }))
     }
 
-    pub fn ordinal(&self) -> usize {
-        self.ordinal
+    /// The emulator: `library` is a shared library built from `kernels.cu` and the CPU
+    /// emulation of CUDA in `worker/tests/emu/` (see `tests/gpu.rs`), exporting
+    /// `kvtier_emu_launch`. For tests: it runs the GPU path's host code unchanged on the CPU.
+    ///
+    /// # Safety
+    /// `library` must be that library: loading runs its initialisers, and its
+    /// `kvtier_emu_launch` is called with the signature above.
+    pub unsafe fn emulated(library: &Path) -> Result<Arc<Self>> {
+        // SAFETY: the caller vouches for the library (above).
+        let lib = unsafe { libloading::Library::new(library) }
+            .map_err(|e| gpu_err(&format!("loading {}", library.display()), e))?;
+        // SAFETY: the symbol has the EmuLaunch signature (the caller's promise); the function
+        // pointer is used only while `lib`, stored beside it, is loaded.
+        let launch = unsafe { lib.get::<EmuLaunch>(b"kvtier_emu_launch\0") }
+            .map(|s| *s)
+            .map_err(|e| gpu_err(&format!("{}: kvtier_emu_launch", library.display()), e))?;
+        Ok(Arc::new(Self {
+            label: "emulated".to_owned(),
+            backend: Backend::Emulated { launch, _lib: lib },
+        }))
     }
 
-    fn upload(&self, data: &[f32]) -> Result<CudaSlice<f32>> {
-        self.stream
-            .clone_htod(data)
-            .map_err(|e| gpu_err("copying to the GPU", e))
+    /// `cuda:N`, or `emulated`.
+    pub fn label(&self) -> &str {
+        &self.label
     }
 
-    fn zeros(&self, n: usize) -> Result<CudaSlice<f32>> {
-        self.stream
-            .alloc_zeros::<f32>(n.max(1))
-            .map_err(|e| gpu_err(&format!("allocating {n} floats on the GPU"), e))
+    /// The CUDA ordinal (`None` for the emulator).
+    pub fn ordinal(&self) -> Option<usize> {
+        self.label.strip_prefix("cuda:")?.parse().ok()
+    }
+
+    fn bind(&self) -> Result<()> {
+        if let Backend::Cuda { ctx, .. } = &self.backend {
+            ctx.bind_to_thread()
+                .map_err(|e| gpu_err("binding the CUDA context", e))?;
+        }
+        Ok(())
+    }
+
+    /// `bytes` zeroed bytes of device memory.
+    fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DeviceBuf> {
+        let bytes = bytes.max(4);
+        let ptr = match &self.backend {
+            Backend::Cuda { .. } => {
+                self.bind()?;
+                // SAFETY: the context is current; the allocation is freed once, in Drop.
+                let ptr = unsafe { result::malloc_sync(bytes) }
+                    .map_err(|e| gpu_err(&format!("allocating {bytes} bytes on the GPU"), e))?;
+                // SAFETY: `ptr` holds `bytes` bytes.
+                if let Err(e) = unsafe { result::memset_d8_sync(ptr, 0, bytes) } {
+                    // SAFETY: allocated just above, not shared.
+                    let _ = unsafe { result::free_sync(ptr) };
+                    return Err(gpu_err("zeroing GPU memory", e));
+                }
+                ptr
+            }
+            Backend::Emulated { .. } => {
+                let layout = host_layout(bytes)?;
+                // SAFETY: the layout has a non-zero size; freed once, in Drop, with it.
+                let p = unsafe { std::alloc::alloc_zeroed(layout) };
+                if p.is_null() {
+                    return Err(WorkerError::Gpu {
+                        reason: format!("emulator: cannot allocate {bytes} bytes"),
+                    });
+                }
+                p as u64
+            }
+        };
+        Ok(DeviceBuf {
+            gpu: self.clone(),
+            ptr,
+            bytes,
+        })
+    }
+
+    /// Device memory holding `data`.
+    fn upload<T: Copy>(self: &Arc<Self>, data: &[T]) -> Result<DeviceBuf> {
+        let mut buf = self.alloc(std::mem::size_of_val(data))?;
+        // SAFETY: `T: Copy` values are plain bytes to copy (we upload f32 and u32).
+        let bytes = unsafe {
+            std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data))
+        };
+        buf.write(0, bytes)?;
+        Ok(buf)
+    }
+
+    /// Runs `kernel` over `grid` blocks of `block` threads. The arguments must match the
+    /// kernel's parameters ([`SIGNATURES`]); a mismatch is an error, never a launch.
+    fn launch(
+        &self,
+        kernel: Kernel,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        let want = SIGNATURES[kernel.index()].1;
+        let got: Vec<&str> = args.iter().map(|a| a.ptx_type()).collect();
+        if got != want {
+            return Err(WorkerError::Gpu {
+                reason: format!(
+                    "kernel {}: launched with parameters {got:?}, it takes {want:?}",
+                    kernel.name()
+                ),
+            });
+        }
+        let mut slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
+        let mut params: Vec<*mut c_void> = slots
+            .iter_mut()
+            .map(|s| (s as *mut u64).cast::<c_void>())
+            .collect();
+        match &self.backend {
+            Backend::Cuda { functions, .. } => {
+                self.bind()?;
+                // SAFETY: the parameter array matches the kernel's PTX parameters in number
+                // and width (checked above, and SIGNATURES against the PTX by a test); each
+                // pointer argument is a live device allocation of this context with the
+                // extent the kernel reads (the callers below size them); the default stream.
+                unsafe {
+                    result::launch_kernel(
+                        functions[kernel.index()],
+                        grid,
+                        block,
+                        shared,
+                        std::ptr::null_mut(),
+                        &mut params,
+                    )
+                }
+                .map_err(|e| gpu_err(&format!("launching {}", kernel.name()), e))
+            }
+            Backend::Emulated { launch, .. } => {
+                let name = CString::new(kernel.name()).expect("kernel names have no NUL");
+                let (g, b) = ([grid.0, grid.1, grid.2], [block.0, block.1, block.2]);
+                // SAFETY: as for CUDA; the emulator reads each argument through its pointer,
+                // and "device" addresses are host allocations of this backend.
+                let rc = unsafe {
+                    launch(
+                        name.as_ptr(),
+                        g.as_ptr(),
+                        b.as_ptr(),
+                        shared,
+                        params.as_mut_ptr(),
+                    )
+                };
+                if rc == 0 {
+                    Ok(())
+                } else {
+                    Err(WorkerError::Gpu {
+                        reason: format!("emulator: launching {} failed ({rc})", kernel.name()),
+                    })
+                }
+            }
+        }
+    }
+
+    /// Waits for every queued launch and copy.
+    fn synchronize(&self) -> Result<()> {
+        if let Backend::Cuda { .. } = &self.backend {
+            self.bind()?;
+            result::ctx::synchronize().map_err(|e| gpu_err("GPU synchronize", e))?;
+        }
+        Ok(())
     }
 }
 
-/// The KV pool's device memory: copies in and out go through host memory on the GPU's stream.
-pub struct DevicePool {
+fn host_layout(bytes: usize) -> Result<std::alloc::Layout> {
+    std::alloc::Layout::from_size_align(bytes, 64).map_err(|e| gpu_err("emulator allocation", e))
+}
+
+/// Device memory: freed when dropped.
+struct DeviceBuf {
     gpu: Arc<Gpu>,
-    buf: CudaSlice<u8>,
+    ptr: u64,
+    bytes: usize,
+}
+
+impl Drop for DeviceBuf {
+    fn drop(&mut self) {
+        match &self.gpu.backend {
+            Backend::Cuda { .. } => {
+                if self.gpu.bind().is_ok() {
+                    // Launches using the buffer may still be queued: let them finish.
+                    let _ = self.gpu.synchronize();
+                    // SAFETY: allocated by malloc_sync in this context, freed only here.
+                    let _ = unsafe { result::free_sync(self.ptr) };
+                }
+            }
+            Backend::Emulated { .. } => {
+                if let Ok(layout) = host_layout(self.bytes) {
+                    // SAFETY: allocated by alloc_zeroed with this layout, freed only here;
+                    // emulated launches are synchronous, so none still uses it.
+                    unsafe { std::alloc::dealloc(self.ptr as *mut u8, layout) };
+                }
+            }
+        }
+    }
+}
+
+impl DeviceBuf {
+    fn arg(&self) -> Arg {
+        Arg::Ptr(self.ptr)
+    }
+
+    /// The address `offset` floats in (for a row of an activation).
+    fn arg_at_f32(&self, offset: usize) -> Arg {
+        debug_assert!((offset + 1) * 4 <= self.bytes);
+        Arg::Ptr(self.ptr + 4 * offset as u64)
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.bytes => Ok(()),
+            _ => Err(WorkerError::Gpu {
+                reason: format!(
+                    "copy of {len} bytes at {offset} outside a {}-byte buffer",
+                    self.bytes
+                ),
+            }),
+        }
+    }
+
+    /// Copies `out.len()` bytes at `offset` to the host, after every queued launch.
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.check(offset, out.len())?;
+        match &self.gpu.backend {
+            Backend::Cuda { .. } => {
+                self.gpu.synchronize()?;
+                // SAFETY: the range is inside this allocation (checked); the context is
+                // bound (by synchronize).
+                unsafe { result::memcpy_dtoh_sync(out, self.ptr + offset as u64) }
+                    .map_err(|e| gpu_err("copying from the GPU", e))
+            }
+            Backend::Emulated { .. } => {
+                // SAFETY: the range is inside this live allocation (checked); emulated
+                // launches are synchronous, so nothing writes it now.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (self.ptr as *const u8).add(offset),
+                        out.as_mut_ptr(),
+                        out.len(),
+                    )
+                };
+                Ok(())
+            }
+        }
+    }
+
+    /// Copies `src` to `offset`, after every queued launch.
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check(offset, src.len())?;
+        match &self.gpu.backend {
+            Backend::Cuda { .. } => {
+                self.gpu.synchronize()?;
+                // SAFETY: as in `read`.
+                unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, src) }
+                    .map_err(|e| gpu_err("copying to the GPU", e))
+            }
+            Backend::Emulated { .. } => {
+                // SAFETY: as in `read`; `&mut self` makes this the only writer here.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        src.as_ptr(),
+                        (self.ptr as *mut u8).add(offset),
+                        src.len(),
+                    )
+                };
+                Ok(())
+            }
+        }
+    }
+
+    fn read_f32(&self) -> Result<Vec<f32>> {
+        let mut bytes = vec![0u8; self.bytes];
+        self.read(0, &mut bytes)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+}
+
+/// The KV pool's device memory: copies in and out go through host memory.
+pub struct DevicePool {
+    buf: DeviceBuf,
 }
 
 impl std::fmt::Debug for DevicePool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DevicePool({} bytes on {:?})", self.buf.len(), self.gpu)
+        write!(
+            f,
+            "DevicePool({} bytes on {:?})",
+            self.buf.bytes, self.buf.gpu
+        )
     }
 }
 
 impl DevicePool {
     /// `len` zeroed bytes on `gpu`.
     pub fn alloc(gpu: &Arc<Gpu>, len: usize) -> Result<Self> {
-        let buf = gpu
-            .stream
-            .alloc_zeros::<u8>(len.max(1))
-            .map_err(|e| gpu_err(&format!("allocating a {len}-byte KV pool on the GPU"), e))?;
         Ok(Self {
-            gpu: gpu.clone(),
-            buf,
+            buf: gpu.alloc(len)?,
         })
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
-        &self.gpu
+        &self.buf.gpu
     }
 
-    /// Copies `out.len()` bytes at `start` to the host (waits for the stream first, so every
-    /// kernel queued before has written them).
+    /// Copies `out.len()` bytes at `start` to the host (after every kernel queued before).
     pub fn read(&self, start: usize, out: &mut [u8]) -> Result<()> {
-        let view = self.buf.slice(start..start + out.len());
-        self.gpu
-            .stream
-            .memcpy_dtoh(&view, out)
-            .map_err(|e| gpu_err("copying KV from the GPU", e))?;
-        self.gpu
-            .stream
-            .synchronize()
-            .map_err(|e| gpu_err("GPU stream", e))
+        self.buf.read(start, out)
     }
 
-    /// Copies `src` to `start`, ordered before every kernel queued after it.
+    /// Copies `src` to `start` (before every kernel queued after).
     pub fn write(&mut self, start: usize, src: &[u8]) -> Result<()> {
-        let mut view = self.buf.slice_mut(start..start + src.len());
-        self.gpu
-            .stream
-            .memcpy_htod(src, &mut view)
-            .map_err(|e| gpu_err("copying KV to the GPU", e))
+        self.buf.write(start, src)
     }
 }
 
 struct GpuLayer {
-    input_norm: CudaSlice<f32>,
-    q: CudaSlice<f32>,
-    k: CudaSlice<f32>,
-    v: CudaSlice<f32>,
-    o: CudaSlice<f32>,
-    post_norm: CudaSlice<f32>,
-    gate: CudaSlice<f32>,
-    up: CudaSlice<f32>,
-    down: CudaSlice<f32>,
+    input_norm: DeviceBuf,
+    q: DeviceBuf,
+    k: DeviceBuf,
+    v: DeviceBuf,
+    o: DeviceBuf,
+    post_norm: DeviceBuf,
+    gate: DeviceBuf,
+    up: DeviceBuf,
+    down: DeviceBuf,
 }
 
 /// The model's weights on a GPU (f32) and its forward there.
 pub struct GpuModel {
     gpu: Arc<Gpu>,
     cfg: ModelConfig,
-    embed: CudaSlice<f32>,
+    embed: DeviceBuf,
     layers: Vec<GpuLayer>,
-    norm: CudaSlice<f32>,
+    norm: DeviceBuf,
     /// `None`: tied to the embeddings.
-    lm_head: Option<CudaSlice<f32>>,
-    cos: CudaSlice<f32>,
-    sin: CudaSlice<f32>,
+    lm_head: Option<DeviceBuf>,
+    cos: DeviceBuf,
+    sin: DeviceBuf,
 }
 
 /// Host copies of a model's weights, as [`GpuModel::upload`] takes them (row-major f32).
@@ -249,9 +621,34 @@ pub(crate) struct HostWeights<'a> {
     pub sin: &'a candle_core::Tensor,
 }
 
+/// Activations of one forward of `t` tokens.
+struct Scratch {
+    x: DeviceBuf,
+    h: DeviceBuf,
+    q: DeviceBuf,
+    k: DeviceBuf,
+    v: DeviceBuf,
+    att: DeviceBuf,
+    gate: DeviceBuf,
+    up: DeviceBuf,
+    logits: DeviceBuf,
+}
+
+fn grid1(x: usize) -> (u32, u32, u32) {
+    (x as u32, 1, 1)
+}
+
+fn i32_of(n: usize) -> Result<Arg> {
+    i32::try_from(n)
+        .map(Arg::I32)
+        .map_err(|_| WorkerError::Gpu {
+            reason: format!("{n} does not fit the kernels' 32-bit sizes"),
+        })
+}
+
 impl GpuModel {
     pub(crate) fn upload(gpu: &Arc<Gpu>, cfg: &ModelConfig, w: HostWeights<'_>) -> Result<Self> {
-        let up = |t: &candle_core::Tensor| -> Result<CudaSlice<f32>> {
+        let up = |t: &candle_core::Tensor| -> Result<DeviceBuf> {
             let data = t
                 .to_dtype(candle_core::DType::F32)?
                 .flatten_all()?
@@ -288,100 +685,85 @@ impl GpuModel {
         &self.gpu
     }
 
-    /// `c = a · wᵀ` (or `c += ...`), `a` `[m][k]`, `w` `[n][k]`.
+    /// `c = a · wᵀ` (or `c += ...`), `a` `[m][k]` (from float `a_row * k`), `w` `[n][k]`.
     #[allow(clippy::too_many_arguments)]
     fn linear(
         &self,
-        a: &CudaSlice<f32>,
-        a_offset: usize,
-        w: &CudaSlice<f32>,
-        c: &mut CudaSlice<f32>,
+        a: &DeviceBuf,
+        a_row: usize,
+        w: &DeviceBuf,
+        c: &DeviceBuf,
         m: usize,
         n: usize,
         k: usize,
         accumulate: bool,
     ) -> Result<()> {
-        let s = &self.gpu.stream;
-        let a = a.slice(a_offset..a_offset + m * k);
-        let (n_i, k_i, acc) = (n as i32, k as i32, i32::from(accumulate));
+        let (a, acc) = (a.arg_at_f32(a_row * k), Arg::I32(i32::from(accumulate)));
         if m == 1 {
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(8) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut b = s.launch_builder(&self.gpu.k.gemv_nt);
-            b.arg(&a).arg(w).arg(c).arg(&n_i).arg(&k_i).arg(&acc);
-            // SAFETY: gemv_nt(const float*, const float*, float*, int, int, int): the
-            // arguments match in number and type; `a` holds k floats, `w` n*k, `c` n.
-            unsafe { b.launch(cfg) }.map_err(|e| gpu_err("gemv_nt", e))?;
+            let args = [a, w.arg(), c.arg(), i32_of(n)?, i32_of(k)?, acc];
+            self.gpu
+                .launch(Kernel::GemvNt, grid1(n.div_ceil(8)), (256, 1, 1), 0, &args)
         } else {
-            let m_i = m as i32;
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
-                block_dim: (16, 16, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut b = s.launch_builder(&self.gpu.k.matmul_nt);
-            b.arg(&a)
-                .arg(w)
-                .arg(c)
-                .arg(&m_i)
-                .arg(&n_i)
-                .arg(&k_i)
-                .arg(&acc);
-            // SAFETY: matmul_nt(const float*, const float*, float*, int, int, int, int):
-            // the arguments match; `a` holds m*k floats, `w` n*k, `c` m*n.
-            unsafe { b.launch(cfg) }.map_err(|e| gpu_err("matmul_nt", e))?;
+            let args = [a, w.arg(), c.arg(), i32_of(m)?, i32_of(n)?, i32_of(k)?, acc];
+            let grid = (n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1);
+            self.gpu
+                .launch(Kernel::MatmulNt, grid, (16, 16, 1), 0, &args)
         }
-        Ok(())
     }
 
+    /// RMSNorm of `rows` rows of `x` from row `row`, into `out`.
     fn rms_norm(
         &self,
-        x: &CudaSlice<f32>,
-        x_offset: usize,
+        x: &DeviceBuf,
+        row: usize,
         rows: usize,
-        w: &CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
+        w: &DeviceBuf,
+        out: &DeviceBuf,
     ) -> Result<()> {
         let h = self.cfg.hidden_size;
-        let x = x.slice(x_offset..x_offset + rows * h);
-        let (h_i, eps) = (h as i32, self.cfg.rms_norm_eps as f32);
-        let mut b = self.gpu.stream.launch_builder(&self.gpu.k.rms_norm);
-        b.arg(&x).arg(w).arg(out).arg(&h_i).arg(&eps);
-        // SAFETY: rms_norm(const float*, const float*, float*, int, float): the arguments
-        // match; `x` and `out` hold rows*hidden floats, `w` hidden; blockDim is 256 (a
-        // multiple of 32, as block_sum needs).
-        unsafe { b.launch(grid(rows as u32, 1, 256)) }.map_err(|e| gpu_err("rms_norm", e))?;
-        Ok(())
+        let args = [
+            x.arg_at_f32(row * h),
+            w.arg(),
+            out.arg(),
+            i32_of(h)?,
+            Arg::F32(self.cfg.rms_norm_eps as f32),
+        ];
+        // blockDim 256: a multiple of 32, as block_sum needs.
+        self.gpu
+            .launch(Kernel::RmsNorm, grid1(rows), (256, 1, 1), 0, &args)
     }
 
-    fn rope(
-        &self,
-        x: &mut CudaSlice<f32>,
-        tokens: usize,
-        heads: usize,
-        start_pos: usize,
-    ) -> Result<()> {
-        let (h_i, d_i, p_i) = (heads as i32, self.cfg.head_dim as i32, start_pos as i32);
-        let mut b = self.gpu.stream.launch_builder(&self.gpu.k.rope);
-        b.arg(x)
-            .arg(&self.cos)
-            .arg(&self.sin)
-            .arg(&h_i)
-            .arg(&d_i)
-            .arg(&p_i);
-        // SAFETY: rope(float*, const float*, const float*, int, int, int): the arguments
-        // match; `x` holds tokens*heads*head_dim floats and the tables cover
-        // start_pos + tokens <= max_context_tokens positions (checked by the caller).
-        unsafe { b.launch(grid(tokens as u32, heads as u32, 64)) }
-            .map_err(|e| gpu_err("rope", e))?;
-        Ok(())
+    fn rope(&self, x: &DeviceBuf, tokens: usize, heads: usize, start_pos: usize) -> Result<()> {
+        let args = [
+            x.arg(),
+            self.cos.arg(),
+            self.sin.arg(),
+            i32_of(heads)?,
+            i32_of(self.cfg.head_dim)?,
+            i32_of(start_pos)?,
+        ];
+        let grid = (tokens as u32, heads as u32, 1);
+        self.gpu.launch(Kernel::Rope, grid, (64, 1, 1), 0, &args)
+    }
+
+    fn scratch(&self, t: usize) -> Result<Scratch> {
+        let c = &self.cfg;
+        let f = |n: usize| self.gpu.alloc(n * 4);
+        Ok(Scratch {
+            x: f(t * c.hidden_size)?,
+            h: f(t * c.hidden_size)?,
+            q: f(t * c.num_heads * c.head_dim)?,
+            k: f(t * c.num_kv_heads * c.head_dim)?,
+            v: f(t * c.num_kv_heads * c.head_dim)?,
+            att: f(t * c.num_heads * c.head_dim)?,
+            gate: f(t * c.intermediate_size)?,
+            up: f(t * c.intermediate_size)?,
+            logits: f(c.vocab_size)?,
+        })
     }
 
     /// The forward of `tokens` at `start_pos` (see [`Model::forward_hooked`], which checked
-    /// the tokens and the context). `cache` must be a GPU pool on this model's GPU.
+    /// the tokens and the context). `cache` must be a pool on this model's GPU.
     pub(crate) fn forward(
         &self,
         tokens: &[u32],
@@ -407,6 +789,11 @@ impl GpuModel {
                 ),
             });
         }
+        if !Arc::ptr_eq(cache.device_pool_mut()?.gpu(), &self.gpu) {
+            return Err(WorkerError::Gpu {
+                reason: "the KV pool is on another GPU than the model".to_owned(),
+            });
+        }
         let bt = cache.block_tokens();
         let covered = table.len() * bt;
         if covered < start_pos + t {
@@ -419,138 +806,111 @@ impl GpuModel {
         for id in table.blocks() {
             cache.check_block(*id)?;
         }
-        let block_floats = (cache.block_size_bytes() / 4) as i64;
-        let s = &self.gpu.stream;
-        let ids = s
-            .clone_htod(tokens)
-            .map_err(|e| gpu_err("copying tokens to the GPU", e))?;
+        let block_floats = Arg::I64((cache.block_size_bytes() / 4) as i64);
+        let ids = self.gpu.upload(tokens)?;
         let tbl: Vec<u32> = table.blocks().iter().map(|b| b.0).collect();
-        let tbl = s
-            .clone_htod(&tbl)
-            .map_err(|e| gpu_err("copying the block table to the GPU", e))?;
-        let mut x = self.gpu.zeros(t * h)?;
-        let mut hbuf = self.gpu.zeros(t * h)?;
-        let mut q = self.gpu.zeros(t * nh * hd)?;
-        let mut k = self.gpu.zeros(t * nkv * hd)?;
-        let mut v = self.gpu.zeros(t * nkv * hd)?;
-        let mut att = self.gpu.zeros(t * nh * hd)?;
-        let mut gate = self.gpu.zeros(t * inter)?;
-        let mut up = self.gpu.zeros(t * inter)?;
+        let tbl = self.gpu.upload(&tbl)?;
+        let s = self.scratch(t)?;
+        let g = &self.gpu;
 
-        let h_i = h as i32;
-        let mut b = s.launch_builder(&self.gpu.k.embed);
-        b.arg(&ids).arg(&self.embed).arg(&mut x).arg(&h_i);
-        // SAFETY: embed(const unsigned*, const float*, float*, int): the arguments match;
-        // every id is below vocab_size (checked by the caller), `x` holds t*hidden floats.
-        unsafe { b.launch(grid(t as u32, 1, 256)) }.map_err(|e| gpu_err("embed", e))?;
+        let args = [ids.arg(), self.embed.arg(), s.x.arg(), i32_of(h)?];
+        g.launch(Kernel::Embed, grid1(t), (256, 1, 1), 0, &args)?;
 
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = Arg::F32(1.0 / (hd as f32).sqrt());
         let att_threads = hd.next_multiple_of(32).max(64) as u32;
         let att_shared = ((hd + ATT_KEYS) * 4) as u32;
+        let (pos, bt_a, nkv_a, hd_a, nh_a) = (
+            i32_of(start_pos)?,
+            i32_of(bt)?,
+            i32_of(nkv)?,
+            i32_of(hd)?,
+            i32_of(nh)?,
+        );
         for (li, w) in self.layers.iter().enumerate() {
             hook.before_layer(li, cache)?;
-            self.rms_norm(&x, 0, t, &w.input_norm, &mut hbuf)?;
-            self.linear(&hbuf, 0, &w.q, &mut q, t, nh * hd, h, false)?;
-            self.linear(&hbuf, 0, &w.k, &mut k, t, nkv * hd, h, false)?;
-            self.linear(&hbuf, 0, &w.v, &mut v, t, nkv * hd, h, false)?;
-            self.rope(&mut q, t, nh, start_pos)?;
-            self.rope(&mut k, t, nkv, start_pos)?;
-            let (layer_i, pos_i, bt_i, nkv_i, hd_i, nh_i) = (
-                li as i32,
-                start_pos as i32,
-                bt as i32,
-                nkv as i32,
-                hd as i32,
-                nh as i32,
-            );
-            {
-                let pool = cache.device_pool_mut()?;
-                let mut b = s.launch_builder(&self.gpu.k.kv_write);
-                b.arg(&k)
-                    .arg(&v)
-                    .arg(&mut pool.buf)
-                    .arg(&tbl)
-                    .arg(&layer_i)
-                    .arg(&pos_i)
-                    .arg(&bt_i)
-                    .arg(&nkv_i)
-                    .arg(&hd_i)
-                    .arg(&block_floats);
-                // SAFETY: kv_write(const float*, const float*, float*, const unsigned*, int,
-                // int, int, int, int, long long): the arguments match; the table covers every
-                // written position and names allocated blocks of this pool (checked above).
-                unsafe { b.launch(grid(t as u32, nkv as u32, 64)) }
-                    .map_err(|e| gpu_err("kv_write", e))?;
-            }
+            self.rms_norm(&s.x, 0, t, &w.input_norm, &s.h)?;
+            self.linear(&s.h, 0, &w.q, &s.q, t, nh * hd, h, false)?;
+            self.linear(&s.h, 0, &w.k, &s.k, t, nkv * hd, h, false)?;
+            self.linear(&s.h, 0, &w.v, &s.v, t, nkv * hd, h, false)?;
+            self.rope(&s.q, t, nh, start_pos)?;
+            self.rope(&s.k, t, nkv, start_pos)?;
+            let layer = i32_of(li)?;
+            let pool = cache.device_pool_mut()?.buf.arg();
+            let args = [
+                s.k.arg(),
+                s.v.arg(),
+                pool,
+                tbl.arg(),
+                layer,
+                pos,
+                bt_a,
+                nkv_a,
+                hd_a,
+                block_floats,
+            ];
+            g.launch(
+                Kernel::KvWrite,
+                (t as u32, nkv as u32, 1),
+                (64, 1, 1),
+                0,
+                &args,
+            )?;
             // The hook may read the layer's KV: let the write land first.
-            s.synchronize().map_err(|e| gpu_err("GPU stream", e))?;
+            g.synchronize()?;
             hook.after_kv_write(li, cache)?;
-            {
-                let pool = cache.device_pool_mut()?;
-                let mut b = s.launch_builder(&self.gpu.k.attention);
-                b.arg(&q)
-                    .arg(&pool.buf)
-                    .arg(&tbl)
-                    .arg(&mut att)
-                    .arg(&layer_i)
-                    .arg(&pos_i)
-                    .arg(&nh_i)
-                    .arg(&nkv_i)
-                    .arg(&hd_i)
-                    .arg(&bt_i)
-                    .arg(&block_floats)
-                    .arg(&scale);
-                let cfg = LaunchConfig {
-                    grid_dim: (t as u32, nh as u32, 1),
-                    block_dim: (att_threads, 1, 1),
-                    shared_mem_bytes: att_shared,
-                };
-                // SAFETY: attention(const float*, const float*, const unsigned*, float*, int,
-                // int, int, int, int, int, long long, float): the arguments match; positions
-                // 0..start_pos+t are covered by the table; blockDim >= head_dim and the
-                // dynamic shared memory holds head_dim + ATT_KEYS floats.
-                unsafe { b.launch(cfg) }.map_err(|e| gpu_err("attention", e))?;
-            }
-            self.linear(&att, 0, &w.o, &mut x, t, h, nh * hd, true)?;
-            self.rms_norm(&x, 0, t, &w.post_norm, &mut hbuf)?;
-            self.linear(&hbuf, 0, &w.gate, &mut gate, t, inter, h, false)?;
-            self.linear(&hbuf, 0, &w.up, &mut up, t, inter, h, false)?;
-            let n = (t * inter) as i64;
-            let mut b = s.launch_builder(&self.gpu.k.silu_mul);
-            b.arg(&mut gate).arg(&up).arg(&n);
-            // SAFETY: silu_mul(float*, const float*, long long): the arguments match; both
-            // buffers hold n floats.
-            unsafe { b.launch(grid((t * inter).div_ceil(256) as u32, 1, 256)) }
-                .map_err(|e| gpu_err("silu_mul", e))?;
-            self.linear(&gate, 0, &w.down, &mut x, t, h, inter, true)?;
+            let pool = cache.device_pool_mut()?.buf.arg();
+            let args = [
+                s.q.arg(),
+                pool,
+                tbl.arg(),
+                s.att.arg(),
+                layer,
+                pos,
+                nh_a,
+                nkv_a,
+                hd_a,
+                bt_a,
+                block_floats,
+                scale,
+            ];
+            g.launch(
+                Kernel::Attention,
+                (t as u32, nh as u32, 1),
+                (att_threads, 1, 1),
+                att_shared,
+                &args,
+            )?;
+            self.linear(&s.att, 0, &w.o, &s.x, t, h, nh * hd, true)?;
+            self.rms_norm(&s.x, 0, t, &w.post_norm, &s.h)?;
+            self.linear(&s.h, 0, &w.gate, &s.gate, t, inter, h, false)?;
+            self.linear(&s.h, 0, &w.up, &s.up, t, inter, h, false)?;
+            let n = t * inter;
+            let args = [s.gate.arg(), s.up.arg(), Arg::I64(n as i64)];
+            g.launch(
+                Kernel::SiluMul,
+                grid1(n.div_ceil(256)),
+                (256, 1, 1),
+                0,
+                &args,
+            )?;
+            self.linear(&s.gate, 0, &w.down, &s.x, t, h, inter, true)?;
         }
-        self.rms_norm(&x, (t - 1) * h, 1, &self.norm, &mut hbuf)?;
-        let mut logits = self.gpu.zeros(vocab)?;
+        self.rms_norm(&s.x, t - 1, 1, &self.norm, &s.h)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        self.linear(&hbuf, 0, head, &mut logits, 1, vocab, h, false)?;
-        let out = s
-            .clone_dtoh(&logits)
-            .map_err(|e| gpu_err("copying logits from the GPU", e))?;
-        s.synchronize().map_err(|e| gpu_err("GPU stream", e))?;
-        Ok(out)
-    }
-}
-
-fn grid(x: u32, y: u32, threads: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (x, y, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
+        self.linear(&s.h, 0, head, &s.logits, 1, vocab, h, false)?;
+        let mut logits = s.logits.read_f32()?;
+        logits.truncate(vocab);
+        Ok(logits)
     }
 }
 
 impl Model {
-    /// The GPU this model runs on, if it was moved to one ([`Model::to_cuda`]).
+    /// The GPU this model runs on, if it was moved to one ([`Model::to_device`],
+    /// [`Model::to_gpu`]).
     pub fn gpu(&self) -> Option<&Arc<Gpu>> {
         self.gpu_model().map(GpuModel::gpu)
     }
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -603,6 +963,97 @@ mod tests {
                 "kernel {name} missing from the PTX"
             );
         }
+    }
+
+    /// `.entry NAME(` followed by `.param .TYPE NAME_param_I,` lines, for every kernel.
+    fn ptx_entries(ptx: &str) -> Vec<(String, Vec<String>)> {
+        let mut out = Vec::new();
+        let mut lines = ptx.lines();
+        while let Some(line) = lines.next() {
+            let Some(rest) = line.trim().strip_prefix(".visible .entry ") else {
+                continue;
+            };
+            let name = rest.trim_end_matches('(').to_owned();
+            let mut params = Vec::new();
+            for p in lines.by_ref() {
+                let p = p.trim();
+                if p.starts_with(')') {
+                    break;
+                }
+                let ty = p
+                    .strip_prefix(".param ")
+                    .and_then(|t| t.split_whitespace().next())
+                    .unwrap_or_else(|| panic!("unexpected PTX parameter line {p:?}"));
+                params.push(ty.to_owned());
+            }
+            out.push((name, params));
+        }
+        out
+    }
+
+    /// Every launch is checked against SIGNATURES; SIGNATURES must be what the PTX declares,
+    /// kernel by kernel (number, order and width of the parameters).
+    #[test]
+    fn launch_signatures_match_the_ptx() {
+        let entries = ptx_entries(KERNELS_PTX);
+        assert_eq!(entries.len(), SIGNATURES.len(), "{entries:?}");
+        for (i, k) in ALL_KERNELS.iter().enumerate() {
+            assert_eq!(k.index(), i);
+            let (name, want) = SIGNATURES[i];
+            let (_, got) = entries
+                .iter()
+                .find(|(n, _)| n == name)
+                .unwrap_or_else(|| panic!("kernel {name} is not in kernels.ptx"));
+            assert_eq!(got, want, "parameters of {name}");
+        }
+    }
+
+    #[test]
+    fn a_launch_with_the_wrong_arguments_is_refused_before_the_backend() {
+        // No backend is reached: the check comes first, so this needs no GPU.
+        let gpu = Gpu {
+            label: "check only".into(),
+            backend: Backend::Emulated {
+                launch: refuse,
+                _lib: unsafe_no_library(),
+            },
+        };
+        unsafe extern "C" fn refuse(
+            _: *const c_char,
+            _: *const u32,
+            _: *const u32,
+            _: u32,
+            _: *mut *mut c_void,
+        ) -> c_int {
+            panic!("the launch reached the backend")
+        }
+        let e = gpu
+            .launch(
+                Kernel::Embed,
+                (1, 1, 1),
+                (1, 1, 1),
+                0,
+                &[Arg::Ptr(0), Arg::I32(1)],
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("kernel embed") && e.contains("it takes"), "{e}");
+        let e = gpu
+            .launch(
+                Kernel::SiluMul,
+                (1, 1, 1),
+                (1, 1, 1),
+                0,
+                &[Arg::Ptr(0), Arg::Ptr(0), Arg::I32(3)],
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("silu_mul"), "{e}");
+    }
+
+    /// This test binary itself, as a loaded library handle (never called into).
+    fn unsafe_no_library() -> libloading::Library {
+        libloading::os::unix::Library::this().into()
     }
 
     #[test]

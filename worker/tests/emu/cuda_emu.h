@@ -3,8 +3,8 @@
 // CPU, faithfully enough to check their indexing, tiling, reductions and barriers.
 //
 // `launch(grid, block, shared_bytes, f)` runs the grid's blocks one after another; each block
-// runs with one real std::thread per CUDA thread, so __syncthreads and warp shuffles are real
-// barriers between real threads. Because only one block runs at a time, a function-local
+// runs with one real std::thread per CUDA thread (started once per launch, reused block after
+// block), so __syncthreads and warp shuffles are real barriers between real threads. Because only one block runs at a time, a function-local
 // `static` is that block's shared memory (`__shared__` becomes `static`).
 //
 // It is strict where CUDA's rules are: the process fails with a message naming the kernel's
@@ -218,37 +218,72 @@ void launch(dim3 grid, dim3 block, size_t shared_bytes, F&& kernel) {
     if (shared_bytes > 48 * 1024) fail("launch with %zu bytes of dynamic shared memory (default limit 48 KiB)", shared_bytes);
     gridDim = grid;
     blockDim = block;
+    // One real thread per CUDA thread of a block, started once per launch and reused for
+    // every block: the launching thread hands them one block at a time (a fresh Block: its
+    // barriers, warps and dynamic shared memory) and waits until all of them are done with it.
+    struct Gate {
+        std::mutex mu;
+        std::condition_variable start, done;
+        uint64_t generation = 0;
+        unsigned finished = 0;
+        bool stop = false;
+        dim3 block_idx;
+    } gate;
+    std::vector<std::thread> pool;
+    pool.reserve(threads);
+    for (unsigned tz = 0; tz < block.z; ++tz) {
+        for (unsigned ty = 0; ty < block.y; ++ty) {
+            for (unsigned tx = 0; tx < block.x; ++tx) {
+                pool.emplace_back([&, tx, ty, tz] {
+                    threadIdx = dim3(tx, ty, tz);
+                    uint64_t seen = 0;
+                    for (;;) {
+                        {
+                            std::unique_lock lk(gate.mu);
+                            gate.start.wait(lk, [&] { return gate.stop || gate.generation != seen; });
+                            if (gate.stop) return;
+                            seen = gate.generation;
+                            blockIdx = gate.block_idx;
+                        }
+                        kernel();
+                        current->bar.thread_exited();
+                        current->warps[linear_tid() / 32]->bar.thread_exited();
+                        std::lock_guard lk(gate.mu);
+                        if (++gate.finished == threads) gate.done.notify_one();
+                    }
+                });
+            }
+        }
+    }
     for (unsigned bz = 0; bz < grid.z; ++bz) {
         for (unsigned by = 0; by < grid.y; ++by) {
             for (unsigned bx = 0; bx < grid.x; ++bx) {
                 Block b(threads, shared_bytes);
-                current = &b;
-                std::vector<std::thread> pool;
-                pool.reserve(threads);
-                for (unsigned tz = 0; tz < block.z; ++tz) {
-                    for (unsigned ty = 0; ty < block.y; ++ty) {
-                        for (unsigned tx = 0; tx < block.x; ++tx) {
-                            pool.emplace_back([&, tx, ty, tz] {
-                                threadIdx = dim3(tx, ty, tz);
-                                blockIdx = dim3(bx, by, bz);
-                                kernel();
-                                b.bar.thread_exited();
-                                b.warps[linear_tid() / 32]->bar.thread_exited();
-                            });
-                        }
-                    }
+                {
+                    std::unique_lock lk(gate.mu);
+                    current = &b;
+                    gate.block_idx = dim3(bx, by, bz);
+                    gate.finished = 0;
+                    ++gate.generation;
+                    gate.start.notify_all();
+                    gate.done.wait(lk, [&] { return gate.finished == threads; });
+                    current = nullptr;
                 }
-                for (auto& t : pool) t.join();
                 for (size_t i = shared_bytes; i < b.shared.size(); ++i) {
                     if (b.shared[i] != 0xff) {
                         blockIdx = dim3(bx, by, bz);
                         fail("block wrote past its %zu bytes of dynamic shared memory (byte %zu)", shared_bytes, i);
                     }
                 }
-                current = nullptr;
             }
         }
     }
+    {
+        std::lock_guard lk(gate.mu);
+        gate.stop = true;
+    }
+    gate.start.notify_all();
+    for (auto& t : pool) t.join();
 }
 
 }  // namespace cuda_emu
