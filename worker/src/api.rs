@@ -2,7 +2,8 @@
 //! field gets a 4xx with an OpenAI-style error body), the chat template, and the JSON the
 //! worker answers with.
 //!
-//! Chat template (the same with every tokenizer, documented in `docs/worker.md`): BOS, then for each message
+//! Chat template: the model's own when its directory has one ([`crate::chat`]); else the
+//! worker's (documented in `docs/worker.md`): BOS, then for each message
 //! `<|{role}|>\n{content}\n`, then `<|assistant|>\n`.
 
 use axum::http::StatusCode;
@@ -224,7 +225,25 @@ pub fn parse(body: &[u8], endpoint: Endpoint, lim: &Limits) -> Result<ParsedRequ
             let msgs = raw
                 .messages
                 .ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
-            encode(lim.tokenizer, &chat_template(&msgs)?, "messages")?
+            let msgs = chat_messages(&msgs)?;
+            match lim.tokenizer.chat_template() {
+                // The model's own template writes its special tokens, BOS included.
+                Some(t) => {
+                    let text = t.render(&msgs).map_err(|e| {
+                        ApiError::invalid(
+                            format!("the model's chat template: {e}"),
+                            Some("messages"),
+                        )
+                    })?;
+                    lim.tokenizer.encode(&text, false).map_err(|e| {
+                        ApiError::invalid(
+                            format!("cannot tokenize the prompt: {e}"),
+                            Some("messages"),
+                        )
+                    })?
+                }
+                None => encode(lim.tokenizer, &builtin_template(&msgs), "messages")?,
+            }
         }
     };
     if tokens.len() > lim.max_context_tokens {
@@ -290,11 +309,12 @@ fn prompt_tokens(prompt: Option<&Value>, lim: &Limits) -> Result<Vec<u32>, ApiEr
     }
 }
 
-fn chat_template(msgs: &[RawMessage]) -> Result<String, ApiError> {
+/// Each message's role (checked) and text content (text parts joined).
+fn chat_messages(msgs: &[RawMessage]) -> Result<Vec<(String, String)>, ApiError> {
     if msgs.is_empty() {
         return Err(ApiError::invalid("`messages` is empty", Some("messages")));
     }
-    let mut out = String::new();
+    let mut out = Vec::with_capacity(msgs.len());
     for m in msgs {
         if !matches!(
             m.role.as_str(),
@@ -333,10 +353,19 @@ fn chat_template(msgs: &[RawMessage]) -> Result<String, ApiError> {
                 ));
             }
         };
-        out.push_str(&format!("<|{}|>\n{}\n", m.role, content));
+        out.push((m.role.clone(), content));
+    }
+    Ok(out)
+}
+
+/// The worker's own template, for models without one (documented in `docs/worker.md`).
+fn builtin_template(msgs: &[(String, String)]) -> String {
+    let mut out = String::new();
+    for (role, content) in msgs {
+        out.push_str(&format!("<|{role}|>\n{content}\n"));
     }
     out.push_str("<|assistant|>\n");
-    Ok(out)
+    out
 }
 
 pub fn finish_reason(f: FinishReason) -> &'static str {

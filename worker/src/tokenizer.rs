@@ -69,6 +69,8 @@ pub struct HfTokenizer {
     eos: Vec<u32>,
     /// One past the largest id the tokenizer can produce.
     id_bound: usize,
+    /// The model directory's chat template ([`crate::chat`]), if it has one.
+    chat: Option<crate::chat::ChatTemplate>,
 }
 
 impl std::fmt::Debug for HfTokenizer {
@@ -77,6 +79,7 @@ impl std::fmt::Debug for HfTokenizer {
             .field("bos", &self.bos)
             .field("eos", &self.eos)
             .field("id_bound", &self.id_bound)
+            .field("chat", &self.chat)
             .finish_non_exhaustive()
     }
 }
@@ -125,8 +128,14 @@ impl Tokenizer {
             Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
             Err(_) => serde_json::Value::Null,
         };
-        let tok = Self::load(&path, &config)?;
+        let mut tok = Self::load(&path, &config)?;
         tracing::info!(path = %path.display(), "using the model directory's tokenizer");
+        if let (Tokenizer::Hf(h), Some(chat)) =
+            (&mut tok, crate::chat::ChatTemplate::for_model_dir(dir)?)
+        {
+            tracing::info!(source = %chat.source().display(), "using the model's chat template");
+            Arc::get_mut(h).expect("just built").chat = Some(chat);
+        }
         tok.checked(vocab_size, &path)
     }
 
@@ -165,7 +174,16 @@ impl Tokenizer {
             bos,
             eos,
             id_bound,
+            chat: None,
         })))
+    }
+
+    /// The model directory's chat template (only with its `tokenizer.json`).
+    pub fn chat_template(&self) -> Option<&crate::chat::ChatTemplate> {
+        match self {
+            Tokenizer::Byte => None,
+            Tokenizer::Hf(h) => h.chat.as_ref(),
+        }
     }
 
     /// `self`, if every id it can produce is below `vocab_size`.

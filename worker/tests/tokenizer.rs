@@ -456,3 +456,102 @@ fn a_long_streamed_completion_adds_up_to_its_full_decode() -> Result<()> {
     assert_eq!(streamed, tok.decode(&ids)?);
     Ok(())
 }
+
+/// A chat template of our own in the Llama 3 style: BOS, a header per message, the end-of-turn
+/// token, the assistant header as the generation prompt; user and assistant turns alternate.
+const CHAT_TEMPLATE: &str = "{{- bos_token }}\
+{%- for message in messages %}\
+{%- if message['role'] not in ['system', 'user', 'assistant'] %}\
+{{- raise_exception('Only system, user and assistant roles are supported') }}\
+{%- endif %}\
+{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}\
+{%- endfor %}\
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_requests_use_the_models_own_chat_template() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (mut tok_json, vocab) = llama3_style_tokenizer_json();
+    // The header tokens the template writes, as special tokens after the others.
+    let added = tok_json["added_tokens"]
+        .as_array_mut()
+        .context("added_tokens")?;
+    for (i, name) in ["<|start_header_id|>", "<|end_header_id|>"]
+        .iter()
+        .enumerate()
+    {
+        added.push(
+            json!({"id": vocab + i, "content": name, "single_word": false,
+            "lstrip": false, "rstrip": false, "normalized": false, "special": true}),
+        );
+    }
+    let vocab = vocab + 2;
+    std::fs::write(dir.path().join("tokenizer.json"), tok_json.to_string())?;
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        json!({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+               "chat_template": CHAT_TEMPLATE})
+        .to_string(),
+    )?;
+    let cfg = ModelConfig {
+        vocab_size: vocab,
+        ..ModelConfig::default()
+    };
+    save_model(dir.path(), &cfg)?;
+    let tok = Tokenizer::for_model_dir(dir.path(), vocab)?;
+    let template = tok.chat_template().context("the template was loaded")?;
+    assert!(template.source().ends_with("tokenizer_config.json"));
+
+    let messages = json!([
+        {"role": "system", "content": "You are terse. "},
+        {"role": "user", "content": "What does kvtier keep?"},
+    ]);
+    let want_text = "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>\
+<|start_header_id|>user<|end_header_id|>\n\nWhat does kvtier keep?<|eot_id|>\
+<|start_header_id|>assistant<|end_header_id|>\n\n";
+    let want = tok.encode(want_text, false)?;
+    // The special tokens are single ids, and BOS appears once.
+    assert_eq!(want[0], (vocab - 5) as u32, "BOS first");
+    assert_eq!(want.iter().filter(|&&t| t == want[0]).count(), 1);
+    assert!(
+        want.contains(&((vocab - 2) as u32)),
+        "<|start_header_id|> is one token"
+    );
+
+    let w = start(dir.path()).await?;
+    let chat = |messages: Value| {
+        let body = json!({"messages": messages, "max_tokens": 4, "temperature": 0});
+        let addr = w.addr();
+        async move { post(addr, "/v1/chat/completions", &body).await }
+    };
+    let r = tokio::time::timeout(LIMIT, chat(messages)).await??;
+    ensure!(r.status == 200, "status {}: {}", r.status, r.body);
+    assert_eq!(r.json()?["usage"]["prompt_tokens"], want.len());
+
+    // The template's own error is a 400 that carries its message.
+    let r = tokio::time::timeout(LIMIT, chat(json!([{"role": "tool", "content": "x"}]))).await??;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(
+        r.body
+            .contains("Only system, user and assistant roles are supported"),
+        "{}",
+        r.body
+    );
+    w.shutdown().await;
+
+    // A template that does not compile stops the worker at startup, naming the file.
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        json!({"chat_template": "{% for m in messages %}"}).to_string(),
+    )?;
+    let e = start(dir.path())
+        .await
+        .err()
+        .context("a broken chat template was accepted")?
+        .to_string();
+    assert!(
+        e.contains("tokenizer_config.json") && e.contains("does not compile"),
+        "{e}"
+    );
+    Ok(())
+}
