@@ -948,21 +948,6 @@ mod tests {
             "src/gpu/kernels.ptx is stale: regenerate it with KVTIER_WRITE_PTX=1 cargo test -p \
              kvtier-worker --features cuda --lib gpu::"
         );
-        for name in [
-            "embed",
-            "rms_norm",
-            "matmul_nt",
-            "gemv_nt",
-            "rope",
-            "kv_write",
-            "attention",
-            "silu_mul",
-        ] {
-            assert!(
-                ptx.contains(&format!(".entry {name}(")),
-                "kernel {name} missing from the PTX"
-            );
-        }
     }
 
     /// `.entry NAME(` followed by `.param .TYPE NAME_param_I,` lines, for every kernel.
