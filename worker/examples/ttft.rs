@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! cargo run --release -p kvtier-worker --example ttft -- [--contexts 1024,4096,8192] [--reps 3]
+//! cargo run --release -p kvtier-worker --features cuda --example ttft -- --device cuda
 //! ```
 //!
 //! It starts a kvtier-server in-process (DRAM tier only, this model's layout, Unix socket in a
@@ -16,6 +17,9 @@
 //! (measured on an `Engine` of the same model, in this process) + cached bytes / the
 //! sidecar's measured get bandwidth (`get_into` of the same blocks over the Unix socket,
 //! copied once out of the mapped arena). A plain memcpy of the same bytes is reported too.
+//! With `--device cuda` (a `cuda` build) both workers and the floor's compute run on the GPU;
+//! the floor's load part is still the sidecar's host-side bandwidth (the host-to-device copy
+//! of the loaded blocks is not in the floor, so it is a stricter floor there).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -26,13 +30,14 @@ use kvtier_core::{HashSecret, NamespaceBuilder, PrefixHasher};
 use kvtier_server::server::{ConfigLoader, Server};
 use kvtier_worker::scheduler::PREFILL_CHUNK_TOKENS;
 use kvtier_worker::serve::{ServeConfig, WorkerServer};
-use kvtier_worker::{BlockTable, ByteTokenizer, Engine, Model, ModelConfig};
+use kvtier_worker::{BlockTable, ByteTokenizer, DeviceSpec, Engine, Model, ModelConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 struct Args {
     contexts: Vec<usize>,
     reps: usize,
     cached_fraction: f64,
+    device: DeviceSpec,
 }
 
 fn parse_args() -> Result<Args> {
@@ -40,6 +45,7 @@ fn parse_args() -> Result<Args> {
         contexts: vec![1024, 4096, 8192],
         reps: 3,
         cached_fraction: 0.95,
+        device: DeviceSpec::Cpu,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -57,7 +63,10 @@ fn parse_args() -> Result<Args> {
             }
             "--reps" => a.reps = v.parse().context("--reps")?,
             "--cached-fraction" => a.cached_fraction = v.parse().context("--cached-fraction")?,
-            other => bail!("unknown flag {other} (--contexts, --reps, --cached-fraction)"),
+            "--device" => a.device = v.parse()?,
+            other => {
+                bail!("unknown flag {other} (--contexts, --reps, --cached-fraction, --device)")
+            }
         }
     }
     if a.reps == 0 || !(0.0..1.0).contains(&a.cached_fraction) {
@@ -177,14 +186,16 @@ async fn main() -> Result<()> {
         sidecar,
         pool_blocks,
         max_batch: 1,
+        device: args.device,
         ..ServeConfig::default()
     };
     let warm = WorkerServer::start(worker(Some(unix.clone()))).await?;
     let cold = WorkerServer::start(worker(None)).await?;
     let client = Client::connect(&unix, ClientConfig::default()).await?;
-    let model = Model::random(mcfg.clone(), 0)?;
+    let model = Model::random(mcfg.clone(), 0)?.to_device(args.device)?;
     println!(
-        "model: random-weight Llama, {} layers, hidden {}, {} heads / {} kv heads x {}, {} parameters, f32; KV {} bytes/token, {} KiB blocks of {} tokens",
+        "model: random-weight Llama on {}, {} layers, hidden {}, {} heads / {} kv heads x {}, {} parameters, f32; KV {} bytes/token, {} KiB blocks of {} tokens",
+        model.device_label(),
         mcfg.num_layers,
         mcfg.hidden_size,
         mcfg.num_heads,
