@@ -120,6 +120,16 @@ impl Engine {
                 reason: "the pool's KV layout is not the model's".to_owned(),
             });
         }
+        #[cfg(feature = "cuda")]
+        if let (Some(a), Some(b)) = (model.gpu(), cache.gpu())
+            && !std::sync::Arc::ptr_eq(a, b)
+        {
+            return Err(WorkerError::Config {
+                field: "kv cache".to_owned(),
+                reason: "the pool is on another GPU (or another opening of it) than the model"
+                    .to_owned(),
+            });
+        }
         if cache.is_on_gpu() != model.on_gpu() {
             return Err(WorkerError::Config {
                 field: "kv cache".to_owned(),

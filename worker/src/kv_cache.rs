@@ -204,6 +204,15 @@ impl PagedKvCache {
         }
     }
 
+    /// The GPU the pool is on ([`on_gpu`](Self::on_gpu)).
+    #[cfg(feature = "cuda")]
+    pub fn gpu(&self) -> Option<&std::sync::Arc<crate::gpu::Gpu>> {
+        match &self.data {
+            PoolMemory::Device(p) => Some(p.gpu()),
+            _ => None,
+        }
+    }
+
     /// Whether the pool is in GPU memory.
     pub fn is_on_gpu(&self) -> bool {
         #[cfg(feature = "cuda")]

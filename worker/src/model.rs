@@ -42,12 +42,22 @@ pub trait LayerHook {
     fn after_kv_write(&mut self, _layer: usize, _cache: &PagedKvCache) -> Result<()> {
         Ok(())
     }
+
+    /// Whether [`after_kv_write`](Self::after_kv_write) reads the cache's bytes (on a GPU the
+    /// forward then waits for each layer's KV write before calling it).
+    fn reads_kv(&self) -> bool {
+        true
+    }
 }
 
 /// The hook that does nothing ([`Model::forward`]).
 pub struct NoHook;
 
-impl LayerHook for NoHook {}
+impl LayerHook for NoHook {
+    fn reads_kv(&self) -> bool {
+        false
+    }
+}
 
 /// Where a model runs: the CPU (candle), or an NVIDIA GPU (feature `cuda`, [`crate::gpu`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

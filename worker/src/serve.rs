@@ -177,6 +177,9 @@ struct AppInner {
     vocab_size: usize,
     tokenizer: Tokenizer,
     next_id: AtomicU64,
+    /// The GPU the model runs on (its faults make `/health` fail).
+    #[cfg(feature = "cuda")]
+    gpu: Option<Arc<crate::gpu::Gpu>>,
 }
 
 type App = Arc<AppInner>;
@@ -323,6 +326,8 @@ impl WorkerServer {
         let layout = model.config().kv_layout()?;
         let vocab_size = model.config().vocab_size;
         let device = model.device_label();
+        #[cfg(feature = "cuda")]
+        let gpu = model.gpu().cloned();
         let metrics = Arc::new(Metrics::default());
         let sidecar = match &config.sidecar {
             None => None,
@@ -386,6 +391,8 @@ impl WorkerServer {
             sidecar: sidecar.clone(),
             metrics: metrics.clone(),
             role: config.role,
+            #[cfg(feature = "cuda")]
+            gpu,
             disagg,
             model_name: config.model_name.clone(),
             vocab_size,
@@ -537,6 +544,12 @@ async fn health(State(app): State<App>) -> Response {
         Some(s) if s.is_connected() => "connected",
         Some(_) => "unreachable",
     };
+    // A faulted GPU cannot serve again: unhealthy, so an orchestrator restarts the worker.
+    #[cfg(feature = "cuda")]
+    if let Some(fault) = app.gpu.as_ref().and_then(|g| g.fault()) {
+        let body = json!({"status": "gpu_faulted", "error": fault, "role": app.role.name()});
+        return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
+    }
     axum::Json(json!({"status": "ok", "sidecar": sidecar, "role": app.role.name()})).into_response()
 }
 

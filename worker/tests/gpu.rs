@@ -402,5 +402,14 @@ fn an_engine_refuses_a_pool_on_the_wrong_device() -> Result<()> {
     let dev = PagedKvCache::on_gpu(layout, 4, &case.gpu)?;
     assert!(Engine::with_cache(gpu, host).is_err());
     assert!(Engine::with_cache(cpu, dev).is_err());
+    // A pool on another opening of the emulator: another GPU, as far as the model knows.
+    let (_, gpu) = case.models(0)?;
+    let other = emulated()?;
+    let dev = PagedKvCache::on_gpu(layout, 4, &other.gpu)?;
+    let e = Engine::with_cache(gpu, dev)
+        .err()
+        .context("accepted")?
+        .to_string();
+    assert!(e.contains("another GPU"), "{e}");
     Ok(())
 }

@@ -53,11 +53,27 @@ fn gpu_err(what: &str, e: impl std::fmt::Display) -> WorkerError {
     }
 }
 
-/// Compiles [`KERNELS_CU`] with NVRTC (loaded at run time: `libnvrtc.so.12` must be on the
-/// library path) and returns the PTX text. `Ok(None)` when NVRTC is not installed.
-pub fn compile_kernels() -> Result<Option<String>> {
+/// The NVRTC that made [`KERNELS_PTX`]: 11.8 writes PTX ISA 7.8, which drivers from R520
+/// (CUDA 11.8) on load; NVRTC 12.x would write an ISA that R535 drivers, common in clusters,
+/// refuse.
+pub const NVRTC_VERSION: (i32, i32) = (11, 8);
+
+/// The version of the NVRTC on the library path, `None` when there is none.
+pub fn nvrtc_version() -> Option<(i32, i32)> {
     // SAFETY: only checks whether the NVRTC library can be loaded.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return None;
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: the library is present; nvrtcVersion writes the two ints.
+    let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    (r == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS).then_some((major, minor))
+}
+
+/// Compiles [`KERNELS_CU`] with the NVRTC on the library path (`libnvrtc.so.11` or `.12`,
+/// loaded at run time) and returns the PTX text. `Ok(None)` when there is none.
+pub fn compile_kernels() -> Result<Option<String>> {
+    if nvrtc_version().is_none() {
         return Ok(None);
     }
     let opts = cudarc::nvrtc::CompileOptions {
@@ -204,7 +220,25 @@ enum Backend {
 pub struct Gpu {
     label: String,
     backend: Backend,
+    /// A sticky CUDA error (a kernel fault): the context is unusable for the rest of the
+    /// process, so every later operation fails at once with this, and `/health` reports it.
+    fault: std::sync::Mutex<Option<String>>,
 }
+
+/// Driver errors after which a CUDA context cannot be used again (a kernel fault).
+const STICKY_ERRORS: [sys::CUresult; 8] = [
+    sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
+    sys::CUresult::CUDA_ERROR_LAUNCH_FAILED,
+    sys::CUresult::CUDA_ERROR_MISALIGNED_ADDRESS,
+    sys::CUresult::CUDA_ERROR_ILLEGAL_INSTRUCTION,
+    sys::CUresult::CUDA_ERROR_HARDWARE_STACK_ERROR,
+    sys::CUresult::CUDA_ERROR_INVALID_ADDRESS_SPACE,
+    sys::CUresult::CUDA_ERROR_INVALID_PC,
+    sys::CUresult::CUDA_ERROR_ECC_UNCORRECTABLE,
+];
+
+/// The driver version the PTX needs: CUDA 11.8 (R520), for PTX ISA 7.8.
+const MIN_DRIVER_VERSION: i32 = 11080;
 
 // SAFETY: the CUDA handles (module, functions) are plain driver handles, valid in the
 // context on any thread once it is bound (every operation binds it first); the emulator's
@@ -240,13 +274,25 @@ impl Gpu {
                 reason: format!("cuda:{ordinal} requested, {n} device(s) present"),
             });
         }
+        let mut version = 0;
+        // SAFETY: the driver is loaded and initialised (probe); writes one int.
+        unsafe { sys::cuDriverGetVersion(&mut version) }
+            .result()
+            .map_err(|e| gpu_err("reading the CUDA driver version", e))?;
+        if version < MIN_DRIVER_VERSION {
+            return Err(WorkerError::Gpu {
+                reason: format!(
+                    "the CUDA driver supports CUDA {}.{}; the kernels' PTX (ISA 7.8) needs 11.8 or \
+                     later (driver R520+)",
+                    version / 1000,
+                    version % 1000 / 10
+                ),
+            });
+        }
         let ctx = CudaContext::new(ordinal).map_err(|e| gpu_err("CUDA context", e))?;
         ctx.bind_to_thread()
             .map_err(|e| gpu_err("binding the CUDA context", e))?;
-        let ptx = CString::new(KERNELS_PTX).map_err(|e| gpu_err("kernels.ptx", e))?;
-        // SAFETY: `ptx` is a NUL-terminated PTX image; the context is current.
-        let module = unsafe { result::module::load_data(ptx.as_ptr().cast()) }
-            .map_err(|e| gpu_err("loading the kernels' PTX", e))?;
+        let module = load_ptx(KERNELS_PTX)?;
         let mut functions = Vec::with_capacity(ALL_KERNELS.len());
         for k in ALL_KERNELS {
             let name = CString::new(k.name()).expect("kernel names have no NUL");
@@ -262,6 +308,7 @@ impl Gpu {
                 module,
                 functions,
             },
+            fault: std::sync::Mutex::new(None),
         }))
     }
 
@@ -284,6 +331,7 @@ impl Gpu {
         Ok(Arc::new(Self {
             label: "emulated".to_owned(),
             backend: Backend::Emulated { launch, _lib: lib },
+            fault: std::sync::Mutex::new(None),
         }))
     }
 
@@ -297,12 +345,42 @@ impl Gpu {
         self.label.strip_prefix("cuda:")?.parse().ok()
     }
 
+    /// The sticky error that made this GPU unusable, if one happened.
+    pub fn fault(&self) -> Option<String> {
+        self.fault.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     fn bind(&self) -> Result<()> {
+        if let Some(f) = self.fault() {
+            return Err(WorkerError::Gpu {
+                reason: format!(
+                    "{} faulted earlier ({f}); its CUDA context stays unusable until the worker \
+                     restarts",
+                    self.label
+                ),
+            });
+        }
         if let Backend::Cuda { ctx, .. } = &self.backend {
-            ctx.bind_to_thread()
-                .map_err(|e| gpu_err("binding the CUDA context", e))?;
+            let r = ctx.bind_to_thread();
+            self.cuda("binding the CUDA context", r)?;
         }
         Ok(())
+    }
+
+    /// `r` as a worker result; a sticky error also marks the GPU faulted. (A kernel fault is
+    /// reported by whichever call comes next; run with CUDA_LAUNCH_BLOCKING=1 to see which
+    /// kernel it was.)
+    fn cuda<T>(&self, what: &str, r: std::result::Result<T, result::DriverError>) -> Result<T> {
+        r.map_err(|e| {
+            // The error's code name (its Display asks the driver for a description).
+            let code = format!("{:?}", e.0);
+            if STICKY_ERRORS.contains(&e.0) {
+                let mut f = self.fault.lock().unwrap_or_else(|p| p.into_inner());
+                f.get_or_insert_with(|| format!("{what}: {code}"));
+                tracing::error!(gpu = %self.label, error = %code, "{what}: the GPU faulted");
+            }
+            gpu_err(what, code)
+        })
     }
 
     /// `bytes` zeroed bytes of device memory.
@@ -312,13 +390,14 @@ impl Gpu {
             Backend::Cuda { .. } => {
                 self.bind()?;
                 // SAFETY: the context is current; the allocation is freed once, in Drop.
-                let ptr = unsafe { result::malloc_sync(bytes) }
-                    .map_err(|e| gpu_err(&format!("allocating {bytes} bytes on the GPU"), e))?;
+                let r = unsafe { result::malloc_sync(bytes) };
+                let ptr = self.cuda(&format!("allocating {bytes} bytes on the GPU"), r)?;
                 // SAFETY: `ptr` holds `bytes` bytes.
-                if let Err(e) = unsafe { result::memset_d8_sync(ptr, 0, bytes) } {
+                let r = unsafe { result::memset_d8_sync(ptr, 0, bytes) };
+                if let Err(e) = self.cuda("zeroing GPU memory", r) {
                     // SAFETY: allocated just above, not shared.
                     let _ = unsafe { result::free_sync(ptr) };
-                    return Err(gpu_err("zeroing GPU memory", e));
+                    return Err(e);
                 }
                 ptr
             }
@@ -372,6 +451,21 @@ impl Gpu {
                 ),
             });
         }
+        let threads = u64::from(block.0) * u64::from(block.1) * u64::from(block.2);
+        if grid.0 == 0
+            || grid.0 > i32::MAX as u32
+            || !(1..=65_535).contains(&grid.1)
+            || !(1..=65_535).contains(&grid.2)
+            || !(1..=1024).contains(&threads)
+        {
+            return Err(WorkerError::Gpu {
+                reason: format!(
+                    "kernel {}: grid {grid:?} of {block:?} is outside CUDA's limits (the shapes are \
+                     too large for this model or prompt)",
+                    kernel.name()
+                ),
+            });
+        }
         let mut slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
         let mut params: Vec<*mut c_void> = slots
             .iter_mut()
@@ -384,7 +478,7 @@ impl Gpu {
                 // and width (checked above, and SIGNATURES against the PTX by a test); each
                 // pointer argument is a live device allocation of this context with the
                 // extent the kernel reads (the callers below size them); the default stream.
-                unsafe {
+                let r = unsafe {
                     result::launch_kernel(
                         functions[kernel.index()],
                         grid,
@@ -393,8 +487,8 @@ impl Gpu {
                         std::ptr::null_mut(),
                         &mut params,
                     )
-                }
-                .map_err(|e| gpu_err(&format!("launching {}", kernel.name()), e))
+                };
+                self.cuda(&format!("launching {}", kernel.name()), r)
             }
             Backend::Emulated { launch, .. } => {
                 let name = CString::new(kernel.name()).expect("kernel names have no NUL");
@@ -425,10 +519,44 @@ impl Gpu {
     fn synchronize(&self) -> Result<()> {
         if let Backend::Cuda { .. } = &self.backend {
             self.bind()?;
-            result::ctx::synchronize().map_err(|e| gpu_err("GPU synchronize", e))?;
+            let r = result::ctx::synchronize();
+            self.cuda("GPU synchronize", r)?;
         }
         Ok(())
     }
+}
+
+/// Loads PTX text as a module of the current context, with the JIT's error log in the error.
+fn load_ptx(ptx: &str) -> Result<sys::CUmodule> {
+    let image = CString::new(ptx).map_err(|e| gpu_err("kernels.ptx", e))?;
+    let mut log = vec![0u8; 16 * 1024];
+    let mut options = [
+        sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
+        sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+    ];
+    let mut values: [*mut c_void; 2] = [log.as_mut_ptr().cast(), log.len() as *mut c_void];
+    let mut module = std::ptr::null_mut();
+    // SAFETY: `image` is a NUL-terminated PTX image; the options array and the values array
+    // have the same length, the log buffer outlives the call and its size is given; the
+    // context is current (the caller bound it).
+    let r = unsafe {
+        sys::cuModuleLoadDataEx(
+            &mut module,
+            image.as_ptr().cast(),
+            options.len() as u32,
+            options.as_mut_ptr(),
+            values.as_mut_ptr(),
+        )
+    };
+    r.result().map_err(|e| {
+        let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
+        let log = String::from_utf8_lossy(&log[..end]);
+        gpu_err(
+            "loading the kernels' PTX",
+            format!("{e}; JIT log: {}", log.trim()),
+        )
+    })?;
+    Ok(module)
 }
 
 fn host_layout(bytes: usize) -> Result<std::alloc::Layout> {
@@ -492,11 +620,12 @@ impl DeviceBuf {
         self.check(offset, out.len())?;
         match &self.gpu.backend {
             Backend::Cuda { .. } => {
-                self.gpu.synchronize()?;
-                // SAFETY: the range is inside this allocation (checked); the context is
-                // bound (by synchronize).
-                unsafe { result::memcpy_dtoh_sync(out, self.ptr + offset as u64) }
-                    .map_err(|e| gpu_err("copying from the GPU", e))
+                self.gpu.bind()?;
+                // SAFETY: the range is inside this allocation (checked); the context is bound.
+                // A synchronous copy on the legacy stream runs after every kernel launched
+                // before it and returns when the bytes are in `out`.
+                let r = unsafe { result::memcpy_dtoh_sync(out, self.ptr + offset as u64) };
+                self.gpu.cuda("copying from the GPU", r)
             }
             Backend::Emulated { .. } => {
                 // SAFETY: the range is inside this live allocation (checked); emulated
@@ -518,10 +647,11 @@ impl DeviceBuf {
         self.check(offset, src.len())?;
         match &self.gpu.backend {
             Backend::Cuda { .. } => {
-                self.gpu.synchronize()?;
-                // SAFETY: as in `read`.
-                unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, src) }
-                    .map_err(|e| gpu_err("copying to the GPU", e))
+                self.gpu.bind()?;
+                // SAFETY: as in `read`; the copy is ordered before every later launch, and
+                // returns once `src` has been staged, so the caller may reuse it.
+                let r = unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, src) };
+                self.gpu.cuda("copying to the GPU", r)
             }
             Backend::Emulated { .. } => {
                 // SAFETY: as in `read`; `&mut self` makes this the only writer here.
@@ -608,6 +738,8 @@ pub struct GpuModel {
     lm_head: Option<DeviceBuf>,
     cos: DeviceBuf,
     sin: DeviceBuf,
+    /// Reused between forwards (one forward at a time: the engine is behind a lock).
+    scratch: std::sync::Mutex<Option<Scratch>>,
 }
 
 /// Host copies of a model's weights, as [`GpuModel::upload`] takes them (row-major f32).
@@ -621,8 +753,14 @@ pub(crate) struct HostWeights<'a> {
     pub sin: &'a candle_core::Tensor,
 }
 
-/// Activations of one forward of `t` tokens.
+/// Buffers of a forward of up to `tokens` tokens over a block table of up to `blocks`
+/// blocks: kept by the model and grown when a forward needs more, so a decode step allocates
+/// nothing.
 struct Scratch {
+    tokens: usize,
+    blocks: usize,
+    ids: DeviceBuf,
+    table: DeviceBuf,
     x: DeviceBuf,
     h: DeviceBuf,
     q: DeviceBuf,
@@ -678,6 +816,7 @@ impl GpuModel {
             lm_head: w.lm_head.map(up).transpose()?,
             cos: up(w.cos)?,
             sin: up(w.sin)?,
+            scratch: std::sync::Mutex::new(None),
         })
     }
 
@@ -746,10 +885,28 @@ impl GpuModel {
         self.gpu.launch(Kernel::Rope, grid, (64, 1, 1), 0, &args)
     }
 
-    fn scratch(&self, t: usize) -> Result<Scratch> {
+    /// Buffers for `t` tokens over `blocks` blocks: the kept ones when large enough, else
+    /// new ones (grown to at least twice the old size, so a growing sequence reallocates
+    /// rarely).
+    fn scratch(&self, slot: &mut Option<Scratch>, t: usize, blocks: usize) -> Result<()> {
+        if slot
+            .as_ref()
+            .is_some_and(|s| s.tokens >= t && s.blocks >= blocks)
+        {
+            return Ok(());
+        }
+        let (old_t, old_b) = slot.as_ref().map_or((0, 0), |s| (s.tokens, s.blocks));
+        let t = t.max(old_t);
+        let blocks = blocks.max(2 * old_b).max(16);
+        // Free the old buffers before allocating the new ones.
+        *slot = None;
         let c = &self.cfg;
         let f = |n: usize| self.gpu.alloc(n * 4);
-        Ok(Scratch {
+        *slot = Some(Scratch {
+            tokens: t,
+            blocks,
+            ids: f(t)?,
+            table: f(blocks)?,
             x: f(t * c.hidden_size)?,
             h: f(t * c.hidden_size)?,
             q: f(t * c.num_heads * c.head_dim)?,
@@ -759,7 +916,8 @@ impl GpuModel {
             gate: f(t * c.intermediate_size)?,
             up: f(t * c.intermediate_size)?,
             logits: f(c.vocab_size)?,
-        })
+        });
+        Ok(())
     }
 
     /// The forward of `tokens` at `start_pos` (see [`Model::forward_hooked`], which checked
@@ -807,10 +965,19 @@ impl GpuModel {
             cache.check_block(*id)?;
         }
         let block_floats = Arg::I64((cache.block_size_bytes() / 4) as i64);
-        let ids = self.gpu.upload(tokens)?;
-        let tbl: Vec<u32> = table.blocks().iter().map(|b| b.0).collect();
-        let tbl = self.gpu.upload(&tbl)?;
-        let s = self.scratch(t)?;
+        let mut slot = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        self.scratch(&mut slot, t, table.len())?;
+        let s = slot.as_mut().expect("scratch was just made");
+        let ids: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        s.ids.write(0, &ids)?;
+        let blocks: Vec<u8> = table
+            .blocks()
+            .iter()
+            .flat_map(|b| b.0.to_le_bytes())
+            .collect();
+        s.table.write(0, &blocks)?;
+        let (ids, tbl) = (&s.ids, &s.table);
+        let s = &*s;
         let g = &self.gpu;
 
         let args = [ids.arg(), self.embed.arg(), s.x.arg(), i32_of(h)?];
@@ -855,8 +1022,10 @@ impl GpuModel {
                 0,
                 &args,
             )?;
-            // The hook may read the layer's KV: let the write land first.
-            g.synchronize()?;
+            // A hook that reads the layer's KV needs the write to have landed.
+            if hook.reads_kv() {
+                g.synchronize()?;
+            }
             hook.after_kv_write(li, cache)?;
             let pool = cache.device_pool_mut()?.buf.arg();
             let args = [
@@ -915,23 +1084,35 @@ impl Model {
 mod tests {
     use super::*;
 
-    /// The checked-in PTX is what NVRTC makes of the checked-in source. Needs NVRTC
-    /// (`libnvrtc.so.12` on the library path; `.ci/install-deps` installs NVIDIA's PyPI wheel
-    /// and `.ci/run` points LD_LIBRARY_PATH at it): without it the test says so, and fails
-    /// when `KVTIER_REQUIRE_NVRTC=1` (as in CI). `KVTIER_WRITE_PTX=1` rewrites the file.
+    /// The checked-in PTX is what NVRTC 11.8 makes of the checked-in source. Needs that
+    /// NVRTC on the library path (`.ci/install-deps` installs NVIDIA's PyPI wheel and
+    /// `.ci/run` points LD_LIBRARY_PATH at it): without it the test says so, and fails when
+    /// `KVTIER_REQUIRE_NVRTC=1` (as in CI). `KVTIER_WRITE_PTX=1` rewrites the file.
     #[test]
     fn kernels_ptx_is_what_nvrtc_makes_of_kernels_cu() {
+        let required = std::env::var_os("KVTIER_REQUIRE_NVRTC").is_some();
+        if let Some(v) = nvrtc_version()
+            && v != NVRTC_VERSION
+        {
+            let msg = format!(
+                "NVRTC {}.{} is on the library path; the PTX is made with {}.{} (.ci/install-deps)",
+                v.0, v.1, NVRTC_VERSION.0, NVRTC_VERSION.1
+            );
+            assert!(!required, "{msg}");
+            eprintln!("SKIPPED: {msg}");
+            return;
+        }
         let ptx = match compile_kernels() {
             Ok(Some(ptx)) => ptx,
             Ok(None) => {
                 assert!(
-                    std::env::var_os("KVTIER_REQUIRE_NVRTC").is_none(),
+                    !required,
                     "KVTIER_REQUIRE_NVRTC is set but libnvrtc cannot be loaded (run .ci/install-deps \
                      and put its NVRTC directory on LD_LIBRARY_PATH)"
                 );
                 eprintln!(
-                    "SKIPPED: NVRTC (libnvrtc.so.12) is not on the library path; the PTX was not \
-                     checked against kernels.cu"
+                    "SKIPPED: no NVRTC on the library path; the PTX was not checked against \
+                     kernels.cu"
                 );
                 return;
             }
@@ -1002,6 +1183,7 @@ mod tests {
                 launch: refuse,
                 _lib: unsafe_no_library(),
             },
+            fault: std::sync::Mutex::new(None),
         };
         unsafe extern "C" fn refuse(
             _: *const c_char,
@@ -1034,6 +1216,51 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("silu_mul"), "{e}");
+    }
+
+    #[test]
+    fn a_sticky_cuda_error_marks_the_gpu_faulted_and_later_calls_fail_at_once() {
+        let gpu = Gpu {
+            label: "check only".into(),
+            backend: Backend::Emulated {
+                launch: never,
+                _lib: unsafe_no_library(),
+            },
+            fault: std::sync::Mutex::new(None),
+        };
+        unsafe extern "C" fn never(
+            _: *const c_char,
+            _: *const u32,
+            _: *const u32,
+            _: u32,
+            _: *mut *mut c_void,
+        ) -> c_int {
+            panic!("not called")
+        }
+        let err = |c| Err::<(), _>(result::DriverError(c));
+        // An ordinary error does not poison the context.
+        assert!(
+            gpu.cuda("alloc", err(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY))
+                .is_err()
+        );
+        assert!(gpu.fault().is_none() && gpu.bind().is_ok());
+        // A kernel fault does, and names where it surfaced.
+        let e = gpu
+            .cuda(
+                "GPU synchronize",
+                err(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS),
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("GPU synchronize"), "{e}");
+        assert!(gpu.fault().unwrap().contains("GPU synchronize"));
+        let e = gpu.bind().unwrap_err().to_string();
+        assert!(
+            e.contains("faulted earlier") && e.contains("restarts"),
+            "{e}"
+        );
+        // The first fault is the one kept.
+        let _ = gpu.cuda("later", err(sys::CUresult::CUDA_ERROR_LAUNCH_FAILED));
+        assert!(gpu.fault().unwrap().starts_with("GPU synchronize"));
     }
 
     /// This test binary itself, as a loaded library handle (never called into).
