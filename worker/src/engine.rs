@@ -239,6 +239,29 @@ impl Engine {
         self.model.forward(&[token], pos, &mut self.cache, table)
     }
 
+    /// One decode step for each of several sequences in one batched forward
+    /// ([`Model::decode_batch`]): `steps[i]` is a token, its position and its sequence's table
+    /// (grown to cover the position). Returns each sequence's logits, as
+    /// [`decode_step`](Self::decode_step) would.
+    pub fn decode_batch(
+        &mut self,
+        steps: &mut [(u32, usize, &mut BlockTable)],
+    ) -> Result<Vec<Vec<f32>>> {
+        for (_, pos, table) in steps.iter_mut() {
+            let covered_tokens = table.len() * self.cache.block_tokens();
+            if *pos > covered_tokens {
+                return Err(WorkerError::MissingPrefix {
+                    start_pos: *pos,
+                    covered_tokens,
+                });
+            }
+            self.cache.reserve(table, *pos + 1)?;
+        }
+        let tokens: Vec<(u32, usize)> = steps.iter().map(|(t, p, _)| (*t, *p)).collect();
+        let tables: Vec<&BlockTable> = steps.iter().map(|(_, _, t)| &**t).collect();
+        self.model.decode_batch(&tokens, &tables, &mut self.cache)
+    }
+
     /// Decodes after a prefill: `logits` are those of position `len - 1`, where `len` tokens
     /// are cached through `table`. Stops at EOS, after `max_tokens` tokens, or when the
     /// context is full.

@@ -118,6 +118,9 @@ pub struct Metrics {
     pub blocks_stored: AtomicU64,
     /// Blocks that hold generated tokens, queued for storing when their sequence ended.
     pub generated_blocks_queued: AtomicU64,
+    /// Batched decode forwards (several sequences' next tokens in one) and the tokens in them.
+    pub batched_decode_steps: AtomicU64,
+    pub batched_decode_tokens: AtomicU64,
     pub store_failures: AtomicU64,
     /// Loads skipped because the cost model said recomputing is faster.
     pub loads_skipped_cost: AtomicU64,
@@ -148,6 +151,8 @@ impl Default for Metrics {
             stores_dropped: AtomicU64::new(0),
             blocks_stored: AtomicU64::new(0),
             generated_blocks_queued: AtomicU64::new(0),
+            batched_decode_steps: AtomicU64::new(0),
+            batched_decode_tokens: AtomicU64::new(0),
             store_failures: AtomicU64::new(0),
             loads_skipped_cost: AtomicU64::new(0),
             running: AtomicU64::new(0),
@@ -186,7 +191,7 @@ impl Metrics {
             "kvtier_worker_prefix_load_seconds",
             "Time to load a cached prefix from kvtier into the KV pool.",
         );
-        let counters: [(&str, &AtomicU64, &str); 11] = [
+        let counters: [(&str, &AtomicU64, &str); 13] = [
             (
                 "kvtier_worker_prompt_tokens_cached_total",
                 &self.prompt_tokens_cached,
@@ -232,6 +237,16 @@ impl Metrics {
                 &self.generated_blocks_queued,
                 "Full blocks of generated tokens queued for storing at the end of their \
                  sequence (an agent's next prompt repeats the answer).",
+            ),
+            (
+                "kvtier_worker_batched_decode_steps_total",
+                &self.batched_decode_steps,
+                "Decode forwards that advanced several sequences at once.",
+            ),
+            (
+                "kvtier_worker_batched_decode_tokens_total",
+                &self.batched_decode_tokens,
+                "Tokens decoded in batched forwards (divide by the steps for the mean batch).",
             ),
             (
                 "kvtier_worker_store_failures_total",

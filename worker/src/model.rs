@@ -368,68 +368,175 @@ impl Model {
         if let Some(g) = &self.gpu {
             return g.forward(tokens, start_pos, cache, table, hook);
         }
-        let (nh, nkv, hd) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
-        let rep = nh / nkv;
         let ids = Tensor::from_slice(tokens, t, &self.device)?;
         let mut x = self.embed.forward(&ids)?; // [t, hidden]
         let cos = self.cos.narrow(0, start_pos, t)?;
         let sin = self.sin.narrow(0, start_pos, t)?;
         let mask = causal_mask(t, start_pos, &self.device)?;
-        let scale = 1.0 / (hd as f64).sqrt();
         for (li, layer) in self.layers.iter().enumerate() {
             hook.before_layer(li, cache)?;
-            let h = layer.input_norm.forward(&x)?;
-            // [1, heads, t, head_dim] for rope.
-            let heads = |proj: &Linear, n: usize| -> Result<Tensor> {
-                Ok(proj
-                    .forward(&h)?
-                    .reshape((t, n, hd))?
-                    .transpose(0, 1)?
-                    .contiguous()?
-                    .unsqueeze(0)?)
-            };
-            let q = candle_nn::rotary_emb::rope(&heads(&layer.q_proj, nh)?, &cos, &sin)?;
-            let k = candle_nn::rotary_emb::rope(&heads(&layer.k_proj, nkv)?, &cos, &sin)?;
-            let v = layer.v_proj.forward(&h)?; // [t, kv_heads * head_dim] = [token][head][dim]
-            let k_rows = k
-                .squeeze(0)?
-                .transpose(0, 1)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            let v_rows = v.flatten_all()?.to_vec1::<f32>()?;
+            let (q, k_rows, v_rows) = self.qkv(layer, &x, &cos, &sin)?;
             cache.write_kv(table, li, start_pos, &k_rows, &v_rows)?;
             hook.after_kv_write(li, cache)?;
-
-            let (kc, vc) = cache.gather(table, li, total)?;
-            let expand = |rows: Vec<f32>| -> Result<Tensor> {
-                Ok(Tensor::from_vec(rows, (total, nkv, hd), &self.device)?
-                    .transpose(0, 1)? // [kv_heads, total, hd]
-                    .unsqueeze(1)?
-                    .expand((nkv, rep, total, hd))?
-                    .reshape((nh, total, hd))?)
-            };
-            let (kc, vc) = (expand(kc)?, expand(vc)?);
-            let q = q.squeeze(0)?; // [heads, t, hd]
-            let mut att = (q.matmul(&kc.t()?)? * scale)?; // [heads, t, total]
-            if let Some(mask) = &mask {
-                att = att.broadcast_add(mask)?;
-            }
-            let att = candle_nn::ops::softmax_last_dim(&att)?;
-            let out = att
-                .matmul(&vc)? // [heads, t, hd]
-                .transpose(0, 1)?
-                .reshape((t, nh * hd))?;
-            x = (x + layer.o_proj.forward(&out)?)?;
-
-            let h = layer.post_norm.forward(&x)?;
-            let gate = candle_nn::ops::silu(&layer.gate_proj.forward(&h)?)?;
-            let mlp = layer
-                .down_proj
-                .forward(&(gate * layer.up_proj.forward(&h)?)?)?;
-            x = (x + mlp)?;
+            let out = self.attend(&q, cache, table, li, total, mask.as_ref())?;
+            x = self.finish_layer(layer, x, &out)?;
         }
         let last = self.norm.forward(&x.narrow(0, t - 1, 1)?)?;
         Ok(self.lm_head.forward(&last)?.squeeze(0)?.to_vec1::<f32>()?)
+    }
+
+    /// One decode step for each of several sequences in one forward (continuous batching):
+    /// `steps[i]` is sequence `i`'s token and its position, `tables[i]` its blocks (covering
+    /// the position). The projections and the MLP run on all rows at once; attention runs per
+    /// sequence over its own paged KV. Returns each sequence's logits, equal to
+    /// [`forward`](Self::forward) of that step alone.
+    pub fn decode_batch(
+        &self,
+        steps: &[(u32, usize)],
+        tables: &[&BlockTable],
+        cache: &mut PagedKvCache,
+    ) -> Result<Vec<Vec<f32>>> {
+        let b = steps.len();
+        if b != tables.len() {
+            return Err(WorkerError::Config {
+                field: "decode batch".to_owned(),
+                reason: format!("{b} steps but {} block tables", tables.len()),
+            });
+        }
+        #[cfg(feature = "cuda")]
+        let one_at_a_time = b <= 1 || self.gpu.is_some();
+        #[cfg(not(feature = "cuda"))]
+        let one_at_a_time = b <= 1;
+        if one_at_a_time {
+            return steps
+                .iter()
+                .zip(tables)
+                .map(|(&(token, pos), table)| self.forward(&[token], pos, cache, table))
+                .collect();
+        }
+        for &(id, pos) in steps {
+            if id as usize >= self.cfg.vocab_size {
+                return Err(WorkerError::TokenOutOfVocab {
+                    id,
+                    vocab_size: self.cfg.vocab_size,
+                });
+            }
+            if pos >= self.cfg.max_context_tokens {
+                return Err(WorkerError::ContextFull {
+                    tokens: pos + 1,
+                    max_context_tokens: self.cfg.max_context_tokens,
+                });
+            }
+        }
+        let ids: Vec<u32> = steps.iter().map(|s| s.0).collect();
+        let positions: Vec<u32> = steps.iter().map(|s| s.1 as u32).collect();
+        let mut x = self
+            .embed
+            .forward(&Tensor::from_vec(ids, b, &self.device)?)?; // [b, hidden]
+        // Row i rotates at its own position.
+        let at = Tensor::from_vec(positions, b, &self.device)?;
+        let (cos, sin) = (
+            self.cos.index_select(&at, 0)?,
+            self.sin.index_select(&at, 0)?,
+        );
+        let row = self.cfg.num_kv_heads * self.cfg.head_dim;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let (q, k_rows, v_rows) = self.qkv(layer, &x, &cos, &sin)?;
+            let mut outs = Vec::with_capacity(b);
+            for (i, (&(_, pos), table)) in steps.iter().zip(tables).enumerate() {
+                let (k, v) = (
+                    &k_rows[i * row..(i + 1) * row],
+                    &v_rows[i * row..(i + 1) * row],
+                );
+                cache.write_kv(table, li, pos, k, v)?;
+                let qi = q.narrow(1, i, 1)?.contiguous()?;
+                outs.push(self.attend(&qi, cache, table, li, pos + 1, None)?);
+            }
+            x = self.finish_layer(layer, x, &Tensor::cat(&outs, 0)?)?;
+        }
+        let logits = self.lm_head.forward(&self.norm.forward(&x)?)?; // [b, vocab]
+        Ok(logits.to_vec2::<f32>()?)
+    }
+
+    /// The layer's input norm, Q (rotated, `[heads, t, head_dim]`), and the new K (rotated)
+    /// and V rows for the cache, each `[t][kv_head][head_dim]`. `cos`/`sin` hold row `i`'s
+    /// angles in row `i`.
+    fn qkv(
+        &self,
+        layer: &Layer,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Vec<f32>, Vec<f32>)> {
+        let (nh, nkv, hd) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
+        let t = x.dim(0)?;
+        let h = layer.input_norm.forward(x)?;
+        // [1, heads, t, head_dim] for rope.
+        let heads = |proj: &Linear, n: usize| -> Result<Tensor> {
+            Ok(proj
+                .forward(&h)?
+                .reshape((t, n, hd))?
+                .transpose(0, 1)?
+                .contiguous()?
+                .unsqueeze(0)?)
+        };
+        let q = candle_nn::rotary_emb::rope(&heads(&layer.q_proj, nh)?, cos, sin)?;
+        let k = candle_nn::rotary_emb::rope(&heads(&layer.k_proj, nkv)?, cos, sin)?;
+        let v = layer.v_proj.forward(&h)?; // [t, kv_heads * head_dim] = [token][head][dim]
+        let k_rows = k
+            .squeeze(0)?
+            .transpose(0, 1)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let v_rows = v.flatten_all()?.to_vec1::<f32>()?;
+        Ok((q.squeeze(0)?, k_rows, v_rows))
+    }
+
+    /// Attention of `q` (`[heads, t, head_dim]`) over positions `0..total` of `table` at
+    /// `layer`, with `mask` when the queries are several; `[t, heads * head_dim]`.
+    fn attend(
+        &self,
+        q: &Tensor,
+        cache: &PagedKvCache,
+        table: &BlockTable,
+        layer: usize,
+        total: usize,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (nh, nkv, hd) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
+        let rep = nh / nkv;
+        let t = q.dim(1)?;
+        let (kc, vc) = cache.gather(table, layer, total)?;
+        let expand = |rows: Vec<f32>| -> Result<Tensor> {
+            Ok(Tensor::from_vec(rows, (total, nkv, hd), &self.device)?
+                .transpose(0, 1)? // [kv_heads, total, hd]
+                .unsqueeze(1)?
+                .expand((nkv, rep, total, hd))?
+                .reshape((nh, total, hd))?)
+        };
+        let (kc, vc) = (expand(kc)?, expand(vc)?);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut att = (q.matmul(&kc.t()?)? * scale)?; // [heads, t, total]
+        if let Some(mask) = mask {
+            att = att.broadcast_add(mask)?;
+        }
+        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        Ok(att
+            .matmul(&vc)? // [heads, t, hd]
+            .transpose(0, 1)?
+            .reshape((t, nh * hd))?)
+    }
+
+    /// The rest of a layer after attention: output projection and residual, then the MLP and
+    /// its residual.
+    fn finish_layer(&self, layer: &Layer, x: Tensor, att: &Tensor) -> Result<Tensor> {
+        let x = (x + layer.o_proj.forward(att)?)?;
+        let h = layer.post_norm.forward(&x)?;
+        let gate = candle_nn::ops::silu(&layer.gate_proj.forward(&h)?)?;
+        let mlp = layer
+            .down_proj
+            .forward(&(gate * layer.up_proj.forward(&h)?)?)?;
+        Ok((x + mlp)?)
     }
 }
 

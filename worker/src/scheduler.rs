@@ -252,9 +252,23 @@ impl Loop {
             self.metrics
                 .peak_running
                 .fetch_max(n, std::sync::atomic::Ordering::Relaxed);
+            // Every sequence advances once: a prefill chunk each, and one token for all the
+            // decoding ones together (one batched forward).
+            let decoding: Vec<usize> = (0..self.running.len())
+                .filter(|&i| {
+                    let s = &self.running[i];
+                    s.finished.is_none()
+                        && !s.req.events.is_closed()
+                        && s.prefill_next.is_none()
+                        && s.next.is_some()
+                })
+                .collect();
             for i in 0..self.running.len() {
-                self.step(i);
+                if !decoding.contains(&i) {
+                    self.step(i);
+                }
             }
+            self.decode_together(&decoding);
             let mut i = 0;
             while i < self.running.len() {
                 if self.running[i].finished.is_some() || self.running[i].req.events.is_closed() {
@@ -447,6 +461,56 @@ impl Loop {
             // Marked finished; `finish` frees the blocks but sends nothing more.
             seq.finished = Some(FinishReason::Eos);
             seq.req.events = mpsc::unbounded_channel().0;
+        }
+    }
+
+    /// One decode step for the sequences at `idx` in one batched forward. If the batch fails,
+    /// each sequence steps alone, so one bad sequence fails only itself.
+    fn decode_together(&mut self, idx: &[usize]) {
+        if idx.len() <= 1 {
+            for &i in idx {
+                self.step(i);
+            }
+            return;
+        }
+        let steps: Vec<(u32, usize)> = idx
+            .iter()
+            .map(|&i| self.running[i].next.expect("a decoding sequence"))
+            .collect();
+        let mut tables: Vec<BlockTable> = idx
+            .iter()
+            .map(|&i| std::mem::take(&mut self.running[i].table))
+            .collect();
+        let mut engine = lock(&self.engine);
+        let mut batch: Vec<(u32, usize, &mut BlockTable)> = steps
+            .iter()
+            .zip(tables.iter_mut())
+            .map(|(&(token, pos), table)| (token, pos, table))
+            .collect();
+        let r = engine.decode_batch(&mut batch);
+        drop(batch);
+        let max_ctx = engine.model().config().max_context_tokens;
+        let eos = engine.eos().to_vec();
+        drop(engine);
+        for (&i, table) in idx.iter().zip(tables) {
+            self.running[i].table = table;
+        }
+        match r {
+            Ok(all) => {
+                add(&self.metrics.batched_decode_steps, 1);
+                add(&self.metrics.batched_decode_tokens, idx.len() as u64);
+                for ((&i, logits), &(_, pos)) in idx.iter().zip(all).zip(&steps) {
+                    let seq = &mut self.running[i];
+                    seq.kv_tokens = pos + 1;
+                    Self::after_logits(&self.metrics, seq, &logits, max_ctx, &eos);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "batched decode failed; stepping each sequence alone");
+                for &i in idx {
+                    self.step(i);
+                }
+            }
         }
     }
 

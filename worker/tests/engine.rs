@@ -392,3 +392,72 @@ fn generation_stops_at_the_context_length() -> Result<()> {
     ));
     Ok(())
 }
+
+/// Continuous batching: one decode step of several sequences in one forward gives each the
+/// logits of its own step run alone (sequences of different lengths, one crossing into a new
+/// block, several steps in a row).
+#[test]
+fn a_batched_decode_step_equals_each_sequence_stepped_alone() -> Result<()> {
+    let lens = [5usize, 16, 33, 1];
+    let mut alone = Engine::new(Model::random(cfg(), 3)?, 64)?;
+    let mut batched = Engine::new(Model::random(cfg(), 3)?, 64)?;
+    let (mut ta, mut tb): (Vec<BlockTable>, Vec<BlockTable>) =
+        (vec![BlockTable::new(); 4], vec![BlockTable::new(); 4]);
+    let mut next = Vec::new();
+    for (i, &n) in lens.iter().enumerate() {
+        let p = prompt(40 + i as u64, n);
+        let a = alone.prefill(&p, 0, &mut ta[i])?;
+        batched.prefill(&p, 0, &mut tb[i])?;
+        next.push((argmax(&a), n));
+    }
+    for step in 0..3 {
+        let want: Vec<Vec<f32>> = next
+            .iter()
+            .zip(ta.iter_mut())
+            .map(|(&(tok, pos), t)| alone.decode_step(tok, pos, t))
+            .collect::<Result<_, _>>()?;
+        let mut batch: Vec<(u32, usize, &mut BlockTable)> = next
+            .iter()
+            .zip(tb.iter_mut())
+            .map(|(&(tok, pos), t)| (tok, pos, t))
+            .collect();
+        let got = batched.decode_batch(&mut batch)?;
+        assert_eq!(got.len(), want.len());
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let diff = max_diff(g, w);
+            assert!(
+                diff <= REUSE_TOL,
+                "step {step}, sequence {i}: logits differ by {diff}"
+            );
+        }
+        next = next
+            .iter()
+            .zip(&want)
+            .map(|(&(_, pos), w)| (argmax(w), pos + 1))
+            .collect();
+    }
+    // Same KV in the pools.
+    for (a, b) in ta.iter().zip(&tb) {
+        for (x, y) in a.blocks().iter().zip(b.blocks()) {
+            let (xa, yb) = (
+                alone.cache().block_bytes(*x)?,
+                batched.cache().block_bytes(*y)?,
+            );
+            let fa = |v: &[u8]| -> Vec<f32> {
+                v.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect()
+            };
+            assert!(max_diff(&fa(xa), &fa(yb)) <= REUSE_TOL);
+        }
+    }
+    // A token outside the vocabulary fails the batch.
+    let (t0, rest) = tb.split_at_mut(1);
+    let mut bad: Vec<(u32, usize, &mut BlockTable)> =
+        vec![(1, 8, &mut t0[0]), (9999, 19, &mut rest[0])];
+    assert!(matches!(
+        batched.decode_batch(&mut bad),
+        Err(WorkerError::TokenOutOfVocab { id: 9999, .. })
+    ));
+    Ok(())
+}

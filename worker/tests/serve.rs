@@ -486,6 +486,11 @@ async fn concurrent_requests_interleave_and_each_equals_its_solo_run() -> Result
     }
     let peak = w.metrics().peak_running.load(Ordering::Relaxed);
     assert!(peak >= 2, "requests ran one after another (peak {peak})");
+    let batched = w.metrics().batched_decode_tokens.load(Ordering::Relaxed);
+    assert!(
+        batched >= 2,
+        "no decode step ran several sequences in one forward"
+    );
     w.shutdown().await;
     Ok(())
 }
