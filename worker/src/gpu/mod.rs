@@ -1177,23 +1177,7 @@ mod tests {
     #[test]
     fn a_launch_with_the_wrong_arguments_is_refused_before_the_backend() {
         // No backend is reached: the check comes first, so this needs no GPU.
-        let gpu = Gpu {
-            label: "check only".into(),
-            backend: Backend::Emulated {
-                launch: refuse,
-                _lib: unsafe_no_library(),
-            },
-            fault: std::sync::Mutex::new(None),
-        };
-        unsafe extern "C" fn refuse(
-            _: *const c_char,
-            _: *const u32,
-            _: *const u32,
-            _: u32,
-            _: *mut *mut c_void,
-        ) -> c_int {
-            panic!("the launch reached the backend")
-        }
+        let gpu = check_only_gpu();
         let e = gpu
             .launch(
                 Kernel::Embed,
@@ -1220,23 +1204,7 @@ mod tests {
 
     #[test]
     fn a_sticky_cuda_error_marks_the_gpu_faulted_and_later_calls_fail_at_once() {
-        let gpu = Gpu {
-            label: "check only".into(),
-            backend: Backend::Emulated {
-                launch: never,
-                _lib: unsafe_no_library(),
-            },
-            fault: std::sync::Mutex::new(None),
-        };
-        unsafe extern "C" fn never(
-            _: *const c_char,
-            _: *const u32,
-            _: *const u32,
-            _: u32,
-            _: *mut *mut c_void,
-        ) -> c_int {
-            panic!("not called")
-        }
+        let gpu = check_only_gpu();
         let err = |c| Err::<(), _>(result::DriverError(c));
         // An ordinary error does not poison the context.
         assert!(
@@ -1263,9 +1231,26 @@ mod tests {
         assert!(gpu.fault().unwrap().starts_with("GPU synchronize"));
     }
 
-    /// This test binary itself, as a loaded library handle (never called into).
-    fn unsafe_no_library() -> libloading::Library {
-        libloading::os::unix::Library::this().into()
+    /// A `Gpu` whose backend must never be reached: its launch panics, and its library is
+    /// this test binary itself (never called into).
+    fn check_only_gpu() -> Gpu {
+        unsafe extern "C" fn unreachable_launch(
+            _: *const c_char,
+            _: *const u32,
+            _: *const u32,
+            _: u32,
+            _: *mut *mut c_void,
+        ) -> c_int {
+            panic!("the launch reached the backend")
+        }
+        Gpu {
+            label: "check only".into(),
+            backend: Backend::Emulated {
+                launch: unreachable_launch,
+                _lib: libloading::os::unix::Library::this().into(),
+            },
+            fault: std::sync::Mutex::new(None),
+        }
     }
 
     #[test]
