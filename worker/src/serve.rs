@@ -24,8 +24,9 @@
 //! Disaggregated serving ([`Role`]): a worker of role prefill also serves
 //! `POST /kvtier/prefill` ([`crate::disagg::prefill_router`]); a worker of role decode takes
 //! the client's request, has its prefill worker compute the prompt's KV into its own pool
-//! ([`DisaggDecoder::prefill`], falling back to a local prefill on any failure) and hands the
-//! prefilled blocks to the scheduler, which decodes. Both keep their pool in memory
+//! ([`DisaggDecoder::prefill_remote`]) and hands the prefilled blocks to the scheduler, which
+//! decodes; when the prompt is short or the remote path fails, the scheduler prefills it
+//! locally in chunks, like any request. Both keep their pool in memory
 //! registered with one transfer [`Agent`] per process.
 
 use std::net::SocketAddr;
@@ -49,8 +50,8 @@ use tokio_util::sync::CancellationToken;
 use crate::api::{self, ApiError, Endpoint, Limits, ParsedRequest};
 use crate::config::ModelConfig;
 use crate::disagg::{
-    DecodeConfig, DisaggDecoder, PrefillConfig, PrefillPath, PrefillServer, engine_in_agent,
-    prefill_router,
+    DecodeConfig, DisaggDecoder, PrefillConfig, PrefillPath, PrefillServer, Remote,
+    engine_in_agent, prefill_router,
 };
 use crate::engine::Engine;
 use crate::error::{Result, WorkerError};
@@ -658,7 +659,7 @@ async fn handle_inner(
     let (prefilled, budget) = match (&app.disagg, budget) {
         (Some(d), Some(budget)) if prefix.source.blocks() == 0 => {
             let (kv, budget) = remote_prefill(d, &req.tokens, budget).await?;
-            (Some(kv), Some(budget))
+            (kv, Some(budget))
         }
         (_, budget) => (None, budget),
     };
@@ -718,14 +719,16 @@ async fn take_budget(d: &Disagg, need: usize) -> Result<OwnedSemaphorePermit, Ap
         })
 }
 
-/// The decode role: the prompt's KV in pool blocks, from the prefill worker (or a local
-/// prefill when the remote path fails). `budget` comes back with it; if the request is
-/// dropped meanwhile, both go once the prefill is over, the blocks first.
+/// The decode role: the prompt's KV in pool blocks from the prefill worker, or `None` when
+/// the prompt is short or the remote path failed: the scheduler then prefills it in chunks
+/// like any request, so a failing prefill worker does not stall the other sequences. `budget`
+/// comes back with it; if the request is dropped meanwhile, both go once the prefill is over,
+/// the blocks first.
 async fn remote_prefill(
     d: &Disagg,
     tokens: &[u32],
     budget: OwnedSemaphorePermit,
-) -> Result<(PrefilledKv, OwnedSemaphorePermit), ApiError> {
+) -> Result<(Option<PrefilledKv>, OwnedSemaphorePermit), ApiError> {
     let decoder = d.decoder.clone().ok_or_else(|| {
         ApiError::server(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -738,17 +741,19 @@ async fn remote_prefill(
     // Its own task: a client that hangs up drops this future, and the prefilled blocks must
     // still reach `PrefilledKv` (whose drop frees them).
     let task = tokio::spawn(async move {
-        let p = decoder.prefill(prompt).await?;
-        Ok::<_, WorkerError>((
-            PrefilledKv {
-                table: p.table,
-                logits: p.logits,
-                engine,
-            },
-            budget,
-            p.path,
-            p.ttft,
-        ))
+        Ok::<_, WorkerError>(match decoder.prefill_remote(prompt).await? {
+            Remote::Done(p) => (
+                Some(PrefilledKv {
+                    table: p.table,
+                    logits: p.logits,
+                    engine,
+                }),
+                budget,
+                p.path,
+                p.ttft,
+            ),
+            Remote::Local(path) => (None, budget, path, std::time::Duration::ZERO),
+        })
     });
     let (kv, budget, path, ttft) = match task.await {
         Ok(Ok(r)) => r,

@@ -213,6 +213,12 @@ async fn a_stopped_prefill_worker_costs_a_local_prefill() -> Result<()> {
             .await?,
             66.0
         );
+        // The fallback prompts ran in the scheduler (chunked between other sequences' steps),
+        // not under the decoder's own hold of the engine.
+        assert_eq!(
+            metric(decode.addr(), "kvtier_worker_prompt_tokens_computed_total").await?,
+            66.0
+        );
         decode.shutdown().await;
         both.shutdown().await;
         Ok(())

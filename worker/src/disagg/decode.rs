@@ -99,6 +99,26 @@ impl RemoteTimings {
     }
 }
 
+/// What [`DisaggDecoder::prefill_remote`] got.
+#[derive(Debug)]
+pub enum Remote {
+    /// The prompt's KV, from the prefill worker.
+    Done(Prefilled),
+    /// Prefill the prompt locally (why: short, or the remote path failed).
+    Local(PrefillPath),
+}
+
+/// The remote attempt's outcome inside [`DisaggDecoder`].
+enum Attempt {
+    Done(Prefilled),
+    Local {
+        prompt: Vec<u32>,
+        table: BlockTable,
+        path: PrefillPath,
+        t0: Instant,
+    },
+}
+
 /// A prefilled prompt, ready to decode: `table` (owned by the caller, who frees it with
 /// [`PagedKvCache::release_table`]) holds the prompt's KV, `logits` are those of its last
 /// position.
@@ -365,6 +385,45 @@ impl DisaggDecoder {
     /// Errors are those a local prefill would give (an invalid prompt, a full pool); a
     /// failure of the remote path is never returned, it falls back to a local prefill.
     pub async fn prefill(&self, prompt: Vec<u32>) -> Result<Prefilled> {
+        match self.attempt(prompt).await? {
+            Attempt::Done(p) => Ok(p),
+            Attempt::Local {
+                prompt,
+                table,
+                path,
+                t0,
+            } => self.prefill_locally(prompt, table, path, t0).await,
+        }
+    }
+
+    /// [`prefill`](Self::prefill) without the local fallback: the prompt's KV from the
+    /// prefill worker, or [`Remote::Local`] when the prompt is short or the remote path
+    /// failed (counted as a fallback; the blocks it held are released, or quarantined while a
+    /// late write could still land). The caller then prefills the prompt itself: `serve`
+    /// hands it to the scheduler, which runs it in chunks between the other sequences' steps
+    /// instead of holding the engine for the whole prompt.
+    pub async fn prefill_remote(&self, prompt: Vec<u32>) -> Result<Remote> {
+        match self.attempt(prompt).await? {
+            Attempt::Done(p) => Ok(Remote::Done(p)),
+            Attempt::Local { table, path, .. } => {
+                if !table.is_empty() {
+                    let engine = Arc::clone(&self.inner.engine);
+                    let released = joined(
+                        tokio::task::spawn_blocking(move || {
+                            let mut table = table;
+                            lock(&engine).cache_mut().release_table(&mut table)
+                        })
+                        .await,
+                    )?;
+                    released?;
+                }
+                Ok(Remote::Local(path))
+            }
+        }
+    }
+
+    /// The remote path of [`prefill`](Self::prefill), or what to prefill locally.
+    async fn attempt(&self, prompt: Vec<u32>) -> Result<Attempt> {
         let t0 = Instant::now();
         let inner = &self.inner;
         let n = prompt.len();
@@ -385,9 +444,12 @@ impl DisaggDecoder {
         }
         if n < inner.cfg.min_remote_tokens {
             inner.counters.short.fetch_add(1, Ordering::Relaxed);
-            return self
-                .prefill_locally(prompt, BlockTable::new(), PrefillPath::Short, t0)
-                .await;
+            return Ok(Attempt::Local {
+                prompt,
+                table: BlockTable::new(),
+                path: PrefillPath::Short,
+                t0,
+            });
         }
 
         // Reserve the blocks the prefill worker fills (all but the last token's position).
@@ -458,7 +520,7 @@ impl DisaggDecoder {
                 drop(control);
                 let since = |t: Option<Instant>| t.map_or(Duration::ZERO, |t| t - t0);
                 let last = gate.last_landed();
-                Ok(Prefilled {
+                Ok(Attempt::Done(Prefilled {
                     table,
                     logits,
                     path: PrefillPath::Remote,
@@ -470,14 +532,18 @@ impl DisaggDecoder {
                         first_logits_after_last_layer: last
                             .map_or(Duration::ZERO, |l| logits_at.saturating_duration_since(l)),
                     }),
-                })
+                }))
             }
             Err(e) => {
                 inner.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
                 let reason = e.to_string();
                 let table = self.fence(table, control, prompt.len()).await;
-                self.prefill_locally(prompt, table, PrefillPath::Fallback { reason }, t0)
-                    .await
+                Ok(Attempt::Local {
+                    prompt,
+                    table,
+                    path: PrefillPath::Fallback { reason },
+                    t0,
+                })
             }
         }
     }

@@ -21,7 +21,7 @@ pub mod wire;
 use kvtier_transfer::{Agent, BackendKind};
 
 pub use decode::{DecodeConfig, DecodeStats, DisaggDecoder, DisaggGeneration, Prefilled};
-pub use decode::{PrefillPath, RemoteTimings};
+pub use decode::{PrefillPath, Remote, RemoteTimings};
 pub use prefill::{PrefillConfig, PrefillServer, PrefillStats, prefill_router};
 pub use wire::{PREFILL_PATH, PrefillRequest, PrefillResponse};
 
