@@ -228,15 +228,8 @@ impl Engine {
         pos: usize,
         table: &mut BlockTable,
     ) -> Result<Vec<f32>> {
-        let covered_tokens = table.len() * self.cache.block_tokens();
-        if pos > covered_tokens {
-            return Err(WorkerError::MissingPrefix {
-                start_pos: pos,
-                covered_tokens,
-            });
-        }
-        self.cache.reserve(table, pos + 1)?;
-        self.model.forward(&[token], pos, &mut self.cache, table)
+        let mut logits = self.decode_batch(&mut [(token, pos, table)])?;
+        Ok(logits.pop().expect("one step, one result"))
     }
 
     /// One decode step for each of several sequences in one batched forward

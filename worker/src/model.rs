@@ -348,22 +348,8 @@ impl Model {
         if t == 0 {
             return Err(WorkerError::EmptyPrompt);
         }
-        if let Some(&id) = tokens
-            .iter()
-            .find(|&&id| id as usize >= self.cfg.vocab_size)
-        {
-            return Err(WorkerError::TokenOutOfVocab {
-                id,
-                vocab_size: self.cfg.vocab_size,
-            });
-        }
         let total = start_pos + t;
-        if total > self.cfg.max_context_tokens {
-            return Err(WorkerError::ContextFull {
-                tokens: total,
-                max_context_tokens: self.cfg.max_context_tokens,
-            });
-        }
+        self.check_input(tokens, total)?;
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu {
             return g.forward(tokens, start_pos, cache, table, hook);
@@ -415,18 +401,7 @@ impl Model {
                 .collect();
         }
         for &(id, pos) in steps {
-            if id as usize >= self.cfg.vocab_size {
-                return Err(WorkerError::TokenOutOfVocab {
-                    id,
-                    vocab_size: self.cfg.vocab_size,
-                });
-            }
-            if pos >= self.cfg.max_context_tokens {
-                return Err(WorkerError::ContextFull {
-                    tokens: pos + 1,
-                    max_context_tokens: self.cfg.max_context_tokens,
-                });
-            }
+            self.check_input(&[id], pos + 1)?;
         }
         let ids: Vec<u32> = steps.iter().map(|s| s.0).collect();
         let positions: Vec<u32> = steps.iter().map(|s| s.1 as u32).collect();
@@ -456,6 +431,27 @@ impl Model {
         }
         let logits = self.lm_head.forward(&self.norm.forward(&x)?)?; // [b, vocab]
         Ok(logits.to_vec2::<f32>()?)
+    }
+
+    /// `tokens` are in the vocabulary and a forward ending at position `total - 1` fits the
+    /// context.
+    fn check_input(&self, tokens: &[u32], total: usize) -> Result<()> {
+        if let Some(&id) = tokens
+            .iter()
+            .find(|&&id| id as usize >= self.cfg.vocab_size)
+        {
+            return Err(WorkerError::TokenOutOfVocab {
+                id,
+                vocab_size: self.cfg.vocab_size,
+            });
+        }
+        if total > self.cfg.max_context_tokens {
+            return Err(WorkerError::ContextFull {
+                tokens: total,
+                max_context_tokens: self.cfg.max_context_tokens,
+            });
+        }
+        Ok(())
     }
 
     /// The layer's input norm, Q (rotated, `[heads, t, head_dim]`), and the new K (rotated)
