@@ -167,9 +167,11 @@ fn print_endpoints(e: &kvtier_server::server::Endpoints) {
 }
 
 /// The demo runs beside anything else on the machine: its own runtime dir, ephemeral ports,
-/// small tiers (flags and --set still win).
+/// small tiers (flags and --set still win). The NVMe tier is sized to the demo's prompt (twice
+/// its blocks, at least 64 MiB), not to a fixed size, so the demo runs on a nearly full disk.
 fn demo_defaults(args: &Args, c: &mut ServerConfig) -> Result<()> {
     let dir = std::env::temp_dir().join(format!("kvtier-demo-{}", std::process::id()));
+    let nvme_mib = demo_nvme_bytes(c.layout()?.block_bytes(), args.demo_blocks).div_ceil(1 << 20);
     let mut l = ConfigLoader::new()
         .set(&format!(
             "server.runtime_dir={:?}",
@@ -179,7 +181,7 @@ fn demo_defaults(args: &Args, c: &mut ServerConfig) -> Result<()> {
         .set("server.quic=\"127.0.0.1:0\"")?
         .set("server.admin=\"127.0.0.1:0\"")?
         .set("store.dram_bytes=\"512MiB\"")?
-        .set("store.nvme_bytes=\"1GiB\"")?;
+        .set(&format!("store.nvme_bytes=\"{nvme_mib}MiB\""))?;
     for s in &args.set {
         l = l.set(s)?;
     }
@@ -196,6 +198,11 @@ fn demo_defaults(args: &Args, c: &mut ServerConfig) -> Result<()> {
     }
     c.validate()?;
     Ok(())
+}
+
+/// NVMe bytes the demo asks for: room for its prompt twice over, at least 64 MiB.
+fn demo_nvme_bytes(block_bytes: u64, blocks: usize) -> u64 {
+    (block_bytes.saturating_mul(blocks as u64).saturating_mul(2)).max(64 << 20)
 }
 
 fn gbps(bytes: usize, t: Duration) -> f64 {
@@ -412,4 +419,17 @@ fn report_hbm() {
     }
     #[cfg(not(feature = "cuda"))]
     println!("HBM tier: not built (build with --features cuda)");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::demo_nvme_bytes;
+
+    #[test]
+    fn demo_nvme_tier_is_sized_to_the_prompt() {
+        let block = 2u64 << 20;
+        assert_eq!(demo_nvme_bytes(block, 8), 64 << 20, "the floor");
+        assert_eq!(demo_nvme_bytes(block, 64), 256 << 20, "twice the prompt");
+        assert_eq!(demo_nvme_bytes(u64::MAX, 2), u64::MAX, "no overflow");
+    }
 }
