@@ -4,8 +4,9 @@
 //! Every check runs on two backends of the same host code (`worker/src/gpu`):
 //! * **the emulator**, always: `kernels.cu` built by g++ with the CPU emulation of CUDA in
 //!   `tests/emu/` into a shared library that `Gpu::emulated` loads, so allocation, copies,
-//!   launch shapes and arguments, and the kernels run unchanged on the CPU (one real thread
-//!   per CUDA thread; slow, so these runs use a smaller model and shorter prompts);
+//!   launch shapes and arguments, and the kernels run unchanged on the CPU (one fiber per
+//!   CUDA thread; far slower than a GPU, so these runs use a smaller model and shorter
+//!   prompts);
 //! * **a real GPU**, where one exists (the default model, longer prompts). Elsewhere those runs
 //!   print `SKIPPED ...`, and fail instead when `KVTIER_REQUIRE_GPU=1` (`.ci/gpu-check`).
 //!
@@ -49,7 +50,7 @@ struct Case {
     generate: usize,
 }
 
-/// A small model for the emulator (the emulation runs one OS thread per CUDA thread). Its KV
+/// A small model for the emulator (the emulation runs every CUDA thread, one after another). Its KV
 /// layout (2 KV heads x 32, 16-token blocks, f32) is what `common::kvtier_config` serves.
 fn small_config() -> ModelConfig {
     ModelConfig {

@@ -2,7 +2,8 @@
 //! loops, on every machine (no GPU, no CUDA toolkit, no cargo feature).
 //!
 //! `tests/emu/cuda_emu.h` lets g++ compile `kernels.cu` unchanged: each CUDA block runs with
-//! one real thread per CUDA thread, `__syncthreads` and warp shuffles are real barriers, and
+//! one fiber per CUDA thread, `__syncthreads` and warp shuffles are real barriers (threads run
+//! in a shuffled order between them, so a missing barrier gives wrong results), and
 //! `tests/emu/check_kernels.cpp` launches every kernel (embed, rms_norm, matmul_nt, gemv_nt,
 //! rope, kv_write, attention, silu_mul) with the grid, block and shared-memory sizes of
 //! `src/gpu/mod.rs`, on seeded inputs with edge shapes, and compares with plain loops.
@@ -61,17 +62,24 @@ fn run_bounded(
     Ok((status.success(), text))
 }
 
-#[test]
-fn cuda_kernels_match_reference_loops_on_the_cpu() -> Result<()> {
+/// Builds `tests/emu/check_kernels.cpp` over `kernels` (the text of a `kernels.cu`) in `dir`,
+/// laid out as in the repository so its relative includes resolve, and runs it: whether it
+/// passed, and its output.
+fn build_and_run(dir: &Path, kernels: &str) -> Result<(bool, String)> {
     let emu = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emu");
-    let dir = tempfile::tempdir()?;
-    let exe = dir.path().join("check_kernels");
-
+    let (tests, src) = (dir.join("worker/tests/emu"), dir.join("worker/src/gpu"));
+    std::fs::create_dir_all(&tests)?;
+    std::fs::create_dir_all(&src)?;
+    for f in ["cuda_emu.h", "check_kernels.cpp"] {
+        std::fs::copy(emu.join(f), tests.join(f))?;
+    }
+    std::fs::write(src.join("kernels.cu"), kernels)?;
+    let exe = dir.join("check_kernels");
     let mut gxx = Command::new("g++");
     gxx.args(["-std=c++20", "-O2", "-pthread", "-Wall", "-Wextra", "-o"])
         .arg(&exe)
-        .arg(emu.join("check_kernels.cpp"));
-    let (ok, text) = match run_bounded(gxx, dir.path(), "g++", LIMIT) {
+        .arg(tests.join("check_kernels.cpp"));
+    let (ok, text) = match run_bounded(gxx, dir, "g++", LIMIT) {
         Ok(r) => r,
         Err(e) => {
             return Err(e.context(
@@ -83,11 +91,21 @@ fn cuda_kernels_match_reference_loops_on_the_cpu() -> Result<()> {
         ok,
         "g++ failed to build tests/emu/check_kernels.cpp:\n{text}"
     );
+    run_bounded(Command::new(&exe), dir, "check_kernels", LIMIT)
+}
 
+fn kernels_source() -> Result<String> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/gpu/kernels.cu");
+    std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))
+}
+
+#[test]
+fn cuda_kernels_match_reference_loops_on_the_cpu() -> Result<()> {
+    let dir = tempfile::tempdir()?;
     let started = Instant::now();
-    let (ok, text) = run_bounded(Command::new(&exe), dir.path(), "check_kernels", LIMIT)?;
+    let (ok, text) = build_and_run(dir.path(), &kernels_source()?)?;
     println!("{text}");
-    println!("emulated kernels ran in {:?}", started.elapsed());
+    println!("emulated kernels built and ran in {:?}", started.elapsed());
     ensure!(
         ok,
         "a kernel disagrees with its reference (or broke CUDA's rules):\n{text}"
@@ -112,5 +130,48 @@ fn cuda_kernels_match_reference_loops_on_the_cpu() -> Result<()> {
         text.lines().any(|l| l == "all kernels ok"),
         "the emulation did not finish:\n{text}"
     );
+    Ok(())
+}
+
+/// The emulation is strict enough to be worth passing: kernels with a barrier bug injected
+/// fail it. A missing barrier between one thread's write to shared memory and the others'
+/// reads (it shows only because threads run in a shuffled order), a barrier only some threads
+/// reach, and a warp shuffle only some lanes reach.
+#[test]
+fn the_emulation_catches_barrier_bugs() -> Result<()> {
+    let good = kernels_source()?;
+    let mutants = [
+        (
+            "attention without the barrier after thread 0's softmax",
+            "            corr_sh = corr;\n        }\n        __syncthreads();\n",
+            "            corr_sh = corr;\n        }\n",
+            "FAIL attention",
+        ),
+        (
+            "block_sum with a barrier only the first warp reaches",
+            "    if (lane == 0) scratch[warp] = v;\n    __syncthreads();\n",
+            "    if (lane == 0) scratch[warp] = v;\n    if (threadIdx.x < 32) __syncthreads();\n",
+            "CUDA EMULATION ERROR: divergent __syncthreads",
+        ),
+        (
+            "gemv_nt with a shuffle half of each warp skips",
+            "acc += __shfl_down_sync(0xffffffffu, acc, o);",
+            "if (lane < 16) acc += __shfl_down_sync(0xffffffffu, acc, o);",
+            "CUDA EMULATION ERROR: __shfl_down_sync",
+        ),
+    ];
+    for (what, from, to, want) in mutants {
+        ensure!(
+            good.matches(from).count() == 1,
+            "{what}: kernels.cu changed; update the mutant (expected the text once: {from:?})"
+        );
+        let dir = tempfile::tempdir()?;
+        let (ok, text) = build_and_run(dir.path(), &good.replacen(from, to, 1))?;
+        ensure!(!ok, "{what}: the emulation passed it:\n{text}");
+        ensure!(
+            text.contains(want),
+            "{what}: failed, but without {want:?}:\n{text}"
+        );
+    }
     Ok(())
 }

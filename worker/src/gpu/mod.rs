@@ -17,7 +17,7 @@
 //! Every device operation goes through [`Gpu`], which has two backends: the CUDA driver, and an
 //! **emulator** ([`Gpu::emulated`]): a shared library built from the same `kernels.cu` with a
 //! CPU emulation of CUDA (`tests/emu/`), where "device memory" is host memory and a launch runs
-//! every CUDA thread as a real thread. The host code here (allocation, copies, launch shapes
+//! every CUDA thread as a fiber with its own stack, switching at barriers. The host code here (allocation, copies, launch shapes
 //! and arguments, synchronisation) is the same for both, so the tests run the whole GPU forward
 //! on the CPU and compare it with candle's. Every launch is also checked against the kernel's
 //! parameter list, which a test checks against the PTX.
