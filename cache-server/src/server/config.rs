@@ -570,7 +570,7 @@ impl ServerConfig {
                 Size::Auto => {
                     std::fs::create_dir_all(&dir)
                         .map_err(|e| cerr("store.nvme_dir", format!("{}: {e}", dir.display())))?;
-                    (free_bytes(&dir) / 2).clamp(256 << 20, 64 << 30)
+                    auto_nvme_bytes(free_bytes(&dir), crate::tier::nvme::slot_files_bytes(&dir))
                 }
             };
             let mut n = NvmeSettings::new(dir, bytes);
@@ -593,6 +593,13 @@ pub fn available_memory_bytes() -> u64 {
         .map_or(1 << 30, |kb| kb * 1024)
 }
 
+/// `store.nvme_bytes = "auto"`: half the space the tier could have (the file system's free
+/// space plus what its own slot files already hold, so a restart sizes it the same), 256 MiB
+/// to 64 GiB.
+fn auto_nvme_bytes(free: u64, own_files: u64) -> u64 {
+    (free.saturating_add(own_files) / 2).clamp(256 << 20, 64 << 30)
+}
+
 fn free_bytes(dir: &Path) -> u64 {
     use std::os::unix::ffi::OsStrExt;
     let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
@@ -609,6 +616,40 @@ fn free_bytes(dir: &Path) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_nvme_size_is_the_same_after_a_restart() {
+        const GIB: u64 = 1 << 30;
+        // First start: 40 GiB free, no tier files: 20 GiB.
+        let first = auto_nvme_bytes(40 * GIB, 0);
+        assert_eq!(first, 20 * GIB);
+        // Restart: the tier's 20 GiB of files are no longer free, but count as its own.
+        assert_eq!(auto_nvme_bytes(40 * GIB - first, first), first);
+        assert_eq!(auto_nvme_bytes(0, 0), 256 << 20, "the floor");
+        assert_eq!(
+            auto_nvme_bytes(u64::MAX, u64::MAX),
+            64 * GIB,
+            "the cap, no overflow"
+        );
+    }
+
+    #[test]
+    fn the_tier_counts_only_its_own_slot_files() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(crate::tier::nvme::slot_files_bytes(dir.path()), 0);
+        let write = |name: &str, len: usize| std::fs::write(dir.path().join(name), vec![1u8; len]);
+        write("slots-00000.kvt", 1 << 20).unwrap();
+        write("slots-00001.kvt", 1 << 20).unwrap();
+        write("manifest", 1 << 20).unwrap();
+        write("slots-x.kvt", 1 << 20).unwrap();
+        let got = crate::tier::nvme::slot_files_bytes(dir.path());
+        // Two files of 1 MiB, written in full (file systems may allocate a little more).
+        assert!(((2 << 20)..(3 << 20)).contains(&got), "{got}");
+        assert_eq!(
+            crate::tier::nvme::slot_files_bytes(&dir.path().join("absent")),
+            0
+        );
+    }
 
     #[test]
     fn the_template_holds_exactly_the_defaults() {

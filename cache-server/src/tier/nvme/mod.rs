@@ -645,16 +645,36 @@ fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), TierError> {
     run().map_err(io_err(&tmp))
 }
 
+/// The index of a slot file named as [`slot_file_name`] makes them.
+fn slot_file_index(name: &std::ffi::OsStr) -> Option<u64> {
+    name.to_str()
+        .and_then(|n| n.strip_prefix("slots-"))
+        .and_then(|n| n.strip_suffix(".kvt"))
+        .and_then(|n| n.parse::<u64>().ok())
+}
+
+/// Disk space the tier's slot files in `dir` hold now (0 if there are none or `dir` is
+/// unreadable). Sizing the tier from the file system's free space must count these as free:
+/// otherwise every restart would see the tier's own files as used and shrink it.
+pub fn slot_files_bytes(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter(|e| slot_file_index(&e.file_name()).is_some())
+        .filter_map(|e| e.metadata().ok())
+        .filter(|m| m.is_file())
+        // Allocated bytes, not the length: a sparse file holds no more than it has written.
+        .map(|m| m.blocks().saturating_mul(512))
+        .sum()
+}
+
 fn remove_stale_files(dir: &Path, keep: u64) -> Result<(), TierError> {
     let entries = fs::read_dir(dir).map_err(io_err(dir))?;
     for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(index) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix("slots-"))
-            .and_then(|n| n.strip_suffix(".kvt"))
-            .and_then(|n| n.parse::<u64>().ok())
-        else {
+        let Some(index) = slot_file_index(&e.file_name()) else {
             continue;
         };
         if index >= keep {
