@@ -570,7 +570,12 @@ impl ServerConfig {
                 Size::Auto => {
                     std::fs::create_dir_all(&dir)
                         .map_err(|e| cerr("store.nvme_dir", format!("{}: {e}", dir.display())))?;
-                    auto_nvme_bytes(free_bytes(&dir), crate::tier::nvme::slot_files_bytes(&dir))
+                    auto_nvme_bytes(
+                        crate::tier::nvme::available_bytes(&dir).map_err(|e| {
+                            cerr("store.nvme_dir", format!("{}: {e}", dir.display()))
+                        })?,
+                        crate::tier::nvme::slot_files_bytes(&dir),
+                    )
                 }
             };
             let mut n = NvmeSettings::new(dir, bytes);
@@ -598,19 +603,6 @@ pub fn available_memory_bytes() -> u64 {
 /// to 64 GiB.
 fn auto_nvme_bytes(free: u64, own_files: u64) -> u64 {
     (free.saturating_add(own_files) / 2).clamp(256 << 20, 64 << 30)
-}
-
-fn free_bytes(dir: &Path) -> u64 {
-    use std::os::unix::ffi::OsStrExt;
-    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
-        return 0;
-    };
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a NUL-terminated path and `st` a valid out-pointer for the call.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return 0;
-    }
-    st.f_bavail as u64 * st.f_frsize as u64
 }
 
 #[cfg(test)]

@@ -684,7 +684,8 @@ fn remove_stale_files(dir: &Path, keep: u64) -> Result<(), TierError> {
     Ok(())
 }
 
-fn available_bytes(dir: &Path) -> Result<u64, TierError> {
+/// Bytes an unprivileged writer may still allocate on the file system holding `dir`.
+pub fn available_bytes(dir: &Path) -> Result<u64, TierError> {
     let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
         .map_err(|_| config_err("nvme.dir", "path contains a NUL byte"))?;
     // SAFETY: statvfs fills the zeroed struct we pass; `c` is NUL-terminated.
