@@ -122,7 +122,6 @@ pub struct HttpStream {
     pub content_type: Option<String>,
     body: Incoming,
     deadline: Instant,
-    timeout: Duration,
     max_body_bytes: usize,
     read: usize,
 }
@@ -173,11 +172,6 @@ impl HttpStream {
             out.extend_from_slice(&c);
         }
         Ok(out.into())
-    }
-
-    /// The overall timeout this stream runs under (for messages).
-    pub fn timeout(&self) -> Duration {
-        self.timeout
     }
 }
 
@@ -266,7 +260,6 @@ impl HttpClient {
             content_type,
             body: resp.into_body(),
             deadline,
-            timeout: self.config.timeout,
             max_body_bytes: self.config.max_body_bytes,
             read: 0,
         })
