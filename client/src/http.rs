@@ -16,7 +16,8 @@
 //! * bodies are bounded ([`HttpConfig::max_body_bytes`], [`ClientError::TooLarge`]); a body cut
 //!   short or malformed on the wire is [`ClientError::Http`];
 //! * keep-alive connections are pooled per client and reused (one client per component: its
-//!   connections belong to the runtime that made them);
+//!   connections belong to the runtime that made them), unless [`HttpConfig::keep_alive`] is
+//!   off;
 //! * streamed bodies ([`HttpClient::stream`]) hand out each piece as it arrives, so a caller
 //!   can time the first chunk of a server-sent-event stream.
 //!
@@ -47,6 +48,11 @@ pub struct HttpConfig {
     pub timeout: Duration,
     /// Most body bytes one response may carry. Default: 16 MiB.
     pub max_body_bytes: usize,
+    /// Keep connections open after a response and reuse them; without it every request opens
+    /// its own connection, closed after its response (a measuring client that wants each
+    /// request alike: no server-side Nagle delay behind the previous response's unacknowledged
+    /// bytes). Default: true.
+    pub keep_alive: bool,
 }
 
 impl Default for HttpConfig {
@@ -55,6 +61,7 @@ impl Default for HttpConfig {
             connect_timeout: Duration::from_secs(5),
             timeout: Duration::from_secs(60),
             max_body_bytes: 16 << 20,
+            keep_alive: true,
         }
     }
 }
@@ -189,9 +196,12 @@ impl HttpClient {
         conn.set_connect_timeout(Some(config.connect_timeout));
         conn.set_nodelay(true);
         conn.enforce_http(true);
-        let pool = Pooled::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .build(conn);
+        let mut b = Pooled::builder(TokioExecutor::new());
+        b.pool_timer(TokioTimer::new());
+        if !config.keep_alive {
+            b.pool_max_idle_per_host(0);
+        }
+        let pool = b.build(conn);
         Self { pool, config }
     }
 
@@ -350,6 +360,7 @@ mod tests {
             connect_timeout: Duration::from_secs(2),
             timeout: Duration::from_secs(5),
             max_body_bytes,
+            keep_alive: true,
         })
     }
 
@@ -436,6 +447,53 @@ mod tests {
         let t = std::time::Instant::now();
         assert!(matches!(quick.get(&url).await, Err(ClientError::Timeout)));
         assert!(t.elapsed() < Duration::from_secs(2));
+    }
+
+    /// Counts the connections a server accepted; answers every request on each with `{}`.
+    async fn serve_counting() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/", l.local_addr().unwrap());
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let n = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 4096];
+                    let mut got = Vec::new();
+                    loop {
+                        while let Some(i) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                            got.drain(..i + 4);
+                            let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}";
+                            if s.write_all(ok).await.is_err() {
+                                return;
+                            }
+                        }
+                        match s.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(k) => got.extend_from_slice(&buf[..k]),
+                        }
+                    }
+                });
+            }
+        });
+        (url, accepted)
+    }
+
+    #[tokio::test]
+    async fn keep_alive_reuses_one_connection_and_off_opens_one_per_request() {
+        for (keep_alive, want) in [(true, 1), (false, 3)] {
+            let (url, accepted) = serve_counting().await;
+            let c = HttpClient::new(HttpConfig {
+                keep_alive,
+                ..HttpConfig::default()
+            });
+            for _ in 0..3 {
+                assert_eq!(c.get(&url).await.unwrap().text(), "{}");
+            }
+            let n = accepted.load(std::sync::atomic::Ordering::SeqCst);
+            assert_eq!(n, want, "keep_alive {keep_alive}");
+        }
     }
 
     #[tokio::test]

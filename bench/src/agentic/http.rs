@@ -1,5 +1,5 @@
 //! The streaming client for OpenAI-compatible `/v1/completions`, over the workspace's HTTP
-//! client ([`kvtier_client::http`]: hyper, pooled keep-alive connections, no TLS: put a local
+//! client ([`kvtier_client::http`]: hyper, one connection per request, no TLS: put a local
 //! proxy in front of an HTTPS endpoint). This module adds what an OpenAI stream needs: the
 //! endpoint URL's forms, server-sent events split as the body arrives, and their timing (TTFT
 //! from the first event carrying text, the gaps between text events). Every request has a
@@ -88,8 +88,10 @@ const MAX_ERROR_BODY: usize = 2048;
 /// Bound on one streamed completion's body (a long answer is a few hundred KiB of events).
 const MAX_STREAM_BYTES: usize = 256 << 20;
 
-/// The OpenAI client of one run: one pooled [`HttpClient`] (keep-alive connections reused
-/// across turns and sessions, as the usual OpenAI clients do), the endpoint and its key.
+/// The OpenAI client of one run: an [`HttpClient`] that opens one connection per request, so
+/// every request is measured alike (the connect, tens of microseconds on loopback, is in its
+/// TTFT; no request waits behind a server's Nagle delay on a reused connection), the endpoint
+/// and its key.
 #[derive(Clone, Debug)]
 pub struct CompletionClient {
     http: HttpClient,
@@ -104,6 +106,7 @@ impl CompletionClient {
             connect_timeout: t.connect.min(t.total),
             timeout: t.total,
             max_body_bytes: MAX_STREAM_BYTES,
+            keep_alive: false,
         });
         Self {
             http,
@@ -118,8 +121,7 @@ impl CompletionClient {
     }
 
     /// POSTs `body` to `/v1/completions` and reads the event stream to `[DONE]`. TTFT runs from
-    /// the call (so a new connection's handshake counts, a reused one costs nothing) to the
-    /// first event carrying text.
+    /// the call (the connect included) to the first event carrying text.
     pub async fn complete(&self, body: &[u8]) -> Result<Completion, String> {
         let start = Instant::now();
         let total = self.http.config().timeout;

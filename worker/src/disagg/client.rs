@@ -52,6 +52,7 @@ pub(crate) async fn post_json(
         connect_timeout,
         timeout,
         max_body_bytes: MAX_RESPONSE_BYTES,
+        keep_alive: false,
     });
     let req = HttpRequest::post_json(format!("http://{auth}{path}"), body.to_vec());
     match client.send(req).await {
