@@ -28,6 +28,12 @@ pub enum ClientError {
     Protocol(String),
     #[error("wrong buffer: {0}")]
     Buffer(String),
+    #[error("bad HTTP request: {0}")]
+    HttpUrl(String),
+    #[error("HTTP: {0}")]
+    Http(String),
+    #[error("HTTP body over {limit} bytes")]
+    TooLarge { limit: usize },
     #[error("{0} needs the local zero-copy path (unix:// with zero_copy)")]
     NotLocal(&'static str),
 }

@@ -43,10 +43,14 @@
 //! Every call has a timeout. A connection that fails is reopened on the next call (after
 //! [`ClientConfig::reconnect_backoff`]; until then calls answer at once with a miss).
 //! [`blocking::BlockingClient`] wraps it all for callers without an async runtime.
+//!
+//! [`http`] is the workspace's one HTTP client (hyper), for the other kvtier services' HTTP
+//! APIs: the worker's OpenAI and control endpoints, the admin ports.
 
 pub mod blocking;
 mod conn;
 mod error;
+pub mod http;
 mod quic;
 
 pub use quic::transport as quic_transport;

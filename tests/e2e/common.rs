@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kvtier_client::http::{HttpClient, HttpConfig};
 use kvtier_client::{Client, ClientConfig};
 use kvtier_core::protocol::{HEADER_BYTES, Header, Limits, Request, Response};
 use kvtier_core::{BlockKey, HashSecret, KvLayout, NamespaceBuilder, PrefixHasher};
@@ -205,24 +206,46 @@ impl Drop for ServerProc {
 
 /// (status code, body) of an HTTP GET.
 pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    let code = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = out
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (code, body)
+    let r = HttpClient::new(HttpConfig::default())
+        .get(&format!("http://{addr}{path}"))
+        .await
+        .unwrap();
+    (r.status, r.text())
+}
+
+/// Fails, saying why, unless `promtool check metrics` (Debian's `prometheus` package, which
+/// `.ci/install-deps` installs) accepts `text` without a complaint.
+pub fn promtool_check(text: &str) {
+    use std::io::Write;
+    let mut child = match Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+    {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!(
+            "promtool is not installed: install Debian's `prometheus` package (.ci/install-deps does)"
+        ),
+        r => r.unwrap(),
+    };
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "promtool check metrics: {}: {said}\non:\n{text}",
+        out.status
+    );
 }
 
 /// Keys of a prompt of `blocks` blocks under a tenant's salt.

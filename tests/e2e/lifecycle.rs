@@ -39,6 +39,34 @@ async fn admin_port_reports_health_readiness_metrics_and_stats() {
     .await;
 }
 
+/// The admin port's /metrics, after traffic on every transport, passes `promtool check
+/// metrics` (names, types, help, histogram buckets). Fails when promtool is missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_pass_promtool_check() {
+    let srv = ServerProc::start(&[]);
+    bounded(60, async {
+        for t in ["unix", "tcp", "quic"] {
+            let c = srv.client(t).await;
+            let k = keys(t.as_bytes(), 2, 0);
+            put_all(&c, &k).await;
+            assert_eq!(get_verified(&c, &k).await, 2);
+        }
+        let r = kvtier_client::http::HttpClient::new(Default::default())
+            .get(&format!("http://{}/metrics", srv.admin))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200);
+        assert_eq!(
+            r.content_type.as_deref(),
+            Some("text/plain; version=0.0.4; charset=utf-8")
+        );
+        let m = r.text();
+        assert!(m.contains("kvtier_requests_total{op=\"put\"}"), "{m}");
+        promtool_check(&m);
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_in_flight_work_flushes_and_exits_zero() {
     let mut srv = ServerProc::start(&[]);

@@ -25,13 +25,13 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use kvtier_client::http::{HttpClient, HttpConfig, HttpRequest};
 use kvtier_client::{Client, ClientConfig};
 use kvtier_core::{HashSecret, NamespaceBuilder, PrefixHasher};
 use kvtier_server::server::{ConfigLoader, Server};
 use kvtier_worker::scheduler::PREFILL_CHUNK_TOKENS;
 use kvtier_worker::serve::{ServeConfig, WorkerServer};
 use kvtier_worker::{BlockTable, ByteTokenizer, DeviceSpec, Engine, Model, ModelConfig};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 struct Args {
     contexts: Vec<usize>,
@@ -88,36 +88,36 @@ fn tokens(n: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
-/// Sends a streaming completion and returns the time to the first `data:` chunk; reads the
-/// rest of the response.
+/// Sends a streaming completion on a new connection (as this example always measured: the
+/// loopback handshake is in the figure, for warm and cold alike) and returns the time to the
+/// first `data:` chunk; reads the rest of the response.
 async fn ttft(addr: SocketAddr, prompt: &[u32], max_tokens: usize) -> Result<Duration> {
+    let http = HttpClient::new(HttpConfig::default());
     let body = serde_json::json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                                   "stream": true})
     .to_string();
     let t0 = Instant::now();
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.set_nodelay(true)?;
-    let req = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await?;
+    let mut s = http
+        .stream(HttpRequest::post_json(
+            format!("http://{addr}/v1/completions"),
+            body,
+        ))
+        .await?;
     let mut raw = Vec::new();
-    let mut buf = vec![0u8; 16 << 10];
     let mut first = None;
-    loop {
-        let n = s.read(&mut buf).await?;
-        if n == 0 {
-            break;
-        }
-        raw.extend_from_slice(&buf[..n]);
+    while let Some(piece) = s.chunk().await? {
+        raw.extend_from_slice(&piece);
         if first.is_none() && raw.windows(6).any(|w| w == b"data: ") {
             first = Some(t0.elapsed());
         }
     }
     let text = String::from_utf8_lossy(&raw);
-    if !text.starts_with("HTTP/1.1 200") || !text.contains("[DONE]") {
-        bail!("bad response: {}", &text[..text.len().min(400)]);
+    if s.status != 200 || !text.contains("[DONE]") {
+        bail!(
+            "bad response {}: {}",
+            s.status,
+            &text[..text.len().min(400)]
+        );
     }
     first.context("no data chunk")
 }
@@ -129,12 +129,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 async fn wait_stored(w: &WorkerServer, blocks: u64) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
-    while w
-        .metrics()
-        .blocks_stored
-        .load(std::sync::atomic::Ordering::Relaxed)
-        < blocks
-    {
+    while w.metrics().blocks_stored.get() < blocks {
         if Instant::now() > deadline {
             bail!("stores did not reach the sidecar");
         }
@@ -294,11 +289,9 @@ async fn main() -> Result<()> {
     let m = warm.metrics();
     println!(
         "\nwarm worker: {} cached prompt tokens, {} computed, {} stores dropped, fallbacks: corrupt {} unavailable {} timeout {}",
-        m.prompt_tokens_cached
-            .load(std::sync::atomic::Ordering::Relaxed),
-        m.prompt_tokens_computed
-            .load(std::sync::atomic::Ordering::Relaxed),
-        m.stores_dropped.load(std::sync::atomic::Ordering::Relaxed),
+        m.prompt_tokens_cached.get(),
+        m.prompt_tokens_computed.get(),
+        m.stores_dropped.get(),
         m.cache_fallbacks.get("corrupt"),
         m.cache_fallbacks.get("unavailable"),
         m.cache_fallbacks.get("timeout"),

@@ -245,13 +245,12 @@ impl Loop {
                 std::thread::sleep(BLOCKED_POLL);
                 continue;
             }
-            let n = self.running.len() as u64;
-            self.metrics
-                .running
-                .store(n, std::sync::atomic::Ordering::Relaxed);
-            self.metrics
-                .peak_running
-                .fetch_max(n, std::sync::atomic::Ordering::Relaxed);
+            // Only this thread sets the two gauges.
+            let n = self.running.len() as i64;
+            self.metrics.running.set(n);
+            if n > self.metrics.peak_running.get() {
+                self.metrics.peak_running.set(n);
+            }
             // Every sequence advances once: a prefill chunk each, and one token for all the
             // decoding ones together (one batched forward).
             let decoding: Vec<usize> = (0..self.running.len())
@@ -278,10 +277,7 @@ impl Loop {
                     i += 1;
                 }
             }
-            self.metrics.running.store(
-                self.running.len() as u64,
-                std::sync::atomic::Ordering::Relaxed,
-            );
+            self.metrics.running.set(self.running.len() as i64);
         }
     }
 

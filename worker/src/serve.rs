@@ -365,7 +365,7 @@ impl WorkerServer {
                 None,
             ),
             Role::Prefill | Role::Decode => {
-                let (engine, disagg) = start_disagg(&config, model).await?;
+                let (engine, disagg) = start_disagg(&config, model, &metrics).await?;
                 (engine, Some(disagg))
             }
         };
@@ -463,7 +463,11 @@ impl WorkerServer {
 }
 
 /// The transfer agent, the engine in its memory and the role's disaggregation object.
-async fn start_disagg(config: &ServeConfig, model: Model) -> Result<(Arc<Mutex<Engine>>, Disagg)> {
+async fn start_disagg(
+    config: &ServeConfig,
+    model: Model,
+    metrics: &Metrics,
+) -> Result<(Arc<Mutex<Engine>>, Disagg)> {
     let agent = Agent::new(
         &format!("kvtier-worker-{}", config.role.name()),
         AgentConfig {
@@ -492,7 +496,11 @@ async fn start_disagg(config: &ServeConfig, model: Model) -> Result<(Arc<Mutex<E
         decoder: None,
         prefill: None,
         budget: Arc::new(Semaphore::new(config.pool_blocks)),
-        metrics: DisaggMetrics::default(),
+        metrics: DisaggMetrics::new(
+            metrics.registry(),
+            config.role == Role::Decode,
+            config.role == Role::Prefill,
+        ),
         token_bytes,
     };
     match (config.role, &config.prefill_url) {
@@ -563,17 +571,16 @@ async fn models(State(app): State<App>) -> Response {
 }
 
 async fn metrics(State(app): State<App>) -> Response {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], {
-        let mut text = app.metrics.render();
-        if let Some(d) = &app.disagg {
-            d.metrics.render(
-                &mut text,
-                d.decoder.as_ref().map(|x| x.stats()),
-                d.prefill.as_ref().map(|x| x.stats()),
-            );
-        }
-        text
-    })
+    if let Some(d) = &app.disagg {
+        d.metrics.set(
+            d.decoder.as_ref().map(|x| x.stats()),
+            d.prefill.as_ref().map(|x| x.stats()),
+        );
+    }
+    (
+        [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
+        app.metrics.render(),
+    )
         .into_response()
 }
 

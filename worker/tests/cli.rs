@@ -1,9 +1,12 @@
 //! The `kvtier-worker` binary runs end to end as a real process.
 
-use std::process::{Command, Stdio};
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
+use kvtier_client::http::{HttpClient, HttpConfig, HttpRequest, HttpResponse};
 
 /// Runs the binary with `args`, killing it after `limit`.
 fn run(args: &[&str], limit: Duration) -> Result<(bool, String)> {
@@ -74,17 +77,16 @@ fn a_bad_model_dir_fails_with_its_path() -> Result<()> {
     Ok(())
 }
 
-/// `serve` prints exactly `listening http=IP:PORT` when ready, answers HTTP there, and stops
-/// cleanly (exit 0) on SIGTERM.
-#[test]
-fn serve_prints_its_address_and_stops_on_sigterm() -> Result<()> {
-    use std::io::{BufRead, BufReader, Read, Write};
+/// Starts `kvtier-worker serve --listen 127.0.0.1:0 ARGS` and reads the address it prints
+/// (`listening http=IP:PORT`) when ready.
+fn start_serve(args: &[&str]) -> Result<(Child, SocketAddr)> {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier-worker"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--pool-blocks", "64"])
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()?;
-    let result = (|| -> Result<()> {
+    let addr = (|| -> Result<SocketAddr> {
         let stdout = child
             .stdout
             .take()
@@ -100,15 +102,43 @@ fn serve_prints_its_address_and_stops_on_sigterm() -> Result<()> {
             .trim_end()
             .strip_prefix("listening http=")
             .ok_or_else(|| anyhow::anyhow!("first line {line:?}"))?;
-        let addr: std::net::SocketAddr = addr.parse()?;
+        Ok(addr.parse()?)
+    })();
+    match addr {
+        Ok(a) => Ok((child, a)),
+        Err(e) => {
+            stop(&mut child)?;
+            Err(e)
+        }
+    }
+}
+
+fn stop(child: &mut Child) -> Result<()> {
+    if child.try_wait()?.is_none() {
+        child.kill()?;
+        child.wait()?;
+    }
+    Ok(())
+}
+
+/// One exchange over the workspace's HTTP client (bounded by its default deadline).
+fn http(req: HttpRequest) -> Result<HttpResponse> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    Ok(rt.block_on(HttpClient::new(HttpConfig::default()).send(req))?)
+}
+
+/// `serve` prints exactly `listening http=IP:PORT` when ready, answers HTTP there, and stops
+/// cleanly (exit 0) on SIGTERM.
+#[test]
+fn serve_prints_its_address_and_stops_on_sigterm() -> Result<()> {
+    let (mut child, addr) = start_serve(&["--pool-blocks", "64"])?;
+    let result = (|| -> Result<()> {
         assert_ne!(addr.port(), 0);
-        let mut s = std::net::TcpStream::connect(addr)?;
-        s.set_read_timeout(Some(Duration::from_secs(20)))?;
-        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
-        let mut resp = String::new();
-        s.read_to_string(&mut resp)?;
-        assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
-        assert!(resp.contains("\"status\":\"ok\""), "{resp}");
+        let resp = http(HttpRequest::get(format!("http://{addr}/health")))?;
+        assert_eq!(resp.status, 200, "{}", resp.text());
+        assert!(resp.text().contains("\"status\":\"ok\""), "{}", resp.text());
         let killed = Command::new("kill")
             .args(["-TERM", &child.id().to_string()])
             .status()?;
@@ -125,10 +155,91 @@ fn serve_prints_its_address_and_stops_on_sigterm() -> Result<()> {
             std::thread::sleep(Duration::from_millis(20));
         }
     })();
-    if child.try_wait()?.is_none() {
-        child.kill()?;
-        child.wait()?;
+    stop(&mut child)?;
+    result
+}
+
+/// Fails, saying why, unless `promtool check metrics` (Debian's `prometheus` package, which
+/// `.ci/install-deps` installs) accepts `text` without a complaint.
+fn promtool_check(text: &str) -> Result<()> {
+    let mut child = match Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+    {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!(
+            "promtool is not installed: install Debian's `prometheus` package (.ci/install-deps does)"
+        ),
+        r => r?,
+    };
+    child
+        .stdin
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("no stdin"))?
+        .write_all(text.as_bytes())?;
+    let out = child.wait_with_output()?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if !out.status.success() || !said.trim().is_empty() {
+        bail!(
+            "promtool check metrics: {}: {said}\non:\n{text}",
+            out.status
+        );
     }
+    Ok(())
+}
+
+/// The /metrics of a prefill and a decode worker (real binaries), after a remotely prefilled
+/// request, pass `promtool check metrics`: every family of the worker, both roles' included.
+/// Fails when promtool is missing.
+#[test]
+fn metrics_pass_promtool_check() -> Result<()> {
+    let (mut prefill, paddr) = start_serve(&["--role", "prefill", "--pool-blocks", "64"])?;
+    let result = (|| -> Result<()> {
+        let url = format!("http://{paddr}");
+        let (mut decode, daddr) = start_serve(&[
+            "--role",
+            "decode",
+            "--prefill-url",
+            &url,
+            "--pool-blocks",
+            "64",
+        ])?;
+        let r = (|| -> Result<()> {
+            let prompt: Vec<u32> = (0..80).map(|i| i % 200).collect();
+            let body = serde_json::json!({"prompt": prompt, "max_tokens": 3, "temperature": 0});
+            let resp = http(HttpRequest::post_json(
+                format!("http://{daddr}/v1/completions"),
+                body.to_string(),
+            ))?;
+            assert_eq!(resp.status, 200, "{}", resp.text());
+            for (role, addr) in [("prefill", paddr), ("decode", daddr)] {
+                let m = http(HttpRequest::get(format!("http://{addr}/metrics")))?;
+                assert_eq!(m.status, 200);
+                assert_eq!(
+                    m.content_type.as_deref(),
+                    Some("text/plain; version=0.0.4; charset=utf-8")
+                );
+                let text = m.text();
+                let family = if role == "decode" {
+                    "kvtier_worker_disagg_prefills_total{path=\"remote\"} 1"
+                } else {
+                    "kvtier_worker_disagg_prefill_served_total 1"
+                };
+                assert!(text.contains(family), "{role}: no {family} in\n{text}");
+                promtool_check(&text).map_err(|e| anyhow::anyhow!("{role} worker: {e}"))?;
+            }
+            Ok(())
+        })();
+        stop(&mut decode)?;
+        r
+    })();
+    stop(&mut prefill)?;
     result
 }
 

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
+use kvtier_client::http::{HttpClient, HttpConfig, HttpRequest};
 use kvtier_transfer::{Agent, AgentConfig, BackendKind};
 use kvtier_worker::disagg::{
     DecodeConfig, DisaggDecoder, PREFILL_PATH, PrefillConfig, PrefillPath, PrefillRequest,
@@ -14,8 +15,7 @@ use kvtier_worker::disagg::{
 };
 use kvtier_worker::rng::SplitMix64;
 use kvtier_worker::{BlockTable, Engine, Model, ModelConfig, Sampling, WorkerError};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 const SEED: u64 = 7;
@@ -462,26 +462,15 @@ async fn short_prompts_and_bad_setups() -> Result<()> {
     .await
 }
 
-/// One raw HTTP exchange: status and body.
+/// One control-channel exchange: status and body.
 async fn post_raw(url: &str, body: &[u8]) -> Result<(u16, String)> {
-    let addr = url.trim_start_matches("http://");
-    let mut s = TcpStream::connect(addr).await?;
-    let head = format!(
-        "POST {PREFILL_PATH} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).await?;
-    s.write_all(body).await?;
-    let mut out = Vec::new();
-    s.read_to_end(&mut out).await?;
-    let text = String::from_utf8(out)?;
-    let status = text.get(9..12).context("status")?.parse()?;
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|x| x.1)
-        .unwrap_or_default()
-        .to_owned();
-    Ok((status, body))
+    let r = HttpClient::new(HttpConfig::default())
+        .send(HttpRequest::post_json(
+            format!("{url}{PREFILL_PATH}"),
+            body.to_vec(),
+        ))
+        .await?;
+    Ok((r.status, r.text()))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

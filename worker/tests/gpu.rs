@@ -355,7 +355,7 @@ async fn serve_twice() -> Result<()> {
             if turn == 0 {
                 let m = w.metrics().clone();
                 wait_for(Duration::from_secs(60), || {
-                    m.blocks_stored.load(std::sync::atomic::Ordering::Relaxed) >= all_blocks as u64
+                    m.blocks_stored.get() >= all_blocks as u64
                 })
                 .await?;
             }

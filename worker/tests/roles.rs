@@ -250,10 +250,7 @@ async fn a_decode_worker_with_a_sidecar_stores_remote_prefills_and_reuses_them()
         assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);
         assert_eq!(metric(decode.addr(), REMOTE).await?, 1.0);
         let m = decode.metrics().clone();
-        wait_for(Duration::from_secs(20), || {
-            m.blocks_stored.load(std::sync::atomic::Ordering::Relaxed) >= 2
-        })
-        .await?;
+        wait_for(Duration::from_secs(20), || m.blocks_stored.get() >= 2).await?;
         // Warm: the cached prefix is loaded here and only the rest computed locally.
         let (warm, usage) = complete(decode.addr(), &prompt, true).await?;
         assert_eq!(warm, want);

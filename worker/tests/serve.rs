@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
@@ -56,7 +55,7 @@ fn cached(usage: &Value) -> u64 {
 /// Waits until the worker's queued stores reached the sidecar.
 async fn stores_done(w: &WorkerServer, blocks: u64) -> Result<()> {
     let m = w.metrics().clone();
-    wait_for(LIMIT, || m.blocks_stored.load(Ordering::Relaxed) >= blocks).await
+    wait_for(LIMIT, || m.blocks_stored.get() >= blocks).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -484,9 +483,9 @@ async fn concurrent_requests_interleave_and_each_equals_its_solo_run() -> Result
             "{p}"
         );
     }
-    let peak = w.metrics().peak_running.load(Ordering::Relaxed);
+    let peak = w.metrics().peak_running.get();
     assert!(peak >= 2, "requests ran one after another (peak {peak})");
-    let batched = w.metrics().batched_decode_tokens.load(Ordering::Relaxed);
+    let batched = w.metrics().batched_decode_tokens.get();
     assert!(
         batched >= 2,
         "no decode step ran several sequences in one forward"
@@ -525,7 +524,7 @@ async fn the_next_turn_loads_the_previous_answer_from_kvtier() -> Result<()> {
     stores_done(&w, all_blocks as u64).await?;
     let m = w.metrics().clone();
     assert_eq!(
-        m.generated_blocks_queued.load(Ordering::Relaxed),
+        m.generated_blocks_queued.get(),
         (all_blocks - prompt_blocks) as u64
     );
 

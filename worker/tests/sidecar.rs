@@ -5,7 +5,6 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
@@ -68,7 +67,7 @@ async fn check_round_trip(
     });
     ensure!(queued);
     wait_for(Duration::from_secs(10), || {
-        metrics.blocks_stored.load(Ordering::Relaxed) >= full as u64
+        metrics.blocks_stored.get() >= full as u64
     })
     .await?;
 

@@ -14,7 +14,7 @@ use indicatif::ProgressBar;
 use serde::Serialize;
 use tokio::task::JoinSet;
 
-use super::http::{self, Endpoint, Timeouts};
+use super::http::{CompletionClient, Endpoint, Timeouts};
 use super::workload::{Base, Chain, Step, Workload};
 
 /// Tokens per block when counting the ideal prefix reuse (the reference worker's block size).
@@ -96,7 +96,7 @@ pub struct RunData {
 }
 
 struct Shared {
-    ep: Endpoint,
+    client: CompletionClient,
     o: DriveOptions,
     long_idle_s: f64,
     harness: Vec<u8>,
@@ -120,7 +120,8 @@ pub async fn drive(w: &Workload, ep: &Endpoint, o: &DriveOptions) -> anyhow::Res
     if !(o.time_scale.is_finite() && o.time_scale >= 0.0) {
         anyhow::bail!("--time-scale must be a number >= 0, not {}", o.time_scale);
     }
-    http::probe(ep, o.timeouts).await.map_err(|e| {
+    let client = CompletionClient::new(ep, o.api_key.as_deref(), o.timeouts);
+    client.probe().await.map_err(|e| {
         anyhow::anyhow!(
             "endpoint {} is unreachable: {e} (is the server running and listening there?)",
             ep.url()
@@ -136,7 +137,7 @@ pub async fn drive(w: &Workload, ep: &Endpoint, o: &DriveOptions) -> anyhow::Res
         .progress
         .then(|| crate::report::bar(w.turns() as u64, &format!("turns {}", ep.url())));
     let sh = Arc::new(Shared {
-        ep: ep.clone(),
+        client,
         o: o.clone(),
         long_idle_s: w.long_idle_s,
         harness: w.harness(harness_len),
@@ -334,7 +335,7 @@ async fn request(
     let start_s = sh.start.elapsed().as_secs_f64();
     let now = sh.inflight.fetch_add(1, Ordering::SeqCst) + 1;
     sh.peak_inflight.fetch_max(now, Ordering::SeqCst);
-    let r = http::complete(&sh.ep, &body, sh.o.api_key.as_deref(), sh.o.timeouts).await;
+    let r = sh.client.complete(&body).await;
     sh.inflight.fetch_sub(1, Ordering::SeqCst);
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let outcome = r.map(|c| Measured {

@@ -1,17 +1,16 @@
-//! A small streaming client for OpenAI-compatible `/v1/completions` over plain HTTP/1.1.
-//!
-//! One connection per request (`Connection: close`), no TLS (put a local proxy in front of an
-//! HTTPS endpoint), no new dependency: it writes the request, parses the status line and
-//! headers, decodes a chunked, sized or read-to-close body and splits it into server-sent
-//! events. Every request has a connect timeout and a total deadline. A connection on loopback
-//! costs tens of microseconds, which lands in TTFT; remote endpoints pay one TCP handshake per
-//! request, as a client without keep-alive would.
+//! The streaming client for OpenAI-compatible `/v1/completions`, over the workspace's HTTP
+//! client ([`kvtier_client::http`]: hyper, one connection per request, no TLS: put a local
+//! proxy in front of an HTTPS endpoint). This module adds what an OpenAI stream needs: the
+//! endpoint URL's forms, server-sent events split as the body arrives, and their timing (TTFT
+//! from the first event carrying text, the gaps between text events). Every request has a
+//! connect timeout and a total deadline.
 
 use std::time::{Duration, Instant};
 
+use kvtier_client::ClientError;
+use kvtier_client::http::header::{ACCEPT, AUTHORIZATION};
+use kvtier_client::http::{HttpClient, HttpConfig, HttpRequest};
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
 /// Where requests go: `http://host:port[/prefix]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -28,7 +27,7 @@ impl Endpoint {
             r
         } else if url.starts_with("https://") {
             return Err(format!(
-                "{url}: https is not supported (plain HTTP/1.1 only; put a local proxy in front)"
+                "{url}: https is not supported (plain HTTP only; put a local proxy in front)"
             ));
         } else {
             return Err(format!("{url}: expected http://HOST:PORT[/PATH]"));
@@ -55,7 +54,11 @@ impl Endpoint {
     }
 
     pub fn url(&self) -> String {
-        format!("http://{}:{}{}", self.host, self.port, self.prefix)
+        if self.host.contains(':') {
+            format!("http://[{}]:{}{}", self.host, self.port, self.prefix)
+        } else {
+            format!("http://{}:{}{}", self.host, self.port, self.prefix)
+        }
     }
 }
 
@@ -81,271 +84,93 @@ pub struct Completion {
     pub cached_tokens: Option<u64>,
 }
 
-const MAX_HEAD_BYTES: usize = 64 << 10;
 const MAX_ERROR_BODY: usize = 2048;
+/// Bound on one streamed completion's body (a long answer is a few hundred KiB of events).
+const MAX_STREAM_BYTES: usize = 256 << 20;
 
-/// Checks that a TCP connection opens within the connect timeout.
-pub async fn probe(ep: &Endpoint, t: Timeouts) -> Result<(), String> {
-    connect(ep, t.connect).await.map(|_| ())
+/// The OpenAI client of one run: an [`HttpClient`] that opens one connection per request, so
+/// every request is measured alike (the connect, tens of microseconds on loopback, is in its
+/// TTFT; no request waits behind a server's Nagle delay on a reused connection), the endpoint
+/// and its key.
+#[derive(Clone, Debug)]
+pub struct CompletionClient {
+    http: HttpClient,
+    url: String,
+    api_key: Option<String>,
 }
 
-async fn connect(ep: &Endpoint, timeout: Duration) -> Result<TcpStream, String> {
-    let s = tokio::time::timeout(timeout, TcpStream::connect((ep.host.as_str(), ep.port)))
-        .await
-        .map_err(|_| {
-            format!(
-                "connect to {}:{} timed out after {timeout:?}",
-                ep.host, ep.port
-            )
-        })?
-        .map_err(|e| format!("cannot connect to {}:{}: {e}", ep.host, ep.port))?;
-    let _ = s.set_nodelay(true);
-    Ok(s)
-}
-
-/// POSTs `body` to `/v1/completions` and reads the event stream to `[DONE]`.
-pub async fn complete(
-    ep: &Endpoint,
-    body: &[u8],
-    api_key: Option<&str>,
-    t: Timeouts,
-) -> Result<Completion, String> {
-    let start = Instant::now();
-    let deadline = tokio::time::Instant::now() + t.total;
-    let fut = async {
-        let mut s = connect(ep, t.connect.min(t.total)).await?;
-        let mut req = format!(
-            "POST {}/v1/completions HTTP/1.1\r\nHost: {}:{}\r\nContent-Type: application/json\r\n\
-             Accept: text/event-stream\r\nContent-Length: {}\r\nConnection: close\r\n",
-            ep.prefix,
-            ep.host,
-            ep.port,
-            body.len()
-        );
-        if let Some(k) = api_key {
-            req.push_str(&format!("Authorization: Bearer {k}\r\n"));
-        }
-        req.push_str("\r\n");
-        s.write_all(req.as_bytes())
-            .await
-            .map_err(|e| format!("sending the request: {e}"))?;
-        s.write_all(body)
-            .await
-            .map_err(|e| format!("sending the request: {e}"))?;
-        read_response(&mut s, start).await
-    };
-    match tokio::time::timeout_at(deadline, fut).await {
-        Ok(r) => r,
-        Err(_) => Err(format!("no complete response within {:?}", t.total)),
-    }
-}
-
-/// Reads bytes from a connection, buffered.
-struct Reader<'a> {
-    s: &'a mut TcpStream,
-    buf: Vec<u8>,
-    eof: bool,
-}
-
-impl Reader<'_> {
-    async fn fill(&mut self) -> Result<bool, String> {
-        if self.eof {
-            return Ok(false);
-        }
-        let mut tmp = [0u8; 16 << 10];
-        let n = self
-            .s
-            .read(&mut tmp)
-            .await
-            .map_err(|e| format!("reading the response: {e}"))?;
-        if n == 0 {
-            self.eof = true;
-            return Ok(false);
-        }
-        self.buf.extend_from_slice(&tmp[..n]);
-        Ok(true)
-    }
-
-    /// A line ending in CRLF (or LF), without it.
-    async fn line(&mut self, what: &str) -> Result<Vec<u8>, String> {
-        loop {
-            if let Some(i) = self.buf.iter().position(|b| *b == b'\n') {
-                let mut l: Vec<u8> = self.buf.drain(..=i).collect();
-                l.pop();
-                if l.last() == Some(&b'\r') {
-                    l.pop();
-                }
-                return Ok(l);
-            }
-            if self.buf.len() > MAX_HEAD_BYTES {
-                return Err(format!("{what} longer than {MAX_HEAD_BYTES} bytes"));
-            }
-            if !self.fill().await? {
-                return Err(format!("connection closed in the middle of {what}"));
-            }
-        }
-    }
-
-    async fn exact(&mut self, n: usize, what: &str) -> Result<Vec<u8>, String> {
-        while self.buf.len() < n {
-            if !self.fill().await? {
-                return Err(format!("connection closed in the middle of {what}"));
-            }
-        }
-        Ok(self.buf.drain(..n).collect())
-    }
-}
-
-enum Framing {
-    Chunked,
-    Length(usize),
-    Close,
-}
-
-/// The body, piece by piece as it arrives.
-struct Body<'a> {
-    r: Reader<'a>,
-    framing: Framing,
-    done: bool,
-}
-
-impl Body<'_> {
-    async fn next(&mut self) -> Result<Option<Vec<u8>>, String> {
-        if self.done {
-            return Ok(None);
-        }
-        match &mut self.framing {
-            Framing::Chunked => {
-                let l = self.r.line("a chunk size").await?;
-                let txt = String::from_utf8_lossy(&l);
-                let size_txt = txt.split(';').next().unwrap_or("").trim();
-                let size = usize::from_str_radix(size_txt, 16)
-                    .map_err(|_| format!("bad chunk size line {txt:?}"))?;
-                if size == 0 {
-                    self.done = true;
-                    return Ok(None);
-                }
-                let data = self.r.exact(size, "a chunk").await?;
-                let crlf = self.r.line("a chunk's end").await?;
-                if !crlf.is_empty() {
-                    return Err("chunk not followed by CRLF".into());
-                }
-                Ok(Some(data))
-            }
-            Framing::Length(left) => {
-                if *left == 0 {
-                    self.done = true;
-                    return Ok(None);
-                }
-                if self.r.buf.is_empty() && !self.r.fill().await? {
-                    return Err(format!(
-                        "connection closed with {left} bytes of the body missing"
-                    ));
-                }
-                let n = self.r.buf.len().min(*left);
-                *left -= n;
-                Ok(Some(self.r.buf.drain(..n).collect()))
-            }
-            Framing::Close => {
-                if self.r.buf.is_empty() && !self.r.fill().await? {
-                    self.done = true;
-                    return Ok(None);
-                }
-                Ok(Some(std::mem::take(&mut self.r.buf)))
-            }
-        }
-    }
-}
-
-async fn read_response(s: &mut TcpStream, start: Instant) -> Result<Completion, String> {
-    let mut r = Reader {
-        s,
-        buf: Vec::new(),
-        eof: false,
-    };
-    let status_line = r.line("the status line").await?;
-    let status_txt = String::from_utf8_lossy(&status_line).into_owned();
-    let mut parts = status_txt.splitn(3, ' ');
-    let (proto, code) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    if !proto.starts_with("HTTP/1.") {
-        return Err(format!("not an HTTP/1.x response: {status_txt:?}"));
-    }
-    let code: u16 = code
-        .parse()
-        .map_err(|_| format!("bad status line {status_txt:?}"))?;
-    let mut framing = Framing::Close;
-    let mut head_bytes = 0usize;
-    loop {
-        let l = r.line("the headers").await?;
-        head_bytes += l.len();
-        if head_bytes > MAX_HEAD_BYTES {
-            return Err(format!("headers longer than {MAX_HEAD_BYTES} bytes"));
-        }
-        if l.is_empty() {
-            break;
-        }
-        let h = String::from_utf8_lossy(&l);
-        let Some((name, value)) = h.split_once(':') else {
-            return Err(format!("bad header line {h:?}"));
-        };
-        let (name, value) = (name.trim().to_ascii_lowercase(), value.trim());
-        if name == "transfer-encoding" && value.to_ascii_lowercase().contains("chunked") {
-            framing = Framing::Chunked;
-        } else if name == "content-length" && !matches!(framing, Framing::Chunked) {
-            framing = Framing::Length(
-                value
-                    .parse()
-                    .map_err(|_| format!("bad Content-Length {value:?}"))?,
-            );
-        }
-    }
-    let mut body = Body {
-        r,
-        framing,
-        done: false,
-    };
-    if !(200..300).contains(&code) {
-        let mut text = Vec::new();
-        while text.len() < MAX_ERROR_BODY {
-            match body.next().await {
-                Ok(Some(p)) => text.extend_from_slice(&p),
-                _ => break,
-            }
-        }
-        text.truncate(MAX_ERROR_BODY);
-        let text = String::from_utf8_lossy(&text);
-        let text = text.trim();
-        return Err(if text.is_empty() {
-            format!("HTTP {code} (empty body)")
-        } else {
-            format!("HTTP {code}: {text}")
+impl CompletionClient {
+    /// Needs a Tokio runtime when used.
+    pub fn new(ep: &Endpoint, api_key: Option<&str>, t: Timeouts) -> Self {
+        let http = HttpClient::new(HttpConfig {
+            connect_timeout: t.connect.min(t.total),
+            timeout: t.total,
+            max_body_bytes: MAX_STREAM_BYTES,
+            keep_alive: false,
         });
-    }
-    let mut sse = Sse::new(start);
-    while let Some(piece) = body.next().await? {
-        if sse.feed(&piece)? {
-            break;
+        Self {
+            http,
+            url: format!("{}/v1/completions", ep.url()),
+            api_key: api_key.map(str::to_owned),
         }
     }
-    if !sse.done {
-        // A final event may lack its trailing newline.
-        if !sse.pending.is_empty() {
-            let rest = std::mem::take(&mut sse.pending);
-            sse.line(&rest)?;
+
+    /// Checks that a TCP connection opens within the connect timeout.
+    pub async fn probe(&self) -> Result<(), String> {
+        self.http.probe(&self.url).await.map_err(|e| e.to_string())
+    }
+
+    /// POSTs `body` to `/v1/completions` and reads the event stream to `[DONE]`. TTFT runs from
+    /// the call (the connect included) to the first event carrying text.
+    pub async fn complete(&self, body: &[u8]) -> Result<Completion, String> {
+        let start = Instant::now();
+        let total = self.http.config().timeout;
+        let timed_out = |e: ClientError| match e {
+            ClientError::Timeout => format!("no complete response within {total:?}"),
+            e => e.to_string(),
+        };
+        let mut req =
+            HttpRequest::post_json(&self.url, body.to_vec()).header(ACCEPT, "text/event-stream");
+        if let Some(k) = &self.api_key {
+            req = req.header(AUTHORIZATION, format!("Bearer {k}"));
+        }
+        let mut s = self.http.stream(req).await.map_err(timed_out)?;
+        if !(200..300).contains(&s.status) {
+            let text = s.prefix(MAX_ERROR_BODY).await.unwrap_or_default();
+            let text = String::from_utf8_lossy(&text);
+            let text = text.trim();
+            return Err(if text.is_empty() {
+                format!("HTTP {} (empty body)", s.status)
+            } else {
+                format!("HTTP {}: {text}", s.status)
+            });
+        }
+        let mut sse = Sse::new(start);
+        while let Some(piece) = s.chunk().await.map_err(timed_out)? {
+            if sse.feed(&piece)? {
+                break;
+            }
         }
         if !sse.done {
-            return Err(format!(
-                "the event stream ended without data: [DONE] (after {} text chunks)",
-                sse.c.chunks
-            ));
+            // A final event may lack its trailing newline.
+            if !sse.pending.is_empty() {
+                let rest = std::mem::take(&mut sse.pending);
+                sse.line(&rest)?;
+            }
+            if !sse.done {
+                return Err(format!(
+                    "the event stream ended without data: [DONE] (after {} text chunks)",
+                    sse.c.chunks
+                ));
+            }
         }
+        let mut c = sse.c;
+        if c.chunks == 0 {
+            return Err("the response carried no text".into());
+        }
+        c.e2e = start.elapsed();
+        Ok(c)
     }
-    let mut c = sse.c;
-    if c.chunks == 0 {
-        return Err("the response carried no text".into());
-    }
-    c.e2e = start.elapsed();
-    Ok(c)
 }
 
 /// A server-sent-event splitter that records chunk times.
@@ -461,6 +286,10 @@ mod tests {
         check("http://127.0.0.1:8000/v1", Ok(("127.0.0.1", 8000, "")));
         check("http://h:1/api/v1/", Ok(("h", 1, "/api")));
         check("http://[::1]:9", Ok(("::1", 9, "")));
+        assert_eq!(
+            Endpoint::parse("http://[::1]:9/a").unwrap().url(),
+            "http://[::1]:9/a"
+        );
         check("http://host", Ok(("host", 80, "")));
         check("https://x:1", Err("https is not supported"));
         check("x:1", Err("expected http://"));

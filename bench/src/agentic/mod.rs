@@ -5,7 +5,7 @@
 //!
 //! * [`workload`]: the session model and the seeded generator;
 //! * [`trace`]: Claude Code traces mapped onto that model;
-//! * [`http`]: the streaming `/v1/completions` client (plain HTTP/1.1, timeouts);
+//! * [`http`]: the streaming `/v1/completions` client (over `kvtier_client::http`, timeouts);
 //! * [`driver`]: the closed loop and what each request measured;
 //! * [`spawn`]: configurations the benchmark starts itself (`--spawn NAME=KIND`);
 //! * [`mock`]: a mock endpoint for tests and `mock://` smoke targets.

@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use super::driver::{self, DriveOptions, PromptFormat, TurnKind};
-use super::http::{self, Endpoint, Timeouts};
+use super::http::{CompletionClient, Endpoint, Timeouts};
 use super::mock::{Fail, MockConfig, MockServer};
 use super::workload::{self, GenParams, Step};
 use super::*;
@@ -98,7 +98,8 @@ fn ttft_itl_and_e2e_follow_the_stream() {
         .await
         .unwrap();
         let body = driver::body("m", b"hello world", 5, PromptFormat::Tokens);
-        let c = http::complete(&ep(&m), &body, None, opts(1).timeouts)
+        let c = CompletionClient::new(&ep(&m), None, opts(1).timeouts)
+            .complete(&body)
             .await
             .unwrap();
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -120,10 +121,12 @@ fn ttft_itl_and_e2e_follow_the_stream() {
         // prompt shows the cache.
         let long: Vec<u8> = (0..40u8).map(|i| b'a' + i % 26).collect();
         let body = driver::body("m", &long, 2, PromptFormat::Text);
-        http::complete(&ep(&m), &body, None, opts(1).timeouts)
+        CompletionClient::new(&ep(&m), None, opts(1).timeouts)
+            .complete(&body)
             .await
             .unwrap();
-        let c = http::complete(&ep(&m), &body, None, opts(1).timeouts)
+        let c = CompletionClient::new(&ep(&m), None, opts(1).timeouts)
+            .complete(&body)
             .await
             .unwrap();
         assert_eq!(c.cached_tokens, Some(32));
@@ -372,15 +375,15 @@ fn an_unreachable_endpoint_fails_fast_and_clearly() {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let ep = Endpoint::parse(&format!("http://{}", l.local_addr().unwrap())).unwrap();
         let t = Instant::now();
-        let e = http::complete(
+        let e = CompletionClient::new(
             &ep,
-            b"{}",
             None,
             Timeouts {
                 connect: Duration::from_millis(500),
                 total: Duration::from_millis(300),
             },
         )
+        .complete(b"{}")
         .await
         .unwrap_err();
         assert!(e.contains("no complete response within"), "{e}");

@@ -40,13 +40,7 @@ async fn ready(State(s): State<Arc<Shared>>) -> impl IntoResponse {
 async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     let store = s.store.stats();
     let text = s.metrics.render(&store, s.ready.load(Ordering::Acquire));
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        text,
-    )
+    ([(header::CONTENT_TYPE, super::metrics::CONTENT_TYPE)], text)
 }
 
 async fn stats(State(s): State<Arc<Shared>>) -> impl IntoResponse {

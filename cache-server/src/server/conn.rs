@@ -9,7 +9,6 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -103,18 +102,12 @@ impl ConnState {
         let before = self.reservations.len();
         self.reservations.retain(|_, r| r.deadline > now);
         let gone = before - self.reservations.len();
-        self.shared
-            .metrics
-            .reservations_open
-            .fetch_sub(gone as u64, Ordering::Relaxed);
+        self.shared.metrics.reservations_open.sub(gone as i64);
         // The store releases expired leases on its own; forget ours.
         let before = self.leases.len();
         self.leases.retain(|_, d| *d > now);
         let gone = before - self.leases.len();
-        self.shared
-            .metrics
-            .leases_open
-            .fetch_sub(gone as u64, Ordering::Relaxed);
+        self.shared.metrics.leases_open.sub(gone as i64);
     }
 }
 
@@ -124,10 +117,8 @@ impl Drop for ConnState {
             self.shared.store.release(*id);
         }
         let m = &self.shared.metrics;
-        m.leases_open
-            .fetch_sub(self.leases.len() as u64, Ordering::Relaxed);
-        m.reservations_open
-            .fetch_sub(self.reservations.len() as u64, Ordering::Relaxed);
+        m.leases_open.sub(self.leases.len() as i64);
+        m.reservations_open.sub(self.reservations.len() as i64);
         // Reservations free their slots as they drop.
     }
 }
@@ -550,7 +541,7 @@ impl Conn {
                 }
             }
         }
-        s.metrics.bytes_received.fetch_add(want, Ordering::Relaxed);
+        s.metrics.bytes_received.inc_by(want);
         let r = Response::Put(PutReply { statuses });
         self.send(Out::new(h.request_id, h.opcode, &r, 0)).await;
         true
@@ -640,10 +631,7 @@ impl Conn {
                                 true
                             }
                             Err(RecvError::Lagged(n)) => {
-                                Metrics::inc(&s.metrics.events_dropped);
-                                s.metrics
-                                    .events_dropped
-                                    .fetch_add(n.saturating_sub(1), Ordering::Relaxed);
+                                s.metrics.events_dropped.inc_by(n);
                                 *gap = Some((last + 1, last + 1 + n));
                                 last += n;
                                 true
@@ -798,7 +786,7 @@ impl Job {
                     miss: miss_code(pinned.miss()),
                 };
                 let len = pinned.blocks().len() as u64 * s.block_bytes as u64;
-                s.metrics.bytes_sent.fetch_add(len, Ordering::Relaxed);
+                s.metrics.bytes_sent.inc_by(len);
                 let mut o = Out::new(self.id, self.op, &r, len);
                 o.pinned = Some(pinned);
                 o._budget = Some(budget);
@@ -816,7 +804,7 @@ impl Job {
                 if !l.blocks.is_empty() {
                     let mut st = lock(&self.state);
                     st.leases.insert(l.id, l.deadline);
-                    Metrics::inc(&s.metrics.leases_open);
+                    s.metrics.leases_open.inc();
                 }
                 self.reply(Response::Pin(PinReply {
                     lease_id: if l.blocks.is_empty() { 0 } else { l.id },
@@ -837,7 +825,7 @@ impl Job {
                 if !mine {
                     return self.error(ErrorCode::NotFound, format!("no lease {lease_id} here"));
                 }
-                s.metrics.leases_open.fetch_sub(1, Ordering::Relaxed);
+                s.metrics.leases_open.dec();
                 store.release(lease_id);
                 if self.no_reply {
                     None
@@ -874,7 +862,7 @@ impl Job {
                             deadline: Instant::now() + lease,
                         },
                     );
-                    Metrics::inc(&s.metrics.reservations_open);
+                    s.metrics.reservations_open.inc();
                     id
                 } else {
                     0
@@ -892,7 +880,7 @@ impl Job {
                         format!("no reservation {reservation_id} here (expired or committed)"),
                     );
                 };
-                s.metrics.reservations_open.fetch_sub(1, Ordering::Relaxed);
+                s.metrics.reservations_open.dec();
                 let mut statuses = rec.statuses;
                 for (i, r) in rec.slots.into_iter().enumerate() {
                     if let Some(r) = r {
@@ -905,7 +893,7 @@ impl Job {
                     .count() as u64;
                 s.metrics
                     .bytes_received
-                    .fetch_add(stored * s.block_bytes as u64, Ordering::Relaxed);
+                    .inc_by(stored * s.block_bytes as u64);
                 self.reply(Response::Commit(PutReply { statuses }))
             }
             Request::Abort { reservation_id } => {
@@ -916,7 +904,7 @@ impl Job {
                         format!("no reservation {reservation_id} here"),
                     );
                 }
-                s.metrics.reservations_open.fetch_sub(1, Ordering::Relaxed);
+                s.metrics.reservations_open.dec();
                 drop(gone);
                 if self.no_reply {
                     None

@@ -1,13 +1,18 @@
-//! Server metrics: lock-free counters and fixed-bucket latency histograms, rendered in the
-//! Prometheus text format together with the store's per-tier statistics.
+//! Server metrics in one Prometheus registry (the `prometheus` crate): counters, gauges and
+//! fixed-bucket latency histograms updated on the request path without a lock, and the store's
+//! per-tier statistics copied in from a [`StoreStats`] snapshot at each scrape. Rendered in the
+//! Prometheus text format (version 0.0.4, [`CONTENT_TYPE`]).
 
-use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use kvtier_core::protocol::Opcode;
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
 
-use crate::{StoreStats, TierKind};
+use crate::{StoreStats, TierStats};
 
 /// Upper bounds of the latency buckets, in microseconds.
 pub const LATENCY_BUCKETS_US: [u64; 16] = [
@@ -15,22 +20,8 @@ pub const LATENCY_BUCKETS_US: [u64; 16] = [
     1_000_000, 10_000_000,
 ];
 
-#[derive(Default)]
-pub struct Histogram {
-    buckets: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
-    sum_us: AtomicU64,
-    count: AtomicU64,
-}
-
-impl Histogram {
-    pub fn observe(&self, d: Duration) {
-        let us = d.as_micros().min(u128::from(u64::MAX)) as u64;
-        let i = LATENCY_BUCKETS_US.partition_point(|b| *b < us);
-        self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        self.sum_us.fetch_add(us, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
-    }
-}
+/// The content type of [`Metrics::render`]'s text.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// The transports a connection can arrive on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,304 +45,331 @@ impl Transport {
     }
 }
 
-#[derive(Default)]
+/// Every metric of one server. The request path holds the label children directly (no
+/// lookup by label, no lock).
 pub struct Metrics {
-    pub connections_open: [AtomicU64; 3],
-    pub connections_total: [AtomicU64; 3],
-    pub connections_refused: AtomicU64,
-    pub auth_failures: AtomicU64,
-    pub requests: [AtomicU64; Opcode::ALL.len()],
-    pub latency: [Histogram; Opcode::ALL.len()],
-    pub errors: AtomicU64,
-    pub busy: AtomicU64,
-    pub bad_frames: AtomicU64,
-    pub timeouts: AtomicU64,
-    pub bytes_sent: AtomicU64,
-    pub bytes_received: AtomicU64,
-    pub leases_open: AtomicU64,
-    pub reservations_open: AtomicU64,
-    pub events_dropped: AtomicU64,
+    registry: Registry,
+    connections_open: [IntGauge; 3],
+    connections_total: [IntCounter; 3],
+    pub connections_refused: IntCounter,
+    pub auth_failures: IntCounter,
+    requests: Vec<IntCounter>,
+    latency: Vec<Histogram>,
+    pub errors: IntCounter,
+    pub busy: IntCounter,
+    pub bad_frames: IntCounter,
+    pub timeouts: IntCounter,
+    pub bytes_sent: IntCounter,
+    pub bytes_received: IntCounter,
+    pub leases_open: IntGauge,
+    pub reservations_open: IntGauge,
+    pub events_dropped: IntCounter,
+    ready: IntGauge,
+    /// The store's families, set from a snapshot under this lock at each scrape (so two
+    /// scrapes never interleave their reset-and-set).
+    store: Mutex<StoreMetrics>,
 }
 
 fn op_idx(op: Opcode) -> usize {
     op as usize - 1
 }
 
+/// Registers `m` in `r`. Only fails for a name or label that is invalid or registered twice,
+/// which the fixed names below never are (a unit test renders them all).
+fn reg<M: prometheus::core::Collector + Clone + 'static>(r: &Registry, m: M) -> M {
+    r.register(Box::new(m.clone()))
+        .expect("metric names are fixed, valid and unique");
+    m
+}
+
+fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
+    reg(
+        r,
+        IntCounter::new(name, help).expect("valid metric name and help"),
+    )
+}
+
+fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
+    reg(
+        r,
+        IntGauge::new(name, help).expect("valid metric name and help"),
+    )
+}
+
+fn counter_vec(r: &Registry, name: &str, help: &str, label: &str) -> IntCounterVec {
+    reg(
+        r,
+        IntCounterVec::new(Opts::new(name, help), &[label]).expect("valid metric name and label"),
+    )
+}
+
+fn gauge_vec(r: &Registry, name: &str, help: &str, label: &str) -> IntGaugeVec {
+    reg(
+        r,
+        IntGaugeVec::new(Opts::new(name, help), &[label]).expect("valid metric name and label"),
+    )
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Metrics {
+    pub fn new() -> Self {
+        let r = Registry::new();
+        let ready = gauge(&r, "kvtier_ready", "1 when the server accepts requests.");
+        let open = gauge_vec(
+            &r,
+            "kvtier_connections",
+            "Open client connections.",
+            "transport",
+        );
+        let total = counter_vec(
+            &r,
+            "kvtier_connections_total",
+            "Connections accepted.",
+            "transport",
+        );
+        let connections_open = Transport::ALL.map(|t| open.with_label_values(&[t.name()]));
+        let connections_total = Transport::ALL.map(|t| total.with_label_values(&[t.name()]));
+        let requests = counter_vec(
+            &r,
+            "kvtier_requests_total",
+            "Requests served, by operation.",
+            "op",
+        );
+        let latency = reg(
+            &r,
+            HistogramVec::new(
+                HistogramOpts::new(
+                    "kvtier_request_duration_seconds",
+                    "Request latency from the whole frame read to the response queued, by \
+                     operation.",
+                )
+                .buckets(
+                    LATENCY_BUCKETS_US
+                        .iter()
+                        .map(|us| *us as f64 / 1e6)
+                        .collect(),
+                ),
+                &["op"],
+            )
+            .expect("valid histogram"),
+        );
+        // Index `op as usize - 1` (op_idx): Opcode::ALL lists every opcode in code order.
+        let requests = Opcode::ALL
+            .iter()
+            .map(|op| requests.with_label_values(&[op.name()]))
+            .collect();
+        let latency = Opcode::ALL
+            .iter()
+            .map(|op| latency.with_label_values(&[op.name()]))
+            .collect();
+        let store = StoreMetrics::new(&r);
+        Self {
+            connections_open,
+            connections_total,
+            connections_refused: counter(
+                &r,
+                "kvtier_connections_refused_total",
+                "Connections refused over max_connections.",
+            ),
+            auth_failures: counter(
+                &r,
+                "kvtier_auth_failures_total",
+                "Hellos refused for a missing or wrong token.",
+            ),
+            requests,
+            latency,
+            errors: counter(
+                &r,
+                "kvtier_request_errors_total",
+                "Requests answered with an error.",
+            ),
+            busy: counter(
+                &r,
+                "kvtier_busy_total",
+                "Requests answered busy (over budget).",
+            ),
+            bad_frames: counter(&r, "kvtier_bad_frames_total", "Malformed frames received."),
+            timeouts: counter(
+                &r,
+                "kvtier_timeouts_total",
+                "Connections closed for a slow frame or write.",
+            ),
+            bytes_sent: counter(&r, "kvtier_bytes_sent_total", "Block payload bytes sent."),
+            bytes_received: counter(
+                &r,
+                "kvtier_bytes_received_total",
+                "Block payload bytes received.",
+            ),
+            leases_open: gauge(&r, "kvtier_leases_open", "Pin leases held by clients."),
+            reservations_open: gauge(
+                &r,
+                "kvtier_reservations_open",
+                "Put reservations held by local clients.",
+            ),
+            events_dropped: counter(
+                &r,
+                "kvtier_events_dropped_total",
+                "Events a slow subscriber missed.",
+            ),
+            ready,
+            store: Mutex::new(store),
+            registry: r,
+        }
+    }
+
     pub fn connection_opened(&self, t: Transport) {
-        self.connections_open[t.idx()].fetch_add(1, Ordering::Relaxed);
-        self.connections_total[t.idx()].fetch_add(1, Ordering::Relaxed);
+        self.connections_open[t.idx()].inc();
+        self.connections_total[t.idx()].inc();
     }
     pub fn connection_closed(&self, t: Transport) {
-        self.connections_open[t.idx()].fetch_sub(1, Ordering::Relaxed);
+        self.connections_open[t.idx()].dec();
     }
     pub fn open_connections(&self) -> u64 {
         self.connections_open
             .iter()
-            .map(|c| c.load(Ordering::Relaxed))
+            .map(|c| c.get().max(0) as u64)
             .sum()
     }
     pub fn request_done(&self, op: Opcode, took: Duration) {
-        self.requests[op_idx(op)].fetch_add(1, Ordering::Relaxed);
-        self.latency[op_idx(op)].observe(took);
+        self.requests[op_idx(op)].inc();
+        self.latency[op_idx(op)].observe(took.as_secs_f64());
     }
-    pub fn inc(c: &AtomicU64) {
-        c.fetch_add(1, Ordering::Relaxed);
+    /// Counts one.
+    pub fn inc(c: &IntCounter) {
+        c.inc();
     }
 
     /// The Prometheus text exposition of these metrics and `store`.
     pub fn render(&self, store: &StoreStats, ready: bool) -> String {
-        let mut o = String::with_capacity(16 << 10);
-        let ld = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let family = |o: &mut String, name: &str, kind: &str, help: &str| {
-            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        };
-        family(
-            &mut o,
-            "kvtier_ready",
-            "gauge",
-            "1 when the server accepts requests.",
-        );
-        let _ = writeln!(o, "kvtier_ready {}", u8::from(ready));
-        family(
-            &mut o,
-            "kvtier_connections",
-            "gauge",
-            "Open client connections.",
-        );
-        for t in Transport::ALL {
-            let _ = writeln!(
-                o,
-                "kvtier_connections{{transport=\"{}\"}} {}",
-                t.name(),
-                ld(&self.connections_open[t.idx()])
-            );
+        self.ready.set(i64::from(ready));
+        let s = self.store.lock().unwrap_or_else(|p| p.into_inner());
+        s.set(store);
+        let families = self.registry.gather();
+        drop(s);
+        let mut out = Vec::with_capacity(16 << 10);
+        // Encoding into a Vec fails only for a family that is malformed, which `gather`
+        // never returns.
+        if let Err(e) = TextEncoder::new().encode(&families, &mut out) {
+            tracing::warn!("encoding metrics: {e}");
         }
-        family(
-            &mut o,
-            "kvtier_connections_total",
-            "counter",
-            "Connections accepted.",
-        );
-        for t in Transport::ALL {
-            let _ = writeln!(
-                o,
-                "kvtier_connections_total{{transport=\"{}\"}} {}",
-                t.name(),
-                ld(&self.connections_total[t.idx()])
-            );
-        }
-        for (name, help, v) in [
-            (
-                "kvtier_connections_refused_total",
-                "Connections refused over max_connections.",
-                &self.connections_refused,
-            ),
-            (
-                "kvtier_auth_failures_total",
-                "Hellos refused for a missing or wrong token.",
-                &self.auth_failures,
-            ),
-            (
-                "kvtier_request_errors_total",
-                "Requests answered with an error.",
-                &self.errors,
-            ),
-            (
-                "kvtier_busy_total",
-                "Requests answered busy (over budget).",
-                &self.busy,
-            ),
-            (
-                "kvtier_bad_frames_total",
-                "Malformed frames received.",
-                &self.bad_frames,
-            ),
-            (
-                "kvtier_timeouts_total",
-                "Connections closed for a slow frame or write.",
-                &self.timeouts,
-            ),
-            (
-                "kvtier_bytes_sent_total",
-                "Block payload bytes sent.",
-                &self.bytes_sent,
-            ),
-            (
-                "kvtier_bytes_received_total",
-                "Block payload bytes received.",
-                &self.bytes_received,
-            ),
-            (
-                "kvtier_events_dropped_total",
-                "Events a slow subscriber missed.",
-                &self.events_dropped,
-            ),
-        ] {
-            family(&mut o, name, "counter", help);
-            let _ = writeln!(o, "{name} {}", ld(v));
-        }
-        for (name, help, v) in [
-            (
-                "kvtier_leases_open",
-                "Pin leases held by clients.",
-                &self.leases_open,
-            ),
-            (
-                "kvtier_reservations_open",
-                "Put reservations held by local clients.",
-                &self.reservations_open,
-            ),
-        ] {
-            family(&mut o, name, "gauge", help);
-            let _ = writeln!(o, "{name} {}", ld(v));
-        }
-        family(
-            &mut o,
-            "kvtier_requests_total",
-            "counter",
-            "Requests served, by operation.",
-        );
-        for &op in Opcode::ALL {
-            let _ = writeln!(
-                o,
-                "kvtier_requests_total{{op=\"{}\"}} {}",
-                op.name(),
-                ld(&self.requests[op_idx(op)])
-            );
-        }
-        family(
-            &mut o,
-            "kvtier_request_duration_seconds",
-            "histogram",
-            "Request latency from the whole frame read to the response queued, by operation.",
-        );
-        for &op in Opcode::ALL {
-            let h = &self.latency[op_idx(op)];
-            let mut cum = 0;
-            for (i, b) in LATENCY_BUCKETS_US.iter().enumerate() {
-                cum += ld(&h.buckets[i]);
-                let _ = writeln!(
-                    o,
-                    "kvtier_request_duration_seconds_bucket{{op=\"{}\",le=\"{}\"}} {cum}",
-                    op.name(),
-                    *b as f64 / 1e6
-                );
-            }
-            cum += ld(&h.buckets[LATENCY_BUCKETS_US.len()]);
-            let _ = writeln!(
-                o,
-                "kvtier_request_duration_seconds_bucket{{op=\"{}\",le=\"+Inf\"}} {cum}",
-                op.name()
-            );
-            let _ = writeln!(
-                o,
-                "kvtier_request_duration_seconds_sum{{op=\"{}\"}} {}",
-                op.name(),
-                ld(&h.sum_us) as f64 / 1e6
-            );
-            let _ = writeln!(
-                o,
-                "kvtier_request_duration_seconds_count{{op=\"{}\"}} {}",
-                op.name(),
-                ld(&h.count)
-            );
-        }
-        render_store(&mut o, store);
-        o
+        String::from_utf8_lossy(&out).into_owned()
     }
 }
 
-fn render_store(o: &mut String, s: &StoreStats) {
-    let tiers: Vec<_> = [TierKind::Dram, TierKind::Nvme]
-        .into_iter()
-        .filter_map(|t| Some((t.name(), s.tier(t)?)))
-        .collect();
-    type Field = fn(&crate::TierStats) -> u64;
-    let counters: [(&str, &str, Field); 12] = [
-        ("kvtier_tier_hits_total", "Block hits.", |t| t.hits),
-        ("kvtier_tier_misses_total", "Block misses.", |t| t.misses),
-        (
-            "kvtier_tier_bytes_in_total",
-            "Bytes written into the tier.",
-            |t| t.bytes_in,
-        ),
-        (
-            "kvtier_tier_bytes_out_total",
-            "Bytes read out of the tier.",
-            |t| t.bytes_out,
-        ),
-        ("kvtier_tier_evictions_total", "Blocks evicted.", |t| {
-            t.evictions
-        }),
-        (
-            "kvtier_tier_demotions_total",
-            "Blocks copied down a tier.",
-            |t| t.demotions,
-        ),
-        (
-            "kvtier_tier_demotions_dropped_total",
-            "Copies down dropped under pressure.",
-            |t| t.demotions_dropped,
-        ),
-        (
-            "kvtier_tier_promotions_total",
-            "Blocks copied up into the tier.",
-            |t| t.promotions,
-        ),
-        (
-            "kvtier_tier_admissions_refused_total",
-            "New blocks refused.",
-            |t| t.admissions_refused,
-        ),
-        (
-            "kvtier_tier_corrupt_dropped_total",
-            "Corrupt blocks dropped (served as misses).",
-            |t| t.corrupt_dropped,
-        ),
-        ("kvtier_tier_io_errors_total", "I/O errors.", |t| {
-            t.io_errors
-        }),
-        ("kvtier_tier_pins", "Pins outstanding (gauge).", |t| {
-            t.pins_outstanding
-        }),
-    ];
-    for (name, help, f) in counters {
-        let kind = if name.ends_with("_total") {
-            "counter"
-        } else {
-            "gauge"
-        };
-        let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for (tn, t) in &tiers {
-            let _ = writeln!(o, "{name}{{tier=\"{tn}\"}} {}", f(t));
+type Field = fn(&TierStats) -> u64;
+
+/// The per-tier families (label `tier`, one series per tier the store holds) and the index
+/// size.
+struct StoreMetrics {
+    counters: Vec<(IntCounterVec, Field)>,
+    gauges: Vec<(IntGaugeVec, Field)>,
+    blocks: IntGauge,
+}
+
+impl StoreMetrics {
+    fn new(r: &Registry) -> Self {
+        let counters: [(&str, &str, Field); 11] = [
+            ("kvtier_tier_hits_total", "Block hits.", |t| t.hits),
+            ("kvtier_tier_misses_total", "Block misses.", |t| t.misses),
+            (
+                "kvtier_tier_bytes_in_total",
+                "Bytes written into the tier.",
+                |t| t.bytes_in,
+            ),
+            (
+                "kvtier_tier_bytes_out_total",
+                "Bytes read out of the tier.",
+                |t| t.bytes_out,
+            ),
+            ("kvtier_tier_evictions_total", "Blocks evicted.", |t| {
+                t.evictions
+            }),
+            (
+                "kvtier_tier_demotions_total",
+                "Blocks copied down a tier.",
+                |t| t.demotions,
+            ),
+            (
+                "kvtier_tier_demotions_dropped_total",
+                "Copies down dropped under pressure.",
+                |t| t.demotions_dropped,
+            ),
+            (
+                "kvtier_tier_promotions_total",
+                "Blocks copied up into the tier.",
+                |t| t.promotions,
+            ),
+            (
+                "kvtier_tier_admissions_refused_total",
+                "New blocks refused.",
+                |t| t.admissions_refused,
+            ),
+            (
+                "kvtier_tier_corrupt_dropped_total",
+                "Corrupt blocks dropped (served as misses).",
+                |t| t.corrupt_dropped,
+            ),
+            ("kvtier_tier_io_errors_total", "I/O errors.", |t| {
+                t.io_errors
+            }),
+        ];
+        let gauges: [(&str, &str, Field); 4] = [
+            ("kvtier_tier_pins", "Pins outstanding.", |t| {
+                t.pins_outstanding
+            }),
+            ("kvtier_tier_used_slots", "Slots holding a block.", |t| {
+                t.used_slots
+            }),
+            ("kvtier_tier_capacity_slots", "Slots in the tier.", |t| {
+                t.capacity_slots
+            }),
+            ("kvtier_tier_slot_bytes", "Bytes a slot.", |t| t.slot_bytes),
+        ];
+        Self {
+            counters: counters
+                .into_iter()
+                .map(|(n, h, f)| (counter_vec(r, n, h, "tier"), f))
+                .collect(),
+            gauges: gauges
+                .into_iter()
+                .map(|(n, h, f)| (gauge_vec(r, n, h, "tier"), f))
+                .collect(),
+            blocks: gauge(r, "kvtier_blocks", "Blocks indexed."),
         }
     }
-    let gauges: [(&str, &str, Field); 3] = [
-        ("kvtier_tier_used_slots", "Slots holding a block.", |t| {
-            t.used_slots
-        }),
-        ("kvtier_tier_capacity_slots", "Slots in the tier.", |t| {
-            t.capacity_slots
-        }),
-        ("kvtier_tier_slot_bytes", "Bytes a slot.", |t| t.slot_bytes),
-    ];
-    for (name, help, f) in gauges {
-        let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge");
-        for (tn, t) in &tiers {
-            let _ = writeln!(o, "{name}{{tier=\"{tn}\"}} {}", f(t));
+
+    /// Copies `s` in: one series per tier of `s.tiers`, whatever tiers the store holds.
+    fn set(&self, s: &StoreStats) {
+        for (v, _) in &self.counters {
+            v.reset();
         }
+        for (v, _) in &self.gauges {
+            v.reset();
+        }
+        for t in &s.tiers {
+            let Some(kind) = t.tier else { continue };
+            let label = [kind.name()];
+            for (v, f) in &self.counters {
+                v.with_label_values(&label).inc_by(f(t));
+            }
+            for (v, f) in &self.gauges {
+                v.with_label_values(&label)
+                    .set(i64::try_from(f(t)).unwrap_or(i64::MAX));
+            }
+        }
+        self.blocks.set(i64::try_from(s.blocks).unwrap_or(i64::MAX));
     }
-    let _ = writeln!(
-        o,
-        "# HELP kvtier_blocks Blocks indexed.\n# TYPE kvtier_blocks gauge\nkvtier_blocks {}",
-        s.blocks
-    );
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::TierKind;
 
     #[test]
     fn histogram_buckets_are_cumulative_in_the_text() {
@@ -370,5 +388,40 @@ mod tests {
         assert!(text.contains("kvtier_request_duration_seconds_bucket{op=\"get\",le=\"+Inf\"} 3"));
         assert!(text.contains("kvtier_requests_total{op=\"get\"} 3"));
         assert!(text.contains("kvtier_ready 1"));
+        assert!(text.contains("kvtier_connections{transport=\"quic\"} 0"));
+    }
+
+    #[test]
+    fn every_tier_of_the_snapshot_is_rendered_with_its_values() {
+        let m = Metrics::default();
+        let tier = |kind, hits| TierStats {
+            tier: Some(kind),
+            hits,
+            used_slots: hits * 2,
+            ..TierStats::default()
+        };
+        let snap = |tiers| StoreStats {
+            tiers,
+            blocks: 9,
+            ..StoreStats::default()
+        };
+        let all = snap(TierKind::ALL.iter().map(|k| tier(*k, 3)).collect());
+        let text = m.render(&all, false);
+        for k in TierKind::ALL {
+            let n = k.name();
+            assert!(
+                text.contains(&format!("kvtier_tier_hits_total{{tier=\"{n}\"}} 3\n")),
+                "{text}"
+            );
+            assert!(text.contains(&format!("kvtier_tier_used_slots{{tier=\"{n}\"}} 6\n")));
+        }
+        assert!(text.contains("kvtier_blocks 9\n") && text.contains("kvtier_ready 0\n"));
+        // A second scrape shows the new snapshot, not a sum, and only the tiers it holds.
+        let text = m.render(&snap(vec![tier(TierKind::Dram, 5)]), true);
+        assert!(
+            text.contains("kvtier_tier_hits_total{tier=\"dram\"} 5\n"),
+            "{text}"
+        );
+        assert!(!text.contains("tier=\"nvme\""), "{text}");
     }
 }

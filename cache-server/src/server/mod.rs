@@ -77,20 +77,19 @@ pub(crate) struct Shared {
 impl Shared {
     pub fn stats_json(&self) -> String {
         let m = &self.metrics;
-        let ld = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
         serde_json::json!({
             "server": self.config.server.name,
             "uptime_s": self.started.elapsed().as_secs_f64(),
             "ready": self.ready.load(Ordering::Relaxed),
             "block_bytes": self.block_bytes,
             "connections": m.open_connections(),
-            "busy": ld(&m.busy),
-            "bad_frames": ld(&m.bad_frames),
-            "auth_failures": ld(&m.auth_failures),
-            "leases_open": ld(&m.leases_open),
-            "reservations_open": ld(&m.reservations_open),
-            "bytes_sent": ld(&m.bytes_sent),
-            "bytes_received": ld(&m.bytes_received),
+            "busy": m.busy.get(),
+            "bad_frames": m.bad_frames.get(),
+            "auth_failures": m.auth_failures.get(),
+            "leases_open": m.leases_open.get(),
+            "reservations_open": m.reservations_open.get(),
+            "bytes_sent": m.bytes_sent.get(),
+            "bytes_received": m.bytes_received.get(),
             "event_seq": self.events.next_seq(),
             "store": self.store.stats(),
         })

@@ -1,5 +1,5 @@
 //! Helpers for the serving tests: an in-process kvtier-server with this model's layout, a
-//! worker on a loopback port, and a minimal HTTP/1.1 client (one request per connection).
+//! worker on a loopback port, and requests over the workspace's HTTP client.
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
@@ -7,10 +7,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use kvtier_client::http::{HttpClient, HttpConfig, HttpRequest, Method, header};
 use kvtier_server::server::{ConfigLoader, Server, ServerConfig};
 use kvtier_worker::serve::{ServeConfig, WorkerServer};
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Bound on every HTTP exchange of the tests.
 pub const HTTP_TIMEOUT: Duration = Duration::from_secs(60);
@@ -75,7 +75,7 @@ pub async fn start_worker(sidecar: Option<String>) -> Result<WorkerServer> {
     Ok(WorkerServer::start(worker_config(sidecar)).await?)
 }
 
-/// An HTTP response: status and body (de-chunked).
+/// An HTTP response: status and body.
 pub struct HttpResponse {
     pub status: u16,
     pub body: String,
@@ -96,83 +96,30 @@ impl HttpResponse {
     }
 }
 
+/// One exchange over the workspace's HTTP client, bounded by [`HTTP_TIMEOUT`].
 pub async fn request(
     addr: SocketAddr,
     method: &str,
     path: &str,
     body: &str,
 ) -> Result<HttpResponse> {
-    tokio::time::timeout(HTTP_TIMEOUT, request_inner(addr, method, path, body))
-        .await
-        .context("HTTP request timed out")?
+    let http = HttpClient::new(HttpConfig {
+        timeout: HTTP_TIMEOUT,
+        ..HttpConfig::default()
+    });
+    let method = Method::from_bytes(method.as_bytes())?;
+    let req = HttpRequest::new(method, format!("http://{addr}{path}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(body.to_owned());
+    let r = http.send(req).await.with_context(|| path.to_owned())?;
+    Ok(HttpResponse {
+        status: r.status,
+        body: r.text(),
+    })
 }
 
 pub async fn post(addr: SocketAddr, path: &str, body: &Value) -> Result<HttpResponse> {
     request(addr, "POST", path, &body.to_string()).await
-}
-
-async fn request_inner(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    body: &str,
-) -> Result<HttpResponse> {
-    let s = tokio::net::TcpStream::connect(addr).await?;
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    let (mut rd, mut wr) = s.into_split();
-    let mut req = head.into_bytes();
-    req.extend_from_slice(body.as_bytes());
-    // Write while reading: a server may answer (413) before it reads the whole body.
-    let writer = tokio::spawn(async move {
-        let _ = wr.write_all(&req).await;
-        wr
-    });
-    let mut raw = Vec::new();
-    let mut buf = vec![0u8; 64 << 10];
-    loop {
-        match rd.read(&mut buf).await {
-            Ok(0) => break,
-            Ok(n) => raw.extend_from_slice(&buf[..n]),
-            Err(e) if raw.is_empty() => return Err(e.into()),
-            Err(_) => break,
-        }
-    }
-    drop(writer.await);
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, rest) = text.split_once("\r\n\r\n").context("no header end")?;
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .context("no status")?
-        .parse()?;
-    let chunked = head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked");
-    let body = if chunked {
-        dechunk(rest)?
-    } else {
-        rest.to_owned()
-    };
-    Ok(HttpResponse { status, body })
-}
-
-fn dechunk(mut s: &str) -> Result<String> {
-    let mut out = String::new();
-    loop {
-        let (len, rest) = s.split_once("\r\n").context("bad chunk")?;
-        let n = usize::from_str_radix(len.trim(), 16)?;
-        if n == 0 {
-            return Ok(out);
-        }
-        if rest.len() < n + 2 {
-            bail!("short chunk");
-        }
-        out.push_str(&rest[..n]);
-        s = &rest[n + 2..];
-    }
 }
 
 /// Waits until `f` holds, up to `limit`.
