@@ -122,6 +122,10 @@ pub struct Metrics {
     pub batched_decode_steps: AtomicU64,
     pub batched_decode_tokens: AtomicU64,
     pub store_failures: AtomicU64,
+    /// Store jobs the sidecar refused in whole or in part (busy, backlog, no slot, orphan).
+    pub stores_refused: AtomicU64,
+    /// Prompt tokens whose KV was found in the worker's own prefix cache (in its pool).
+    pub prompt_tokens_local_hit: AtomicU64,
     /// Loads skipped because the cost model said recomputing is faster.
     pub loads_skipped_cost: AtomicU64,
     /// Sequences running in the scheduler now, and the most at once since start.
@@ -154,6 +158,8 @@ impl Default for Metrics {
             batched_decode_steps: AtomicU64::new(0),
             batched_decode_tokens: AtomicU64::new(0),
             store_failures: AtomicU64::new(0),
+            stores_refused: AtomicU64::new(0),
+            prompt_tokens_local_hit: AtomicU64::new(0),
             loads_skipped_cost: AtomicU64::new(0),
             running: AtomicU64::new(0),
             peak_running: AtomicU64::new(0),
@@ -191,11 +197,12 @@ impl Metrics {
             "kvtier_worker_prefix_load_seconds",
             "Time to load a cached prefix from kvtier into the KV pool.",
         );
-        let counters: [(&str, &AtomicU64, &str); 13] = [
+        let counters: [(&str, &AtomicU64, &str); 15] = [
             (
                 "kvtier_worker_prompt_tokens_cached_total",
                 &self.prompt_tokens_cached,
-                "Prompt tokens whose KV was loaded from kvtier.",
+                "Prompt tokens not recomputed: KV loaded from kvtier or found in the worker's \
+                 own prefix cache.",
             ),
             (
                 "kvtier_worker_prompt_tokens_computed_total",
@@ -252,6 +259,17 @@ impl Metrics {
                 "kvtier_worker_store_failures_total",
                 &self.store_failures,
                 "Store jobs the sidecar did not complete.",
+            ),
+            (
+                "kvtier_worker_stores_refused_total",
+                &self.stores_refused,
+                "Store jobs the sidecar refused in whole or in part (busy, backlog, no slot, \
+                 orphan): those blocks are not cached.",
+            ),
+            (
+                "kvtier_worker_prompt_tokens_local_hit_total",
+                &self.prompt_tokens_local_hit,
+                "Prompt tokens whose KV was found in the worker's own prefix cache.",
             ),
             (
                 "kvtier_worker_loads_skipped_cost_total",

@@ -19,12 +19,15 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvtier_client::{Client, ClientConfig, ClientError, ErrorCode, Miss, PinnedBlocks, TierCode};
-use kvtier_core::{BlockKey, HashSecret, KvLayout, NamespaceBuilder, PrefixHasher};
+use kvtier_client::{
+    Client, ClientConfig, ClientError, ErrorCode, Miss, PinnedBlocks, PutStatus, Stored, TierCode,
+};
+use kvtier_core::{BlockKey, HashSecret, KvLayout};
 use tokio::sync::mpsc;
 
 use crate::error::{Result, WorkerError};
 use crate::metrics::{Metrics, add};
+use crate::prefix_cache::BlockKeys;
 
 /// Deadline of every sidecar call; past it the request recomputes. Default 1 s.
 pub const SIDECAR_TIMEOUT: Duration = Duration::from_secs(1);
@@ -37,6 +40,9 @@ pub const PIN_LEASE: Duration = Duration::from_secs(10);
 pub const RECONNECT_INTERVAL: Duration = Duration::from_millis(500);
 /// Weight of the newest sample in the bandwidth and prefill-rate averages.
 pub const EWMA_ALPHA: f64 = 0.3;
+/// At most one warning per this interval about stores the sidecar refused (the others are
+/// counted, and summed into the next warning).
+pub const REFUSED_STORE_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// How to reach the sidecar and make keys.
 #[derive(Clone, Debug)]
@@ -126,6 +132,15 @@ impl Prefix {
             cache_salt: None,
         }
     }
+
+    /// No sidecar, but the local prefix cache: the prompt's keys, nothing loaded or stored.
+    pub fn local(keys: Vec<BlockKey>, cache_salt: Option<&[u8]>) -> Self {
+        Self {
+            keys,
+            cache_salt: cache_salt.map(<[u8]>::to_vec),
+            ..Self::none()
+        }
+    }
 }
 
 /// New full blocks to store: `keys[i]` has bytes `bytes[i*B..(i+1)*B]`, the first's parent is
@@ -199,6 +214,7 @@ pub struct Sidecar {
     settings: SidecarSettings,
     client_config: ClientConfig,
     layout: KvLayout,
+    keys: BlockKeys,
     block_bytes: usize,
     client: Mutex<Option<Client>>,
     next_connect: Mutex<Instant>,
@@ -259,8 +275,9 @@ impl Sidecar {
         }
         let (tx, rx) = mpsc::channel(STORE_QUEUE_DEPTH);
         let sidecar = Arc::new(Sidecar {
-            settings,
+            settings: settings.clone(),
             client_config: cfg,
+            keys: BlockKeys::new(settings.secret.clone(), settings.model_id.clone(), layout),
             layout,
             block_bytes,
             client: Mutex::new(None),
@@ -401,17 +418,12 @@ impl Sidecar {
 
     /// The keys of `tokens`' full blocks under the request's `cache_salt`.
     pub fn keys(&self, tokens: &[u32], cache_salt: Option<&[u8]>) -> Result<Vec<BlockKey>> {
-        let mut ns =
-            NamespaceBuilder::new(self.settings.model_id.clone(), self.layout.fingerprint());
-        if let Some(s) = cache_salt {
-            ns = ns.cache_salt(s);
-        }
-        let ns = ns.build(&self.settings.secret)?;
-        let mut h =
-            PrefixHasher::new(self.settings.secret.clone(), ns, self.layout.block_tokens())?;
-        let mut keys = Vec::new();
-        h.prompt_keys(tokens, &mut keys);
-        Ok(keys)
+        self.keys.keys(tokens, cache_salt)
+    }
+
+    /// The key maker (the local prefix cache keys blocks the same way).
+    pub fn block_keys(&self) -> &BlockKeys {
+        &self.keys
     }
 
     /// Looks up and fetches the longest worthwhile cached prefix of `tokens`. Never fails:
@@ -559,7 +571,59 @@ impl Sidecar {
     }
 }
 
+/// Why the sidecar did not take (all of) a store, when it refused it: `None` when every
+/// block was stored or already there, or the store failed otherwise (no connection, a
+/// timeout, a server I/O error: counted as store failures).
+pub fn refusal(stored: &Stored) -> Option<&'static str> {
+    match &stored.failure {
+        Some(Miss::Busy) => return Some("busy"),
+        Some(Miss::Refused(_)) => return Some("refused"),
+        Some(_) => return None,
+        None => {}
+    }
+    stored.statuses.iter().find_map(|s| match s {
+        PutStatus::RejectedBacklog => Some("backlog"),
+        PutStatus::RejectedNoSlot => Some("no_slot"),
+        PutStatus::RejectedOrphan => Some("orphan"),
+        _ => None,
+    })
+}
+
+/// Warns about refused stores at most once per [`REFUSED_STORE_LOG_INTERVAL`], with the
+/// number of refusals since the last warning.
+struct RefusalLog {
+    last: Option<Instant>,
+    unlogged: u64,
+}
+
+impl RefusalLog {
+    fn refused(&mut self, why: &'static str, blocks: usize, refused_blocks: usize) {
+        self.unlogged += 1;
+        let now = Instant::now();
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t) < REFUSED_STORE_LOG_INTERVAL)
+        {
+            return;
+        }
+        tracing::warn!(
+            reason = why,
+            blocks,
+            refused_blocks,
+            refused_stores_since_last_warning = self.unlogged,
+            "the kvtier sidecar refused a store: those blocks are not cached (counted in \
+             kvtier_worker_stores_refused_total)"
+        );
+        self.last = Some(now);
+        self.unlogged = 0;
+    }
+}
+
 async fn store_loop(sidecar: Arc<Sidecar>, mut rx: mpsc::Receiver<StoreJob>) {
+    let mut log = RefusalLog {
+        last: None,
+        unlogged: 0,
+    };
     while let Some(job) = rx.recv().await {
         let Some(client) = sidecar.client().await else {
             add(&sidecar.metrics.store_failures, 1);
@@ -568,7 +632,10 @@ async fn store_loop(sidecar: Arc<Sidecar>, mut rx: mpsc::Receiver<StoreJob>) {
         let bufs: Vec<&[u8]> = job.bytes.chunks_exact(sidecar.block_bytes).collect();
         let stored = client.put_chain(&job.keys, job.parent, &bufs).await;
         add(&sidecar.metrics.blocks_stored, stored.cached() as u64);
-        if let Some(why) = stored.failure {
+        if let Some(why) = refusal(&stored) {
+            add(&sidecar.metrics.stores_refused, 1);
+            log.refused(why, job.keys.len(), job.keys.len() - stored.cached());
+        } else if let Some(why) = stored.failure {
             tracing::debug!(?why, "store failed");
             add(&sidecar.metrics.store_failures, 1);
         }
@@ -603,6 +670,26 @@ mod tests {
         r.dram_bytes_per_s = Some(1e6);
         assert_eq!(r.blocks_to_load(&[dram], block, bt), 0);
         assert_eq!(r.blocks_to_load(&[], block, bt), 0);
+    }
+
+    #[test]
+    fn refusals_are_told_from_other_failures() {
+        let check = |statuses: Vec<PutStatus>, failure: Option<Miss>, want: Option<&str>| {
+            let s = kvtier_client::Stored { statuses, failure };
+            assert_eq!(refusal(&s), want, "{s:?}");
+        };
+        use PutStatus::{
+            AlreadyPresent, Failed, RejectedBacklog, RejectedNoSlot, RejectedOrphan, Stored,
+        };
+        check(vec![Stored, AlreadyPresent], None, None);
+        check(vec![Stored, RejectedBacklog], None, Some("backlog"));
+        check(vec![RejectedNoSlot], None, Some("no_slot"));
+        check(vec![RejectedOrphan, RejectedOrphan], None, Some("orphan"));
+        check(vec![Failed], None, None);
+        check(vec![], Some(Miss::Busy), Some("busy"));
+        check(vec![], Some(Miss::Refused("quota".into())), Some("refused"));
+        check(vec![], Some(Miss::Timeout), None);
+        check(vec![], Some(Miss::Disconnected), None);
     }
 
     #[test]
