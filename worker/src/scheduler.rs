@@ -128,6 +128,8 @@ pub enum SubmitError {
 #[derive(Clone)]
 pub struct Scheduler {
     tx: mpsc::Sender<GenRequest>,
+    /// The local prefix cache's index, for [`local_hits`](Self::local_hits).
+    local: Option<Arc<Mutex<PrefixCache>>>,
     pool_blocks: usize,
     block_tokens: usize,
     max_context_tokens: usize,
@@ -154,10 +156,15 @@ impl Scheduler {
             });
         }
         let (tx, rx) = mpsc::channel(ADMISSION_QUEUE_DEPTH);
+        let local = prefix_cache.map(|keys| LocalCache {
+            index: Arc::new(Mutex::new(PrefixCache::new())),
+            keys,
+        });
         let handle = {
             let e = lock(&engine);
             Scheduler {
                 tx,
+                local: local.as_ref().map(|l| Arc::clone(&l.index)),
                 pool_blocks: e.cache().num_blocks(),
                 block_tokens: e.cache().block_tokens(),
                 max_context_tokens: e.model().config().max_context_tokens,
@@ -175,10 +182,7 @@ impl Scheduler {
                     rx,
                     running: Vec::new(),
                     waiting: VecDeque::new(),
-                    local: prefix_cache.map(|keys| LocalCache {
-                        index: PrefixCache::new(),
-                        keys,
-                    }),
+                    local,
                 }
                 .run();
             })
@@ -201,6 +205,19 @@ impl Scheduler {
 
     pub fn max_context_tokens(&self) -> usize {
         self.max_context_tokens
+    }
+
+    /// How many leading blocks of a prompt of `prompt_tokens` tokens (block keys `keys`) the
+    /// local prefix cache would give it now (0 without one). Admission looks again: the
+    /// blocks may be given up meanwhile.
+    pub fn local_hits(&self, prompt_tokens: usize, keys: &[kvtier_core::BlockKey]) -> usize {
+        let Some(index) = &self.local else {
+            return 0;
+        };
+        let usable = keys
+            .len()
+            .min(local_limit(prompt_tokens, self.block_tokens));
+        lock_index(index).hits(&keys[..usable])
     }
 
     /// Queues a request without waiting.
@@ -249,10 +266,18 @@ struct Loop {
     local: Option<LocalCache>,
 }
 
-/// The local prefix cache and the keys it is indexed by.
+/// The local prefix cache and the keys it is indexed by. The index is shared with the
+/// [`Scheduler`] handle (the HTTP handlers ask it what not to fetch from the sidecar); lock
+/// order: the engine, then the index.
 struct LocalCache {
-    index: PrefixCache,
+    index: Arc<Mutex<PrefixCache>>,
     keys: BlockKeys,
+}
+
+/// Locks the index (its bookkeeping is consistent between calls, so a holder that panicked
+/// left nothing half done worth refusing).
+fn lock_index(index: &Mutex<PrefixCache>) -> MutexGuard<'_, PrefixCache> {
+    index.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Leading blocks of a prompt of `len` tokens that may come from the local prefix cache:
@@ -266,7 +291,7 @@ impl Loop {
     /// blocks stay), else to the pool.
     fn release(&mut self, engine: &mut Engine, table: &mut BlockTable) -> Result<()> {
         match &mut self.local {
-            Some(l) => l.index.release_table(engine.cache_mut(), table),
+            Some(l) => lock_index(&l.index).release_table(engine.cache_mut(), table),
             None => engine.cache_mut().release_table(table),
         }
     }
@@ -358,8 +383,9 @@ impl Loop {
                 Some(l) if front.prefilled.is_none() => {
                     let keys = &front.prefix.keys;
                     let usable = &keys[..keys.len().min(local_limit(front.tokens.len(), bt))];
-                    let hit = l.index.hits(usable);
-                    (hit, l.index.available(engine.cache(), &usable[..hit]))
+                    let index = lock_index(&l.index);
+                    let hit = index.hits(usable);
+                    (hit, index.available(engine.cache(), &usable[..hit]))
                 }
                 _ => (0, engine.cache().free_blocks()),
             };
@@ -392,9 +418,10 @@ impl Loop {
                 if let Some(l) = &mut self.local
                     && req.prefilled.is_none()
                 {
-                    table = l.index.acquire(&req.prefix.keys[..hit]);
+                    let mut index = lock_index(&l.index);
+                    table = index.acquire(&req.prefix.keys[..hit]);
                     let new = blocks - hit;
-                    r = l.index.make_room(engine.cache_mut(), new).map(|_| ());
+                    r = index.make_room(engine.cache_mut(), new).map(|_| ());
                 }
                 if r.is_ok() {
                     r = engine.cache_mut().reserve(&mut table, need);
@@ -446,13 +473,26 @@ impl Loop {
         }
     }
 
-    /// Copies the request's cached prefix into its first blocks.
+    /// Copies the blocks fetched from the sidecar into the request's blocks past those the
+    /// local prefix cache gave it.
     fn load_prefix(&mut self, seq: &mut Seq) {
         let source = std::mem::replace(&mut seq.req.prefix.source, PrefixSource::None);
-        let n = source.blocks().min(seq.table.len());
-        // Blocks before `from` are the local prefix cache's, already in the table.
+        // The source holds the blocks of keys `first..n`; the table's blocks before `from`
+        // are the local prefix cache's.
+        let first = seq.req.prefix.source_first;
+        let n = (first + source.blocks()).min(seq.table.len());
         let from = seq.local_blocks;
         if n <= from {
+            return;
+        }
+        if first > from {
+            // The handler skipped blocks the local cache held then, and gave up since: the
+            // fetched ones cannot follow a gap. Recompute from the local hit.
+            tracing::debug!(
+                first,
+                from,
+                "locally cached blocks were evicted before admission"
+            );
             return;
         }
         if !source.usable() {
@@ -464,7 +504,7 @@ impl Loop {
         let mut engine = lock(&self.engine);
         for i in from..n {
             let id = seq.table.blocks()[i];
-            if let Err(e) = engine.cache_mut().write_block(id, source.block(i)) {
+            if let Err(e) = engine.cache_mut().write_block(id, source.block(i - first)) {
                 tracing::warn!(error = %e, "cannot copy a cached block into the pool");
                 self.metrics.cache_fallbacks.inc("copy_error");
                 seq.req.prefix.store_from = 0;
@@ -532,8 +572,7 @@ impl Loop {
             && let Some(l) = &mut self.local
         {
             let full = seq.req.prefix.keys.len().min(seq.table.len());
-            l.index
-                .insert(&seq.req.prefix.keys[..full], &seq.table.blocks()[..full]);
+            lock_index(&l.index).insert(&seq.req.prefix.keys[..full], &seq.table.blocks()[..full]);
         }
         if let Err(e) = r {
             tracing::error!(error = %e, "sequence failed");
@@ -757,8 +796,7 @@ impl Loop {
             }
             if let Some(l) = &mut self.local {
                 let first = seq.req.prefix.keys.len();
-                l.index
-                    .insert(&keys[first..], &seq.table.blocks()[first..keys.len()]);
+                lock_index(&l.index).insert(&keys[first..], &seq.table.blocks()[first..keys.len()]);
             }
         }
         let released = self.release(&mut engine, &mut seq.table);

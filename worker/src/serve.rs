@@ -674,7 +674,13 @@ async fn handle_inner(
     };
     let salt = req.cache_salt.as_deref().map(str::as_bytes);
     let prefix = match (&app.sidecar, &app.local_keys) {
-        (Some(s), _) => s.prepare(&req.tokens, salt).await,
+        // Blocks the local prefix cache holds are not fetched again.
+        (Some(s), _) => {
+            s.prepare_after(&req.tokens, salt, |keys| {
+                app.sched.local_hits(req.tokens.len(), keys)
+            })
+            .await
+        }
         (None, Some(k)) => match k.keys(&req.tokens, salt) {
             Ok(keys) => Prefix::local(keys, salt),
             Err(e) => {

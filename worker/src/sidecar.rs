@@ -108,8 +108,11 @@ impl PrefixSource {
 pub struct Prefix {
     /// Keys of every full block of the prompt.
     pub keys: Vec<BlockKey>,
-    /// Where the loaded blocks come from (`source.blocks()` leading blocks).
+    /// Where the loaded blocks come from: `source.blocks()` blocks from key `source_first` on.
     pub source: PrefixSource,
+    /// Index in `keys` of the source's first block (the blocks before it were not asked
+    /// for: the local prefix cache holds them).
+    pub source_first: usize,
     /// Blocks from this index on are stored after prefill (earlier ones are cached).
     pub store_from: usize,
     /// Time spent in sidecar calls for this prompt (lookup + pin/get).
@@ -126,6 +129,7 @@ impl Prefix {
         Self {
             keys: Vec::new(),
             source: PrefixSource::None,
+            source_first: 0,
             store_from: 0,
             fetch_time: Duration::ZERO,
             store: false,
@@ -429,6 +433,17 @@ impl Sidecar {
     /// Looks up and fetches the longest worthwhile cached prefix of `tokens`. Never fails:
     /// anything wrong is a (counted) miss.
     pub async fn prepare(&self, tokens: &[u32], cache_salt: Option<&[u8]>) -> Prefix {
+        self.prepare_after(tokens, cache_salt, |_| 0).await
+    }
+
+    /// [`prepare`](Self::prepare), fetching only the blocks past the `held(keys)` leading
+    /// blocks the worker holds already (its local prefix cache).
+    pub async fn prepare_after(
+        &self,
+        tokens: &[u32],
+        cache_salt: Option<&[u8]>,
+        held: impl FnOnce(&[BlockKey]) -> usize,
+    ) -> Prefix {
         let t0 = Instant::now();
         let keys = match self.keys(tokens, cache_salt) {
             Ok(k) => k,
@@ -438,9 +453,11 @@ impl Sidecar {
                 return Prefix::none();
             }
         };
+        let skip = held(&keys).min(keys.len());
         let mut prefix = Prefix {
             keys,
             source: PrefixSource::None,
+            source_first: skip,
             store_from: 0,
             fetch_time: Duration::ZERO,
             store: true,
@@ -461,22 +478,23 @@ impl Sidecar {
             self.metrics.cache_fallbacks.inc(miss_reason(m));
         }
         prefix.store_from = cached;
-        if cached == 0 {
+        if cached <= skip {
             prefix.fetch_time = t0.elapsed();
             return prefix;
         }
         let bt = self.layout.block_tokens() as usize;
-        let want = self
+        let load = self
             .rates()
-            .blocks_to_load(&lookup.tiers, self.block_bytes, bt);
+            .blocks_to_load(&lookup.tiers[skip..], self.block_bytes, bt);
+        let want = skip + load;
         if want < cached {
             add(&self.metrics.loads_skipped_cost, 1);
         }
-        if want == 0 {
+        if load == 0 {
             prefix.fetch_time = t0.elapsed();
             return prefix;
         }
-        let keys = &prefix.keys[..want];
+        let keys = &prefix.keys[skip..want];
         if client.is_local() {
             match client.get_pinned(keys, PIN_LEASE).await {
                 Ok(p) => {
@@ -487,8 +505,8 @@ impl Sidecar {
                     }
                     // Stopped before `want` (evicted, corrupt, busy): the chain is stored
                     // again from there. Blocks skipped by the cost model are still cached.
-                    if p.len() < want {
-                        prefix.store_from = p.len();
+                    if skip + p.len() < want {
+                        prefix.store_from = skip + p.len();
                     }
                     prefix.source = PrefixSource::Pinned(p);
                 }
@@ -498,7 +516,7 @@ impl Sidecar {
                 }
             }
         } else {
-            let mut bytes = vec![0u8; want * self.block_bytes];
+            let mut bytes = vec![0u8; load * self.block_bytes];
             let got = {
                 let mut bufs: Vec<&mut [u8]> = bytes.chunks_exact_mut(self.block_bytes).collect();
                 client.get_into(keys, &mut bufs).await
@@ -508,8 +526,8 @@ impl Sidecar {
             {
                 self.metrics.cache_fallbacks.inc(miss_reason(m));
             }
-            if got.blocks < want {
-                prefix.store_from = got.blocks;
+            if skip + got.blocks < want {
+                prefix.store_from = skip + got.blocks;
             }
             bytes.truncate(got.blocks * self.block_bytes);
             if got.blocks > 0 {

@@ -12,6 +12,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, ensure};
 use common::*;
 use kvtier_core::{BlockKey, HashSecret};
+use kvtier_server::TierKind;
 use kvtier_worker::metrics::Metrics;
 use kvtier_worker::serve::{ServeConfig, WorkerServer};
 use kvtier_worker::sidecar::{Sidecar, SidecarSettings, StoreJob};
@@ -125,6 +126,55 @@ async fn an_immediate_repeat_hits_even_before_the_store_is_committed() -> Result
             "an immediate repeat missed: {u}"
         );
     }
+    w.shutdown().await;
+    server.shutdown().await;
+    Ok(())
+}
+
+/// Blocks the pool holds are not fetched from the sidecar again; only those past them are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_blocks_past_the_local_ones_are_fetched() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (server, _unix, tcp) = start_kvtier(&kvtier_config(dir.path(), "8MiB", 4)?).await?;
+    let w = start_worker(Some(tcp)).await?;
+    let m = w.metrics().clone();
+    let stored = |n: usize| {
+        let m = m.clone();
+        wait_for(LIMIT, move || {
+            m.blocks_stored.load(Ordering::Relaxed) as usize >= n
+        })
+    };
+    let loaded = || m.blocks_loaded.load(Ordering::Relaxed) as usize;
+    // Blocks the server handed out (gets and pins count, lookups do not).
+    let served = || {
+        server
+            .store()
+            .stats()
+            .tier(TierKind::Dram)
+            .map_or(0, |t| t.hits)
+    };
+    // Mid-block: every full block is in the pool, nothing is fetched.
+    let p = prompt(PROMPT);
+    let want = text(&solo(&p, 6)?)?;
+    assert_eq!(complete(&w, &p, 6).await?.0, want);
+    stored(p.len() / BT).await?;
+    let before = served();
+    let (warm, u) = complete(&w, &p, 6).await?;
+    assert_eq!(warm, want);
+    assert_eq!(cached(&u), local_blocks(p.len()) * BT);
+    assert_eq!(served(), before, "no block was fetched");
+    assert_eq!(loaded(), 0);
+    // Whole blocks: the pool gives all but the last, the sidecar that one (over TCP).
+    let q = prompt(&"q".repeat(47));
+    let want = text(&solo(&q, 6)?)?;
+    assert_eq!(complete(&w, &q, 6).await?.0, want);
+    stored(p.len() / BT + 3).await?;
+    let before = served();
+    let (warm, u) = complete(&w, &q, 6).await?;
+    assert_eq!(warm, want);
+    assert_eq!(cached(&u), 47, "{u}");
+    assert_eq!(served(), before + 1, "only the block past the local ones");
+    assert_eq!(loaded(), 1);
     w.shutdown().await;
     server.shutdown().await;
     Ok(())
