@@ -86,8 +86,10 @@ async fn start(dram: &str, seed: u64) -> Result<Stack> {
     let secret = HashSecret::new(HashScheme::default(), &secret)?;
     let worker = |sidecar: Option<String>| ServeConfig {
         listen: "127.0.0.1:0".into(),
-        sidecar,
         hash_secret: Some(secret.clone()),
+        // "Cache off" reuses nothing: no local prefix cache either.
+        prefix_cache: sidecar.is_some(),
+        sidecar,
         ..ServeConfig::default()
     };
     let off = WorkerServer::start(worker(None))

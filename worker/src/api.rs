@@ -3,8 +3,9 @@
 //! worker answers with.
 //!
 //! Chat template: the model's own when its directory has one ([`crate::chat`]); else the
-//! worker's (documented in `docs/worker.md`): BOS, then for each message
-//! `<|{role}|>\n{content}\n`, then `<|assistant|>\n`.
+//! worker's (documented in `docs/worker.md`): for each message `<|{role}|>\n{content}\n`,
+//! then `<|assistant|>\n`, encoded as a plain-text prompt is (with the special tokens the
+//! tokenizer's configuration asks for: the byte tokenizer's BOS in front).
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -178,10 +179,10 @@ pub fn parse(body: &[u8], endpoint: Endpoint, lim: &Limits) -> Result<ParsedRequ
             Some("n"),
         ));
     }
-    let max_tokens = match (endpoint, raw.max_tokens, raw.max_completion_tokens) {
-        (_, Some(m), _) => (m, "max_tokens"),
-        (Endpoint::Chat, None, Some(m)) => (m, "max_completion_tokens"),
-        _ => (DEFAULT_MAX_TOKENS as i64, "max_tokens"),
+    let (max_tokens, explicit) = match (endpoint, raw.max_tokens, raw.max_completion_tokens) {
+        (_, Some(m), _) => ((m, "max_tokens"), true),
+        (Endpoint::Chat, None, Some(m)) => ((m, "max_completion_tokens"), true),
+        _ => ((DEFAULT_MAX_TOKENS as i64, "max_tokens"), false),
     };
     if max_tokens.0 < 1 {
         return Err(ApiError::invalid(
@@ -246,20 +247,22 @@ pub fn parse(body: &[u8], endpoint: Endpoint, lim: &Limits) -> Result<ParsedRequ
             }
         }
     };
-    if tokens.len() > lim.max_context_tokens {
-        return Err(ApiError::invalid(
-            format!(
-                "this model's maximum context length is {} tokens, but the prompt has {} tokens",
-                lim.max_context_tokens,
-                tokens.len()
-            ),
+    let max_tokens = fit_context(
+        tokens.len(),
+        max_tokens,
+        explicit || endpoint == Endpoint::Completions,
+        lim.max_context_tokens,
+    )
+    .map_err(|message| {
+        ApiError::invalid(
+            message,
             Some(match endpoint {
                 Endpoint::Completions => "prompt",
                 Endpoint::Chat => "messages",
             }),
         )
-        .with_code("context_length_exceeded"));
-    }
+        .with_code("context_length_exceeded")
+    })?;
     Ok(ParsedRequest {
         endpoint,
         model: lim.model_name.to_owned(),
@@ -273,6 +276,33 @@ pub fn parse(body: &[u8], endpoint: Endpoint, lim: &Limits) -> Result<ParsedRequ
         include_usage: raw.stream_options.is_some_and(|o| o.include_usage),
         cache_salt: raw.cache_salt,
     })
+}
+
+/// The `max_tokens` a prompt of `prompt` tokens runs with in a context of `max_ctx`, or why it
+/// cannot run, as vLLM decides: a `max_tokens` the client chose (and the completions
+/// endpoint's default of 16, which the OpenAI API defines) must fit beside the prompt; chat's
+/// default is cut to the room left, and only a prompt that fills the context is refused.
+fn fit_context(
+    prompt: usize,
+    max_tokens: usize,
+    must_fit: bool,
+    max_ctx: usize,
+) -> Result<usize, String> {
+    let total = prompt.saturating_add(max_tokens);
+    if must_fit && total > max_ctx {
+        return Err(format!(
+            "this model's maximum context length is {max_ctx} tokens, but {total} tokens were \
+             requested ({prompt} in the prompt, {max_tokens} in the completion); shorten the \
+             prompt or lower max_tokens"
+        ));
+    }
+    if prompt >= max_ctx {
+        return Err(format!(
+            "this model's maximum context length is {max_ctx} tokens, but the prompt has \
+             {prompt} tokens"
+        ));
+    }
+    Ok(max_tokens.min(max_ctx - prompt))
 }
 
 fn encode(tok: &Tokenizer, text: &str, param: &'static str) -> Result<Vec<u32>, ApiError> {
@@ -573,6 +603,64 @@ mod tests {
             &format!(r#"{{"prompt":"x","cache_salt":"{}"}}"#, "s".repeat(2000)),
             Completions,
             Err((400, Some("cache_salt"), "longer")),
+        );
+    }
+
+    #[test]
+    fn prompt_and_max_tokens_must_fit_the_context() {
+        use Endpoint::*;
+        // Context 32; "xxxx" is 5 tokens with BOS.
+        check(r#"{"prompt":"xxxx","max_tokens":27}"#, Completions, Ok(()));
+        check(
+            r#"{"prompt":"xxxx","max_tokens":28}"#,
+            Completions,
+            Err((
+                400,
+                Some("prompt"),
+                "33 tokens were requested (5 in the prompt, 28",
+            )),
+        );
+        // The completions default (16) counts: 17 + 16 > 32.
+        check(
+            &format!(r#"{{"prompt":"{}"}}"#, "x".repeat(16)),
+            Completions,
+            Err((400, Some("prompt"), "maximum context length is 32")),
+        );
+        let e = parse(
+            br#"{"prompt":"xxxx","max_tokens":100}"#,
+            Completions,
+            &lim(),
+        )
+        .unwrap_err();
+        assert_eq!(e.code, Some("context_length_exceeded"));
+        // Chat: an explicit limit must fit, the default is cut to the room left.
+        let msg = |n: usize| format!(r#"[{{"role":"user","content":"{}"}}]"#, "x".repeat(n));
+        // The built-in template adds 24 bytes + BOS around the content: 25 + n tokens.
+        check(
+            &format!(r#"{{"messages":{},"max_tokens":6}}"#, msg(1)),
+            Chat,
+            Ok(()),
+        );
+        check(
+            &format!(r#"{{"messages":{},"max_completion_tokens":7}}"#, msg(1)),
+            Chat,
+            Err((
+                400,
+                Some("messages"),
+                "(26 in the prompt, 7 in the completion)",
+            )),
+        );
+        let r = parse(
+            format!(r#"{{"messages":{}}}"#, msg(1)).as_bytes(),
+            Chat,
+            &lim(),
+        )
+        .unwrap();
+        assert_eq!((r.tokens.len(), r.max_tokens), (26, 6));
+        check(
+            &format!(r#"{{"messages":{}}}"#, msg(7)),
+            Chat,
+            Err((400, Some("messages"), "the prompt has 32 tokens")),
         );
     }
 

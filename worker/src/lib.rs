@@ -18,6 +18,7 @@ pub mod gpu;
 pub mod kv_cache;
 pub mod metrics;
 pub mod model;
+pub mod prefix_cache;
 pub mod rng;
 pub mod scheduler;
 pub mod serve;

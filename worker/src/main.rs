@@ -72,6 +72,10 @@ enum Command {
         /// Where the model and its KV pool run: cpu, cuda or cuda:N (a `cuda` build).
         #[arg(long, default_value = "cpu")]
         device: DeviceSpec,
+        /// Keep no prefix cache in the KV pool (finished sequences' blocks are freed at once;
+        /// only the sidecar, if any, serves repeated prefixes).
+        #[arg(long)]
+        no_prefix_cache: bool,
     },
     /// Generate text from a prompt and report prefill and decode speed.
     Generate {
@@ -166,6 +170,7 @@ fn main() -> anyhow::Result<()> {
             prefill_url,
             transfer_backend,
             device,
+            no_prefix_cache,
         } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -191,6 +196,7 @@ fn main() -> anyhow::Result<()> {
                 prefill_url,
                 transfer_backend: kvtier_worker::disagg::parse_backend(&transfer_backend)?,
                 device,
+                prefix_cache: !no_prefix_cache,
                 ..ServeConfig::default()
             };
             let rt = tokio::runtime::Builder::new_multi_thread()

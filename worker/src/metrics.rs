@@ -102,6 +102,10 @@ pub struct Metrics {
     pub batched_decode_steps: IntCounter,
     pub batched_decode_tokens: IntCounter,
     pub store_failures: IntCounter,
+    /// Store jobs the sidecar refused in whole or in part (busy, backlog, no slot, orphan).
+    pub stores_refused: IntCounter,
+    /// Prompt tokens whose KV was found in the worker's own prefix cache (in its pool).
+    pub prompt_tokens_local_hit: IntCounter,
     /// Loads skipped because the cost model said recomputing is faster.
     pub loads_skipped_cost: IntCounter,
     /// Sequences running in the scheduler now, and the most at once since start.
@@ -146,7 +150,8 @@ impl Default for Metrics {
             ),
             prompt_tokens_cached: c(
                 "kvtier_worker_prompt_tokens_cached_total",
-                "Prompt tokens whose KV was loaded from kvtier.",
+                "Prompt tokens not recomputed: KV loaded from kvtier or found in the worker's \
+                 own prefix cache.",
             ),
             prompt_tokens_computed: c(
                 "kvtier_worker_prompt_tokens_computed_total",
@@ -189,6 +194,15 @@ impl Default for Metrics {
             store_failures: c(
                 "kvtier_worker_store_failures_total",
                 "Store jobs the sidecar did not complete.",
+            ),
+            stores_refused: c(
+                "kvtier_worker_stores_refused_total",
+                "Store jobs the sidecar refused in whole or in part (busy, backlog, no slot, \
+                 orphan): those blocks are not cached.",
+            ),
+            prompt_tokens_local_hit: c(
+                "kvtier_worker_prompt_tokens_local_hit_total",
+                "Prompt tokens whose KV was found in the worker's own prefix cache.",
             ),
             loads_skipped_cost: c(
                 "kvtier_worker_loads_skipped_cost_total",

@@ -20,6 +20,12 @@
 //!
 //! The engine sits behind a mutex shared with the disaggregation objects (which reserve
 //! blocks and run forwards of their own); the loop takes it per step.
+//!
+//! With the local prefix cache on ([`crate::prefix_cache`], role both only: there the
+//! scheduler is the pool's only user), a request's leading blocks already in the pool are
+//! used in place, the prompt's full blocks are entered there once prefilled and the
+//! generated ones when the sequence ends, and idle cached blocks are given up (least
+//! recently used first) when an admission needs their pages.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -31,6 +37,7 @@ use crate::engine::{Engine, FinishReason, Sampler, Sampling};
 use crate::error::{Result, WorkerError};
 use crate::kv_cache::BlockTable;
 use crate::metrics::{Metrics, add};
+use crate::prefix_cache::{BlockKeys, PrefixCache};
 use crate::sidecar::{Prefix, PrefixSource, Sidecar, StoreJob};
 
 /// Tokens computed per prefill step.
@@ -103,7 +110,8 @@ pub struct Usage {
     pub finish: FinishReason,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
-    /// Prompt tokens whose KV came from kvtier (not recomputed).
+    /// Prompt tokens whose KV was not recomputed: loaded from kvtier or found in the
+    /// worker's own prefix cache.
     pub cached_tokens: usize,
 }
 
@@ -120,6 +128,8 @@ pub enum SubmitError {
 #[derive(Clone)]
 pub struct Scheduler {
     tx: mpsc::Sender<GenRequest>,
+    /// The local prefix cache's index, for [`local_hits`](Self::local_hits).
+    local: Option<Arc<Mutex<PrefixCache>>>,
     pool_blocks: usize,
     block_tokens: usize,
     max_context_tokens: usize,
@@ -128,12 +138,16 @@ pub struct Scheduler {
 impl Scheduler {
     /// Starts the scheduler thread. It enters `runtime` (pinned prefixes release their pins
     /// through it) and stops when every handle is dropped and the last sequence ends.
+    /// `prefix_cache`: keep a local prefix cache in the pool, keyed by these keys (the
+    /// requests' [`Prefix::keys`] must be made by the same); only where the scheduler is the
+    /// pool's only user.
     pub fn start(
         engine: Arc<Mutex<Engine>>,
         max_batch: usize,
         sidecar: Option<Arc<Sidecar>>,
         metrics: Arc<Metrics>,
         runtime: tokio::runtime::Handle,
+        prefix_cache: Option<BlockKeys>,
     ) -> Result<(Scheduler, std::thread::JoinHandle<()>)> {
         if max_batch == 0 {
             return Err(WorkerError::Serve {
@@ -142,10 +156,15 @@ impl Scheduler {
             });
         }
         let (tx, rx) = mpsc::channel(ADMISSION_QUEUE_DEPTH);
+        let local = prefix_cache.map(|keys| LocalCache {
+            index: Arc::new(Mutex::new(PrefixCache::new())),
+            keys,
+        });
         let handle = {
             let e = lock(&engine);
             Scheduler {
                 tx,
+                local: local.as_ref().map(|l| Arc::clone(&l.index)),
                 pool_blocks: e.cache().num_blocks(),
                 block_tokens: e.cache().block_tokens(),
                 max_context_tokens: e.model().config().max_context_tokens,
@@ -163,6 +182,7 @@ impl Scheduler {
                     rx,
                     running: Vec::new(),
                     waiting: VecDeque::new(),
+                    local,
                 }
                 .run();
             })
@@ -185,6 +205,19 @@ impl Scheduler {
 
     pub fn max_context_tokens(&self) -> usize {
         self.max_context_tokens
+    }
+
+    /// How many leading blocks of a prompt of `prompt_tokens` tokens (block keys `keys`) the
+    /// local prefix cache would give it now (0 without one). Admission looks again: the
+    /// blocks may be given up meanwhile.
+    pub fn local_hits(&self, prompt_tokens: usize, keys: &[kvtier_core::BlockKey]) -> usize {
+        let Some(index) = &self.local else {
+            return 0;
+        };
+        let usable = keys
+            .len()
+            .min(local_limit(prompt_tokens, self.block_tokens));
+        lock_index(index).hits(&keys[..usable])
     }
 
     /// Queues a request without waiting.
@@ -214,6 +247,8 @@ struct Seq {
     next: Option<(u32, usize)>,
     out: Vec<u32>,
     cached_tokens: usize,
+    /// Leading blocks taken from the local prefix cache.
+    local_blocks: usize,
     /// Positions whose K and V are in `table` (prompt and fed generated tokens).
     kv_tokens: usize,
     last_token_at: Option<Instant>,
@@ -228,9 +263,39 @@ struct Loop {
     rx: mpsc::Receiver<GenRequest>,
     running: Vec<Seq>,
     waiting: VecDeque<GenRequest>,
+    local: Option<LocalCache>,
+}
+
+/// The local prefix cache and the keys it is indexed by. The index is shared with the
+/// [`Scheduler`] handle (the HTTP handlers ask it what not to fetch from the sidecar); lock
+/// order: the engine, then the index.
+struct LocalCache {
+    index: Arc<Mutex<PrefixCache>>,
+    keys: BlockKeys,
+}
+
+/// Locks the index (its bookkeeping is consistent between calls, so a holder that panicked
+/// left nothing half done worth refusing).
+fn lock_index(index: &Mutex<PrefixCache>) -> MutexGuard<'_, PrefixCache> {
+    index.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Leading blocks of a prompt of `len` tokens that may come from the local prefix cache:
+/// whole blocks before the last token's (which is recomputed, so written, every time).
+fn local_limit(len: usize, block_tokens: usize) -> usize {
+    len.saturating_sub(1) / block_tokens
 }
 
 impl Loop {
+    /// Gives a sequence's blocks back: to the local prefix cache when there is one (cached
+    /// blocks stay), else to the pool.
+    fn release(&mut self, engine: &mut Engine, table: &mut BlockTable) -> Result<()> {
+        match &mut self.local {
+            Some(l) => lock_index(&l.index).release_table(engine.cache_mut(), table),
+            None => engine.cache_mut().release_table(table),
+        }
+    }
+
     fn run(mut self) {
         loop {
             if self.running.is_empty() && self.waiting.is_empty() {
@@ -301,13 +366,26 @@ impl Loop {
                 continue;
             }
             let held = front.prefilled.as_ref().map_or(0, |p| p.table.len());
-            let engine = lock(&self.engine);
+            let shared = Arc::clone(&self.engine);
+            let mut engine = lock(&shared);
             let max_ctx = engine.model().config().max_context_tokens;
             let eos = engine.eos().to_vec();
             let need = positions_needed(front.tokens.len(), front.max_tokens, max_ctx);
-            let blocks = need.div_ceil(engine.cache().block_tokens());
+            let bt = engine.cache().block_tokens();
+            let blocks = need.div_ceil(bt);
             let pool = engine.cache().num_blocks();
-            if blocks.saturating_sub(held) > engine.cache().free_blocks() {
+            // Leading blocks in the local prefix cache, and the pages the rest can get.
+            let (hit, available) = match &self.local {
+                Some(l) if front.prefilled.is_none() => {
+                    let keys = &front.prefix.keys;
+                    let usable = &keys[..keys.len().min(local_limit(front.tokens.len(), bt))];
+                    let index = lock_index(&l.index);
+                    let hit = index.hits(usable);
+                    (hit, index.available(engine.cache(), &usable[..hit]))
+                }
+                _ => (0, engine.cache().free_blocks()),
+            };
+            if blocks.saturating_sub(held + hit) > available {
                 drop(engine);
                 if self.running.is_empty() && blocks > pool {
                     // The request can never fit (the HTTP layer refuses these before
@@ -323,7 +401,6 @@ impl Loop {
                 // scheduler (a remote prefill in flight, a quarantine) come back too.
                 return;
             }
-            drop(engine);
             let mut req = self.waiting.pop_front().expect("front exists");
             let (mut table, logits) = match req.prefilled.as_mut() {
                 Some(p) => (
@@ -333,13 +410,24 @@ impl Loop {
                 None => (BlockTable::new(), None),
             };
             let reserved = {
-                let mut engine = lock(&self.engine);
-                let r = engine.cache_mut().reserve(&mut table, need);
+                let mut r = Ok(());
+                if let Some(l) = &mut self.local
+                    && req.prefilled.is_none()
+                {
+                    let mut index = lock_index(&l.index);
+                    table = index.acquire(&req.prefix.keys[..hit]);
+                    let new = blocks - hit;
+                    r = index.make_room(engine.cache_mut(), new).map(|_| ());
+                }
+                if r.is_ok() {
+                    r = engine.cache_mut().reserve(&mut table, need);
+                }
                 if r.is_err() {
-                    let _ = engine.cache_mut().release_table(&mut table);
+                    let _ = self.release(&mut engine, &mut table);
                 }
                 r
             };
+            drop(engine);
             if let Err(e) = reserved {
                 let _ = req.events.send(SeqEvent::Failed(e.to_string()));
                 self.metrics.requests.inc("error");
@@ -353,6 +441,7 @@ impl Loop {
                 next: None,
                 out: Vec::new(),
                 cached_tokens: 0,
+                local_blocks: hit,
                 kv_tokens: 0,
                 last_token_at: None,
                 finished: None,
@@ -369,17 +458,37 @@ impl Loop {
                         Self::store_blocks(&lock(&self.engine), s, &seq);
                     }
                 }
-                None => self.load_prefix(&mut seq),
+                None => {
+                    // The local hit first; the sidecar's blocks past it are copied in.
+                    seq.cached_tokens = hit * bt;
+                    seq.prefill_next = Some(hit * bt);
+                    self.load_prefix(&mut seq);
+                }
             }
             self.running.push(seq);
         }
     }
 
-    /// Copies the request's cached prefix into its first blocks.
+    /// Copies the blocks fetched from the sidecar into the request's blocks past those the
+    /// local prefix cache gave it.
     fn load_prefix(&mut self, seq: &mut Seq) {
         let source = std::mem::replace(&mut seq.req.prefix.source, PrefixSource::None);
-        let n = source.blocks().min(seq.table.len());
-        if n == 0 {
+        // The source holds the blocks of keys `first..n`; the table's blocks before `from`
+        // are the local prefix cache's.
+        let first = seq.req.prefix.source_first;
+        let n = (first + source.blocks()).min(seq.table.len());
+        let from = seq.local_blocks;
+        if n <= from {
+            return;
+        }
+        if first > from {
+            // The handler skipped blocks the local cache held then, and gave up since: the
+            // fetched ones cannot follow a gap. Recompute from the local hit.
+            tracing::debug!(
+                first,
+                from,
+                "locally cached blocks were evicted before admission"
+            );
             return;
         }
         if !source.usable() {
@@ -389,9 +498,9 @@ impl Loop {
         }
         let t = Instant::now();
         let mut engine = lock(&self.engine);
-        for i in 0..n {
+        for i in from..n {
             let id = seq.table.blocks()[i];
-            if let Err(e) = engine.cache_mut().write_block(id, source.block(i)) {
+            if let Err(e) = engine.cache_mut().write_block(id, source.block(i - first)) {
                 tracing::warn!(error = %e, "cannot copy a cached block into the pool");
                 self.metrics.cache_fallbacks.inc("copy_error");
                 seq.req.prefix.store_from = 0;
@@ -406,7 +515,7 @@ impl Loop {
             _ => false,
         };
         drop(source);
-        let bytes = n * engine.cache().layout().block_bytes() as usize;
+        let bytes = (n - from) * engine.cache().layout().block_bytes() as usize;
         let bt = engine.cache().block_tokens();
         drop(engine);
         let took = seq.req.prefix.fetch_time + t.elapsed();
@@ -415,7 +524,7 @@ impl Loop {
         }
         self.metrics.load_time.observe(took);
         add(&self.metrics.bytes_loaded, bytes as u64);
-        add(&self.metrics.blocks_loaded, n as u64);
+        add(&self.metrics.blocks_loaded, (n - from) as u64);
         let len = seq.req.tokens.len();
         // A full-prompt hit still computes the last token.
         seq.cached_tokens = (n * bt).min(len - 1);
@@ -428,6 +537,7 @@ impl Loop {
             return;
         }
         let mut engine = lock(&self.engine);
+        let prefilling = seq.prefill_next.is_some();
         let r = if let Some(start) = seq.prefill_next {
             Self::prefill_step(
                 &mut engine,
@@ -450,6 +560,16 @@ impl Loop {
             Ok(())
         };
         drop(engine);
+        // The prompt is in the cache: its full blocks join the local prefix cache (those
+        // taken from it are there already).
+        if r.is_ok()
+            && prefilling
+            && seq.prefill_next.is_none()
+            && let Some(l) = &mut self.local
+        {
+            let full = seq.req.prefix.keys.len().min(seq.table.len());
+            lock_index(&l.index).insert(&seq.req.prefix.keys[..full], &seq.table.blocks()[..full]);
+        }
         if let Err(e) = r {
             tracing::error!(error = %e, "sequence failed");
             let _ = seq.req.events.send(SeqEvent::Failed(e.to_string()));
@@ -595,31 +715,51 @@ impl Loop {
         }
     }
 
-    /// At the end of a sequence: queues the full blocks that hold generated tokens (past the
-    /// prompt's full blocks), keyed as the prompt's continuation. An agent's next prompt
-    /// repeats this answer, so its blocks are then loaded instead of recomputed. Only
-    /// positions whose KV was computed count (the last sampled token is never fed).
-    fn store_generated(engine: &Engine, sidecar: &Sidecar, metrics: &Metrics, seq: &Seq) {
+    /// The keys of a finished sequence's full blocks (prompt and generated tokens whose KV
+    /// was computed: the last sampled token is never fed), when they go past the prompt's.
+    fn generated_keys(&self, bt: usize, seq: &Seq) -> Option<Vec<kvtier_core::BlockKey>> {
         let p = &seq.req.prefix;
-        let bt = engine.cache().block_tokens();
         let full = (seq.kv_tokens / bt).min(seq.table.len());
         let first = p.keys.len();
-        if !p.store || full <= first {
-            return;
+        if full <= first {
+            return None;
         }
         let mut tokens = seq.req.tokens.clone();
         tokens.extend_from_slice(&seq.out);
-        let keys = match sidecar.keys(&tokens[..full * bt], p.cache_salt.as_deref()) {
-            Ok(k) if k.len() == full && k[..first] == p.keys[..] => k,
+        let made = match (&self.local, &self.sidecar) {
+            (Some(l), _) => l.keys.keys(&tokens[..full * bt], p.cache_salt.as_deref()),
+            (None, Some(s)) => s.keys(&tokens[..full * bt], p.cache_salt.as_deref()),
+            (None, None) => return None,
+        };
+        match made {
+            Ok(k) if k.len() == full && k[..first] == p.keys[..] => Some(k),
             Ok(_) => {
                 tracing::error!("generated blocks: keys do not continue the prompt's");
-                return;
+                None
             }
             Err(e) => {
                 tracing::warn!(error = %e, "cannot hash the generated tokens");
-                return;
+                None
             }
-        };
+        }
+    }
+
+    /// At the end of a sequence: queues the full blocks that hold generated tokens (past the
+    /// prompt's full blocks, `keys` from [`generated_keys`](Self::generated_keys)), keyed as
+    /// the prompt's continuation. An agent's next prompt repeats this answer, so its blocks
+    /// are then loaded instead of recomputed.
+    fn store_generated(
+        engine: &Engine,
+        sidecar: &Sidecar,
+        metrics: &Metrics,
+        seq: &Seq,
+        keys: &[kvtier_core::BlockKey],
+    ) {
+        let p = &seq.req.prefix;
+        let (first, full) = (p.keys.len(), keys.len());
+        if !p.store {
+            return;
+        }
         let queued = sidecar.queue_store(|| {
             let block = engine.cache().layout().block_bytes() as usize;
             let mut bytes = Vec::with_capacity((full - first) * block);
@@ -638,13 +778,25 @@ impl Loop {
     }
 
     fn finish(&mut self, mut seq: Seq) {
-        if let Some(s) = &self.sidecar
-            && seq.finished.is_some()
+        let shared = Arc::clone(&self.engine);
+        let mut engine = lock(&shared);
+        let bt = engine.cache().block_tokens();
+        // A sequence that ended normally (not failed, not cancelled) keeps its generated
+        // blocks: stored in kvtier, and entered in the local prefix cache.
+        if seq.finished.is_some()
             && !seq.req.events.is_closed()
+            && let Some(keys) = self.generated_keys(bt, &seq)
         {
-            Self::store_generated(&lock(&self.engine), s, &self.metrics, &seq);
+            if let Some(s) = &self.sidecar {
+                Self::store_generated(&engine, s, &self.metrics, &seq, &keys);
+            }
+            if let Some(l) = &mut self.local {
+                let first = seq.req.prefix.keys.len();
+                lock_index(&l.index).insert(&keys[first..], &seq.table.blocks()[first..keys.len()]);
+            }
         }
-        let released = lock(&self.engine).cache_mut().release_table(&mut seq.table);
+        let released = self.release(&mut engine, &mut seq.table);
+        drop(engine);
         if let Err(e) = released {
             tracing::error!(error = %e, "releasing a finished sequence's blocks");
         }
@@ -657,6 +809,10 @@ impl Loop {
         }
         self.metrics.e2e.observe(seq.req.arrived.elapsed());
         add(&self.metrics.prompt_tokens_cached, seq.cached_tokens as u64);
+        add(
+            &self.metrics.prompt_tokens_local_hit,
+            (seq.local_blocks * bt) as u64,
+        );
         self.metrics.requests.inc("ok");
         let _ = seq.req.events.send(SeqEvent::Done(Usage {
             finish,

@@ -57,6 +57,7 @@ use crate::engine::Engine;
 use crate::error::{Result, WorkerError};
 use crate::metrics::{DisaggMetrics, Metrics};
 use crate::model::{DeviceSpec, Model};
+use crate::prefix_cache::BlockKeys;
 use crate::scheduler::{GenRequest, PrefilledKv, Scheduler, SeqEvent, SubmitError, Usage};
 use crate::sidecar::{Prefix, Sidecar, SidecarSettings};
 use crate::tokenizer::{TextStream, Tokenizer};
@@ -142,6 +143,12 @@ pub struct ServeConfig {
     /// the same). The transfer agent listens on the IP of [`listen`](Self::listen).
     /// Default: [`BackendKind::Shm`] (one host).
     pub transfer_backend: BackendKind,
+    /// Keep a prefix cache in the KV pool ([`crate::prefix_cache`]): finished sequences'
+    /// full blocks stay there until their pages are needed, so a request that repeats a
+    /// prefix (an agent's next turn) uses them in place, with or without a sidecar. Role
+    /// both only (roles prefill and decode share the pool with the transfer path and keep
+    /// none). Default: true.
+    pub prefix_cache: bool,
 }
 
 impl Default for ServeConfig {
@@ -164,6 +171,7 @@ impl Default for ServeConfig {
             role: Role::Both,
             prefill_url: None,
             transfer_backend: BackendKind::Shm,
+            prefix_cache: true,
         }
     }
 }
@@ -171,6 +179,8 @@ impl Default for ServeConfig {
 struct AppInner {
     sched: Scheduler,
     sidecar: Option<Arc<Sidecar>>,
+    /// Without a sidecar, the keys of the local prefix cache (when it is on).
+    local_keys: Option<BlockKeys>,
     metrics: Arc<Metrics>,
     role: Role,
     disagg: Option<Disagg>,
@@ -370,12 +380,26 @@ impl WorkerServer {
             }
         };
         crate::scheduler::lock(&engine).set_eos(tokenizer.eos());
+        // The local prefix cache keys blocks as the sidecar does (same secret and namespace).
+        let block_keys =
+            (config.prefix_cache && config.role == Role::Both).then(|| match &sidecar {
+                Some(s) => s.block_keys().clone(),
+                None => BlockKeys::new(
+                    config
+                        .hash_secret
+                        .clone()
+                        .unwrap_or_else(HashSecret::development),
+                    config.model_name.clone(),
+                    layout,
+                ),
+            });
         let (sched, scheduler) = Scheduler::start(
             engine,
             config.max_batch,
             sidecar.clone(),
             metrics.clone(),
             tokio::runtime::Handle::current(),
+            block_keys.clone(),
         )?;
         let listener = tokio::net::TcpListener::bind(&config.listen)
             .await
@@ -389,6 +413,7 @@ impl WorkerServer {
         })?;
         let app: App = Arc::new(AppInner {
             sched,
+            local_keys: block_keys.filter(|_| sidecar.is_none()),
             sidecar: sidecar.clone(),
             metrics: metrics.clone(),
             role: config.role,
@@ -654,12 +679,23 @@ async fn handle_inner(
         Some(d) if d.decoder.is_some() => Some(take_budget(d, need).await?),
         _ => None,
     };
-    let prefix = match &app.sidecar {
-        Some(s) => {
-            s.prepare(&req.tokens, req.cache_salt.as_deref().map(str::as_bytes))
-                .await
+    let salt = req.cache_salt.as_deref().map(str::as_bytes);
+    let prefix = match (&app.sidecar, &app.local_keys) {
+        // Blocks the local prefix cache holds are not fetched again.
+        (Some(s), _) => {
+            s.prepare_after(&req.tokens, salt, |keys| {
+                app.sched.local_hits(req.tokens.len(), keys)
+            })
+            .await
         }
-        None => Prefix::none(),
+        (None, Some(k)) => match k.keys(&req.tokens, salt) {
+            Ok(keys) => Prefix::local(keys, salt),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot hash the prompt; not using the prefix cache");
+                Prefix::none()
+            }
+        },
+        (None, None) => Prefix::none(),
     };
     // Role decode: a cached prefix the cost model chose to load is used here (the rest is
     // computed locally); otherwise the prefill worker computes the prompt.

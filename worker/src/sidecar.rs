@@ -19,12 +19,15 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvtier_client::{Client, ClientConfig, ClientError, ErrorCode, Miss, PinnedBlocks, TierCode};
-use kvtier_core::{BlockKey, HashSecret, KvLayout, NamespaceBuilder, PrefixHasher};
+use kvtier_client::{
+    Client, ClientConfig, ClientError, ErrorCode, Miss, PinnedBlocks, PutStatus, Stored, TierCode,
+};
+use kvtier_core::{BlockKey, HashSecret, KvLayout};
 use tokio::sync::mpsc;
 
 use crate::error::{Result, WorkerError};
 use crate::metrics::{Metrics, add};
+use crate::prefix_cache::BlockKeys;
 
 /// Deadline of every sidecar call; past it the request recomputes. Default 1 s.
 pub const SIDECAR_TIMEOUT: Duration = Duration::from_secs(1);
@@ -37,6 +40,9 @@ pub const PIN_LEASE: Duration = Duration::from_secs(10);
 pub const RECONNECT_INTERVAL: Duration = Duration::from_millis(500);
 /// Weight of the newest sample in the bandwidth and prefill-rate averages.
 pub const EWMA_ALPHA: f64 = 0.3;
+/// At most one warning per this interval about stores the sidecar refused (the others are
+/// counted, and summed into the next warning).
+pub const REFUSED_STORE_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// How to reach the sidecar and make keys.
 #[derive(Clone, Debug)]
@@ -102,8 +108,11 @@ impl PrefixSource {
 pub struct Prefix {
     /// Keys of every full block of the prompt.
     pub keys: Vec<BlockKey>,
-    /// Where the loaded blocks come from (`source.blocks()` leading blocks).
+    /// Where the loaded blocks come from: `source.blocks()` blocks from key `source_first` on.
     pub source: PrefixSource,
+    /// Index in `keys` of the source's first block (the blocks before it were not asked
+    /// for: the local prefix cache holds them).
+    pub source_first: usize,
     /// Blocks from this index on are stored after prefill (earlier ones are cached).
     pub store_from: usize,
     /// Time spent in sidecar calls for this prompt (lookup + pin/get).
@@ -120,10 +129,20 @@ impl Prefix {
         Self {
             keys: Vec::new(),
             source: PrefixSource::None,
+            source_first: 0,
             store_from: 0,
             fetch_time: Duration::ZERO,
             store: false,
             cache_salt: None,
+        }
+    }
+
+    /// No sidecar, but the local prefix cache: the prompt's keys, nothing loaded or stored.
+    pub fn local(keys: Vec<BlockKey>, cache_salt: Option<&[u8]>) -> Self {
+        Self {
+            keys,
+            cache_salt: cache_salt.map(<[u8]>::to_vec),
+            ..Self::none()
         }
     }
 }
@@ -199,6 +218,7 @@ pub struct Sidecar {
     settings: SidecarSettings,
     client_config: ClientConfig,
     layout: KvLayout,
+    keys: BlockKeys,
     block_bytes: usize,
     client: Mutex<Option<Client>>,
     next_connect: Mutex<Instant>,
@@ -259,8 +279,9 @@ impl Sidecar {
         }
         let (tx, rx) = mpsc::channel(STORE_QUEUE_DEPTH);
         let sidecar = Arc::new(Sidecar {
-            settings,
+            settings: settings.clone(),
             client_config: cfg,
+            keys: BlockKeys::new(settings.secret.clone(), settings.model_id.clone(), layout),
             layout,
             block_bytes,
             client: Mutex::new(None),
@@ -401,22 +422,28 @@ impl Sidecar {
 
     /// The keys of `tokens`' full blocks under the request's `cache_salt`.
     pub fn keys(&self, tokens: &[u32], cache_salt: Option<&[u8]>) -> Result<Vec<BlockKey>> {
-        let mut ns =
-            NamespaceBuilder::new(self.settings.model_id.clone(), self.layout.fingerprint());
-        if let Some(s) = cache_salt {
-            ns = ns.cache_salt(s);
-        }
-        let ns = ns.build(&self.settings.secret)?;
-        let mut h =
-            PrefixHasher::new(self.settings.secret.clone(), ns, self.layout.block_tokens())?;
-        let mut keys = Vec::new();
-        h.prompt_keys(tokens, &mut keys);
-        Ok(keys)
+        self.keys.keys(tokens, cache_salt)
+    }
+
+    /// The key maker (the local prefix cache keys blocks the same way).
+    pub fn block_keys(&self) -> &BlockKeys {
+        &self.keys
     }
 
     /// Looks up and fetches the longest worthwhile cached prefix of `tokens`. Never fails:
     /// anything wrong is a (counted) miss.
     pub async fn prepare(&self, tokens: &[u32], cache_salt: Option<&[u8]>) -> Prefix {
+        self.prepare_after(tokens, cache_salt, |_| 0).await
+    }
+
+    /// [`prepare`](Self::prepare), fetching only the blocks past the `held(keys)` leading
+    /// blocks the worker holds already (its local prefix cache).
+    pub async fn prepare_after(
+        &self,
+        tokens: &[u32],
+        cache_salt: Option<&[u8]>,
+        held: impl FnOnce(&[BlockKey]) -> usize,
+    ) -> Prefix {
         let t0 = Instant::now();
         let keys = match self.keys(tokens, cache_salt) {
             Ok(k) => k,
@@ -426,9 +453,11 @@ impl Sidecar {
                 return Prefix::none();
             }
         };
+        let skip = held(&keys).min(keys.len());
         let mut prefix = Prefix {
             keys,
             source: PrefixSource::None,
+            source_first: skip,
             store_from: 0,
             fetch_time: Duration::ZERO,
             store: true,
@@ -449,22 +478,23 @@ impl Sidecar {
             self.metrics.cache_fallbacks.inc(miss_reason(m));
         }
         prefix.store_from = cached;
-        if cached == 0 {
+        if cached <= skip {
             prefix.fetch_time = t0.elapsed();
             return prefix;
         }
         let bt = self.layout.block_tokens() as usize;
-        let want = self
+        let load = self
             .rates()
-            .blocks_to_load(&lookup.tiers, self.block_bytes, bt);
+            .blocks_to_load(&lookup.tiers[skip..], self.block_bytes, bt);
+        let want = skip + load;
         if want < cached {
             add(&self.metrics.loads_skipped_cost, 1);
         }
-        if want == 0 {
+        if load == 0 {
             prefix.fetch_time = t0.elapsed();
             return prefix;
         }
-        let keys = &prefix.keys[..want];
+        let keys = &prefix.keys[skip..want];
         if client.is_local() {
             match client.get_pinned(keys, PIN_LEASE).await {
                 Ok(p) => {
@@ -475,8 +505,8 @@ impl Sidecar {
                     }
                     // Stopped before `want` (evicted, corrupt, busy): the chain is stored
                     // again from there. Blocks skipped by the cost model are still cached.
-                    if p.len() < want {
-                        prefix.store_from = p.len();
+                    if skip + p.len() < want {
+                        prefix.store_from = skip + p.len();
                     }
                     prefix.source = PrefixSource::Pinned(p);
                 }
@@ -486,7 +516,7 @@ impl Sidecar {
                 }
             }
         } else {
-            let mut bytes = vec![0u8; want * self.block_bytes];
+            let mut bytes = vec![0u8; load * self.block_bytes];
             let got = {
                 let mut bufs: Vec<&mut [u8]> = bytes.chunks_exact_mut(self.block_bytes).collect();
                 client.get_into(keys, &mut bufs).await
@@ -496,8 +526,8 @@ impl Sidecar {
             {
                 self.metrics.cache_fallbacks.inc(miss_reason(m));
             }
-            if got.blocks < want {
-                prefix.store_from = got.blocks;
+            if skip + got.blocks < want {
+                prefix.store_from = skip + got.blocks;
             }
             bytes.truncate(got.blocks * self.block_bytes);
             if got.blocks > 0 {
@@ -559,7 +589,59 @@ impl Sidecar {
     }
 }
 
+/// Why the sidecar did not take (all of) a store, when it refused it: `None` when every
+/// block was stored or already there, or the store failed otherwise (no connection, a
+/// timeout, a server I/O error: counted as store failures).
+pub fn refusal(stored: &Stored) -> Option<&'static str> {
+    match &stored.failure {
+        Some(Miss::Busy) => return Some("busy"),
+        Some(Miss::Refused(_)) => return Some("refused"),
+        Some(_) => return None,
+        None => {}
+    }
+    stored.statuses.iter().find_map(|s| match s {
+        PutStatus::RejectedBacklog => Some("backlog"),
+        PutStatus::RejectedNoSlot => Some("no_slot"),
+        PutStatus::RejectedOrphan => Some("orphan"),
+        _ => None,
+    })
+}
+
+/// Warns about refused stores at most once per [`REFUSED_STORE_LOG_INTERVAL`], with the
+/// number of refusals since the last warning.
+struct RefusalLog {
+    last: Option<Instant>,
+    unlogged: u64,
+}
+
+impl RefusalLog {
+    fn refused(&mut self, why: &'static str, blocks: usize, refused_blocks: usize) {
+        self.unlogged += 1;
+        let now = Instant::now();
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t) < REFUSED_STORE_LOG_INTERVAL)
+        {
+            return;
+        }
+        tracing::warn!(
+            reason = why,
+            blocks,
+            refused_blocks,
+            refused_stores_since_last_warning = self.unlogged,
+            "the kvtier sidecar refused a store: those blocks are not cached (counted in \
+             kvtier_worker_stores_refused_total)"
+        );
+        self.last = Some(now);
+        self.unlogged = 0;
+    }
+}
+
 async fn store_loop(sidecar: Arc<Sidecar>, mut rx: mpsc::Receiver<StoreJob>) {
+    let mut log = RefusalLog {
+        last: None,
+        unlogged: 0,
+    };
     while let Some(job) = rx.recv().await {
         let Some(client) = sidecar.client().await else {
             add(&sidecar.metrics.store_failures, 1);
@@ -568,7 +650,10 @@ async fn store_loop(sidecar: Arc<Sidecar>, mut rx: mpsc::Receiver<StoreJob>) {
         let bufs: Vec<&[u8]> = job.bytes.chunks_exact(sidecar.block_bytes).collect();
         let stored = client.put_chain(&job.keys, job.parent, &bufs).await;
         add(&sidecar.metrics.blocks_stored, stored.cached() as u64);
-        if let Some(why) = stored.failure {
+        if let Some(why) = refusal(&stored) {
+            add(&sidecar.metrics.stores_refused, 1);
+            log.refused(why, job.keys.len(), job.keys.len() - stored.cached());
+        } else if let Some(why) = stored.failure {
             tracing::debug!(?why, "store failed");
             add(&sidecar.metrics.store_failures, 1);
         }
@@ -603,6 +688,26 @@ mod tests {
         r.dram_bytes_per_s = Some(1e6);
         assert_eq!(r.blocks_to_load(&[dram], block, bt), 0);
         assert_eq!(r.blocks_to_load(&[], block, bt), 0);
+    }
+
+    #[test]
+    fn refusals_are_told_from_other_failures() {
+        let check = |statuses: Vec<PutStatus>, failure: Option<Miss>, want: Option<&str>| {
+            let s = kvtier_client::Stored { statuses, failure };
+            assert_eq!(refusal(&s), want, "{s:?}");
+        };
+        use PutStatus::{
+            AlreadyPresent, Failed, RejectedBacklog, RejectedNoSlot, RejectedOrphan, Stored,
+        };
+        check(vec![Stored, AlreadyPresent], None, None);
+        check(vec![Stored, RejectedBacklog], None, Some("backlog"));
+        check(vec![RejectedNoSlot], None, Some("no_slot"));
+        check(vec![RejectedOrphan, RejectedOrphan], None, Some("orphan"));
+        check(vec![Failed], None, None);
+        check(vec![], Some(Miss::Busy), Some("busy"));
+        check(vec![], Some(Miss::Refused("quota".into())), Some("refused"));
+        check(vec![], Some(Miss::Timeout), None);
+        check(vec![], Some(Miss::Disconnected), None);
     }
 
     #[test]

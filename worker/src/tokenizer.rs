@@ -62,11 +62,26 @@ const EOS_NAMES: &[&str] = &[
     "[EOS]",
 ];
 
+/// The special tokens a plain-text prompt gets around its text, decided as `transformers`
+/// decides them: each of `add_bos_token` / `add_eos_token` of `tokenizer_config.json` that is
+/// set says whether its token is added; a side the file does not set (or no file) gets what
+/// the `tokenizer.json`'s post-processor adds there (a `TemplateProcessing`'s `<s> $A`, or
+/// nothing).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SpecialTokens {
+    /// Ids put in front of the text.
+    pub prefix: Vec<u32>,
+    /// Ids put after it.
+    pub suffix: Vec<u32>,
+}
+
 /// A Hugging Face tokenizer with the BOS and stop tokens the worker uses.
 pub struct HfTokenizer {
     inner: tokenizers::Tokenizer,
     bos: Option<u32>,
     eos: Vec<u32>,
+    /// What a plain-text prompt gets around its text.
+    specials: SpecialTokens,
     /// One past the largest id the tokenizer can produce.
     id_bound: usize,
     /// The model directory's chat template ([`crate::chat`]), if it has one.
@@ -110,11 +125,46 @@ fn config_ids(config: &serde_json::Value, key: &str) -> Vec<u32> {
     }
 }
 
+/// What the post-processor of `inner` puts before and after a text's ids, found by encoding
+/// probe texts with and without it. `None` when it does something else than adding ids
+/// around the text.
+fn post_processor_specials(inner: &tokenizers::Tokenizer) -> Option<SpecialTokens> {
+    for probe in ["a", "hello", "0", " "] {
+        let (Ok(with), Ok(without)) = (inner.encode(probe, true), inner.encode(probe, false))
+        else {
+            continue;
+        };
+        let (with, without) = (with.get_ids(), without.get_ids());
+        if without.is_empty() || with.len() < without.len() {
+            continue;
+        }
+        let at = (0..=with.len() - without.len()).find(|&i| with[i..].starts_with(without))?;
+        return Some(SpecialTokens {
+            prefix: with[..at].to_vec(),
+            suffix: with[at + without.len()..].to_vec(),
+        });
+    }
+    None
+}
+
+/// A special token named in `tokenizer_config.json`: a string or `{"content": ...}`.
+fn config_token(tok_config: &serde_json::Value, key: &str) -> Option<String> {
+    match tok_config.get(key)? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o
+            .get("content")
+            .and_then(serde_json::Value::as_str)
+            .map(str::to_owned),
+        _ => None,
+    }
+}
+
 impl Tokenizer {
     /// The tokenizer for model directory `dir`: `dir/tokenizer.json` when there is one (its
     /// BOS/EOS from `dir/config.json`'s `bos_token_id`/`eos_token_id`, else from its added
-    /// tokens), else the byte tokenizer. Every id the tokenizer can produce must be below
-    /// `vocab_size`.
+    /// tokens; the special tokens a prompt gets from `dir/tokenizer_config.json`, see
+    /// [`SpecialTokens`]), else the byte tokenizer. Every id the tokenizer can produce must be
+    /// below `vocab_size`.
     pub fn for_model_dir(dir: &Path, vocab_size: usize) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         if !path.exists() {
@@ -128,8 +178,19 @@ impl Tokenizer {
             Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
             Err(_) => serde_json::Value::Null,
         };
-        let mut tok = Self::load(&path, &config)?;
-        tracing::info!(path = %path.display(), "using the model directory's tokenizer");
+        let cfg_path = dir.join("tokenizer_config.json");
+        let tok_config = match std::fs::read(&cfg_path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| tok_err(&cfg_path, format!("not valid JSON: {e}")))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
+            Err(e) => return Err(tok_err(&cfg_path, format!("cannot read: {e}"))),
+        };
+        let mut tok = Self::load_with(&path, &config, &tok_config)?;
+        tracing::info!(
+            path = %path.display(),
+            special_tokens = ?tok.special_tokens(),
+            "using the model directory's tokenizer"
+        );
         if let (Tokenizer::Hf(h), Some(chat)) =
             (&mut tok, crate::chat::ChatTemplate::for_model_dir(dir)?)
         {
@@ -140,7 +201,18 @@ impl Tokenizer {
     }
 
     /// Loads `path` (a `tokenizer.json`); `config` is the model's `config.json` (or null).
+    /// Prompts get the special tokens of its post-processor (no `tokenizer_config.json`).
     pub fn load(path: &Path, config: &serde_json::Value) -> Result<Self> {
+        Self::load_with(path, config, &serde_json::Value::Null)
+    }
+
+    /// [`load`](Self::load) with the model's `tokenizer_config.json` (or null), whose
+    /// `add_bos_token` / `add_eos_token` decide the prompt's special tokens when set.
+    pub fn load_with(
+        path: &Path,
+        config: &serde_json::Value,
+        tok_config: &serde_json::Value,
+    ) -> Result<Self> {
         let bytes = std::fs::read(path).map_err(|source| WorkerError::Io {
             path: path.to_owned(),
             source,
@@ -169,10 +241,38 @@ impl Tokenizer {
         if id_bound == 0 {
             return Err(tok_err(path, "the vocabulary is empty"));
         }
+        let post = post_processor_specials(&inner).unwrap_or_else(|| {
+            tracing::warn!(
+                path = %path.display(),
+                "the tokenizer's post-processor does more than add tokens around the text; \
+                 prompts get only the special tokens tokenizer_config.json asks for"
+            );
+            SpecialTokens::default()
+        });
+        let flag = |k: &str| tok_config.get(k).and_then(serde_json::Value::as_bool);
+        // The token tokenizer_config.json names, else config.json's, else the post-processor's.
+        let named = |key: &str| config_token(tok_config, key).and_then(|t| inner.token_to_id(&t));
+        let specials = SpecialTokens {
+            prefix: match flag("add_bos_token") {
+                None => post.prefix,
+                Some(false) => Vec::new(),
+                Some(true) => named("bos_token")
+                    .or(bos)
+                    .map_or(post.prefix, |id| vec![id]),
+            },
+            suffix: match flag("add_eos_token") {
+                None => post.suffix,
+                Some(false) => Vec::new(),
+                Some(true) => named("eos_token")
+                    .or(eos.first().copied())
+                    .map_or(post.suffix, |id| vec![id]),
+            },
+        };
         Ok(Tokenizer::Hf(Arc::new(HfTokenizer {
             inner,
             bos,
             eos,
+            specials,
             id_bound,
             chat: None,
         })))
@@ -222,6 +322,18 @@ impl Tokenizer {
         }
     }
 
+    /// The special tokens [`encode`](Self::encode) puts around a plain-text prompt (the byte
+    /// tokenizer: its BOS in front).
+    pub fn special_tokens(&self) -> SpecialTokens {
+        match self {
+            Tokenizer::Byte => SpecialTokens {
+                prefix: vec![ByteTokenizer::BOS],
+                suffix: Vec::new(),
+            },
+            Tokenizer::Hf(h) => h.specials.clone(),
+        }
+    }
+
     /// Tokens that end generation.
     pub fn eos(&self) -> Vec<u32> {
         match self {
@@ -230,11 +342,13 @@ impl Tokenizer {
         }
     }
 
-    /// Ids of `text` (no special tokens added by the tokenizer's post-processor), after the
-    /// BOS when `add_bos` and the tokenizer has one.
-    pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
+    /// Ids of `text`. With `add_special_tokens` (a plain-text prompt), the special tokens the
+    /// model's configuration asks for ([`SpecialTokens`]; the byte tokenizer: its BOS), as
+    /// `transformers`' `encode(text)`; without (a prompt rendered by a chat template, which
+    /// writes its own), none.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         match self {
-            Tokenizer::Byte => Ok(ByteTokenizer.encode(text, add_bos)),
+            Tokenizer::Byte => Ok(ByteTokenizer.encode(text, add_special_tokens)),
             Tokenizer::Hf(h) => {
                 let enc = h
                     .inner
@@ -243,11 +357,14 @@ impl Tokenizer {
                         path: PathBuf::from("tokenizer.json"),
                         reason: format!("encoding failed: {e}"),
                     })?;
-                let mut ids = Vec::with_capacity(enc.get_ids().len() + 1);
-                if add_bos {
-                    ids.extend(h.bos);
+                if !add_special_tokens {
+                    return Ok(enc.get_ids().to_vec());
                 }
+                let s = &h.specials;
+                let mut ids = Vec::with_capacity(s.prefix.len() + enc.len() + s.suffix.len());
+                ids.extend_from_slice(&s.prefix);
                 ids.extend_from_slice(enc.get_ids());
+                ids.extend_from_slice(&s.suffix);
                 Ok(ids)
             }
         }

@@ -331,6 +331,8 @@ async fn serve_twice() -> Result<()> {
             model_config: case.cfg.clone(),
             gpu: Some(case.gpu.clone()),
             pool_blocks: 64,
+            // The second turn must come from the sidecar, not the pool's own prefix cache.
+            prefix_cache: false,
             ..worker_config(Some(unix))
         })
         .await?;

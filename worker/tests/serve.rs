@@ -52,6 +52,16 @@ fn cached(usage: &Value) -> u64 {
         .unwrap_or(u64::MAX)
 }
 
+/// A worker whose repeated prefixes can only come from the sidecar (no local prefix cache):
+/// for the tests of the kvtier path itself.
+async fn start_sidecar_worker(url: String) -> Result<WorkerServer> {
+    Ok(WorkerServer::start(ServeConfig {
+        prefix_cache: false,
+        ..worker_config(Some(url))
+    })
+    .await?)
+}
+
 /// Waits until the worker's queued stores reached the sidecar.
 async fn stores_done(w: &WorkerServer, blocks: u64) -> Result<()> {
     let m = w.metrics().clone();
@@ -63,7 +73,7 @@ async fn prefix_from_dram_nvme_and_after_restart_equals_recompute() -> Result<()
     let dir = tempfile::tempdir()?;
     let cfg = kvtier_config(dir.path(), "8MiB", 4)?;
     let (server, unix, _tcp) = start_kvtier(&cfg).await?;
-    let w = start_worker(Some(unix)).await?;
+    let w = start_sidecar_worker(unix).await?;
     let want = solo_text(PROMPT, 12)?;
     let full_blocks = (PROMPT.len() as u64 + 1) / 16;
 
@@ -115,7 +125,7 @@ async fn prefix_over_tcp_equals_recompute() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let cfg = kvtier_config(dir.path(), "8MiB", 4)?;
     let (server, _unix, tcp) = start_kvtier(&cfg).await?;
-    let w = start_worker(Some(tcp)).await?;
+    let w = start_sidecar_worker(tcp).await?;
     let prompt = "tcp tcp tcp: a remote sidecar serves the prefix with get_into, staged once";
     let want = solo_text(prompt, 10)?;
     let blocks = (prompt.len() as u64 + 1) / 16;
@@ -180,7 +190,7 @@ async fn corrupt_blocks_on_disk_are_recomputed_and_counted() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let cfg = kvtier_config(dir.path(), "8MiB", 4)?;
     let (server, unix, _) = start_kvtier(&cfg).await?;
-    let w = start_worker(Some(unix)).await?;
+    let w = start_sidecar_worker(unix).await?;
     let want = solo_text(PROMPT, 12)?;
     let blocks = (PROMPT.len() as u64 + 1) / 16;
     assert_eq!(complete(&w, PROMPT, 12).await?.0, want);
@@ -221,7 +231,7 @@ async fn a_lost_or_absent_sidecar_never_fails_a_request() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let cfg = kvtier_config(dir.path(), "8MiB", 4)?;
     let (server, unix, _) = start_kvtier(&cfg).await?;
-    let w = start_worker(Some(unix)).await?;
+    let w = start_sidecar_worker(unix).await?;
     let want = solo_text(PROMPT, 8)?;
     assert_eq!(complete(&w, PROMPT, 8).await?.0, want);
     server.shutdown().await;
@@ -429,6 +439,24 @@ async fn bad_requests_get_openai_style_errors() -> Result<()> {
     check(400, json!("prompt"), "maximum context length is 8192")(
         post(a, "/v1/completions", &json!({"prompt": "y".repeat(9000)})).await?,
     )?;
+    // The prompt plus max_tokens past the context is refused, as vLLM does (not cut short).
+    for (path, body, param) in [
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 8191}),
+            "prompt",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 8180}),
+            "messages",
+        ),
+    ] {
+        let r = post(a, path, &body).await?;
+        let v = r.json()?;
+        check(400, json!(param), "maximum context length is 8192")(r)?;
+        assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    }
     // 64 blocks = 1024 tokens: a request whose worst case needs more can never run.
     check(400, json!("max_tokens"), "pool holds 64")(
         post(
@@ -500,7 +528,7 @@ async fn concurrent_requests_interleave_and_each_equals_its_solo_run() -> Result
 async fn the_next_turn_loads_the_previous_answer_from_kvtier() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let (server, unix, _tcp) = start_kvtier(&kvtier_config(dir.path(), "8MiB", 4)?).await?;
-    let w = start_worker(Some(unix)).await?;
+    let w = start_sidecar_worker(unix).await?;
     let prompt = ByteTokenizer.encode("An agent asks a question; kvtier keeps the answer.", true);
     let g = Engine::new(Model::random(ModelConfig::default(), 0)?, 256)?.generate(
         &prompt,

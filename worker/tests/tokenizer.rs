@@ -14,6 +14,7 @@ use kvtier_worker::{Engine, Model, ModelConfig, Sampling, Tokenizer, WorkerError
 use serde_json::{Value, json};
 use tokenizers::models::wordlevel::WordLevel;
 use tokenizers::pre_tokenizers::whitespace::Whitespace;
+use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, Tokenizer as HfTokenizer};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -25,8 +26,24 @@ const WORDS: &[&str] = &[
     "slow", "warm", "cold", "hello", "world", "!", "?",
 ];
 
-/// `<unk>` 0, `<s>` 1, `</s>` 2, then `WORDS` (and `extra` at the ids given).
+/// `<unk>` 0, `<s>` 1, `</s>` 2, then `WORDS` (and `extra` at the ids given); its
+/// post-processor puts `<s>` in front, as Llama 2's `tokenizer.json` does.
 fn hf_tokenizer(extra: &[(&str, u32)]) -> Result<HfTokenizer> {
+    let mut tok = plain_tokenizer(extra)?;
+    tok.with_post_processor(Some(
+        TemplateProcessing::builder()
+            .try_single("<s> $A")
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .try_pair("<s> $A <s> $B")
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .special_tokens(vec![("<s>", BOS)])
+            .build()?,
+    ));
+    Ok(tok)
+}
+
+/// [`hf_tokenizer`] without a post-processor.
+fn plain_tokenizer(extra: &[(&str, u32)]) -> Result<HfTokenizer> {
     let mut vocab: Vec<(String, u32)> = vec![
         ("<unk>".into(), 0),
         ("<s>".into(), BOS),
@@ -189,6 +206,131 @@ async fn text_prompts_use_the_model_directorys_tokenizer() -> Result<()> {
     Ok(())
 }
 
+/// Writes `tokenizer.json` (with or without its BOS post-processor) and `tokenizer_config.json`
+/// (or none) into `dir`.
+fn write_tokenizer(dir: &Path, post_processor: bool, tok_config: Option<&Value>) -> Result<()> {
+    let tok = if post_processor {
+        hf_tokenizer(&[])?
+    } else {
+        plain_tokenizer(&[])?
+    };
+    tok.save(dir.join("tokenizer.json"), false)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let cfg = dir.join("tokenizer_config.json");
+    match tok_config {
+        Some(c) => std::fs::write(&cfg, c.to_string())?,
+        None if cfg.exists() => std::fs::remove_file(&cfg)?,
+        None => {}
+    }
+    Ok(())
+}
+
+/// Special tokens as the model's tokenizer configuration says (issue 17): `add_bos_token` /
+/// `add_eos_token` of `tokenizer_config.json` where set, else what `tokenizer.json`'s
+/// post-processor adds; a prompt rendered by the model's chat template gets none added.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn special_tokens_follow_the_tokenizer_configuration() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cfg = model_config();
+    save_model(dir.path(), &cfg)?;
+    let prompt = "the quick brown fox";
+    let words = plain_tokenizer(&[])?
+        .encode(prompt, false)
+        .map_err(|e| anyhow::anyhow!("{e}"))?
+        .get_ids()
+        .to_vec();
+    assert_eq!(words.len(), 4);
+    let with = |pre: &[u32], post: &[u32]| [pre, &words[..], post].concat();
+    // (post-processor adds BOS, tokenizer_config.json, ids of the completion prompt)
+    let cases = [
+        (true, None, with(&[BOS], &[])),
+        (false, None, with(&[], &[])),
+        (true, Some(json!({"add_bos_token": false})), with(&[], &[])),
+        (
+            false,
+            Some(json!({"add_bos_token": true})),
+            with(&[BOS], &[]),
+        ),
+        (true, Some(json!({"bos_token": "<s>"})), with(&[BOS], &[])),
+        // Only the EOS side set: the BOS side stays the post-processor's.
+        (
+            true,
+            Some(json!({"add_eos_token": true})),
+            with(&[BOS], &[EOS]),
+        ),
+        (
+            false,
+            Some(
+                json!({"add_bos_token": true, "add_eos_token": true, "eos_token": {"content": "</s>"}}),
+            ),
+            with(&[BOS], &[EOS]),
+        ),
+    ];
+    for (post, tok_config, want) in &cases {
+        write_tokenizer(dir.path(), *post, tok_config.as_ref())?;
+        let tok = Tokenizer::for_model_dir(dir.path(), cfg.vocab_size)?;
+        let what = format!("post-processor {post}, tokenizer_config.json {tok_config:?}");
+        assert_eq!(&tok.encode(prompt, true)?, want, "{what}");
+        assert_eq!(tok.encode(prompt, false)?, words, "{what}");
+    }
+
+    // Served with add_bos_token false (SmolLM2's configuration) although the post-processor
+    // adds BOS: no BOS, and the completion is the model's continuation of the bare words.
+    let template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}";
+    write_tokenizer(
+        dir.path(),
+        true,
+        Some(&json!({"add_bos_token": false, "bos_token": "<s>", "chat_template": template})),
+    )?;
+    let mut engine = Engine::new(Model::from_hf_dir(dir.path(), cfg.block_tokens)?, 64)?;
+    engine.set_eos(vec![EOS]);
+    let g = engine.generate(&words, 12, Sampling::GREEDY)?;
+    let want = hf_tokenizer(&[])?
+        .decode(&g.tokens, true)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let w = start(dir.path()).await?;
+    let v = complete(&w, json!(prompt), false).await?.json()?;
+    assert_eq!(v["usage"]["prompt_tokens"], words.len(), "{v}");
+    assert_eq!(
+        text(&v)?,
+        want,
+        "the continuation of the prompt without BOS"
+    );
+    // Chat: the template writes BOS itself; nothing is added (BOS once).
+    let chat = json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 2});
+    let r = post(w.addr(), "/v1/chat/completions", &chat).await?;
+    ensure!(r.status == 200, "status {}: {}", r.status, r.body);
+    assert_eq!(r.json()?["usage"]["prompt_tokens"], words.len() + 1);
+    w.shutdown().await;
+
+    // add_bos_token true: the completion prompt gets BOS, the chat prompt still has one.
+    write_tokenizer(
+        dir.path(),
+        false,
+        Some(&json!({"add_bos_token": true, "bos_token": "<s>", "chat_template": template})),
+    )?;
+    let w = start(dir.path()).await?;
+    let v = complete(&w, json!(prompt), false).await?.json()?;
+    assert_eq!(v["usage"]["prompt_tokens"], words.len() + 1, "{v}");
+    let r = post(w.addr(), "/v1/chat/completions", &chat).await?;
+    ensure!(r.status == 200, "status {}: {}", r.status, r.body);
+    assert_eq!(r.json()?["usage"]["prompt_tokens"], words.len() + 1);
+    w.shutdown().await;
+
+    // No template: the worker's own is encoded as a completion prompt is (here: no BOS).
+    write_tokenizer(dir.path(), true, Some(&json!({"add_bos_token": false})))?;
+    let tok = Tokenizer::for_model_dir(dir.path(), cfg.vocab_size)?;
+    let builtin = format!("<|user|>\n{prompt}\n<|assistant|>\n");
+    let ids = tok.encode(&builtin, true)?;
+    assert_ne!(ids[0], BOS);
+    let w = start(dir.path()).await?;
+    let r = post(w.addr(), "/v1/chat/completions", &chat).await?;
+    ensure!(r.status == 200, "status {}: {}", r.status, r.body);
+    assert_eq!(r.json()?["usage"]["prompt_tokens"], ids.len());
+    w.shutdown().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_tokenizer_json_is_a_startup_error_naming_it() -> Result<()> {
     let dir = tempfile::tempdir()?;
@@ -331,8 +473,20 @@ fn llama3_style_tokenizer_json() -> (Value, usize) {
             {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
              "use_regex": false},
         ]},
-        "post_processor": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false,
-                           "use_regex": true},
+        // As Llama 3's: ByteLevel, then a template that puts BOS in front.
+        "post_processor": {"type": "Sequence", "processors": [
+            {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false,
+             "use_regex": true},
+            {"type": "TemplateProcessing",
+             "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+                        {"Sequence": {"id": "A", "type_id": 0}}],
+             "pair": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+                      {"Sequence": {"id": "A", "type_id": 0}},
+                      {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 1}},
+                      {"Sequence": {"id": "B", "type_id": 1}}],
+             "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [n],
+                                                      "tokens": ["<|begin_of_text|>"]}}},
+        ]},
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
                     "use_regex": true},
         "model": {

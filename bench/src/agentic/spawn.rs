@@ -273,6 +273,10 @@ pub fn start(spec: &SpawnSpec, o: &SpawnOptions) -> Result<Spawned> {
                 o.model.clone(),
             ]);
         }
+        if spec.kind == Kind::Off {
+            // Recompute every prompt: no prefix cache in the worker's pool either.
+            a.push("--no-prefix-cache".into());
+        }
         if let Some((r, prefill)) = role {
             a.extend(["--role".into(), r.into()]);
             if let Some(u) = prefill {
