@@ -77,14 +77,8 @@ async fn a_repeat_hits_the_pool_without_a_sidecar() -> Result<()> {
     }
     let m = w.metrics();
     let hits = 2 * (local_blocks(prompt(PROMPT).len()) + 2) * BT;
-    assert_eq!(
-        m.prompt_tokens_local_hit.get() as usize,
-        hits
-    );
-    assert_eq!(
-        m.prompt_tokens_cached.get() as usize,
-        hits
-    );
+    assert_eq!(m.prompt_tokens_local_hit.get() as usize, hits);
+    assert_eq!(m.prompt_tokens_cached.get() as usize, hits);
     let text = w.metrics().render();
     assert!(
         text.contains(&format!(
@@ -139,9 +133,7 @@ async fn only_blocks_past_the_local_ones_are_fetched() -> Result<()> {
     let m = w.metrics().clone();
     let stored = |n: usize| {
         let m = m.clone();
-        wait_for(LIMIT, move || {
-            m.blocks_stored.get() as usize >= n
-        })
+        wait_for(LIMIT, move || m.blocks_stored.get() as usize >= n)
     };
     let loaded = || m.blocks_loaded.get() as usize;
     // Blocks the server handed out (gets and pins count, lookups do not).
