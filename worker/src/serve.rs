@@ -41,6 +41,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use kvtier_core::HashSecret;
 use kvtier_transfer::{Agent, AgentConfig, BackendKind};
 use serde_json::json;
@@ -429,6 +430,15 @@ impl WorkerServer {
         let cancel = CancellationToken::new();
         let stop = cancel.clone();
         let http = tokio::spawn(async move {
+            // Tokens stream as small SSE chunks: without TCP_NODELAY, Nagle's algorithm holds
+            // a chunk back while an earlier one is unacknowledged (about 40 ms on loopback with
+            // delayed ACKs), which shows up as TTFT and inter-token latency on a kept-alive
+            // connection.
+            let listener = listener.tap_io(|tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection");
+                }
+            });
             if let Err(e) = axum::serve(listener, router)
                 .with_graceful_shutdown(stop.cancelled_owned())
                 .await

@@ -21,6 +21,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use axum::serve::ListenerExt;
 use http_body::Frame;
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -150,6 +151,10 @@ impl MockServer {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let task = tokio::spawn(async move {
+            // As the worker does: streamed chunks are not held back by Nagle's algorithm.
+            let listener = listener.tap_io(|tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
             let _ = axum::serve(listener, app).await;
         });
         Ok(Self { addr, state, task })
