@@ -1,59 +1,74 @@
-//! The consistency check of a quiescent store (tests and debugging).
+//! The consistency check of a quiescent store (tests and debugging), over every tier of the
+//! list.
 
-use crate::tier::TierKind;
-use kvtier_core::BlockKey;
 use std::collections::HashMap;
-use std::sync::Mutex;
-use std::sync::atomic::AtomicU32;
 use std::sync::atomic::Ordering;
 
-use super::Inner;
-use super::lock;
-use super::slots::NONE;
-use super::slots::TierState;
+use kvtier_core::BlockKey;
+
+use super::{Inner, lock};
 
 impl Inner {
     pub(super) fn check_consistency(&self) -> Result<(), String> {
-        let mut refs: HashMap<(TierKind, u32), BlockKey> = HashMap::new();
+        // (tier position, slot) -> the key whose entry references it.
+        let mut refs: HashMap<(usize, u32), BlockKey> = HashMap::new();
         for shard in self.shards.iter() {
             for (k, e) in lock(shard).iter() {
                 if e.is_empty() {
                     return Err(format!("{k}: an index entry with no location"));
                 }
-                for (t, s) in [(TierKind::Dram, e.dram), (TierKind::Nvme, e.nvme)] {
-                    if s != NONE
-                        && let Some(other) = refs.insert((t, s), *k)
-                    {
-                        return Err(format!("{t} slot {s} referenced by {k} and {other}"));
+                for (t, s) in e.held() {
+                    let Some(tier) = self.tiers.get(t) else {
+                        return Err(format!(
+                            "{k}: a location in tier position {t}, past the list"
+                        ));
+                    };
+                    if s >= tier.tier.slot_count() {
+                        return Err(format!("{k}: {} slot {s} is out of range", tier.kind));
+                    }
+                    if let Some(other) = refs.insert((t, s), *k) {
+                        return Err(format!(
+                            "{} slot {s} referenced by {k} and {other}",
+                            tier.kind
+                        ));
                     }
                 }
             }
         }
-        let check = |t: TierKind, state: &Mutex<TierState>, pins: &[AtomicU32]| {
-            let st = lock(state);
-            let mut free = vec![false; pins.len()];
+        for (t, tier) in self.tiers.iter().enumerate() {
+            let kind = tier.kind;
+            let st = lock(&tier.state);
+            let mut free = vec![false; tier.pins.len()];
             for &s in &st.free {
                 if std::mem::replace(&mut free[s as usize], true) {
-                    return Err(format!("{t} slot {s} is on the free list twice"));
+                    return Err(format!("{kind} slot {s} is on the free list twice"));
                 }
                 if refs.contains_key(&(t, s)) {
-                    return Err(format!("{t} slot {s} is free and referenced"));
+                    return Err(format!("{kind} slot {s} is free and referenced"));
                 }
             }
-            for (s, p) in pins.iter().enumerate() {
+            for (s, p) in tier.pins.iter().enumerate() {
                 let p = p.load(Ordering::Acquire);
                 if p != 0 {
-                    return Err(format!("{t} slot {s} has pin word {p:#x} while quiescent"));
+                    return Err(format!(
+                        "{kind} slot {s} has pin word {p:#x} while quiescent"
+                    ));
                 }
-                if !free[s] && !refs.contains_key(&(t, s as u32)) {
-                    return Err(format!("{t} slot {s} leaked: neither free nor referenced"));
+                match refs.get(&(t, s as u32)) {
+                    None if !free[s] => {
+                        return Err(format!(
+                            "{kind} slot {s} leaked: neither free nor referenced"
+                        ));
+                    }
+                    Some(k) if st.keys[s] != *k => {
+                        return Err(format!(
+                            "{kind} slot {s} is referenced by {k} but records {}",
+                            st.keys[s]
+                        ));
+                    }
+                    _ => {}
                 }
             }
-            Ok(())
-        };
-        check(TierKind::Dram, &self.dram.state, &self.dram.pins)?;
-        if let Some(n) = &self.nvme {
-            check(TierKind::Nvme, &n.state, &n.pins)?;
         }
         Ok(())
     }

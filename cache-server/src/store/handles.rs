@@ -3,7 +3,6 @@
 
 use crate::error::StoreError;
 use crate::tier::SlotId;
-use crate::tier::TierKind;
 use kvtier_core::BlockKey;
 use std::sync::Arc;
 
@@ -12,7 +11,7 @@ use super::MissReason;
 use super::PutOutcome;
 use super::lease::PinnedBlock;
 
-/// Blocks pinned in DRAM for as long as this guard lives (see [`TieredStore::pin_read`]).
+/// Blocks pinned in DRAM for as long as this guard lives (see [`super::TieredStore::pin_read`]).
 pub struct PinnedRead {
     pub(super) inner: Arc<Inner>,
     pub(super) blocks: Vec<PinnedBlock>,
@@ -36,19 +35,14 @@ impl PinnedRead {
         // pinned, so it holds `b.key`'s committed bytes: a pinned slot is never reallocated,
         // and only the allocator of an unreferenced slot writes into it. The range is the
         // slot's own (checked by `slot_bytes`), inside the arena that `inner` keeps mapped.
-        unsafe {
-            self.inner
-                .dram
-                .tier
-                .slot_bytes_in_place(b.slot, b.len as usize)
-        }
+        unsafe { self.inner.dram.slot_bytes_in_place(b.slot, b.len as usize) }
     }
 }
 
 impl Drop for PinnedRead {
     fn drop(&mut self) {
         for b in &self.blocks {
-            self.inner.unpin(TierKind::Dram, b.slot.0);
+            self.inner.unpin(self.inner.host, b.slot.0);
         }
     }
 }
@@ -62,7 +56,7 @@ impl std::fmt::Debug for PinnedRead {
     }
 }
 
-/// A DRAM slot reserved for one block (see [`TieredStore::reserve`]). Fill it, then
+/// A DRAM slot reserved for one block (see [`super::TieredStore::reserve`]). Fill it, then
 /// [`Reservation::commit`]; dropping it uncommitted frees the slot.
 pub struct Reservation {
     pub(super) inner: Arc<Inner>,
@@ -79,7 +73,7 @@ impl Reservation {
 
     /// Byte offset of the reserved slot in the DRAM arena.
     pub fn offset(&self) -> u64 {
-        self.inner.dram.tier.slot_offset(SlotId(self.slot))
+        self.inner.dram.slot_offset(SlotId(self.slot))
     }
 
     /// The reserved slot's memory (one block long), to fill in place.
@@ -90,7 +84,6 @@ impl Reservation {
         unsafe {
             self.inner
                 .dram
-                .tier
                 .slot_bytes_in_place_mut(SlotId(self.slot), self.inner.block_bytes)
         }
     }
@@ -106,8 +99,8 @@ impl Reservation {
 impl Drop for Reservation {
     fn drop(&mut self) {
         if self.open {
-            self.inner.retire(TierKind::Dram, self.slot, false);
-            self.inner.unpin(TierKind::Dram, self.slot);
+            self.inner.retire(self.inner.host, self.slot, false);
+            self.inner.unpin(self.inner.host, self.slot);
         }
     }
 }

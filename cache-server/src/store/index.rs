@@ -1,39 +1,57 @@
-//! The sharded index: key -> [`Entry`] (the block's slot in each tier), and taking entries
-//! out of it.
+//! The sharded index: key -> [`Entry`] (the block's slot in each tier of the list), and
+//! taking entries out of it.
+
+use std::collections::HashMap;
+use std::sync::MutexGuard;
+
+use kvtier_core::BlockKey;
 
 use crate::keyhash::KeyHashing;
 use crate::tier::TierKind;
-use kvtier_core::BlockKey;
-use std::collections::HashMap;
-use std::sync::MutexGuard;
-use std::sync::atomic::Ordering;
 
-use super::Inner;
-use super::lock;
 use super::slots::NONE;
+use super::{Inner, lock};
 
+/// The most tiers a store holds (HBM, DRAM, NVMe, and room for a remote tier). Sets the size
+/// of every index entry: 16 key bytes + 4 per tier + 4 hit bytes.
+pub(super) const MAX_TIERS: usize = 4;
+
+/// Where one block lives: its slot in each tier position (`NONE` where absent).
 #[derive(Clone, Copy)]
 pub(super) struct Entry {
-    pub(super) dram: u32,
-    pub(super) nvme: u32,
+    pub(super) loc: [u32; MAX_TIERS],
+    /// Hits while there is no copy below the host tier (selective write-through).
     pub(super) hits: u32,
 }
 
 impl Entry {
-    pub(super) fn loc(&self, t: TierKind) -> u32 {
-        match t {
-            TierKind::Nvme => self.nvme,
-            _ => self.dram,
-        }
+    /// An entry holding only slot `slot` of tier `t`.
+    pub(super) fn at(t: usize, slot: u32) -> Self {
+        let mut loc = [NONE; MAX_TIERS];
+        loc[t] = slot;
+        Self { loc, hits: 0 }
     }
-    pub(super) fn set(&mut self, t: TierKind, v: u32) {
-        match t {
-            TierKind::Nvme => self.nvme = v,
-            _ => self.dram = v,
-        }
-    }
+
     pub(super) fn is_empty(&self) -> bool {
-        self.dram == NONE && self.nvme == NONE
+        self.loc.iter().all(|&s| s == NONE)
+    }
+
+    /// The fastest tier holding the block, and its slot there.
+    pub(super) fn fastest(&self) -> Option<(usize, u32)> {
+        self.loc
+            .iter()
+            .enumerate()
+            .find(|(_, s)| **s != NONE)
+            .map(|(t, s)| (t, *s))
+    }
+
+    /// The (tier, slot) pairs holding the block, fastest first.
+    pub(super) fn held(&self) -> impl Iterator<Item = (usize, u32)> + '_ {
+        self.loc
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| **s != NONE)
+            .map(|(t, s)| (t, *s))
     }
 }
 
@@ -49,27 +67,19 @@ impl Inner {
         lock(&self.shards[self.shard_index(key)])
     }
 
+    /// The fastest tier holding `key`.
     pub(super) fn locate(&self, key: BlockKey) -> Option<TierKind> {
         let shard = self.shard(&key);
-        let e = shard.get(&key)?;
-        if e.dram != NONE {
-            Some(TierKind::Dram)
-        } else if e.nvme != NONE {
-            Some(TierKind::Nvme)
-        } else {
-            None
-        }
+        let (t, _) = shard.get(&key)?.fastest()?;
+        Some(self.tiers[t].kind)
     }
 
     /// Takes `key` out of the index, pinning its slots under the shard lock so nothing can
     /// reuse them before they are retired (the remover is the only one who retires them).
     pub(super) fn take_entry(&self, shard: &mut Shard, key: &BlockKey) -> Option<Entry> {
         let e = shard.remove(key)?;
-        if e.dram != NONE {
-            self.dram.pins[e.dram as usize].fetch_add(1, Ordering::AcqRel);
-        }
-        if let (Some(n), true) = (&self.nvme, e.nvme != NONE) {
-            n.pins[e.nvme as usize].fetch_add(1, Ordering::AcqRel);
+        for (t, s) in e.held() {
+            self.pin_slot(t, s);
         }
         Some(e)
     }

@@ -31,7 +31,7 @@ pub struct Lease {
 pub struct PinnedBlock {
     pub key: BlockKey,
     pub slot: SlotId,
-    /// Byte offset in the DRAM arena (see [`TieredStore::dram`]).
+    /// Byte offset in the DRAM arena (see [`super::TieredStore::dram`]).
     pub offset: u64,
     pub len: u64,
     /// Where the block was found (an NVMe block was promoted into DRAM to be pinned).
@@ -70,7 +70,7 @@ impl Inner {
             return false;
         };
         for s in rec.slots {
-            self.unpin(TierKind::Dram, s);
+            self.unpin(self.host, s);
         }
         true
     }
@@ -87,7 +87,7 @@ impl Inner {
         };
         for rec in &expired {
             for &s in &rec.slots {
-                self.unpin(TierKind::Dram, s);
+                self.unpin(self.host, s);
             }
         }
         expired.len()

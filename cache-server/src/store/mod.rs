@@ -32,8 +32,8 @@ pub use events::{EventSink, SnapshotEntry, StoreEvent, StoreEventKind};
 pub use handles::{PinnedRead, Reservation};
 pub use lease::{LEASE_REAP_INTERVAL, Lease, PinnedBlock};
 
-use self::index::Entry;
 use self::index::Shard;
+use self::index::{Entry, MAX_TIERS};
 use self::lease::LeaseRecord;
 use self::slots::NONE;
 use self::slots::Slots;
@@ -94,13 +94,19 @@ struct Inner {
     hashing: KeyHashing,
     shard_mask: u64,
     shards: Box<[Mutex<Shard>]>,
-    dram: Slots<DramTier>,
-    nvme: Option<Slots<NvmeTier>>,
+    /// The tiers, fastest first. A tier is named by its position in this list.
+    tiers: Box<[Slots]>,
+    /// Position of the DRAM tier: new blocks land there, and pins (the local zero-copy path)
+    /// are served from it.
+    host: usize,
+    /// The tier at `host`, with its arena (for local clients and in-place access).
+    dram: Arc<DramTier>,
+    /// The NVMe tier, if listed (its open report and format live on the concrete type).
+    nvme: Option<Arc<NvmeTier>>,
     pool: IoPool,
     bounce: BufferPool,
     leases: Mutex<HashMap<u64, LeaseRecord>>,
     next_lease: AtomicU64,
-    writebacks_inflight: std::sync::atomic::AtomicUsize,
     events: std::sync::OnceLock<EventSink>,
     config: StoreConfig,
 }
@@ -143,27 +149,57 @@ impl TieredStore {
                 setting: "layout",
                 reason: "block larger than the address space".into(),
             })?;
-        let dram = DramTierConfig::new(config.dram_capacity_bytes, block_bytes)
-            .prefault(config.dram_prefault)
-            .open()?;
+        let kinds = config.tier_list()?;
+        if kinds.len() > MAX_TIERS {
+            return Err(StoreError::Config {
+                setting: "tiers",
+                reason: format!("at most {MAX_TIERS} tiers"),
+            });
+        }
+        let dram = Arc::new(
+            DramTierConfig::new(config.dram_capacity_bytes, block_bytes)
+                .prefault(config.dram_prefault)
+                .open()?,
+        );
         let slot_bytes = dram.slot_bytes();
         let mut report = OpenReport::default();
-        let nvme = match &config.nvme {
-            None => None,
-            Some(n) => {
-                let t = NvmeTierConfig::new(
-                    &n.dir,
-                    n.capacity_bytes,
-                    slot_bytes as u64,
-                    config.layout.fingerprint(),
-                )
-                .direct_io(n.direct_io)
-                .file_bytes(n.file_bytes);
-                let (t, r) = NvmeTier::open_with(&t, wrap)?;
-                report.nvme = Some(r);
-                Some(t)
-            }
-        };
+        let mut nvme = None;
+        let mut tiers: Vec<Slots> = Vec::with_capacity(kinds.len());
+        for &kind in &kinds {
+            let (tier, eviction): (Arc<dyn Tier>, _) = match kind {
+                TierKind::Dram => (dram.clone(), config.eviction),
+                TierKind::Nvme => {
+                    let Some(n) = &config.nvme else {
+                        return Err(StoreError::Config {
+                            setting: "nvme",
+                            reason: "listed in tiers but not configured".into(),
+                        });
+                    };
+                    let t = NvmeTierConfig::new(
+                        &n.dir,
+                        n.capacity_bytes,
+                        slot_bytes as u64,
+                        config.layout.fingerprint(),
+                    )
+                    .direct_io(n.direct_io)
+                    .file_bytes(n.file_bytes);
+                    let (t, r) = NvmeTier::open_with(&t, wrap)?;
+                    report.nvme = Some(r);
+                    let t = Arc::new(t);
+                    nvme = Some(t.clone());
+                    (t, config.nvme_eviction)
+                }
+                TierKind::Hbm => (open_hbm(&config, slot_bytes)?, config.eviction),
+            };
+            tiers.push(slots_for(tier, eviction));
+        }
+        let host = kinds
+            .iter()
+            .position(|&k| k == TierKind::Dram)
+            .ok_or_else(|| StoreError::Config {
+                setting: "tiers",
+                reason: "dram is required".into(),
+            })?;
         if config.io_threads == 0 {
             return Err(StoreError::Config {
                 setting: "io_threads",
@@ -174,9 +210,11 @@ impl TieredStore {
         let pool = IoPool::new(config.io_threads, "kvtier-io").map_err(StoreError::Threads)?;
         let hashing = KeyHashing::new();
         // Sized for every slot up front, so the index does not allocate as it fills.
-        let per_shard = (u64::from(dram.slot_count())
-            + nvme.as_ref().map_or(0, |t| u64::from(t.slot_count())))
-        .div_ceil(shards as u64) as usize;
+        let per_shard = tiers
+            .iter()
+            .map(|t| u64::from(t.tier.slot_count()))
+            .sum::<u64>()
+            .div_ceil(shards as u64) as usize;
         let inner = Arc::new(Inner {
             block_bytes,
             shard_mask: shards as u64 - 1,
@@ -184,13 +222,14 @@ impl TieredStore {
                 .map(|_| Mutex::new(Shard::with_capacity_and_hasher(per_shard, hashing.clone())))
                 .collect(),
             hashing,
-            dram: slots_for(dram, config.eviction),
-            nvme: nvme.map(|t| slots_for(t, config.nvme_eviction)),
+            tiers: tiers.into(),
+            host,
+            dram,
+            nvme,
             pool,
             bounce: BufferPool::new(slot_bytes, config.io_threads),
             leases: Mutex::new(HashMap::new()),
             next_lease: AtomicU64::new(1),
-            writebacks_inflight: std::sync::atomic::AtomicUsize::new(0),
             events: std::sync::OnceLock::new(),
             config,
         });
@@ -224,12 +263,17 @@ impl TieredStore {
 
     /// The DRAM tier (its arena can be handed to a local client).
     pub fn dram(&self) -> &DramTier {
-        &self.inner.dram.tier
+        &self.inner.dram
+    }
+
+    /// The kinds of the store's tiers, fastest first.
+    pub fn tiers(&self) -> Vec<TierKind> {
+        self.inner.tiers.iter().map(|t| t.kind).collect()
     }
 
     /// The NVMe tier, if configured.
     pub fn nvme(&self) -> Option<&NvmeTier> {
-        self.inner.nvme.as_ref().map(|s| &s.tier)
+        self.inner.nvme.as_deref()
     }
 
     /// Stores `data` as block `key`, whose chain parent is `parent` (None for a first block).
@@ -393,37 +437,39 @@ impl Drop for TieredStore {
 }
 
 impl Inner {
+    /// Indexes the blocks the persistent tiers found when they opened; returns how many were
+    /// dropped for a size that does not match the layout.
     pub(super) fn recover(&self) -> usize {
-        let Some(nvme) = &self.nvme else { return 0 };
         let mut dropped = 0;
-        let mut st = lock(&nvme.state);
-        let mut used = vec![false; nvme.tier.slot_count() as usize];
-        let mut found = nvme.tier.recover();
-        // Oldest write first, so the policy's recency follows the order blocks were written
-        // and a parent (written before its children) is filed before them.
-        found.sort_by_key(|r| r.generation);
-        let mut slot_of: HashMap<BlockKey, u32, KeyHashing> =
-            HashMap::with_capacity_and_hasher(found.len(), self.hashing.clone());
-        for r in found {
-            if r.len as usize != self.block_bytes {
-                dropped += 1;
+        for (t, tier) in self.tiers.iter().enumerate() {
+            if !tier.tier.is_persistent() {
                 continue;
             }
-            used[r.slot.index()] = true;
-            st.keys[r.slot.index()] = r.key;
-            let parent = r.parent.and_then(|p| slot_of.get(&p).copied());
-            st.policy.on_insert(r.slot.0, r.key, self.ctx(parent));
-            slot_of.insert(r.key, r.slot.0);
-            self.shard(&r.key).insert(
-                r.key,
-                Entry {
-                    dram: NONE,
-                    nvme: r.slot.0,
-                    hits: 0,
-                },
-            );
+            let mut st = lock(&tier.state);
+            let mut used = vec![false; tier.tier.slot_count() as usize];
+            let mut found = tier.tier.recover();
+            // Oldest write first, so the policy's recency follows the order blocks were
+            // written and a parent (written before its children) is filed before them.
+            found.sort_by_key(|r| r.generation);
+            let mut slot_of: HashMap<BlockKey, u32, KeyHashing> =
+                HashMap::with_capacity_and_hasher(found.len(), self.hashing.clone());
+            for r in found {
+                if r.len as usize != self.block_bytes {
+                    dropped += 1;
+                    continue;
+                }
+                used[r.slot.index()] = true;
+                st.keys[r.slot.index()] = r.key;
+                let parent = r.parent.and_then(|p| slot_of.get(&p).copied());
+                st.policy.on_insert(r.slot.0, r.key, self.ctx(parent));
+                slot_of.insert(r.key, r.slot.0);
+                self.shard(&r.key)
+                    .entry(r.key)
+                    .or_insert(Entry::at(t, NONE))
+                    .loc[t] = r.slot.0;
+            }
+            st.free.retain(|s| !used[*s as usize]);
         }
-        st.free.retain(|s| !used[*s as usize]);
         dropped
     }
 
@@ -437,4 +483,40 @@ impl Inner {
             now_ms: self.now(),
         }
     }
+}
+
+/// Opens the HBM position of the list: the configured device memory, else the CUDA device.
+fn open_hbm(config: &StoreConfig, slot_bytes: usize) -> Result<Arc<dyn Tier>, StoreError> {
+    let Some(h) = &config.hbm else {
+        return Err(StoreError::Config {
+            setting: "hbm",
+            reason: "listed in tiers but not configured".into(),
+        });
+    };
+    if let Some(open) = &h.device_memory {
+        let t: Arc<dyn Tier> = Arc::from(open(h.capacity_bytes, slot_bytes)?);
+        if t.kind() != TierKind::Hbm || t.slot_bytes() < slot_bytes {
+            return Err(StoreError::Config {
+                setting: "hbm.device_memory",
+                reason: format!(
+                    "opened a {} tier of {}-byte slots, not hbm of {slot_bytes}",
+                    t.kind(),
+                    t.slot_bytes()
+                ),
+            });
+        }
+        return Ok(t);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let t = crate::tier::HbmTierConfig::new(h.capacity_bytes, slot_bytes)
+            .device(h.device)
+            .open()?;
+        Ok(Arc::new(t))
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(StoreError::Config {
+        setting: "tiers",
+        reason: "hbm needs a build with the `cuda` feature".into(),
+    })
 }

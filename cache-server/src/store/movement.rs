@@ -1,208 +1,253 @@
-//! Movement between tiers: demotion (write-through and write-back copies down to NVMe),
-//! promotion (an NVMe hit copied up into DRAM), prefetch, and dropping a copy that failed
-//! its read.
+//! Movement between neighbouring tiers of the list: demotion (write-through and write-back
+//! copies from tier `t` to `t + 1`), promotion (a hit in tier `t` copied up to `t - 1`, or
+//! into the host tier for a pin), prefetch, and dropping a copy that failed its read.
+//!
+//! A copy goes through in-place memory where one side has it ([`crate::tier::InPlaceTier`],
+//! DRAM), and through a bounce buffer between two tiers reached only by copies (HBM, NVMe).
+
+use std::sync::Arc;
+
+use kvtier_core::BlockKey;
 
 use crate::policy::PromotionPolicy;
 use crate::stats::TierCounters;
-use crate::tier::SlotId;
-use crate::tier::Tier;
-use crate::tier::TierError;
-use crate::tier::TierKind;
-use kvtier_core::BlockKey;
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use crate::tier::{SlotId, TierError};
 
-use super::Inner;
-use super::MissReason;
 use super::events::StoreEventKind;
 use super::slots::NONE;
+use super::{Inner, MissReason};
 
 impl Inner {
-    /// Copies DRAM slot `slot` (pinned by the caller, who keeps its own pin) to NVMe in the
-    /// background; a full queue drops the copy and counts it.
+    /// Copies slot `slot` of tier `from` (pinned by the caller, who keeps its own pin) to the
+    /// tier below in the background; a full queue drops the copy and counts it.
     pub(super) fn spawn_demotion(
         self: &Arc<Self>,
         key: BlockKey,
         parent: Option<BlockKey>,
+        from: usize,
         slot: u32,
     ) {
-        self.dram.pins[slot as usize].fetch_add(1, Ordering::AcqRel);
+        self.pin_slot(from, slot);
         let me = self.clone();
         if self
             .pool
-            .try_spawn(move || me.demote(key, parent, slot, false))
+            .try_spawn(move || me.demote(key, parent, from, slot, false))
             .is_err()
         {
-            TierCounters::inc(&self.dram.counters.demotions_dropped);
-            self.unpin(TierKind::Dram, slot);
+            TierCounters::inc(&self.tiers[from].counters.demotions_dropped);
+            self.unpin(from, slot);
         }
     }
 
-    /// Runs on the I/O pool. Copies DRAM slot `ds` (pinned for this job) to a new NVMe slot.
-    /// With `evicting`, the DRAM copy is dropped afterwards (write-back); its slot was retired
-    /// by the evictor and is freed by the final unpin.
+    /// Promotes slot `slot` of tier `from` (pinned by the caller, who keeps its own pin) one
+    /// tier up in the background; a full queue skips it.
+    pub(super) fn spawn_promotion(self: &Arc<Self>, key: BlockKey, from: usize, slot: u32) {
+        self.pin_slot(from, slot);
+        let me = self.clone();
+        let job = move || match me.promote_pinned(key, from, slot, from - 1, true, None) {
+            Ok(Some(up)) => me.unpin(from - 1, up),
+            Ok(None) => me.unpin(from, slot),
+            Err(_) => {}
+        };
+        if self.pool.try_spawn(job).is_err() {
+            self.unpin(from, slot);
+        }
+    }
+
+    /// Runs on the I/O pool. Copies slot `fs` of tier `from` (pinned for this job) to a new
+    /// slot of tier `from + 1`. With `evicting`, the copy in `from` is dropped afterwards
+    /// (write-back); its slot was retired by the evictor and is freed by the final unpin.
     ///
-    /// `parent`, when known, links the copy to its parent's NVMe copy (leaf-first eviction).
+    /// `parent`, when known, links the copy to its parent's copy below (leaf-first eviction).
     pub(super) fn demote(
         self: &Arc<Self>,
         key: BlockKey,
         parent: Option<BlockKey>,
-        ds: u32,
+        from: usize,
+        fs: u32,
         evicting: bool,
     ) {
-        let Some(nvme) = &self.nvme else {
-            // Unreachable (demotions need an NVMe tier), but never leak the caller's pin.
-            self.unpin(TierKind::Dram, ds);
+        let to = from + 1;
+        if to >= self.tiers.len() {
+            // Unreachable (demotions need a tier below), but never leak the caller's pin.
+            self.unpin(from, fs);
             return;
-        };
-        let dc = &self.dram.counters;
+        }
+        let fc = &self.tiers[from].counters;
+        let tc = &self.tiers[to].counters;
         let parent_slot = parent.and_then(|p| {
             let shard = self.shard(&p);
-            shard.get(&p).map(|e| e.nvme).filter(|&s| s != NONE)
+            shard.get(&p).map(|e| e.loc[to]).filter(|&s| s != NONE)
         });
-        let stored = match self.alloc(TierKind::Nvme, key, self.ctx(parent_slot), parent) {
+        let stored = match self.alloc(to, key, self.ctx(parent_slot), parent) {
             None => {
-                TierCounters::inc(&dc.demotions_dropped);
+                TierCounters::inc(&fc.demotions_dropped);
                 None
             }
-            Some(ns) => {
-                let r = self
-                    .dram
-                    .tier
-                    .read_with(SlotId(ds), key, self.block_bytes, |bytes| {
-                        nvme.tier.write_linked(SlotId(ns), key, parent, bytes)
-                    });
-                match r {
-                    Ok(Ok(())) => Some(ns),
-                    Ok(Err(e)) | Err(e) => {
-                        tracing::debug!(%key, "demotion failed: {e}");
-                        TierCounters::inc(&nvme.counters.io_errors);
-                        // The slot may still hold an older block's valid header: erase it.
-                        self.retire(TierKind::Nvme, ns, true);
-                        self.unpin(TierKind::Nvme, ns);
-                        None
-                    }
+            Some(ts) => match self.copy_slot(key, parent, from, fs, to, ts) {
+                Ok(()) => Some(ts),
+                Err(e) => {
+                    tracing::debug!(%key, "demotion failed: {e}");
+                    TierCounters::inc(&tc.io_errors);
+                    // The slot may still hold an older block's valid header: erase it.
+                    self.retire(to, ts, true);
+                    self.unpin(to, ts);
+                    None
                 }
-            }
+            },
         };
-        let mut orphan_nvme = None;
-        let mut dropped_dram = false;
+        let mut orphan = None;
+        let mut dropped_from = false;
         {
             let mut shard = self.shard(&key);
             match shard.get_mut(&key) {
                 Some(e) => {
-                    if let Some(ns) = stored {
-                        if e.nvme == NONE {
-                            e.nvme = ns;
-                            self.emit(StoreEventKind::Stored, TierKind::Nvme, key);
+                    if let Some(ts) = stored {
+                        if e.loc[to] == NONE {
+                            e.loc[to] = ts;
+                            self.emit(StoreEventKind::Stored, to, key);
                         } else {
-                            orphan_nvme = Some(ns);
+                            orphan = Some(ts);
                         }
                     }
-                    if evicting && e.dram == ds {
-                        e.dram = NONE;
-                        dropped_dram = true;
-                        self.emit(StoreEventKind::Removed, TierKind::Dram, key);
+                    if evicting && e.loc[from] == fs {
+                        e.loc[from] = NONE;
+                        dropped_from = true;
+                        self.emit(StoreEventKind::Removed, from, key);
                         if e.is_empty() {
                             shard.remove(&key);
                         }
                     }
                 }
-                None => orphan_nvme = stored,
+                None => orphan = stored,
             }
         }
-        if let Some(ns) = stored {
-            TierCounters::inc(&dc.demotions);
-            TierCounters::add(&nvme.counters.bytes_in, self.block_bytes as u64);
-            if orphan_nvme.is_some() {
+        if let Some(ts) = stored {
+            TierCounters::inc(&fc.demotions);
+            TierCounters::add(&tc.bytes_in, self.block_bytes as u64);
+            if orphan.is_some() {
                 // Removed or cleared while copying: erase, or a restart would bring it back.
-                self.retire(TierKind::Nvme, ns, true);
+                self.retire(to, ts, true);
             }
-            self.unpin(TierKind::Nvme, ns);
+            self.unpin(to, ts);
         }
         if evicting {
-            TierCounters::inc(&dc.evictions);
-            self.writebacks_inflight.fetch_sub(1, Ordering::AcqRel);
-            if dropped_dram {
-                self.retire(TierKind::Dram, ds, false);
+            TierCounters::inc(&fc.evictions);
+            self.tiers[from]
+                .writebacks_inflight
+                .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            if dropped_from {
+                self.retire(from, fs, false);
             }
         }
-        self.unpin(TierKind::Dram, ds);
+        self.unpin(from, fs);
     }
 
-    pub(super) fn nvme_hit(&self, slot: u32) {
-        if let Some(n) = &self.nvme {
-            TierCounters::inc(&n.counters.hits);
-            TierCounters::add(&n.counters.bytes_out, self.block_bytes as u64);
-            self.touch(TierKind::Nvme, slot);
+    /// Copies block `key` from slot `fs` of tier `from` into slot `ts` of tier `to` (both
+    /// pinned by the caller): in place where either side is host memory, else through a
+    /// bounce buffer.
+    pub(super) fn copy_slot(
+        &self,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+        from: usize,
+        fs: u32,
+        to: usize,
+        ts: u32,
+    ) -> Result<(), TierError> {
+        let (src, dst) = (&self.tiers[from].tier, &self.tiers[to].tier);
+        let (fs, ts, n) = (SlotId(fs), SlotId(ts), self.block_bytes);
+        if let Some(src) = src.in_place() {
+            src.read_in_place(fs, key, n, &mut |b| dst.write_linked(ts, key, parent, b))
+        } else if let Some(dst) = dst.in_place() {
+            dst.fill_in_place(ts, key, n, &mut |b| src.read(fs, key, b))
+        } else {
+            let (mut b, _) = self.bounce.take();
+            let r = src
+                .read(fs, key, &mut b[..n])
+                .and_then(|()| dst.write_linked(ts, key, parent, &b[..n]));
+            self.bounce.give(b);
+            r
         }
     }
 
-    /// Drops the NVMe copy of `key` in `slot` after a failed read, counting why.
-    pub(super) fn nvme_failed(
+    /// Counts a hit served by slot `slot` of tier `t`.
+    pub(super) fn hit(&self, t: usize, slot: u32) {
+        let c = &self.tiers[t].counters;
+        TierCounters::inc(&c.hits);
+        TierCounters::add(&c.bytes_out, self.block_bytes as u64);
+        self.touch(t, slot);
+    }
+
+    /// Drops the copy of `key` in slot `slot` of tier `t` after a failed read, counting why.
+    pub(super) fn read_failed(
         self: &Arc<Self>,
         key: BlockKey,
+        t: usize,
         slot: u32,
         e: &TierError,
     ) -> MissReason {
-        let Some(n) = &self.nvme else {
-            return MissReason::IoError;
-        };
+        let tier = &self.tiers[t];
+        let c = &tier.counters;
         let reason = match e {
             TierError::Corrupt { .. } => {
-                TierCounters::inc(&n.counters.corrupt_dropped);
-                tracing::warn!(%key, slot, "dropping corrupt NVMe block: {e}");
+                TierCounters::inc(&c.corrupt_dropped);
+                tracing::warn!(%key, slot, tier = %tier.kind, "dropping corrupt block: {e}");
                 MissReason::Corrupt
             }
             TierError::Mismatch { .. } => {
                 // Stale header (cleared or overwritten on disk): not damage, but not ours.
-                TierCounters::inc(&n.counters.misses);
+                TierCounters::inc(&c.misses);
                 MissReason::NotCached
             }
             _ => {
-                TierCounters::inc(&n.counters.io_errors);
-                tracing::warn!(%key, slot, "NVMe read failed: {e}");
+                TierCounters::inc(&c.io_errors);
+                tracing::warn!(%key, slot, tier = %tier.kind, "read failed: {e}");
                 MissReason::IoError
             }
         };
         let mut shard = self.shard(&key);
-        if let Some(ent) = shard.get_mut(&key).filter(|ent| ent.nvme == slot) {
-            ent.nvme = NONE;
-            self.emit(StoreEventKind::Removed, TierKind::Nvme, key);
+        if let Some(ent) = shard.get_mut(&key).filter(|ent| ent.loc[t] == slot) {
+            ent.loc[t] = NONE;
+            self.emit(StoreEventKind::Removed, t, key);
             if ent.is_empty() {
                 shard.remove(&key);
             }
             drop(shard);
             // Erase the bad header so a restart does not index it again.
-            self.retire(TierKind::Nvme, slot, true);
+            self.retire(t, slot, true);
         }
         reason
     }
 
-    /// Promotes NVMe slot `ns` (pinned by the caller) into a new DRAM slot. `Ok(Some(ds))`:
-    /// promoted, `ds` returned pinned and `ns` unpinned. `Ok(None)`: not promoted (policy, or
-    /// no DRAM slot), `ns` still pinned for the caller's fallback. `Err`: the NVMe copy was bad
-    /// and is dropped, `ns` unpinned. `inline` is for callers already on the I/O pool.
+    /// Copies slot `fs` of tier `from` (pinned by the caller) into a new slot of tier `to`:
+    /// a promotion when `to` is faster, or a copy down into the host tier for a pin.
+    /// `Ok(Some(ts))`: copied, `ts` returned pinned and `fs` unpinned. `Ok(None)`: not copied
+    /// (promotion policy, or no slot in `to`), `fs` still pinned for the caller's fallback.
+    /// `Err`: the copy in `from` was bad and is dropped, `fs` unpinned. `inline` is for
+    /// callers already on the I/O pool.
     pub(super) fn promote_pinned(
         self: &Arc<Self>,
         key: BlockKey,
-        ns: u32,
+        from: usize,
+        fs: u32,
+        to: usize,
         inline: bool,
         parent: Option<(BlockKey, u32)>,
     ) -> Result<Option<u32>, MissReason> {
-        if self.config.promotion == PromotionPolicy::Never {
+        if to < from && self.config.promotion == PromotionPolicy::Never {
             return Ok(None);
         }
         let ctx = self.ctx(parent.map(|(_, s)| s));
-        let Some(ds) = self.alloc(TierKind::Dram, key, ctx, parent.map(|(k, _)| k)) else {
+        let Some(ts) = self.alloc(to, key, ctx, parent.map(|(k, _)| k)) else {
             return Ok(None);
         };
         let r = if inline {
-            self.promote_io(key, ns, ds)
+            self.copy_slot(key, None, from, fs, to, ts)
         } else {
             let me = self.clone();
             self.pool
-                .run(move || me.promote_io(key, ns, ds))
+                .run(move || me.copy_slot(key, None, from, fs, to, ts))
                 .unwrap_or_else(|_| {
                     Err(TierError::Unavailable {
                         reason: "I/O pool stopped".into(),
@@ -214,80 +259,67 @@ impl Inner {
                 let adopted = {
                     let mut shard = self.shard(&key);
                     match shard.get_mut(&key) {
-                        Some(e) if e.dram == NONE => {
-                            e.dram = ds;
-                            self.emit(StoreEventKind::Stored, TierKind::Dram, key);
+                        Some(e) if e.loc[to] == NONE => {
+                            e.loc[to] = ts;
+                            self.emit(StoreEventKind::Stored, to, key);
                             true
                         }
                         _ => false,
                     }
                 };
                 if !adopted {
-                    // Promoted twice at once, or removed meanwhile: this copy is spare. It
+                    // Copied twice at once, or removed meanwhile: this copy is spare. It
                     // stays readable under our pin and is freed when it is unpinned.
-                    self.retire(TierKind::Dram, ds, false);
+                    self.retire(to, ts, false);
                 }
-                TierCounters::inc(&self.dram.counters.promotions);
-                self.nvme_hit(ns);
-                Ok(Some(ds))
+                if to < from {
+                    TierCounters::inc(&self.tiers[to].counters.promotions);
+                } else {
+                    TierCounters::inc(&self.tiers[from].counters.demotions);
+                }
+                self.hit(from, fs);
+                Ok(Some(ts))
             }
             Err(e) => {
-                self.retire(TierKind::Dram, ds, false);
-                self.unpin(TierKind::Dram, ds);
+                self.retire(to, ts, false);
+                self.unpin(to, ts);
                 if matches!(e, TierError::Unavailable { .. }) {
-                    // The pool is stopping: the NVMe copy is fine, just not readable now.
+                    // The pool is stopping: the copy is fine, just not readable now.
                     Err(MissReason::Busy)
                 } else {
-                    Err(self.nvme_failed(key, ns, &e))
+                    Err(self.read_failed(key, from, fs, &e))
                 }
             }
         };
-        self.unpin(TierKind::Nvme, ns);
+        self.unpin(from, fs);
         out
     }
 
-    /// Reads NVMe slot `ns` straight into DRAM slot `ds` (both pinned by the caller).
-    pub(super) fn promote_io(&self, key: BlockKey, ns: u32, ds: u32) -> Result<(), TierError> {
-        let Some(n) = &self.nvme else {
-            return Err(TierError::Unavailable {
-                reason: "no NVMe tier".into(),
-            });
-        };
-        self.dram
-            .tier
-            .write_with(SlotId(ds), key, self.block_bytes, |b| {
-                n.tier.read(SlotId(ns), key, b)
-            })
-            .and_then(|r| r)
-    }
-
+    /// Queues promotion of blocks held only below the host tier among `keys`, each one tier
+    /// up; returns how many were queued.
     pub(super) fn prefetch(self: &Arc<Self>, keys: &[BlockKey]) -> usize {
-        if self.nvme.is_none() {
-            return 0;
-        }
         let mut queued = 0;
         for &key in keys {
-            let ns = {
+            let (from, fs) = {
                 let shard = self.shard(&key);
-                match shard.get(&key) {
-                    Some(e) if e.dram == NONE && e.nvme != NONE => {
-                        self.parts(TierKind::Nvme).1[e.nvme as usize]
-                            .fetch_add(1, Ordering::AcqRel);
-                        e.nvme
+                match shard.get(&key).and_then(|e| e.fastest()) {
+                    Some((t, s)) if t > self.host => {
+                        self.pin_slot(t, s);
+                        (t, s)
                     }
                     _ => continue,
                 }
             };
             let me = self.clone();
-            let job = move || match me.promote_pinned(key, ns, true, None) {
-                Ok(Some(ds)) => me.unpin(TierKind::Dram, ds),
-                Ok(None) => me.unpin(TierKind::Nvme, ns),
+            let job = move || match me.promote_pinned(key, from, fs, from - 1, true, None) {
+                Ok(Some(up)) => me.unpin(from - 1, up),
+                Ok(None) => me.unpin(from, fs),
                 Err(_) => {}
             };
             if self.pool.try_spawn(job).is_ok() {
                 queued += 1;
             } else {
-                self.unpin(TierKind::Nvme, ns);
+                self.unpin(from, fs);
             }
         }
         queued

@@ -1,73 +1,69 @@
-//! The read path: locating and pinning a block, `get`, `lookup`, and pinning a prefix.
+//! The read path: locating and pinning a block, `get`, `lookup`, and pinning a prefix in the
+//! host tier.
+
+use std::sync::Arc;
+
+use kvtier_core::BlockKey;
 
 use crate::error::StoreError;
-use crate::policy::LookupContext;
+use crate::policy::{LookupContext, PromotionPolicy};
 use crate::stats::TierCounters;
-use crate::tier::SlotId;
-use crate::tier::Tier;
-use crate::tier::TierError;
-use crate::tier::TierKind;
-use kvtier_core::BlockKey;
-use std::sync::Arc;
-use std::sync::Mutex;
-use std::sync::atomic::Ordering;
+use crate::tier::{SlotId, TierKind};
 
-use super::GetOutcome;
-use super::Inner;
-use super::MissReason;
 use super::lease::PinnedBlock;
-use super::lock;
 use super::slots::NONE;
-use super::slots::TierState;
+use super::{GetOutcome, Inner, MissReason, lock};
 
 impl Inner {
-    /// Pins the location of `key`: DRAM if present there, else NVMe. Counts the hit.
-    pub(super) fn pin_location(&self, key: BlockKey) -> Option<(TierKind, u32, u32)> {
+    /// Pins the fastest copy of `key`: (tier position, slot, hits). Counts the hit toward
+    /// selective write-through.
+    pub(super) fn pin_location(&self, key: BlockKey) -> Option<(usize, u32, u32)> {
         let mut shard = self.shard(&key);
         let e = shard.get_mut(&key)?;
-        // Hits count toward selective write-through only while there is no NVMe copy.
-        if e.nvme == NONE {
-            e.hits = e.hits.saturating_add(1);
-        } else {
+        // Hits count toward selective write-through only while there is no copy below the
+        // host tier.
+        let below = e.loc[self.host + 1..].iter().any(|&s| s != NONE);
+        if below {
             e.hits = 0;
-        }
-        let (t, s) = if e.dram != NONE {
-            (TierKind::Dram, e.dram)
         } else {
-            (TierKind::Nvme, e.nvme)
-        };
-        self.parts(t).1[s as usize].fetch_add(1, Ordering::AcqRel);
+            e.hits = e.hits.saturating_add(1);
+        }
+        let (t, s) = e.fastest()?;
+        self.pin_slot(t, s);
         Some((t, s, e.hits))
+    }
+
+    /// Counts a miss in every tier faster than `t` (the tiers a read looked in first).
+    fn missed_above(&self, t: usize) {
+        for tier in &self.tiers[..t] {
+            TierCounters::inc(&tier.counters.misses);
+        }
     }
 
     /// The longest cached prefix of `keys`, with each tier's policy told about the request.
     pub(super) fn lookup(&self, keys: &[BlockKey]) -> Vec<TierKind> {
+        let n = self.tiers.len();
         let mut out = Vec::new();
-        let mut dram = Vec::new();
-        let mut nvme = Vec::new();
-        let (mut dram_run, mut nvme_run) = (true, true);
+        // Per tier: the slots of the leading run of keys it holds.
+        let mut runs: Vec<Vec<u32>> = vec![Vec::new(); n];
+        let mut open = vec![true; n];
         for k in keys {
             let shard = self.shard(k);
-            let Some(e) = shard.get(k).filter(|e| !e.is_empty()) else {
+            let Some((fastest, _)) = shard.get(k).and_then(|e| Some((e.fastest()?, e))) else {
                 break;
             };
-            dram_run &= e.dram != NONE;
-            nvme_run &= e.nvme != NONE;
-            if dram_run {
-                dram.push(e.dram);
+            let e = &shard[k];
+            for t in 0..n {
+                open[t] &= e.loc[t] != NONE;
+                if open[t] {
+                    runs[t].push(e.loc[t]);
+                }
             }
-            if nvme_run {
-                nvme.push(e.nvme);
-            }
-            out.push(if e.dram != NONE {
-                TierKind::Dram
-            } else {
-                TierKind::Nvme
-            });
+            out.push(self.tiers[fastest.0].kind);
         }
         let now = self.now();
-        let tell = |state: &Mutex<TierState>, hits: &mut Vec<u32>| {
-            let mut st = lock(state);
+        for (tier, hits) in self.tiers.iter().zip(&mut runs) {
+            let mut st = lock(&tier.state);
             // A slot may have been reused since it was read under the shard lock: keep only
             // the prefix whose slots still hold these keys.
             let valid = hits
@@ -81,10 +77,6 @@ impl Inner {
                 rest: &keys[hits.len()..],
                 now_ms: now,
             });
-        };
-        tell(&self.dram.state, &mut dram);
-        if let Some(n) = &self.nvme {
-            tell(&n.state, &mut nvme);
         }
         out
     }
@@ -101,92 +93,92 @@ impl Inner {
                 expected: self.block_bytes,
             });
         }
-        let dc = &self.dram.counters;
+        let h = self.host;
         let Some((t, slot, hits)) = self.pin_location(key) else {
-            TierCounters::inc(&dc.misses);
+            self.missed_above(h + 1);
             return Ok(GetOutcome::Miss(MissReason::NotCached));
         };
-        if t == TierKind::Dram {
-            let r = self.dram.tier.read(SlotId(slot), key, buf);
-            self.touch(t, slot);
-            if r.is_ok() && self.nvme.is_some() && self.config.demotion.on_hit(hits) {
-                self.spawn_demotion(key, None, slot);
-            }
-            self.unpin(t, slot);
-            return Ok(match r {
+        let kind = self.tiers[t].kind;
+        self.missed_above(t);
+        if t <= h {
+            // A memory tier: read on this thread.
+            let outcome = match self.tiers[t].tier.read(SlotId(slot), key, buf) {
                 Ok(()) => {
-                    TierCounters::inc(&dc.hits);
-                    TierCounters::add(&dc.bytes_out, buf.len() as u64);
-                    GetOutcome::Hit(TierKind::Dram)
+                    self.hit(t, slot);
+                    if t == h && h + 1 < self.tiers.len() && self.config.demotion.on_hit(hits) {
+                        self.spawn_demotion(key, None, h, slot);
+                    }
+                    if t > 0 && self.config.promotion == PromotionPolicy::OnHit {
+                        self.spawn_promotion(key, t, slot);
+                    }
+                    GetOutcome::Hit(kind)
                 }
-                // A DRAM slot referenced by the index always holds its key; a failure here is
-                // a bug, reported as a miss rather than wrong bytes.
-                Err(e) => {
+                // A host slot referenced by the index always holds its key; a failure there
+                // is a bug, reported as a miss rather than wrong bytes.
+                Err(e) if t == h => {
                     tracing::error!(%key, "DRAM read failed: {e}");
-                    TierCounters::inc(&dc.misses);
+                    TierCounters::inc(&self.tiers[t].counters.misses);
                     GetOutcome::Miss(MissReason::Busy)
                 }
-            });
+                Err(e) => GetOutcome::Miss(self.read_failed(key, t, slot, &e)),
+            };
+            self.unpin(t, slot);
+            return Ok(outcome);
         }
-        TierCounters::inc(&dc.misses);
-        match self.promote_pinned(key, slot, false, None) {
-            Ok(Some(ds)) => {
-                let r = self.dram.tier.read(SlotId(ds), key, buf);
-                self.unpin(TierKind::Dram, ds);
+        match self.promote_pinned(key, t, slot, t - 1, false, None) {
+            Ok(Some(up)) => {
+                let r = self.tiers[t - 1].tier.read(SlotId(up), key, buf);
+                self.unpin(t - 1, up);
                 Ok(match r {
-                    Ok(()) => GetOutcome::Hit(TierKind::Nvme),
+                    Ok(()) => GetOutcome::Hit(kind),
                     Err(_) => GetOutcome::Miss(MissReason::Busy),
                 })
             }
             Ok(None) => {
-                // No DRAM slot (or promotion off): read through a bounce buffer.
+                // No slot above (or promotion off): read through a bounce buffer.
                 let me = self.clone();
                 let r = self.pool.run(move || {
                     let (mut b, _) = me.bounce.take();
                     let n = me.block_bytes;
-                    let r = me
-                        .nvme
-                        .as_ref()
-                        .map(|n| n.tier.read(SlotId(slot), key, &mut b[..me.block_bytes]));
-                    let r = r.unwrap_or(Err(TierError::Unavailable {
-                        reason: "no NVMe tier".into(),
-                    }));
+                    let r = me.tiers[t].tier.read(SlotId(slot), key, &mut b[..n]);
                     (r, b, n)
                 });
                 let outcome = match r {
                     Ok((Ok(()), b, n)) => {
                         buf.copy_from_slice(&b[..n]);
                         self.bounce.give(b);
-                        self.nvme_hit(slot);
-                        GetOutcome::Hit(TierKind::Nvme)
+                        self.hit(t, slot);
+                        GetOutcome::Hit(kind)
                     }
                     Ok((Err(e), b, _)) => {
                         self.bounce.give(b);
-                        GetOutcome::Miss(self.nvme_failed(key, slot, &e))
+                        GetOutcome::Miss(self.read_failed(key, t, slot, &e))
                     }
                     Err(_) => GetOutcome::Miss(MissReason::Busy),
                 };
-                self.unpin(TierKind::Nvme, slot);
+                self.unpin(t, slot);
                 Ok(outcome)
             }
             Err(reason) => Ok(GetOutcome::Miss(reason)),
         }
     }
 
-    /// Pins the longest cached prefix of `keys` in DRAM, promoting NVMe blocks; returns the
-    /// pinned blocks and why the prefix stopped early (if it did).
+    /// Pins the longest cached prefix of `keys` in the host tier, copying blocks held only in
+    /// other tiers into it; returns the pinned blocks and why the prefix stopped early (if it
+    /// did).
     ///
-    /// With `may_block` false it never waits for I/O: at the first block that would need a
-    /// promotion from NVMe it unpins everything and returns `None`.
+    /// With `may_block` false it never waits for a copy: at the first block not in the host
+    /// tier it unpins everything and returns `None`.
     pub(super) fn pin_prefix(
         self: &Arc<Self>,
         keys: &[BlockKey],
         may_block: bool,
     ) -> Option<(Vec<PinnedBlock>, Option<MissReason>)> {
+        let h = self.host;
         let mut blocks: Vec<PinnedBlock> = Vec::new();
         let mut miss = None;
         for (i, &key) in keys.iter().enumerate() {
-            // The previous key's DRAM slot links a promoted block to its parent.
+            // The previous key's host slot links a copied block to its parent.
             let parent = i
                 .checked_sub(1)
                 .and_then(|p| Some((keys[p], blocks.get(p)?.slot.0)));
@@ -194,23 +186,23 @@ impl Inner {
                 miss = Some(MissReason::NotCached);
                 break;
             };
-            if t != TierKind::Dram && !may_block {
+            if t != h && !may_block {
                 self.unpin(t, slot);
                 for b in &blocks {
-                    self.unpin(TierKind::Dram, b.slot.0);
+                    self.unpin(h, b.slot.0);
                 }
                 return None;
             }
-            let ds = if t == TierKind::Dram {
+            let hs = if t == h {
                 self.touch(t, slot);
-                TierCounters::inc(&self.dram.counters.hits);
+                TierCounters::inc(&self.tiers[h].counters.hits);
                 slot
             } else {
-                TierCounters::inc(&self.dram.counters.misses);
-                match self.promote_pinned(key, slot, false, parent) {
-                    Ok(Some(ds)) => ds,
+                TierCounters::inc(&self.tiers[h].counters.misses);
+                match self.promote_pinned(key, t, slot, h, false, parent) {
+                    Ok(Some(hs)) => hs,
                     Ok(None) => {
-                        self.unpin(TierKind::Nvme, slot);
+                        self.unpin(t, slot);
                         miss = Some(MissReason::Busy);
                         break;
                     }
@@ -220,13 +212,13 @@ impl Inner {
                     }
                 }
             };
-            TierCounters::add(&self.dram.counters.bytes_out, self.block_bytes as u64);
+            TierCounters::add(&self.tiers[h].counters.bytes_out, self.block_bytes as u64);
             blocks.push(PinnedBlock {
                 key,
-                slot: SlotId(ds),
-                offset: self.dram.tier.slot_offset(SlotId(ds)),
+                slot: SlotId(hs),
+                offset: self.dram.slot_offset(SlotId(hs)),
                 len: self.block_bytes as u64,
-                found_in: t,
+                found_in: self.tiers[t].kind,
             });
         }
         Some((blocks, miss))

@@ -5,8 +5,6 @@ use crate::policy::Admission;
 use crate::policy::admission::RejectReason;
 use crate::stats::TierCounters;
 use crate::tier::SlotId;
-use crate::tier::Tier;
-use crate::tier::TierKind;
 use kvtier_core::BlockKey;
 use std::sync::Arc;
 
@@ -50,10 +48,11 @@ impl Inner {
         if self.shard(&key).contains_key(&key) {
             return Err(PutOutcome::AlreadyPresent);
         }
-        let c = &self.dram.counters;
+        let h = self.host;
+        let c = &self.tiers[h].counters;
         let parent_slot = match parent {
             Some(p) => match self.shard(&p).get(&p) {
-                Some(e) => (e.dram != NONE).then_some(e.dram),
+                Some(e) => (e.loc[h] != NONE).then_some(e.loc[h]),
                 None if pending_parent_slot.is_some() => pending_parent_slot,
                 None => {
                     TierCounters::inc(&c.admissions_refused);
@@ -67,7 +66,7 @@ impl Inner {
             return Err(PutOutcome::Rejected(why));
         }
         let ctx = self.ctx(parent_slot);
-        let Some(slot) = self.alloc(TierKind::Dram, key, ctx, parent) else {
+        let Some(slot) = self.alloc(h, key, ctx, parent) else {
             TierCounters::inc(&c.admissions_refused);
             return Err(PutOutcome::Rejected(RejectReason::NoEvictableSlot));
         };
@@ -87,17 +86,17 @@ impl Inner {
         parent: Option<BlockKey>,
         slot: u32,
     ) -> Result<PutOutcome, StoreError> {
-        let c = &self.dram.counters;
+        let h = self.host;
+        let c = &self.tiers[h].counters;
         // Records key and length for readers; the bytes are in place already.
         let filled = self
             .dram
-            .tier
             .write_with(SlotId(slot), key, self.block_bytes, |_| {
                 Ok::<(), std::convert::Infallible>(())
             });
         if let Err(e) = filled {
-            self.retire(TierKind::Dram, slot, false);
-            self.unpin(TierKind::Dram, slot);
+            self.retire(h, slot, false);
+            self.unpin(h, slot);
             return Err(e.into());
         }
         // Making room may have evicted the parent: then this block is unreachable.
@@ -107,40 +106,31 @@ impl Inner {
             let present = shard.contains_key(&key);
             if present || orphaned {
                 drop(shard);
-                self.retire(TierKind::Dram, slot, false);
-                self.unpin(TierKind::Dram, slot);
+                self.retire(h, slot, false);
+                self.unpin(h, slot);
                 if present {
                     return Ok(PutOutcome::AlreadyPresent);
                 }
                 TierCounters::inc(&c.admissions_refused);
                 return Ok(PutOutcome::Rejected(RejectReason::OrphanBlock));
             }
-            shard.insert(
-                key,
-                Entry {
-                    dram: slot,
-                    nvme: NONE,
-                    hits: 0,
-                },
-            );
-            self.emit(StoreEventKind::Stored, TierKind::Dram, key);
+            shard.insert(key, Entry::at(h, slot));
+            self.emit(StoreEventKind::Stored, h, key);
         }
         TierCounters::add(&c.bytes_in, self.block_bytes as u64);
-        if self.nvme.is_some() && self.config.demotion.on_put() {
-            self.spawn_demotion(key, parent, slot);
+        if h + 1 < self.tiers.len() && self.config.demotion.on_put() {
+            self.spawn_demotion(key, parent, h, slot);
         }
-        self.unpin(TierKind::Dram, slot);
-        Ok(PutOutcome::Stored(TierKind::Dram))
+        self.unpin(h, slot);
+        Ok(PutOutcome::Stored(self.tiers[h].kind))
     }
 
-    pub(super) fn retire_entry(self: &Arc<Self>, e: Entry, erase_nvme: bool) {
-        if e.dram != NONE {
-            self.retire(TierKind::Dram, e.dram, false);
-            self.unpin(TierKind::Dram, e.dram);
-        }
-        if e.nvme != NONE {
-            self.retire(TierKind::Nvme, e.nvme, erase_nvme);
-            self.unpin(TierKind::Nvme, e.nvme);
+    /// Retires every slot of an entry taken out of the index (and pinned by
+    /// [`Inner::take_entry`]). `erase`: persistent tiers erase the headers first.
+    pub(super) fn retire_entry(self: &Arc<Self>, e: Entry, erase: bool) {
+        for (t, s) in e.held() {
+            self.retire(t, s, erase);
+            self.unpin(t, s);
         }
     }
 
@@ -150,10 +140,8 @@ impl Inner {
             let Some(e) = self.take_entry(&mut shard, &key) else {
                 return false;
             };
-            for (t, slot) in [(TierKind::Dram, e.dram), (TierKind::Nvme, e.nvme)] {
-                if slot != NONE {
-                    self.emit(StoreEventKind::Removed, t, key);
-                }
+            for (t, _) in e.held() {
+                self.emit(StoreEventKind::Removed, t, key);
             }
             e
         };
@@ -162,11 +150,10 @@ impl Inner {
     }
 
     pub(super) fn clear(self: &Arc<Self>) -> Result<(), StoreError> {
-        // Bump the NVMe epoch first: every header written before it is dead from here on,
-        // including copies still in flight.
-        if let Some(n) = &self.nvme {
-            n.tier.clear_all()?;
-        }
+        // Bump each persistent tier's epoch first: every header written before it is dead
+        // from here on, including copies still in flight. (A volatile tier's slots are
+        // retired below; clearing them now would fail readers that hold pins.)
+        self.clear_persistent()?;
         for shard in self.shards.iter() {
             let entries: Vec<Entry> = {
                 let mut g = lock(shard);
@@ -181,10 +168,19 @@ impl Inner {
         }
         // A copy that was in flight during the drain may carry the first new epoch and have
         // been linked before its shard was drained: retire that epoch too.
-        if let Some(n) = &self.nvme {
-            n.tier.clear_all()?;
+        self.clear_persistent()?;
+        self.emit_kind(
+            StoreEventKind::Cleared,
+            self.tiers[self.host].kind,
+            BlockKey::default(),
+        );
+        Ok(())
+    }
+
+    fn clear_persistent(&self) -> Result<(), StoreError> {
+        for s in self.tiers.iter().filter(|s| s.tier.is_persistent()) {
+            s.tier.clear_all()?;
         }
-        self.emit(StoreEventKind::Cleared, TierKind::Dram, BlockKey::default());
         Ok(())
     }
 }
