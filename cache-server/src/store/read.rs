@@ -15,9 +15,13 @@ use super::slots::NONE;
 use super::{GetOutcome, Inner, MissReason, lock};
 
 impl Inner {
-    /// Pins the fastest copy of `key`: (tier position, slot, hits). Counts the hit toward
-    /// selective write-through.
-    pub(super) fn pin_location(&self, key: BlockKey) -> Option<(usize, u32, u32)> {
+    /// Pins the fastest copy of `key` (the host tier's, when `prefer_host` and it holds
+    /// one): (tier position, slot, hits). Counts the hit toward selective write-through.
+    pub(super) fn pin_location(
+        &self,
+        key: BlockKey,
+        prefer_host: bool,
+    ) -> Option<(usize, u32, u32)> {
         let mut shard = self.shard(&key);
         let e = shard.get_mut(&key)?;
         // Hits count toward selective write-through only while there is no copy below the
@@ -28,7 +32,11 @@ impl Inner {
         } else {
             e.hits = e.hits.saturating_add(1);
         }
-        let (t, s) = e.fastest()?;
+        let h = self.host;
+        let (t, s) = match e.loc[h] {
+            s if prefer_host && s != NONE => (h, s),
+            _ => e.fastest()?,
+        };
         self.pin_slot(t, s);
         Some((t, s, e.hits))
     }
@@ -94,7 +102,7 @@ impl Inner {
             });
         }
         let h = self.host;
-        let Some((t, slot, hits)) = self.pin_location(key) else {
+        let Some((t, slot, hits)) = self.pin_location(key, false) else {
             self.missed_above(h + 1);
             return Ok(GetOutcome::Miss(MissReason::NotCached));
         };
@@ -182,7 +190,7 @@ impl Inner {
             let parent = i
                 .checked_sub(1)
                 .and_then(|p| Some((keys[p], blocks.get(p)?.slot.0)));
-            let Some((t, slot, _)) = self.pin_location(key) else {
+            let Some((t, slot, _)) = self.pin_location(key, true) else {
                 miss = Some(MissReason::NotCached);
                 break;
             };
