@@ -10,6 +10,12 @@ use super::{Inner, lock};
 
 impl Inner {
     pub(super) fn check_consistency(&self) -> Result<(), String> {
+        // Debug builds check every eviction-policy call; a violation in a background copy
+        // panicked on the I/O pool, which survived it.
+        let violations = crate::policy::eviction::store_violations();
+        if violations != 0 {
+            return Err(format!("{violations} eviction-policy contract violations"));
+        }
         // (tier position, slot) -> the key whose entry references it.
         let mut refs: HashMap<(usize, u32), BlockKey> = HashMap::new();
         for shard in self.shards.iter() {

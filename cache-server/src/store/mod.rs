@@ -418,7 +418,9 @@ impl TieredStore {
 
     /// Checks the slot invariants of a quiescent store (no call in flight, background work
     /// flushed, leases released): every slot is either free or referenced by exactly one key,
-    /// never both, and nothing is pinned. For tests and debugging; O(slots).
+    /// never both, its slot table records that key, and nothing is pinned; in a debug build,
+    /// also that no eviction-policy call broke the policy contract
+    /// ([`crate::policy::eviction::Checked`]). For tests and debugging; O(slots).
     pub fn check_consistency(&self) -> Result<(), String> {
         self.flush();
         self.inner.check_consistency()
