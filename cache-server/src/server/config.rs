@@ -139,7 +139,7 @@ pub struct StoreSection {
     pub nvme_bytes: Size,
     /// O_DIRECT on the NVMe tier where the file system allows. Default: true.
     pub nvme_direct_io: bool,
-    /// "write-through" (default), "write-back", or "selective:<hits>" (copy to NVMe after
+    /// `"write-through"` (default), `"write-back"`, or `"selective:<hits>"` (copy to NVMe after
     /// that many DRAM hits).
     pub demotion: String,
     /// Tier I/O threads. Default: 4.

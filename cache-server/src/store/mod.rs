@@ -1,5 +1,7 @@
-//! The tiered store: a sharded index over a DRAM tier and an optional NVMe tier, with the
-//! policies deciding what lives where.
+//! The tiered store: a sharded index over an ordered list of tiers, fastest first (HBM when
+//! configured, DRAM, NVMe when configured), with the policies deciding what lives where.
+//! DRAM is the host tier: new blocks land there and pins are served from it; blocks move
+//! between neighbouring tiers of the list.
 //!
 //! Locking: an index shard lock (key -> locations) and one lock per tier (free list, slot ->
 //! key, eviction policy). The only nesting is tier -> shard (eviction); no lock is held across
@@ -304,7 +306,8 @@ impl TieredStore {
         self.inner.locate(*key).is_some()
     }
 
-    /// Pins the longest cached prefix of `keys` in DRAM (promoting NVMe blocks) for at most
+    /// Pins the longest cached prefix of `keys` in DRAM (copying blocks held only in other
+    /// tiers into it) for at most
     /// `lease` (capped by the configured maximum). Release with [`TieredStore::release`];
     /// pins that outlive their deadline are released by the store.
     pub fn pin(&self, keys: &[BlockKey], lease: Duration) -> Lease {
@@ -314,12 +317,13 @@ impl TieredStore {
     }
 
     /// [`TieredStore::pin`] that never waits for I/O: `None` when a block of the prefix is
-    /// on NVMe only (call `pin` from a thread that may block instead).
+    /// outside DRAM only (call `pin` from a thread that may block instead).
     pub fn try_pin(&self, keys: &[BlockKey], lease: Duration) -> Option<Lease> {
         self.inner.pin(keys, lease, false)
     }
 
-    /// Pins the longest cached prefix of `keys` in DRAM (promoting NVMe blocks) for as long
+    /// Pins the longest cached prefix of `keys` in DRAM (copying blocks held only in other
+    /// tiers into it) for as long
     /// as the returned guard lives, with no deadline: for a server task that streams the bytes
     /// out itself (bound the time it holds the guard).
     pub fn pin_read(&self, keys: &[BlockKey]) -> PinnedRead {
@@ -335,7 +339,7 @@ impl TieredStore {
     }
 
     /// [`TieredStore::pin_read`] that never waits for I/O: `None` when a block of the prefix
-    /// is on NVMe only.
+    /// is outside DRAM only.
     pub fn try_pin_read(&self, keys: &[BlockKey]) -> Option<PinnedRead> {
         let (blocks, miss) = self.inner.pin_prefix(keys, false)?;
         Some(PinnedRead {
@@ -391,8 +395,9 @@ impl TieredStore {
         self.inner.reap_leases(now)
     }
 
-    /// Queues promotion of NVMe-only blocks among `keys` into DRAM; returns how many were
-    /// queued (the rest were cached in DRAM already, missing, or refused by a full queue).
+    /// Queues promotion of blocks among `keys` held only below DRAM one tier up (NVMe to
+    /// DRAM); returns how many were queued (the rest were cached in DRAM or above already,
+    /// missing, or refused by a full queue).
     pub fn prefetch(&self, keys: &[BlockKey]) -> usize {
         self.inner.prefetch(keys)
     }
@@ -402,7 +407,7 @@ impl TieredStore {
         self.inner.remove(*key)
     }
 
-    /// Forgets every block (NVMe included, across restarts).
+    /// Forgets every block in every tier (NVMe included, across restarts).
     pub fn clear(&self) -> Result<(), StoreError> {
         self.inner.clear()
     }
