@@ -58,7 +58,12 @@ fn a_hit_is_promoted_into_hbm_and_every_report_names_it() {
     let st = s.stats();
     let names: Vec<_> = st.tiers.iter().filter_map(|t| t.tier).collect();
     assert_eq!(names, s.tiers());
+    // One hit each: DRAM served the first get (its promotion is not another hit), HBM the
+    // second, which HBM counts after one miss (the first get looked there first).
+    let d = st.tier(TierKind::Dram).unwrap();
+    assert_eq!((d.hits, d.misses), (1, 0));
     let h = st.tier(TierKind::Hbm).unwrap();
+    assert_eq!(h.misses, 1);
     assert_eq!(
         (h.promotions, h.hits, h.used_slots, h.capacity_slots),
         (1, 1, 1, 2)

@@ -17,6 +17,19 @@ use super::events::StoreEventKind;
 use super::slots::NONE;
 use super::{Inner, MissReason};
 
+/// Who asks for a copy between tiers ([`Inner::promote_pinned`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum CopyFor {
+    /// A caller serving a read: the copy runs on the I/O pool while it waits, and counts as
+    /// the hit in the tier copied from.
+    Read,
+    /// A prefetch job on the I/O pool: the copy runs inline and counts as a hit.
+    Prefetch,
+    /// A background promotion of a block whose hit was counted when it was served: inline,
+    /// no hit counted.
+    Background,
+}
+
 impl Inner {
     /// Copies slot `slot` of tier `from` (pinned by the caller, who keeps its own pin) to the
     /// tier below in the background; a full queue drops the copy and counts it.
@@ -44,11 +57,12 @@ impl Inner {
     pub(super) fn spawn_promotion(self: &Arc<Self>, key: BlockKey, from: usize, slot: u32) {
         self.pin_slot(from, slot);
         let me = self.clone();
-        let job = move || match me.promote_pinned(key, from, slot, from - 1, true, None) {
-            Ok(Some(up)) => me.unpin(from - 1, up),
-            Ok(None) => me.unpin(from, slot),
-            Err(_) => {}
-        };
+        let job =
+            move || match me.promote_pinned(key, from, slot, from - 1, CopyFor::Background, None) {
+                Ok(Some(up)) => me.unpin(from - 1, up),
+                Ok(None) => me.unpin(from, slot),
+                Err(_) => {}
+            };
         if self.pool.try_spawn(job).is_err() {
             self.unpin(from, slot);
         }
@@ -224,15 +238,14 @@ impl Inner {
     /// a promotion when `to` is faster, or a copy down into the host tier for a pin.
     /// `Ok(Some(ts))`: copied, `ts` returned pinned and `fs` unpinned. `Ok(None)`: not copied
     /// (promotion policy, or no slot in `to`), `fs` still pinned for the caller's fallback.
-    /// `Err`: the copy in `from` was bad and is dropped, `fs` unpinned. `inline` is for
-    /// callers already on the I/O pool.
+    /// `Err`: the copy in `from` was bad and is dropped, `fs` unpinned.
     pub(super) fn promote_pinned(
         self: &Arc<Self>,
         key: BlockKey,
         from: usize,
         fs: u32,
         to: usize,
-        inline: bool,
+        why: CopyFor,
         parent: Option<(BlockKey, u32)>,
     ) -> Result<Option<u32>, MissReason> {
         if to < from && self.config.promotion == PromotionPolicy::Never {
@@ -242,7 +255,7 @@ impl Inner {
         let Some(ts) = self.alloc(to, key, ctx, parent.map(|(k, _)| k)) else {
             return Ok(None);
         };
-        let r = if inline {
+        let r = if why != CopyFor::Read {
             self.copy_slot(key, None, from, fs, to, ts)
         } else {
             let me = self.clone();
@@ -277,7 +290,9 @@ impl Inner {
                 } else {
                     TierCounters::inc(&self.tiers[from].counters.demotions);
                 }
-                self.hit(from, fs);
+                if why != CopyFor::Background {
+                    self.hit(from, fs);
+                }
                 Ok(Some(ts))
             }
             Err(e) => {
@@ -311,11 +326,12 @@ impl Inner {
                 }
             };
             let me = self.clone();
-            let job = move || match me.promote_pinned(key, from, fs, from - 1, true, None) {
-                Ok(Some(up)) => me.unpin(from - 1, up),
-                Ok(None) => me.unpin(from, fs),
-                Err(_) => {}
-            };
+            let job =
+                move || match me.promote_pinned(key, from, fs, from - 1, CopyFor::Prefetch, None) {
+                    Ok(Some(up)) => me.unpin(from - 1, up),
+                    Ok(None) => me.unpin(from, fs),
+                    Err(_) => {}
+                };
             if self.pool.try_spawn(job).is_ok() {
                 queued += 1;
             } else {

@@ -11,6 +11,7 @@ use crate::stats::TierCounters;
 use crate::tier::{SlotId, TierKind};
 
 use super::lease::PinnedBlock;
+use super::movement::CopyFor;
 use super::slots::NONE;
 use super::{GetOutcome, Inner, MissReason, lock};
 
@@ -133,7 +134,7 @@ impl Inner {
             self.unpin(t, slot);
             return Ok(outcome);
         }
-        match self.promote_pinned(key, t, slot, t - 1, false, None) {
+        match self.promote_pinned(key, t, slot, t - 1, CopyFor::Read, None) {
             Ok(Some(up)) => {
                 let r = self.tiers[t - 1].tier.read(SlotId(up), key, buf);
                 self.unpin(t - 1, up);
@@ -207,7 +208,7 @@ impl Inner {
                 slot
             } else {
                 TierCounters::inc(&self.tiers[h].counters.misses);
-                match self.promote_pinned(key, t, slot, h, false, parent) {
+                match self.promote_pinned(key, t, slot, h, CopyFor::Read, parent) {
                     Ok(Some(hs)) => hs,
                     Ok(None) => {
                         self.unpin(t, slot);
