@@ -58,6 +58,13 @@ fn a_hit_is_promoted_into_hbm_and_every_report_names_it() {
     let st = s.stats();
     let names: Vec<_> = st.tiers.iter().filter_map(|t| t.tier).collect();
     assert_eq!(names, s.tiers());
+    let metrics = kvtier_server::server::metrics::Metrics::default().render(&st, true);
+    for t in ["hbm", "dram", "nvme"] {
+        assert!(
+            metrics.contains(&format!("tier=\"{t}\"")),
+            "metrics lack {t}"
+        );
+    }
     // One hit each: DRAM served the first get (its promotion is not another hit), HBM the
     // second, which HBM counts after one miss (the first get looked there first).
     let d = st.tier(TierKind::Dram).unwrap();

@@ -263,7 +263,7 @@ impl Metrics {
 }
 
 fn render_store(o: &mut String, s: &StoreStats) {
-    let tiers: Vec<_> = [TierKind::Dram, TierKind::Nvme]
+    let tiers: Vec<_> = TierKind::ALL
         .into_iter()
         .filter_map(|t| Some((t.name(), s.tier(t)?)))
         .collect();
