@@ -137,6 +137,24 @@ fn hbm_victims_are_written_back_to_dram() {
     s.check_consistency().unwrap();
 }
 
+#[test]
+fn selective_write_through_counts_hits_served_from_hbm() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config_tiers(Tiers::HbmDramNvme, 4, (dir.path(), 16), 2);
+    c.demotion = kvtier_server::policy::DemotionPolicy::SelectiveWriteThrough { after_hits: 2 };
+    let (s, _) = TieredStore::open(c).unwrap();
+    let k = key(1);
+    s.put(k, None, &data(k)).unwrap();
+    assert_eq!(get(&s, k), GetOutcome::Hit(TierKind::Dram));
+    s.flush();
+    assert!(!s.snapshot()[0].in_nvme, "copied down after one hit");
+    assert_eq!(get(&s, k), GetOutcome::Hit(TierKind::Hbm));
+    s.flush();
+    let e = s.snapshot()[0];
+    assert!(e.in_hbm && e.in_dram && e.in_nvme, "{e:?}");
+    s.check_consistency().unwrap();
+}
+
 fn check_refused(tiers: &[TierKind], hbm_set: bool, nvme_set: bool, want: &str) {
     let dir = tempfile::tempdir().unwrap();
     let mut c = config(4, nvme_set.then_some((dir.path(), 4)));

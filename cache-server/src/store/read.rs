@@ -49,6 +49,29 @@ impl Inner {
         }
     }
 
+    /// Selective write-through: copies the host tier's copy of `key` one tier down, after a
+    /// hit served from slot `slot` of tier `t` (the host tier, or a tier above it).
+    fn demote_on_hit(self: &Arc<Self>, key: BlockKey, t: usize, slot: u32) {
+        let h = self.host;
+        if t == h {
+            self.spawn_demotion(key, None, h, slot);
+            return;
+        }
+        // Served from above: the copy goes from the host tier, if it still holds the block.
+        let hs = {
+            let shard = self.shard(&key);
+            let hs = shard.get(&key).map(|e| e.loc[h]).filter(|&s| s != NONE);
+            if let Some(hs) = hs {
+                self.pin_slot(h, hs);
+            }
+            hs
+        };
+        if let Some(hs) = hs {
+            self.spawn_demotion(key, None, h, hs);
+            self.unpin(h, hs);
+        }
+    }
+
     /// The longest cached prefix of `keys`, with each tier's policy told about the request.
     pub(super) fn lookup(&self, keys: &[BlockKey]) -> Vec<TierKind> {
         let n = self.tiers.len();
@@ -58,17 +81,16 @@ impl Inner {
         let mut open = vec![true; n];
         for k in keys {
             let shard = self.shard(k);
-            let Some((fastest, _)) = shard.get(k).and_then(|e| Some((e.fastest()?, e))) else {
+            let Some((e, (fastest, _))) = shard.get(k).and_then(|e| Some((e, e.fastest()?))) else {
                 break;
             };
-            let e = &shard[k];
             for t in 0..n {
                 open[t] &= e.loc[t] != NONE;
                 if open[t] {
                     runs[t].push(e.loc[t]);
                 }
             }
-            out.push(self.tiers[fastest.0].kind);
+            out.push(self.tiers[fastest].kind);
         }
         let now = self.now();
         for (tier, hits) in self.tiers.iter().zip(&mut runs) {
@@ -114,8 +136,8 @@ impl Inner {
             let outcome = match self.tiers[t].tier.read(SlotId(slot), key, buf) {
                 Ok(()) => {
                     self.hit(t, slot);
-                    if t == h && h + 1 < self.tiers.len() && self.config.demotion.on_hit(hits) {
-                        self.spawn_demotion(key, None, h, slot);
+                    if h + 1 < self.tiers.len() && self.config.demotion.on_hit(hits) {
+                        self.demote_on_hit(key, t, slot);
                     }
                     if t > 0 && self.config.promotion == PromotionPolicy::OnHit {
                         self.spawn_promotion(key, t, slot);
