@@ -7,7 +7,9 @@ use std::time::Duration;
 use kvtier_core::KvLayout;
 
 use crate::clock::{Clock, SystemClock};
+use crate::error::StoreError;
 use crate::policy::{AdmissionPolicy, DemotionPolicy, EvictionKind, PromotionPolicy};
+use crate::tier::{Tier, TierError, TierKind};
 
 /// Builds a [`crate::store::TieredStore`].
 #[derive(Clone, Debug)]
@@ -15,13 +17,19 @@ use crate::policy::{AdmissionPolicy, DemotionPolicy, EvictionKind, PromotionPoli
 pub struct StoreConfig {
     /// Layout of every block; its size sets the slot size. Required.
     pub layout: KvLayout,
+    /// The tiers, fastest first, each at most once; DRAM is required (it serves puts and the
+    /// local zero-copy path). Empty means: HBM when [`StoreConfig::hbm`] is set, DRAM, and
+    /// NVMe when [`StoreConfig::nvme`] is set. Default: empty.
+    pub tiers: Vec<TierKind>,
+    /// HBM tier, if any. Default: none.
+    pub hbm: Option<HbmSettings>,
     /// DRAM arena ceiling in bytes. Required (the server sizes it from available memory).
     pub dram_capacity_bytes: u64,
     /// Reserve the DRAM arena's memory at start. Default: true.
     pub dram_prefault: bool,
     /// NVMe tier, if any. Default: none.
     pub nvme: Option<NvmeSettings>,
-    /// DRAM tier eviction. Default: [`EvictionKind::ChainAware`].
+    /// DRAM (and HBM) tier eviction. Default: [`EvictionKind::ChainAware`].
     pub eviction: EvictionKind,
     /// NVMe tier eviction. Default: [`EvictionKind::LeafLru`] (about 25 bytes a slot; at
     /// NVMe capacities the default policy's protection is off and it behaves the same).
@@ -67,10 +75,60 @@ impl NvmeSettings {
     }
 }
 
+/// Opens the memory behind the HBM position of the list in place of a CUDA device: given the
+/// capacity in bytes and the slot size, a tier of kind [`TierKind::Hbm`] (an engine's own
+/// pool registered with kvtier, or a test double of device memory).
+pub type DeviceMemory = Arc<dyn Fn(u64, usize) -> Result<Box<dyn Tier>, TierError> + Send + Sync>;
+
+/// How large the HBM tier is and where its memory comes from.
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct HbmSettings {
+    /// Bytes of device memory for slots. Required.
+    pub capacity_bytes: u64,
+    /// CUDA device ordinal. Default: 0.
+    pub device: usize,
+    /// Memory to use instead of the CUDA device (which needs the `cuda` feature and a GPU).
+    /// Default: none.
+    pub device_memory: Option<DeviceMemory>,
+}
+
+impl HbmSettings {
+    pub fn new(capacity_bytes: u64) -> Self {
+        Self {
+            capacity_bytes,
+            device: 0,
+            device_memory: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for HbmSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HbmSettings")
+            .field("capacity_bytes", &self.capacity_bytes)
+            .field("device", &self.device)
+            .field(
+                "device_memory",
+                &self.device_memory.as_ref().map(|_| "custom"),
+            )
+            .finish()
+    }
+}
+
+fn tiers_err(reason: impl Into<String>) -> StoreError {
+    StoreError::Config {
+        setting: "tiers",
+        reason: reason.into(),
+    }
+}
+
 impl StoreConfig {
     pub fn new(layout: KvLayout, dram_capacity_bytes: u64) -> Self {
         Self {
             layout,
+            tiers: Vec::new(),
+            hbm: None,
             dram_capacity_bytes,
             dram_prefault: true,
             nvme: None,
@@ -89,5 +147,54 @@ impl StoreConfig {
     pub fn with_nvme(mut self, nvme: NvmeSettings) -> Self {
         self.nvme = Some(nvme);
         self
+    }
+
+    pub fn with_hbm(mut self, hbm: HbmSettings) -> Self {
+        self.hbm = Some(hbm);
+        self
+    }
+
+    /// The list of tiers the store opens, fastest first: [`StoreConfig::tiers`], or the one
+    /// its settings imply when that is empty. Refuses a list out of order, with a duplicate,
+    /// without DRAM, or naming a tier whose settings are missing (or leaving out one whose
+    /// settings are given).
+    pub fn tier_list(&self) -> Result<Vec<TierKind>, StoreError> {
+        if self.tiers.is_empty() {
+            let mut l = Vec::new();
+            if self.hbm.is_some() {
+                l.push(TierKind::Hbm);
+            }
+            l.push(TierKind::Dram);
+            if self.nvme.is_some() {
+                l.push(TierKind::Nvme);
+            }
+            return Ok(l);
+        }
+        let l = self.tiers.clone();
+        if !l.windows(2).all(|w| w[0] < w[1]) {
+            return Err(tiers_err(format!(
+                "{l:?}: each tier at most once, fastest first (hbm, dram, nvme)"
+            )));
+        }
+        if !l.contains(&TierKind::Dram) {
+            return Err(tiers_err(
+                "dram is required (it holds new blocks and the local zero-copy path)",
+            ));
+        }
+        for (kind, set) in [
+            (TierKind::Hbm, self.hbm.is_some()),
+            (TierKind::Nvme, self.nvme.is_some()),
+        ] {
+            match (l.contains(&kind), set) {
+                (true, false) => {
+                    return Err(tiers_err(format!("{kind} is listed but not configured")));
+                }
+                (false, true) => {
+                    return Err(tiers_err(format!("{kind} is configured but not listed")));
+                }
+                _ => {}
+            }
+        }
+        Ok(l)
     }
 }

@@ -16,7 +16,7 @@ pub mod stats;
 pub mod store;
 pub mod tier;
 
-pub use config::{NvmeSettings, StoreConfig};
+pub use config::{DeviceMemory, HbmSettings, NvmeSettings, StoreConfig};
 pub use error::StoreError;
 pub use stats::{StoreStats, TierStats};
 pub use store::{

@@ -1,5 +1,5 @@
 //! Many threads putting, getting, pinning, removing, prefetching and clearing at once, under
-//! each demotion policy: every hit has its exact bytes, and once quiet the store's slot
+//! each demotion policy and over every tier list: every hit has its exact bytes, and once quiet the store's slot
 //! invariants hold (no slot leaked, freed twice or shared, no pin left behind).
 
 mod common;
@@ -13,8 +13,14 @@ use kvtier_server::policy::DemotionPolicy;
 use kvtier_server::tier::conformance::TestRng;
 
 fn storm(demotion: DemotionPolicy, seed: u64) {
+    for tiers in Tiers::ALL {
+        storm_on(tiers, demotion, seed);
+    }
+}
+
+fn storm_on(tiers: Tiers, demotion: DemotionPolicy, seed: u64) {
     let dir = tempfile::tempdir().unwrap();
-    let mut c = config(8, Some((dir.path(), 16)));
+    let mut c = config_tiers(tiers, 8, (dir.path(), 16), 4);
     c.demotion = demotion;
     c.io_threads = 2;
     let s = Arc::new(TieredStore::open(c).unwrap().0);

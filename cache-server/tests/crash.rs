@@ -21,15 +21,16 @@ const NVME_SLOTS: u64 = 512;
 const MUST_SURVIVE: u64 = 128;
 const CHILD_ENV: &str = "KVTIER_CRASH_CHILD_DIR";
 
-fn open(dir: &Path) -> TieredStore {
-    let (s, _) = TieredStore::open(config(8, Some((dir, NVME_SLOTS)))).unwrap();
-    s
+const TIERS_ENV: &str = "KVTIER_CRASH_TIERS";
+
+fn open(dir: &Path, tiers: Tiers) -> (TieredStore, kvtier_server::OpenReport) {
+    TieredStore::open(config_tiers(tiers, 8, (dir, NVME_SLOTS), 4)).unwrap()
 }
 
 /// The child's work: write keys until killed, flushing every four, and after each flush
 /// append the last durable key index to `durable-<round>`.
-fn child(dir: &Path, round: u64) {
-    let s = open(&dir.join("store"));
+fn child(dir: &Path, round: u64, tiers: Tiers) {
+    let (s, _) = open(&dir.join("store"), tiers);
     let mut log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -52,9 +53,20 @@ fn killed_writer_never_leaves_torn_or_stale_blocks() {
             .unwrap()
             .parse()
             .unwrap();
-        child(Path::new(&dir), round);
+        let tiers = match std::env::var(TIERS_ENV).as_deref() {
+            Ok("hbm") => Tiers::HbmDramNvme,
+            _ => Tiers::DramNvme,
+        };
+        child(Path::new(&dir), round, tiers);
         return;
     }
+    // Every tier list with NVMe (a crash loses the volatile tiers; NVMe must be intact).
+    for tiers in [Tiers::DramNvme, Tiers::HbmDramNvme] {
+        crash_rounds(tiers);
+    }
+}
+
+fn crash_rounds(tiers: Tiers) {
     let dir = tempfile::tempdir().unwrap();
     let mut rng = TestRng::new(2026);
     let mut recovered_total = 0;
@@ -67,6 +79,7 @@ fn killed_writer_never_leaves_torn_or_stale_blocks() {
             ])
             .env(CHILD_ENV, dir.path())
             .env("KVTIER_CRASH_ROUND", round.to_string())
+            .env(TIERS_ENV, if tiers.has_hbm() { "hbm" } else { "" })
             .stdout(Stdio::null())
             .spawn()
             .unwrap();
@@ -75,8 +88,7 @@ fn killed_writer_never_leaves_torn_or_stale_blocks() {
         unsafe { libc::kill(c.id() as i32, libc::SIGKILL) };
         c.wait().unwrap();
 
-        let (s, report) =
-            TieredStore::open(config(8, Some((&dir.path().join("store"), NVME_SLOTS)))).unwrap();
+        let (s, report) = open(&dir.path().join("store"), tiers);
         let nvme = report.nvme.unwrap();
         assert_eq!(nvme.cold_start, None);
         recovered_total += nvme.recovered;
@@ -122,9 +134,10 @@ fn killed_writer_never_leaves_torn_or_stale_blocks() {
             .unwrap()
             .corrupt_dropped;
         eprintln!(
-            "round {round}: recovered {}, durable up to {last:?}, corrupt {corrupt}",
+            "{tiers:?} round {round}: recovered {}, durable up to {last:?}, corrupt {corrupt}",
             nvme.recovered
         );
+        s.check_consistency().unwrap();
         drop(s);
         std::io::stderr().flush().unwrap();
     }

@@ -1,6 +1,6 @@
 //! A fault-injecting NVMe file under the store: errors, short writes, a full disk and a disk
 //! that stops answering. The store degrades to misses, keeps its index consistent, keeps
-//! serving from DRAM and never stalls a caller.
+//! serving from DRAM and never stalls a caller. Each test runs over every tier list with NVMe.
 
 mod common;
 
@@ -69,7 +69,10 @@ impl SlotFile for FaultyFile {
     }
 }
 
-fn open(dir: &Path, faults: &Arc<Faults>) -> TieredStore {
+/// The tier lists with an NVMe tier (the faults are injected there).
+const NVME_LISTS: [Tiers; 2] = [Tiers::DramNvme, Tiers::HbmDramNvme];
+
+fn open(dir: &Path, faults: &Arc<Faults>, tiers: Tiers) -> TieredStore {
     let f = faults.clone();
     let wrap = move |inner: File, _: &Path| -> Arc<dyn SlotFile> {
         Arc::new(FaultyFile {
@@ -77,7 +80,7 @@ fn open(dir: &Path, faults: &Arc<Faults>) -> TieredStore {
             faults: f.clone(),
         })
     };
-    TieredStore::open_with(config(4, Some((dir, 16))), &wrap)
+    TieredStore::open_with(config_tiers(tiers, 4, (dir, 16), 4), &wrap)
         .unwrap()
         .0
 }
@@ -88,9 +91,15 @@ fn nvme_stat(s: &TieredStore) -> kvtier_server::TierStats {
 
 #[test]
 fn write_errors_and_a_full_disk_leave_dram_serving() {
+    for tiers in NVME_LISTS {
+        write_errors_and_a_full_disk_leave_dram_serving_on(tiers);
+    }
+}
+
+fn write_errors_and_a_full_disk_leave_dram_serving_on(tiers: Tiers) {
     let dir = tempfile::tempdir().unwrap();
     let faults = Arc::new(Faults::default());
-    let s = open(dir.path(), &faults);
+    let s = open(dir.path(), &faults, tiers);
     faults.fail_writes.store(true, Ordering::SeqCst);
     s.put(key(1), None, &data(key(1))).unwrap();
     s.flush();
@@ -113,22 +122,29 @@ fn write_errors_and_a_full_disk_leave_dram_serving() {
     s.put(key(3), None, &data(key(3))).unwrap();
     s.flush();
     assert_eq!(nvme_stat(&s).used_slots, 1);
+    s.check_consistency().unwrap();
 }
 
 #[test]
 fn short_writes_are_completed() {
+    for tiers in NVME_LISTS {
+        short_writes_are_completed_on(tiers);
+    }
+}
+
+fn short_writes_are_completed_on(tiers: Tiers) {
     let dir = tempfile::tempdir().unwrap();
     let faults = Arc::new(Faults::default());
     faults.short_writes.store(4096, Ordering::SeqCst);
     {
-        let s = open(dir.path(), &faults);
+        let s = open(dir.path(), &faults, tiers);
         for i in 0..3 {
             s.put(key(i), None, &data(key(i))).unwrap();
         }
         s.flush();
         assert_eq!(nvme_stat(&s).io_errors, 0);
     }
-    let s = open(dir.path(), &faults);
+    let s = open(dir.path(), &faults, tiers);
     for i in 0..3 {
         assert_eq!(get(&s, key(i)), GetOutcome::Hit(TierKind::Nvme));
     }
@@ -136,16 +152,22 @@ fn short_writes_are_completed() {
 
 #[test]
 fn read_errors_are_misses_and_drop_the_entry() {
+    for tiers in NVME_LISTS {
+        read_errors_are_misses_and_drop_the_entry_on(tiers);
+    }
+}
+
+fn read_errors_are_misses_and_drop_the_entry_on(tiers: Tiers) {
     let dir = tempfile::tempdir().unwrap();
     let faults = Arc::new(Faults::default());
     {
-        let s = open(dir.path(), &faults);
+        let s = open(dir.path(), &faults, tiers);
         for i in 0..3 {
             s.put(key(i), None, &data(key(i))).unwrap();
         }
         s.flush();
     }
-    let s = open(dir.path(), &faults);
+    let s = open(dir.path(), &faults, tiers);
     s.put(key(9), None, &data(key(9))).unwrap();
     faults.fail_reads.store(true, Ordering::SeqCst);
     assert_eq!(get(&s, key(0)), GetOutcome::Miss(MissReason::IoError));
@@ -155,13 +177,20 @@ fn read_errors_are_misses_and_drop_the_entry() {
     s.flush();
     assert_eq!(nvme_stat(&s).io_errors, 1);
     assert_eq!(nvme_stat(&s).pins_outstanding, 0);
+    s.check_consistency().unwrap();
 }
 
 #[test]
 fn a_stalled_disk_never_stalls_puts() {
+    for tiers in NVME_LISTS {
+        a_stalled_disk_never_stalls_puts_on(tiers);
+    }
+}
+
+fn a_stalled_disk_never_stalls_puts_on(tiers: Tiers) {
     let dir = tempfile::tempdir().unwrap();
     let faults = Arc::new(Faults::default());
-    let mut c = config(64, Some((dir.path(), 16)));
+    let mut c = config_tiers(tiers, 64, (dir.path(), 16), 4);
     c.admission.max_backlog = 8;
     let f = faults.clone();
     let wrap = move |inner: File, _: &Path| -> Arc<dyn SlotFile> {
@@ -202,4 +231,5 @@ fn a_stalled_disk_never_stalls_puts() {
     faults.resume.notify_all();
     s.flush();
     assert_eq!(s.stats().io_backlog, 0);
+    s.check_consistency().unwrap();
 }

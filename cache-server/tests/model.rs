@@ -40,7 +40,7 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn policy() -> impl Strategy<Value = (DemotionPolicy, EvictionKind, bool)> {
+fn policy() -> impl Strategy<Value = (DemotionPolicy, EvictionKind, Tiers)> {
     (
         prop_oneof![
             Just(DemotionPolicy::WriteThrough),
@@ -48,14 +48,21 @@ fn policy() -> impl Strategy<Value = (DemotionPolicy, EvictionKind, bool)> {
             Just(DemotionPolicy::SelectiveWriteThrough { after_hits: 1 }),
         ],
         prop_oneof![Just(EvictionKind::Lru), Just(EvictionKind::ChainAware)],
-        any::<bool>(),
+        prop_oneof![
+            Just(Tiers::Dram),
+            Just(Tiers::DramNvme),
+            Just(Tiers::HbmDramNvme)
+        ],
     )
 }
 
-fn run(ops: Vec<Op>, (demotion, eviction, nvme): (DemotionPolicy, EvictionKind, bool)) {
+const HBM_BLOCKS: u64 = 3;
+
+fn run(ops: Vec<Op>, (demotion, eviction, tiers): (DemotionPolicy, EvictionKind, Tiers)) {
     let dir = tempfile::tempdir().unwrap();
+    let nvme = tiers.has_nvme();
     let open = || {
-        let mut c = config(4, nvme.then(|| (dir.path(), 6)));
+        let mut c = config_tiers(tiers, 4, (dir.path(), 6), HBM_BLOCKS);
         c.demotion = demotion;
         c.eviction = eviction;
         TieredStore::open(c).unwrap().0
@@ -134,7 +141,9 @@ fn run(ops: Vec<Op>, (demotion, eviction, nvme): (DemotionPolicy, EvictionKind, 
         let st = s.stats();
         let d = st.tier(TierKind::Dram).unwrap();
         assert!(d.used_slots <= 4);
-        assert!(st.blocks <= 4 + 6);
+        assert!(st.blocks <= 4 + 6 + HBM_BLOCKS);
+        let names: Vec<TierKind> = st.tiers.iter().filter_map(|t| t.tier).collect();
+        assert_eq!(names, s.tiers(), "stats name every tier, in order");
     }
     let s = store.take().unwrap();
     s.flush();

@@ -15,8 +15,9 @@ use kvtier_core::{Dtype, KvKind, KvLayout};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::StoreConfig;
-use crate::config::NvmeSettings;
+use crate::config::{HbmSettings, NvmeSettings};
 use crate::policy::DemotionPolicy;
+use crate::tier::TierKind;
 
 /// A byte size: an integer, or a string like `"4GiB"`, `"512 MiB"`, `"64k"`; `"auto"` where
 /// the setting allows it.
@@ -120,6 +121,14 @@ pub struct ListenConfig {
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreSection {
+    /// The tiers, fastest first: any of "hbm", "dram", "nvme", each at most once, "dram"
+    /// required. "hbm" needs a build with the `cuda` feature and a CUDA device; `nvme_dir = ""`
+    /// still disables "nvme". Default: ["dram", "nvme"].
+    pub tiers: Vec<TierKind>,
+    /// HBM tier size (device memory), when `tiers` names "hbm". Default: "1GiB".
+    pub hbm_bytes: Size,
+    /// CUDA device of the HBM tier. Default: 0.
+    pub hbm_device: usize,
     /// DRAM tier size; "auto" = a quarter of available memory, at most 8 GiB.
     pub dram_bytes: Size,
     /// Reserve the DRAM arena at start. Default: true.
@@ -130,7 +139,7 @@ pub struct StoreSection {
     pub nvme_bytes: Size,
     /// O_DIRECT on the NVMe tier where the file system allows. Default: true.
     pub nvme_direct_io: bool,
-    /// "write-through" (default), "write-back", or "selective:<hits>" (copy to NVMe after
+    /// `"write-through"` (default), `"write-back"`, or `"selective:<hits>"` (copy to NVMe after
     /// that many DRAM hits).
     pub demotion: String,
     /// Tier I/O threads. Default: 4.
@@ -198,6 +207,9 @@ impl Default for ListenConfig {
 impl Default for StoreSection {
     fn default() -> Self {
         Self {
+            tiers: vec![TierKind::Dram, TierKind::Nvme],
+            hbm_bytes: Size::Bytes(1 << 30),
+            hbm_device: 0,
             dram_bytes: Size::Auto,
             dram_prefault: true,
             nvme_dir: "./kvtier-data".into(),
@@ -378,7 +390,10 @@ fn scalar(s: &str) -> toml::Value {
     match format!("v = {s}").parse::<toml::Table>() {
         Ok(mut t) => match t.remove("v") {
             Some(
-                v @ (toml::Value::Integer(_) | toml::Value::Boolean(_) | toml::Value::String(_)),
+                v @ (toml::Value::Integer(_)
+                | toml::Value::Boolean(_)
+                | toml::Value::String(_)
+                | toml::Value::Array(_)),
             ) => v,
             _ => toml::Value::String(s.to_string()),
         },
@@ -403,6 +418,7 @@ impl ServerConfig {
         self.quic_addr()?;
         self.admin_addr()?;
         self.demotion()?;
+        self.tiers()?;
         let l = &self.limits;
         for (name, v) in [
             ("limits.max_connections", l.max_connections as u64),
@@ -432,7 +448,14 @@ impl ServerConfig {
                 format!("must hold at least one block ({block} bytes)"),
             ));
         }
+        if self.store.hbm_bytes == Size::Auto {
+            return Err(cerr(
+                "store.hbm_bytes",
+                "give a size (\"auto\" is not supported)",
+            ));
+        }
         for (name, v) in [
+            ("store.hbm_bytes", self.store.hbm_bytes),
             ("store.dram_bytes", self.store.dram_bytes),
             ("store.nvme_bytes", self.store.nvme_bytes),
         ] {
@@ -551,6 +574,33 @@ impl ServerConfig {
         Duration::from_millis(self.limits.max_lease_ms)
     }
 
+    /// The tiers the store opens, fastest first: `store.tiers`, less "nvme" when `nvme_dir`
+    /// is "". Refuses a list out of order, with a duplicate or without "dram", and "hbm" on a
+    /// build without the `cuda` feature or a machine without a CUDA device.
+    pub fn tiers(&self) -> Result<Vec<TierKind>, ConfigError> {
+        let l = &self.store.tiers;
+        if !l.windows(2).all(|w| w[0] < w[1]) {
+            return Err(cerr(
+                "store.tiers",
+                "each tier at most once, fastest first (\"hbm\", \"dram\", \"nvme\")",
+            ));
+        }
+        if !l.contains(&TierKind::Dram) {
+            return Err(cerr(
+                "store.tiers",
+                "\"dram\" is required (it holds new blocks and the local zero-copy path)",
+            ));
+        }
+        if l.contains(&TierKind::Hbm) {
+            hbm_available().map_err(|e| cerr("store.tiers", format!("\"hbm\": {e}")))?;
+        }
+        let nvme_off = self.store.nvme_dir.is_empty();
+        Ok(l.iter()
+            .copied()
+            .filter(|&t| !(t == TierKind::Nvme && nvme_off))
+            .collect())
+    }
+
     /// The store's configuration, with "auto" sizes resolved against this machine.
     pub fn store_config(&self) -> Result<StoreConfig, ConfigError> {
         let layout = self.layout()?;
@@ -563,7 +613,16 @@ impl ServerConfig {
         c.demotion = self.demotion()?;
         c.io_threads = self.store.io_threads;
         c.max_lease = self.max_lease();
-        if !self.store.nvme_dir.is_empty() {
+        c.tiers = self.tiers()?;
+        if c.tiers.contains(&TierKind::Hbm) {
+            let Size::Bytes(bytes) = self.store.hbm_bytes else {
+                return Err(cerr("store.hbm_bytes", "give a size"));
+            };
+            let mut h = HbmSettings::new(bytes);
+            h.device = self.store.hbm_device;
+            c.hbm = Some(h);
+        }
+        if c.tiers.contains(&TierKind::Nvme) {
             let dir = PathBuf::from(&self.store.nvme_dir);
             let bytes = match self.store.nvme_bytes {
                 Size::Bytes(b) => b,
@@ -583,6 +642,20 @@ impl ServerConfig {
             c.nvme = Some(n);
         }
         Ok(c)
+    }
+}
+
+/// Whether this build and machine can hold an HBM tier; the reason when not.
+fn hbm_available() -> Result<(), String> {
+    #[cfg(feature = "cuda")]
+    {
+        crate::tier::hbm::probe()
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err("this kvtier-server was built without the `cuda` feature".into())
     }
 }
 
@@ -704,6 +777,43 @@ mod tests {
     }
 
     #[test]
+    fn tiers_default_to_dram_and_nvme_and_an_empty_nvme_dir_drops_nvme() {
+        use crate::tier::TierKind::{Dram, Hbm, Nvme};
+        let c = ConfigLoader::new().build().unwrap();
+        assert_eq!(c.tiers().unwrap(), vec![Dram, Nvme]);
+        let c = ConfigLoader::new()
+            .set("store.nvme_dir=\"\"")
+            .unwrap()
+            .build()
+            .unwrap();
+        assert_eq!(c.tiers().unwrap(), vec![Dram]);
+        assert!(c.store_config().unwrap().nvme.is_none());
+        let c = ConfigLoader::new()
+            .set(r#"store.tiers=["dram"]"#)
+            .unwrap()
+            .set("store.dram_bytes=64MiB")
+            .unwrap()
+            .build()
+            .unwrap();
+        let sc = c.store_config().unwrap();
+        assert_eq!((sc.tiers.clone(), sc.nvme.is_none()), (vec![Dram], true));
+        // "hbm" is taken only where a CUDA device is; elsewhere it is refused by name.
+        let hbm = ConfigLoader::new()
+            .set(r#"store.tiers=["hbm", "dram", "nvme"]"#)
+            .unwrap()
+            .build();
+        match hbm {
+            Ok(c) => assert_eq!(c.tiers().unwrap(), vec![Hbm, Dram, Nvme]),
+            Err(e) => {
+                let msg = e.to_string();
+                assert!(msg.contains("store.tiers") && msg.contains("hbm"), "{msg}");
+                #[cfg(not(feature = "cuda"))]
+                assert!(msg.contains("cuda"), "{msg}");
+            }
+        }
+    }
+
+    #[test]
     fn bad_settings_name_themselves() {
         check_err(&["store.dram_bytes=12 parsecs"], "parsecs");
         check_err(&["store.dram_bytes=0"], "store.dram_bytes");
@@ -723,6 +833,10 @@ mod tests {
         check_err(&["store.io_threads=\"many\""], "store.io_threads");
         check_err(&["limits.max_lease_ms=-5"], "limits.max_lease_ms");
         check_err(&["server.name=7"], "server.name");
+        check_err(&[r#"store.tiers=["nvme", "dram"]"#], "store.tiers");
+        check_err(&[r#"store.tiers=["nvme"]"#], "\"dram\" is required");
+        check_err(&[r#"store.tiers=["dram", "tape"]"#], "tape");
+        check_err(&["store.hbm_bytes=auto"], "store.hbm_bytes");
         let e = ConfigLoader::new()
             .merge_toml("[store\n", "f.toml")
             .err()

@@ -25,7 +25,7 @@ use super::Shared;
 use super::events::tier_code;
 use super::metrics::{Metrics, Transport};
 use crate::policy::admission::RejectReason;
-use crate::{MissReason, PinnedRead, PutOutcome, Reservation, StoreError, TierKind};
+use crate::{MissReason, PinnedRead, PutOutcome, Reservation, StoreError};
 
 /// Responses queued for the writer of one connection.
 const OUT_QUEUE: usize = 256;
@@ -578,15 +578,13 @@ impl Conn {
                     .unwrap_or_default();
                 let mut evs = Vec::new();
                 for e in snap {
-                    for (has, t) in [(e.in_dram, TierKind::Dram), (e.in_nvme, TierKind::Nvme)] {
-                        if has {
-                            evs.push(kvtier_core::protocol::BlockEvent {
-                                seq: 0,
-                                kind: kvtier_core::protocol::EventKind::Stored as u8,
-                                tier: tier_code(t) as u8,
-                                key: e.key,
-                            });
-                        }
+                    for t in e.tiers() {
+                        evs.push(kvtier_core::protocol::BlockEvent {
+                            seq: 0,
+                            kind: kvtier_core::protocol::EventKind::Stored as u8,
+                            tier: tier_code(t) as u8,
+                            key: e.key,
+                        });
                     }
                 }
                 for chunk in evs.chunks(EVENT_BATCH) {

@@ -11,7 +11,7 @@ use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, FromRawFd};
 
 use super::slot_lock::SlotTable;
-use super::{RecoveredSlot, SlotId, Tier, TierError, TierKind};
+use super::{InPlaceTier, RecoveredSlot, SlotId, Tier, TierError, TierKind};
 
 /// Slot sizes are rounded to this; it is also the alignment O_DIRECT needs.
 pub const PAGE_BYTES: usize = 4096;
@@ -232,6 +232,10 @@ impl DramTier {
 }
 
 impl Tier for DramTier {
+    fn in_place(&self) -> Option<&dyn InPlaceTier> {
+        Some(self)
+    }
+
     fn kind(&self) -> TierKind {
         TierKind::Dram
     }
@@ -274,6 +278,32 @@ impl Tier for DramTier {
 
     fn recover(&self) -> Vec<RecoveredSlot> {
         Vec::new()
+    }
+}
+
+impl InPlaceTier for DramTier {
+    fn fill_in_place(
+        &self,
+        slot: SlotId,
+        key: BlockKey,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> Result<(), TierError>,
+    ) -> Result<(), TierError> {
+        self.write_with(slot, key, len, fill)?
+    }
+
+    fn read_in_place(
+        &self,
+        slot: SlotId,
+        key: BlockKey,
+        len: usize,
+        f: &mut dyn FnMut(&[u8]) -> Result<(), TierError>,
+    ) -> Result<(), TierError> {
+        self.read_with(slot, key, len, f)?
+    }
+
+    fn slot_offset(&self, slot: SlotId) -> u64 {
+        DramTier::slot_offset(self, slot)
     }
 }
 

@@ -220,6 +220,60 @@ mod tests {
         }
     }
 
+    /// The store with this tier at the head of its list ([hbm, dram]): a DRAM hit is promoted
+    /// into device memory and then served from it with its bytes, and a block held only there
+    /// is copied down into DRAM for a pin. Without a GPU: opening is refused with the reason.
+    #[test]
+    fn store_with_hbm_on_a_gpu_or_a_clear_refusal() {
+        use crate::{GetOutcome, HbmSettings, StoreConfig, TieredStore};
+        use kvtier_core::{Dtype, KvLayout};
+        let layout = KvLayout::new(1, 4, 16, Dtype::F16, 16).unwrap();
+        let n = layout.block_bytes() as usize;
+        let mut c = StoreConfig::new(layout, 2 * n as u64).with_hbm(HbmSettings::new(4 * n as u64));
+        c.dram_prefault = false;
+        c.io_threads = 2;
+        let opened = TieredStore::open(c);
+        let Ok(_) = probe() else {
+            assert!(
+                std::env::var_os("KVTIER_REQUIRE_GPU").is_none(),
+                "KVTIER_REQUIRE_GPU is set but there is no usable GPU"
+            );
+            let e = opened.err().expect("hbm opened without a GPU");
+            eprintln!("store with HBM NOT run: {e}");
+            assert!(e.to_string().contains("CUDA"), "{e}");
+            return;
+        };
+        let (s, _) = opened.unwrap();
+        let key = |i: u128| BlockKey::from_u128(i * 0x9E37_79B9 + 1);
+        let bytes = |k: BlockKey| super::super::conformance::block_bytes(k, n);
+        let mut buf = vec![0u8; n];
+        s.put(key(1), None, &bytes(key(1))).unwrap();
+        assert_eq!(
+            s.get(&key(1), &mut buf).unwrap(),
+            GetOutcome::Hit(TierKind::Dram)
+        );
+        s.flush();
+        buf.fill(0);
+        assert_eq!(
+            s.get(&key(1), &mut buf).unwrap(),
+            GetOutcome::Hit(TierKind::Hbm)
+        );
+        assert!(buf == bytes(key(1)), "wrong bytes from HBM");
+        // Push it out of DRAM; a pin copies it back down from device memory.
+        for i in 2..5 {
+            s.put(key(i), None, &bytes(key(i))).unwrap();
+        }
+        s.flush();
+        let r = s.pin_read(&[key(1)]);
+        assert_eq!(r.blocks()[0].found_in, TierKind::Hbm);
+        assert!(
+            r.bytes(0) == bytes(key(1)).as_slice(),
+            "wrong bytes copied down"
+        );
+        drop(r);
+        s.check_consistency().unwrap();
+    }
+
     #[test]
     fn bad_geometry_is_a_config_error_before_touching_the_driver() {
         let e = HbmTierConfig::new(100, 4096).open().err().unwrap();

@@ -17,6 +17,8 @@ pub mod nvme;
 mod slot_lock;
 
 pub use dram::{DramTier, DramTierConfig};
+#[cfg(feature = "cuda")]
+pub use hbm::{HbmTier, HbmTierConfig};
 pub use nvme::{NvmeOpenReport, NvmeTier, NvmeTierConfig};
 
 /// Which tier a block lives in, fastest first.
@@ -147,6 +149,25 @@ pub trait Tier: Send + Sync {
     /// was found in several slots only the newest is returned; the others are erased lazily.
     fn recover(&self) -> Vec<RecoveredSlot>;
 
+    /// [`Tier::write`] recording the block's chain parent, where the tier keeps one (NVMe
+    /// headers do, so leaf-first eviction survives a restart). Default: [`Tier::write`].
+    fn write_linked(
+        &self,
+        slot: SlotId,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+        data: &[u8],
+    ) -> Result<(), TierError> {
+        let _ = parent;
+        self.write(slot, key, data)
+    }
+
+    /// In-place access, for a tier whose slots are host memory ([`InPlaceTier`]); `None`
+    /// for a tier reached only through copies (NVMe files, HBM device memory). Default: None.
+    fn in_place(&self) -> Option<&dyn InPlaceTier> {
+        None
+    }
+
     /// Checks `slot` and `len` against the tier's geometry.
     fn check(&self, slot: SlotId, len: usize) -> Result<(), TierError> {
         if slot.0 >= self.slot_count() {
@@ -163,4 +184,32 @@ pub trait Tier: Send + Sync {
         }
         Ok(())
     }
+}
+
+/// A tier whose slots are host memory, filled and read in place without a bounce buffer
+/// (DRAM). The store copies between tiers through it when one side offers it, and serves the
+/// local zero-copy path from the one tier of its list that is DRAM.
+pub trait InPlaceTier: Tier {
+    /// Fills `slot` in place: `fill` gets the slot's first `len` bytes, and the block becomes
+    /// readable as `key` only if it returns `Ok` (its error is returned as is).
+    fn fill_in_place(
+        &self,
+        slot: SlotId,
+        key: BlockKey,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> Result<(), TierError>,
+    ) -> Result<(), TierError>;
+
+    /// Lends the `len` bytes of block `key` in `slot` to `f` without copying them; a slot
+    /// holding another key or length is a `Mismatch`.
+    fn read_in_place(
+        &self,
+        slot: SlotId,
+        key: BlockKey,
+        len: usize,
+        f: &mut dyn FnMut(&[u8]) -> Result<(), TierError>,
+    ) -> Result<(), TierError>;
+
+    /// Byte offset of `slot` in the tier's memory (as a local client maps it).
+    fn slot_offset(&self, slot: SlotId) -> u64;
 }

@@ -1,6 +1,8 @@
 #![allow(dead_code)]
 //! Helpers shared by the store tests.
 
+pub mod device;
+
 use std::path::Path;
 use std::time::Duration;
 
@@ -23,6 +25,42 @@ pub fn config(dram_blocks: u64, nvme: Option<(&Path, u64)>) -> StoreConfig {
     c.max_lease = Duration::from_secs(5);
     if let Some((dir, blocks)) = nvme {
         c.nvme = Some(NvmeSettings::new(dir, blocks * (BLOCK as u64 + 4096)));
+    }
+    c
+}
+
+/// The tier lists every store test runs over, fastest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tiers {
+    Dram,
+    DramNvme,
+    /// HBM is the real device on a GPU machine, else the [`device::HeapDevice`] double.
+    HbmDramNvme,
+}
+
+impl Tiers {
+    pub const ALL: [Tiers; 3] = [Tiers::Dram, Tiers::DramNvme, Tiers::HbmDramNvme];
+
+    pub fn has_nvme(self) -> bool {
+        self != Tiers::Dram
+    }
+
+    pub fn has_hbm(self) -> bool {
+        self == Tiers::HbmDramNvme
+    }
+}
+
+/// [`config`] over the tier list `tiers` (`nvme` is used only when the list has NVMe), with
+/// `hbm_blocks` HBM slots when it has HBM.
+pub fn config_tiers(
+    tiers: Tiers,
+    dram_blocks: u64,
+    nvme: (&Path, u64),
+    hbm_blocks: u64,
+) -> StoreConfig {
+    let mut c = config(dram_blocks, tiers.has_nvme().then_some(nvme));
+    if tiers.has_hbm() {
+        c.hbm = Some(device::hbm(hbm_blocks));
     }
     c
 }

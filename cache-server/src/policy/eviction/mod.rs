@@ -59,7 +59,25 @@ pub enum EvictionKind {
 }
 
 impl EvictionKind {
+    pub const ALL: [EvictionKind; 3] = [
+        EvictionKind::Lru,
+        EvictionKind::LeafLru,
+        EvictionKind::ChainAware,
+    ];
+
+    /// The policy over `slots` slots; in debug builds wrapped in [`Checked`], so every
+    /// store test also checks the policy's contract.
     pub fn build(self, slots: u32) -> Box<dyn EvictionPolicy> {
+        let p = self.build_unchecked(slots);
+        if cfg!(debug_assertions) {
+            Box::new(Checked::for_store(p, slots))
+        } else {
+            p
+        }
+    }
+
+    /// The policy over `slots` slots, never wrapped.
+    pub fn build_unchecked(self, slots: u32) -> Box<dyn EvictionPolicy> {
         match self {
             EvictionKind::Lru => Box::new(Lru::new(slots)),
             EvictionKind::LeafLru => Box::new(LeafLru::new(slots)),
@@ -76,13 +94,7 @@ impl EvictionKind {
     }
 
     pub fn parse(s: &str) -> Option<Self> {
-        [
-            EvictionKind::Lru,
-            EvictionKind::LeafLru,
-            EvictionKind::ChainAware,
-        ]
-        .into_iter()
-        .find(|k| k.name() == s)
+        Self::ALL.into_iter().find(|k| k.name() == s)
     }
 }
 
@@ -213,9 +225,12 @@ impl EvictionPolicy for Lru {
 
 pub use chain::{ChainAware, DEFAULT_HORIZON_MS};
 pub use leaf_lru::LeafLru;
+pub use sanity::{Checked, store_violations};
 
 mod chain;
+pub mod conformance;
 mod leaf_lru;
+mod sanity;
 
 #[cfg(test)]
 mod tests {
@@ -245,6 +260,88 @@ mod tests {
         assert_eq!(p.victim(&mut |s| s != 1), Some(2));
         assert_eq!(eviction_order(&mut p, 4), vec![1, 2, 3, 0]);
         assert_eq!(p.victim(&mut |_| true), None);
+    }
+
+    /// The conformance suite, against every policy.
+    #[test]
+    fn every_policy_passes_the_conformance_suite() {
+        for kind in EvictionKind::ALL {
+            eprintln!("eviction conformance: {}", kind.name());
+            conformance::run(&|n| kind.build_unchecked(n));
+        }
+    }
+
+    /// A policy that breaks the contract (returns removed slots, ignores `evictable`).
+    struct Forgetful {
+        slots: u32,
+    }
+
+    impl EvictionPolicy for Forgetful {
+        fn name(&self) -> &'static str {
+            "forgetful"
+        }
+        fn on_lookup(&mut self, _: LookupContext<'_>) {}
+        fn on_insert(&mut self, _: u32, _: BlockKey, _: InsertContext) {}
+        fn on_hit(&mut self, _: u32, _: u64) {}
+        fn on_remove(&mut self, _: u32, _: u64) {}
+        fn victim(&mut self, _: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+            Some(self.slots - 1)
+        }
+        fn bytes_per_slot(&self) -> usize {
+            0
+        }
+    }
+
+    fn violation(f: impl FnOnce(&mut Checked) + std::panic::UnwindSafe, want: &str) {
+        let r = std::panic::catch_unwind(move || {
+            let mut p = Checked::new(Box::new(Forgetful { slots: 4 }), 4);
+            f(&mut p);
+        });
+        let msg = r.expect_err("the wrapper let a violation through");
+        let msg = msg.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(msg.contains(want), "{msg:?} (want {want:?})");
+    }
+
+    #[test]
+    fn the_wrapper_catches_contract_violations() {
+        let ctx = InsertContext::default();
+        violation(
+            |p| {
+                let _ = p.victim(&mut |_| true);
+            },
+            "not tracked",
+        );
+        violation(
+            |p| {
+                p.on_insert(3, BlockKey::default(), ctx);
+                p.on_remove(3, 0);
+                let _ = p.victim(&mut |_| true);
+            },
+            "not tracked",
+        );
+        violation(
+            |p| {
+                p.on_insert(3, BlockKey::default(), ctx);
+                let _ = p.victim(&mut |_| false);
+            },
+            "not accepted",
+        );
+        violation(
+            |p| {
+                p.on_insert(1, BlockKey::default(), ctx);
+                p.on_insert(1, BlockKey::default(), ctx);
+            },
+            "inserted twice",
+        );
+        violation(
+            |p| p.on_insert(9, BlockKey::default(), ctx),
+            "past the 4 slots",
+        );
+        // And the suite fails it.
+        let r = std::panic::catch_unwind(|| {
+            conformance::run(&|n| Box::new(Forgetful { slots: n }));
+        });
+        assert!(r.is_err(), "the suite passed a broken policy");
     }
 
     #[test]

@@ -540,6 +540,16 @@ impl Tier for NvmeTier {
         self.write_linked(slot, key, None, data)
     }
 
+    fn write_linked(
+        &self,
+        slot: SlotId,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+        data: &[u8],
+    ) -> Result<(), TierError> {
+        NvmeTier::write_linked(self, slot, key, parent, data)
+    }
+
     fn read(&self, slot: SlotId, key: BlockKey, buf: &mut [u8]) -> Result<(), TierError> {
         self.check(slot, buf.len())?;
         let _r = self.locks[slot.index()]

@@ -1,0 +1,177 @@
+//! Allocation and eviction: a slot for a new block, evicting (or writing back) a victim
+//! when the tier is full. A victim of tier `t` is written back to tier `t + 1` (its neighbour
+//! below) when the demotion policy says so and no slower tier holds a copy.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use kvtier_core::BlockKey;
+
+use crate::policy::InsertContext;
+use crate::stats::TierCounters;
+
+use super::events::StoreEventKind;
+use super::slots::{COUNT, NONE, RETIRED, TierState};
+use super::{Inner, lock};
+
+/// Write-backs a single allocation may start before it evicts without one.
+pub(super) const MAX_WRITEBACKS_PER_ALLOC: usize = 4;
+/// Victims an allocation may try before it gives up.
+pub(super) const MAX_EVICT_ATTEMPTS: usize = 16;
+/// Under write-back, a tier keeps about 1/this of its slots free (at least one).
+pub(super) const WRITEBACK_RESERVE_DIVISOR: usize = 64;
+
+pub(super) enum Evicted {
+    /// The slot is free for the caller.
+    Freed(u32),
+    /// A write-back started; the slot frees itself when the copy is done.
+    WritingBack,
+    /// The victim could not be taken; ask again.
+    Retry,
+}
+
+impl Inner {
+    /// A slot of tier `t` for `key`, pinned once (the caller's writer pin) and tracked by the
+    /// policy. Evicts to make room; under write-back, victims without a copy below are copied
+    /// down in the background first and a small reserve of free slots is kept so puts rarely
+    /// wait on (or are refused because of) a copy in flight.
+    pub(super) fn alloc(
+        self: &Arc<Self>,
+        t: usize,
+        key: BlockKey,
+        mut ctx: InsertContext,
+        parent_key: Option<BlockKey>,
+    ) -> Option<u32> {
+        let tier = &self.tiers[t];
+        let mut st = lock(&tier.state);
+        // The parent's slot was read without a pin: believe it only if it still holds it.
+        ctx.parent = ctx
+            .parent
+            .filter(|&p| parent_key.is_some_and(|k| st.keys[p as usize] == k));
+        let writeback = self.writeback_mode(t);
+        let slot = match st.free.pop() {
+            Some(s) => s,
+            None => {
+                let mut started = 0;
+                let mut found = None;
+                for _ in 0..MAX_EVICT_ATTEMPTS {
+                    let allow_writeback = writeback && started < MAX_WRITEBACKS_PER_ALLOC;
+                    match self.evict_one(t, &mut st, allow_writeback)? {
+                        Evicted::Freed(v) => {
+                            found = Some(v);
+                            break;
+                        }
+                        Evicted::WritingBack => started += 1,
+                        Evicted::Retry => {}
+                    }
+                }
+                found?
+            }
+        };
+        tier.pins[slot as usize].store(1, Ordering::Release);
+        st.keys[slot as usize] = key;
+        st.policy.on_insert(slot, key, ctx);
+        if writeback {
+            let reserve = (st.keys.len() / WRITEBACK_RESERVE_DIVISOR).max(1);
+            let mut budget = MAX_WRITEBACKS_PER_ALLOC;
+            while budget > 0
+                && st.free.len() + tier.writebacks_inflight.load(Ordering::Acquire) < reserve
+            {
+                budget -= 1;
+                match self.evict_one(t, &mut st, true) {
+                    Some(Evicted::Freed(v)) => st.free.push(v),
+                    Some(Evicted::WritingBack | Evicted::Retry) => {}
+                    None => break,
+                }
+            }
+        }
+        Some(slot)
+    }
+
+    /// Whether tier `t`'s victims are written back to the tier below it.
+    pub(super) fn writeback_mode(&self, t: usize) -> bool {
+        t + 1 < self.tiers.len() && self.config.demotion.on_evict()
+    }
+
+    /// Handles the policy's next victim in tier `t`. `None`: no evictable slot at all.
+    pub(super) fn evict_one(
+        self: &Arc<Self>,
+        t: usize,
+        st: &mut TierState,
+        allow_writeback: bool,
+    ) -> Option<Evicted> {
+        let tier = &self.tiers[t];
+        let pins = &tier.pins;
+        let v = st
+            .policy
+            .victim(&mut |s| pins[s as usize].load(Ordering::Acquire) == 0)?;
+        let vkey = st.keys[v as usize];
+        let mut shard = self.shard(&vkey);
+        let Some(e) = shard.get_mut(&vkey).filter(|e| e.loc[t] == v) else {
+            // No key references it: it is being removed (its remover holds a pin and frees
+            // it) or being filled by a pinned writer. Either way not ours; stop tracking it.
+            drop(shard);
+            st.policy.on_remove(v, self.now());
+            return Some(Evicted::Retry);
+        };
+        if pins[v as usize].load(Ordering::Acquire) != 0 {
+            return Some(Evicted::Retry); // pinned after the policy looked
+        }
+        let copy_below = e.loc[t + 1..].iter().any(|&s| s != NONE);
+        if allow_writeback && !copy_below {
+            // Stays referenced and readable here while it is copied down; the copy job
+            // removes the reference and retires it (only a remover retires a slot).
+            pins[v as usize].store(1, Ordering::Release);
+            drop(shard);
+            st.policy.on_remove(v, self.now());
+            tier.writebacks_inflight.fetch_add(1, Ordering::AcqRel);
+            let me = self.clone();
+            if self
+                .pool
+                .try_spawn(move || me.demote(vkey, None, t, v, true))
+                .is_ok()
+            {
+                return Some(Evicted::WritingBack);
+            }
+            // No room to copy: evict it without a copy.
+            tier.writebacks_inflight.fetch_sub(1, Ordering::AcqRel);
+            TierCounters::inc(&tier.counters.demotions_dropped);
+            let mut shard = self.shard(&vkey);
+            let ours = match shard.get_mut(&vkey).filter(|e| e.loc[t] == v) {
+                Some(e) => {
+                    e.loc[t] = NONE;
+                    self.emit(StoreEventKind::Removed, t, vkey);
+                    if e.is_empty() {
+                        shard.remove(&vkey);
+                    }
+                    true
+                }
+                None => false, // removed meanwhile: its remover frees it
+            };
+            drop(shard);
+            if !ours {
+                pins[v as usize].fetch_sub(1, Ordering::AcqRel);
+                return Some(Evicted::Retry);
+            }
+            TierCounters::inc(&tier.counters.evictions);
+            // Retire while still holding our pin, then drop the pin: if a reader pinned it
+            // meanwhile, its last unpin frees it (after we release the tier lock).
+            pins[v as usize].fetch_or(RETIRED, Ordering::AcqRel);
+            let prev = pins[v as usize].fetch_sub(1, Ordering::AcqRel);
+            if prev & COUNT == 1 {
+                pins[v as usize].store(0, Ordering::Release);
+                return Some(Evicted::Freed(v));
+            }
+            return Some(Evicted::Retry);
+        }
+        e.loc[t] = NONE;
+        self.emit(StoreEventKind::Removed, t, vkey);
+        if e.is_empty() {
+            shard.remove(&vkey);
+        }
+        drop(shard);
+        st.policy.on_remove(v, self.now());
+        TierCounters::inc(&tier.counters.evictions);
+        Some(Evicted::Freed(v))
+    }
+}

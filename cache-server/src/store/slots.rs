@@ -1,0 +1,159 @@
+//! Slots and pin words per tier: the free list, slot -> key, the eviction policy's state,
+//! and the atomic pin word of every slot; pinning, retiring and freeing slots; per-tier stats.
+//!
+//! Tiers are named by their position in the store's list (fastest first), not by kind.
+
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use kvtier_core::BlockKey;
+
+use crate::policy::{EvictionKind, EvictionPolicy};
+use crate::stats::{StoreStats, TierCounters, TierStats};
+use crate::tier::{SlotId, Tier, TierKind};
+
+use super::index::Entry;
+use super::{Inner, lock};
+
+pub(super) const NONE: u32 = u32::MAX;
+/// Pin-word bits: the low bits count pins; RETIRED means "free me at zero"; ERASE means
+/// "erase my on-disk header before freeing".
+pub(super) const RETIRED: u32 = 1 << 31;
+pub(super) const ERASE: u32 = 1 << 30;
+pub(super) const COUNT: u32 = ERASE - 1;
+
+pub(super) struct TierState {
+    pub(super) free: Vec<u32>,
+    pub(super) keys: Box<[BlockKey]>,
+    pub(super) policy: Box<dyn EvictionPolicy>,
+}
+
+/// One tier of the store's list and the store's bookkeeping of its slots.
+pub(super) struct Slots {
+    pub(super) kind: TierKind,
+    pub(super) tier: Arc<dyn Tier>,
+    pub(super) state: Mutex<TierState>,
+    pub(super) pins: Box<[AtomicU32]>,
+    pub(super) counters: TierCounters,
+    /// Write-backs of this tier's victims still copying down.
+    pub(super) writebacks_inflight: AtomicUsize,
+}
+
+pub(super) fn slots_for(tier: Arc<dyn Tier>, eviction: EvictionKind) -> Slots {
+    let n = tier.slot_count();
+    Slots {
+        kind: tier.kind(),
+        state: Mutex::new(TierState {
+            free: (0..n).rev().collect(),
+            keys: vec![BlockKey::default(); n as usize].into(),
+            policy: eviction.build(n),
+        }),
+        pins: (0..n).map(|_| AtomicU32::new(0)).collect(),
+        counters: TierCounters::default(),
+        writebacks_inflight: AtomicUsize::new(0),
+        tier,
+    }
+}
+
+pub(super) fn tier_stats(slots: &Slots) -> TierStats {
+    let mut s = TierStats::from_counters(slots.kind, &slots.counters);
+    s.capacity_slots = u64::from(slots.tier.slot_count());
+    s.slot_bytes = slots.tier.slot_bytes() as u64;
+    let st = lock(&slots.state);
+    s.used_slots = s.capacity_slots.saturating_sub(st.free.len() as u64);
+    // Slot key, pin word and free-list entry, the policy's arrays, and the tier's own
+    // per-slot table (key/length/lock for memory tiers, a lock for NVMe).
+    let tier_table = match slots.kind {
+        TierKind::Nvme => 4,
+        _ => 32,
+    };
+    s.metadata_bytes_per_slot = (16 + 4 + 4 + st.policy.bytes_per_slot() + tier_table) as u64;
+    drop(st);
+    s.pins_outstanding = slots
+        .pins
+        .iter()
+        .filter(|p| p.load(Ordering::Relaxed) & COUNT != 0)
+        .count() as u64;
+    s
+}
+
+impl Inner {
+    /// Adds a pin to slot `slot` of tier `t`. Only under the shard lock of the key that
+    /// references the slot (or by the holder of another pin on it).
+    pub(super) fn pin_slot(&self, t: usize, slot: u32) {
+        self.tiers[t].pins[slot as usize].fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub(super) fn unpin(self: &Arc<Self>, t: usize, slot: u32) {
+        let pins = &self.tiers[t].pins;
+        let prev = pins[slot as usize].fetch_sub(1, Ordering::AcqRel);
+        debug_assert!(prev & COUNT != 0, "unpin of an unpinned slot");
+        if prev & COUNT == 1 && prev & RETIRED != 0 {
+            self.free(t, slot, prev & ERASE != 0);
+        }
+    }
+
+    /// Takes `slot` out of tier `t`'s policy and frees it once no pin holds it. `erase`
+    /// matters only for a persistent tier (its header goes before the slot is reused).
+    pub(super) fn retire(self: &Arc<Self>, t: usize, slot: u32, erase: bool) {
+        let s = &self.tiers[t];
+        lock(&s.state).policy.on_remove(slot, self.now());
+        let bits = RETIRED | if erase { ERASE } else { 0 };
+        let prev = s.pins[slot as usize].fetch_or(bits, Ordering::AcqRel);
+        if prev & COUNT == 0 {
+            self.free(t, slot, erase);
+        }
+    }
+
+    pub(super) fn free(self: &Arc<Self>, t: usize, slot: u32, erase: bool) {
+        let s = &self.tiers[t];
+        if erase && s.tier.is_persistent() {
+            // The header goes before the slot can be reused, so a restart cannot bring the
+            // removed block back. On a full queue, erase here: removal is rare.
+            let me = self.clone();
+            let job = move || me.erase_then_free(t, slot);
+            if self.pool.try_spawn(job).is_err() {
+                self.erase_then_free(t, slot);
+            }
+            return;
+        }
+        let mut st = lock(&s.state);
+        s.pins[slot as usize].store(0, Ordering::Release);
+        st.free.push(slot);
+    }
+
+    pub(super) fn erase_then_free(self: &Arc<Self>, t: usize, slot: u32) {
+        let s = &self.tiers[t];
+        if s.tier.erase(SlotId(slot)).is_err() {
+            TierCounters::inc(&s.counters.io_errors);
+        }
+        self.free(t, slot, false);
+    }
+
+    pub(super) fn touch(&self, t: usize, slot: u32) {
+        let now = self.now();
+        lock(&self.tiers[t].state).policy.on_hit(slot, now);
+    }
+
+    pub(super) fn stats(&self) -> StoreStats {
+        let tiers: Vec<TierStats> = self.tiers.iter().map(tier_stats).collect();
+        let entry_bytes = std::mem::size_of::<(BlockKey, Entry)>() + 1;
+        let index_bytes: usize = self
+            .shards
+            .iter()
+            .map(|s| lock(s).capacity() * entry_bytes)
+            .sum();
+        let slots: u64 = tiers.iter().map(|t| t.capacity_slots).sum();
+        let tier_bytes: u64 = tiers
+            .iter()
+            .map(|t| t.capacity_slots * t.metadata_bytes_per_slot)
+            .sum();
+        StoreStats {
+            metadata_bytes_per_block: (tier_bytes + index_bytes as u64) / slots.max(1),
+            tiers,
+            blocks: self.shards.iter().map(|s| lock(s).len() as u64).sum(),
+            leases_outstanding: lock(&self.leases).len() as u64,
+            io_backlog: self.pool.backlog() as u64,
+        }
+    }
+}
