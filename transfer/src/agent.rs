@@ -25,7 +25,9 @@ use tokio::task::AbortHandle;
 
 use crate::backend::frame::MAX_NOTIFICATION_BYTES;
 use crate::backend::shm::{RegionTable, SHM_TABLE_SLOTS};
-use crate::backend::{self, BackendKind, Job, PeerBackend, Segment, TransferCtl};
+use crate::backend::{
+    self, BackendKind, Job, Notification, PeerBackend, Segment, TargetCtx, TransferCtl,
+};
 use crate::descriptor::{Descriptor, Op, check_range, merge_adjacent};
 use crate::error::{Result, TransferError};
 use crate::metadata::{
@@ -119,24 +121,6 @@ impl AgentConfig {
         }
         Ok(())
     }
-}
-
-/// A notification a peer attached to a transfer, delivered after the transfer's data.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Notification {
-    /// The sending agent's name (as it presented itself).
-    pub from: String,
-    pub message: Vec<u8>,
-}
-
-/// What the target side of every backend needs.
-pub(crate) struct TargetCtx {
-    pub name: String,
-    pub token: [u8; TOKEN_BYTES],
-    pub registry: Arc<Registry>,
-    pub notifications: mpsc::Sender<Notification>,
-    /// Set when the agent shuts down (backends that bypass sockets check it).
-    pub closed: std::sync::atomic::AtomicBool,
 }
 
 pub(crate) struct AgentCore {

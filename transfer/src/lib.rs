@@ -29,8 +29,9 @@ pub mod metadata;
 mod region;
 mod transfer;
 
-pub use agent::{Agent, AgentConfig, Notification, Peer};
+pub use agent::{Agent, AgentConfig, Peer};
 pub use backend::BackendKind;
+pub use backend::Notification;
 pub use backend::frame::MAX_NOTIFICATION_BYTES;
 pub use descriptor::{Descriptor, Op, merge_adjacent};
 pub use error::{ErrorKind, Result, TransferError};

@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use cudarc::driver::{CudaContext, result, sys};
 
+use super::TargetCtx;
 use super::{BoxFuture, Job, PeerBackend};
-use crate::agent::TargetCtx;
 use crate::descriptor::Op;
 use crate::error::{Result, TransferError};
 use crate::metadata::AgentMetadata;
@@ -228,7 +228,7 @@ impl CudaPeer {
             job.ctl.check()?;
             target
                 .notifications
-                .blocking_send(crate::agent::Notification {
+                .blocking_send(super::Notification {
                     from: self.me.clone(),
                     message: message.clone(),
                 })

@@ -17,7 +17,7 @@ use tokio::task::AbortHandle;
 
 use super::frame::{FrameOp, HEADER_BYTES, Header, MAX_NAME_BYTES, Status};
 use super::{BoxFuture, Job, PeerBackend, TransferCtl};
-use crate::agent::{Notification, TargetCtx};
+use super::{Notification, TargetCtx};
 use crate::descriptor::Op;
 use crate::error::{Result, TransferError};
 use crate::metadata::TOKEN_BYTES;

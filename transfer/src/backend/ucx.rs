@@ -28,9 +28,9 @@ use std::sync::{Arc, Mutex};
 
 use kvtier_ucx_sys as sys;
 
+use super::TargetCtx;
 use super::stream::Lane;
 use super::{BoxFuture, Job, PeerBackend, TransferCtl};
-use crate::agent::TargetCtx;
 use crate::descriptor::Op;
 use crate::error::{Result, TransferError};
 use crate::metadata::AgentMetadata;
