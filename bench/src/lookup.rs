@@ -13,7 +13,8 @@ use kvtier_server::{StoreConfig, TieredStore};
 use serde::Serialize;
 
 use crate::report::{Report, Table};
-use crate::util::{Latency, SplitMix64, fmt_f};
+use crate::util::{Latency, fmt_f};
+use kvtier_core::SplitMix64;
 
 /// Keys per second TARGETS.md asks of an in-process lookup.
 const TARGET_KEYS_PER_S: f64 = 5e6;

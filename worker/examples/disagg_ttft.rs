@@ -13,12 +13,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use clap::Parser;
+use kvtier_core::SplitMix64;
 use kvtier_transfer::{Agent, AgentConfig};
 use kvtier_worker::disagg::{
     DecodeConfig, DisaggDecoder, PrefillConfig, PrefillPath, PrefillServer, engine_in_agent,
     parse_backend, prefill_router,
 };
-use kvtier_worker::rng::SplitMix64;
 use kvtier_worker::{BlockTable, Engine, Model, ModelConfig};
 
 #[derive(Parser)]

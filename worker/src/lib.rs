@@ -18,7 +18,6 @@ pub mod gpu;
 pub mod kv_cache;
 pub mod metrics;
 pub mod model;
-pub mod rng;
 pub mod scheduler;
 pub mod serve;
 pub mod sidecar;

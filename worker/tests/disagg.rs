@@ -7,12 +7,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
+use kvtier_core::SplitMix64;
 use kvtier_transfer::{Agent, AgentConfig, BackendKind};
 use kvtier_worker::disagg::{
     DecodeConfig, DisaggDecoder, PREFILL_PATH, PrefillConfig, PrefillPath, PrefillRequest,
     PrefillServer, engine_in_agent, prefill_router, wire,
 };
-use kvtier_worker::rng::SplitMix64;
 use kvtier_worker::{BlockTable, Engine, Model, ModelConfig, Sampling, WorkerError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};

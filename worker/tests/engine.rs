@@ -6,9 +6,9 @@ use std::collections::HashMap;
 
 use anyhow::Result;
 use candle_core::{D, DType, Device, IndexOp, Tensor};
+use kvtier_core::SplitMix64;
 use kvtier_worker::engine::FinishReason;
 use kvtier_worker::model::{argmax, random_weights};
-use kvtier_worker::rng::SplitMix64;
 use kvtier_worker::{BlockId, BlockTable, Engine, Model, ModelConfig, Sampling, WorkerError};
 
 /// Logits of the paged forward and of the reference agree to this (max absolute difference).
