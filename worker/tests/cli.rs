@@ -4,27 +4,15 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
+use kvtier_testkit::process::run_bounded;
 
-/// Runs the binary with `args`, killing it after `limit`.
+/// Runs the binary with `args`, killing it after `limit`: (success, stdout + stderr).
 fn run(args: &[&str], limit: Duration) -> Result<(bool, String)> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier-worker"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()?;
-    let deadline = Instant::now() + limit;
-    while child.try_wait()?.is_none() {
-        if Instant::now() > deadline {
-            child.kill()?;
-            child.wait()?;
-            bail!("kvtier-worker {args:?} still running after {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output()?;
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    Ok((out.status.success(), text))
+    let f = run_bounded(
+        Command::new(env!("CARGO_BIN_EXE_kvtier-worker")).args(args),
+        limit,
+    )?;
+    Ok((f.status.success(), f.output()))
 }
 
 #[test]
