@@ -231,7 +231,7 @@ pub struct Comparison {
     pub reference_gb_per_s: f64,
     /// kvtier GB/s over reference GB/s (absent when the reference measured nothing).
     pub ratio: Option<f64>,
-    /// The ratio docs/../TARGETS.md asks for, where it names one.
+    /// The ratio the targets (docs/benchmarks.md, "The targets") ask for, where they name one.
     pub target: Option<f64>,
     pub meets_target: Option<bool>,
 }

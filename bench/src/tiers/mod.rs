@@ -408,7 +408,7 @@ impl Report for TiersReport {
         out.push(t);
 
         let mut c = Table::new(
-            "ratios: kvtier GB/s over the reference's (target from TARGETS.md where it names one)",
+            "ratios: kvtier GB/s over the reference's (target from docs/benchmarks.md where it names one)",
             &[
                 "path",
                 "op",
