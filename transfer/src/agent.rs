@@ -28,12 +28,12 @@ use crate::backend::shm::{RegionTable, SHM_TABLE_SLOTS};
 use crate::backend::{
     self, BackendKind, Job, Notification, PeerBackend, Segment, TargetCtx, TransferCtl,
 };
-use crate::descriptor::{Descriptor, Op, check_range, merge_adjacent};
+use crate::descriptor::{Descriptor, Op, merge_adjacent};
 use crate::error::{Result, TransferError};
 use crate::metadata::{
     AgentMetadata, QuicEndpoint, RegionMeta, ShmEndpoint, ShmRegion, TOKEN_BYTES,
 };
-use crate::region::{MemKind, RegionHandle, RegionId, Registry, RegistryHook};
+use crate::region::{MemKind, RegionHandle, RegionId, Registry, RegistryHook, check_range};
 use crate::transfer::Transfer;
 
 /// How an agent is built. Every field's doc ends with its default.

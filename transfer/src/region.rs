@@ -20,6 +20,30 @@ use std::sync::{Arc, RwLock, Weak};
 
 use crate::error::{Result, TransferError};
 
+/// Checks `offset..offset+len` against a region of `region_len` bytes. `index` names the
+/// descriptor (in the caller's list) for the error.
+pub(crate) fn check_range(
+    index: usize,
+    side: &str,
+    offset: u64,
+    len: u64,
+    region_len: u64,
+) -> Result<()> {
+    if len == 0 {
+        return Err(TransferError::InvalidDescriptor {
+            index,
+            reason: "zero length".into(),
+        });
+    }
+    match offset.checked_add(len) {
+        Some(end) if end <= region_len => Ok(()),
+        _ => Err(TransferError::InvalidDescriptor {
+            index,
+            reason: format!("{side} range {offset}+{len} exceeds the region's {region_len} bytes"),
+        }),
+    }
+}
+
 /// A region's identifier, unique within its agent and never reused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RegionId(pub u64);
@@ -171,7 +195,7 @@ impl RegionMem {
                 reason: format!("region {} is GPU memory", self.id),
             });
         }
-        crate::descriptor::check_range(0, "region", offset, len as u64, self.len)
+        check_range(0, "region", offset, len as u64, self.len)
     }
 }
 

@@ -206,7 +206,7 @@ impl CudaPeer {
             seg.local.check_live()?;
             // Holding the Arc keeps the remote region's memory alive during the copy.
             let remote = target.registry.get(crate::region::RegionId(seg.remote))?;
-            crate::descriptor::check_range(0, "remote", seg.remote_offset, seg.len, remote.len())?;
+            crate::region::check_range(0, "remote", seg.remote_offset, seg.len, remote.len())?;
             let local = seg.local.ptr() as u64 + seg.local_offset;
             let far = remote.ptr() as u64 + seg.remote_offset;
             let (dst, src) = match job.op {
