@@ -359,7 +359,7 @@ impl Agent {
     /// Allocates `len` bytes of GPU memory on `device` and registers it (feature `cuda`).
     #[cfg(feature = "cuda")]
     pub fn alloc_gpu(&self, device: usize, len: u64) -> Result<RegionHandle> {
-        let buf = backend::cuda::DeviceBuffer::alloc(device, len)?;
+        let buf = crate::region::cuda::DeviceBuffer::alloc(device, len)?;
         self.finish_register(self.core.ctx.registry.register_gpu(buf)?)
     }
 
@@ -368,7 +368,7 @@ impl Agent {
     /// shared memory (no fd); reachable over TCP, QUIC, UCX and CUDA.
     #[cfg(feature = "cuda")]
     pub fn alloc_pinned(&self, len: u64) -> Result<RegionHandle> {
-        let buf = backend::cuda::PinnedBuffer::alloc(len)?;
+        let buf = crate::region::cuda::PinnedBuffer::alloc(len)?;
         self.finish_register(self.core.ctx.registry.register_pinned(buf, len)?)
     }
 

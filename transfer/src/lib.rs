@@ -39,4 +39,4 @@ pub use region::{MemKind, RegionHandle, RegionId};
 pub use transfer::{CancelHandle, Transfer, TransferStats};
 
 #[cfg(feature = "cuda")]
-pub use backend::cuda::probe as cuda_probe;
+pub use region::cuda::probe as cuda_probe;
