@@ -357,6 +357,21 @@ impl fmt::Display for Machine {
     }
 }
 
+/// The peak resident set (`VmHWM` in /proc/PID/status) of process `pid` (`"self"` for this
+/// one), in bytes.
+pub fn peak_rss_bytes(pid: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib: u64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
+}
+
 /// `MemAvailable` from /proc/meminfo, in bytes.
 pub fn mem_available() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -457,6 +472,13 @@ mod tests {
         for bad in ["", "k", "-1", "1.5m", "12x", "auto", "99999999999999t"] {
             assert!(parse_size(bad).is_err(), "{bad:?} was accepted");
         }
+    }
+
+    #[test]
+    fn reads_this_process_peak_rss() {
+        let rss = peak_rss_bytes("self").unwrap();
+        assert!(rss > 1 << 20 && rss.is_multiple_of(1024), "{rss}");
+        assert_eq!(peak_rss_bytes("0"), None, "no such process");
     }
 
     #[test]

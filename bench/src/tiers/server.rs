@@ -234,14 +234,7 @@ impl ServerChild {
     }
 
     fn peak_rss(&self) -> u64 {
-        std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find_map(|l| l.strip_prefix("VmHWM:"))
-                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            })
-            .map_or(0, |kb| kb * 1024)
+        util::peak_rss_bytes(&self.child.id().to_string()).unwrap_or(0)
     }
 
     async fn client(&self, transport: Transport) -> Result<Client> {
