@@ -510,7 +510,7 @@ fn claude_trace_errors_name_the_file_and_field() {
     );
     check(
         r#"{"block_size": 64, "requests": [{"t": 0, "type": "n", "in": 64, "out": 1, "hash_ids": [1]}, {"type": "subagent", "t": 2, "requests": [{"t": 0, "type": "n", "in": 64, "out": "x", "hash_ids": [2]}]}]}"#,
-        "requests[1].requests[0]",
+        "t.json: requests[1].requests[0]: invalid type: string \"x\", expected u64",
     );
     check(
         r#"{"block_size": 64, "requests": [{"type": "subagent", "t": 2, "requests": []}]}"#,
