@@ -4,7 +4,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
-use kvtier_testkit::process::run_bounded;
+use kvtier_testkit::process::{ChildGuard, run_bounded};
 
 /// Runs the binary with `args`, killing it after `limit`: (success, stdout + stderr).
 fn run(args: &[&str], limit: Duration) -> Result<(bool, String)> {
@@ -67,12 +67,16 @@ fn a_bad_model_dir_fails_with_its_path() -> Result<()> {
 #[test]
 fn serve_prints_its_address_and_stops_on_sigterm() -> Result<()> {
     use std::io::{BufRead, BufReader, Read, Write};
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier-worker"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--pool-blocks", "64"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let result = (|| -> Result<()> {
+    // Killed on drop, also when an assertion below fails.
+    let mut guard = ChildGuard::new(
+        Command::new(env!("CARGO_BIN_EXE_kvtier-worker"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--pool-blocks", "64"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()?,
+    );
+    let child = guard.child();
+    {
         let stdout = child
             .stdout
             .take()
@@ -112,12 +116,7 @@ fn serve_prints_its_address_and_stops_on_sigterm() -> Result<()> {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-    })();
-    if child.try_wait()?.is_none() {
-        child.kill()?;
-        child.wait()?;
     }
-    result
 }
 
 #[test]
