@@ -1,7 +1,8 @@
 //! What the parts of `kvtier-bench tiers` share: the run's settings, the measured rows and
 //! comparisons, the block layouts, the directory to run in, and the O_DIRECT reference both the
-//! store part and the server part's NVMe tier are measured against. The driver (`mod.rs`) and
-//! the server part (`server.rs`) both build on this module; it uses neither.
+//! store part and the server part's NVMe tier are measured against, and where to reach a
+//! Redis. The driver (`mod.rs`), the server part (`server.rs`) and the Redis reference
+//! (`redis.rs`) build on this module; it uses none of them.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
