@@ -81,7 +81,7 @@ async fn start(dram: &str, seed: u64) -> Result<Stack> {
         .display()
         .to_string();
     // A per-run block-key secret (the demo's blocks live only as long as the run).
-    let mut rng = crate::util::SplitMix64::new(seed);
+    let mut rng = kvtier_core::SplitMix64::new(seed);
     let secret: Vec<u8> = (0..4).flat_map(|_| rng.next_u64().to_le_bytes()).collect();
     let secret = HashSecret::new(HashScheme::default(), &secret)?;
     let worker = |sidecar: Option<String>| ServeConfig {

@@ -8,7 +8,7 @@ use clap::Args;
 use kvtier_core::{Dtype, HashScheme, HashSecret, KvLayout, NamespaceBuilder, PrefixHasher};
 use serde::Serialize;
 
-use crate::util::SplitMix64;
+use kvtier_core::SplitMix64;
 
 const SECRET: &[u8] = b"kvtier-bench-secret-0123456789abcdef";
 /// Without `--iters`, each scheme is timed for about this long.

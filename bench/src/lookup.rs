@@ -1,6 +1,6 @@
 //! `kvtier-bench lookup`: in-process longest-prefix lookup of a long prompt's block keys
 //! through the store's index (the sidecar's lookup minus the network). The prompt's tokens
-//! come from `--seed`. Target (TARGETS.md): at least 5 M keys/s for a 4,096-block prefix.
+//! come from `--seed`. Target (docs/benchmarks.md, "The targets"): at least 5 M keys/s for a 4,096-block prefix.
 
 use std::time::{Duration, Instant};
 
@@ -13,9 +13,10 @@ use kvtier_server::{StoreConfig, TieredStore};
 use serde::Serialize;
 
 use crate::report::{Report, Table};
-use crate::util::{Latency, SplitMix64, fmt_f};
+use crate::util::{Latency, fmt_f};
+use kvtier_core::SplitMix64;
 
-/// Keys per second TARGETS.md asks of an in-process lookup.
+/// Keys per second the targets (docs/benchmarks.md) ask of an in-process lookup.
 const TARGET_KEYS_PER_S: f64 = 5e6;
 
 #[derive(Args, Debug)]

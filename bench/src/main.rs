@@ -10,6 +10,8 @@
 //! * `server`: `tiers --parts server` (the sidecar over its transports only).
 //! * `transfer`: the transfer library (nixlbench-style sweep) against memcpy, raw TCP and quinn.
 //! * `demo`: the README's main command (an embedded server and workers, cache off vs on).
+//! * `server-demo`: the server's demonstration (an embedded server, a worker over every
+//!   transport through the SDK, a restart that finds the cache warm on NVMe).
 //! * `agentic`: agentic sessions driven closed-loop against OpenAI-compatible endpoints, side by
 //!   side across configurations (cache off, DRAM, DRAM + NVMe, disaggregated).
 //!
@@ -23,7 +25,7 @@ mod lookup;
 mod policy;
 mod replay;
 mod report;
-mod server;
+mod server_demo;
 mod tiers;
 mod trace;
 mod transfer;
@@ -85,6 +87,10 @@ enum Command {
     /// The one-command demo: an embedded kvtier server and two reference workers (cache off,
     /// kvtier on) driven with the same agentic workload, side by side.
     Demo(demo::DemoArgs),
+    /// The server's demonstration: an embedded kvtier server, a worker over every transport
+    /// through the SDK (unix zero-copy, TCP, QUIC), then a restart that finds the cache warm
+    /// on NVMe.
+    ServerDemo(server_demo::ServerDemoArgs),
 }
 
 /// The seed when `--seed` is not given.
@@ -216,7 +222,7 @@ fn main() -> Result<()> {
             tiers::run(a, &[tiers::Part::Store, tiers::Part::Server], ctx.seed)?,
         ),
         Command::Lookup(a) => ctx.emit("lookup", lookup::run(a, ctx.seed)?),
-        Command::ServeChild { set } => server::serve_child(set),
+        Command::ServeChild { set } => tiers::server::serve_child(set),
         Command::Server(a) => ctx.emit("server", tiers::run(a, &[tiers::Part::Server], ctx.seed)?),
         Command::Policy(a) => ctx.emit("policy", policy::run(a)?),
         Command::Replay(a) => {
@@ -226,6 +232,7 @@ fn main() -> Result<()> {
             replay::fail_on_corruption(corrupt)
         }
         Command::Transfer(a) => ctx.emit("transfer", transfer::run(a, ctx.seed)?),
+        Command::ServerDemo(a) => server_demo::run(a),
     }
 }
 

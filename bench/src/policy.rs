@@ -25,8 +25,8 @@ pub struct PolicyArgs {
     #[arg(long = "trace")]
     pub traces: Vec<PathBuf>,
     /// Cache capacities in tokens (decimal units: 1m = 1,000,000).
-    #[arg(long, default_value = "1m,3m,10m,50m", value_parser = parse_token_list)]
-    pub capacities: TokenList,
+    #[arg(long, value_delimiter = ',', default_value = "1m,3m,10m,50m", value_parser = parse_tokens)]
+    pub capacities: Vec<u64>,
     /// Store only full blocks (the partial last block of a prompt is not cached), as a real
     /// engine does. Default: store every block, the convention of the traces' published LRU
     /// figures.
@@ -36,9 +36,6 @@ pub struct PolicyArgs {
     #[arg(long)]
     pub limit: Option<usize>,
 }
-
-#[derive(Clone, Debug)]
-pub struct TokenList(pub Vec<u64>);
 
 /// Parses a token count in decimal units: `3m` is 3,000,000, `500k` 500,000.
 pub fn token_count(s: &str) -> Result<u64, String> {
@@ -61,13 +58,6 @@ pub fn parse_tokens(s: &str) -> Result<u64, String> {
         v if v >= TRACE_BLOCK_TOKENS => Ok(v),
         _ => Err(format!("{s:?} must be at least one 512-token block")),
     }
-}
-
-fn parse_token_list(s: &str) -> Result<TokenList, String> {
-    s.split(',')
-        .map(parse_tokens)
-        .collect::<Result<Vec<_>, _>>()
-        .map(TokenList)
 }
 
 #[derive(Serialize)]
@@ -171,7 +161,7 @@ pub fn run(args: &PolicyArgs) -> Result<PolicyReport> {
     };
     let mut out = Vec::new();
     let pb = crate::report::bar(
-        (traces.len() * args.capacities.0.len()) as u64,
+        (traces.len() * args.capacities.len()) as u64,
         "policy replays",
     );
     for path in &traces {
@@ -182,7 +172,7 @@ pub fn run(args: &PolicyArgs) -> Result<PolicyReport> {
         let trace = trace::read_mooncake(path, &opts)?.trace_requests(args.full_blocks_only);
         let blocks = trace.iter().map(|r| r.block_ids.len() as u64).sum();
         let mut rows = Vec::new();
-        for &tokens in &args.capacities.0 {
+        for &tokens in &args.capacities {
             let cap = tokens / TRACE_BLOCK_TOKENS;
             pb.set_message(format!(
                 "{} @ {}",
@@ -329,5 +319,29 @@ mod tests {
         assert_eq!(parse_tokens("500k"), Ok(500_000));
         assert!(parse_tokens("100").is_err());
         assert!(parse_tokens("x").is_err());
+    }
+
+    #[test]
+    fn capacities_are_a_list_of_token_counts() {
+        use clap::Parser;
+        #[derive(Parser, Debug)]
+        struct Cli {
+            #[command(flatten)]
+            args: PolicyArgs,
+        }
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(std::iter::once("policy").chain(args.iter().copied()))
+                .map(|c| c.args.capacities)
+        };
+        assert_eq!(
+            parse(&[]).unwrap(),
+            vec![1_000_000, 3_000_000, 10_000_000, 50_000_000]
+        );
+        assert_eq!(
+            parse(&["--capacities", "1m,500k"]).unwrap(),
+            vec![1_000_000, 500_000]
+        );
+        let e = parse(&["--capacities", "1m,100"]).unwrap_err().to_string();
+        assert!(e.contains("invalid value '100' for '--capacities"), "{e}");
     }
 }

@@ -201,6 +201,9 @@ pub struct Session {
     pub id: String,
     /// Tokens per block (64 in the public samples).
     pub block_tokens: u32,
+    /// The harness prefix every call of the main chain starts with: `system_tokens +
+    /// tool_tokens` (0 where absent).
+    pub harness_tokens: u64,
     /// The main chain; subagents are nested in it.
     pub chain: Chain,
 }
@@ -256,6 +259,10 @@ pub struct ModelCall {
 pub struct Subagent {
     pub t_s: f64,
     pub agent_id: String,
+    /// How long it ran in the recording (`duration_ms`; 0 where absent).
+    pub duration_s: f64,
+    /// Its own harness prefix: `system_tokens + tool_tokens` (0 where absent).
+    pub harness_tokens: u64,
     pub chain: Chain,
 }
 
@@ -264,6 +271,8 @@ struct RawSession {
     id: Option<String>,
     block_size: Option<serde_json::Value>,
     hash_id_scope: Option<String>,
+    system_tokens: Option<u64>,
+    tool_tokens: Option<u64>,
     requests: Option<Vec<serde_json::Value>>,
 }
 
@@ -279,6 +288,9 @@ struct RawEntry {
     api_time: Option<f64>,
     think_time: Option<f64>,
     agent_id: Option<String>,
+    duration_ms: Option<u64>,
+    system_tokens: Option<u64>,
+    tool_tokens: Option<u64>,
     requests: Option<Vec<serde_json::Value>>,
 }
 
@@ -333,6 +345,7 @@ pub fn read_session(
         path: path.to_owned(),
         id: raw.id.unwrap_or_else(|| file.clone()),
         block_tokens,
+        harness_tokens: harness(raw.system_tokens, raw.tool_tokens),
         chain,
     }))
 }
@@ -373,6 +386,11 @@ fn read_chain(
         }
     }
     Ok(Chain { items })
+}
+
+/// `system_tokens + tool_tokens`, each 0 where absent.
+fn harness(system: Option<u64>, tools: Option<u64>) -> u64 {
+    system.unwrap_or(0).saturating_add(tools.unwrap_or(0))
 }
 
 fn finite_nonneg(v: Option<f64>, field: &str) -> Result<f64, String> {
@@ -420,6 +438,8 @@ fn read_entry(
             Ok(ChainItem::Subagent(Subagent {
                 t_s,
                 agent_id: e.agent_id.unwrap_or_default(),
+                duration_s: e.duration_ms.unwrap_or(0) as f64 / 1000.0,
+                harness_tokens: harness(e.system_tokens, e.tool_tokens),
                 chain,
             }))
         }

@@ -25,39 +25,63 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
+use clap::builder::{PossibleValuesParser, RangedU64ValueParser, TypedValueParser};
 use indicatif::ProgressBar;
 use kvtier_transfer::{Agent, AgentConfig, BackendKind, Descriptor, Op, Peer, RegionHandle};
 use serde::Serialize;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::report::{Plot, PlotKind, Report, Series, Table};
-use crate::util::{Bytes, fmt_f, fmt_ratio, parse_size, parse_size_list, ratio, sub_seed};
+use crate::util::{Bytes, fmt_f, fmt_ratio, parse_size, ratio, sub_seed};
 
 /// Bytes of the fixed-cost case.
 const FIXED_COST_BYTES: u64 = 64;
 
-#[derive(Clone, Debug)]
-pub struct SizeList(pub Vec<u64>);
+/// The backends `--backends` names, by name.
+const BACKENDS: [(&str, BackendKind); 4] = [
+    ("shm", BackendKind::Shm),
+    ("tcp", BackendKind::Tcp),
+    ("quic", BackendKind::Quic),
+    ("ucx", BackendKind::Ucx),
+];
 
-fn parse_sizes(s: &str) -> Result<SizeList, String> {
-    parse_size_list(s).map(SizeList)
+/// The operations `--ops` names, by name.
+const OPS: [(&str, Op); 2] = [("write", Op::Write), ("read", Op::Read)];
+
+/// A parser of one name of `table` (clap lists the names in its help and its errors).
+fn one_of<T: Copy + Send + Sync + 'static>(
+    table: &'static [(&'static str, T)],
+) -> impl TypedValueParser<Value = T> {
+    PossibleValuesParser::new(table.iter().map(|(n, _)| *n)).map(move |name| {
+        // The possible-values parser let through only the table's names.
+        table
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| *v)
+            .expect("a name from the table")
+    })
 }
 
 #[derive(Args, Debug)]
 pub struct TransferArgs {
     /// Backends to measure (shm, tcp, quic, ucx; ucx needs kvtier-bench built with
     /// `--features kvtier-transfer/ucx`).
-    #[arg(long, default_value = "shm,tcp,quic")]
-    pub backends: String,
+    #[arg(long, value_delimiter = ',', default_value = "shm,tcp,quic", value_parser = one_of(&BACKENDS))]
+    pub backends: Vec<BackendKind>,
     /// Block sizes (one descriptor each).
-    #[arg(long, default_value = "4k,64k,1m,4m,16m,64m", value_parser = parse_sizes)]
-    pub sizes: SizeList,
+    #[arg(long, value_delimiter = ',', default_value = "4k,64k,1m,4m,16m,64m", value_parser = parse_size)]
+    pub sizes: Vec<u64>,
     /// Batch sizes (descriptors per transfer).
-    #[arg(long, default_value = "1,16")]
-    pub batches: String,
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,16",
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..)
+    )]
+    pub batches: Vec<usize>,
     /// Operations (write, read).
-    #[arg(long, default_value = "write,read")]
-    pub ops: String,
+    #[arg(long, value_delimiter = ',', default_value = "write,read", value_parser = one_of(&OPS))]
+    pub ops: Vec<Op>,
     /// Measured time of each case.
     #[arg(long, default_value_t = 1.0)]
     pub seconds_per_case: f64,
@@ -124,28 +148,6 @@ pub struct Case {
     pub ratio: Option<f64>,
 }
 
-fn parse_backends(s: &str) -> Result<Vec<BackendKind>> {
-    s.split(',')
-        .map(|b| match b.trim() {
-            "shm" => Ok(BackendKind::Shm),
-            "tcp" => Ok(BackendKind::Tcp),
-            "quic" => Ok(BackendKind::Quic),
-            "ucx" => Ok(BackendKind::Ucx),
-            other => bail!("unknown backend {other:?} (shm, tcp, quic, ucx)"),
-        })
-        .collect()
-}
-
-fn parse_ops(s: &str) -> Result<Vec<Op>> {
-    s.split(',')
-        .map(|o| match o.trim() {
-            "write" => Ok(Op::Write),
-            "read" => Ok(Op::Read),
-            other => bail!("unknown op {other:?} (write, read)"),
-        })
-        .collect()
-}
-
 fn op_name(op: Op) -> &'static str {
     match op {
         Op::Write => "WRITE",
@@ -154,18 +156,9 @@ fn op_name(op: Op) -> &'static str {
 }
 
 pub fn run(args: &TransferArgs, seed: u64) -> Result<TransferReport> {
-    let backends = parse_backends(&args.backends)?;
-    let ops = parse_ops(&args.ops)?;
-    let batches: Vec<usize> = args
-        .batches
-        .split(',')
-        .map(|b| b.trim().parse::<usize>().context("--batches"))
-        .collect::<Result<_>>()?;
-    if batches.contains(&0)
-        || !(args.seconds_per_case.is_finite() && args.seconds_per_case > 0.0)
-        || args.inflight == 0
-    {
-        bail!("--batches, --inflight and --seconds-per-case must be above zero");
+    let (backends, ops, batches) = (&args.backends, &args.ops, &args.batches);
+    if !(args.seconds_per_case.is_finite() && args.seconds_per_case > 0.0) || args.inflight == 0 {
+        bail!("--inflight and --seconds-per-case must be above zero");
     }
     if args.tcp_streams == 0 || args.quic_streams == 0 || args.chunk_bytes == 0 {
         bail!("--tcp-streams, --quic-streams and --chunk-bytes must be above zero");
@@ -175,9 +168,9 @@ pub fn run(args: &TransferArgs, seed: u64) -> Result<TransferReport> {
         .enable_all()
         .build()?;
     let steps = backends.len() as u64
-        * (ops.len() as u64 + (args.sizes.0.len() * batches.len()) as u64 * (1 + ops.len() as u64));
+        * (ops.len() as u64 + (args.sizes.len() * batches.len()) as u64 * (1 + ops.len() as u64));
     let bar = crate::report::bar(steps, "transfer");
-    let r = rt.block_on(run_async(args, &backends, &ops, &batches, seed, &bar));
+    let r = rt.block_on(run_async(args, backends, ops, batches, seed, &bar));
     bar.finish_and_clear();
     r
 }
@@ -324,7 +317,7 @@ async fn run_async(
                 });
             }
         }
-        for &block in &args.sizes.0 {
+        for &block in &args.sizes {
             for &batch in batches {
                 let total = block * batch as u64;
                 let inflight = args.inflight as u64;
@@ -748,21 +741,61 @@ impl Report for TransferReport {
 mod tests {
     use super::*;
 
+    #[derive(clap::Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        args: TransferArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<TransferArgs, clap::Error> {
+        use clap::Parser;
+        Cli::try_parse_from(std::iter::once("transfer").chain(args.iter().copied())).map(|c| c.args)
+    }
+
     #[test]
-    fn parses_backends_and_ops() {
+    fn parses_lists() {
+        let a = parse(&[]).unwrap();
         assert_eq!(
-            parse_backends("shm, tcp").unwrap(),
-            vec![BackendKind::Shm, BackendKind::Tcp]
+            a.backends,
+            vec![BackendKind::Shm, BackendKind::Tcp, BackendKind::Quic]
         );
-        let e = parse_backends("shm,rdma").unwrap_err().to_string();
-        assert!(e.contains("unknown backend \"rdma\""), "{e}");
-        assert_eq!(parse_ops("read").unwrap(), vec![Op::Read]);
-        assert!(
-            parse_ops("write,copy")
-                .unwrap_err()
-                .to_string()
-                .contains("\"copy\"")
+        assert_eq!(a.ops, vec![Op::Write, Op::Read]);
+        assert_eq!(a.batches, vec![1, 16]);
+        assert_eq!(a.sizes[..3], [4 << 10, 64 << 10, 1 << 20]);
+        let a = parse(&[
+            "--backends",
+            "shm,ucx",
+            "--ops",
+            "read",
+            "--sizes",
+            "2m",
+            "--batches",
+            "4",
+        ])
+        .unwrap();
+        assert_eq!(a.backends, vec![BackendKind::Shm, BackendKind::Ucx]);
+        assert_eq!(
+            (a.ops, a.sizes, a.batches),
+            (vec![Op::Read], vec![2 << 20], vec![4])
         );
+        for (args, needle) in [
+            (
+                &["--backends", "shm,rdma"][..],
+                "invalid value 'rdma' for '--backends",
+            ),
+            (
+                &["--ops", "write,copy"][..],
+                "invalid value 'copy' for '--ops",
+            ),
+            (
+                &["--batches", "1,0"][..],
+                "invalid value '0' for '--batches",
+            ),
+            (&["--sizes", "64k,,2m"][..], "--sizes"),
+        ] {
+            let e = parse(args).unwrap_err().to_string();
+            assert!(e.contains(needle), "{args:?}: {e}");
+        }
     }
 
     #[test]

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use hdrhistogram::Histogram;
+use kvtier_core::SplitMix64;
 use serde::Serialize;
 
 /// Direct I/O alignment (buffers, offsets and lengths).
@@ -28,18 +29,6 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         kvtier_server::server::Size::Bytes(b) => Ok(b),
         kvtier_server::server::Size::Auto => Err(format!("{s:?}: \"auto\" is not a size here")),
     }
-}
-
-/// Parses a comma-separated list of sizes (`"64k,2m,16m"`); empty items are refused.
-pub fn parse_size_list(s: &str) -> Result<Vec<u64>, String> {
-    let sizes = s
-        .split(',')
-        .map(parse_size)
-        .collect::<Result<Vec<_>, _>>()?;
-    if sizes.is_empty() {
-        return Err("no sizes given".into());
-    }
-    Ok(sizes)
 }
 
 /// Prints a byte count in binary units when it is exact (`64 KiB`), else in bytes.
@@ -73,23 +62,6 @@ pub fn random_buf(len: usize, seed: u64) -> AlignedBuf {
         chunk.copy_from_slice(&v[..chunk.len()]);
     }
     b
-}
-
-/// SplitMix64: a tiny, seeded, reproducible PRNG (not for secrets).
-pub struct SplitMix64(u64);
-
-impl SplitMix64 {
-    pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
 }
 
 /// Calls `op(i)` for i = 0, 1, 2, ... until `dur` has passed (at least once); returns how many
@@ -385,6 +357,21 @@ impl fmt::Display for Machine {
     }
 }
 
+/// The peak resident set (`VmHWM` in /proc/PID/status) of process `pid` (`"self"` for this
+/// one), in bytes.
+pub fn peak_rss_bytes(pid: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib: u64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
+}
+
 /// `MemAvailable` from /proc/meminfo, in bytes.
 pub fn mem_available() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -488,12 +475,10 @@ mod tests {
     }
 
     #[test]
-    fn parses_size_lists() {
-        assert_eq!(
-            parse_size_list("64k,2m,16m"),
-            Ok(vec![64 << 10, 2 << 20, 16 << 20])
-        );
-        assert!(parse_size_list("64k,,2m").is_err());
+    fn reads_this_process_peak_rss() {
+        let rss = peak_rss_bytes("self").unwrap();
+        assert!(rss > 1 << 20 && rss.is_multiple_of(1024), "{rss}");
+        assert_eq!(peak_rss_bytes("0"), None, "no such process");
     }
 
     #[test]

@@ -1,46 +1,27 @@
 //! End to end: `kvtier-bench tiers --quick` on loopback, without Redis, in bounded time.
 
-use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
+
+use kvtier_testkit::process::run_bounded;
 
 /// A debug build of the quick mode takes seconds; this bounds a hang.
 const LIMIT: Duration = Duration::from_secs(180);
 
 /// Runs kvtier-bench with `args`; returns (stdout, stderr), or fails after [`LIMIT`].
-fn bench(dir: &Path, args: &[&str]) -> (String, String) {
-    let (out, err) = (dir.join("stdout"), dir.join("stderr"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier-bench"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&out).unwrap())
-        .stderr(std::fs::File::create(&err).unwrap())
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if start.elapsed() > LIMIT {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "kvtier-bench {args:?} ran over {LIMIT:?}; stderr: {}",
-                std::fs::read_to_string(&err).unwrap_or_default()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let (stdout, stderr) = (
-        std::fs::read_to_string(&out).unwrap(),
-        std::fs::read_to_string(&err).unwrap(),
-    );
+fn bench(args: &[&str]) -> (String, String) {
+    let f = run_bounded(
+        Command::new(env!("CARGO_BIN_EXE_kvtier-bench")).args(args),
+        LIMIT,
+    )
+    .unwrap();
     assert!(
-        status.success(),
-        "kvtier-bench {args:?}: {status}\n{stderr}"
+        f.status.success(),
+        "kvtier-bench {args:?}: {}\n{}",
+        f.status,
+        f.stderr
     );
-    (stdout, stderr)
+    (f.stdout, f.stderr)
 }
 
 #[test]
@@ -48,20 +29,17 @@ fn tiers_quick_runs_every_path_and_says_redis_was_skipped() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let plots = dir.path().join("plots");
-    let (text, _) = bench(
-        dir.path(),
-        &[
-            "--seed",
-            "42",
-            "--plots",
-            plots.to_str().unwrap(),
-            "tiers",
-            "--quick",
-            "--no-redis",
-            "--dir",
-            data.to_str().unwrap(),
-        ],
-    );
+    let (text, _) = bench(&[
+        "--seed",
+        "42",
+        "--plots",
+        plots.to_str().unwrap(),
+        "tiers",
+        "--quick",
+        "--no-redis",
+        "--dir",
+        data.to_str().unwrap(),
+    ]);
     assert!(text.contains("seed: 42"), "{text}");
     assert!(text.contains("SKIPPED: --no-redis"), "{text}");
     for path in [
@@ -98,21 +76,18 @@ fn tiers_quick_runs_every_path_and_says_redis_was_skipped() {
 
     // The same run as JSON: every kvtier row moved bytes and has latency percentiles, and
     // every comparison has a ratio.
-    let (json, _) = bench(
-        dir.path(),
-        &[
-            "--json",
-            "tiers",
-            "--quick",
-            "--no-redis",
-            "--parts",
-            "server",
-            "--transports",
-            "unix,tcp",
-            "--dir",
-            data.to_str().unwrap(),
-        ],
-    );
+    let (json, _) = bench(&[
+        "--json",
+        "tiers",
+        "--quick",
+        "--no-redis",
+        "--parts",
+        "server",
+        "--transports",
+        "unix,tcp",
+        "--dir",
+        data.to_str().unwrap(),
+    ]);
     let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(doc["benchmark"], "tiers");
     assert!(doc["seed"].is_u64());

@@ -1,8 +1,20 @@
-//! kvtier-server: the tiered block store and (next) the sidecar daemon around it.
+//! kvtier-server: the tiered block store and the sidecar daemon around it.
 //!
-//! * [`tier`]: fixed-slot block devices (DRAM arena, NVMe files, HBM behind `cuda`).
+//! * [`tier`]: fixed-slot block devices: the DRAM arena, the NVMe slot files, and an HBM tier
+//!   (device memory) behind the `cuda` feature.
 //! * [`policy`]: eviction, demotion, promotion and admission, each a small type.
-//! * [`store`]: the index and the [`TieredStore`] that ties them together.
+//! * [`store`]: the index and the [`TieredStore`] over an ordered list of tiers, fastest first
+//!   (HBM where configured and present, DRAM, NVMe where configured; the HBM position has run
+//!   only against a test double of device memory, not yet on a GPU); [`config`] builds it,
+//!   [`stats`] counts per tier, [`clock`] is its time, [`io_pool`] runs its NVMe I/O.
+//! * [`server`]: the sidecar daemon: Unix socket (with the zero-copy path through the mapped
+//!   DRAM arena), TCP and QUIC listeners, the block event stream, metrics and the HTTP admin
+//!   port, and its configuration.
+//! * [`replay`]: a block-hash trace replayed through a store, for eviction policy hit rates.
+//!
+//! The `kvtier-server` binary runs the daemon; its demonstration (a worker playing against it
+//! through the client SDK) is `kvtier-bench server-demo`, so this crate does not depend on the
+//! SDK.
 
 pub mod clock;
 pub mod config;

@@ -1,17 +1,12 @@
 //! kvtier-server: the sidecar daemon. Runs on embedded defaults with no configuration
-//! (`docs/operations.md` lists every setting). `--demo` starts it, plays an inference worker
-//! against it through the SDK over every transport, restarts it to show the NVMe tier keeping
-//! the cache warm, and exits.
+//! (`docs/operations.md` lists every setting). Its demonstration, which plays a worker
+//! against it through the client SDK, is `kvtier-bench server-demo`.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Parser;
-use kvtier_client::{Client, ClientConfig, TierCode};
-use kvtier_core::{BlockKey, HashSecret, KvLayout, NamespaceBuilder, PrefixHasher};
 use kvtier_server::server::{ConfigLoader, Server, ServerConfig};
-use kvtier_server::tier::conformance::fill_block;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -52,12 +47,6 @@ struct Args {
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     print_config: bool,
-    /// Run the demonstration (server + SDK worker over every transport + restart) and exit.
-    #[arg(long)]
-    demo: bool,
-    /// Prompt length of the demonstration, in 16-token blocks.
-    #[arg(long, default_value_t = 64)]
-    demo_blocks: usize,
 }
 
 fn load_config(args: &Args) -> Result<ServerConfig> {
@@ -96,7 +85,7 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
-    let mut config = load_config(&args)?;
+    let config = load_config(&args)?;
     if args.print_config {
         print!("{}", toml::to_string(&config)?);
         return Ok(());
@@ -105,13 +94,6 @@ fn main() -> Result<()> {
         .enable_all()
         .thread_name("kvtier")
         .build()?;
-    if args.demo {
-        if args.demo_blocks == 0 {
-            anyhow::bail!("--demo-blocks must be at least 1");
-        }
-        demo_defaults(&args, &mut config)?;
-        return rt.block_on(demo(config, args.demo_blocks));
-    }
     rt.block_on(serve(config))
 }
 
@@ -163,273 +145,5 @@ fn print_endpoints(e: &kvtier_server::server::Endpoints) {
     }
     if let Some(c) = &e.quic_cert_file {
         println!("  QUIC certificate {} (clients pin it)", c.display());
-    }
-}
-
-/// The demo runs beside anything else on the machine: its own runtime dir, ephemeral ports,
-/// small tiers (flags and --set still win). The NVMe tier is sized to the demo's prompt (twice
-/// its blocks, at least 64 MiB), not to a fixed size, so the demo runs on a nearly full disk.
-fn demo_defaults(args: &Args, c: &mut ServerConfig) -> Result<()> {
-    let dir = std::env::temp_dir().join(format!("kvtier-demo-{}", std::process::id()));
-    let nvme_mib = demo_nvme_bytes(c.layout()?.block_bytes(), args.demo_blocks).div_ceil(1 << 20);
-    let mut l = ConfigLoader::new()
-        .set(&format!(
-            "server.runtime_dir={:?}",
-            dir.display().to_string()
-        ))?
-        .set("server.tcp=\"127.0.0.1:0\"")?
-        .set("server.quic=\"127.0.0.1:0\"")?
-        .set("server.admin=\"127.0.0.1:0\"")?
-        .set("store.dram_bytes=\"512MiB\"")?
-        .set(&format!("store.nvme_bytes=\"{nvme_mib}MiB\""))?;
-    for s in &args.set {
-        l = l.set(s)?;
-    }
-    let d = l.build()?;
-    c.server.runtime_dir = d.server.runtime_dir;
-    c.server.tcp = args.tcp.clone().unwrap_or(d.server.tcp);
-    c.server.quic = args.quic.clone().unwrap_or(d.server.quic);
-    c.server.admin = args.admin.clone().unwrap_or(d.server.admin);
-    if args.dram_bytes.is_none() {
-        c.store.dram_bytes = d.store.dram_bytes;
-    }
-    if args.nvme_bytes.is_none() {
-        c.store.nvme_bytes = d.store.nvme_bytes;
-    }
-    c.validate()?;
-    Ok(())
-}
-
-/// NVMe bytes the demo asks for: room for its prompt twice over, at least 64 MiB.
-fn demo_nvme_bytes(block_bytes: u64, blocks: usize) -> u64 {
-    (block_bytes.saturating_mul(blocks as u64).saturating_mul(2)).max(64 << 20)
-}
-
-fn gbps(bytes: usize, t: Duration) -> f64 {
-    bytes as f64 / t.as_secs_f64().max(1e-9) / 1e9
-}
-
-fn summary(tiers: &[TierCode]) -> String {
-    let d = tiers.iter().filter(|t| **t == TierCode::Dram).count();
-    format!(
-        "{} blocks ({d} DRAM, {} NVMe)",
-        tiers.len(),
-        tiers.len() - d
-    )
-}
-
-/// Fetches `keys` and checks every byte.
-async fn fetch_verified(client: &Client, keys: &[BlockKey]) -> Result<(usize, Duration)> {
-    let block = client.block_bytes();
-    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; block]).collect();
-    let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
-    let t = Instant::now();
-    let got = client.get_into(keys, &mut dst).await;
-    let took = t.elapsed();
-    let mut want = vec![0u8; block];
-    for (k, b) in keys.iter().zip(&bufs).take(got.blocks) {
-        fill_block(*k, &mut want);
-        anyhow::ensure!(*b == want, "block {k} came back with other bytes");
-    }
-    anyhow::ensure!(got.miss.is_none(), "fetch stopped early: {:?}", got.miss);
-    Ok((got.blocks, took))
-}
-
-async fn demo(config: ServerConfig, blocks: usize) -> Result<()> {
-    let layout: KvLayout = config.layout()?;
-    let nvme_dir = PathBuf::from(&config.store.nvme_dir);
-    let block = layout.block_bytes() as usize;
-    println!(
-        "kvtier-server {} demo: layout {} layers x {} kv heads x {} dims, {}, {} tokens = {} KiB a block",
-        env!("CARGO_PKG_VERSION"),
-        layout.num_layers(),
-        layout.num_kv_heads(),
-        layout.head_dim(),
-        layout.dtype().name(),
-        layout.block_tokens(),
-        block >> 10
-    );
-    report_hbm();
-    let server = Server::start(config.clone())
-        .await
-        .context("starting the server")?;
-    let e = server.endpoints().clone();
-    print_endpoints(&e);
-    let unix = format!(
-        "unix://{}",
-        e.unix
-            .as_ref()
-            .context("the demo needs the Unix socket")?
-            .display()
-    );
-
-    // The worker side: keys of a prompt under the model's namespace and the tenant's salt.
-    let secret = HashSecret::development();
-    let keys_for = |salt: &[u8]| -> Result<Vec<BlockKey>> {
-        let ns = NamespaceBuilder::new("llama-3-8b", layout.fingerprint())
-            .cache_salt(salt)
-            .build(&secret)?;
-        let mut h = PrefixHasher::new(secret.clone(), ns, layout.block_tokens())?;
-        let tokens: Vec<u32> = (0..(blocks * layout.block_tokens() as usize) as u32)
-            .map(|i| i.wrapping_mul(2654435761) % 128_000)
-            .collect();
-        let mut keys = Vec::new();
-        h.prompt_keys(&tokens, &mut keys);
-        Ok(keys)
-    };
-    let keys = keys_for(b"tenant-a")?;
-    let local = Client::connect(&unix, ClientConfig::default()).await?;
-    let mut events = local.events(None, false).await?;
-    println!(
-        "worker (unix, zero-copy {}): prompt of {} tokens = {} blocks",
-        local.is_local(),
-        blocks * layout.block_tokens() as usize,
-        keys.len()
-    );
-    let before = local.lookup(&keys).await;
-    println!("  lookup before: {} cached", summary(&before.tiers));
-    let start = before.tiers.len();
-    let data: Vec<Vec<u8>> = keys[start..]
-        .iter()
-        .map(|k| {
-            let mut b = vec![0u8; block];
-            fill_block(*k, &mut b);
-            b
-        })
-        .collect();
-    let bufs: Vec<&[u8]> = data.iter().map(|b| b.as_slice()).collect();
-    let t = Instant::now();
-    let stored = local
-        .put_chain(&keys[start..], start.checked_sub(1).map(|p| keys[p]), &bufs)
-        .await;
-    anyhow::ensure!(stored.failure.is_none(), "put failed: {:?}", stored.failure);
-    println!(
-        "  put {} new blocks in {:.1} ms ({:.2} GB/s into reserved arena slots)",
-        stored.cached(),
-        t.elapsed().as_secs_f64() * 1e3,
-        gbps(stored.cached() * block, t.elapsed())
-    );
-    let after = local.lookup(&keys).await;
-    println!("  lookup after:  {} cached", summary(&after.tiers));
-    let (n, took) = fetch_verified(&local, &keys).await?;
-    println!(
-        "  get {n} blocks, every byte verified: {:.2} GB/s (copied once, out of the mapped arena)",
-        gbps(n * block, took)
-    );
-    let other = local.lookup(&keys_for(b"tenant-b")?).await;
-    println!(
-        "  the same prompt under another cache_salt: {} cached (tenants never share)",
-        other.tiers.len()
-    );
-    for (name, url, cfg) in [
-        (
-            "tcp ",
-            e.tcp.map(|a| format!("tcp://{a}")),
-            ClientConfig::default().token(&e.token),
-        ),
-        (
-            "quic",
-            e.quic.map(|a| format!("quic://{a}")),
-            ClientConfig::default()
-                .token(&e.token)
-                .quic_cert_der(e.quic_cert_der.clone()),
-        ),
-    ] {
-        let Some(url) = url else { continue };
-        let remote = Client::connect(&url, cfg).await?;
-        let (n, took) = fetch_verified(&remote, &keys).await?;
-        println!(
-            "worker ({name}, token): get {n} blocks verified, {:.2} GB/s",
-            gbps(n * block, took)
-        );
-    }
-    let denied = Client::connect(
-        &format!("tcp://{}", e.tcp.context("tcp")?),
-        ClientConfig::default().token("wrong"),
-    )
-    .await;
-    println!(
-        "a TCP client with a wrong token: {}",
-        match denied {
-            Ok(_) => "accepted (unexpected!)".to_string(),
-            Err(e) => format!("refused ({e})"),
-        }
-    );
-    let mut seen = 0;
-    while let Ok(Some(batch)) =
-        tokio::time::timeout(Duration::from_millis(200), events.next_batch()).await
-    {
-        seen += batch.len();
-    }
-    println!("block events seen by a subscriber (for KV-aware routers): {seen}");
-    if let Some(a) = e.admin {
-        let metrics = http_get(a, "/metrics").await?;
-        println!(
-            "admin /metrics: {} lines, e.g. {}",
-            metrics.lines().count(),
-            metrics
-                .lines()
-                .find(|l| l.starts_with("kvtier_tier_hits_total{tier=\"dram\"}"))
-                .unwrap_or("?")
-        );
-    }
-    drop((local, events));
-    server.shutdown().await;
-
-    println!("restarting the server...");
-    let server = Server::start(config).await?;
-    let local = Client::connect(&unix, ClientConfig::default()).await?;
-    let warm = local.lookup(&keys).await;
-    println!("  lookup after restart: {} cached", summary(&warm.tiers));
-    let (n, took) = fetch_verified(&local, &keys).await?;
-    println!(
-        "  get {n} blocks from NVMe, every byte verified: {:.2} GB/s (promoted into DRAM)",
-        gbps(n * block, took)
-    );
-    let again = local.lookup(&keys).await;
-    println!("  lookup now: {} cached", summary(&again.tiers));
-    drop(local);
-    server.shutdown().await;
-    let data_dir = std::fs::canonicalize(&nvme_dir).unwrap_or(nvme_dir);
-    println!(
-        "done. NVMe data lives in {} (remove it to start cold; run again to start warm)",
-        data_dir.display()
-    );
-    Ok(())
-}
-
-async fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await?;
-    let mut out = String::new();
-    tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut out)).await??;
-    let body = out.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-    Ok(body.to_string())
-}
-
-fn report_hbm() {
-    #[cfg(feature = "cuda")]
-    match kvtier_server::tier::hbm::probe() {
-        Ok(n) => println!("HBM tier: {n} CUDA device(s) present"),
-        Err(e) => println!("HBM tier: running without HBM ({e})"),
-    }
-    #[cfg(not(feature = "cuda"))]
-    println!("HBM tier: not built (build with --features cuda)");
-}
-
-#[cfg(test)]
-mod tests {
-    use super::demo_nvme_bytes;
-
-    #[test]
-    fn demo_nvme_tier_is_sized_to_the_prompt() {
-        let block = 2u64 << 20;
-        assert_eq!(demo_nvme_bytes(block, 8), 64 << 20, "the floor");
-        assert_eq!(demo_nvme_bytes(block, 64), 256 << 20, "twice the prompt");
-        assert_eq!(demo_nvme_bytes(u64::MAX, 2), u64::MAX, "no overflow");
     }
 }

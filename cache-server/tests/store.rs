@@ -282,7 +282,7 @@ fn random_disk_damage_is_never_served() {
 
 #[test]
 fn metadata_per_block_fits_the_budget_on_a_large_nvme_tier() {
-    // Index memory per cached block <= 128 bytes (a 10 TB NVMe tier of 2 MiB
+    // The target (docs/benchmarks.md): index memory per cached block <= 128 bytes (a 10 TB NVMe tier of 2 MiB
     // blocks is 5 M blocks). A store dominated by its NVMe tier must stay under it.
     for tiers in [Tiers::DramNvme, Tiers::HbmDramNvme] {
         let dir = tempfile::tempdir().unwrap();

@@ -8,7 +8,9 @@ mod error;
 pub mod key;
 pub mod layout;
 pub mod protocol;
+pub mod rng;
 
 pub use error::CoreError;
 pub use key::{BlockKey, HashScheme, HashSecret, Namespace, NamespaceBuilder, PrefixHasher};
 pub use layout::{Dtype, KvKind, KvLayout, KvTensor};
+pub use rng::SplitMix64;

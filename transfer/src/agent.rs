@@ -25,13 +25,15 @@ use tokio::task::AbortHandle;
 
 use crate::backend::frame::MAX_NOTIFICATION_BYTES;
 use crate::backend::shm::{RegionTable, SHM_TABLE_SLOTS};
-use crate::backend::{self, BackendKind, Job, PeerBackend, Segment, TransferCtl};
-use crate::descriptor::{Descriptor, Op, check_range, merge_adjacent};
+use crate::backend::{
+    self, BackendKind, Job, Notification, PeerBackend, Segment, TargetCtx, TransferCtl,
+};
+use crate::descriptor::{Descriptor, Op, merge_adjacent};
 use crate::error::{Result, TransferError};
 use crate::metadata::{
     AgentMetadata, QuicEndpoint, RegionMeta, ShmEndpoint, ShmRegion, TOKEN_BYTES,
 };
-use crate::region::{MemKind, RegionHandle, RegionId, Registry, RegistryHook};
+use crate::region::{MemKind, RegionHandle, RegionId, Registry, RegistryHook, check_range};
 use crate::transfer::Transfer;
 
 /// How an agent is built. Every field's doc ends with its default.
@@ -119,24 +121,6 @@ impl AgentConfig {
         }
         Ok(())
     }
-}
-
-/// A notification a peer attached to a transfer, delivered after the transfer's data.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Notification {
-    /// The sending agent's name (as it presented itself).
-    pub from: String,
-    pub message: Vec<u8>,
-}
-
-/// What the target side of every backend needs.
-pub(crate) struct TargetCtx {
-    pub name: String,
-    pub token: [u8; TOKEN_BYTES],
-    pub registry: Arc<Registry>,
-    pub notifications: mpsc::Sender<Notification>,
-    /// Set when the agent shuts down (backends that bypass sockets check it).
-    pub closed: std::sync::atomic::AtomicBool,
 }
 
 pub(crate) struct AgentCore {
@@ -375,7 +359,7 @@ impl Agent {
     /// Allocates `len` bytes of GPU memory on `device` and registers it (feature `cuda`).
     #[cfg(feature = "cuda")]
     pub fn alloc_gpu(&self, device: usize, len: u64) -> Result<RegionHandle> {
-        let buf = backend::cuda::DeviceBuffer::alloc(device, len)?;
+        let buf = crate::region::cuda::DeviceBuffer::alloc(device, len)?;
         self.finish_register(self.core.ctx.registry.register_gpu(buf)?)
     }
 
@@ -384,7 +368,7 @@ impl Agent {
     /// shared memory (no fd); reachable over TCP, QUIC, UCX and CUDA.
     #[cfg(feature = "cuda")]
     pub fn alloc_pinned(&self, len: u64) -> Result<RegionHandle> {
-        let buf = backend::cuda::PinnedBuffer::alloc(len)?;
+        let buf = crate::region::cuda::PinnedBuffer::alloc(len)?;
         self.finish_register(self.core.ctx.registry.register_pinned(buf, len)?)
     }
 

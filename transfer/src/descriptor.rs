@@ -1,7 +1,6 @@
-//! Descriptors (one contiguous range on each side of a transfer), validation against region
-//! bounds, and merging of adjacent descriptors.
+//! Descriptors (one contiguous range on each side of a transfer) and merging of adjacent
+//! descriptors. Their bounds are checked against the regions by `region::check_range`.
 
-use crate::error::{Result, TransferError};
 use crate::region::RegionId;
 
 /// The direction of a one-sided transfer, seen from the agent that posts it.
@@ -65,33 +64,10 @@ pub fn merge_adjacent(descs: &[Descriptor]) -> Vec<Descriptor> {
     out
 }
 
-/// Checks `offset..offset+len` against a region of `region_len` bytes. `index` names the
-/// descriptor (in the caller's list) for the error.
-pub(crate) fn check_range(
-    index: usize,
-    side: &str,
-    offset: u64,
-    len: u64,
-    region_len: u64,
-) -> Result<()> {
-    if len == 0 {
-        return Err(TransferError::InvalidDescriptor {
-            index,
-            reason: "zero length".into(),
-        });
-    }
-    match offset.checked_add(len) {
-        Some(end) if end <= region_len => Ok(()),
-        _ => Err(TransferError::InvalidDescriptor {
-            index,
-            reason: format!("{side} range {offset}+{len} exceeds the region's {region_len} bytes"),
-        }),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::region::check_range;
 
     fn d(l: u64, lo: u64, r: u64, ro: u64, len: u64) -> Descriptor {
         Descriptor::new(RegionId(l), lo, RegionId(r), ro, len)

@@ -29,8 +29,9 @@ pub mod metadata;
 mod region;
 mod transfer;
 
-pub use agent::{Agent, AgentConfig, Notification, Peer};
+pub use agent::{Agent, AgentConfig, Peer};
 pub use backend::BackendKind;
+pub use backend::Notification;
 pub use backend::frame::MAX_NOTIFICATION_BYTES;
 pub use descriptor::{Descriptor, Op, merge_adjacent};
 pub use error::{ErrorKind, Result, TransferError};
@@ -38,4 +39,4 @@ pub use region::{MemKind, RegionHandle, RegionId};
 pub use transfer::{CancelHandle, Transfer, TransferStats};
 
 #[cfg(feature = "cuda")]
-pub use backend::cuda::probe as cuda_probe;
+pub use region::cuda::probe as cuda_probe;

@@ -13,6 +13,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use kvtier_core::SplitMix64;
 use kvtier_transfer::{
     Agent, AgentConfig, BackendKind, Descriptor, ErrorKind, Op, RegionHandle, Transfer,
 };
@@ -37,14 +38,14 @@ async fn bounded<F: Future<Output = ()>>(f: F) {
         .expect("the test ran past its deadline");
 }
 
-/// xorshift64*: deterministic test randomness.
-struct Rng(u64);
+/// Deterministic test randomness (the workspace's one PRNG).
+struct Rng(SplitMix64);
 impl Rng {
+    fn new(seed: u64) -> Self {
+        Self(SplitMix64::new(seed))
+    }
     fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        self.0.next_u64()
     }
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n
@@ -52,7 +53,7 @@ impl Rng {
 }
 
 fn fill(region: &RegionHandle, seed: u64) -> Vec<u8> {
-    let mut rng = Rng(seed | 1);
+    let mut rng = Rng::new(seed);
     let bytes: Vec<u8> = (0..region.len()).map(|_| rng.next() as u8).collect();
     region.write_at(0, &bytes).unwrap();
     bytes
@@ -207,7 +208,7 @@ pub async fn random_descriptor_lists(kind: BackendKind, cfg: fn() -> AgentConfig
         .enumerate()
         .map(|(i, r)| fill(r, 20 + i as u64))
         .collect();
-    let mut rng = Rng(0x5eed_0000 + kind as u64);
+    let mut rng = Rng::new(0x5eed_0000 + kind as u64);
     let mut merged_some = false;
     for round in 0..40 {
         let op = if round % 2 == 0 { Op::Write } else { Op::Read };
@@ -761,7 +762,7 @@ mod cuda {
                 .unwrap();
             let src = fill(&pinned, 31);
             let mut model = vec![0u8; REGION_BYTES as usize];
-            let mut rng = Rng(77);
+            let mut rng = Rng::new(77);
             // Random host->device writes, then the whole device region read back.
             for _ in 0..32 {
                 let len = 1 + rng.below(200 << 10);

@@ -7,6 +7,7 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kvtier_testkit::process::ChildGuard;
 use kvtier_transfer::{Agent, AgentConfig, BackendKind, Descriptor, ErrorKind, Op};
 
 const CHILD_ENV: &str = "KVTIER_TRANSFER_SHM_CHILD";
@@ -69,13 +70,17 @@ fn shm_across_processes() {
     }
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("blob");
-    let mut proc = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "shm_across_processes", "--test-threads=1"])
-        .env(CHILD_ENV, &out)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
+    // Killed on drop, also when an assertion below fails.
+    let mut guard = ChildGuard::new(
+        Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "shm_across_processes", "--test-threads=1"])
+            .env(CHILD_ENV, &out)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let proc = guard.child();
     let start = Instant::now();
     let text = loop {
         if let Ok(t) = std::fs::read_to_string(&out) {

@@ -13,12 +13,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use clap::Parser;
+use kvtier_testkit::prompt::byte_prompt;
 use kvtier_transfer::{Agent, AgentConfig};
 use kvtier_worker::disagg::{
     DecodeConfig, DisaggDecoder, PrefillConfig, PrefillPath, PrefillServer, engine_in_agent,
     parse_backend, prefill_router,
 };
-use kvtier_worker::rng::SplitMix64;
 use kvtier_worker::{BlockTable, Engine, Model, ModelConfig};
 
 #[derive(Parser)]
@@ -38,10 +38,7 @@ struct Args {
 }
 
 fn prompt(len: usize) -> Vec<u32> {
-    let mut r = SplitMix64::new(len as u64);
-    std::iter::once(256)
-        .chain((1..len).map(|_| (r.next_u64() % 256) as u32))
-        .collect()
+    byte_prompt(len as u64, len)
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {

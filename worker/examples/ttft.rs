@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use kvtier_client::http::{HttpClient, HttpConfig, HttpRequest};
 use kvtier_client::{Client, ClientConfig};
-use kvtier_core::{HashSecret, NamespaceBuilder, PrefixHasher};
+use kvtier_core::{HashSecret, NamespaceBuilder, PrefixHasher, SplitMix64};
 use kvtier_server::server::{ConfigLoader, Server};
 use kvtier_worker::scheduler::PREFILL_CHUNK_TOKENS;
 use kvtier_worker::serve::{ServeConfig, WorkerServer};
@@ -77,15 +77,8 @@ fn parse_args() -> Result<Args> {
 
 /// Deterministic pseudo-random byte tokens.
 fn tokens(n: usize, seed: u64) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 256) as u32
-        })
-        .collect()
+    let mut r = SplitMix64::new(seed);
+    (0..n).map(|_| (r.next_u64() % 256) as u32).collect()
 }
 
 /// Sends a streaming completion on a new connection (as this example always measured: the

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use crate::error::{Result, WorkerError};
 use crate::kv_cache::{BlockTable, PagedKvCache};
 use crate::model::{LayerHook, Model, NoHook, argmax};
-use crate::rng::SplitMix64;
 use crate::tokenizer::ByteTokenizer;
+use kvtier_core::SplitMix64;
 
 /// How to pick the next token: greedy (argmax) when `temperature <= 0`, otherwise sampling
 /// from `softmax(logits / temperature)` with a PRNG seeded by `seed`.

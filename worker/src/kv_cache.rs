@@ -195,8 +195,8 @@ impl PagedKvCache {
 
     /// The GPU memory the pool lives in ([`on_gpu`](Self::on_gpu)).
     #[cfg(feature = "cuda")]
-    pub(crate) fn device_pool_mut(&mut self) -> Result<&mut crate::gpu::DevicePool> {
-        match &mut self.data {
+    pub(crate) fn device_pool(&self) -> Result<&crate::gpu::DevicePool> {
+        match &self.data {
             PoolMemory::Device(p) => Ok(p),
             _ => Err(WorkerError::Gpu {
                 reason: "the model runs on a GPU but its KV pool is in host memory".to_owned(),

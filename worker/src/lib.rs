@@ -19,7 +19,6 @@ pub mod kv_cache;
 pub mod metrics;
 pub mod model;
 pub mod prefix_cache;
-pub mod rng;
 pub mod scheduler;
 pub mod serve;
 pub mod sidecar;

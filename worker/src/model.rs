@@ -13,7 +13,7 @@ use candle_nn::{Embedding, Linear, Module, RmsNorm, VarBuilder};
 use crate::config::ModelConfig;
 use crate::error::{Result, WorkerError};
 use crate::kv_cache::{BlockTable, PagedKvCache};
-use crate::rng::SplitMix64;
+use kvtier_core::SplitMix64;
 
 struct Layer {
     input_norm: RmsNorm,
@@ -316,6 +316,13 @@ impl Model {
         })
     }
 
+    /// The GPU this model runs on, if it was moved to one ([`Model::to_device`],
+    /// [`Model::to_gpu`]).
+    #[cfg(feature = "cuda")]
+    pub fn gpu(&self) -> Option<&std::sync::Arc<crate::gpu::Gpu>> {
+        self.gpu_model().map(crate::gpu::GpuModel::gpu)
+    }
+
     #[cfg(feature = "cuda")]
     pub(crate) fn gpu_model(&self) -> Option<&crate::gpu::GpuModel> {
         self.gpu.as_ref()
@@ -352,7 +359,7 @@ impl Model {
         self.check_input(tokens, total)?;
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu {
-            return g.forward(tokens, start_pos, cache, table, hook);
+            return gpu_forward(g, tokens, start_pos, cache, table, hook);
         }
         let ids = Tensor::from_slice(tokens, t, &self.device)?;
         let mut x = self.embed.forward(&ids)?; // [t, hidden]
@@ -589,4 +596,58 @@ pub fn argmax(logits: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+/// The GPU forward of [`Model::forward_hooked`]: checks every block of `table` is allocated
+/// (the kernels index the pool with them), then runs the forward over the cache's device pool
+/// with `hook` called around each layer.
+#[cfg(feature = "cuda")]
+fn gpu_forward(
+    g: &crate::gpu::GpuModel,
+    tokens: &[u32],
+    start_pos: usize,
+    cache: &PagedKvCache,
+    table: &BlockTable,
+    hook: &mut dyn LayerHook,
+) -> Result<Vec<f32>> {
+    let covered = table.len() * cache.block_tokens();
+    if covered < start_pos + tokens.len() {
+        return Err(WorkerError::MissingPrefix {
+            start_pos,
+            covered_tokens: covered,
+        });
+    }
+    for id in table.blocks() {
+        cache.check_block(*id)?;
+    }
+    let blocks: Vec<u32> = table.blocks().iter().map(|b| b.0).collect();
+    let kv = crate::gpu::PagedKv {
+        pool: cache.device_pool()?,
+        block_tokens: cache.block_tokens(),
+        block_bytes: cache.block_size_bytes(),
+        blocks: &blocks,
+    };
+    g.forward(tokens, start_pos, kv, &mut HookOverCache { hook, cache })
+}
+
+/// A [`LayerHook`] seen by the GPU forward: each call gets the cache.
+#[cfg(feature = "cuda")]
+struct HookOverCache<'a> {
+    hook: &'a mut dyn LayerHook,
+    cache: &'a PagedKvCache,
+}
+
+#[cfg(feature = "cuda")]
+impl crate::gpu::LayerEvents for HookOverCache<'_> {
+    fn before_layer(&mut self, layer: usize) -> Result<()> {
+        self.hook.before_layer(layer, self.cache)
+    }
+
+    fn after_kv_write(&mut self, layer: usize) -> Result<()> {
+        self.hook.after_kv_write(layer, self.cache)
+    }
+
+    fn reads_kv(&self) -> bool {
+        self.hook.reads_kv()
+    }
 }

@@ -1,33 +1,22 @@
 //! The `kvtier-worker` binary runs end to end as a real process.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 use kvtier_client::http::{HttpClient, HttpConfig, HttpRequest, HttpResponse};
+use kvtier_testkit::process::run_bounded;
+use kvtier_testkit::promtool::check_metrics;
 
-/// Runs the binary with `args`, killing it after `limit`.
+/// Runs the binary with `args`, killing it after `limit`: (success, stdout + stderr).
 fn run(args: &[&str], limit: Duration) -> Result<(bool, String)> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier-worker"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()?;
-    let deadline = Instant::now() + limit;
-    while child.try_wait()?.is_none() {
-        if Instant::now() > deadline {
-            child.kill()?;
-            child.wait()?;
-            bail!("kvtier-worker {args:?} still running after {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output()?;
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    Ok((out.status.success(), text))
+    let f = run_bounded(
+        Command::new(env!("CARGO_BIN_EXE_kvtier-worker")).args(args),
+        limit,
+    )?;
+    Ok((f.status.success(), f.output()))
 }
 
 #[test]
@@ -159,41 +148,6 @@ fn serve_prints_its_address_and_stops_on_sigterm() -> Result<()> {
     result
 }
 
-/// Fails, saying why, unless `promtool check metrics` (Debian's `prometheus` package, which
-/// `.ci/install-deps` installs) accepts `text` without a complaint.
-fn promtool_check(text: &str) -> Result<()> {
-    let mut child = match Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-    {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!(
-            "promtool is not installed: install Debian's `prometheus` package (.ci/install-deps does)"
-        ),
-        r => r?,
-    };
-    child
-        .stdin
-        .take()
-        .ok_or_else(|| anyhow::anyhow!("no stdin"))?
-        .write_all(text.as_bytes())?;
-    let out = child.wait_with_output()?;
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    if !out.status.success() || !said.trim().is_empty() {
-        bail!(
-            "promtool check metrics: {}: {said}\non:\n{text}",
-            out.status
-        );
-    }
-    Ok(())
-}
-
 /// The /metrics of a prefill and a decode worker (real binaries), after a remotely prefilled
 /// request, pass `promtool check metrics`: every family of the worker, both roles' included.
 /// Fails when promtool is missing.
@@ -232,7 +186,7 @@ fn metrics_pass_promtool_check() -> Result<()> {
                     "kvtier_worker_disagg_prefill_served_total 1"
                 };
                 assert!(text.contains(family), "{role}: no {family} in\n{text}");
-                promtool_check(&text).map_err(|e| anyhow::anyhow!("{role} worker: {e}"))?;
+                check_metrics(&text).map_err(|e| anyhow::anyhow!("{role} worker: {e}"))?;
             }
             Ok(())
         })();

@@ -8,12 +8,12 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use kvtier_client::http::{HttpClient, HttpConfig, HttpRequest};
+use kvtier_testkit::prompt::{byte_prompt, max_abs_diff};
 use kvtier_transfer::{Agent, AgentConfig, BackendKind};
 use kvtier_worker::disagg::{
     DecodeConfig, DisaggDecoder, PREFILL_PATH, PrefillConfig, PrefillPath, PrefillRequest,
     PrefillServer, engine_in_agent, prefill_router, wire,
 };
-use kvtier_worker::rng::SplitMix64;
 use kvtier_worker::{BlockTable, Engine, Model, ModelConfig, Sampling, WorkerError};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -28,13 +28,6 @@ const DEADLINE: Duration = Duration::from_secs(60);
 
 fn cfg() -> ModelConfig {
     ModelConfig::default()
-}
-
-fn prompt(seed: u64, len: usize) -> Vec<u32> {
-    let mut r = SplitMix64::new(seed);
-    std::iter::once(256)
-        .chain((1..len).map(|_| (r.next_u64() % 256) as u32))
-        .collect()
 }
 
 fn agent_config() -> AgentConfig {
@@ -107,14 +100,6 @@ fn reference(p: &[u32], max_tokens: usize) -> Result<(Vec<u32>, Vec<f32>)> {
     Ok((g.tokens, logits))
 }
 
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 async fn bounded<F: std::future::Future<Output = Result<()>>>(f: F) -> Result<()> {
     tokio::time::timeout(DEADLINE, f)
         .await
@@ -135,9 +120,9 @@ async fn check_remote(d: &DisaggDecoder, p: Vec<u32>) -> Result<()> {
     let timings = got.remote.context("remote timings")?;
     ensure!(timings.first_layer_landed <= timings.last_layer_landed);
     ensure!(
-        max_diff(&got.logits, &want_logits) <= TOL,
+        max_abs_diff(&got.logits, &want_logits) <= TOL,
         "{n} tokens: logits differ by {}",
-        max_diff(&got.logits, &want_logits)
+        max_abs_diff(&got.logits, &want_logits)
     );
 
     // What the prefill worker computed for positions 0..n-1, computed here.
@@ -181,7 +166,7 @@ async fn remote_prefill_equals_a_single_worker_over_shm_and_tcp() -> Result<()> 
             // 16-token blocks: the transferred part ends mid-block (37, 48) or on a block
             // boundary (49); the prompt itself ends mid-block (37, 49) or on one (48).
             for (i, n) in [37, 48, 49, 2].into_iter().enumerate() {
-                check_remote(&d, prompt(i as u64, n))
+                check_remote(&d, byte_prompt(i as u64, n))
                     .await
                     .context(backend)?;
             }
@@ -191,7 +176,7 @@ async fn remote_prefill_equals_a_single_worker_over_shm_and_tcp() -> Result<()> 
                 "{s:?}"
             );
             // The all-in-one call gives the single worker's generation too.
-            let p = prompt(9, 70);
+            let p = byte_prompt(9, 70);
             let g = d.generate(p.clone(), 12, Sampling::GREEDY).await?;
             ensure!(g.path == PrefillPath::Remote);
             ensure!(g.generation.tokens == reference(&p, 12)?.0, "{backend}");
@@ -225,7 +210,7 @@ async fn remote_prefill_over_quic() -> Result<()> {
             agent,
             DecodeConfig::new(&pw.url, BackendKind::Quic),
         )?;
-        check_remote(&d, prompt(21, 45)).await?;
+        check_remote(&d, byte_prompt(21, 45)).await?;
         ensure!(d.stats().remote == 1 && d.stats().fallbacks == 0);
         pw.stop().await;
         Ok(())
@@ -238,7 +223,7 @@ async fn concurrent_requests_each_get_their_own_kv() -> Result<()> {
     bounded(async {
         let pw = PrefillWorker::start().await?;
         let prompts: Vec<Vec<u32>> = (0..4)
-            .map(|i| prompt(100 + i, 20 + 13 * i as usize))
+            .map(|i| byte_prompt(100 + i, 20 + 13 * i as usize))
             .collect();
         let wants = prompts
             .iter()
@@ -285,7 +270,7 @@ async fn concurrent_requests_each_get_their_own_kv() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_or_unreachable_prefill_worker_means_a_local_prefill() -> Result<()> {
     bounded(async {
-        let p = prompt(3, 40);
+        let p = byte_prompt(3, 40);
         let want = reference(&p, 8)?.0;
 
         // Nothing listens there.
@@ -327,7 +312,7 @@ async fn a_dead_or_unreachable_prefill_worker_means_a_local_prefill() -> Result<
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_or_failing_prefill_worker_means_a_local_prefill_and_fenced_blocks() -> Result<()> {
     bounded(async {
-        let p = prompt(4, 50);
+        let p = byte_prompt(4, 50);
         let want = reference(&p, 8)?.0;
 
         // Accepts and never answers: the request times out; its 4 blocks are quarantined
@@ -390,7 +375,7 @@ async fn a_hung_or_failing_prefill_worker_means_a_local_prefill_and_fenced_block
         // A decode worker that gives up while the prefill worker is mid-forward hangs up on
         // it; the prefill request still runs to its end (writes, then its source blocks
         // freed) and is counted, and the decode worker's output is a single worker's.
-        let long = prompt(6, 1000);
+        let long = byte_prompt(6, 1000);
         let d = decoder_with(
             |c| c.request_timeout = Duration::from_millis(150),
             &pw.url,
@@ -482,7 +467,7 @@ async fn malformed_control_requests_get_clear_errors() -> Result<()> {
         let region = decode_engine.cache().region().context("region")?.id().0;
         let good = PrefillRequest {
             request_id: 1,
-            tokens: prompt(5, 20),
+            tokens: byte_prompt(5, 20),
             layout_fingerprint: cfg().kv_layout()?.fingerprint(),
             agent_blob: wire::hex_encode(&decode_agent.metadata()?),
             backend: "tcp".into(),

@@ -6,9 +6,9 @@ use std::collections::HashMap;
 
 use anyhow::Result;
 use candle_core::{D, DType, Device, IndexOp, Tensor};
+use kvtier_testkit::prompt::{byte_prompt, max_abs_diff};
 use kvtier_worker::engine::FinishReason;
 use kvtier_worker::model::{argmax, random_weights};
-use kvtier_worker::rng::SplitMix64;
 use kvtier_worker::{BlockId, BlockTable, Engine, Model, ModelConfig, Sampling, WorkerError};
 
 /// Logits of the paged forward and of the reference agree to this (max absolute difference).
@@ -20,21 +20,6 @@ const REUSE_TOL: f32 = 1e-4;
 
 fn cfg() -> ModelConfig {
     ModelConfig::default()
-}
-
-fn prompt(seed: u64, len: usize) -> Vec<u32> {
-    let mut r = SplitMix64::new(seed);
-    std::iter::once(256)
-        .chain((1..len).map(|_| (r.next_u64() % 256) as u32))
-        .collect()
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 /// A plain contiguous Llama forward over the whole sequence, written without the worker's
@@ -122,8 +107,8 @@ fn paged_forward_matches_contiguous_reference_with_two_interleaved_sequences() -
     // Two sequences share the pool and interleave their steps, so neither's blocks are
     // contiguous or in id order.
     let mut seqs = [
-        (prompt(1, 37), BlockTable::new()),
-        (prompt(2, 20), BlockTable::new()),
+        (byte_prompt(1, 37), BlockTable::new()),
+        (byte_prompt(2, 20), BlockTable::new()),
     ];
     let mut logits = Vec::new();
     for (tokens, table) in &mut seqs {
@@ -147,7 +132,7 @@ fn paged_forward_matches_contiguous_reference_with_two_interleaved_sequences() -
         let mut worst = 0f32;
         for (step, got) in logits[i].iter().enumerate() {
             let want = &reference[prompt_len - 1 + step];
-            let d = max_diff(got, want);
+            let d = max_abs_diff(got, want);
             assert!(d <= REF_TOL, "sequence {i} step {step}: max |diff| {d}");
             worst = worst.max(d);
         }
@@ -193,7 +178,7 @@ fn import_prefix(seed: u64, blocks: &[Vec<u8>]) -> Result<(Engine, BlockTable)> 
 fn prefix_blocks_copied_as_bytes_give_the_same_output_as_recomputing() -> Result<()> {
     let seed = 5;
     let bt = cfg().block_tokens;
-    let tokens = prompt(3, 2 * bt + 13);
+    let tokens = byte_prompt(3, 2 * bt + 13);
     let mut full = Engine::new(Model::random(cfg(), seed)?, 32)?;
     let mut full_table = BlockTable::new();
     let want = full.prefill(&tokens, 0, &mut full_table)?;
@@ -209,7 +194,7 @@ fn prefix_blocks_copied_as_bytes_give_the_same_output_as_recomputing() -> Result
         let blocks = export_prefix(seed, &tokens, k)?;
         let (mut e, mut table) = import_prefix(seed, &blocks)?;
         let got = e.prefill(&tokens, k * bt, &mut table)?;
-        let d = max_diff(&got, &want);
+        let d = max_abs_diff(&got, &want);
         assert!(d <= REUSE_TOL, "{k} blocks reused: max |diff| {d}");
         eprintln!("{k} blocks reused: max |diff| {d:e}");
         let (got_tokens, _) = e.decode(&mut table, tokens.len(), got, 20, Sampling::GREEDY)?;
@@ -225,7 +210,7 @@ fn prefix_blocks_copied_as_bytes_give_the_same_output_as_recomputing() -> Result
     let zeros = vec![vec![0u8; cfg().kv_layout()?.block_bytes() as usize]; 2];
     let (mut e, mut table) = import_prefix(seed, &zeros)?;
     let got = e.prefill(&tokens, 2 * bt, &mut table)?;
-    assert!(max_diff(&got, &want) > 100.0 * REUSE_TOL);
+    assert!(max_abs_diff(&got, &want) > 100.0 * REUSE_TOL);
     Ok(())
 }
 
@@ -233,7 +218,7 @@ fn prefix_blocks_copied_as_bytes_give_the_same_output_as_recomputing() -> Result
 fn a_full_prompt_hit_recomputes_only_the_last_token() -> Result<()> {
     let seed = 6;
     let bt = cfg().block_tokens;
-    let tokens = prompt(4, 2 * bt);
+    let tokens = byte_prompt(4, 2 * bt);
     let mut full = Engine::new(Model::random(cfg(), seed)?, 32)?;
     let want = full.prefill(&tokens, 0, &mut BlockTable::new())?;
 
@@ -242,7 +227,7 @@ fn a_full_prompt_hit_recomputes_only_the_last_token() -> Result<()> {
     let free_before = e.cache().free_blocks();
     // start_pos == len: every position is cached, yet logits are needed.
     let got = e.prefill(&tokens, tokens.len(), &mut table)?;
-    assert!(max_diff(&got, &want) <= REUSE_TOL);
+    assert!(max_abs_diff(&got, &want) <= REUSE_TOL);
     assert_eq!(e.cache().free_blocks(), free_before, "no block allocated");
     // The recomputed last row matches the loaded one to float precision.
     let layout = cfg().kv_layout()?;
@@ -252,11 +237,11 @@ fn a_full_prompt_hit_recomputes_only_the_last_token() -> Result<()> {
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect()
     };
-    assert!(max_diff(&floats(a), &floats(b)) <= 1e-5);
+    assert!(max_abs_diff(&floats(a), &floats(b)) <= 1e-5);
     assert_eq!(a.len() as u64, layout.block_bytes());
     // Past the end is the same as a full hit.
     let again = e.prefill(&tokens, tokens.len() + 7, &mut table)?;
-    assert!(max_diff(&again, &want) <= REUSE_TOL);
+    assert!(max_abs_diff(&again, &want) <= REUSE_TOL);
     Ok(())
 }
 
@@ -269,7 +254,7 @@ fn prefill_errors() -> Result<()> {
         Err(WorkerError::EmptyPrompt)
     ));
     assert!(matches!(
-        e.prefill(&prompt(1, 40), 16, &mut t),
+        e.prefill(&byte_prompt(1, 40), 16, &mut t),
         Err(WorkerError::MissingPrefix {
             start_pos: 16,
             covered_tokens: 0
@@ -280,7 +265,7 @@ fn prefill_errors() -> Result<()> {
         Err(WorkerError::TokenOutOfVocab { id: 999, .. })
     ));
     assert!(matches!(
-        e.prefill(&prompt(1, 65), 0, &mut t),
+        e.prefill(&byte_prompt(1, 65), 0, &mut t),
         Err(WorkerError::CacheFull { needed: 5, free: 4 })
     ));
     assert_eq!(e.cache().free_blocks(), 4);
@@ -289,7 +274,7 @@ fn prefill_errors() -> Result<()> {
 
 #[test]
 fn the_seeded_model_is_deterministic() -> Result<()> {
-    let tokens = prompt(9, 23);
+    let tokens = byte_prompt(9, 23);
     let run = |weight_seed, sampling| -> Result<(Vec<f32>, Vec<u32>)> {
         let mut e = Engine::new(Model::random(cfg(), weight_seed)?, 16)?;
         let logits = e.prefill(&tokens, 0, &mut BlockTable::new())?;
@@ -350,7 +335,7 @@ fn a_hugging_face_directory_loads_to_the_same_model() -> Result<()> {
     candle_core::safetensors::save(&weights, dir.path().join("model.safetensors"))?;
     let loaded = Model::from_hf_dir(dir.path(), cfg.block_tokens)?;
     assert_eq!(loaded.config(), &cfg);
-    let tokens = prompt(7, 19);
+    let tokens = byte_prompt(7, 19);
     let a = Engine::new(loaded, 8)?.prefill(&tokens, 0, &mut BlockTable::new())?;
     let b = Engine::new(Model::random(cfg.clone(), 8)?, 8)?.prefill(
         &tokens,
@@ -378,13 +363,13 @@ fn generation_stops_at_the_context_length() -> Result<()> {
         ..cfg()
     };
     let mut e = Engine::new(Model::random(cfg, 2)?, 8)?;
-    let g = e.generate(&prompt(5, 35), 100, Sampling::GREEDY)?;
+    let g = e.generate(&byte_prompt(5, 35), 100, Sampling::GREEDY)?;
     // Positions 35..=39 are decoded; the token sampled from position 39's logits is the last.
     assert_eq!(g.finish, FinishReason::ContextFull);
     assert_eq!(g.tokens.len(), 6);
     assert_eq!(e.cache().free_blocks(), 8);
     assert!(matches!(
-        e.generate(&prompt(5, 41), 1, Sampling::GREEDY),
+        e.generate(&byte_prompt(5, 41), 1, Sampling::GREEDY),
         Err(WorkerError::ContextFull {
             tokens: 41,
             max_context_tokens: 40
@@ -405,7 +390,7 @@ fn a_batched_decode_step_equals_each_sequence_stepped_alone() -> Result<()> {
         (vec![BlockTable::new(); 4], vec![BlockTable::new(); 4]);
     let mut next = Vec::new();
     for (i, &n) in lens.iter().enumerate() {
-        let p = prompt(40 + i as u64, n);
+        let p = byte_prompt(40 + i as u64, n);
         let a = alone.prefill(&p, 0, &mut ta[i])?;
         batched.prefill(&p, 0, &mut tb[i])?;
         next.push((argmax(&a), n));
@@ -424,7 +409,7 @@ fn a_batched_decode_step_equals_each_sequence_stepped_alone() -> Result<()> {
         let got = batched.decode_batch(&mut batch)?;
         assert_eq!(got.len(), want.len());
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            let diff = max_diff(g, w);
+            let diff = max_abs_diff(g, w);
             assert!(
                 diff <= REUSE_TOL,
                 "step {step}, sequence {i}: logits differ by {diff}"
@@ -448,7 +433,7 @@ fn a_batched_decode_step_equals_each_sequence_stepped_alone() -> Result<()> {
                     .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                     .collect()
             };
-            assert!(max_diff(&fa(xa), &fa(yb)) <= REUSE_TOL);
+            assert!(max_abs_diff(&fa(xa), &fa(yb)) <= REUSE_TOL);
         }
     }
     // A token outside the vocabulary fails the batch.

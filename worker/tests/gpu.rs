@@ -17,12 +17,13 @@
 mod common;
 
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use common::*;
+use kvtier_testkit::process::run_bounded;
 use kvtier_worker::gpu::Gpu;
 use kvtier_worker::serve::{Role, ServeConfig, WorkerServer};
 use kvtier_worker::{
@@ -77,28 +78,19 @@ fn build_emulator() -> Result<PathBuf> {
     let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/emu/launcher.cpp");
     let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("libkvtier-gpu-emu-{}.so", std::process::id()));
-    let mut child = Command::new("g++")
-        .args(["-std=c++20", "-O2", "-pthread", "-shared", "-fPIC", "-o"])
-        .arg(&out)
-        .arg(&src)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("this test needs g++ (C++20) on PATH to build the CUDA emulator")?;
-    let deadline = Instant::now() + Duration::from_secs(180);
-    while child.try_wait()?.is_none() {
-        if Instant::now() > deadline {
-            child.kill()?;
-            bail!("g++ building the CUDA emulator took over 180 s");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let o = child.wait_with_output()?;
+    let o = run_bounded(
+        Command::new("g++")
+            .args(["-std=c++20", "-O2", "-pthread", "-shared", "-fPIC", "-o"])
+            .arg(&out)
+            .arg(&src),
+        Duration::from_secs(180),
+    )
+    .context("this test needs g++ (C++20) on PATH to build the CUDA emulator")?;
     ensure!(
         o.status.success(),
         "g++ failed on {}:\n{}",
         src.display(),
-        String::from_utf8_lossy(&o.stderr)
+        o.stderr
     );
     Ok(out)
 }

@@ -18,48 +18,21 @@
 //! threads share one coherent memory), and the Rust launch code's argument passing (the sizes
 //! here are copied from `mod.rs` by hand). Those need a GPU: `tests/gpu.rs`.
 
-use std::fs::File;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
+use kvtier_testkit::process::run_bounded;
 
 /// Bounds compiling and running the emulation; both take a few seconds.
 const LIMIT: Duration = Duration::from_secs(120);
 
-/// Runs `cmd` with stdout and stderr to files in `dir`, killing it after `limit`; returns
-/// whether it succeeded and its output.
-fn run_bounded(
-    mut cmd: Command,
-    dir: &Path,
-    what: &str,
-    limit: Duration,
-) -> Result<(bool, String)> {
-    let out_path = dir.join(format!("{what}.out"));
-    let out = File::create(&out_path)?;
-    let err = out.try_clone()?;
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err)
-        .spawn()
-        .with_context(|| format!("starting {what}"))?;
-    let deadline = Instant::now() + limit;
-    let status = loop {
-        if let Some(status) = child.try_wait()? {
-            break status;
-        }
-        if Instant::now() > deadline {
-            child.kill()?;
-            child.wait()?;
-            let text = std::fs::read_to_string(&out_path).unwrap_or_default();
-            bail!("{what} still running after {limit:?} (a kernel deadlocked?); output:\n{text}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let text = std::fs::read_to_string(&out_path)?;
-    Ok((status.success(), text))
+/// Runs `cmd`, killing it after [`LIMIT`]; returns whether it succeeded and its output
+/// (stdout, then stderr).
+fn run(cmd: &mut Command, what: &str) -> Result<(bool, String)> {
+    let f = run_bounded(cmd, LIMIT).with_context(|| format!("{what} (a kernel deadlocked?)"))?;
+    Ok((f.status.success(), f.output()))
 }
 
 /// Builds `tests/emu/check_kernels.cpp` over `kernels` (the text of a `kernels.cu`) in `dir`,
@@ -79,7 +52,7 @@ fn build_and_run(dir: &Path, kernels: &str) -> Result<(bool, String)> {
     gxx.args(["-std=c++20", "-O2", "-pthread", "-Wall", "-Wextra", "-o"])
         .arg(&exe)
         .arg(tests.join("check_kernels.cpp"));
-    let (ok, text) = match run_bounded(gxx, dir, "g++", LIMIT) {
+    let (ok, text) = match run(&mut gxx, "g++") {
         Ok(r) => r,
         Err(e) => {
             return Err(e.context(
@@ -91,7 +64,7 @@ fn build_and_run(dir: &Path, kernels: &str) -> Result<(bool, String)> {
         ok,
         "g++ failed to build tests/emu/check_kernels.cpp:\n{text}"
     );
-    run_bounded(Command::new(&exe), dir, "check_kernels", LIMIT)
+    run(&mut Command::new(&exe), "check_kernels")
 }
 
 fn kernels_source() -> Result<String> {

@@ -487,35 +487,40 @@ fn comparison_puts_configurations_side_by_side() {
     assert!(dup.contains("given twice"), "{dup}");
 }
 
+/// The reader is the workspace's one (`crate::trace`, whose own tests cover its errors): its
+/// errors reach the agentic run naming the file and the entry.
 #[test]
 fn claude_trace_errors_name_the_file_and_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tp = trace::TraceParams {
+        token_scale: 1.0,
+        max_context: 8192,
+        max_output: 256,
+        long_idle_s: 20.0,
+        sessions: None,
+    };
     let check = |text: &str, want: &str| {
-        let e = trace::parse_for_test(text).unwrap_err();
-        assert!(e.contains(want), "{text}: {e}");
+        let f = tmp.path().join("t.json");
+        std::fs::write(&f, text).unwrap();
+        let e = format!("{:#}", trace::load(&[f], &tp, 1).unwrap_err());
+        assert!(e.contains("t.json") && e.contains(want), "{text}: {e}");
     };
     check("{\"requests\": [\n{\"t\": 0,}]}", "t.json:2:");
-    check("[]", "t.json: (document): expected a JSON object");
-    check("{}", "t.json: requests: missing");
+    check("{\"block_size\": 64}", "no `requests` list");
     check(
-        r#"{"requests": [{"t": 0, "in": 5, "out": 1}, {"t": 1, "out": 2}]}"#,
-        "t.json: requests[1].in: missing",
+        r#"{"block_size": 64, "requests": [{"t": 0, "type": "n", "in": 64, "out": 1, "hash_ids": [1]}, {"t": 1, "type": "n", "out": 2, "hash_ids": []}]}"#,
+        "requests[1]: no `in`",
     );
     check(
-        r#"{"requests": [{"t": 0, "in": -5, "out": 1}]}"#,
-        "requests[0].in: expected a non-negative integer",
+        r#"{"block_size": 64, "requests": [{"t": 0, "type": "n", "in": 64, "out": 1, "hash_ids": [1]}, {"type": "subagent", "t": 2, "requests": [{"t": 0, "type": "n", "in": 64, "out": "x", "hash_ids": [2]}]}]}"#,
+        "t.json: requests[1].requests[0]: invalid type: string \"x\", expected u64",
     );
     check(
-        r#"{"requests": [{"t": 0, "in": 5, "out": 1}, {"type": "subagent", "t": 2, "requests": [{"t": 0, "in": 3, "out": "x"}]}]}"#,
-        "requests[1].requests[0].out",
+        r#"{"block_size": 64, "requests": [{"type": "subagent", "t": 2, "requests": []}]}"#,
+        "no model calls",
     );
-    check(
-        r#"{"requests": [{"t": "soon", "in": 5, "out": 1}]}"#,
-        "requests[0].t: expected a number",
-    );
-    check(
-        r#"{"requests": [{"type": "subagent", "t": 2, "requests": []}]}"#,
-        "no model call",
-    );
+    let e = trace::load(&[tmp.path().join("absent.json")], &tp, 1).unwrap_err();
+    assert!(format!("{e:#}").contains("absent.json"), "{e:#}");
 }
 
 #[test]
@@ -529,7 +534,8 @@ fn claude_traces_map_onto_growing_sessions() {
         long_idle_s: 20.0,
         sessions: None,
     };
-    if dir.is_dir() {
+    assert!(dir.is_dir(), "{} is missing", dir.display());
+    {
         let w = trace::load(std::slice::from_ref(&dir), &tp, 1).unwrap();
         assert_eq!(w.sessions.len(), 6);
         assert!(w.turns() >= 6);
@@ -539,16 +545,19 @@ fn claude_traces_map_onto_growing_sessions() {
     // A small trace written here: two calls, a subagent between them, a call too long.
     let tmp = tempfile::tempdir().unwrap();
     let f = tmp.path().join("s.json");
-    std::fs::write(
-        &f,
-        r#"{"system_tokens": 2000, "tool_tokens": 2000, "requests": [
-            {"t": 0, "type": "n", "in": 6000, "out": 100, "think_time": 0},
-            {"type": "subagent", "t": 5, "duration_ms": 1000, "system_tokens": 1000, "tool_tokens": 0,
-             "requests": [{"t": 0, "in": 3000, "out": 40}, {"t": 1, "in": 4000, "out": 60, "think_time": 1}]},
-            {"t": 10, "type": "n", "in": 9000, "out": 100, "think_time": 30},
-            {"t": 50, "type": "n", "in": 900000, "out": 100, "think_time": 3}]}"#,
-    )
-    .unwrap();
+    // 512-token blocks: a call of `in` tokens has in / 512 hash ids.
+    let call = |t: u64, input: u64, out: u64, think: u64| {
+        serde_json::json!({"t": t, "type": "n", "in": input, "out": out, "think_time": think,
+                           "hash_ids": (0..input / 512).collect::<Vec<u64>>()})
+    };
+    let doc = serde_json::json!({"block_size": 512, "system_tokens": 2000, "tool_tokens": 2000,
+        "requests": [
+            call(0, 6000, 100, 0),
+            {"type": "subagent", "t": 5, "duration_ms": 1000, "system_tokens": 1000,
+             "tool_tokens": 0, "requests": [call(0, 3000, 40, 0), call(1, 4000, 60, 1)]},
+            call(10, 9000, 100, 30),
+            call(50, 900_000, 100, 3)]});
+    std::fs::write(&f, doc.to_string()).unwrap();
     let w = trace::load(&[f], &tp, 1).unwrap();
     let s = &w.sessions[0].main;
     assert_eq!(s.base, workload::Base::Harness(200));
@@ -580,4 +589,32 @@ fn claude_traces_map_onto_growing_sessions() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// What the shared Claude Code samples give under two seeds and two scales, as digests of the
+/// workloads: a change to the trace reader or the mapping must not change what a seed produces.
+#[test]
+fn the_sample_traces_give_the_same_workloads_as_before() {
+    let dir = crate::trace::shared_traces_dir().join("claude-code-sample");
+    assert!(dir.is_dir(), "{} is missing", dir.display());
+    let digest = |scale: f64, seed: u64| {
+        let tp = trace::TraceParams {
+            token_scale: scale,
+            max_context: 8192,
+            max_output: 256,
+            long_idle_s: 20.0,
+            sessions: Some(8),
+        };
+        let w = trace::load(std::slice::from_ref(&dir), &tp, seed).unwrap();
+        let text = format!(
+            "{:?} {:?} {}",
+            w.sessions, w.harness_seed, w.truncated_turns
+        );
+        xxhash_rust::xxh3::xxh3_64(text.as_bytes())
+    };
+    // Recorded with the trace's own reader, before it was replaced by the one in `crate::trace`.
+    assert_eq!(
+        [digest(0.05, 1), digest(0.2, 7)],
+        [0x18c7_c32a_8da2_1bf1, 0x482d_a9ae_81d3_6401]
+    );
 }

@@ -1,5 +1,6 @@
 //! Claude Code session traces (`../shared/traces/claude-code-sample/*.json`, format in
-//! `../shared/traces/README.md`) mapped onto the session model of [`super::workload`].
+//! `../shared/traces/README.md`), read by the workspace's one reader ([`crate::trace`]), mapped
+//! onto the session model of [`super::workload`].
 //!
 //! Mapping, per trace file (one session; more sessions than files reuse the files in order with
 //! other content seeds):
@@ -10,17 +11,17 @@
 //!   (`scale(system_tokens + tool_tokens)` of the subagent, sharing the common harness stream),
 //!   its nested requests mapped the same way; it rejoins before the first main request whose `t`
 //!   is at or after the subagent's end (`t + duration_ms`), or at the end of the session, adding
-//!   `scale(out)` of its last request to the parent's context;
+//!   `scale(out)` of its last request to the parent's context (a subagent's own subagents are
+//!   not modelled: their calls are left out);
 //! * a request whose prompt + output would pass `--max-context` ends its chain (counted as
 //!   truncated).
 //!
 //! `scale(x) = round(x * token_scale)`.
 
-use std::path::{Path, PathBuf};
-
-use serde_json::Value;
+use std::path::PathBuf;
 
 use super::workload::{BOS_MARGIN, Base, Chain, Rng, Segment, Session, Step, Workload, mix};
+use crate::trace::{self as reader, ChainItem, ModelCall, ReadOptions};
 
 #[derive(Clone, Debug)]
 pub struct TraceParams {
@@ -57,44 +58,15 @@ struct TraceSession {
     entries: Vec<Entry>,
 }
 
-/// The `*.json` files of a directory, or the file itself, sorted.
-pub fn expand(paths: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
-    let mut out = Vec::new();
-    for p in paths {
-        if p.is_dir() {
-            let rd = std::fs::read_dir(p)
-                .map_err(|e| anyhow::anyhow!("cannot list trace directory {}: {e}", p.display()))?;
-            let mut v: Vec<PathBuf> = rd
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|x| x == "json"))
-                .collect();
-            v.sort();
-            if v.is_empty() {
-                anyhow::bail!("trace directory {} has no *.json file", p.display());
-            }
-            out.extend(v);
-        } else {
-            out.push(p.clone());
-        }
-    }
-    Ok(out)
-}
-
 /// Loads the traces and maps them onto sessions.
 pub fn load(paths: &[PathBuf], p: &TraceParams, seed: u64) -> anyhow::Result<Workload> {
     if !(p.token_scale.is_finite() && p.token_scale > 0.0) {
         anyhow::bail!("--token-scale must be > 0, not {}", p.token_scale);
     }
-    let files = expand(paths)?;
-    if files.is_empty() {
-        anyhow::bail!("no trace file given");
-    }
-    let mut parsed = Vec::new();
-    for f in &files {
-        let text = std::fs::read_to_string(f)
-            .map_err(|e| anyhow::anyhow!("cannot read trace {}: {e}", f.display()))?;
-        parsed.push(parse(&text, f).map_err(|e| anyhow::anyhow!("{e}"))?);
-    }
+    // Strict: a malformed session is an error naming its file and place, never skipped.
+    let (sessions, _) = reader::read_sessions(paths, &ReadOptions::default())?;
+    let files: Vec<PathBuf> = sessions.iter().map(|s| s.path.clone()).collect();
+    let parsed: Vec<TraceSession> = sessions.iter().map(from_session).collect();
     let n = p.sessions.unwrap_or(parsed.len());
     let mut truncated = 0;
     let sessions = (0..n)
@@ -247,125 +219,38 @@ fn turn(q: &Req, p: &TraceParams, r: &mut Rng, ctx: usize, gap: bool) -> Option<
     ))
 }
 
-/// A parse error naming the file and the field.
-fn err(file: &Path, field: &str, msg: impl std::fmt::Display) -> String {
-    format!("{}: {field}: {msg}", file.display())
-}
-
-fn parse(text: &str, file: &Path) -> Result<TraceSession, String> {
-    let v: Value = serde_json::from_str(text).map_err(|e| {
-        format!(
-            "{}:{}:{}: not valid JSON: {e}",
-            file.display(),
-            e.line(),
-            e.column()
-        )
-    })?;
-    let obj = v
-        .as_object()
-        .ok_or_else(|| err(file, "(document)", "expected a JSON object"))?;
-    let num =
-        |o: &serde_json::Map<String, Value>, field: &str, path: &str| -> Result<u64, String> {
-            match o.get(field) {
-                None => Ok(0),
-                Some(x) => x.as_u64().ok_or_else(|| {
-                    err(
-                        file,
-                        &format!("{path}{field}"),
-                        format!("expected a non-negative integer, got {x}"),
-                    )
-                }),
-            }
-        };
-    let secs = |o: &serde_json::Map<String, Value>,
-                field: &str,
-                path: &str,
-                required: bool|
-     -> Result<f64, String> {
-        match o.get(field) {
-            None if !required => Ok(0.0),
-            None => Err(err(file, &format!("{path}{field}"), "missing")),
-            Some(x) => x
-                .as_f64()
-                .filter(|v| v.is_finite() && *v >= 0.0)
-                .ok_or_else(|| {
-                    err(
-                        file,
-                        &format!("{path}{field}"),
-                        format!("expected a number >= 0, got {x}"),
-                    )
-                }),
-        }
+/// The parts of a session the mapping uses.
+fn from_session(s: &reader::Session) -> TraceSession {
+    let req = |c: &ModelCall| Req {
+        t: c.t_s,
+        think_s: c.think_time_s,
+        input: c.input_tokens,
+        output: c.output_tokens,
     };
-    let req = |o: &serde_json::Map<String, Value>, path: &str| -> Result<Req, String> {
-        for f in ["in", "out"] {
-            if !o.contains_key(f) {
-                return Err(err(file, &format!("{path}{f}"), "missing"));
-            }
-        }
-        Ok(Req {
-            t: secs(o, "t", path, true)?,
-            think_s: secs(o, "think_time", path, false)?,
-            input: num(o, "in", path)?,
-            output: num(o, "out", path)?,
+    let entries = s
+        .chain
+        .items
+        .iter()
+        .map(|item| match item {
+            ChainItem::Call(c) => Entry::Call(req(c)),
+            ChainItem::Subagent(a) => Entry::Subagent {
+                t: a.t_s,
+                duration_s: a.duration_s,
+                harness: a.harness_tokens,
+                requests: a
+                    .chain
+                    .items
+                    .iter()
+                    .filter_map(|i| match i {
+                        ChainItem::Call(c) => Some(req(c)),
+                        ChainItem::Subagent(_) => None,
+                    })
+                    .collect(),
+            },
         })
-    };
-    let list = |o: &serde_json::Map<String, Value>, path: &str| -> Result<Vec<Value>, String> {
-        match o.get("requests") {
-            Some(Value::Array(a)) => Ok(a.clone()),
-            Some(x) => Err(err(
-                file,
-                &format!("{path}requests"),
-                format!("expected an array, got {}", kind(x)),
-            )),
-            None => Err(err(file, &format!("{path}requests"), "missing")),
-        }
-    };
-    let harness = num(obj, "system_tokens", "")? + num(obj, "tool_tokens", "")?;
-    let mut entries = Vec::new();
-    for (i, e) in list(obj, "")?.iter().enumerate() {
-        let path = format!("requests[{i}].");
-        let o = e
-            .as_object()
-            .ok_or_else(|| err(file, &format!("requests[{i}]"), "expected an object"))?;
-        let ty = o.get("type").and_then(Value::as_str).unwrap_or("n");
-        if ty == "subagent" {
-            let mut reqs = Vec::new();
-            for (j, s) in list(o, &path)?.iter().enumerate() {
-                let sp = format!("{path}requests[{j}].");
-                let so = s.as_object().ok_or_else(|| {
-                    err(file, &format!("{path}requests[{j}]"), "expected an object")
-                })?;
-                reqs.push(req(so, &sp)?);
-            }
-            entries.push(Entry::Subagent {
-                t: secs(o, "t", &path, true)?,
-                duration_s: num(o, "duration_ms", &path)? as f64 / 1000.0,
-                harness: num(o, "system_tokens", &path)? + num(o, "tool_tokens", &path)?,
-                requests: reqs,
-            });
-        } else {
-            entries.push(Entry::Call(req(o, &path)?));
-        }
+        .collect();
+    TraceSession {
+        harness: s.harness_tokens,
+        entries,
     }
-    if !entries.iter().any(|e| matches!(e, Entry::Call(_))) {
-        return Err(err(file, "requests", "no model call (type n or s)"));
-    }
-    Ok(TraceSession { harness, entries })
-}
-
-fn kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
-#[cfg(test)]
-pub(crate) fn parse_for_test(text: &str) -> Result<(), String> {
-    parse(text, Path::new("t.json")).map(|_| ())
 }

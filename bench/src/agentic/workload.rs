@@ -12,7 +12,7 @@
 
 use serde::Serialize;
 
-use crate::util::SplitMix64;
+use kvtier_core::SplitMix64;
 
 /// Token ids of generated content: lower-case letters and spaces (printable ASCII, so a prompt
 /// sent as token ids and the same prompt sent as text are the same bytes for a byte-level
@@ -260,7 +260,7 @@ impl Rng {
     }
     /// Uniform in [0, 1).
     pub fn f64(&mut self) -> f64 {
-        (self.u64() >> 11) as f64 / (1u64 << 53) as f64
+        self.0.next_f64()
     }
     /// Uniform in [lo, hi].
     pub fn range(&mut self, lo: usize, hi: usize) -> usize {

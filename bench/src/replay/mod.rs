@@ -357,19 +357,6 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
-fn peak_rss_bytes() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let kib: u64 = s
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kib * 1024)
-}
-
 /// The requests in serving order as the simulator wants them (ids made global by scope).
 pub fn simulated_trace(records: &[Record]) -> Vec<TraceRequest> {
     let mut clock_ms = 0u64;
@@ -618,7 +605,7 @@ async fn replay_against(
     o.load_ms_p99 = percentile(&loads, 0.99);
     o.lag_ms_p99 = percentile(&lags, 0.99);
     o.lag_ms_max = lags.last().copied().unwrap_or(0.0);
-    o.peak_rss_bytes = peak_rss_bytes();
+    o.peak_rss_bytes = crate::util::peak_rss_bytes("self");
     let tiers: Vec<TierRow> = ["hbm", "dram", "nvme"]
         .iter()
         .enumerate()

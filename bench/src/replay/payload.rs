@@ -8,7 +8,7 @@
 use kvtier_core::BlockKey;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_128_with_seed};
 
-use crate::util::SplitMix64;
+use kvtier_core::SplitMix64;
 
 /// Bytes before the filler: checksum and key.
 pub const HEADER_BYTES: usize = 8 + BlockKey::BYTES;

@@ -469,12 +469,15 @@ mod tests {
             path: "s.json".into(),
             id: "s".into(),
             block_tokens: 64,
+            harness_tokens: 0,
             chain: Chain {
                 items: vec![
                     call(0.0, 130, 10, &[0, 1], 2.0, 0.0),
                     ChainItem::Subagent(Subagent {
                         t_s: 5.0,
                         agent_id: "a".into(),
+                        duration_s: 0.0,
+                        harness_tokens: 0,
                         chain: Chain {
                             items: vec![call(0.0, 64, 5, &[7], 1.0, 0.0)],
                         },

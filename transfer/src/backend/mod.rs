@@ -8,9 +8,12 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use tokio::sync::mpsc;
+
 use crate::descriptor::Op;
 use crate::error::{Result, TransferError};
-use crate::region::RegionMem;
+use crate::metadata::TOKEN_BYTES;
+use crate::region::{RegionMem, Registry};
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -55,6 +58,24 @@ impl std::fmt::Display for BackendKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
     }
+}
+
+/// A notification a peer attached to a transfer, delivered after the transfer's data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// The sending agent's name (as it presented itself).
+    pub from: String,
+    pub message: Vec<u8>,
+}
+
+/// What the target side of every backend needs.
+pub(crate) struct TargetCtx {
+    pub name: String,
+    pub token: [u8; TOKEN_BYTES],
+    pub registry: Arc<Registry>,
+    pub notifications: mpsc::Sender<Notification>,
+    /// Set when the agent shuts down (backends that bypass sockets check it).
+    pub closed: std::sync::atomic::AtomicBool,
 }
 
 /// One validated, merged range of a transfer.

@@ -13,8 +13,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, Serve
 use rustls::{DigitallySignedStruct, SignatureScheme};
 use tokio::task::JoinSet;
 
+use super::TargetCtx;
 use super::stream::{Lane, StreamPeer, serve};
-use crate::agent::TargetCtx;
 use crate::error::{Result, TransferError};
 use crate::metadata::{AgentMetadata, parse_addr};
 

@@ -17,7 +17,7 @@ use tokio::task::AbortHandle;
 
 use super::frame::{FrameOp, HEADER_BYTES, Header, MAX_NAME_BYTES, Status};
 use super::{BoxFuture, Job, PeerBackend, TransferCtl};
-use crate::agent::{Notification, TargetCtx};
+use super::{Notification, TargetCtx};
 use crate::descriptor::Op;
 use crate::error::{Result, TransferError};
 use crate::metadata::TOKEN_BYTES;
@@ -711,9 +711,7 @@ fn check_region(ctx: &TargetCtx, h: &Header) -> (Status, Option<Arc<RegionMem>>)
     if !region.kind.is_host() {
         return (Status::UnsupportedMemory, None);
     }
-    if crate::descriptor::check_range(0, "remote", h.offset, u64::from(h.len), region.len())
-        .is_err()
-    {
+    if crate::region::check_range(0, "remote", h.offset, u64::from(h.len), region.len()).is_err() {
         return (Status::OutOfBounds, None);
     }
     (Status::Ok, Some(region))

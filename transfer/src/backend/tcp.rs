@@ -8,8 +8,8 @@ use std::sync::Arc;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
+use super::TargetCtx;
 use super::stream::{Lane, StreamPeer, serve};
-use crate::agent::TargetCtx;
 use crate::error::{Result, TransferError};
 use crate::metadata::{AgentMetadata, parse_addr};
 

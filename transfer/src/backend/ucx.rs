@@ -28,13 +28,13 @@ use std::sync::{Arc, Mutex};
 
 use kvtier_ucx_sys as sys;
 
+use super::TargetCtx;
 use super::stream::Lane;
 use super::{BoxFuture, Job, PeerBackend, TransferCtl};
-use crate::agent::TargetCtx;
 use crate::descriptor::Op;
 use crate::error::{Result, TransferError};
 use crate::metadata::AgentMetadata;
-use crate::region::RegionMem;
+use crate::region::{RegionMem, Registration};
 
 fn status_text(status: sys::ucs_status_t) -> String {
     // SAFETY: ucs_status_string returns a static NUL-terminated string for any status.
@@ -72,10 +72,9 @@ impl Drop for Shared {
     }
 }
 
-/// A region's UCX mapping and packed remote key.
-pub(crate) struct UcxRegion {
+/// A region's UCX mapping, unmapped on drop (the region keeps it in its `Registration`).
+struct UcxRegion {
     memh: sys::ucp_mem_h,
-    pub(crate) rkey: Vec<u8>,
     shared: Arc<Shared>,
 }
 
@@ -480,11 +479,11 @@ impl UcxContext {
             }
             let rkey = std::slice::from_raw_parts(buf as *const u8, size).to_vec();
             sys::ucp_rkey_buffer_release(buf);
-            let _ = region.ucx.set(UcxRegion {
+            let handle = UcxRegion {
                 memh,
-                rkey,
                 shared: Arc::clone(&self.shared),
-            });
+            };
+            let _ = region.ucx.set(Registration::new(rkey, Box::new(handle)));
         }
         self.worker
             .state

@@ -32,8 +32,6 @@ use cudarc::driver::{CudaContext, result, sys};
 
 use crate::config::ModelConfig;
 use crate::error::{Result, WorkerError};
-use crate::kv_cache::{BlockTable, PagedKvCache};
-use crate::model::{LayerHook, Model};
 
 /// The kernels' CUDA source.
 pub const KERNELS_CU: &str = include_str!("kernels.cu");
@@ -742,6 +740,28 @@ pub struct GpuModel {
     scratch: std::sync::Mutex<Option<Scratch>>,
 }
 
+/// The paged KV a forward reads and writes: the pool, its geometry and the sequence's
+/// blocks in order.
+pub(crate) struct PagedKv<'a> {
+    pub pool: &'a DevicePool,
+    pub block_tokens: usize,
+    pub block_bytes: usize,
+    pub blocks: &'a [u32],
+}
+
+/// What the forward calls around each layer, on the thread running it; an error aborts the
+/// forward. The model adapts its `LayerHook` (which sees the whole cache) to this, so this
+/// module needs neither the model nor the cache.
+pub(crate) trait LayerEvents {
+    /// Before layer `layer` reads or writes the pool.
+    fn before_layer(&mut self, layer: usize) -> Result<()>;
+    /// After layer `layer` wrote the new positions' K and V (before its attention runs).
+    fn after_kv_write(&mut self, layer: usize) -> Result<()>;
+    /// Whether `after_kv_write` reads the pool's bytes (the forward then waits for each
+    /// layer's KV write before calling it).
+    fn reads_kv(&self) -> bool;
+}
+
 /// Host copies of a model's weights, as [`GpuModel::upload`] takes them (row-major f32).
 pub(crate) struct HostWeights<'a> {
     pub embed: &'a candle_core::Tensor,
@@ -920,15 +940,15 @@ impl GpuModel {
         Ok(())
     }
 
-    /// The forward of `tokens` at `start_pos` (see [`Model::forward_hooked`], which checked
-    /// the tokens and the context). `cache` must be a pool on this model's GPU.
+    /// The forward of `tokens` at `start_pos` over the paged KV `kv` (the model's
+    /// `forward_hooked` checked the tokens, the context and that every block of `kv.blocks` is
+    /// allocated), calling `events` around each layer. `kv.pool` must be on this model's GPU.
     pub(crate) fn forward(
         &self,
         tokens: &[u32],
         start_pos: usize,
-        cache: &mut PagedKvCache,
-        table: &BlockTable,
-        hook: &mut dyn LayerHook,
+        kv: PagedKv<'_>,
+        events: &mut dyn LayerEvents,
     ) -> Result<Vec<f32>> {
         let c = &self.cfg;
         let t = tokens.len();
@@ -947,34 +967,27 @@ impl GpuModel {
                 ),
             });
         }
-        if !Arc::ptr_eq(cache.device_pool_mut()?.gpu(), &self.gpu) {
+        if !Arc::ptr_eq(kv.pool.gpu(), &self.gpu) {
             return Err(WorkerError::Gpu {
                 reason: "the KV pool is on another GPU than the model".to_owned(),
             });
         }
-        let bt = cache.block_tokens();
-        let covered = table.len() * bt;
+        let bt = kv.block_tokens;
+        // The kernels index the pool with the table's blocks: never past the ones given.
+        let covered = kv.blocks.len() * bt;
         if covered < start_pos + t {
             return Err(WorkerError::MissingPrefix {
                 start_pos,
                 covered_tokens: covered,
             });
         }
-        // Every block of the table must be allocated: the kernels index the pool with them.
-        for id in table.blocks() {
-            cache.check_block(*id)?;
-        }
-        let block_floats = Arg::I64((cache.block_size_bytes() / 4) as i64);
+        let block_floats = Arg::I64((kv.block_bytes / 4) as i64);
         let mut slot = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        self.scratch(&mut slot, t, table.len())?;
+        self.scratch(&mut slot, t, kv.blocks.len())?;
         let s = slot.as_mut().expect("scratch was just made");
         let ids: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         s.ids.write(0, &ids)?;
-        let blocks: Vec<u8> = table
-            .blocks()
-            .iter()
-            .flat_map(|b| b.0.to_le_bytes())
-            .collect();
+        let blocks: Vec<u8> = kv.blocks.iter().flat_map(|b| b.to_le_bytes()).collect();
         s.table.write(0, &blocks)?;
         let (ids, tbl) = (&s.ids, &s.table);
         let s = &*s;
@@ -994,7 +1007,7 @@ impl GpuModel {
             i32_of(nh)?,
         );
         for (li, w) in self.layers.iter().enumerate() {
-            hook.before_layer(li, cache)?;
+            events.before_layer(li)?;
             self.rms_norm(&s.x, 0, t, &w.input_norm, &s.h)?;
             self.linear(&s.h, 0, &w.q, &s.q, t, nh * hd, h, false)?;
             self.linear(&s.h, 0, &w.k, &s.k, t, nkv * hd, h, false)?;
@@ -1002,7 +1015,7 @@ impl GpuModel {
             self.rope(&s.q, t, nh, start_pos)?;
             self.rope(&s.k, t, nkv, start_pos)?;
             let layer = i32_of(li)?;
-            let pool = cache.device_pool_mut()?.buf.arg();
+            let pool = kv.pool.buf.arg();
             let args = [
                 s.k.arg(),
                 s.v.arg(),
@@ -1023,11 +1036,11 @@ impl GpuModel {
                 &args,
             )?;
             // A hook that reads the layer's KV needs the write to have landed.
-            if hook.reads_kv() {
+            if events.reads_kv() {
                 g.synchronize()?;
             }
-            hook.after_kv_write(li, cache)?;
-            let pool = cache.device_pool_mut()?.buf.arg();
+            events.after_kv_write(li)?;
+            let pool = kv.pool.buf.arg();
             let args = [
                 s.q.arg(),
                 pool,
@@ -1073,13 +1086,6 @@ impl GpuModel {
     }
 }
 
-impl Model {
-    /// The GPU this model runs on, if it was moved to one ([`Model::to_device`],
-    /// [`Model::to_gpu`]).
-    pub fn gpu(&self) -> Option<&Arc<Gpu>> {
-        self.gpu_model().map(GpuModel::gpu)
-    }
-}
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -213,39 +213,11 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     (r.status, r.text())
 }
 
-/// Fails, saying why, unless `promtool check metrics` (Debian's `prometheus` package, which
-/// `.ci/install-deps` installs) accepts `text` without a complaint.
+/// Fails the test, saying why, unless `promtool check metrics` accepts `text`.
 pub fn promtool_check(text: &str) {
-    use std::io::Write;
-    let mut child = match Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-    {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!(
-            "promtool is not installed: install Debian's `prometheus` package (.ci/install-deps does)"
-        ),
-        r => r.unwrap(),
-    };
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success() && said.trim().is_empty(),
-        "promtool check metrics: {}: {said}\non:\n{text}",
-        out.status
-    );
+    if let Err(e) = kvtier_testkit::promtool::check_metrics(text) {
+        panic!("{e:#}");
+    }
 }
 
 /// Keys of a prompt of `blocks` blocks under a tenant's salt.

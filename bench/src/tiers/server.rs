@@ -38,17 +38,15 @@ use kvtier_core::{BlockKey, HashSecret, KvLayout, NamespaceBuilder, PrefixHasher
 use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use super::case::{
+    self, CONNECT_TIMEOUT, Comparison, OP_TIMEOUT, Op, Part, Row, ServerTier, Settings, Transport,
+    layout_for,
+};
+use super::redis::{REDIS_KEYS, Redis, Stream, resp};
 use crate::report::Table;
-use crate::tiers::{Comparison, Op, Part, Row, ServerTier, Settings, Transport, layout_for};
 use crate::util::{self, Budget, Bytes, Figure, Latency, fmt_f, sub_seed};
 
 const TOKEN: &str = "kvtier-bench-token";
-/// Longest any single request (kvtier, Redis, raw socket) may take before the run fails.
-const OP_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long connecting (or a server starting) may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Distinct Redis keys the GETs cycle through.
-const REDIS_KEYS: u64 = 16;
 
 #[derive(Debug, Serialize)]
 pub struct ServerInfo {
@@ -236,14 +234,7 @@ impl ServerChild {
     }
 
     fn peak_rss(&self) -> u64 {
-        std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find_map(|l| l.strip_prefix("VmHWM:"))
-                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            })
-            .map_or(0, |kb| kb * 1024)
+        util::peak_rss_bytes(&self.child.id().to_string()).unwrap_or(0)
     }
 
     async fn client(&self, transport: Transport) -> Result<Client> {
@@ -321,7 +312,7 @@ fn keys(n: usize, layout: &KvLayout, seed: u64) -> Result<Vec<BlockKey>> {
     let secret = HashSecret::development();
     let ns = NamespaceBuilder::new("bench", layout.fingerprint()).build(&secret)?;
     let mut h = PrefixHasher::new(secret, ns, layout.block_tokens())?;
-    let mut rng = util::SplitMix64::new(seed);
+    let mut rng = kvtier_core::SplitMix64::new(seed);
     let tokens: Vec<u32> = (0..n * layout.block_tokens() as usize)
         .map(|_| (rng.next_u64() % 131_072) as u32)
         .collect();
@@ -569,256 +560,6 @@ async fn raw_quinn(clients: usize, ws: Arc<WorkingSet>, op: Op, dur: Duration) -
     srv.abort();
     ep.close(0u32.into(), b"done");
     r
-}
-
-/// Where to reach a Redis given with `--redis`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RedisUrl {
-    Tcp(String),
-    Unix(PathBuf),
-}
-
-/// Parses `redis://HOST:PORT`, `tcp://HOST:PORT` or `unix:///PATH`.
-pub fn parse_redis_url(s: &str) -> Result<RedisUrl, String> {
-    let bad = || {
-        format!("{s:?} is not a Redis address (redis://HOST:PORT, tcp://HOST:PORT or unix:///PATH)")
-    };
-    if let Some(p) = s.strip_prefix("unix://") {
-        if !p.starts_with('/') {
-            return Err(bad());
-        }
-        return Ok(RedisUrl::Unix(PathBuf::from(p)));
-    }
-    let hp = s
-        .strip_prefix("redis://")
-        .or_else(|| s.strip_prefix("tcp://"))
-        .ok_or_else(bad)?
-        .trim_end_matches('/');
-    match hp.rsplit_once(':') {
-        Some((h, p))
-            if !h.is_empty() && !h.contains('@') && p.parse::<u16>().is_ok_and(|p| p > 0) =>
-        {
-            Ok(RedisUrl::Tcp(hp.to_string()))
-        }
-        _ => Err(bad()),
-    }
-}
-
-/// A Redis reached over TCP, its Unix socket, or both: one started for the run (stopped by
-/// [`Redis::stop`] or on drop), or an external one (its keys deleted by `stop`).
-pub struct Redis {
-    child: Option<Child>,
-    tcp: Option<String>,
-    unix: Option<PathBuf>,
-    /// Prefix of every key the bench writes.
-    prefix: String,
-    /// What this Redis is, for the report.
-    pub label: String,
-    _dir: Option<tempfile::TempDir>,
-}
-
-impl Redis {
-    /// Starts `redis-server` on a private port and socket; None when it is not installed.
-    pub fn start(seed: u64) -> Result<Option<Redis>> {
-        let Some(bin) = which("redis-server") else {
-            return Ok(None);
-        };
-        let version = Command::new(&bin)
-            .arg("--version")
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-            .unwrap_or_default();
-        let dir = tempfile::tempdir()?;
-        let port = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-            l.local_addr()?.port()
-        };
-        let unix = dir.path().join("redis.sock");
-        let child = Command::new(&bin)
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--unixsocket",
-                &unix.display().to_string(),
-                "--unixsocketperm",
-                "700",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--proto-max-bulk-len",
-                "1gb",
-            ])
-            .current_dir(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
-        let r = Redis {
-            child: Some(child),
-            tcp: Some(format!("127.0.0.1:{port}")),
-            unix: Some(unix),
-            prefix: format!("kvtier-bench:{seed}:"),
-            label: format!("started for this run ({version})"),
-            _dir: Some(dir),
-        };
-        let until = Instant::now() + CONNECT_TIMEOUT;
-        while !r.unix.as_ref().is_some_and(|u| u.exists()) {
-            if Instant::now() > until {
-                bail!("redis-server did not open its socket within {CONNECT_TIMEOUT:?}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Ok(Some(r))
-    }
-
-    /// An external Redis; fails unless it answers PING.
-    pub fn external(url: &RedisUrl, seed: u64) -> Result<Redis> {
-        let (tcp, unix, label) = match url {
-            RedisUrl::Tcp(a) => (Some(a.clone()), None, format!("external, tcp {a}")),
-            RedisUrl::Unix(p) => (
-                None,
-                Some(p.clone()),
-                format!("external, unix {}", p.display()),
-            ),
-        };
-        let r = Redis {
-            child: None,
-            tcp,
-            unix,
-            prefix: format!("kvtier-bench:{seed}:"),
-            label,
-            _dir: None,
-        };
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        rt.block_on(async {
-            let mut s = r.connect(r.unix.is_some()).await?;
-            resp(s.as_mut(), &[b"PING"], &mut []).await
-        })
-        .with_context(|| format!("--redis: {} does not answer PING", r.label))?;
-        Ok(r)
-    }
-
-    async fn connect(&self, unix: bool) -> Result<Box<dyn Stream>> {
-        let s: Box<dyn Stream> = match (unix, &self.unix, &self.tcp) {
-            (true, Some(p), _) => Box::new(
-                tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::UnixStream::connect(p))
-                    .await
-                    .map_err(|_| anyhow!("connecting to redis at {} timed out", p.display()))?
-                    .with_context(|| format!("connecting to redis at {}", p.display()))?,
-            ),
-            (false, _, Some(a)) => {
-                let s = tokio::time::timeout(
-                    CONNECT_TIMEOUT,
-                    tokio::net::TcpStream::connect(a.as_str()),
-                )
-                .await
-                .map_err(|_| anyhow!("connecting to redis at {a} timed out"))?
-                .with_context(|| format!("connecting to redis at {a}"))?;
-                s.set_nodelay(true)?;
-                Box::new(s)
-            }
-            _ => bail!(
-                "this redis has no {} endpoint",
-                if unix { "unix" } else { "tcp" }
-            ),
-        };
-        Ok(s)
-    }
-
-    /// Stops a started Redis, or deletes the bench's keys from an external one.
-    pub fn stop(mut self) -> Result<()> {
-        if self.child.is_none() {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            rt.block_on(async {
-                let mut s = self.connect(self.unix.is_some()).await?;
-                for i in 0..REDIS_KEYS {
-                    let k = format!("{}{i}", self.prefix);
-                    tokio::time::timeout(
-                        OP_TIMEOUT,
-                        resp(s.as_mut(), &[b"DEL", k.as_bytes()], &mut []),
-                    )
-                    .await
-                    .map_err(|_| anyhow!("redis DEL timed out"))??;
-                }
-                Ok::<_, anyhow::Error>(())
-            })
-            .context("deleting the bench's keys from --redis")?;
-        }
-        self.kill();
-        Ok(())
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?
-        .to_str()?
-        .split(':')
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.is_file())
-}
-
-trait Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
-impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Stream for T {}
-
-/// Longest RESP reply header we accept (`$<len>\r\n`, `+OK\r\n`, `:1\r\n`, an error).
-const RESP_HEAD_MAX: usize = 512;
-
-/// One RESP command; a bulk-string reply lands in `buf` (which must be its exact size);
-/// simple-string and integer replies are accepted; an error reply is an error.
-async fn resp(s: &mut dyn Stream, args: &[&[u8]], buf: &mut [u8]) -> Result<()> {
-    let mut cmd = format!("*{}\r\n", args.len()).into_bytes();
-    for a in args {
-        cmd.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
-        cmd.extend_from_slice(a);
-        cmd.extend_from_slice(b"\r\n");
-    }
-    s.write_all(&cmd).await?;
-    let mut head = Vec::with_capacity(32);
-    loop {
-        let b = s.read_u8().await?;
-        head.push(b);
-        if head.ends_with(b"\r\n") {
-            break;
-        }
-        if head.len() > RESP_HEAD_MAX {
-            bail!("redis reply header longer than {RESP_HEAD_MAX} bytes");
-        }
-    }
-    match head[0] {
-        b'+' | b':' => Ok(()),
-        b'$' => {
-            let n: i64 = std::str::from_utf8(&head[1..head.len() - 2])?.parse()?;
-            if n != buf.len() as i64 {
-                bail!("redis returned {n} bytes, expected {}", buf.len());
-            }
-            s.read_exact(buf).await?;
-            let mut crlf = [0u8; 2];
-            s.read_exact(&mut crlf).await?;
-            Ok(())
-        }
-        _ => bail!("redis said {:?}", String::from_utf8_lossy(&head).trim_end()),
-    }
 }
 
 /// Redis GET (or SET) of `block`-byte values, `clients` connections, over its Unix socket or
@@ -1210,7 +951,7 @@ fn measure_nvme(
     let blocks = s.blocks_for(block_bytes).max(4 * dram_slots);
     // NVMe: the working set, the puts of a run, slack; each slot has a 4 KiB header.
     let nvme = (2 * blocks + 64) as u64 * (block_bytes + 4096);
-    let base = crate::tiers::base_dir(s.dir.as_deref())?;
+    let base = case::base_dir(s.dir.as_deref())?;
     let work = tempfile::Builder::new()
         .prefix("kvtier-bench-server-")
         .tempdir_in(&base)
@@ -1238,7 +979,7 @@ fn measure_nvme(
     let mut references: Vec<(usize, Row, Row)> = Vec::new();
     for &clients in &s.clients {
         let per = (blocks as u64 / clients as u64).max(1);
-        let (w, r, direct) = crate::tiers::direct_io_reference(
+        let (w, r, direct) = case::direct_io_reference(
             work.path(),
             block_bytes,
             clients,
@@ -1437,36 +1178,6 @@ fn lookup_latency(s: &Settings, rt: &tokio::runtime::Runtime) -> Result<LookupLa
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn redis_urls() {
-        assert_eq!(
-            parse_redis_url("redis://127.0.0.1:6379"),
-            Ok(RedisUrl::Tcp("127.0.0.1:6379".into()))
-        );
-        assert_eq!(
-            parse_redis_url("tcp://localhost:7000/"),
-            Ok(RedisUrl::Tcp("localhost:7000".into()))
-        );
-        assert_eq!(
-            parse_redis_url("unix:///run/redis.sock"),
-            Ok(RedisUrl::Unix("/run/redis.sock".into()))
-        );
-        for bad in [
-            "",
-            "127.0.0.1:6379",
-            "redis://",
-            "redis://host",
-            "redis://host:0",
-            "redis://host:99999",
-            "redis://user@host:6379",
-            "unix://relative.sock",
-            "http://host:80",
-        ] {
-            let e = parse_redis_url(bad).unwrap_err();
-            assert!(e.contains("not a Redis address"), "{bad:?}: {e}");
-        }
-    }
 
     #[test]
     fn working_set_cycles_through_distinct_blocks() {

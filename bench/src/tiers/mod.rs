@@ -27,26 +27,33 @@
 //! reached with `--redis URL`, or skipped with `--no-redis`; a skipped Redis is said so in
 //! the output. Payloads and keys come from `--seed`.
 
-use std::fs::{File, OpenOptions};
 use std::hint::black_box;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use clap::Args;
+use clap::builder::RangedU64ValueParser;
 use indicatif::ProgressBar;
-use kvtier_core::{BlockKey, Dtype, KvLayout};
+use kvtier_core::{BlockKey, KvLayout};
 use kvtier_server::tier::{NvmeTierConfig, SlotId, Tier, TierKind};
 use kvtier_server::{GetOutcome, PutOutcome, StoreConfig, TieredStore};
 use serde::Serialize;
 
+mod case;
+mod redis;
+pub mod server;
+
+pub use case::Part;
+use case::{
+    Comparison, Op, RedisChoice, RedisUrl, Row, ServerTier, Settings, Transport, base_dir,
+    direct_io_reference, layout_for, parse_redis_url, step,
+};
+use redis::Redis;
+
 use crate::report::{Plot, PlotKind, Report, Series, Table};
-use crate::server::{self, Redis, RedisUrl};
 use crate::util::{
-    self, ALIGN, AlignedBuf, Budget, Bytes, Figure, Phase, fmt_f, fmt_ratio, parse_size,
-    parse_size_list, phase, ratio, sub_seed,
+    self, ALIGN, AlignedBuf, Budget, Bytes, fmt_f, fmt_ratio, parse_size, phase, sub_seed,
 };
 
 /// NVMe slot header bytes (the tier's on-disk format puts one before every payload).
@@ -54,6 +61,17 @@ const HEADER_BYTES: u64 = 4096;
 const DEFAULT_NVME_MAX: u64 = 512 << 20;
 const DEFAULT_DRAM_MAX: u64 = 512 << 20;
 const MAX_WARMUP: Duration = Duration::from_millis(500);
+
+/// A block size: a size (`64k`, `2m`) that is a non-zero multiple of 4 KiB.
+fn parse_block_size(s: &str) -> Result<u64, String> {
+    let b = parse_size(s)?;
+    if b == 0 || !b.is_multiple_of(ALIGN as u64) {
+        return Err(format!(
+            "{b} is not a non-zero multiple of 4096 (the NVMe tier's slot unit)"
+        ));
+    }
+    Ok(b)
+}
 
 /// Defaults (finish in about a minute on a 2-core machine) and `--quick` (a smoke test).
 struct Defaults {
@@ -89,160 +107,33 @@ const QUICK: Defaults = Defaults {
     lookup_blocks: 256,
 };
 
-/// A comma-separated list of block sizes.
-#[derive(Clone, Debug)]
-pub struct SizeList(pub Vec<u64>);
-
-fn parse_sizes(s: &str) -> Result<SizeList, String> {
-    let v = parse_size_list(s)?;
-    if let Some(bad) = v
-        .iter()
-        .find(|&&b| b == 0 || !b.is_multiple_of(ALIGN as u64))
-    {
-        return Err(format!(
-            "{bad} is not a non-zero multiple of 4096 (the NVMe tier's slot unit)"
-        ));
-    }
-    Ok(SizeList(v))
-}
-
-/// What to measure.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Part {
-    /// The store in-process (DRAM and NVMe tiers) against memcpy and O_DIRECT I/O.
-    Store,
-    /// The sidecar over its transports against memcpy, raw sockets, raw quinn and Redis.
-    Server,
-}
-
-#[derive(Clone, Debug)]
-pub struct PartList(pub Vec<Part>);
-
-fn parse_parts(s: &str) -> Result<PartList, String> {
-    let mut v = Vec::new();
-    for p in s.split(',') {
-        let part = match p.trim() {
-            "store" => Part::Store,
-            "server" => Part::Server,
-            other => return Err(format!("unknown part {other:?} (store, server)")),
-        };
-        if !v.contains(&part) {
-            v.push(part);
-        }
-    }
-    Ok(PartList(v))
-}
-
-/// How a client reaches the sidecar.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Transport {
-    /// The local Unix socket, blocks copied straight from the mapped arena (zero-copy).
-    Unix,
-    /// Remote: TCP with a token.
-    Tcp,
-    /// Remote: QUIC (TLS).
-    Quic,
-}
-
-impl Transport {
-    pub fn name(self) -> &'static str {
-        match self {
-            Transport::Unix => "unix",
-            Transport::Tcp => "tcp",
-            Transport::Quic => "quic",
-        }
-    }
-}
-
-#[derive(Clone, Debug)]
-pub struct TransportList(pub Vec<Transport>);
-
-fn parse_transports(s: &str) -> Result<TransportList, String> {
-    let mut v = Vec::new();
-    for p in s.split(',') {
-        let t = match p.trim() {
-            "unix" => Transport::Unix,
-            "tcp" => Transport::Tcp,
-            "quic" => Transport::Quic,
-            other => return Err(format!("unknown transport {other:?} (unix, tcp, quic)")),
-        };
-        if !v.contains(&t) {
-            v.push(t);
-        }
-    }
-    Ok(TransportList(v))
-}
-
-/// The tier the server part's blocks live in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ServerTier {
-    /// DRAM only (NVMe off): gets hit DRAM.
-    Dram,
-    /// A DRAM tier of a few blocks over an NVMe tier (write-through) holding the working
-    /// set: gets come from NVMe (and are promoted), puts are written through to NVMe.
-    Nvme,
-}
-
-impl ServerTier {
-    pub fn name(self) -> &'static str {
-        match self {
-            ServerTier::Dram => "dram",
-            ServerTier::Nvme => "nvme",
-        }
-    }
-}
-
-#[derive(Clone, Debug)]
-pub struct ServerTierList(pub Vec<ServerTier>);
-
-fn parse_server_tiers(s: &str) -> Result<ServerTierList, String> {
-    let mut v = Vec::new();
-    for p in s.split(',') {
-        let t = match p.trim() {
-            "dram" => ServerTier::Dram,
-            "nvme" => ServerTier::Nvme,
-            other => return Err(format!("unknown tier {other:?} (dram, nvme)")),
-        };
-        if !v.contains(&t) {
-            v.push(t);
-        }
-    }
-    Ok(ServerTierList(v))
-}
-
-#[derive(Clone, Debug)]
-pub struct CountList(pub Vec<usize>);
-
-fn parse_counts(s: &str) -> Result<CountList, String> {
-    s.split(',')
-        .map(|c| match c.trim().parse::<usize>() {
-            Ok(0) => Err("0 clients: every count must be at least 1".to_string()),
-            Ok(n) => Ok(n),
-            Err(e) => Err(format!("{c:?} is not a client count: {e}")),
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map(CountList)
-}
-
 #[derive(Args, Debug, Clone)]
 pub struct TiersArgs {
     /// Parts to run: store (in-process tiers), server (the sidecar over its transports).
     /// [default: store,server; `server` subcommand: server]
-    #[arg(long, value_parser = parse_parts, value_name = "LIST")]
-    pub parts: Option<PartList>,
+    #[arg(long, value_enum, value_delimiter = ',', value_name = "LIST")]
+    pub parts: Option<Vec<Part>>,
     /// Transports of the server part (unix = local zero-copy, tcp, quic).
-    #[arg(long, default_value = "unix,tcp,quic", value_parser = parse_transports)]
-    pub transports: TransportList,
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "unix,tcp,quic"
+    )]
+    pub transports: Vec<Transport>,
     /// Tiers the server part serves from: dram (NVMe off), nvme (a few DRAM blocks over an
     /// NVMe tier holding the working set, under --dir).
-    #[arg(long, default_value = "dram,nvme", value_parser = parse_server_tiers)]
-    pub server_tiers: ServerTierList,
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "dram,nvme")]
+    pub server_tiers: Vec<ServerTier>,
     /// Block sizes (binary units, multiples of 4 KiB). [default: 64k,2m; --quick: 64k]
-    #[arg(long, alias = "block-size", value_parser = parse_sizes, value_name = "LIST")]
-    pub sizes: Option<SizeList>,
+    #[arg(
+        long,
+        alias = "block-size",
+        value_delimiter = ',',
+        value_parser = parse_block_size,
+        value_name = "LIST"
+    )]
+    pub sizes: Option<Vec<u64>>,
     /// Measured time of each case (warm-up comes on top). [default: 0.3; --quick: 0.05]
     #[arg(long, alias = "seconds", value_name = "SECONDS")]
     pub seconds_per_case: Option<f64>,
@@ -268,8 +159,13 @@ pub struct TiersArgs {
     pub dir: Option<PathBuf>,
     /// Client counts of the server part (each transport runs at each). [default: 1,4;
     /// --quick: 1]
-    #[arg(long, value_parser = parse_counts, value_name = "LIST")]
-    pub clients: Option<CountList>,
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..),
+        value_name = "LIST"
+    )]
+    pub clients: Option<Vec<usize>>,
     /// Distinct blocks the server part's clients cycle through (all in DRAM). [default:
     /// 256 MiB worth, 16 to 4096 blocks; --quick: 8]
     #[arg(long)]
@@ -286,7 +182,7 @@ pub struct TiersArgs {
     pub no_redis: bool,
     /// Use this Redis instead of starting one: redis://HOST:PORT, tcp://HOST:PORT or
     /// unix:///PATH. Its keys are prefixed `kvtier-bench:` and deleted afterwards.
-    #[arg(long, value_parser = server::parse_redis_url, value_name = "URL")]
+    #[arg(long, value_parser = parse_redis_url, value_name = "URL")]
     pub redis: Option<RedisUrl>,
     /// A smoke test: one small block size, short cases, small working sets (explicit options
     /// still win).
@@ -294,52 +190,15 @@ pub struct TiersArgs {
     pub quick: bool,
 }
 
-/// How Redis is reached, or why it is not.
-#[derive(Clone, Debug, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RedisChoice {
-    /// Start `redis-server` when installed.
-    Start,
-    /// Use this instance.
-    External(RedisUrl),
-    /// `--no-redis`.
-    Off,
-}
-
-/// Every setting of the run, defaults resolved.
-#[derive(Clone, Debug, Serialize)]
-pub struct Settings {
-    pub parts: Vec<Part>,
-    pub transports: Vec<Transport>,
-    pub server_tiers: Vec<ServerTier>,
-    pub sizes: Vec<u64>,
-    pub seconds_per_case: f64,
-    pub threads: usize,
-    pub dram_threads: usize,
-    pub dram_bytes: Option<u64>,
-    pub nvme_bytes: Option<u64>,
-    #[serde(skip)]
-    pub dir: Option<PathBuf>,
-    pub clients: Vec<usize>,
-    pub blocks: Option<usize>,
-    pub batch: usize,
-    pub lookup_blocks: usize,
-    pub redis: RedisChoice,
-    pub quick: bool,
-    pub seed: u64,
-}
-
-impl Settings {
-    /// The server part's working set at `block` bytes a block.
-    pub fn blocks_for(&self, block: u64) -> usize {
-        self.blocks
-            .unwrap_or_else(|| ((256u64 << 20) / block).clamp(16, 4096) as usize)
-            .max(self.batch)
+/// `v` without repeats, in first-seen order.
+fn dedup<T: PartialEq + Copy>(v: &[T]) -> Vec<T> {
+    let mut out = Vec::with_capacity(v.len());
+    for x in v {
+        if !out.contains(x) {
+            out.push(*x);
+        }
     }
-
-    pub fn case_time(&self) -> Duration {
-        Duration::from_secs_f64(self.seconds_per_case)
-    }
+    out
 }
 
 impl TiersArgs {
@@ -366,11 +225,11 @@ impl TiersArgs {
         let parts = self
             .parts
             .as_ref()
-            .map_or_else(|| default_parts.to_vec(), |p| p.0.clone());
+            .map_or_else(|| default_parts.to_vec(), |p| dedup(p));
         if parts.is_empty() {
             bail!("--parts: nothing to run");
         }
-        if parts.contains(&Part::Server) && self.server_tiers.0.is_empty() {
+        if parts.contains(&Part::Server) && self.server_tiers.is_empty() {
             bail!("--server-tiers: no tier given");
         }
         let redis = if self.no_redis {
@@ -382,12 +241,12 @@ impl TiersArgs {
         };
         Ok(Settings {
             parts,
-            transports: self.transports.0.clone(),
-            server_tiers: self.server_tiers.0.clone(),
+            transports: dedup(&self.transports),
+            server_tiers: dedup(&self.server_tiers),
             sizes: self
                 .sizes
                 .as_ref()
-                .map_or_else(|| d.sizes.to_vec(), |s| s.0.clone()),
+                .map_or_else(|| d.sizes.to_vec(), Clone::clone),
             seconds_per_case: seconds,
             threads,
             dram_threads: self.dram_threads,
@@ -397,7 +256,7 @@ impl TiersArgs {
             clients: self
                 .clients
                 .as_ref()
-                .map_or_else(|| d.clients.to_vec(), |c| c.0.clone()),
+                .map_or_else(|| d.clients.to_vec(), Clone::clone),
             blocks,
             batch: self.batch,
             lookup_blocks: self.lookup_blocks.unwrap_or(d.lookup_blocks),
@@ -410,105 +269,6 @@ impl TiersArgs {
 
 // ---------------------------------------------------------------------------------------
 // The report.
-
-/// get or put (the NVMe tier's read and write are its get and put).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Op {
-    Get,
-    Put,
-}
-
-impl Op {
-    pub fn name(self) -> &'static str {
-        match self {
-            Op::Get => "get",
-            Op::Put => "put",
-        }
-    }
-}
-
-/// One measured case: kvtier on some path, or a reference.
-#[derive(Clone, Debug, Serialize)]
-pub struct Row {
-    pub part: Part,
-    /// What was measured: `kvtier dram, tcp`, `raw loopback TCP`, `redis (unix socket)`...
-    pub path: String,
-    /// Whether this is kvtier (else a reference).
-    pub kvtier: bool,
-    pub op: Op,
-    pub block_bytes: u64,
-    /// Threads (in-process) or clients (server).
-    pub threads: usize,
-    #[serde(flatten)]
-    pub figure: Figure,
-    /// Operations that did not do their work (rejected puts, missed gets); not counted.
-    pub failed_ops: u64,
-}
-
-impl Row {
-    pub fn new(part: Part, path: &str, kvtier: bool, op: Op, block: u64, threads: usize) -> Self {
-        Self {
-            part,
-            path: path.to_owned(),
-            kvtier,
-            op,
-            block_bytes: block,
-            threads,
-            figure: Figure::new(0, 0, Duration::ZERO, &util::Latency::new()),
-            failed_ops: 0,
-        }
-    }
-
-    pub fn with(mut self, figure: Figure, failed_ops: u64) -> Self {
-        self.figure = figure;
-        self.failed_ops = failed_ops;
-        self
-    }
-
-    fn with_phase(self, p: &Phase) -> Self {
-        let block = self.block_bytes;
-        let bad = p.bad;
-        self.with(p.figure(block), bad)
-    }
-}
-
-/// kvtier on one path over a reference measured in the same run.
-#[derive(Clone, Debug, Serialize)]
-pub struct Comparison {
-    pub path: String,
-    pub op: Op,
-    pub block_bytes: u64,
-    pub threads: usize,
-    pub gb_per_s: f64,
-    pub reference: String,
-    pub reference_threads: usize,
-    pub reference_gb_per_s: f64,
-    /// kvtier GB/s over reference GB/s (absent when the reference measured nothing).
-    pub ratio: Option<f64>,
-    /// The ratio docs/../TARGETS.md asks for, where it names one.
-    pub target: Option<f64>,
-    pub meets_target: Option<bool>,
-}
-
-impl Comparison {
-    pub fn of(subject: &Row, reference: &Row, target: Option<f64>) -> Self {
-        let r = ratio(subject.figure.gb_per_s, reference.figure.gb_per_s);
-        Self {
-            path: subject.path.clone(),
-            op: subject.op,
-            block_bytes: subject.block_bytes,
-            threads: subject.threads,
-            gb_per_s: subject.figure.gb_per_s,
-            reference: reference.path.clone(),
-            reference_threads: reference.threads,
-            reference_gb_per_s: reference.figure.gb_per_s,
-            ratio: r,
-            target,
-            meets_target: target.and_then(|t| r.map(|r| r >= t)),
-        }
-    }
-}
 
 #[derive(Debug, Serialize)]
 pub struct StoreSize {
@@ -648,7 +408,7 @@ impl Report for TiersReport {
         out.push(t);
 
         let mut c = Table::new(
-            "ratios: kvtier GB/s over the reference's (target from TARGETS.md where it names one)",
+            "ratios: kvtier GB/s over the reference's (target from docs/benchmarks.md where it names one)",
             &[
                 "path",
                 "op",
@@ -902,39 +662,6 @@ pub fn run(args: &TiersArgs, default_parts: &[Part], seed: u64) -> Result<TiersR
 /// Timed or filling phases per block size in the store part (for the progress bar).
 const STORE_STEPS: u64 = 10;
 
-/// A layout whose blocks are exactly `bytes` long (bf16, K and V): 8 KV heads of 128 and 16
-/// tokens per block where the size allows, else other factors.
-pub fn layout_for(bytes: u64) -> Result<KvLayout> {
-    if bytes == 0 || !bytes.is_multiple_of(ALIGN as u64) {
-        bail!("block size {bytes} is not a non-zero multiple of 4096");
-    }
-    // Elements per (layer, K/V): bytes / (2 tensors * 2 bytes), then / 16 tokens.
-    let m = bytes / 4 / 16;
-    let head_dim: u64 = if m.is_multiple_of(128) { 128 } else { 64 };
-    let r = m / head_dim;
-    let heads = std::iter::once(8)
-        .chain(1..=1024)
-        .find(|&h| r.is_multiple_of(h) && r / h <= 1024)
-        .ok_or_else(|| anyhow!("no layout has {} blocks", Bytes(bytes)))?;
-    let layers = r / heads;
-    let layout = KvLayout::new(
-        u32::try_from(layers)?,
-        u32::try_from(heads)?,
-        head_dim as u32,
-        Dtype::Bf16,
-        16,
-    )
-    .with_context(|| format!("layout for {} blocks", Bytes(bytes)))?;
-    if layout.block_bytes() != bytes {
-        bail!(
-            "layout for {} blocks has {}-byte blocks",
-            Bytes(bytes),
-            layout.block_bytes()
-        );
-    }
-    Ok(layout)
-}
-
 fn describe(l: &KvLayout) -> String {
     format!(
         "{} layers x {} kv heads x {} dim x {} tokens, bf16",
@@ -943,24 +670,6 @@ fn describe(l: &KvLayout) -> String {
         l.head_dim(),
         l.block_tokens()
     )
-}
-
-/// The directory to run in: `--dir` (created if missing), else ./kvtier-data/bench, else
-/// $TMPDIR. Fails if it is not writable.
-pub(crate) fn base_dir(arg: Option<&Path>) -> Result<PathBuf> {
-    if let Some(d) = arg {
-        std::fs::create_dir_all(d)
-            .with_context(|| format!("--dir {} cannot be created", d.display()))?;
-        util::check_writable(d).context("--dir")?;
-        return Ok(d.to_owned());
-    }
-    let local = PathBuf::from("kvtier-data/bench");
-    if std::fs::create_dir_all(&local).is_ok() && util::check_writable(&local).is_ok() {
-        return Ok(local);
-    }
-    let tmp = std::env::temp_dir();
-    util::check_writable(&tmp).context("no --dir given and $TMPDIR")?;
-    Ok(tmp)
 }
 
 fn run_store(
@@ -1049,14 +758,6 @@ fn run_store(
 /// Keys of the store part: stream `tag` of the run's seed, numbered by `i`.
 fn store_key(seed: u64, tag: u64, i: u64) -> BlockKey {
     BlockKey::from_u128((u128::from(sub_seed(seed, tag)) << 64) | u128::from(i))
-}
-
-/// Runs one phase with the progress bar showing what it is.
-fn step<T>(bar: &ProgressBar, what: String, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    bar.set_message(what);
-    let r = f();
-    bar.inc(1);
-    r
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1285,100 +986,10 @@ fn store_size(
     })
 }
 
-/// The NVMe references: pwrite, then pread (O_DIRECT where the file system allows), on
-/// `threads` threads, each cycling over its own `per` blocks of a file in `dir`, which is
-/// filled first (untimed) and removed afterwards. Returns (write, read, whether O_DIRECT).
-pub(crate) fn direct_io_reference(
-    dir: &Path,
-    block: u64,
-    nt: usize,
-    per: u64,
-    budget: &Budget<'_>,
-    seed: u64,
-    bar: &ProgressBar,
-) -> Result<(Phase, Phase, bool)> {
-    let bs = usize::try_from(block)?;
-    let sz = Bytes(block);
-    let slot_of = |t: usize, i: u64| t as u64 * per + i % per;
-    let raw_path = dir.join(format!("raw-{block}-{nt}.dat"));
-    let raw_len = nt as u64 * per * block;
-    let (raw, raw_direct) = open_raw(&raw_path, raw_len)?;
-    let raw_write = |buf: &mut AlignedBuf, t: usize, i: u64| -> Result<bool> {
-        let off = slot_of(t, i) * block;
-        raw.write_all_at(buf, off)
-            .with_context(|| format!("pwrite at {off} in {}", raw_path.display()))?;
-        Ok(true)
-    };
-    let src = |t: usize| Ok(util::random_buf(bs, sub_seed(seed, 500 + t as u64)));
-    step(bar, format!("{sz}: filling the reference file"), || {
-        phase(nt, &Budget::Fixed(per), src, raw_write)
-    })?;
-    let raw_w = step(bar, format!("{sz}: O_DIRECT pwrite x{nt}"), || {
-        phase(nt, budget, src, raw_write)
-    })?;
-    let raw_r = step(bar, format!("{sz}: O_DIRECT pread x{nt}"), || {
-        phase(
-            nt,
-            budget,
-            |_| Ok(AlignedBuf::new(bs)),
-            |buf, t, i| {
-                let off = slot_of(t, i) * block;
-                raw.read_exact_at(buf, off)
-                    .with_context(|| format!("pread at {off} in {}", raw_path.display()))?;
-                Ok(true)
-            },
-        )
-    })?;
-    drop(raw);
-    std::fs::remove_file(&raw_path).with_context(|| format!("removing {}", raw_path.display()))?;
-    Ok((raw_w, raw_r, raw_direct))
-}
-
-/// Creates `path` with `len` bytes allocated, opened with O_DIRECT where the file system
-/// allows it (else buffered, and says so).
-fn open_raw(path: &Path, len: u64) -> Result<(File, bool)> {
-    let open = |flags: i32| {
-        OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .custom_flags(flags)
-            .open(path)
-    };
-    let (f, direct) = match open(libc::O_DIRECT) {
-        Ok(f) => (f, true),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-            eprintln!(
-                "warning: {} refuses O_DIRECT; the reference uses buffered I/O",
-                path.display()
-            );
-            (
-                open(0).with_context(|| format!("creating {}", path.display()))?,
-                false,
-            )
-        }
-        Err(e) => return Err(e).with_context(|| format!("creating {}", path.display())),
-    };
-    let l = libc::off_t::try_from(len).context("reference file too large")?;
-    // SAFETY: a plain syscall on a descriptor `f` owns and keeps open for the call.
-    let rc = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, l) };
-    match rc {
-        0 => {}
-        libc::EOPNOTSUPP | libc::EINVAL => f
-            .set_len(len)
-            .with_context(|| format!("sizing {}", path.display()))?,
-        e => {
-            return Err(std::io::Error::from_raw_os_error(e))
-                .with_context(|| format!("allocating {} bytes for {}", len, path.display()));
-        }
-    }
-    Ok((f, direct))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::util::Figure;
     use clap::Parser;
 
     #[derive(Parser, Debug)]
@@ -1477,16 +1088,19 @@ mod tests {
             };
             assert!(msg.contains(needle), "{args:?}: {msg:?} lacks {needle:?}");
         }
-        check(&["--parts", "store,disk"], "unknown part \"disk\"");
-        check(&["--transports", "unix,rdma"], "unknown transport \"rdma\"");
-        check(&["--server-tiers", "dram,hbm"], "unknown tier \"hbm\"");
+        check(
+            &["--parts", "store,disk"],
+            "invalid value 'disk' for '--parts",
+        );
+        check(&["--transports", "unix,rdma"], "invalid value 'rdma'");
+        check(&["--server-tiers", "dram,hbm"], "invalid value 'hbm'");
         check(
             &["--sizes", "64k,1000"],
             "1000 is not a non-zero multiple of 4096",
         );
         check(&["--sizes", "64k,,2m"], "--sizes");
-        check(&["--clients", "1,0"], "0 clients");
-        check(&["--clients", "x"], "\"x\" is not a client count");
+        check(&["--clients", "1,0"], "invalid value '0' for '--clients");
+        check(&["--clients", "x"], "invalid value 'x' for '--clients");
         check(&["--seconds-per-case", "0"], "--seconds-per-case");
         check(&["--seconds-per-case", "nan"], "--seconds-per-case");
         check(&["--threads", "0"], "--threads");

@@ -20,6 +20,33 @@ use std::sync::{Arc, RwLock, Weak};
 
 use crate::error::{Result, TransferError};
 
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+
+/// Checks `offset..offset+len` against a region of `region_len` bytes. `index` names the
+/// descriptor (in the caller's list) for the error.
+pub(crate) fn check_range(
+    index: usize,
+    side: &str,
+    offset: u64,
+    len: u64,
+    region_len: u64,
+) -> Result<()> {
+    if len == 0 {
+        return Err(TransferError::InvalidDescriptor {
+            index,
+            reason: "zero length".into(),
+        });
+    }
+    match offset.checked_add(len) {
+        Some(end) if end <= region_len => Ok(()),
+        _ => Err(TransferError::InvalidDescriptor {
+            index,
+            reason: format!("{side} range {offset}+{len} exceeds the region's {region_len} bytes"),
+        }),
+    }
+}
+
 /// A region's identifier, unique within its agent and never reused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RegionId(pub u64);
@@ -74,10 +101,29 @@ pub(crate) enum Backing {
     Foreign,
     /// Device memory owned by the CUDA backend (held only to be freed with the region).
     #[cfg(feature = "cuda")]
-    Gpu(#[allow(dead_code)] crate::backend::cuda::DeviceBuffer),
+    Gpu(#[allow(dead_code)] cuda::DeviceBuffer),
     /// Page-locked host memory from the CUDA driver (held only to be freed with the region).
     #[cfg(feature = "cuda")]
-    Pinned(#[allow(dead_code)] crate::backend::cuda::PinnedBuffer),
+    Pinned(#[allow(dead_code)] cuda::PinnedBuffer),
+}
+
+/// A backend's registration of a region's memory (UCX: its memory mapping): the packed remote
+/// key a peer needs to reach it, and the backend's handle, which undoes the registration when
+/// dropped. The region keeps it without knowing the backend.
+#[cfg(feature = "ucx")]
+pub(crate) struct Registration {
+    pub(crate) rkey: Vec<u8>,
+    _handle: Box<dyn Send + Sync>,
+}
+
+#[cfg(feature = "ucx")]
+impl Registration {
+    pub(crate) fn new(rkey: Vec<u8>, handle: Box<dyn Send + Sync>) -> Self {
+        Self {
+            rkey,
+            _handle: handle,
+        }
+    }
 }
 
 /// The memory of one region. Shared (`Arc`) by the registry, the handle and in-flight chunks.
@@ -89,7 +135,7 @@ pub(crate) struct RegionMem {
     /// Per-backend registration state (UCX memory handle). Declared before `backing` so it
     /// is released before the memory is unmapped (fields drop in order).
     #[cfg(feature = "ucx")]
-    pub(crate) ucx: std::sync::OnceLock<crate::backend::ucx::UcxRegion>,
+    pub(crate) ucx: std::sync::OnceLock<Registration>,
     pub(crate) backing: Backing,
     /// Slot in the agent's shared-memory region table, when a same-host peer can reach it.
     pub(crate) shm_slot: Option<u32>,
@@ -171,7 +217,7 @@ impl RegionMem {
                 reason: format!("region {} is GPU memory", self.id),
             });
         }
-        crate::descriptor::check_range(0, "region", offset, len as u64, self.len)
+        check_range(0, "region", offset, len as u64, self.len)
     }
 }
 
@@ -413,10 +459,7 @@ impl Registry {
     }
 
     #[cfg(feature = "cuda")]
-    pub(crate) fn register_gpu(
-        self: &Arc<Self>,
-        buf: crate::backend::cuda::DeviceBuffer,
-    ) -> Result<RegionHandle> {
+    pub(crate) fn register_gpu(self: &Arc<Self>, buf: cuda::DeviceBuffer) -> Result<RegionHandle> {
         let ptr = buf.device_ptr() as *mut u8;
         let len = buf.len();
         self.insert(MemKind::Gpu, ptr, len, Backing::Gpu(buf))
@@ -425,7 +468,7 @@ impl Registry {
     #[cfg(feature = "cuda")]
     pub(crate) fn register_pinned(
         self: &Arc<Self>,
-        buf: crate::backend::cuda::PinnedBuffer,
+        buf: cuda::PinnedBuffer,
         len: u64,
     ) -> Result<RegionHandle> {
         let ptr = buf.ptr();

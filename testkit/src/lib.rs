@@ -1,0 +1,11 @@
+//! kvtier-testkit: what the workspace's tests share, kept out of the libraries. Every crate
+//! takes it as a dev-dependency only; it is never published.
+//!
+//! * [`process`]: a binary run as a child process with a time bound, killed if it overruns or
+//!   if the test panics while it runs.
+//! * [`prompt`]: seeded prompts and a comparison of logits for the worker's model tests.
+//! * [`promtool`]: `promtool check metrics` over a `/metrics` text (a missing promtool fails).
+
+pub mod process;
+pub mod prompt;
+pub mod promtool;
