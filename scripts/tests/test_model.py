@@ -131,6 +131,16 @@ def test_tokenizer_json_encodes_as_the_gguf_vocabulary_does(hf_tokenizer, gguf_p
     assert hf_tokenizer.encode(text).ids == GgufBpe(gguf_path).encode(text)
 
 
+def test_tokenizer_json_encodes_a_source_file_as_the_gguf_vocabulary_does(hf_tokenizer, gguf_path):
+    """A longer, varied text: the standard library's textwrap.py (code, prose, digits, spaces)."""
+    import textwrap
+
+    text = Path(textwrap.__file__).read_text()[:20000]
+    ids = hf_tokenizer.encode(text).ids
+    assert ids == GgufBpe(gguf_path).encode(text)
+    assert len(ids) > 4000
+
+
 def test_france_prompt_is_five_tokens_without_bos(hf_tokenizer, model_dir, gguf_path):
     ids = hf_tokenizer.encode(FRANCE).ids
     assert ids == GgufBpe(gguf_path).encode(FRANCE)
