@@ -1,0 +1,27 @@
+//! The `kvtier._kvtier` extension module: Python bindings of kvtier-client (the SDK) and of
+//! kvtier-core's block hasher and KV layout. The `kvtier` package re-exports it
+//! (`python/kvtier/__init__.py`); `docs/python.md` is the user's guide.
+
+mod buffer;
+mod client;
+mod hashing;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<hashing::HashSecret>()?;
+    m.add_class::<hashing::KvLayout>()?;
+    m.add_class::<hashing::NamespaceBuilder>()?;
+    m.add_class::<hashing::PrefixHasher>()?;
+    m.add_class::<client::Client>()?;
+    m.add_class::<client::Lookup>()?;
+    m.add_class::<client::Fetch>()?;
+    m.add_class::<client::Stored>()?;
+    m.add_class::<client::BlockEvent>()?;
+    m.add_class::<client::EventGap>()?;
+    m.add_class::<client::EventStream>()?;
+    m.add("HASH_SCHEME_VERSION", kvtier_core::key::HASH_SCHEME_VERSION)?;
+    m.add("KEY_BYTES", kvtier_core::BlockKey::BYTES)?;
+    Ok(())
+}
