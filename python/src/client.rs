@@ -18,6 +18,7 @@ use pyo3::types::{PyBytes, PyList};
 
 use crate::buffer::{Access, HeldBuffer, check_disjoint};
 use crate::hashing::{key_from_py, keys_from_py};
+use crate::pages::{KvPages, gather, scatter};
 
 /// Worker threads of each client's runtime: they read responses and events; the calls
 /// themselves run on the calling Python thread.
@@ -336,12 +337,30 @@ pub struct Client {
     client: kvtier_client::Client,
     #[pyo3(get)]
     url: String,
+    lease: Duration,
 }
 
 impl Client {
     /// Runs `f` on this client's runtime with the GIL released.
     fn run<T: Send, F: Future<Output = T> + Send>(&self, py: Python<'_>, f: F) -> T {
         py.detach(|| self.rt.block_on(f))
+    }
+
+    fn check_pages(&self, keys: usize, page_ids: &[usize], pages: &KvPages) -> PyResult<()> {
+        if keys != page_ids.len() {
+            return Err(PyValueError::new_err(format!(
+                "{keys} keys but {} page ids",
+                page_ids.len()
+            )));
+        }
+        if pages.block_bytes != self.client.block_bytes() {
+            return Err(PyValueError::new_err(format!(
+                "the pages' regions add up to {} bytes; blocks on this server are {} bytes",
+                pages.block_bytes,
+                self.client.block_bytes()
+            )));
+        }
+        Ok(())
     }
 
     fn check_count(&self, keys: usize, bufs: usize) -> PyResult<()> {
@@ -439,7 +458,8 @@ impl Client {
         })?;
         cfg.block_bytes = block_bytes;
         cfg.zero_copy = zero_copy;
-        cfg.lease = secs("lease", lease)?;
+        let cfg_lease = secs("lease", lease)?;
+        cfg.lease = cfg_lease;
         cfg.name = name.to_string();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(RUNTIME_THREADS)
@@ -455,6 +475,7 @@ impl Client {
             rt: std::sync::Arc::new(rt),
             client,
             url: url.to_string(),
+            lease: cfg_lease,
         })
     }
 
@@ -560,6 +581,93 @@ impl Client {
         let held = self.hold(bufs, keys.len(), Access::Read)?;
         let src = split_blocks(&held, self.client.block_bytes());
         let s = self.run(py, self.client.put(&entries, &src));
+        Ok(s.into())
+    }
+
+    /// Copies the longest cached prefix of `keys` into the engine's pages: block `i` goes to
+    /// page `page_ids[i]` of `pages`, region by region. On a local (zero-copy) connection the
+    /// bytes are copied once, from the server's mapped arena straight into the pages; remote
+    /// connections receive into a scratch buffer first. Returns a `Fetch`; a failure is a miss.
+    fn get_pages(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        page_ids: Vec<usize>,
+        pages: &KvPages,
+    ) -> PyResult<Fetch> {
+        let keys = keys_from_py(keys)?;
+        self.check_pages(keys.len(), &page_ids, pages)?;
+        let ranges = pages.ranges(&page_ids)?;
+        KvPages::check_disjoint(&ranges)?;
+        let per = pages.region_count();
+        let block = self.client.block_bytes();
+        let f = py.detach(|| {
+            let _held = pages.lock();
+            if self.client.is_local() {
+                self.rt.block_on(async {
+                    let pinned = match self.client.get_pinned(&keys, self.lease).await {
+                        Ok(p) => p,
+                        Err(e) => {
+                            return SdkFetch {
+                                blocks: 0,
+                                tiers: vec![],
+                                miss: Some(Miss::from_error(&e)),
+                            };
+                        }
+                    };
+                    for i in 0..pinned.len() {
+                        // SAFETY: the ranges lie in buffers `_held` keeps held and writable,
+                        // are pairwise disjoint (checked above) and cannot overlap the
+                        // server's arena, which Python code never sees.
+                        unsafe { scatter(pinned.block(i), &ranges[i * per..(i + 1) * per]) };
+                    }
+                    // Dropped inside the runtime: the release goes out at once.
+                    SdkFetch {
+                        blocks: pinned.len(),
+                        tiers: pinned.tiers().to_vec(),
+                        miss: pinned.miss().cloned(),
+                    }
+                })
+            } else {
+                let mut scratch = vec![0u8; keys.len() * block];
+                let mut dst: Vec<&mut [u8]> = scratch.chunks_mut(block.max(1)).collect();
+                let f = self.rt.block_on(self.client.get_into(&keys, &mut dst));
+                let n = f.blocks.min(keys.len());
+                // SAFETY: as above; `scratch` is our own allocation.
+                unsafe { scatter(&scratch[..n * block], &ranges[..n * per]) };
+                f
+            }
+        });
+        Ok(f.into())
+    }
+
+    /// Stores the blocks in pages `page_ids` of `pages` under `keys`, as a chain from
+    /// `parent` (see `put_chain`). The blocks are gathered into one scratch buffer, then put.
+    #[pyo3(signature = (keys, page_ids, pages, parent = None))]
+    fn put_pages(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        page_ids: Vec<usize>,
+        pages: &KvPages,
+        parent: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Stored> {
+        let keys = keys_from_py(keys)?;
+        let parent = parent.map(|p| key_from_py(p, "parent")).transpose()?;
+        self.check_pages(keys.len(), &page_ids, pages)?;
+        let ranges = pages.ranges(&page_ids)?;
+        let block = self.client.block_bytes();
+        let s = py.detach(|| {
+            let mut scratch = vec![0u8; keys.len() * block];
+            {
+                let _held = pages.lock();
+                // SAFETY: the ranges lie in buffers `_held` keeps held; `scratch` is ours.
+                unsafe { gather(&ranges, &mut scratch) };
+            }
+            let bufs: Vec<&[u8]> = scratch.chunks(block.max(1)).collect();
+            self.rt
+                .block_on(self.client.put_chain(&keys, parent, &bufs))
+        });
         Ok(s.into())
     }
 

@@ -5,6 +5,7 @@
 mod buffer;
 mod client;
 mod hashing;
+mod pages;
 
 use pyo3::prelude::*;
 
@@ -14,6 +15,7 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hashing::KvLayout>()?;
     m.add_class::<hashing::NamespaceBuilder>()?;
     m.add_class::<hashing::PrefixHasher>()?;
+    m.add_class::<pages::KvPages>()?;
     m.add_class::<client::Client>()?;
     m.add_class::<client::Lookup>()?;
     m.add_class::<client::Fetch>()?;
