@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Python package's checks: ruff (format and lint), the wheel built by maturin and installed
-# into a cached venv, and pytest against the real kvtier-server binary.
+# into a cached venv, its type stubs checked against it (mypy's stubtest), and pytest against
+# the real kvtier-server binary.
 #
 #   python/run-tests.sh [pytest args...]
 #
@@ -47,6 +48,10 @@ trap 'rm -rf "$wheels"' EXIT
 "$venv/bin/maturin" build --quiet --profile "${KVTIER_PY_PROFILE:-dev}" \
   --manifest-path "$here/Cargo.toml" --interpreter "$py" --out "$wheels"
 "$py" -m pip install --quiet --force-reinstall --no-deps "$wheels"/kvtier-*.whl
+
+echo "== stubs"
+# The type stubs against the installed module (from outside the source tree).
+(cd "$wheels" && "$py" -m mypy.stubtest kvtier._kvtier)
 
 echo "== pytest"
 cd "$here"
