@@ -56,4 +56,4 @@ echo "== stubs"
 echo "== pytest"
 cd "$here"
 # pytest (not `python -m pytest`): the source tree must not shadow the installed wheel.
-exec "$venv/bin/pytest" -p no:cacheprovider --timeout=60 -q tests "$@"
+exec "$venv/bin/pytest" -p no:cacheprovider --timeout=60 -q -rs tests "$@"

@@ -2,15 +2,15 @@
 
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, final
 
 from typing_extensions import Buffer, Self, TypeAlias
 
 # A caller buffer: anything with the buffer protocol (bytes, bytearray, memoryview, numpy
 # arrays), or a CPU torch tensor (viewed as bytes, no copy).
-BufferLike: TypeAlias = Buffer | Any
-Key: TypeAlias = bytes | bytearray | memoryview
-MissKind: TypeAlias = Literal[
+_BufferLike: TypeAlias = Buffer | Any
+_Key: TypeAlias = bytes | bytearray | memoryview
+_MissKind: TypeAlias = Literal[
     "not_cached",
     "corrupt",
     "io_error",
@@ -20,8 +20,8 @@ MissKind: TypeAlias = Literal[
     "unavailable",
     "refused",
 ]
-TierName: TypeAlias = Literal["hbm", "dram", "nvme"]
-PutStatusName: TypeAlias = Literal[
+_TierName: TypeAlias = Literal["hbm", "dram", "nvme"]
+_PutStatusName: TypeAlias = Literal[
     "stored",
     "already_present",
     "rejected_backlog",
@@ -30,26 +30,45 @@ PutStatusName: TypeAlias = Literal[
     "failed",
 ]
 
+__all__ = [
+    "BlockEvent",
+    "Client",
+    "EventGap",
+    "EventStream",
+    "Fetch",
+    "HASH_SCHEME_VERSION",
+    "HashSecret",
+    "KEY_BYTES",
+    "KvLayout",
+    "KvPages",
+    "Lookup",
+    "NamespaceBuilder",
+    "PrefixHasher",
+    "Stored",
+]
+
 HASH_SCHEME_VERSION: int
 KEY_BYTES: int
 
+@final
 class HashSecret:
-    def __init__(self, secret: bytes, scheme: Literal["xxh3", "blake3"] = "xxh3") -> None: ...
+    def __new__(cls, secret: bytes, scheme: Literal["xxh3", "blake3"] = "xxh3") -> Self: ...
     @staticmethod
     def development() -> HashSecret: ...
     @property
     def scheme(self) -> str: ...
 
+@final
 class KvLayout:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         num_layers: int,
         num_kv_heads: int,
         head_dim: int,
         dtype: Literal["f32", "f16", "bf16", "fp8e4m3", "fp8e5m2"],
         block_tokens: int,
         mla: bool = False,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def num_layers(self) -> int: ...
     @property
@@ -83,9 +102,10 @@ class KvLayout:
     def __eq__(self, other: object) -> bool: ...
     def __hash__(self) -> int: ...
 
+@final
 class NamespaceBuilder:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         model_id: str,
         layout: KvLayout | int,
         *,
@@ -93,23 +113,25 @@ class NamespaceBuilder:
         tp_size: int = 1,
         adapter_id: str | None = None,
         cache_salt: str | bytes | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     def encode(self, scheme: Literal["xxh3", "blake3"] = "xxh3") -> bytes: ...
     def build(self, secret: HashSecret) -> bytes: ...
 
+@final
 class PrefixHasher:
-    def __init__(
-        self, secret: HashSecret, namespace: NamespaceBuilder, block_tokens: int
-    ) -> None: ...
+    def __new__(
+        cls, secret: HashSecret, namespace: NamespaceBuilder, block_tokens: int
+    ) -> Self: ...
     @property
     def block_tokens(self) -> int: ...
     @property
     def namespace(self) -> bytes: ...
     def prompt_keys(self, tokens: Iterable[int]) -> list[bytes]: ...
-    def block_key(self, parent: Key | None, tokens: Iterable[int]) -> bytes: ...
+    def block_key(self, parent: _Key | None, tokens: Iterable[int]) -> bytes: ...
 
+@final
 class KvPages:
-    def __init__(self, regions: Iterable[tuple[BufferLike, int, int, int]]) -> None: ...
+    def __new__(cls, regions: Iterable[tuple[_BufferLike, int, int, int]]) -> Self: ...
     @property
     def block_bytes(self) -> int: ...
     @property
@@ -117,52 +139,58 @@ class KvPages:
     @property
     def num_regions(self) -> int: ...
 
+@final
 class Lookup:
     @property
     def blocks(self) -> int: ...
     @property
-    def tiers(self) -> list[TierName]: ...
+    def tiers(self) -> list[_TierName]: ...
     @property
-    def miss(self) -> MissKind | None: ...
+    def miss(self) -> _MissKind | None: ...
     @property
     def miss_detail(self) -> str | None: ...
 
+@final
 class Fetch:
     @property
     def blocks(self) -> int: ...
     @property
-    def tiers(self) -> list[TierName]: ...
+    def tiers(self) -> list[_TierName]: ...
     @property
-    def miss(self) -> MissKind | None: ...
+    def miss(self) -> _MissKind | None: ...
     @property
     def miss_detail(self) -> str | None: ...
 
+@final
 class Stored:
     @property
-    def statuses(self) -> list[PutStatusName]: ...
+    def statuses(self) -> list[_PutStatusName]: ...
     @property
-    def failure(self) -> MissKind | None: ...
+    def failure(self) -> _MissKind | None: ...
     @property
     def failure_detail(self) -> str | None: ...
     @property
     def cached(self) -> int: ...
 
+@final
 class BlockEvent:
     @property
     def seq(self) -> int: ...
     @property
     def kind(self) -> Literal["stored", "removed", "cleared", "unknown"]: ...
     @property
-    def tier(self) -> TierName | None: ...
+    def tier(self) -> _TierName | None: ...
     @property
     def key(self) -> bytes: ...
 
+@final
 class EventGap:
     @property
     def start(self) -> int: ...
     @property
     def end(self) -> int: ...
 
+@final
 class EventStream:
     @property
     def start_seq(self) -> int: ...
@@ -170,9 +198,10 @@ class EventStream:
     def __next__(self) -> BlockEvent | EventGap: ...
     def next(self, timeout: float | None = None) -> BlockEvent | EventGap | None: ...
 
+@final
 class Client:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         url: str,
         *,
         token: str | None = None,
@@ -185,7 +214,7 @@ class Client:
         zero_copy: bool = True,
         lease: float = 10.0,
         name: str = "kvtier-python",
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def url(self) -> str: ...
     @property
@@ -193,30 +222,32 @@ class Client:
     @property
     def is_local(self) -> bool: ...
     def ping(self) -> float: ...
-    def lookup(self, keys: Iterable[Key]) -> Lookup: ...
-    def get_into(self, keys: Iterable[Key], bufs: BufferLike | Sequence[BufferLike]) -> Fetch: ...
+    def lookup(self, keys: Iterable[_Key]) -> Lookup: ...
+    def get_into(
+        self, keys: Iterable[_Key], bufs: _BufferLike | Sequence[_BufferLike]
+    ) -> Fetch: ...
     def put_chain(
         self,
-        keys: Iterable[Key],
-        bufs: BufferLike | Sequence[BufferLike],
-        parent: Key | None = None,
+        keys: Iterable[_Key],
+        bufs: _BufferLike | Sequence[_BufferLike],
+        parent: _Key | None = None,
     ) -> Stored: ...
     def put(
         self,
-        keys: Iterable[Key],
-        parents: Iterable[Key | None],
-        bufs: BufferLike | Sequence[BufferLike],
+        keys: Iterable[_Key],
+        parents: Iterable[_Key | None],
+        bufs: _BufferLike | Sequence[_BufferLike],
     ) -> Stored: ...
-    def get_pages(self, keys: Iterable[Key], page_ids: Sequence[int], pages: KvPages) -> Fetch: ...
+    def get_pages(self, keys: Iterable[_Key], page_ids: Sequence[int], pages: KvPages) -> Fetch: ...
     def put_pages(
         self,
-        keys: Iterable[Key],
+        keys: Iterable[_Key],
         page_ids: Sequence[int],
         pages: KvPages,
-        parent: Key | None = None,
+        parent: _Key | None = None,
     ) -> Stored: ...
-    def prefetch(self, keys: Iterable[Key]) -> int: ...
-    def remove(self, keys: Iterable[Key]) -> int: ...
+    def prefetch(self, keys: Iterable[_Key]) -> int: ...
+    def remove(self, keys: Iterable[_Key]) -> int: ...
     def clear(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
     def events(self, from_seq: int | None = None, snapshot: bool = False) -> EventStream: ...

@@ -120,6 +120,7 @@ def start_server(directory: Path) -> Server:
     threading.Thread(target=read, daemon=True).start()
     if not ready.wait(30) or not found:
         proc.kill()
+        proc.wait(timeout=15)
         raise RuntimeError("kvtier-server did not report its endpoints within 30 s")
     return Server(proc, directory, found["unix"], found["tcp"], found["quic"])
 
@@ -127,13 +128,15 @@ def start_server(directory: Path) -> Server:
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
     directory = Path(tempfile.mkdtemp(prefix="kvtier-pytest-"))
-    srv = start_server(directory)
     try:
-        yield srv
-    finally:
-        code = srv.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+        srv = start_server(directory)
+        try:
+            yield srv
+        finally:
+            code = srv.stop()
         assert code == 0, f"kvtier-server exited with {code}"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

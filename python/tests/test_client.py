@@ -114,11 +114,11 @@ def test_an_absent_server_raises_at_connect_only(tmp_path) -> None:
         kvtier.Client(f"unix://{tmp_path}/none.sock")
 
 
-def test_a_server_that_goes_away_is_a_miss(tmp_path) -> None:
+def test_a_server_that_goes_away_is_a_miss_and_the_client_reconnects(tmp_path) -> None:
     from conftest import start_server
 
     srv = start_server(tmp_path)
-    c = kvtier.Client(srv.unix_url, timeout=2.0, reconnect_backoff=5.0)
+    c = kvtier.Client(srv.unix_url, timeout=2.0, reconnect_backoff=0.2)
     keys = fresh_keys(2)
     assert c.put_chain(keys, blocks(2, 9)).cached == 2
     assert srv.stop() == 0
@@ -128,6 +128,18 @@ def test_a_server_that_goes_away_is_a_miss(tmp_path) -> None:
     assert got.blocks == 0 and got.miss in ("disconnected", "unavailable"), got
     stored = c.put_chain(keys, blocks(2, 9))
     assert stored.cached == 0 and stored.failure in ("disconnected", "unavailable"), stored
+    # A server on the same socket again: a later call reconnects.
+    srv = start_server(tmp_path)
+    try:
+        deadline = time.monotonic() + 10
+        while c.put_chain(keys, blocks(2, 9)).cached != 2:
+            assert time.monotonic() < deadline, "the client did not reconnect"
+            time.sleep(0.1)
+        out = np.zeros((2, BLOCK), np.uint8)
+        assert c.get_into(keys, out).blocks == 2
+        np.testing.assert_array_equal(out, blocks(2, 9))
+    finally:
+        assert srv.stop() == 0
 
 
 @pytest.mark.parametrize(
