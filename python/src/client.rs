@@ -2,13 +2,10 @@
 //! the GIL while it waits; one `Client` may be used from many Python threads at once (its
 //! requests pipeline on one connection).
 
-use std::collections::VecDeque;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use kvtier_client::{
-    BlockKey, ClientConfig, ClientError, ErrorCode, EventItem, EventKind, Fetch as SdkFetch, Miss,
-    PutEntry, PutStatus, TierCode,
+    BlockKey, ClientConfig, ClientError, ErrorCode, Fetch as SdkFetch, Miss, PutEntry,
 };
 use pyo3::exceptions::{
     PyConnectionError, PyPermissionError, PyRuntimeError, PyTimeoutError, PyValueError,
@@ -17,13 +14,14 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
 use crate::buffer::{Access, HeldBuffer, check_disjoint};
+use crate::events::EventStream;
 use crate::hashing::{key_from_py, keys_from_py};
 use crate::pages::{KvPages, gather, scatter};
+use crate::results::{Fetch, Lookup, Stored, miss_parts, tier_names};
 
 /// Worker threads of each client's runtime: they read responses and events; the calls
 /// themselves run on the calling Python thread.
 const RUNTIME_THREADS: usize = 1;
-
 fn client_err(e: ClientError) -> PyErr {
     match e {
         ClientError::BadUrl(_) | ClientError::Buffer(_) => PyValueError::new_err(e.to_string()),
@@ -43,291 +41,13 @@ fn client_err(e: ClientError) -> PyErr {
     }
 }
 
-fn secs(what: &str, s: f64) -> PyResult<Duration> {
+pub fn secs(what: &str, s: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(s)
         .ok()
         .filter(|d| !d.is_zero())
         .ok_or_else(|| {
             PyValueError::new_err(format!("{what}: {s} is not a positive number of seconds"))
         })
-}
-
-fn tier_names(tiers: &[TierCode]) -> Vec<String> {
-    tiers.iter().map(|t| t.name().to_string()).collect()
-}
-
-/// `(kind, detail)` of a miss, as Python sees it.
-fn miss_parts(m: Option<&Miss>) -> (Option<String>, Option<String>) {
-    let Some(m) = m else { return (None, None) };
-    let (kind, detail) = match m {
-        Miss::NotCached => ("not_cached", None),
-        Miss::Corrupt => ("corrupt", None),
-        Miss::IoError => ("io_error", None),
-        Miss::Busy => ("busy", None),
-        Miss::Timeout => ("timeout", None),
-        Miss::Disconnected => ("disconnected", None),
-        Miss::Unavailable(d) => ("unavailable", Some(d.clone())),
-        Miss::Refused(d) => ("refused", Some(d.clone())),
-    };
-    (Some(kind.to_string()), detail)
-}
-
-fn put_status_name(s: &PutStatus) -> &'static str {
-    match s {
-        PutStatus::Stored => "stored",
-        PutStatus::AlreadyPresent => "already_present",
-        PutStatus::RejectedBacklog => "rejected_backlog",
-        PutStatus::RejectedNoSlot => "rejected_no_slot",
-        PutStatus::RejectedOrphan => "rejected_orphan",
-        PutStatus::Failed => "failed",
-    }
-}
-
-/// The longest cached prefix of a key list.
-#[pyclass(frozen, get_all, module = "kvtier")]
-pub struct Lookup {
-    /// Tier ("hbm", "dram", "nvme") of each leading cached block.
-    tiers: Vec<String>,
-    /// Why it stopped: None (every key cached), "not_cached", "corrupt", "io_error", "busy",
-    /// "timeout", "disconnected", "unavailable" or "refused".
-    miss: Option<String>,
-    /// More about an "unavailable" or "refused" miss.
-    miss_detail: Option<String>,
-}
-
-#[pymethods]
-impl Lookup {
-    /// Number of leading cached blocks.
-    #[getter]
-    fn blocks(&self) -> usize {
-        self.tiers.len()
-    }
-    fn __repr__(&self) -> String {
-        format!(
-            "Lookup(blocks={}, tiers={:?}, miss={:?})",
-            self.tiers.len(),
-            self.tiers,
-            self.miss
-        )
-    }
-}
-
-/// The result of a get: the first `blocks` buffers hold blocks.
-#[pyclass(frozen, get_all, module = "kvtier")]
-pub struct Fetch {
-    blocks: usize,
-    tiers: Vec<String>,
-    miss: Option<String>,
-    miss_detail: Option<String>,
-}
-
-impl From<SdkFetch> for Fetch {
-    fn from(f: SdkFetch) -> Self {
-        let (miss, miss_detail) = miss_parts(f.miss.as_ref());
-        Fetch {
-            blocks: f.blocks,
-            tiers: tier_names(&f.tiers),
-            miss,
-            miss_detail,
-        }
-    }
-}
-
-#[pymethods]
-impl Fetch {
-    fn __repr__(&self) -> String {
-        format!(
-            "Fetch(blocks={}, tiers={:?}, miss={:?})",
-            self.blocks, self.tiers, self.miss
-        )
-    }
-}
-
-/// The result of a put: one status per block sent, and why the rest were not sent.
-#[pyclass(frozen, get_all, module = "kvtier")]
-pub struct Stored {
-    /// Per block: "stored", "already_present", "rejected_backlog", "rejected_no_slot",
-    /// "rejected_orphan" or "failed".
-    statuses: Vec<String>,
-    /// Why blocks were not sent (same values as a miss), or None.
-    failure: Option<String>,
-    failure_detail: Option<String>,
-}
-
-#[pymethods]
-impl Stored {
-    /// Blocks now cached (stored now or before).
-    #[getter]
-    fn cached(&self) -> usize {
-        self.statuses
-            .iter()
-            .filter(|s| *s == "stored" || *s == "already_present")
-            .count()
-    }
-    fn __repr__(&self) -> String {
-        format!(
-            "Stored(cached={}, statuses={:?}, failure={:?})",
-            self.cached(),
-            self.statuses,
-            self.failure
-        )
-    }
-}
-
-impl From<kvtier_client::Stored> for Stored {
-    fn from(s: kvtier_client::Stored) -> Self {
-        let (failure, failure_detail) = miss_parts(s.failure.as_ref());
-        Stored {
-            statuses: s
-                .statuses
-                .iter()
-                .map(|s| put_status_name(s).to_string())
-                .collect(),
-            failure,
-            failure_detail,
-        }
-    }
-}
-
-/// One block event: `kind` is "stored", "removed" or "cleared" (key of zeros, tier None).
-#[pyclass(frozen, get_all, module = "kvtier")]
-pub struct BlockEvent {
-    seq: u64,
-    kind: String,
-    tier: Option<String>,
-    key: Py<PyBytes>,
-}
-
-#[pymethods]
-impl BlockEvent {
-    fn __repr__(&self, py: Python<'_>) -> String {
-        format!(
-            "BlockEvent(seq={}, kind={:?}, tier={:?}, key={})",
-            self.seq,
-            self.kind,
-            self.tier,
-            hex(self.key.bind(py).as_bytes())
-        )
-    }
-}
-
-/// Events `start..end` were lost (the subscriber fell behind): resync, e.g. with a snapshot.
-#[pyclass(frozen, get_all, module = "kvtier")]
-pub struct EventGap {
-    start: u64,
-    end: u64,
-}
-
-#[pymethods]
-impl EventGap {
-    fn __repr__(&self) -> String {
-        format!("EventGap(start={}, end={})", self.start, self.end)
-    }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-struct EventState {
-    stream: kvtier_client::EventStream,
-    queued: VecDeque<EventItem>,
-    closed: bool,
-}
-
-/// An iterator of `BlockEvent` and `EventGap` items; iteration blocks (GIL released) until
-/// the next event and ends when the connection closes. `next(timeout)` waits at most that long.
-#[pyclass(frozen, module = "kvtier")]
-pub struct EventStream {
-    rt: std::sync::Arc<tokio::runtime::Runtime>,
-    state: Mutex<EventState>,
-    /// The server's next sequence number when the subscription started.
-    #[pyo3(get)]
-    start_seq: u64,
-}
-
-impl EventStream {
-    fn next_item(&self, py: Python<'_>, timeout: Option<Duration>) -> PyResult<Option<Py<PyAny>>> {
-        let item = py.detach(|| {
-            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            if st.queued.is_empty() && !st.closed {
-                let st = &mut *st;
-                let batch = self.rt.block_on(async {
-                    match timeout {
-                        Some(t) => tokio::time::timeout(t, st.stream.next_batch()).await.ok(),
-                        None => Some(st.stream.next_batch().await),
-                    }
-                });
-                match batch {
-                    Some(Some(b)) => st.queued.extend(b),
-                    Some(None) => st.closed = true,
-                    None => {}
-                }
-            }
-            (st.queued.pop_front(), st.closed)
-        });
-        match item {
-            (Some(EventItem::Event(e)), _) => {
-                let kind = match EventKind::from_u8(e.kind) {
-                    Some(EventKind::Stored) => "stored",
-                    Some(EventKind::Removed) => "removed",
-                    Some(EventKind::Cleared) => "cleared",
-                    None => "unknown",
-                };
-                let tier = if kind == "cleared" {
-                    None
-                } else {
-                    TierCode::from_u8(e.tier).map(|t| t.name().to_string())
-                };
-                let ev = BlockEvent {
-                    seq: e.seq,
-                    kind: kind.into(),
-                    tier,
-                    key: PyBytes::new(py, e.key.as_bytes()).unbind(),
-                };
-                Ok(Some(Py::new(py, ev)?.into_any()))
-            }
-            (Some(EventItem::Gap { from, to }), _) => Ok(Some(
-                Py::new(
-                    py,
-                    EventGap {
-                        start: from,
-                        end: to,
-                    },
-                )?
-                .into_any(),
-            )),
-            (None, true) => Err(pyo3::exceptions::PyStopIteration::new_err(())),
-            (None, false) => Ok(None),
-        }
-    }
-}
-
-#[pymethods]
-impl EventStream {
-    fn __iter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    fn __next__(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        loop {
-            if let Some(item) = self.next_item(py, Some(Duration::from_millis(200)))? {
-                return Ok(item);
-            }
-            // Let Ctrl-C through while waiting.
-            py.check_signals()?;
-        }
-    }
-
-    /// The next item, or None if none arrives within `timeout` seconds. Raises StopIteration
-    /// once the connection has closed.
-    #[pyo3(signature = (timeout = None))]
-    fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Py<PyAny>>> {
-        match timeout {
-            None => self.__next__(py).map(Some),
-            Some(t) => self.next_item(py, Some(secs("timeout", t)?)),
-        }
-    }
 }
 
 /// A connection to a kvtier server, reopened when it fails. See the module docs.
@@ -708,16 +428,7 @@ impl Client {
         let stream = self
             .run(py, self.client.events(from_seq, snapshot))
             .map_err(client_err)?;
-        let start_seq = stream.start_seq;
-        Ok(EventStream {
-            rt: self.rt.clone(),
-            state: Mutex::new(EventState {
-                stream,
-                queued: VecDeque::new(),
-                closed: false,
-            }),
-            start_seq,
-        })
+        Ok(EventStream::new(self.rt.clone(), stream))
     }
 
     fn __repr__(&self) -> String {
@@ -725,7 +436,11 @@ impl Client {
             "Client(url={:?}, block_bytes={}, is_local={})",
             self.url,
             self.client.block_bytes(),
-            self.client.is_local()
+            if self.client.is_local() {
+                "True"
+            } else {
+                "False"
+            }
         )
     }
 }

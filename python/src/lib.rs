@@ -4,8 +4,10 @@
 
 mod buffer;
 mod client;
+mod events;
 mod hashing;
 mod pages;
+mod results;
 
 use pyo3::prelude::*;
 
@@ -17,12 +19,12 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hashing::PrefixHasher>()?;
     m.add_class::<pages::KvPages>()?;
     m.add_class::<client::Client>()?;
-    m.add_class::<client::Lookup>()?;
-    m.add_class::<client::Fetch>()?;
-    m.add_class::<client::Stored>()?;
-    m.add_class::<client::BlockEvent>()?;
-    m.add_class::<client::EventGap>()?;
-    m.add_class::<client::EventStream>()?;
+    m.add_class::<results::Lookup>()?;
+    m.add_class::<results::Fetch>()?;
+    m.add_class::<results::Stored>()?;
+    m.add_class::<events::BlockEvent>()?;
+    m.add_class::<events::EventGap>()?;
+    m.add_class::<events::EventStream>()?;
     m.add("HASH_SCHEME_VERSION", kvtier_core::key::HASH_SCHEME_VERSION)?;
     m.add("KEY_BYTES", kvtier_core::BlockKey::BYTES)?;
     Ok(())
