@@ -14,6 +14,11 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(dirname "$here")"
+# A server binary named relative to the caller's directory: pytest runs from python/.
+if [ -n "${KVTIER_PY_SERVER_BIN:-}" ]; then
+  KVTIER_PY_SERVER_BIN="$(realpath "$KVTIER_PY_SERVER_BIN")"
+  export KVTIER_PY_SERVER_BIN
+fi
 cd "$repo"
 
 python="${KVTIER_PYTHON:-python3}"
