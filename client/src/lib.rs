@@ -211,7 +211,8 @@ impl Miss {
         }
     }
 
-    fn from_error(e: &ClientError) -> Miss {
+    /// The miss a failed call stands for (a timeout, a lost connection, a refusal, ...).
+    pub fn from_error(e: &ClientError) -> Miss {
         match e {
             ClientError::Timeout => Miss::Timeout,
             ClientError::Disconnected | ClientError::Io(_) => Miss::Disconnected,

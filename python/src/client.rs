@@ -1,0 +1,459 @@
+//! `Client`: kvtier-client's SDK on a small runtime owned by the object. Every call releases
+//! the GIL while it waits; one `Client` may be used from many Python threads at once (its
+//! requests pipeline on one connection).
+
+use std::time::Duration;
+
+use kvtier_client::{
+    BlockKey, ClientConfig, ClientError, ErrorCode, Fetch as SdkFetch, Miss, PutEntry,
+};
+use pyo3::exceptions::{
+    PyConnectionError, PyPermissionError, PyRuntimeError, PyTimeoutError, PyValueError,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+
+use crate::buffer::{Access, HeldBuffer, check_disjoint};
+use crate::events::EventStream;
+use crate::hashing::{key_from_py, keys_from_py};
+use crate::pages::{KvPages, gather, scatter};
+use crate::results::{Fetch, Lookup, Stored, miss_parts, tier_names};
+
+/// Worker threads of each client's runtime: they read responses and events; the calls
+/// themselves run on the calling Python thread.
+const RUNTIME_THREADS: usize = 1;
+fn client_err(e: ClientError) -> PyErr {
+    match e {
+        ClientError::BadUrl(_) | ClientError::Buffer(_) => PyValueError::new_err(e.to_string()),
+        ClientError::Timeout => PyTimeoutError::new_err(e.to_string()),
+        ClientError::Server {
+            code: Some(ErrorCode::Unauthorized),
+            ..
+        } => PyPermissionError::new_err(e.to_string()),
+        ClientError::Server {
+            code: Some(ErrorCode::LayoutMismatch),
+            ..
+        } => PyValueError::new_err(e.to_string()),
+        ClientError::Connect(_) | ClientError::Disconnected | ClientError::Io(_) => {
+            PyConnectionError::new_err(e.to_string())
+        }
+        other => PyRuntimeError::new_err(other.to_string()),
+    }
+}
+
+pub fn secs(what: &str, s: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            PyValueError::new_err(format!("{what}: {s} is not a positive number of seconds"))
+        })
+}
+
+/// A connection to a kvtier server, reopened when it fails. See the module docs.
+#[pyclass(frozen, module = "kvtier")]
+pub struct Client {
+    rt: std::sync::Arc<tokio::runtime::Runtime>,
+    client: kvtier_client::Client,
+    #[pyo3(get)]
+    url: String,
+    lease: Duration,
+}
+
+impl Client {
+    /// Runs `f` on this client's runtime with the GIL released.
+    fn run<T: Send, F: Future<Output = T> + Send>(&self, py: Python<'_>, f: F) -> T {
+        py.detach(|| self.rt.block_on(f))
+    }
+
+    fn check_pages(&self, keys: usize, page_ids: &[usize], pages: &KvPages) -> PyResult<()> {
+        if keys != page_ids.len() {
+            return Err(PyValueError::new_err(format!(
+                "{keys} keys but {} page ids",
+                page_ids.len()
+            )));
+        }
+        if pages.block_bytes != self.client.block_bytes() {
+            return Err(PyValueError::new_err(format!(
+                "the pages' regions add up to {} bytes; blocks on this server are {} bytes",
+                pages.block_bytes,
+                self.client.block_bytes()
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_count(&self, keys: usize, bufs: usize) -> PyResult<()> {
+        if keys != bufs {
+            return Err(PyValueError::new_err(format!(
+                "{keys} keys but {bufs} buffers"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Holds the caller's buffers: a list (one block each), or one buffer of `n` blocks.
+    fn hold(&self, bufs: &Bound<'_, PyAny>, n: usize, access: Access) -> PyResult<Vec<HeldBuffer>> {
+        let block = self.client.block_bytes();
+        let is_list =
+            bufs.is_instance_of::<PyList>() || bufs.is_instance_of::<pyo3::types::PyTuple>();
+        let held: Vec<HeldBuffer> = if is_list {
+            let mut out = Vec::new();
+            for (i, b) in bufs.try_iter()?.enumerate() {
+                let h = HeldBuffer::new(&b?, access, &format!("buffer {i}"))?;
+                if h.len() != block {
+                    return Err(PyValueError::new_err(format!(
+                        "buffer {i} has {} bytes; blocks on this server are {block} bytes",
+                        h.len()
+                    )));
+                }
+                out.push(h);
+            }
+            self.check_count(n, out.len())?;
+            out
+        } else {
+            let h = HeldBuffer::new(bufs, access, "buffer")?;
+            if h.len() != n * block {
+                return Err(PyValueError::new_err(format!(
+                    "buffer has {} bytes; {n} blocks of {block} bytes need {}",
+                    h.len(),
+                    n * block
+                )));
+            }
+            vec![h]
+        };
+        if access == Access::Write {
+            check_disjoint(&held)?;
+        }
+        Ok(held)
+    }
+}
+
+fn split_blocks(held: &[HeldBuffer], block: usize) -> Vec<&[u8]> {
+    held.iter()
+        .flat_map(|h| h.as_slice().chunks(block.max(1)))
+        .collect()
+}
+
+#[pymethods]
+impl Client {
+    /// Connects to `url` ("unix:///path/kvtier.sock", "tcp://host:port", "quic://host:port")
+    /// and says hello. Raises ValueError for a malformed URL and ConnectionError when no
+    /// server answers.
+    #[new]
+    #[pyo3(signature = (
+        url, *, token = None, quic_cert = None, quic_server_name = "localhost",
+        timeout = 5.0, connect_timeout = 2.0, reconnect_backoff = 1.0, block_bytes = 0,
+        zero_copy = true, lease = 10.0, name = "kvtier-python"
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        url: &str,
+        token: Option<String>,
+        quic_cert: Option<&Bound<'_, PyAny>>,
+        quic_server_name: &str,
+        timeout: f64,
+        connect_timeout: f64,
+        reconnect_backoff: f64,
+        block_bytes: u64,
+        zero_copy: bool,
+        lease: f64,
+        name: &str,
+    ) -> PyResult<Self> {
+        let mut cfg = ClientConfig::default();
+        if let Some(t) = token {
+            cfg.token = Some(t);
+        }
+        if let Some(c) = quic_cert {
+            cfg.quic_cert_der = Some(cert_der(c)?);
+        }
+        cfg.quic_server_name = quic_server_name.to_string();
+        cfg.timeout = secs("timeout", timeout)?;
+        cfg.connect_timeout = secs("connect_timeout", connect_timeout)?;
+        cfg.reconnect_backoff = Duration::try_from_secs_f64(reconnect_backoff).map_err(|_| {
+            PyValueError::new_err(format!(
+                "reconnect_backoff: {reconnect_backoff} is not a number of seconds"
+            ))
+        })?;
+        cfg.block_bytes = block_bytes;
+        cfg.zero_copy = zero_copy;
+        let cfg_lease = secs("lease", lease)?;
+        cfg.lease = cfg_lease;
+        cfg.name = name.to_string();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(RUNTIME_THREADS)
+            .thread_name("kvtier-python")
+            .enable_all()
+            .build()
+            .map_err(|e| PyRuntimeError::new_err(format!("starting the client runtime: {e}")))?;
+        let url_owned = url.to_string();
+        let client = py
+            .detach(|| rt.block_on(kvtier_client::Client::connect(&url_owned, cfg)))
+            .map_err(client_err)?;
+        Ok(Self {
+            rt: std::sync::Arc::new(rt),
+            client,
+            url: url.to_string(),
+            lease: cfg_lease,
+        })
+    }
+
+    /// Size of every block on this server, in bytes.
+    #[getter]
+    fn block_bytes(&self) -> usize {
+        self.client.block_bytes()
+    }
+
+    /// Whether gets and puts go through the server's mapped DRAM arena (unix:// with zero_copy).
+    #[getter]
+    fn is_local(&self) -> bool {
+        self.client.is_local()
+    }
+
+    /// Round-trip time of a ping, in seconds. Raises on failure (ConnectionError,
+    /// TimeoutError): a health check, not a cache call.
+    fn ping(&self, py: Python<'_>) -> PyResult<f64> {
+        let d = self.run(py, self.client.ping()).map_err(client_err)?;
+        Ok(d.as_secs_f64())
+    }
+
+    /// The longest cached prefix of `keys` (a list of 16-byte keys). A failure is a miss.
+    fn lookup(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Lookup> {
+        let keys = keys_from_py(keys)?;
+        let l = self.run(py, self.client.lookup(&keys));
+        let (miss, miss_detail) = miss_parts(l.miss.as_ref());
+        Ok(Lookup {
+            tiers: tier_names(&l.tiers),
+            miss,
+            miss_detail,
+        })
+    }
+
+    /// Copies the longest cached prefix of `keys` into `bufs`: a list of writable,
+    /// C-contiguous buffers of `block_bytes` each, or one buffer of `len(keys) * block_bytes`.
+    /// Returns a `Fetch`; a failure is a miss.
+    fn get_into(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        bufs: &Bound<'_, PyAny>,
+    ) -> PyResult<Fetch> {
+        let keys = keys_from_py(keys)?;
+        let mut held = self.hold(bufs, keys.len(), Access::Write)?;
+        let block = self.client.block_bytes();
+        let mut dst: Vec<&mut [u8]> = held
+            .iter_mut()
+            .flat_map(|h| h.as_mut_slice().chunks_mut(block.max(1)))
+            .collect();
+        let f = self.run(py, self.client.get_into(&keys, &mut dst));
+        Ok(f.into())
+    }
+
+    /// Stores a chain: `keys[0]`'s parent is `parent` (None: the chain starts a prompt), each
+    /// next key's parent the key before it. `bufs` as in `get_into` (read-only is fine).
+    #[pyo3(signature = (keys, bufs, parent = None))]
+    fn put_chain(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        bufs: &Bound<'_, PyAny>,
+        parent: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Stored> {
+        let keys = keys_from_py(keys)?;
+        let parent = parent.map(|p| key_from_py(p, "parent")).transpose()?;
+        let held = self.hold(bufs, keys.len(), Access::Read)?;
+        let src = split_blocks(&held, self.client.block_bytes());
+        let s = self.run(py, self.client.put_chain(&keys, parent, &src));
+        Ok(s.into())
+    }
+
+    /// Stores blocks with explicit parents: `parents[i]` is `keys[i]`'s parent key or None.
+    /// Parents go before children.
+    fn put(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        parents: &Bound<'_, PyAny>,
+        bufs: &Bound<'_, PyAny>,
+    ) -> PyResult<Stored> {
+        let keys = keys_from_py(keys)?;
+        let mut entries = Vec::with_capacity(keys.len());
+        for (i, p) in parents.try_iter()?.enumerate() {
+            let p = p?;
+            let parent: Option<BlockKey> = if p.is_none() {
+                None
+            } else {
+                Some(key_from_py(&p, &format!("parent {i}"))?)
+            };
+            let key = *keys.get(i).ok_or_else(|| {
+                PyValueError::new_err(format!("{} keys but more parents", keys.len()))
+            })?;
+            entries.push(PutEntry { key, parent });
+        }
+        if entries.len() != keys.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} keys but {} parents",
+                keys.len(),
+                entries.len()
+            )));
+        }
+        let held = self.hold(bufs, keys.len(), Access::Read)?;
+        let src = split_blocks(&held, self.client.block_bytes());
+        let s = self.run(py, self.client.put(&entries, &src));
+        Ok(s.into())
+    }
+
+    /// Copies the longest cached prefix of `keys` into the engine's pages: block `i` goes to
+    /// page `page_ids[i]` of `pages`, region by region. On a local (zero-copy) connection the
+    /// bytes are copied once, from the server's mapped arena straight into the pages; remote
+    /// connections receive into a scratch buffer first. Returns a `Fetch`; a failure is a miss.
+    fn get_pages(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        page_ids: Vec<usize>,
+        pages: &KvPages,
+    ) -> PyResult<Fetch> {
+        let keys = keys_from_py(keys)?;
+        self.check_pages(keys.len(), &page_ids, pages)?;
+        let ranges = pages.ranges(&page_ids)?;
+        KvPages::check_disjoint(&ranges)?;
+        let per = pages.region_count();
+        let block = self.client.block_bytes();
+        let f = py.detach(|| {
+            let _held = pages.lock();
+            if self.client.is_local() {
+                self.rt.block_on(async {
+                    let pinned = match self.client.get_pinned(&keys, self.lease).await {
+                        Ok(p) => p,
+                        Err(e) => {
+                            return SdkFetch {
+                                blocks: 0,
+                                tiers: vec![],
+                                miss: Some(Miss::from_error(&e)),
+                            };
+                        }
+                    };
+                    for i in 0..pinned.len() {
+                        // SAFETY: the ranges lie in buffers `_held` keeps held and writable,
+                        // are pairwise disjoint (checked above) and cannot overlap the
+                        // server's arena, which Python code never sees.
+                        unsafe { scatter(pinned.block(i), &ranges[i * per..(i + 1) * per]) };
+                    }
+                    // Dropped inside the runtime: the release goes out at once.
+                    SdkFetch {
+                        blocks: pinned.len(),
+                        tiers: pinned.tiers().to_vec(),
+                        miss: pinned.miss().cloned(),
+                    }
+                })
+            } else {
+                let mut scratch = vec![0u8; keys.len() * block];
+                let mut dst: Vec<&mut [u8]> = scratch.chunks_mut(block.max(1)).collect();
+                let f = self.rt.block_on(self.client.get_into(&keys, &mut dst));
+                let n = f.blocks.min(keys.len());
+                // SAFETY: as above; `scratch` is our own allocation.
+                unsafe { scatter(&scratch[..n * block], &ranges[..n * per]) };
+                f
+            }
+        });
+        Ok(f.into())
+    }
+
+    /// Stores the blocks in pages `page_ids` of `pages` under `keys`, as a chain from
+    /// `parent` (see `put_chain`). The blocks are gathered into one scratch buffer, then put.
+    #[pyo3(signature = (keys, page_ids, pages, parent = None))]
+    fn put_pages(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        page_ids: Vec<usize>,
+        pages: &KvPages,
+        parent: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Stored> {
+        let keys = keys_from_py(keys)?;
+        let parent = parent.map(|p| key_from_py(p, "parent")).transpose()?;
+        self.check_pages(keys.len(), &page_ids, pages)?;
+        let ranges = pages.ranges(&page_ids)?;
+        let block = self.client.block_bytes();
+        let s = py.detach(|| {
+            let mut scratch = vec![0u8; keys.len() * block];
+            {
+                let _held = pages.lock();
+                // SAFETY: the ranges lie in buffers `_held` keeps held; `scratch` is ours.
+                unsafe { gather(&ranges, &mut scratch) };
+            }
+            let bufs: Vec<&[u8]> = scratch.chunks(block.max(1)).collect();
+            self.rt
+                .block_on(self.client.put_chain(&keys, parent, &bufs))
+        });
+        Ok(s.into())
+    }
+
+    /// Asks the server to copy NVMe-only blocks among `keys` up to DRAM ahead of use;
+    /// returns how many copies it queued. Raises on failure (a hint, not a cache call).
+    fn prefetch(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let keys = keys_from_py(keys)?;
+        self.run(py, self.client.prefetch(&keys))
+            .map_err(client_err)
+    }
+
+    /// Removes blocks; returns how many were cached.
+    fn remove(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let keys = keys_from_py(keys)?;
+        self.run(py, self.client.remove(&keys)).map_err(client_err)
+    }
+
+    /// Removes every block of the server (all tenants).
+    fn clear(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, self.client.clear()).map_err(client_err)
+    }
+
+    /// The server's statistics, as a dict (the JSON of its admin port's `/stats`).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let text = self.run(py, self.client.stats()).map_err(client_err)?;
+        py.import("json")?.call_method1("loads", (text,))
+    }
+
+    /// Subscribes to block events from sequence `from_seq` (None: from now). With
+    /// `snapshot`, every cached block first arrives as a "stored" event with sequence 0.
+    #[pyo3(signature = (from_seq = None, snapshot = false))]
+    fn events(
+        &self,
+        py: Python<'_>,
+        from_seq: Option<u64>,
+        snapshot: bool,
+    ) -> PyResult<EventStream> {
+        let stream = self
+            .run(py, self.client.events(from_seq, snapshot))
+            .map_err(client_err)?;
+        Ok(EventStream::new(self.rt.clone(), stream))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Client(url={:?}, block_bytes={}, is_local={})",
+            self.url,
+            self.client.block_bytes(),
+            if self.client.is_local() {
+                "True"
+            } else {
+                "False"
+            }
+        )
+    }
+}
+
+/// A pinned certificate: DER bytes, or a path (str / os.PathLike) to a DER file such as the
+/// server's `<runtime_dir>/quic-cert.der`.
+fn cert_der(c: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    if let Ok(b) = c.cast::<PyBytes>() {
+        return Ok(b.as_bytes().to_vec());
+    }
+    let path: std::path::PathBuf = c.extract().map_err(|_| {
+        pyo3::exceptions::PyTypeError::new_err("quic_cert: expected DER bytes or a file path")
+    })?;
+    std::fs::read(&path)
+        .map_err(|e| PyValueError::new_err(format!("quic_cert: reading {}: {e}", path.display())))
+}

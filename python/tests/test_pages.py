@@ -1,0 +1,92 @@
+"""Blocks copied between kvtier and an engine's paged KV tensors by page id (`KvPages`), as
+a vLLM worker does: one tensor per layer, `[K|V][page][token][head][dim]`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import BLOCK, fresh_keys
+
+import kvtier
+
+LAYERS, PAGES, TOKENS, HEADS, DIM = 2, 8, 16, 2, 16  # 2 x 2 x 1 KiB = one 4 KiB block
+CHUNK = TOKENS * HEADS * DIM * 2  # one layer's K (or V) of one page, f16
+
+
+def engine(seed: int | None) -> list[np.ndarray]:
+    shape = (2, PAGES, TOKENS, HEADS, DIM)
+    if seed is None:
+        return [np.zeros(shape, np.float16) for _ in range(LAYERS)]
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape).astype(np.float16) for _ in range(LAYERS)]
+
+
+def pages_of(layers: list[np.ndarray]) -> kvtier.KvPages:
+    # Block bytes in kvtier's order: layer 0 K, layer 0 V, layer 1 K, layer 1 V.
+    regions = []
+    for t in layers:
+        regions.append((t, 0, CHUNK, CHUNK))  # K of page p at p * CHUNK
+        regions.append((t, PAGES * CHUNK, CHUNK, CHUNK))  # V after all K pages
+    return kvtier.KvPages(regions)
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_pages_round_trip_between_two_engines(transport, unix_client, tcp_client) -> None:
+    c = unix_client if transport == "unix" else tcp_client
+    a = engine(seed=21)
+    pa = pages_of(a)
+    assert (pa.block_bytes, pa.num_pages, pa.num_regions) == (BLOCK, PAGES, 4)
+    keys = fresh_keys(3)
+    stored = c.put_pages(keys, [1, 3, 6], pa)
+    assert stored.cached == 3, stored
+
+    # The block bytes are layer-major: layer 0 K, layer 0 V, layer 1 K, layer 1 V.
+    flat = np.zeros((3, BLOCK), np.uint8)
+    assert c.get_into(keys, flat).blocks == 3
+    want0 = b"".join(a[layer][kv, 1].tobytes() for layer in range(LAYERS) for kv in range(2))
+    assert flat[0].tobytes() == want0
+
+    # Another engine loads them into other pages; the rest of its cache is untouched.
+    b = engine(seed=None)
+    got = c.get_pages(keys, [5, 0, 2], pages_of(b))
+    assert (got.blocks, got.miss) == (3, None)
+    for layer in range(LAYERS):
+        np.testing.assert_array_equal(b[layer][:, 5], a[layer][:, 1])
+        np.testing.assert_array_equal(b[layer][:, 0], a[layer][:, 3])
+        np.testing.assert_array_equal(b[layer][:, 2], a[layer][:, 6])
+        for untouched in (1, 3, 4, 6, 7):
+            assert not b[layer][:, untouched].any()
+
+
+def test_a_partial_hit_fills_the_leading_pages_only(unix_client) -> None:
+    a = engine(seed=5)
+    keys = fresh_keys(3)
+    assert unix_client.put_pages(keys[:1], [0], pages_of(a)).cached == 1
+    b = engine(seed=None)
+    got = unix_client.get_pages(keys, [4, 5, 6], pages_of(b))
+    assert (got.blocks, got.miss, got.tiers) == (1, "not_cached", ["dram"])
+    np.testing.assert_array_equal(b[0][:, 4], a[0][:, 0])
+    assert not b[0][:, 5:].any()
+
+
+def test_pages_misuse_raises(unix_client) -> None:
+    t = engine(seed=None)
+    p = pages_of(t)
+    keys = fresh_keys(2)
+    with pytest.raises(ValueError, match="page id 8"):
+        unix_client.get_pages(keys, [0, 8], p)
+    with pytest.raises(ValueError, match="overlapping"):
+        unix_client.get_pages(keys, [3, 3], p)
+    with pytest.raises(ValueError, match="2 keys but 1 page ids"):
+        unix_client.get_pages(keys, [3], p)
+    half = kvtier.KvPages([(t[0], 0, CHUNK, CHUNK)])
+    with pytest.raises(ValueError, match="add up to 1024 bytes"):
+        unix_client.put_pages(keys, [0, 1], half)
+    with pytest.raises(ValueError, match="at most the stride"):
+        kvtier.KvPages([(t[0], 0, 10, CHUNK)])
+    with pytest.raises(ValueError, match="past the buffer"):
+        kvtier.KvPages([(t[0], t[0].nbytes - 10, CHUNK, CHUNK)])
+    with pytest.raises(ValueError, match="read-only"):
+        kvtier.KvPages([(bytes(BLOCK), 0, BLOCK, BLOCK)])
+    with pytest.raises(ValueError, match="region 0: expected"):
+        kvtier.KvPages([(t[0], -1, CHUNK, CHUNK)])
