@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use kvtier_core::SplitMix64;
 use kvtier_server::TieredStore;
 use kvtier_server::policy::DemotionPolicy;
-use kvtier_server::tier::conformance::TestRng;
 
 fn storm(demotion: DemotionPolicy, seed: u64) {
     for tiers in Tiers::ALL {
@@ -28,7 +28,7 @@ fn storm_on(tiers: Tiers, demotion: DemotionPolicy, seed: u64) {
         for t in 0..6u64 {
             let s = s.clone();
             scope.spawn(move || {
-                let mut rng = TestRng::new(seed * 10 + t);
+                let mut rng = SplitMix64::new(seed * 10 + t);
                 let mut leases = Vec::new();
                 for _ in 0..1500 {
                     let k = key(rng.below(40));

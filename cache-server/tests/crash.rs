@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::*;
-use kvtier_server::tier::conformance::TestRng;
+use kvtier_core::SplitMix64;
 use kvtier_server::{GetOutcome, TieredStore};
 
 const ROUNDS: u64 = 16;
@@ -68,7 +68,7 @@ fn killed_writer_never_leaves_torn_or_stale_blocks() {
 
 fn crash_rounds(tiers: Tiers) {
     let dir = tempfile::tempdir().unwrap();
-    let mut rng = TestRng::new(2026);
+    let mut rng = SplitMix64::new(2026);
     let mut recovered_total = 0;
     for round in 0..ROUNDS {
         let mut c = Command::new(std::env::current_exe().unwrap())

@@ -244,10 +244,10 @@ fn corrupt_nvme_blocks_are_misses_counted_and_erased() {
 
 #[test]
 fn random_disk_damage_is_never_served() {
-    use kvtier_server::tier::conformance::TestRng;
+    use kvtier_core::SplitMix64;
     let dir = tempfile::tempdir().unwrap();
     let keys: Vec<_> = (0..12).map(key).collect();
-    let mut rng = TestRng::new(99);
+    let mut rng = SplitMix64::new(99);
     for round in 0..20 {
         {
             let (s, _) = TieredStore::open(config(4, Some((dir.path(), 12)))).unwrap();

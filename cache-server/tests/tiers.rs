@@ -1,5 +1,8 @@
-//! The tier list: the HBM position (the device-memory test double, or the real device on a
-//! GPU machine) as a full member of the store, and the list's validation.
+//! Every tier passes the one conformance suite (`kvtier_testkit::tier`): the DRAM arena, the
+//! NVMe slot files (direct and buffered I/O, across a reopen), the HBM tier on a GPU (a clear
+//! refusal elsewhere) and the device-memory test double. Then the tier list: the HBM position
+//! (the double, or the real device on a GPU machine) as a full member of the store, and the
+//! list's validation.
 
 mod common;
 
@@ -9,8 +12,63 @@ use std::time::Duration;
 use common::device::{HeapDevice, hbm, real_gpu};
 use common::*;
 use kvtier_server::tier::TierKind;
-use kvtier_server::tier::conformance;
+use kvtier_server::tier::{DramTierConfig, NvmeTierConfig, Tier};
 use kvtier_server::{GetOutcome, HbmSettings, StoreError, StoreEvent, StoreEventKind, TieredStore};
+use kvtier_testkit::tier as conformance;
+
+#[test]
+fn the_dram_tier_passes_the_tier_conformance_suite() {
+    conformance::run_volatile(&|| Box::new(DramTierConfig::new(64 * 8192, 8192).open().unwrap()));
+}
+
+#[test]
+fn the_nvme_tier_passes_the_tier_conformance_suite_direct_and_buffered() {
+    // 8 slots of 16 KiB payload, 3 slots a file: several files, one partly filled.
+    let cfg = |dir: &std::path::Path| {
+        NvmeTierConfig::new(dir, 8 * (16384 + 4096), 16384, 0xfeed).file_bytes(3 * (16384 + 4096))
+    };
+    for direct in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().to_owned();
+        let fresh = || -> Box<dyn Tier> {
+            let _ = std::fs::remove_dir_all(&path);
+            Box::new(cfg(&path).direct_io(direct).open().unwrap().0)
+        };
+        let reopen = || -> Box<dyn Tier> {
+            let (t, r) = cfg(&path).direct_io(direct).open().unwrap();
+            assert_eq!(r.cold_start, None);
+            Box::new(t)
+        };
+        conformance::run_persistent(&fresh, &reopen);
+    }
+}
+
+/// On a GPU machine: the full conformance suite over the HBM tier. Elsewhere: the tier must
+/// refuse to open with a reason, never panic (cudarc's context constructor panics without a
+/// driver). `KVTIER_REQUIRE_GPU=1` (.ci/gpu-check) turns the refusal into a failure.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_hbm_tier_passes_the_conformance_suite_on_a_gpu_or_refuses_clearly() {
+    use kvtier_server::tier::TierError;
+    use kvtier_server::tier::hbm::{HbmTierConfig, probe};
+    match probe() {
+        Ok(n) => {
+            eprintln!("HBM conformance: running on {n} CUDA device(s)");
+            conformance::run_volatile(&|| {
+                Box::new(HbmTierConfig::new(64 * 8192, 8192).open().unwrap())
+            });
+        }
+        Err(e) => {
+            assert!(
+                std::env::var_os("KVTIER_REQUIRE_GPU").is_none(),
+                "KVTIER_REQUIRE_GPU is set but {e}"
+            );
+            eprintln!("HBM conformance NOT run: {e}");
+            let e = HbmTierConfig::new(1 << 20, 4096).open().err().unwrap();
+            assert!(matches!(e, TierError::Unavailable { .. }), "{e}");
+        }
+    }
+}
 
 #[test]
 fn the_device_double_passes_the_tier_conformance_suite() {

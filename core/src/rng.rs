@@ -22,6 +22,11 @@ impl SplitMix64 {
         z ^ (z >> 31)
     }
 
+    /// Uniform in `0..n` (Lemire's multiply-shift of one output; 0 when `n` is 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
+    }
+
     /// Uniform in `[0, 1)` with 24 bits of precision (the top 24 bits of one output).
     pub fn next_f32(&mut self) -> f32 {
         (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
@@ -36,6 +41,20 @@ impl SplitMix64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn below_stays_in_range_and_covers_it() {
+        let mut r = SplitMix64::new(5);
+        assert_eq!(r.below(0), 0);
+        assert_eq!(r.below(1), 0);
+        let mut seen = [false; 7];
+        for _ in 0..1000 {
+            let v = r.below(7);
+            assert!(v < 7);
+            seen[v as usize] = true;
+        }
+        assert!(seen.iter().all(|&s| s), "{seen:?}");
+    }
 
     #[test]
     fn known_outputs_and_ranges() {

@@ -313,13 +313,6 @@ mod tests {
     use std::os::fd::AsRawFd;
 
     #[test]
-    fn conformance() {
-        super::super::conformance::run_volatile(&|| {
-            Box::new(DramTierConfig::new(64 * 8192, 8192).open().unwrap())
-        });
-    }
-
-    #[test]
     fn never_more_than_capacity_and_slots_page_aligned() {
         let t = DramTierConfig::new(100_000, 5000).open().unwrap();
         assert_eq!(t.slot_bytes(), 8192);

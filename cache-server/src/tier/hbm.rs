@@ -197,29 +197,6 @@ impl Tier for HbmTier {
 mod tests {
     use super::*;
 
-    /// On a GPU machine: the full conformance suite. Elsewhere: the tier must refuse to open
-    /// with a reason, never panic (cudarc's context constructor panics without a driver).
-    #[test]
-    fn conformance_on_a_gpu_or_a_clear_refusal() {
-        match probe() {
-            Ok(n) => {
-                eprintln!("HBM conformance: running on {n} CUDA device(s)");
-                super::super::conformance::run_volatile(&|| {
-                    Box::new(HbmTierConfig::new(64 * 8192, 8192).open().unwrap())
-                });
-            }
-            Err(e) => {
-                assert!(
-                    std::env::var_os("KVTIER_REQUIRE_GPU").is_none(),
-                    "KVTIER_REQUIRE_GPU is set but {e}"
-                );
-                eprintln!("HBM conformance NOT run: {e}");
-                let e = HbmTierConfig::new(1 << 20, 4096).open().err().unwrap();
-                assert!(matches!(e, TierError::Unavailable { .. }), "{e}");
-            }
-        }
-    }
-
     /// The store with this tier at the head of its list ([hbm, dram]): a DRAM hit is promoted
     /// into device memory and then served from it with its bytes, and a block held only there
     /// is copied down into DRAM for a pin. Without a GPU: opening is refused with the reason.
@@ -245,7 +222,7 @@ mod tests {
         };
         let (s, _) = opened.unwrap();
         let key = |i: u128| BlockKey::from_u128(i * 0x9E37_79B9 + 1);
-        let bytes = |k: BlockKey| super::super::conformance::block_bytes(k, n);
+        let bytes = |k: BlockKey| kvtier_testkit::block::block_bytes(k, n);
         let mut buf = vec![0u8; n];
         s.put(key(1), None, &bytes(key(1))).unwrap();
         assert_eq!(

@@ -1,7 +1,8 @@
 //! Tiers: fixed-slot block devices. A tier stores at most one block per slot and knows nothing
 //! of policy; the store ([`crate::store::TieredStore`]) decides which key goes into which slot.
 //!
-//! Every implementation passes the same conformance suite ([`conformance`]).
+//! Every implementation passes the same conformance suite (`kvtier_testkit::tier`, run by
+//! cache-server/tests/tiers.rs).
 
 use std::fmt;
 use std::path::PathBuf;
@@ -9,7 +10,6 @@ use std::path::PathBuf;
 use kvtier_core::BlockKey;
 use thiserror::Error;
 
-pub mod conformance;
 pub mod dram;
 #[cfg(feature = "cuda")]
 pub mod hbm;

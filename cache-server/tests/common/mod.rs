@@ -7,8 +7,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use kvtier_core::{BlockKey, Dtype, KvLayout};
-use kvtier_server::tier::conformance::fill_block;
 use kvtier_server::{GetOutcome, NvmeSettings, StoreConfig};
+use kvtier_testkit::block::fill_block;
 
 /// 4 KiB blocks: 1 layer x 2 x 16 tokens x 4 heads x 16 dim x f16.
 pub fn layout() -> KvLayout {

@@ -236,7 +236,7 @@ pub fn keys(salt: &[u8], blocks: usize, seed: u32) -> Vec<BlockKey> {
 
 pub fn block_data(k: BlockKey) -> Vec<u8> {
     let mut v = vec![0u8; BLOCK];
-    kvtier_server::tier::conformance::fill_block(k, &mut v);
+    kvtier_testkit::block::fill_block(k, &mut v);
     v
 }
 

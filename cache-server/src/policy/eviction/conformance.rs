@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use kvtier_core::BlockKey;
 
 use super::{Checked, EvictionPolicy, InsertContext, LookupContext, MAX_VICTIM_SCAN};
-use crate::tier::conformance::TestRng;
+use kvtier_core::SplitMix64;
 
 /// Builds the policy under test over `slots` slots.
 pub type MakePolicy<'a> = &'a dyn Fn(u32) -> Box<dyn EvictionPolicy>;
@@ -132,7 +132,7 @@ pub fn chains_drain_completely(make: MakePolicy<'_>) {
 /// scan bound) always finds one.
 pub fn random_operations_keep_the_contract(make: MakePolicy<'_>) {
     let n = 64u32;
-    let mut rng = TestRng::new(7);
+    let mut rng = SplitMix64::new(7);
     let mut p = checked(make, n);
     let mut next_key = 0u64;
     for step in 0..5_000u64 {

@@ -1,27 +1,9 @@
 use super::*;
-use crate::tier::conformance::{self, block_bytes};
+use kvtier_testkit::block::block_bytes;
 
 fn cfg(dir: &Path) -> NvmeTierConfig {
     // 8 slots of 16 KiB payload, 3 slots a file: several files, one partly filled.
     NvmeTierConfig::new(dir, 8 * (16384 + 4096), 16384, 0xfeed).file_bytes(3 * (16384 + 4096))
-}
-
-#[test]
-fn conformance_direct_and_buffered() {
-    for direct in [true, false] {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().to_owned();
-        let fresh = || -> Box<dyn Tier> {
-            let _ = fs::remove_dir_all(&path);
-            Box::new(cfg(&path).direct_io(direct).open().unwrap().0)
-        };
-        let reopen = || -> Box<dyn Tier> {
-            let (t, r) = cfg(&path).direct_io(direct).open().unwrap();
-            assert_eq!(r.cold_start, None);
-            Box::new(t)
-        };
-        conformance::run_persistent(&fresh, &reopen);
-    }
 }
 
 #[test]

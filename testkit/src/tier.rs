@@ -1,55 +1,14 @@
-//! The conformance suite every [`Tier`] passes. Public so each implementation's tests (and
-//! tests on machines with special hardware, such as the HBM tier on a GPU host) run the same
-//! checks. Each check panics with a description on failure.
+//! The conformance suite every kvtier-server [`Tier`] passes: the DRAM arena, the NVMe slot
+//! files, the HBM tier on a GPU host, and the store tests' device-memory double all run the same
+//! checks (cache-server/tests/tiers.rs). Each check panics with a description on failure.
 
 use std::collections::HashMap;
 
-use kvtier_core::BlockKey;
+use kvtier_core::{BlockKey, SplitMix64};
 
-use super::{SlotId, Tier};
+use kvtier_server::tier::{SlotId, Tier, TierError};
 
-/// A tiny deterministic generator (xorshift64*), so failures reproduce.
-pub struct TestRng(u64);
-
-impl TestRng {
-    pub fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    /// Uniform in `0..n` (n > 0).
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-}
-
-/// The bytes every check stores for `key`: a function of the key and length, so any byte
-/// served for a key can be verified without remembering it.
-pub fn block_bytes(key: BlockKey, len: usize) -> Vec<u8> {
-    let mut out = vec![0u8; len];
-    fill_block(key, &mut out);
-    out
-}
-
-/// Fills `buf` with the bytes [`block_bytes`] gives for `key`.
-pub fn fill_block(key: BlockKey, buf: &mut [u8]) {
-    let mut x = key.low_u64() ^ (key.to_u128() >> 64) as u64 ^ buf.len() as u64;
-    for chunk in buf.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let b = x.to_le_bytes();
-        chunk.copy_from_slice(&b[..chunk.len()]);
-    }
-}
+use crate::block::block_bytes;
 
 fn lens(slot_bytes: usize) -> [usize; 5] {
     [1, 4096, slot_bytes / 2 + 3, slot_bytes - 1, slot_bytes]
@@ -64,7 +23,7 @@ fn read_back(t: &dyn Tier, slot: SlotId, key: BlockKey, len: usize) -> Vec<u8> {
 
 /// Writes blocks of several sizes into random slots and reads exactly them back.
 pub fn round_trip(t: &dyn Tier) {
-    let mut rng = TestRng::new(1);
+    let mut rng = SplitMix64::new(1);
     let mut model: HashMap<SlotId, (BlockKey, usize)> = HashMap::new();
     for i in 0..64u64 {
         let slot = SlotId(rng.below(u64::from(t.slot_count())) as u32);
@@ -85,7 +44,7 @@ pub fn round_trip(t: &dyn Tier) {
 /// A read with the wrong key or length is a miss, never bytes; so is an empty slot.
 pub fn wrong_key_or_length_is_a_miss(t: &dyn Tier) {
     let (slot, key) = (SlotId(0), BlockKey::from_u128(42));
-    let miss = |r: Result<(), super::TierError>, what: &str| match r {
+    let miss = |r: Result<(), TierError>, what: &str| match r {
         Err(e) if e.is_miss() => {}
         other => panic!("{}: {what} gave {other:?}, want a miss", t.kind()),
     };
@@ -154,7 +113,7 @@ pub fn concurrent_distinct_slots(t: &dyn Tier) {
     std::thread::scope(|s| {
         for th in 0..threads {
             s.spawn(move || {
-                let mut rng = TestRng::new(u64::from(th) + 10);
+                let mut rng = SplitMix64::new(u64::from(th) + 10);
                 let slots: Vec<SlotId> = (0..t.slot_count())
                     .filter(|i| i % threads == th)
                     .map(SlotId)
@@ -189,7 +148,7 @@ pub fn run_persistent(fresh: &dyn Fn() -> Box<dyn Tier>, reopen: &dyn Fn() -> Bo
     run_volatile(fresh);
     let t = fresh();
     assert!(t.recover().is_empty(), "a fresh tier recovered blocks");
-    let mut rng = TestRng::new(77);
+    let mut rng = SplitMix64::new(77);
     let mut model: HashMap<SlotId, (BlockKey, usize)> = HashMap::new();
     for i in 0..(2 * t.slot_count()) {
         let slot = SlotId(rng.below(u64::from(t.slot_count())) as u32);
