@@ -495,7 +495,9 @@ impl Sidecar {
             return prefix;
         }
         let keys = &prefix.keys[skip..want];
-        if client.is_local() {
+        // A prefix longer than the sidecar's DRAM cannot be pinned at once: it is copied out
+        // with get_into, which streams it through DRAM in rounds.
+        if client.is_local() && keys.len() <= client.arena_blocks().await {
             match client.get_pinned(keys, PIN_LEASE).await {
                 Ok(p) => {
                     if let Some(m) = p.miss()

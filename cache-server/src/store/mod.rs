@@ -358,7 +358,7 @@ impl TieredStore {
         key: BlockKey,
         parent: Option<BlockKey>,
     ) -> Result<Reservation, PutOutcome> {
-        self.inner.reserve(key, parent, None)
+        self.inner.reserve(key, parent, None, true)
     }
 
     /// Like [`TieredStore::reserve`] for a block whose parent is reserved earlier in the same
@@ -371,7 +371,31 @@ impl TieredStore {
         key: BlockKey,
         parent: &Reservation,
     ) -> Result<Reservation, PutOutcome> {
-        self.inner.reserve(key, Some(parent.key), Some(parent.slot))
+        self.inner
+            .reserve(key, Some(parent.key), Some(parent.slot), true)
+    }
+
+    /// One try of [`TieredStore::reserve`] (or of [`TieredStore::reserve_after`] `after`),
+    /// for a caller that may try again: a refusal for want of an unpinned DRAM slot is
+    /// counted only when `last_try`. Slots pinned by background copies (write-through to
+    /// NVMe) free themselves as [`TieredStore::background_jobs`] drains, so a caller that
+    /// can wait (bounded) tries again while that is non-zero.
+    pub fn reserve_try(
+        &self,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+        after: Option<&Reservation>,
+        last_try: bool,
+    ) -> Result<Reservation, PutOutcome> {
+        match after {
+            Some(p) => self.inner.reserve(key, Some(p.key), Some(p.slot), last_try),
+            None => self.inner.reserve(key, parent, None, last_try),
+        }
+    }
+
+    /// Background jobs (copies between tiers) queued or running.
+    pub fn background_jobs(&self) -> usize {
+        self.inner.pool.backlog()
     }
 
     /// Every cached block and the tiers holding it. O(blocks); for resyncing subscribers.

@@ -5,5 +5,6 @@ mod common;
 mod isolation;
 mod leaks;
 mod lifecycle;
+mod long_prefix;
 mod malformed;
 mod sdk;
