@@ -42,6 +42,14 @@ const RESERVATION_REAP: Duration = Duration::from_millis(100);
 const SLOT_WAIT: Duration = Duration::from_secs(2);
 /// How often a waiting put tries again for a slot.
 const SLOT_POLL: Duration = Duration::from_millis(1);
+/// A lookup, get or pin that meets a block still being stored (announced by a put in
+/// flight, or reserved and not yet committed) waits for its commit at most this long without
+/// progress...
+const PENDING_STALL: Duration = Duration::from_millis(50);
+/// ...and at most this long in all.
+const PENDING_WAIT: Duration = Duration::from_millis(500);
+/// How often a waiting read looks again.
+const PENDING_POLL: Duration = Duration::from_millis(1);
 /// Global in-flight byte budget is counted in units of this many bytes.
 pub(crate) const BUDGET_UNIT: u64 = 4096;
 
@@ -348,8 +356,11 @@ impl Conn {
                     self.subscriptions += 1;
                     self.subscribe(h.request_id, from_seq, snapshot).await;
                 }
-                req @ (Request::Lookup(_) | Request::Ping) => {
+                req @ (Request::Lookup(_) | Request::Ping)
+                    if self.shared.store.pending_blocks() == 0 =>
+                {
                     // CPU only and bounded by max_keys: answered here, saving a task hop.
+                    // (With blocks being stored, a lookup may wait for them: a task.)
                     let job = self.job(&h);
                     let op = req.opcode();
                     if let Some(o) = job.run(req).await {
@@ -532,8 +543,11 @@ impl Conn {
             .await;
             return true;
         }
+        let keys: Vec<_> = entries.iter().map(|e| e.key).collect();
+        // Readers that meet these keys wait for them (bounded) instead of missing.
+        let mut announced = s.store.announce(&keys);
         let mut statuses = Vec::with_capacity(entries.len());
-        for e in &entries {
+        for (i, e) in entries.iter().enumerate() {
             let until = deadline.into_std().min(Instant::now() + SLOT_WAIT);
             match reserve_waiting(s, e.key, e.parent, None, until).await {
                 Ok(mut r) => {
@@ -541,10 +555,12 @@ impl Conn {
                         return false; // the reservation frees its slot
                     }
                     let status = commit_status(r.commit());
+                    announced.done(i);
                     count_refusal(s, self.transport, status);
                     statuses.push(status);
                 }
                 Err(outcome) => {
+                    announced.done(i);
                     if !self.skip(rd, block, deadline).await {
                         return false;
                     }
@@ -758,6 +774,7 @@ impl Job {
         match req {
             Request::Ping => self.reply(Response::Pong),
             Request::Lookup(k) => {
+                await_pending(&s, &k.keys).await;
                 let tiers = store.lookup(&k.keys);
                 let miss = (tiers.len() < k.keys.len()).then_some(MissReason::NotCached);
                 self.reply(Response::Lookup {
@@ -781,6 +798,7 @@ impl Job {
                 let Ok(budget) = s.inflight_bytes.clone().try_acquire_many_owned(units) else {
                     return self.error(ErrorCode::Busy, "server send budget is spent; retry");
                 };
+                await_pending(&s, &k.keys).await;
                 // DRAM-resident prefixes are pinned right here; NVMe promotions block.
                 let pinned = match store.try_pin_read(&k.keys) {
                     Some(p) => p,
@@ -806,6 +824,7 @@ impl Job {
             }
             Request::Pin { keys, lease_ms } => {
                 let lease = self.lease(lease_ms);
+                await_pending(&s, &keys).await;
                 let l = match store.try_pin(&keys, lease) {
                     Some(l) => l,
                     None => match self.blocking(move || store.pin(&keys, lease)).await {
@@ -954,6 +973,41 @@ impl Job {
                 self.error(ErrorCode::Internal, "misrouted request")
             }
         }
+    }
+}
+
+/// Waits while the leading run of `keys` reaches a block that is being stored, until it is
+/// committed (then on to the next) or withdrawn, or the wait makes no progress for
+/// [`PENDING_STALL`], or [`PENDING_WAIT`] has passed. Serves nothing itself: the caller then
+/// reads the index, which holds committed blocks only.
+async fn await_pending(s: &Shared, keys: &[kvtier_core::BlockKey]) {
+    let store = &s.store;
+    if store.pending_blocks() == 0 {
+        return;
+    }
+    let start = Instant::now();
+    let mut progress = start;
+    let mut waited = false;
+    let mut i = 0;
+    while i < keys.len() {
+        if store.contains(&keys[i]) {
+            i += 1;
+            progress = Instant::now();
+            continue;
+        }
+        if !store.is_pending(&keys[i]) {
+            return; // not cached and not coming: a miss
+        }
+        let now = Instant::now();
+        if now >= progress + PENDING_STALL || now >= start + PENDING_WAIT {
+            Metrics::inc(&s.metrics.pending_wait_expired);
+            return;
+        }
+        if !waited {
+            waited = true;
+            Metrics::inc(&s.metrics.pending_waits);
+        }
+        tokio::time::sleep(PENDING_POLL).await;
     }
 }
 

@@ -80,6 +80,8 @@ pub struct Metrics {
     pub leases_open: IntGauge,
     pub reservations_open: IntGauge,
     pub events_dropped: IntCounter,
+    pub pending_waits: IntCounter,
+    pub pending_wait_expired: IntCounter,
     puts_refused: [IntCounter; 3],
     /// (last warning, refusals since it) for the rate-limited warning.
     refused_log: Mutex<(Option<Instant>, u64)>,
@@ -195,6 +197,16 @@ impl Metrics {
         let puts_refused = REFUSAL_REASONS.map(|n| refused.with_label_values(&[n]));
         let store = StoreMetrics::new(&r);
         Self {
+            pending_waits: counter(
+                &r,
+                "kvtier_pending_waits_total",
+                "Lookups, gets and pins that waited for blocks still being stored.",
+            ),
+            pending_wait_expired: counter(
+                &r,
+                "kvtier_pending_wait_expired_total",
+                "Waits for blocks being stored that ended at their bound, uncommitted.",
+            ),
             puts_refused,
             refused_log: Mutex::new((None, 0)),
             connections_open,

@@ -73,6 +73,7 @@ impl Inner {
             }
             return Err(PutOutcome::Rejected(RejectReason::NoEvictableSlot));
         };
+        self.pending.add([key]);
         Ok(Reservation {
             inner: self.clone(),
             key,

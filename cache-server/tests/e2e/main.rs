@@ -7,4 +7,5 @@ mod leaks;
 mod lifecycle;
 mod long_prefix;
 mod malformed;
+mod pending;
 mod sdk;
