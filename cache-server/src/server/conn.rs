@@ -783,6 +783,8 @@ impl Job {
                 })
             }
             Request::Get(k) => {
+                // Before taking any of the send budget: a wait holds nothing.
+                await_pending(&s, &k.keys).await;
                 let n = k.keys.len() as u64;
                 let bytes = n * s.block_bytes as u64;
                 if bytes > s.limits.max_payload_bytes {
@@ -798,7 +800,6 @@ impl Job {
                 let Ok(budget) = s.inflight_bytes.clone().try_acquire_many_owned(units) else {
                     return self.error(ErrorCode::Busy, "server send budget is spent; retry");
                 };
-                await_pending(&s, &k.keys).await;
                 // DRAM-resident prefixes are pinned right here; NVMe promotions block.
                 let pinned = match store.try_pin_read(&k.keys) {
                     Some(p) => p,
