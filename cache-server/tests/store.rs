@@ -520,3 +520,34 @@ fn batch_reserved_chains_evict_like_chains_put_one_by_one() {
     one_by_one.check_consistency().unwrap();
     batched.check_consistency().unwrap();
 }
+
+#[test]
+fn a_block_being_stored_is_pending_until_committed_and_never_served_before() {
+    let (s, _) = TieredStore::open(config(8, None)).unwrap();
+    let (a, b, c) = (key(1), key(2), key(3));
+    assert_eq!(s.pending_blocks(), 0);
+    // Announced by a put in flight: pending, not cached.
+    let mut ann = s.announce(&[a, b]);
+    assert!(s.is_pending(&a) && s.is_pending(&b));
+    let mut r = s.reserve(a, None).unwrap();
+    r.bytes_mut().copy_from_slice(&data(a));
+    assert!(s.is_pending(&a));
+    assert_eq!(get(&s, a), GetOutcome::Miss(MissReason::NotCached));
+    assert!(s.lookup(&[a]).is_empty());
+    assert_eq!(r.commit().unwrap(), PutOutcome::Stored(TierKind::Dram));
+    // Still announced until the put says it is done with it.
+    assert!(s.is_pending(&a));
+    ann.done(0);
+    ann.done(0);
+    assert!(!s.is_pending(&a));
+    assert_eq!(get(&s, a), GetOutcome::Hit(TierKind::Dram));
+    // An abandoned reservation and a dropped announcement withdraw their keys.
+    let r = s.reserve(c, None).unwrap();
+    assert!(s.is_pending(&c));
+    drop(r);
+    assert!(!s.is_pending(&c));
+    drop(ann);
+    assert!(!s.is_pending(&b));
+    assert_eq!(s.pending_blocks(), 0);
+    s.check_consistency().unwrap();
+}

@@ -70,6 +70,10 @@ use conn::Conn;
 /// Rounds in a row a multi-round get may make no progress (the server still releasing the
 /// previous round's pins) before it reports the miss.
 const BUSY_RETRIES: u32 = 3;
+/// A local put reserves at most 1/this of the server's DRAM arena at a time, so a chain
+/// longer than DRAM is stored in windows (each committed before the next is reserved)
+/// instead of refused once every slot is reserved.
+const RESERVE_WINDOW_DIVISOR: usize = 4;
 
 /// Client settings. Each field's doc ends with its default.
 #[derive(Clone, Debug)]
@@ -258,6 +262,14 @@ impl Stored {
             .filter(|s| matches!(s, PutStatus::Stored | PutStatus::AlreadyPresent))
             .count()
     }
+}
+
+/// Blocks the arena of `c` holds (an upper bound: slots may be padded past a block).
+fn arena_blocks(c: &Conn, block_bytes: usize) -> usize {
+    if c.arena.is_none() || block_bytes == 0 {
+        return 0;
+    }
+    (c.hello.arena_bytes / block_bytes as u64) as usize
 }
 
 /// Blocks pinned in the server's DRAM arena, readable in place (local connections only).
@@ -669,8 +681,21 @@ impl Client {
         Ok((done, tiers, None))
     }
 
+    /// How many blocks the server's DRAM arena holds (local connections; 0 otherwise, or
+    /// when not connected): the most one [`Client::get_pinned`] can ever pin. A longer
+    /// prefix is read in full with [`Client::get_into`], which streams it through DRAM in
+    /// rounds.
+    pub async fn arena_blocks(&self) -> usize {
+        match self.conn().await {
+            Ok(c) => arena_blocks(&c, self.block_bytes),
+            Err(_) => 0,
+        }
+    }
+
     /// Pins the longest cached prefix of `keys` in the server's DRAM for `lease` and lends
-    /// the blocks in place (local connections only): the zero-copy read path.
+    /// the blocks in place (local connections only): the zero-copy read path. At most
+    /// [`Client::arena_blocks`] blocks (fewer while other readers hold pins): a longer
+    /// prefix stops early with [`Miss::Busy`].
     pub async fn get_pinned(
         &self,
         keys: &[BlockKey],
@@ -764,7 +789,11 @@ impl Client {
     async fn put_inner(&self, entries: &[PutEntry], bufs: &[&[u8]]) -> Result<Stored, ClientError> {
         self.check_bufs(entries.len(), bufs.iter().map(|b| b.len()))?;
         let c = self.conn().await?;
-        let per = ((c.max_payload() / self.block_bytes as u64).max(1) as usize).min(c.max_keys());
+        let mut per =
+            ((c.max_payload() / self.block_bytes as u64).max(1) as usize).min(c.max_keys());
+        if self.local {
+            per = per.min((arena_blocks(&c, self.block_bytes) / RESERVE_WINDOW_DIVISOR).max(1));
+        }
         let mut statuses = Vec::with_capacity(entries.len());
         for (ents, bs) in entries.chunks(per).zip(bufs.chunks(per)) {
             let raw = if self.local {

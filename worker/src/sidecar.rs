@@ -4,8 +4,9 @@
 //! id, the [`KvLayout`] fingerprint and the request's `cache_salt`), look up the longest cached
 //! prefix, decide with the cost model how much of it to load, and fetch it:
 //! over `unix://` the blocks are pinned in the sidecar's DRAM arena ([`Client::get_pinned`])
-//! and the scheduler copies each one straight into its pool block (bytes cross memory once);
-//! over `tcp://` / `quic://` they are read with [`Client::get_into`] into one staging buffer
+//! and the scheduler copies each one straight into its pool block (bytes cross memory once),
+//! unless the prefix is longer than the arena ([`Client::arena_blocks`]): then, and
+//! over `tcp://` / `quic://`, they are read with [`Client::get_into`] into one staging buffer
 //! that the scheduler copies into the pool (the pool is owned by the compute thread, so a
 //! network read cannot target it from the request task).
 //!
@@ -495,7 +496,9 @@ impl Sidecar {
             return prefix;
         }
         let keys = &prefix.keys[skip..want];
-        if client.is_local() {
+        // A prefix longer than the sidecar's DRAM cannot be pinned at once: it is copied out
+        // with get_into, which streams it through DRAM in rounds.
+        if client.is_local() && keys.len() <= client.arena_blocks().await {
             match client.get_pinned(keys, PIN_LEASE).await {
                 Ok(p) => {
                     if let Some(m) = p.miss()

@@ -35,6 +35,21 @@ const MAX_SUBSCRIPTIONS: usize = 4;
 const EVENT_BATCH: usize = 1024;
 /// How often a connection drops its expired reservations.
 const RESERVATION_REAP: Duration = Duration::from_millis(100);
+/// How long a put (or a reservation) waits, at most, for a DRAM slot while every slot is
+/// pinned and background copies (write-through to NVMe, which pin their DRAM slot until
+/// written) are running: those copies free slots as they finish, so a chain longer than
+/// DRAM is paced by the NVMe writes instead of refused.
+const SLOT_WAIT: Duration = Duration::from_secs(2);
+/// How often a waiting put tries again for a slot.
+const SLOT_POLL: Duration = Duration::from_millis(1);
+/// A lookup, get or pin that meets a block still being stored (announced by a put in
+/// flight, or reserved and not yet committed) waits for its commit at most this long without
+/// progress...
+const PENDING_STALL: Duration = Duration::from_millis(50);
+/// ...and at most this long in all.
+const PENDING_WAIT: Duration = Duration::from_millis(500);
+/// How often a waiting read looks again.
+const PENDING_POLL: Duration = Duration::from_millis(1);
 /// Global in-flight byte budget is counted in units of this many bytes.
 pub(crate) const BUDGET_UNIT: u64 = 4096;
 
@@ -341,8 +356,11 @@ impl Conn {
                     self.subscriptions += 1;
                     self.subscribe(h.request_id, from_seq, snapshot).await;
                 }
-                req @ (Request::Lookup(_) | Request::Ping) => {
+                req @ (Request::Lookup(_) | Request::Ping)
+                    if self.shared.store.pending_blocks() == 0 =>
+                {
                     // CPU only and bounded by max_keys: answered here, saving a task hop.
+                    // (With blocks being stored, a lookup may wait for them: a task.)
                     let job = self.job(&h);
                     let op = req.opcode();
                     if let Some(o) = job.run(req).await {
@@ -383,6 +401,7 @@ impl Conn {
             state: self.state.clone(),
             tx: self.tx.clone(),
             local_arena: self.local_arena,
+            transport: self.transport,
             id: h.request_id,
             op: h.opcode,
             no_reply: h.is(flags::NO_REPLY),
@@ -524,20 +543,30 @@ impl Conn {
             .await;
             return true;
         }
+        let keys: Vec<_> = entries.iter().map(|e| e.key).collect();
+        // Readers that meet these keys wait for them (bounded) instead of missing.
+        let mut announced = s.store.announce(&keys);
         let mut statuses = Vec::with_capacity(entries.len());
-        for e in &entries {
-            match s.store.reserve(e.key, e.parent) {
+        for (i, e) in entries.iter().enumerate() {
+            let until = deadline.into_std().min(Instant::now() + SLOT_WAIT);
+            match reserve_waiting(s, e.key, e.parent, None, until).await {
                 Ok(mut r) => {
                     if !self.within(deadline, rd.read_exact(r.bytes_mut())).await {
                         return false; // the reservation frees its slot
                     }
-                    statuses.push(commit_status(r.commit()));
+                    let status = commit_status(r.commit());
+                    announced.done(i);
+                    count_refusal(s, self.transport, status);
+                    statuses.push(status);
                 }
                 Err(outcome) => {
+                    announced.done(i);
                     if !self.skip(rd, block, deadline).await {
                         return false;
                     }
-                    statuses.push(put_status(outcome));
+                    let status = put_status(outcome);
+                    count_refusal(s, self.transport, status);
+                    statuses.push(status);
                 }
             }
         }
@@ -677,6 +706,7 @@ struct Job {
     state: Arc<Mutex<ConnState>>,
     tx: mpsc::Sender<Out>,
     local_arena: bool,
+    transport: Transport,
     id: u64,
     op: u8,
     no_reply: bool,
@@ -744,6 +774,7 @@ impl Job {
         match req {
             Request::Ping => self.reply(Response::Pong),
             Request::Lookup(k) => {
+                await_pending(&s, &k.keys).await;
                 let tiers = store.lookup(&k.keys);
                 let miss = (tiers.len() < k.keys.len()).then_some(MissReason::NotCached);
                 self.reply(Response::Lookup {
@@ -752,6 +783,8 @@ impl Job {
                 })
             }
             Request::Get(k) => {
+                // Before taking any of the send budget: a wait holds nothing.
+                await_pending(&s, &k.keys).await;
                 let n = k.keys.len() as u64;
                 let bytes = n * s.block_bytes as u64;
                 if bytes > s.limits.max_payload_bytes {
@@ -792,6 +825,7 @@ impl Job {
             }
             Request::Pin { keys, lease_ms } => {
                 let lease = self.lease(lease_ms);
+                await_pending(&s, &keys).await;
                 let l = match store.try_pin(&keys, lease) {
                     Some(l) => l,
                     None => match self.blocking(move || store.pin(&keys, lease)).await {
@@ -839,7 +873,11 @@ impl Job {
                     );
                 }
                 let lease = self.lease(lease_ms);
-                let (slots, statuses) = reserve_batch(&s, &entries);
+                let (slots, statuses) =
+                    reserve_batch(&s, &entries, Instant::now() + SLOT_WAIT).await;
+                for st in &statuses {
+                    count_refusal(&s, self.transport, *st);
+                }
                 let mut reply_slots = Vec::with_capacity(slots.len());
                 for (r, st) in slots.iter().zip(&statuses) {
                     reply_slots.push(ReservedSlot {
@@ -883,6 +921,7 @@ impl Job {
                 for (i, r) in rec.slots.into_iter().enumerate() {
                     if let Some(r) = r {
                         statuses[i] = commit_status(r.commit());
+                        count_refusal(&s, self.transport, statuses[i]);
                     }
                 }
                 let stored = statuses
@@ -938,9 +977,81 @@ impl Job {
     }
 }
 
+/// Waits while the leading run of `keys` reaches a block that is being stored, until it is
+/// committed (then on to the next) or withdrawn, or the wait makes no progress for
+/// [`PENDING_STALL`], or [`PENDING_WAIT`] has passed. Serves nothing itself: the caller then
+/// reads the index, which holds committed blocks only.
+async fn await_pending(s: &Shared, keys: &[kvtier_core::BlockKey]) {
+    let store = &s.store;
+    if store.pending_blocks() == 0 {
+        return;
+    }
+    let start = Instant::now();
+    let mut progress = start;
+    let mut waited = false;
+    let mut i = 0;
+    while i < keys.len() {
+        if store.contains(&keys[i]) {
+            i += 1;
+            progress = Instant::now();
+            continue;
+        }
+        if !store.is_pending(&keys[i]) {
+            return; // not cached and not coming: a miss
+        }
+        let now = Instant::now();
+        if now >= progress + PENDING_STALL || now >= start + PENDING_WAIT {
+            Metrics::inc(&s.metrics.pending_wait_expired);
+            return;
+        }
+        if !waited {
+            waited = true;
+            Metrics::inc(&s.metrics.pending_waits);
+        }
+        tokio::time::sleep(PENDING_POLL).await;
+    }
+}
+
+/// Counts (and logs, rate-limited) a put status that is a refusal.
+fn count_refusal(s: &Shared, transport: Transport, status: u8) {
+    let why = match PutStatus::from_u8(status) {
+        Some(PutStatus::RejectedBacklog) => RejectReason::Backlog,
+        Some(PutStatus::RejectedNoSlot) => RejectReason::NoEvictableSlot,
+        Some(PutStatus::RejectedOrphan) => RejectReason::OrphanBlock,
+        _ => return,
+    };
+    s.metrics.put_refused(why, transport);
+}
+
+/// Reserves a DRAM slot for `key`, waiting (until `until`, at most) while every slot is
+/// pinned and background copies that will unpin some are running. `after`: the entry's
+/// parent, reserved earlier in the same batch.
+async fn reserve_waiting(
+    s: &Shared,
+    key: kvtier_core::BlockKey,
+    parent: Option<kvtier_core::BlockKey>,
+    after: Option<&Reservation>,
+    until: Instant,
+) -> Result<Reservation, PutOutcome> {
+    loop {
+        let may_wait = Instant::now() < until && s.store.background_jobs() > 0;
+        match s.store.reserve_try(key, parent, after, !may_wait) {
+            Err(PutOutcome::Rejected(RejectReason::NoEvictableSlot)) if may_wait => {
+                tokio::time::sleep(SLOT_POLL).await;
+            }
+            r => return r,
+        }
+    }
+}
+
 /// Reserves slots for a batch of entries, in order; a child of an entry reserved earlier
-/// in the batch may be reserved before its parent is committed.
-fn reserve_batch(s: &Shared, entries: &[PutEntry]) -> (Vec<Option<Reservation>>, Vec<u8>) {
+/// in the batch may be reserved before its parent is committed. Waits for slots (until
+/// `until`) as [`reserve_waiting`] does.
+async fn reserve_batch(
+    s: &Shared,
+    entries: &[PutEntry],
+    until: Instant,
+) -> (Vec<Option<Reservation>>, Vec<u8>) {
     let mut slots: Vec<Option<Reservation>> = Vec::with_capacity(entries.len());
     let mut statuses = Vec::with_capacity(entries.len());
     for (i, e) in entries.iter().enumerate() {
@@ -948,10 +1059,7 @@ fn reserve_batch(s: &Shared, entries: &[PutEntry]) -> (Vec<Option<Reservation>>,
             (Some(p), Some(Some(prev))) if i > 0 && entries[i - 1].key == p => Some(prev),
             _ => None,
         };
-        let r = match pending_parent {
-            Some(prev) => s.store.reserve_after(e.key, prev),
-            None => s.store.reserve(e.key, e.parent),
-        };
+        let r = reserve_waiting(s, e.key, e.parent, pending_parent, until).await;
         match r {
             Ok(r) => {
                 slots.push(Some(r));

@@ -4,7 +4,7 @@
 //! Prometheus text format (version 0.0.4, [`CONTENT_TYPE`]).
 
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvtier_core::protocol::Opcode;
 use prometheus::{
@@ -12,7 +12,23 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+use crate::policy::admission::RejectReason;
 use crate::{StoreStats, TierStats};
+
+/// A refused put is logged at most once per this interval (with the count since the last).
+pub const REFUSED_PUT_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The reasons a put is refused, as the `reason` label of `kvtier_puts_refused_total` names
+/// them (in the order of [`refusal_idx`]).
+pub const REFUSAL_REASONS: [&str; 3] = ["backlog", "no_slot", "orphan"];
+
+fn refusal_idx(r: RejectReason) -> usize {
+    match r {
+        RejectReason::Backlog => 0,
+        RejectReason::NoEvictableSlot => 1,
+        RejectReason::OrphanBlock => 2,
+    }
+}
 
 /// Upper bounds of the latency buckets, in microseconds.
 pub const LATENCY_BUCKETS_US: [u64; 16] = [
@@ -64,6 +80,11 @@ pub struct Metrics {
     pub leases_open: IntGauge,
     pub reservations_open: IntGauge,
     pub events_dropped: IntCounter,
+    pub pending_waits: IntCounter,
+    pub pending_wait_expired: IntCounter,
+    puts_refused: [IntCounter; 3],
+    /// (last warning, refusals since it) for the rate-limited warning.
+    refused_log: Mutex<(Option<Instant>, u64)>,
     ready: IntGauge,
     /// The store's families, set from a snapshot under this lock at each scrape (so two
     /// scrapes never interleave their reset-and-set).
@@ -167,8 +188,27 @@ impl Metrics {
             .iter()
             .map(|op| latency.with_label_values(&[op.name()]))
             .collect();
+        let refused = counter_vec(
+            &r,
+            "kvtier_puts_refused_total",
+            "Blocks of puts (and reservations) refused, by reason.",
+            "reason",
+        );
+        let puts_refused = REFUSAL_REASONS.map(|n| refused.with_label_values(&[n]));
         let store = StoreMetrics::new(&r);
         Self {
+            pending_waits: counter(
+                &r,
+                "kvtier_pending_waits_total",
+                "Lookups, gets and pins that waited for blocks still being stored.",
+            ),
+            pending_wait_expired: counter(
+                &r,
+                "kvtier_pending_wait_expired_total",
+                "Waits for blocks being stored that ended at their bound, uncommitted.",
+            ),
+            puts_refused,
+            refused_log: Mutex::new((None, 0)),
             connections_open,
             connections_total,
             connections_refused: counter(
@@ -239,6 +279,31 @@ impl Metrics {
         self.requests[op_idx(op)].inc();
         self.latency[op_idx(op)].observe(took.as_secs_f64());
     }
+    /// Counts a block refused for `why` (of a put from `transport`), and warns at most once
+    /// per [`REFUSED_PUT_LOG_INTERVAL`] with the number refused since the last warning.
+    pub fn put_refused(&self, why: RejectReason, transport: Transport) {
+        self.puts_refused[refusal_idx(why)].inc();
+        let mut g = self.refused_log.lock().unwrap_or_else(|p| p.into_inner());
+        g.1 += 1;
+        let now = Instant::now();
+        if g.0
+            .is_none_or(|t| now.duration_since(t) >= REFUSED_PUT_LOG_INTERVAL)
+        {
+            tracing::warn!(
+                reason = REFUSAL_REASONS[refusal_idx(why)],
+                transport = transport.name(),
+                refused_since_last_warning = g.1,
+                "put refused (see kvtier_puts_refused_total)"
+            );
+            *g = (Some(now), 0);
+        }
+    }
+
+    /// Blocks refused for `why` so far.
+    pub fn puts_refused(&self, why: RejectReason) -> u64 {
+        self.puts_refused[refusal_idx(why)].get()
+    }
+
     /// Counts one.
     pub fn inc(c: &IntCounter) {
         c.inc();

@@ -92,13 +92,18 @@ impl Reservation {
     /// if its parent was evicted meanwhile; the slot is freed in both cases.
     pub fn commit(mut self) -> Result<PutOutcome, StoreError> {
         self.open = false;
-        self.inner.commit(self.key, self.parent, self.slot)
+        // Indexed (or refused) first, then no longer pending: a waiting reader never sees
+        // the key neither cached nor pending while it is being committed.
+        let r = self.inner.commit(self.key, self.parent, self.slot);
+        self.inner.pending.remove(&self.key);
+        r
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         if self.open {
+            self.inner.pending.remove(&self.key);
             self.inner.retire(self.inner.host, self.slot, false);
             self.inner.unpin(self.inner.host, self.slot);
         }

@@ -16,7 +16,7 @@
 //! One idea per file: `index.rs` (the sharded index), `slots.rs` (slots and pin words per
 //! tier), `evict.rs` (allocation and eviction), `movement.rs` (demotion, promotion, prefetch),
 //! `read.rs` and `write.rs` (the data paths), `lease.rs` (leases and the reaper), `handles.rs`
-//! (`PinnedRead`, `Reservation`), `events.rs` (events, snapshot), `check.rs` (the consistency
+//! (`PinnedRead`, `Reservation`), `pending.rs` (blocks being stored), `events.rs` (events, snapshot), `check.rs` (the consistency
 //! check). This file holds the public API and the open path (recovery included).
 
 mod check;
@@ -26,6 +26,7 @@ mod handles;
 mod index;
 mod lease;
 mod movement;
+mod pending;
 mod read;
 mod slots;
 mod write;
@@ -33,6 +34,7 @@ mod write;
 pub use events::{EventSink, SnapshotEntry, StoreEvent, StoreEventKind};
 pub use handles::{PinnedRead, Reservation};
 pub use lease::{LEASE_REAP_INTERVAL, Lease, PinnedBlock};
+pub use pending::Announcement;
 
 use self::index::Shard;
 use self::index::{Entry, MAX_TIERS};
@@ -109,6 +111,8 @@ struct Inner {
     bounce: BufferPool,
     leases: Mutex<HashMap<u64, LeaseRecord>>,
     next_lease: AtomicU64,
+    /// Keys being stored (announced or reserved, not yet committed).
+    pending: pending::Pending,
     events: std::sync::OnceLock<EventSink>,
     config: StoreConfig,
 }
@@ -223,6 +227,7 @@ impl TieredStore {
             shards: (0..shards)
                 .map(|_| Mutex::new(Shard::with_capacity_and_hasher(per_shard, hashing.clone())))
                 .collect(),
+            pending: pending::Pending::new(hashing.clone()),
             hashing,
             tiers: tiers.into(),
             host,
@@ -358,7 +363,7 @@ impl TieredStore {
         key: BlockKey,
         parent: Option<BlockKey>,
     ) -> Result<Reservation, PutOutcome> {
-        self.inner.reserve(key, parent, None)
+        self.inner.reserve(key, parent, None, true)
     }
 
     /// Like [`TieredStore::reserve`] for a block whose parent is reserved earlier in the same
@@ -371,7 +376,53 @@ impl TieredStore {
         key: BlockKey,
         parent: &Reservation,
     ) -> Result<Reservation, PutOutcome> {
-        self.inner.reserve(key, Some(parent.key), Some(parent.slot))
+        self.inner
+            .reserve(key, Some(parent.key), Some(parent.slot), true)
+    }
+
+    /// One try of [`TieredStore::reserve`] (or of [`TieredStore::reserve_after`] `after`),
+    /// for a caller that may try again: a refusal for want of an unpinned DRAM slot is
+    /// counted only when `last_try`. Slots pinned by background copies (write-through to
+    /// NVMe) free themselves as [`TieredStore::background_jobs`] drains, so a caller that
+    /// can wait (bounded) tries again while that is non-zero.
+    pub fn reserve_try(
+        &self,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+        after: Option<&Reservation>,
+        last_try: bool,
+    ) -> Result<Reservation, PutOutcome> {
+        match after {
+            Some(p) => self.inner.reserve(key, Some(p.key), Some(p.slot), last_try),
+            None => self.inner.reserve(key, parent, None, last_try),
+        }
+    }
+
+    /// Announces that blocks `keys` are about to be stored (a put whose bytes are on their
+    /// way): until each is withdrawn ([`Announcement::done`], or dropping the announcement),
+    /// [`TieredStore::is_pending`] says so, and a reader may wait for it rather than miss.
+    pub fn announce(&self, keys: &[BlockKey]) -> Announcement {
+        self.inner.pending.add(keys.iter().copied());
+        Announcement {
+            inner: self.inner.clone(),
+            keys: keys.iter().copied().map(Some).collect(),
+        }
+    }
+
+    /// Whether `key` is being stored: announced by a put in flight or reserved and not yet
+    /// committed. Such a block is not served until committed; a reader may wait for it.
+    pub fn is_pending(&self, key: &BlockKey) -> bool {
+        self.inner.pending.contains(key)
+    }
+
+    /// How many distinct keys are being stored now.
+    pub fn pending_blocks(&self) -> usize {
+        self.inner.pending.len()
+    }
+
+    /// Background jobs (copies between tiers) queued or running.
+    pub fn background_jobs(&self) -> usize {
+        self.inner.pool.backlog()
     }
 
     /// Every cached block and the tiers holding it. O(blocks); for resyncing subscribers.

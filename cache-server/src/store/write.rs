@@ -30,7 +30,7 @@ impl Inner {
                 expected: self.block_bytes,
             });
         }
-        match self.reserve(key, parent, None) {
+        match self.reserve(key, parent, None, true) {
             Ok(mut r) => {
                 r.bytes_mut().copy_from_slice(data);
                 r.commit()
@@ -44,6 +44,7 @@ impl Inner {
         key: BlockKey,
         parent: Option<BlockKey>,
         pending_parent_slot: Option<u32>,
+        count_no_slot: bool,
     ) -> Result<Reservation, PutOutcome> {
         if self.shard(&key).contains_key(&key) {
             return Err(PutOutcome::AlreadyPresent);
@@ -67,9 +68,12 @@ impl Inner {
         }
         let ctx = self.ctx(parent_slot);
         let Some(slot) = self.alloc(h, key, ctx, parent) else {
-            TierCounters::inc(&c.admissions_refused);
+            if count_no_slot {
+                TierCounters::inc(&c.admissions_refused);
+            }
             return Err(PutOutcome::Rejected(RejectReason::NoEvictableSlot));
         };
+        self.pending.add([key]);
         Ok(Reservation {
             inner: self.clone(),
             key,

@@ -5,5 +5,7 @@ mod common;
 mod isolation;
 mod leaks;
 mod lifecycle;
+mod long_prefix;
 mod malformed;
+mod pending;
 mod sdk;
