@@ -13,6 +13,7 @@ pub mod config;
 pub mod disagg;
 pub mod engine;
 mod error;
+pub mod gguf;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod kv_cache;
@@ -28,5 +29,5 @@ pub use config::ModelConfig;
 pub use engine::{Engine, FinishReason, Generation, Sampler, Sampling};
 pub use error::WorkerError;
 pub use kv_cache::{BlockId, BlockTable, PagedKvCache};
-pub use model::{DeviceSpec, Model};
+pub use model::{DeviceSpec, Model, load_pretrained};
 pub use tokenizer::{ByteTokenizer, TextStream, Tokenizer};
