@@ -20,6 +20,7 @@ pub mod kv_cache;
 pub mod metrics;
 pub mod model;
 pub mod prefix_cache;
+pub mod quant;
 pub mod scheduler;
 pub mod serve;
 pub mod sidecar;

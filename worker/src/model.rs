@@ -34,6 +34,8 @@ struct Layer {
 enum Proj {
     F32(Linear),
     Quant(QMatMul),
+    /// Q4_1 or Q8_0 on the worker's kernel ([`crate::quant`]).
+    Kernel(crate::quant::QuantMatrix),
 }
 
 impl Proj {
@@ -41,6 +43,7 @@ impl Proj {
         Ok(match self {
             Proj::F32(l) => l.forward(x)?,
             Proj::Quant(q) => q.forward(x)?,
+            Proj::Kernel(q) => q.forward(x)?,
         })
     }
 
@@ -49,7 +52,7 @@ impl Proj {
     fn weight(&self) -> Option<&Tensor> {
         match self {
             Proj::F32(l) => Some(l.weight()),
-            Proj::Quant(_) => None,
+            Proj::Quant(_) | Proj::Kernel(_) => None,
         }
     }
 
@@ -58,6 +61,7 @@ impl Proj {
         match self {
             Proj::F32(l) => l.weight().elem_count() * 4,
             Proj::Quant(QMatMul::QTensor(q)) => q.storage_size_in_bytes(),
+            Proj::Kernel(q) => q.size_bytes(),
             Proj::Quant(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
                 t.elem_count() * t.dtype().size_in_bytes()
             }
@@ -313,7 +317,12 @@ impl Model {
         let norm = |t: Arc<QTensor>| -> Result<RmsNorm> {
             Ok(RmsNorm::new(t.dequantize(&Device::Cpu)?, eps))
         };
-        let quant = |t: Arc<QTensor>| -> Result<Proj> { Ok(Proj::Quant(QMatMul::from_arc(t)?)) };
+        let quant = |t: Arc<QTensor>| -> Result<Proj> {
+            Ok(match crate::quant::QuantMatrix::from_qtensor(&t)? {
+                Some(m) => Proj::Kernel(m),
+                None => Proj::Quant(QMatMul::from_arc(t)?),
+            })
+        };
         let embed = take("model.embed_tokens.weight".into())?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
@@ -353,7 +362,7 @@ impl Model {
 
     /// Whether the weights are kept quantized (a GGUF model).
     pub fn is_quantized(&self) -> bool {
-        matches!(self.lm_head, Proj::Quant(_))
+        !matches!(self.lm_head, Proj::F32(_))
     }
 
     /// Weight bytes a decode step reads: every projection and the LM head (the embedding
