@@ -30,10 +30,10 @@ sys.path.insert(0, str(SCRIPTS))
 from model_reference import GgufBpe, LlamaNumpy  # noqa: E402 (after the sys.path line above)
 
 STEPS = 12
-# The worker's quantized matmul rounds activations to 8 bits per 32-value block (as llama.cpp
-# and candle do); the reference multiplies in float32. Measured largest difference over these
-# prompts: see docs/worker.md.
-LOGIT_TOLERANCE = 0.5
+# The worker's decode steps round activations to 16 bits per 32-value block (llama.cpp and
+# candle round them to 8 bits), its prefill multiplies dequantized weights in f32, the reference
+# everything in float32. Largest difference measured over these prompts: 0.008 (docs/worker.md).
+LOGIT_TOLERANCE = 0.05
 PROMPTS = [
     "The capital of France is",
     "Water boils at a temperature of",

@@ -178,10 +178,7 @@ impl GgufFile {
 
     /// The model's shape as a Hugging Face `config.json` would give it (llama only).
     pub fn model_config(&self, block_tokens: usize) -> Result<ModelConfig> {
-        Ok(ModelConfig::from_hf_json(
-            &self.hf_config()?.to_string(),
-            block_tokens,
-        )?)
+        ModelConfig::from_hf_json(&self.hf_config()?.to_string(), block_tokens)
     }
 
     /// The Hugging Face `config.json` equivalent of the file's `llama.*` metadata.

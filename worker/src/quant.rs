@@ -7,8 +7,9 @@
 //! llama.cpp and candle round activations to 8 bits (Q8_1); 16 bits keeps each product within
 //! about 1e-4 of the f32 product of the dequantized weights, so the model's logits follow an
 //! f32 reference closely (scripts/tests/test_gguf_reference.py). The loops are plain Rust compiled a second time with AVX2
-//! enabled, chosen at run time; rows (decode) or tokens (prefill) are split across rayon's
-//! pool.
+//! enabled, chosen at run time; each token's rows are split across rayon's pool. From
+//! `DEQUANTIZE_FROM_TOKENS` tokens on (prefill) the matrix is dequantized for the call and
+//! multiplied in f32 instead.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
@@ -20,9 +21,11 @@ use crate::error::{Result, WorkerError};
 const BLOCK: usize = 32;
 /// Bytes of one Q4_1 block in a GGUF file: f16 `d`, f16 `m`, 16 bytes of nibbles.
 const Q4_1_BLOCK_BYTES: usize = 20;
-/// Tokens one prefill work item multiplies against each weight row (the row stays in L1).
-const TOKENS_PER_ITEM: usize = 16;
-/// Output rows one decode work item computes.
+/// From this many tokens on (prefill), the matrix is dequantized to f32 for the call and
+/// multiplied by candle's f32 matmul, which is faster there than integer dot products; below
+/// it (decode, small batches) the kernel reads the quantized blocks.
+const DEQUANTIZE_FROM_TOKENS: usize = 32;
+/// Output rows one work item computes.
 const ROWS_PER_ITEM: usize = 64;
 
 /// Bytes of one Q8_0 block in a GGUF file: f16 `d`, 32 signed bytes.
@@ -113,20 +116,48 @@ impl QuantMatrix {
                 reason: format!("input has {cols} columns, the weights {}", self.cols),
             });
         }
+        if t >= DEQUANTIZE_FROM_TOKENS {
+            return Ok(x.matmul(&self.dequantize()?.t()?)?);
+        }
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
         let kb = cols / BLOCK;
         let acts: Vec<Q16Block> = xs.chunks_exact(BLOCK).map(quantize_block).collect();
+        // Per token, its rows split across the pool (one token: the decode step; a few: a
+        // batched decode step).
         let mut out = vec![0f32; t * self.rows];
-        if t == 1 {
-            out.par_chunks_mut(ROWS_PER_ITEM)
+        for (dst, act) in out.chunks_mut(self.rows).zip(acts.chunks(kb)) {
+            dst.par_chunks_mut(ROWS_PER_ITEM)
                 .enumerate()
-                .for_each(|(i, dst)| self.rows_into(&acts, i * ROWS_PER_ITEM, dst));
-        } else {
-            out.par_chunks_mut(TOKENS_PER_ITEM * self.rows)
-                .zip(acts.par_chunks(TOKENS_PER_ITEM * kb))
-                .for_each(|(dst, acts)| self.tokens_into(acts, dst));
+                .for_each(|(i, dst)| self.rows_into(act, i * ROWS_PER_ITEM, dst));
         }
         Ok(Tensor::from_vec(out, (t, self.rows), &Device::Cpu)?)
+    }
+
+    /// The f32 matrix, `[rows, cols]`.
+    pub fn dequantize(&self) -> Result<Tensor> {
+        let mut w = vec![0f32; self.rows * self.cols];
+        match &self.blocks {
+            Blocks::Q4_1 { scales, nibbles } => {
+                w.par_chunks_mut(BLOCK)
+                    .zip(scales.par_iter().zip(nibbles))
+                    .for_each(|(dst, (&(d, m), qs))| {
+                        for j in 0..16 {
+                            dst[j] = d * f32::from(qs[j] & 15) + m;
+                            dst[j + 16] = d * f32::from(qs[j] >> 4) + m;
+                        }
+                    });
+            }
+            Blocks::Q8_0 { scales, q } => {
+                w.par_chunks_mut(BLOCK)
+                    .zip(scales.par_iter().zip(q))
+                    .for_each(|(dst, (&d, qs))| {
+                        for (o, &v) in dst.iter_mut().zip(qs) {
+                            *o = d * f32::from(v);
+                        }
+                    });
+            }
+        }
+        Ok(Tensor::from_vec(w, (self.rows, self.cols), &Device::Cpu)?)
     }
 
     /// Rows `first..first + dst.len()` for one token.
@@ -140,17 +171,6 @@ impl QuantMatrix {
         }
         rows_into_generic(self, act, first, dst);
     }
-
-    /// Every row for `dst.len() / rows` tokens (`act` holds their blocks).
-    fn tokens_into(&self, act: &[Q16Block], dst: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: as in `rows_into`.
-            unsafe { tokens_into_avx2(self, act, dst) };
-            return;
-        }
-        tokens_into_generic(self, act, dst);
-    }
 }
 
 #[inline(always)]
@@ -163,9 +183,9 @@ fn dot_row(w: &QuantMatrix, row: usize, act: &[Q16Block]) -> f32 {
             for ((&(d, m), qs), y) in scales[blocks.clone()].iter().zip(&nibbles[blocks]).zip(act) {
                 // At most 15 * 32767 * 32 in magnitude: fits an i32.
                 let mut s = 0i32;
-                for j in 0..16 {
-                    s += i32::from(qs[j] & 15) * i32::from(y.q[j])
-                        + i32::from(qs[j] >> 4) * i32::from(y.q[j + 16]);
+                let (lo, hi) = y.q.split_at(16);
+                for ((&b, &l), &h) in qs.iter().zip(lo).zip(hi) {
+                    s += i32::from(b & 15) * i32::from(l) + i32::from(b >> 4) * i32::from(h);
                 }
                 acc += d * y.d * s as f32 + m * y.d_sum;
             }
@@ -174,8 +194,8 @@ fn dot_row(w: &QuantMatrix, row: usize, act: &[Q16Block]) -> f32 {
             for ((&d, qs), y) in scales[blocks.clone()].iter().zip(&q[blocks]).zip(act) {
                 // At most 128 * 32767 * 32 in magnitude: fits an i32.
                 let mut s = 0i32;
-                for j in 0..BLOCK {
-                    s += i32::from(qs[j]) * i32::from(y.q[j]);
+                for (&w, &a) in qs.iter().zip(&y.q) {
+                    s += i32::from(w) * i32::from(a);
                 }
                 acc += d * y.d * s as f32;
             }
@@ -191,27 +211,10 @@ fn rows_into_generic(w: &QuantMatrix, act: &[Q16Block], first: usize, dst: &mut 
     }
 }
 
-#[inline(always)]
-fn tokens_into_generic(w: &QuantMatrix, act: &[Q16Block], dst: &mut [f32]) {
-    let kb = w.cols / BLOCK;
-    let tokens = dst.len() / w.rows;
-    for row in 0..w.rows {
-        for t in 0..tokens {
-            dst[t * w.rows + row] = dot_row(w, row, &act[t * kb..(t + 1) * kb]);
-        }
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn rows_into_avx2(w: &QuantMatrix, act: &[Q16Block], first: usize, dst: &mut [f32]) {
     rows_into_generic(w, act, first, dst)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn tokens_into_avx2(w: &QuantMatrix, act: &[Q16Block], dst: &mut [f32]) {
-    tokens_into_generic(w, act, dst)
 }
 
 /// 32 values as `d * q` with `d = max|x| / 32767`, `q` rounded to nearest.
@@ -277,6 +280,7 @@ mod tests {
             (130, 576, 1),
             (129, 96, 3),
             (64, 576, 17),
+            (33, 1536, 31),
             (33, 1536, 40),
         ] {
             check(GgmlDType::Q4_1, rows, cols, t);
