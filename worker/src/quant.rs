@@ -120,17 +120,20 @@ impl QuantMatrix {
             return Ok(x.matmul(&self.dequantize()?.t()?)?);
         }
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
-        let kb = cols / BLOCK;
         let acts: Vec<Q16Block> = xs.chunks_exact(BLOCK).map(quantize_block).collect();
-        // Per token, its rows split across the pool (one token: the decode step; a few: a
-        // batched decode step).
-        let mut out = vec![0f32; t * self.rows];
-        for (dst, act) in out.chunks_mut(self.rows).zip(acts.chunks(kb)) {
-            dst.par_chunks_mut(ROWS_PER_ITEM)
-                .enumerate()
-                .for_each(|(i, dst)| self.rows_into(act, i * ROWS_PER_ITEM, dst));
-        }
-        Ok(Tensor::from_vec(out, (t, self.rows), &Device::Cpu)?)
+        // Rows split across the pool; each row (in L1) against every token, so a batched
+        // decode step reads the weights once. `out_t` is `[rows, t]`.
+        let mut out_t = vec![0f32; t * self.rows];
+        out_t
+            .par_chunks_mut(ROWS_PER_ITEM * t)
+            .enumerate()
+            .for_each(|(i, dst)| self.rows_into(&acts, i * ROWS_PER_ITEM, dst));
+        let out_t = Tensor::from_vec(out_t, (self.rows, t), &Device::Cpu)?;
+        Ok(if t == 1 {
+            out_t.reshape((1, self.rows))?
+        } else {
+            out_t.t()?.contiguous()?
+        })
     }
 
     /// The f32 matrix, `[rows, cols]`.
@@ -160,7 +163,8 @@ impl QuantMatrix {
         Ok(Tensor::from_vec(w, (self.rows, self.cols), &Device::Cpu)?)
     }
 
-    /// Rows `first..first + dst.len()` for one token.
+    /// Rows `first..first + dst.len() / t` for the `t = act.len() / blocks per row` tokens of
+    /// `act`, into `dst` as `[row][token]`.
     fn rows_into(&self, act: &[Q16Block], first: usize, dst: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
@@ -206,8 +210,12 @@ fn dot_row(w: &QuantMatrix, row: usize, act: &[Q16Block]) -> f32 {
 
 #[inline(always)]
 fn rows_into_generic(w: &QuantMatrix, act: &[Q16Block], first: usize, dst: &mut [f32]) {
-    for (i, o) in dst.iter_mut().enumerate() {
-        *o = dot_row(w, first + i, act);
+    let kb = w.cols / BLOCK;
+    let t = act.len() / kb;
+    for (i, row) in dst.chunks_mut(t).enumerate() {
+        for (o, a) in row.iter_mut().zip(act.chunks(kb)) {
+            *o = dot_row(w, first + i, a);
+        }
     }
 }
 
