@@ -91,6 +91,17 @@ async fn gguf_prefix_from_kvtier_equals_recompute() -> Result<()> {
     // The reference: the model alone, one-shot prefill, no cache.
     let (model, tok) = load_pretrained(&gguf, 16)?;
     assert!(model.is_quantized());
+    // The tokenizer and chat template came from the GGUF's metadata (no BOS: add_bos_token
+    // is false there).
+    let chat = tok.chat_template().context("the GGUF's chat template")?;
+    let rendered = chat
+        .render(&[("user".into(), "Hi".into())])
+        .map_err(anyhow::Error::msg)?;
+    assert!(
+        rendered.contains("<|im_start|>user\nHi<|im_end|>"),
+        "{rendered}"
+    );
+    assert_eq!(tok.special_tokens().prefix, Vec::<u32>::new());
     let ids = tok.encode(PROMPT, true)?;
     let mut e = Engine::new(model, 64)?;
     let want = tok.decode(&e.generate(&ids, MAX_TOKENS, Sampling::GREEDY)?.tokens)?;
