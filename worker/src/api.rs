@@ -126,6 +126,8 @@ struct RawRequest {
     model: Option<String>,
     prompt: Option<Value>,
     messages: Option<Vec<RawMessage>>,
+    /// Tool definitions, handed to the model's chat template as they are.
+    tools: Option<Value>,
     max_tokens: Option<i64>,
     max_completion_tokens: Option<i64>,
     temperature: Option<f64>,
@@ -140,7 +142,14 @@ struct RawRequest {
 #[derive(Deserialize)]
 struct RawMessage {
     role: String,
+    /// Absent or null for an assistant message that only calls tools.
+    #[serde(default)]
     content: Value,
+    /// An assistant's tool calls (OpenAI form), for the template.
+    tool_calls: Option<Value>,
+    /// A `tool` message's answer to this call id, for the template.
+    tool_call_id: Option<String>,
+    name: Option<String>,
 }
 
 /// What the server checks a request against.
@@ -226,16 +235,37 @@ pub fn parse(body: &[u8], endpoint: Endpoint, lim: &Limits) -> Result<ParsedRequ
             let msgs = raw
                 .messages
                 .ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
-            let msgs = chat_messages(&msgs)?;
+            let texts = chat_messages(&msgs)?;
             match lim.tokenizer.chat_template() {
                 // The model's own template writes its special tokens, BOS included.
                 Some(t) => {
-                    let text = t.render(&msgs).map_err(|e| {
-                        ApiError::invalid(
-                            format!("the model's chat template: {e}"),
-                            Some("messages"),
-                        )
-                    })?;
+                    let full: Vec<Value> = msgs
+                        .iter()
+                        .zip(&texts)
+                        .map(|(m, (role, content))| {
+                            let mut o = serde_json::Map::new();
+                            o.insert("role".into(), json!(role));
+                            o.insert("content".into(), json!(content));
+                            if let Some(c) = &m.tool_calls {
+                                o.insert("tool_calls".into(), c.clone());
+                            }
+                            if let Some(id) = &m.tool_call_id {
+                                o.insert("tool_call_id".into(), json!(id));
+                            }
+                            if let Some(n) = &m.name {
+                                o.insert("name".into(), json!(n));
+                            }
+                            Value::Object(o)
+                        })
+                        .collect();
+                    let text = t
+                        .render_with_tools(&full, raw.tools.as_ref())
+                        .map_err(|e| {
+                            ApiError::invalid(
+                                format!("the model's chat template: {e}"),
+                                Some("messages"),
+                            )
+                        })?;
                     lim.tokenizer.encode(&text, false).map_err(|e| {
                         ApiError::invalid(
                             format!("cannot tokenize the prompt: {e}"),
@@ -243,7 +273,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint, lim: &Limits) -> Result<ParsedRequ
                         )
                     })?
                 }
-                None => encode(lim.tokenizer, &builtin_template(&msgs), "messages")?,
+                None => encode(lim.tokenizer, &builtin_template(&texts), "messages")?,
             }
         }
     };

@@ -138,13 +138,27 @@ impl ChatTemplate {
     /// The prompt text for `messages` (role, text content), ending with the generation prompt.
     /// A template error (including its own `raise_exception`) is returned as text, for a 400.
     pub fn render(&self, messages: &[(String, String)]) -> std::result::Result<String, String> {
-        let msgs: Vec<JValue> = messages
+        let msgs: Vec<serde_json::Value> = messages
             .iter()
-            .map(|(role, content)| context! { role => role, content => content })
+            .map(|(role, content)| serde_json::json!({"role": role, "content": content}))
             .collect();
+        self.render_with_tools(&msgs, None)
+    }
+
+    /// [`render`](Self::render) for messages as the OpenAI API sends them (JSON objects: `role`,
+    /// `content`, and an assistant's `tool_calls`, a tool result's `tool_call_id` / `name`,
+    /// passed to the template as they are, as `transformers` does) and the request's `tools`
+    /// (the template's `tools` variable; none when absent).
+    pub fn render_with_tools(
+        &self,
+        messages: &[serde_json::Value],
+        tools: Option<&serde_json::Value>,
+    ) -> std::result::Result<String, String> {
+        let msgs: Vec<JValue> = messages.iter().map(to_jinja).collect();
         let tmpl = self.env.get_template("chat").map_err(|e| e.to_string())?;
         tmpl.render(context! {
             messages => msgs,
+            tools => tools.map(to_jinja),
             add_generation_prompt => true,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
@@ -154,6 +168,25 @@ impl ChatTemplate {
             ErrorKind::InvalidOperation => e.detail().unwrap_or("invalid operation").to_owned(),
             _ => e.to_string(),
         })
+    }
+}
+
+/// A JSON value as a template value (minijinja is built without its serde feature).
+fn to_jinja(v: &Value) -> JValue {
+    match v {
+        Value::Null => JValue::from(()),
+        Value::Bool(b) => JValue::from(*b),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => JValue::from(i),
+            None => JValue::from(n.as_f64().unwrap_or(f64::NAN)),
+        },
+        Value::String(s) => JValue::from(s.as_str()),
+        Value::Array(a) => JValue::from(a.iter().map(to_jinja).collect::<Vec<_>>()),
+        Value::Object(o) => JValue::from(
+            o.iter()
+                .map(|(k, v)| (k.clone(), to_jinja(v)))
+                .collect::<std::collections::BTreeMap<String, JValue>>(),
+        ),
     }
 }
 
@@ -319,5 +352,37 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("default"), "{e}");
+    }
+
+    /// Tools and tool-call messages reach the template as the API sent them (as
+    /// `transformers` passes them): the tools' list, an assistant's `tool_calls` with their
+    /// arguments, and a tool result's `tool_call_id`.
+    #[test]
+    fn tools_and_tool_calls_are_rendered() {
+        let template = "{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}\
+            {% for m in messages %}<{{ m.role }}>\
+            {% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.function.name }}\
+            ({{ c.function.arguments.city }}){% endfor %}\
+            {% elif m.role == 'tool' %}[{{ m.tool_call_id }}] {{ m.content }}\
+            {% else %}{{ m.content }}{% endif %}\n{% endfor %}<assistant>";
+        let t =
+            ChatTemplate::new(template.into(), "t".into(), "<s>".into(), "</s>".into()).unwrap();
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "weather"}}]);
+        let msgs = [
+            serde_json::json!({"role": "user", "content": "Paris?"}),
+            serde_json::json!({"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "weather", "arguments": {"city": "Paris"}}}]}),
+            serde_json::json!({"role": "tool", "content": "sunny", "tool_call_id": "c1"}),
+        ];
+        let out = t.render_with_tools(&msgs, Some(&tools)).unwrap();
+        assert_eq!(
+            out,
+            "TOOLS [{\"function\": {\"name\": \"weather\"}, \"type\": \"function\"}]\n\
+             <user>Paris?\n<assistant>CALL weather(Paris)\n<tool>[c1] sunny\n<assistant>"
+        );
+        // Without tools the template sees none.
+        let out = t.render_with_tools(&msgs[..1], None).unwrap();
+        assert_eq!(out, "<user>Paris?\n<assistant>");
     }
 }

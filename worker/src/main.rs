@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use kvtier_core::{HashScheme, HashSecret};
 use kvtier_worker::serve::{Role, ServeConfig, WorkerServer};
-use kvtier_worker::{DeviceSpec, Engine, Model, ModelConfig, Sampling, Tokenizer};
+use kvtier_worker::{DeviceSpec, Engine, Model, ModelConfig, Sampling, Tokenizer, load_pretrained};
 
 #[derive(Parser)]
 #[command(
@@ -42,7 +42,9 @@ enum Command {
         /// newline is ignored). Without it the public development secret is used.
         #[arg(long)]
         hash_secret_file: Option<PathBuf>,
-        /// A Hugging Face Llama directory (config.json + *.safetensors; tokenizer.json when
+        /// The model: a Llama GGUF file (weights kept quantized; tokenizer and chat template
+        /// from its metadata; CPU only), a directory holding one .gguf and no safetensors, or a
+        /// Hugging Face Llama directory (config.json + *.safetensors; tokenizer.json when
         /// present, else prompts are byte-tokenized).
         #[arg(long)]
         model_dir: Option<PathBuf>,
@@ -89,8 +91,9 @@ enum Command {
         /// 0 is greedy.
         #[arg(long, default_value_t = 0.0)]
         temperature: f32,
-        /// A Hugging Face Llama directory (config.json + *.safetensors, and tokenizer.json,
-        /// without which prompts are byte-tokenized).
+        /// A Llama GGUF file (or a directory holding one and no safetensors), or a Hugging
+        /// Face Llama directory (config.json + *.safetensors, and tokenizer.json, without which
+        /// prompts are byte-tokenized).
         #[arg(long)]
         model_dir: Option<PathBuf>,
         /// Tokens per KV block.
@@ -215,16 +218,19 @@ fn main() -> anyhow::Result<()> {
             kv_blocks,
             device,
         } => {
-            let model = match &model_dir {
-                Some(dir) => Model::from_hf_dir(dir, block_tokens)
+            let (model, tok) = match &model_dir {
+                Some(dir) => load_pretrained(dir, block_tokens)
                     .with_context(|| format!("loading {}", dir.display()))?,
-                None => Model::random(
-                    ModelConfig {
-                        block_tokens,
-                        ..ModelConfig::default()
-                    },
-                    seed,
-                )?,
+                None => (
+                    Model::random(
+                        ModelConfig {
+                            block_tokens,
+                            ..ModelConfig::default()
+                        },
+                        seed,
+                    )?,
+                    Tokenizer::Byte,
+                ),
             };
             let model = model.to_device(device)?;
             let cfg = model.config().clone();
@@ -246,10 +252,6 @@ fn main() -> anyhow::Result<()> {
                 cfg.block_tokens,
                 device,
             );
-            let tok = match &model_dir {
-                Some(dir) => Tokenizer::for_model_dir(dir, cfg.vocab_size)?,
-                None => Tokenizer::Byte,
-            };
             let ids = tok.encode(&prompt, true)?;
             let mut engine = Engine::new(model, kv_blocks)?;
             engine.set_eos(tok.eos());

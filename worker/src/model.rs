@@ -6,7 +6,9 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Embedding, Linear, Module, RmsNorm, VarBuilder};
 
@@ -17,14 +19,70 @@ use kvtier_core::SplitMix64;
 
 struct Layer {
     input_norm: RmsNorm,
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
+    q_proj: Proj,
+    k_proj: Proj,
+    v_proj: Proj,
+    o_proj: Proj,
     post_norm: RmsNorm,
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+    gate_proj: Proj,
+    up_proj: Proj,
+    down_proj: Proj,
+}
+
+/// A bias-free linear layer: f32 weights (safetensors, random) or weights kept quantized
+/// (GGUF: candle's `QMatMul`, which quantizes the activations to Q8 for its dot products).
+enum Proj {
+    F32(Linear),
+    Quant(QMatMul),
+    /// Q4_1 or Q8_0 on the worker's kernel ([`crate::quant`]).
+    Kernel(crate::quant::QuantMatrix),
+}
+
+impl Proj {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Proj::F32(l) => l.forward(x)?,
+            Proj::Quant(q) => q.forward(x)?,
+            Proj::Kernel(q) => q.forward(x)?,
+        })
+    }
+
+    /// The f32 weight (`None` when quantized).
+    #[cfg(feature = "cuda")]
+    fn weight(&self) -> Option<&Tensor> {
+        match self {
+            Proj::F32(l) => Some(l.weight()),
+            Proj::Quant(_) | Proj::Kernel(_) => None,
+        }
+    }
+
+    /// Bytes of weight read per use.
+    fn weight_bytes(&self) -> usize {
+        match self {
+            Proj::F32(l) => l.weight().elem_count() * 4,
+            Proj::Quant(QMatMul::QTensor(q)) => q.storage_size_in_bytes(),
+            Proj::Kernel(q) => q.size_bytes(),
+            Proj::Quant(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
+                t.elem_count() * t.dtype().size_in_bytes()
+            }
+        }
+    }
+}
+
+/// The token embedding: an f32 matrix, or a quantized one whose rows are dequantized as they
+/// are looked up.
+enum Embed {
+    F32(Embedding),
+    Quant(Arc<QTensor>),
+}
+
+impl Embed {
+    fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Embed::F32(e) => e.forward(ids)?,
+            Embed::Quant(q) => q.embedding(ids)?,
+        })
+    }
 }
 
 /// Called by [`Model::forward_hooked`] around each layer, on the thread running the forward.
@@ -101,10 +159,10 @@ impl std::fmt::Display for DeviceSpec {
 pub struct Model {
     cfg: ModelConfig,
     device: Device,
-    embed: Embedding,
+    embed: Embed,
     layers: Vec<Layer>,
     norm: RmsNorm,
-    lm_head: Linear,
+    lm_head: Proj,
     /// `[max_context_tokens][head_dim / 2]`, built here: a VarMap would hand back zeros.
     cos: Tensor,
     sin: Tensor,
@@ -204,33 +262,35 @@ impl Model {
         let m = vb.pp("model");
         let embed = candle_nn::embedding(cfg.vocab_size, h, m.pp("embed_tokens"))?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
+        let lin =
+            |i, o, vb| -> Result<Proj> { Ok(Proj::F32(candle_nn::linear_no_bias(i, o, vb)?)) };
         for l in 0..cfg.num_layers {
             let lv = m.pp(format!("layers.{l}"));
             let at = lv.pp("self_attn");
             let mlp = lv.pp("mlp");
             layers.push(Layer {
                 input_norm: candle_nn::rms_norm(h, eps, lv.pp("input_layernorm"))?,
-                q_proj: candle_nn::linear_no_bias(h, q, at.pp("q_proj"))?,
-                k_proj: candle_nn::linear_no_bias(h, kv, at.pp("k_proj"))?,
-                v_proj: candle_nn::linear_no_bias(h, kv, at.pp("v_proj"))?,
-                o_proj: candle_nn::linear_no_bias(q, h, at.pp("o_proj"))?,
+                q_proj: lin(h, q, at.pp("q_proj"))?,
+                k_proj: lin(h, kv, at.pp("k_proj"))?,
+                v_proj: lin(h, kv, at.pp("v_proj"))?,
+                o_proj: lin(q, h, at.pp("o_proj"))?,
                 post_norm: candle_nn::rms_norm(h, eps, lv.pp("post_attention_layernorm"))?,
-                gate_proj: candle_nn::linear_no_bias(h, i, mlp.pp("gate_proj"))?,
-                up_proj: candle_nn::linear_no_bias(h, i, mlp.pp("up_proj"))?,
-                down_proj: candle_nn::linear_no_bias(i, h, mlp.pp("down_proj"))?,
+                gate_proj: lin(h, i, mlp.pp("gate_proj"))?,
+                up_proj: lin(h, i, mlp.pp("up_proj"))?,
+                down_proj: lin(i, h, mlp.pp("down_proj"))?,
             });
         }
         let norm = candle_nn::rms_norm(h, eps, m.pp("norm"))?;
         let lm_head = if cfg.tie_word_embeddings {
-            Linear::new(embed.embeddings().clone(), None)
+            Proj::F32(Linear::new(embed.embeddings().clone(), None))
         } else {
-            candle_nn::linear_no_bias(h, cfg.vocab_size, vb.pp("lm_head"))?
+            lin(h, cfg.vocab_size, vb.pp("lm_head"))?
         };
         let (cos, sin) = rotary_tables(&cfg, &device)?;
         Ok(Self {
             cfg,
             device,
-            embed,
+            embed: Embed::F32(embed),
             layers,
             norm,
             lm_head,
@@ -239,6 +299,94 @@ impl Model {
             #[cfg(feature = "cuda")]
             gpu: None,
         })
+    }
+
+    /// Loads a Llama GGUF file with its weights kept quantized ([`crate::gguf`]); the
+    /// forward is the same as the f32 model's, with candle's quantized matmul for every
+    /// projection and the LM head.
+    pub fn from_gguf(file: &mut crate::gguf::GgufFile, block_tokens: usize) -> Result<Self> {
+        let cfg = file.model_config(block_tokens)?;
+        let mut ts = crate::gguf::llama_tensors(file, &cfg)?;
+        let mut take = |name: String| {
+            ts.remove(&name).ok_or_else(|| WorkerError::Config {
+                field: format!("(gguf {})", file.path().display()),
+                reason: format!("no tensor for {name}"),
+            })
+        };
+        let eps = cfg.rms_norm_eps;
+        let norm = |t: Arc<QTensor>| -> Result<RmsNorm> {
+            Ok(RmsNorm::new(t.dequantize(&Device::Cpu)?, eps))
+        };
+        let quant = |t: Arc<QTensor>| -> Result<Proj> {
+            Ok(match crate::quant::QuantMatrix::from_qtensor(&t)? {
+                Some(m) => Proj::Kernel(m),
+                None => Proj::Quant(QMatMul::from_arc(t)?),
+            })
+        };
+        let embed = take("model.embed_tokens.weight".into())?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let mut w = |n: &str| take(format!("model.layers.{l}.{n}.weight"));
+            layers.push(Layer {
+                input_norm: norm(w("input_layernorm")?)?,
+                q_proj: quant(w("self_attn.q_proj")?)?,
+                k_proj: quant(w("self_attn.k_proj")?)?,
+                v_proj: quant(w("self_attn.v_proj")?)?,
+                o_proj: quant(w("self_attn.o_proj")?)?,
+                post_norm: norm(w("post_attention_layernorm")?)?,
+                gate_proj: quant(w("mlp.gate_proj")?)?,
+                up_proj: quant(w("mlp.up_proj")?)?,
+                down_proj: quant(w("mlp.down_proj")?)?,
+            });
+        }
+        let final_norm = norm(take("model.norm.weight".into())?)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            quant(embed.clone())?
+        } else {
+            quant(take("lm_head.weight".into())?)?
+        };
+        let (cos, sin) = rotary_tables(&cfg, &Device::Cpu)?;
+        Ok(Self {
+            cfg,
+            device: Device::Cpu,
+            embed: Embed::Quant(embed),
+            layers,
+            norm: final_norm,
+            lm_head,
+            cos,
+            sin,
+            #[cfg(feature = "cuda")]
+            gpu: None,
+        })
+    }
+
+    /// Whether the weights are kept quantized (a GGUF model).
+    pub fn is_quantized(&self) -> bool {
+        !matches!(self.lm_head, Proj::F32(_))
+    }
+
+    /// Weight bytes a decode step reads: every projection and the LM head (the embedding
+    /// reads one row, not counted).
+    pub fn weight_bytes_per_token(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [
+                    &l.q_proj,
+                    &l.k_proj,
+                    &l.v_proj,
+                    &l.o_proj,
+                    &l.gate_proj,
+                    &l.up_proj,
+                    &l.down_proj,
+                ]
+                .iter()
+                .map(|p| p.weight_bytes())
+                .sum::<usize>()
+            })
+            .sum();
+        layers + self.lm_head.weight_bytes()
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -284,28 +432,40 @@ impl Model {
     /// The model on `gpu` (a CUDA device, or the emulator): see [`to_device`](Self::to_device).
     #[cfg(feature = "cuda")]
     pub fn to_gpu(self, gpu: &std::sync::Arc<crate::gpu::Gpu>) -> Result<Self> {
+        let quantized = || WorkerError::Gpu {
+            reason: "the GPU path runs f32 weights only; a quantized (GGUF) model runs on the \
+                     CPU (load the Hugging Face directory for the GPU)"
+                .to_owned(),
+        };
         let layers = self
             .layers
             .iter()
             .map(|l| {
-                [
+                Ok([
                     l.input_norm.weight(),
-                    l.q_proj.weight(),
-                    l.k_proj.weight(),
-                    l.v_proj.weight(),
-                    l.o_proj.weight(),
+                    l.q_proj.weight().ok_or_else(quantized)?,
+                    l.k_proj.weight().ok_or_else(quantized)?,
+                    l.v_proj.weight().ok_or_else(quantized)?,
+                    l.o_proj.weight().ok_or_else(quantized)?,
                     l.post_norm.weight(),
-                    l.gate_proj.weight(),
-                    l.up_proj.weight(),
-                    l.down_proj.weight(),
-                ]
+                    l.gate_proj.weight().ok_or_else(quantized)?,
+                    l.up_proj.weight().ok_or_else(quantized)?,
+                    l.down_proj.weight().ok_or_else(quantized)?,
+                ])
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
+        let Embed::F32(embed) = &self.embed else {
+            return Err(quantized());
+        };
         let weights = crate::gpu::HostWeights {
-            embed: self.embed.embeddings(),
+            embed: embed.embeddings(),
             layers,
             norm: self.norm.weight(),
-            lm_head: (!self.cfg.tie_word_embeddings).then(|| self.lm_head.weight()),
+            lm_head: if self.cfg.tie_word_embeddings {
+                None
+            } else {
+                Some(self.lm_head.weight().ok_or_else(quantized)?)
+            },
             cos: &self.cos,
             sin: &self.sin,
         };
@@ -475,7 +635,7 @@ impl Model {
         let t = x.dim(0)?;
         let h = layer.input_norm.forward(x)?;
         // [1, heads, t, head_dim] for rope.
-        let heads = |proj: &Linear, n: usize| -> Result<Tensor> {
+        let heads = |proj: &Proj, n: usize| -> Result<Tensor> {
             Ok(proj
                 .forward(&h)?
                 .reshape((t, n, hd))?
@@ -649,5 +809,25 @@ impl crate::gpu::LayerEvents for HookOverCache<'_> {
 
     fn reads_kv(&self) -> bool {
         self.hook.reads_kv()
+    }
+}
+
+/// Loads the model and tokenizer at `path`: a GGUF file, or a directory holding one `.gguf`
+/// and no `*.safetensors` ([`Model::from_gguf`], tokenizer and chat template from its
+/// metadata), else a Hugging Face directory ([`Model::from_hf_dir`],
+/// [`Tokenizer::for_model_dir`](crate::Tokenizer::for_model_dir)).
+pub fn load_pretrained(path: &Path, block_tokens: usize) -> Result<(Model, crate::Tokenizer)> {
+    match crate::gguf::gguf_in(path)? {
+        Some(file) => {
+            let mut file = crate::gguf::GgufFile::open(&file)?;
+            let model = Model::from_gguf(&mut file, block_tokens)?;
+            let tok = file.tokenizer(model.config().vocab_size)?;
+            Ok((model, tok))
+        }
+        None => {
+            let model = Model::from_hf_dir(path, block_tokens)?;
+            let tok = crate::Tokenizer::for_model_dir(path, model.config().vocab_size)?;
+            Ok((model, tok))
+        }
     }
 }

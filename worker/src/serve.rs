@@ -314,11 +314,7 @@ impl WorkerServer {
         let cfg = config.clone();
         let (model, tokenizer) = tokio::task::spawn_blocking(move || {
             let (model, tokenizer) = match &cfg.model_dir {
-                Some(dir) => {
-                    let model = Model::from_hf_dir(dir, cfg.model_config.block_tokens)?;
-                    let tokenizer = Tokenizer::for_model_dir(dir, model.config().vocab_size)?;
-                    (model, tokenizer)
-                }
+                Some(dir) => crate::model::load_pretrained(dir, cfg.model_config.block_tokens)?,
                 None => (
                     Model::random(cfg.model_config.clone(), cfg.seed)?,
                     Tokenizer::Byte,

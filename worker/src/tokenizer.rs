@@ -221,6 +221,18 @@ impl Tokenizer {
             .map_err(|e| e.to_string())
             .and_then(|s| s.parse().map_err(|e: tokenizers::Error| e.to_string()))
             .map_err(|e| tok_err(path, format!("not a valid tokenizer.json: {e}")))?;
+        Self::from_parts(inner, path, config, tok_config)
+    }
+
+    /// [`load_with`](Self::load_with) for a tokenizer already built in memory (`source` names
+    /// where it came from in errors and logs).
+    pub fn from_parts(
+        inner: tokenizers::Tokenizer,
+        source: &Path,
+        config: &serde_json::Value,
+        tok_config: &serde_json::Value,
+    ) -> Result<Self> {
+        let path = source;
         let by_name = |names: &[&str]| names.iter().find_map(|n| inner.token_to_id(n));
         let bos = config_ids(config, "bos_token_id")
             .first()
@@ -278,6 +290,17 @@ impl Tokenizer {
         })))
     }
 
+    /// `self` with `chat` as its chat template (the byte tokenizer has none and is returned
+    /// as it is).
+    pub fn with_chat_template(mut self, chat: Option<crate::chat::ChatTemplate>) -> Self {
+        if let Tokenizer::Hf(h) = &mut self
+            && let Some(inner) = Arc::get_mut(h)
+        {
+            inner.chat = chat;
+        }
+        self
+    }
+
     /// The model directory's chat template (only with its `tokenizer.json`).
     pub fn chat_template(&self) -> Option<&crate::chat::ChatTemplate> {
         match self {
@@ -287,7 +310,7 @@ impl Tokenizer {
     }
 
     /// `self`, if every id it can produce is below `vocab_size`.
-    fn checked(self, vocab_size: usize, path: &Path) -> Result<Self> {
+    pub(crate) fn checked(self, vocab_size: usize, path: &Path) -> Result<Self> {
         let bound = self.id_bound();
         if bound > vocab_size {
             let what = match self {

@@ -1,0 +1,128 @@
+"""kvtier-worker on the quantized GGUF checked against an independent float32 reference.
+
+The worker loads SmolLM2's Q4_1 GGUF with its weights kept quantized (tokenizer from the GGUF's
+metadata) and generates greedily with every step's logits (worker/examples/greedy_logits.rs).
+scripts/model_reference.py's numpy forward runs the dequantized weights of the same GGUF (the
+Hugging Face directory scripts/fetch-model.py converts) over the worker's tokens. Checked per
+prompt: the prompt's ids equal the reference byte-level BPE's, every greedy token is the
+reference's argmax, and every logit is within LOGIT_TOLERANCE of the reference's.
+
+Needs gguf, numpy, regex and pytest (no vLLM, no torch) and cargo:
+    python -m pytest scripts/tests/test_gguf_reference.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1]
+REPO = SCRIPTS.parent
+sys.path.insert(0, str(SCRIPTS))
+
+from model_reference import GgufBpe, LlamaNumpy  # noqa: E402 (after the sys.path line above)
+
+STEPS = 12
+# The worker's decode steps round activations to 16 bits per 32-value block (llama.cpp and
+# candle round them to 8 bits), its prefill multiplies dequantized weights in f32, the reference
+# everything in float32. Largest difference measured over these prompts: 0.008 (docs/worker.md).
+LOGIT_TOLERANCE = 0.05
+PROMPTS = [
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "The largest planet in our solar system is",
+    "Once upon a time, in a small village,",
+    "To make a cup of tea, first",
+    "The three primary colors are",
+    "def fibonacci(n):",
+    "Photosynthesis is the process by which",
+    "The Pacific Ocean is",
+    "My favourite book is",
+    "In 1969, the first humans",
+    "The quick brown fox",
+    "A healthy breakfast includes",
+    "The main difference between a cat and a dog is",
+    "Python is a programming language that",
+    "The sun rises in the",
+    "Shakespeare wrote",
+    "2 + 2 =",
+    "The best way to learn a new language is",
+    "Mount Everest is located in",
+]
+
+
+def _fetch_module():
+    spec = importlib.util.spec_from_file_location("fetch_model", SCRIPTS / "fetch-model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    out = subprocess.run(
+        [sys.executable, str(SCRIPTS / "fetch-model.py"), "--print-dir"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    return Path(out.stdout.strip())
+
+
+@pytest.fixture(scope="module")
+def gguf_path(model_dir: Path) -> Path:
+    path = model_dir.parent / "gguf" / _fetch_module().GGUF_NAME
+    assert path.is_file(), f"{path} missing after scripts/fetch-model.py"
+    return path
+
+
+@pytest.fixture(scope="module")
+def worker_run(gguf_path: Path, tmp_path_factory) -> tuple[list[dict], Path]:
+    out = tmp_path_factory.mktemp("logits")
+    cmd = ["cargo", "run", "-q", "-p", "kvtier-worker", "--example", "greedy_logits", "--"]
+    run = subprocess.run(
+        [*cmd, str(gguf_path), str(STEPS), str(out)],
+        input="".join(json.dumps(p) + "\n" for p in PROMPTS),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "RUST_LOG": "warn"},
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = [json.loads(line) for line in run.stdout.splitlines()]
+    assert len(results) == len(PROMPTS), run.stdout
+    return results, out
+
+
+def test_worker_matches_the_float32_reference(model_dir, gguf_path, worker_run) -> None:
+    results, out = worker_run
+    bpe = GgufBpe(gguf_path)
+    ref = LlamaNumpy(model_dir)
+    vocab = ref.embed.shape[0]
+    worst, failures = 0.0, []
+    for i, (text, got) in enumerate(zip(PROMPTS, results, strict=True)):
+        assert got["prompt"] == bpe.encode(text), f"prompt {i} tokenized differently: {text!r}"
+        logits = np.fromfile(out / f"{i}.f32", dtype="<f4").reshape(STEPS, vocab)
+        ref.reset()
+        want = ref.forward(got["prompt"])[-1]
+        for s, token in enumerate(got["tokens"]):
+            diff = float(np.abs(logits[s] - want).max())
+            worst = max(worst, diff)
+            top2 = np.sort(want)[-2:]
+            if int(np.argmax(want)) != token or diff > LOGIT_TOLERANCE:
+                failures.append(
+                    f"prompt {i} step {s}: worker {token}, reference {int(np.argmax(want))} "
+                    f"(reference top-2 gap {top2[1] - top2[0]:.4f}), max |logit diff| {diff:.4f}"
+                )
+            want = ref.forward([token])[-1]
+    print(f"largest |logit difference| over {len(PROMPTS)} prompts x {STEPS} steps: {worst:.4f}")
+    assert not failures, "\n".join(failures)

