@@ -7,8 +7,9 @@ Hugging Face directory scripts/fetch-model.py converts) over the worker's tokens
 prompt: the prompt's ids equal the reference byte-level BPE's, every greedy token is the
 reference's argmax, and every logit is within LOGIT_TOLERANCE of the reference's.
 
-Needs gguf, numpy, regex and pytest (no vLLM, no torch) and cargo:
-    python -m pytest scripts/tests/test_gguf_reference.py
+Needs gguf, numpy, regex and pytest (no vLLM, no torch; scripts/ref-env.sh makes that venv) and
+cargo:
+    "$(scripts/ref-env.sh)/bin/python" -m pytest scripts/tests/test_gguf_reference.py
 """
 
 from __future__ import annotations
@@ -87,7 +88,10 @@ def gguf_path(model_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def worker_run(gguf_path: Path, tmp_path_factory) -> tuple[list[dict], Path]:
     out = tmp_path_factory.mktemp("logits")
-    cmd = ["cargo", "run", "-q", "-p", "kvtier-worker", "--example", "greedy_logits", "--"]
+    # KVTIER_CARGO_ARGS: extra cargo arguments, e.g. "--release --features kvtier-transfer/ucx"
+    # (.ci/run: reuse its release build; the dev profile's kernel runs far slower).
+    extra = os.environ.get("KVTIER_CARGO_ARGS", "").split()
+    cmd = ["cargo", "run", "-q", *extra, "-p", "kvtier-worker", "--example", "greedy_logits", "--"]
     run = subprocess.run(
         [*cmd, str(gguf_path), str(STEPS), str(out)],
         input="".join(json.dumps(p) + "\n" for p in PROMPTS),
