@@ -5,6 +5,7 @@ mod common;
 mod isolation;
 mod leaks;
 mod lifecycle;
+mod limits;
 mod long_prefix;
 mod malformed;
 mod pending;
