@@ -234,6 +234,41 @@ impl Inner {
         reason
     }
 
+    /// After a corrupt read in tier `t`, drops the copies in `t` of the rest of the chain
+    /// (`rest`, the keys after the corrupt block) that have no faster copy: damage rarely
+    /// stops at one slot, and a lookup must not report blocks a load may fail on one per
+    /// turn. A put of the chain then stores them all again. Blocks with a copy above `t`
+    /// are kept (reads are served from that copy).
+    pub(super) fn drop_rest_of_chain(self: &Arc<Self>, t: usize, rest: &[BlockKey]) {
+        let mut dropped = 0u64;
+        for key in rest {
+            let mut shard = self.shard(key);
+            let Some(ent) = shard.get_mut(key) else {
+                continue;
+            };
+            let Some((ft, slot)) = ent.fastest().filter(|(ft, _)| *ft == t) else {
+                continue;
+            };
+            ent.loc[ft] = NONE;
+            self.emit(StoreEventKind::Removed, t, *key);
+            if ent.is_empty() {
+                shard.remove(key);
+            }
+            drop(shard);
+            // Erased like a corrupt block, so a restart does not index it again.
+            self.retire(t, slot, true);
+            dropped += 1;
+        }
+        if dropped > 0 {
+            let tier = &self.tiers[t];
+            tracing::warn!(
+                tier = %tier.kind,
+                dropped,
+                "dropped the rest of a chain after a corrupt block"
+            );
+        }
+    }
+
     /// Copies slot `fs` of tier `from` (pinned by the caller) into a new slot of tier `to`:
     /// a promotion when `to` is faster, or a copy down into the host tier for a pin.
     /// `Ok(Some(ts))`: copied, `ts` returned pinned and `fs` unpinned. `Ok(None)`: not copied
