@@ -101,8 +101,8 @@ impl Inner {
             Some(ts) => match self.copy_slot(key, parent, from, fs, to, ts) {
                 Ok(()) => Some(ts),
                 Err(e) => {
-                    tracing::debug!(%key, "demotion failed: {e}");
                     TierCounters::inc(&tc.io_errors);
+                    self.write_failed(to, &e);
                     // The slot may still hold an older block's valid header: erase it.
                     self.retire(to, ts, true);
                     self.unpin(to, ts);
@@ -182,6 +182,18 @@ impl Inner {
                 .and_then(|()| dst.write_linked(ts, key, parent, &b[..n]));
             self.bounce.give(b);
             r
+        }
+    }
+
+    /// Logs a failed write or erase in tier `t` (already counted in `io_errors`), at most
+    /// once per `IO_ERROR_LOG_INTERVAL` (10 s) with the count since the last line.
+    pub(super) fn write_failed(&self, t: usize, e: &TierError) {
+        if let Some(n) = self.write_errors_log.note(std::time::Instant::now()) {
+            tracing::warn!(
+                tier = %self.tiers[t].kind,
+                errors_since_last_warning = n,
+                "tier write failed: {e} (see kvtier_tier_io_errors_total)"
+            );
         }
     }
 
