@@ -867,6 +867,7 @@ impl Client {
             entries: ents.to_vec(),
             lease_ms: self.timeout().as_millis().max(1) as u64,
         };
+        let sent = Instant::now();
         let r = c.call(&req, &[], self.timeout()).await?;
         let p = match r.response {
             Response::Reserve(p) => p,
@@ -881,13 +882,25 @@ impl Client {
         if p.reservation_id == 0 {
             return Ok(p.slots.iter().map(|s| s.status).collect());
         }
+        // Past the reservation's deadline the server may reuse its slots (once this
+        // connection is gone) and refuses the commit: never write or commit after it.
+        let deadline = sent + Duration::from_millis(p.lease_ms);
+        let in_time = || {
+            if Instant::now() < deadline {
+                Ok(())
+            } else {
+                Err(ClientError::Timeout)
+            }
+        };
         let copied = p.slots.iter().zip(bs).try_for_each(|(s, b)| {
             if s.status == PutStatus::Stored as u8 {
+                in_time()?;
                 arena.write(s.offset, b)
             } else {
                 Ok(())
             }
         });
+        let copied = copied.and_then(|()| in_time());
         if let Err(e) = copied {
             let _ = c
                 .send_no_reply(

@@ -2,6 +2,7 @@
 //! over every transport, on loopback, each with a time bound.
 
 mod common;
+mod expiry;
 mod isolation;
 mod leaks;
 mod lifecycle;
