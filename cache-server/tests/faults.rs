@@ -233,3 +233,109 @@ fn a_stalled_disk_never_stalls_puts_on(tiers: Tiers) {
     assert_eq!(s.stats().io_backlog, 0);
     s.check_consistency().unwrap();
 }
+
+/// Flips one byte of block `k`'s data wherever it is stored in a file under `dir` (the
+/// NVMe slot files); returns how many copies it damaged.
+fn corrupt_on_disk(dir: &Path, k: kvtier_core::BlockKey) -> usize {
+    let want = data(k);
+    let probe = &want[..256];
+    let mut hits = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+                continue;
+            }
+            let mut bytes = std::fs::read(&p).unwrap();
+            let mut at = 0;
+            let mut changed = false;
+            while let Some(i) = bytes[at..].windows(probe.len()).position(|w| w == probe) {
+                bytes[at + i + 100] ^= 0xff;
+                at += i + probe.len();
+                hits += 1;
+                changed = true;
+            }
+            if changed {
+                std::fs::write(&p, &bytes).unwrap();
+            }
+        }
+    }
+    hits
+}
+
+#[test]
+fn a_corrupt_block_drops_the_rest_of_its_chain() {
+    for tiers in NVME_LISTS {
+        a_corrupt_block_drops_the_rest_of_its_chain_on(tiers);
+    }
+}
+
+fn a_corrupt_block_drops_the_rest_of_its_chain_on(tiers: Tiers) {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = Arc::new(Faults::default());
+    let keys: Vec<_> = (100..108).map(key).collect();
+    let put_chain = |s: &TieredStore| -> Vec<PutOutcome> {
+        let out = (0..keys.len())
+            .map(|i| {
+                let parent = i.checked_sub(1).map(|p| keys[p]);
+                let o = s.put(keys[i], parent, &data(keys[i])).unwrap();
+                // DRAM (4 blocks) frees a slot once its copy to NVMe is done.
+                s.flush();
+                o
+            })
+            .collect();
+        s.flush();
+        out
+    };
+    {
+        let s = open(dir.path(), &faults, tiers);
+        put_chain(&s);
+    }
+    // Reopened: the chain's first blocks (those DRAM evicted) are on NVMe only. Blocks 1, 2
+    // and 3 are damaged there.
+    for i in [1, 2, 3] {
+        assert_eq!(
+            corrupt_on_disk(dir.path(), keys[i]),
+            1,
+            "{tiers:?} block {i}"
+        );
+    }
+    let s = open(dir.path(), &faults, tiers);
+    let on_disk = s.lookup(&keys).len();
+    assert!(on_disk >= 4, "{tiers:?}: {on_disk}");
+    assert_eq!(s.lookup(&keys), vec![TierKind::Nvme; on_disk], "{tiers:?}");
+    // One read of the chain stops at the first corrupt block...
+    let r = s.pin_read(&keys);
+    assert_eq!(r.blocks().len(), 1, "{tiers:?}");
+    assert_eq!(r.miss(), Some(MissReason::Corrupt), "{tiers:?}");
+    for (i, _) in r.blocks().iter().enumerate() {
+        assert!(r.bytes(i) == data(keys[i]), "{tiers:?} block {i}");
+    }
+    drop(r);
+    // ... and the next lookup reports only the blocks before it, also when asked past it.
+    assert_eq!(s.lookup(&keys).len(), 1, "{tiers:?}");
+    for (i, k) in keys.iter().enumerate().skip(1) {
+        assert!(!s.contains(k), "{tiers:?}: block {i} still indexed");
+    }
+    // One put of the chain repairs all of it.
+    let stored = put_chain(&s);
+    assert!(
+        stored[1..]
+            .iter()
+            .all(|o| matches!(o, PutOutcome::Stored(_))),
+        "{tiers:?}: {stored:?}"
+    );
+    assert_eq!(s.lookup(&keys).len(), 8, "{tiers:?}");
+    for (i, k) in keys.iter().enumerate() {
+        assert!(
+            matches!(get(&s, *k), GetOutcome::Hit(_)),
+            "{tiers:?} block {i}"
+        );
+    }
+    s.flush();
+    assert_eq!(nvme_stat(&s).corrupt_dropped, 1, "{tiers:?}");
+    assert_eq!(nvme_stat(&s).pins_outstanding, 0, "{tiers:?}");
+    s.check_consistency().unwrap();
+}

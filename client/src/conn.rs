@@ -322,6 +322,16 @@ impl Conn {
         }
         let len: u64 = payload.iter().map(|p| p.len() as u64).sum();
         let head = frame(req, id, len, fl);
+        // The server closes a connection that sends more than it stated at hello: refuse
+        // here instead (the callers chunk by these limits, so this is a last guard).
+        let meta = (head.len() - HEADER_BYTES) as u64;
+        if meta > u64::from(self.hello.max_meta_bytes) || len > self.hello.max_payload_bytes {
+            return Err(ClientError::Buffer(format!(
+                "request of {meta} metadata and {len} payload bytes is over the server's \
+                 limits ({} and {})",
+                self.hello.max_meta_bytes, self.hello.max_payload_bytes
+            )));
+        }
         let mut w = self.writer.lock().await;
         let r = async {
             w.write_all(&head).await?;
@@ -343,6 +353,31 @@ impl Conn {
 
     pub(crate) fn max_keys(&self) -> usize {
         self.limits.max_keys as usize
+    }
+
+    /// How many items from the front of `items` one request may carry: at most the
+    /// server's `max_keys` and `cap`, with its metadata (`base` bytes for the request
+    /// without items, plus `item_bytes` of each) within the server's `max_meta_bytes`.
+    /// At least one (a single item over the limits is refused by `send`).
+    pub(crate) fn fit<T>(
+        &self,
+        base: usize,
+        items: &[T],
+        cap: usize,
+        item_bytes: impl Fn(&T) -> usize,
+    ) -> usize {
+        let max = items.len().min(self.max_keys()).min(cap);
+        let mut room = (self.hello.max_meta_bytes as usize).saturating_sub(base);
+        let mut n = 0;
+        for it in &items[..max] {
+            let b = item_bytes(it);
+            if b > room {
+                break;
+            }
+            room -= b;
+            n += 1;
+        }
+        n.max(1).min(items.len())
     }
 
     pub(crate) fn max_payload(&self) -> u64 {

@@ -496,7 +496,11 @@ impl Client {
     async fn lookup_inner(&self, keys: &[BlockKey]) -> Result<Lookup, ClientError> {
         let c = self.conn().await?;
         let mut tiers = Vec::new();
-        for chunk in keys.chunks(c.max_keys().max(1)) {
+        let base = meta_base(&Request::Lookup(KeyList::default()));
+        let mut rest = keys;
+        while !rest.is_empty() {
+            let (chunk, after) = rest.split_at(c.fit(base, rest, usize::MAX, key_bytes));
+            rest = after;
             let req = Request::Lookup(KeyList {
                 keys: chunk.to_vec(),
             });
@@ -638,10 +642,13 @@ impl Client {
         let c = self.conn().await?;
         // Ask in pieces the server accepts.
         let per = (c.max_payload() / self.block_bytes as u64).max(1) as usize;
-        let per = per.min(c.max_keys());
+        let base = meta_base(&Request::Get(KeyList::default()));
         let mut done = 0;
         let mut tiers = Vec::new();
-        for chunk in keys.chunks(per) {
+        let mut rest = keys;
+        while !rest.is_empty() {
+            let (chunk, after) = rest.split_at(c.fit(base, rest, per, key_bytes));
+            rest = after;
             let req = Request::Get(KeyList {
                 keys: chunk.to_vec(),
             });
@@ -695,7 +702,8 @@ impl Client {
     /// Pins the longest cached prefix of `keys` in the server's DRAM for `lease` and lends
     /// the blocks in place (local connections only): the zero-copy read path. At most
     /// [`Client::arena_blocks`] blocks (fewer while other readers hold pins): a longer
-    /// prefix stops early with [`Miss::Busy`].
+    /// prefix stops early with [`Miss::Busy`], as does one longer than a single request
+    /// may carry (the server's `max_keys` and `max_meta_bytes`).
     pub async fn get_pinned(
         &self,
         keys: &[BlockKey],
@@ -712,12 +720,25 @@ impl Client {
         keys: &[BlockKey],
         lease: Duration,
     ) -> Result<PinnedBlocks, ClientError> {
+        let lease_ms = lease.as_millis().max(1) as u64;
+        let c = self.conn().await?;
+        let base = meta_base(&Request::Pin {
+            keys: vec![],
+            lease_ms,
+        });
+        // A key list over the server's limits pins its first part; the rest is "busy".
+        let n = c.fit(base, keys, usize::MAX, key_bytes);
+        let cut = n < keys.len();
+        let keys = &keys[..n];
         let req = Request::Pin {
             keys: keys.to_vec(),
-            lease_ms: lease.as_millis().max(1) as u64,
+            lease_ms,
         };
         let sent = Instant::now();
-        let (c, r) = self.call(&req).await?;
+        let r = c.call(&req, &[], self.timeout()).await?;
+        if let Response::Error(e) = r.response {
+            return Err(ClientError::from_reply(e));
+        }
         let Response::Pin(p) = r.response else {
             return Err(Self::unexpected(&r.response));
         };
@@ -731,7 +752,10 @@ impl Client {
                 .iter()
                 .filter_map(|b| TierCode::from_u8(b.tier))
                 .collect(),
-            miss: Miss::from_code(p.miss),
+            miss: match Miss::from_code(p.miss) {
+                None if cut && p.blocks.len() == keys.len() => Some(Miss::Busy),
+                m => m,
+            },
             timeout: self.timeout(),
             deadline: sent + Duration::from_millis(p.lease_ms),
         };
@@ -789,13 +813,24 @@ impl Client {
     async fn put_inner(&self, entries: &[PutEntry], bufs: &[&[u8]]) -> Result<Stored, ClientError> {
         self.check_bufs(entries.len(), bufs.iter().map(|b| b.len()))?;
         let c = self.conn().await?;
-        let mut per =
-            ((c.max_payload() / self.block_bytes as u64).max(1) as usize).min(c.max_keys());
+        let mut per = (c.max_payload() / self.block_bytes as u64).max(1) as usize;
         if self.local {
             per = per.min((arena_blocks(&c, self.block_bytes) / RESERVE_WINDOW_DIVISOR).max(1));
         }
+        let base = meta_base(&if self.local {
+            Request::Reserve {
+                entries: vec![],
+                lease_ms: 0,
+            }
+        } else {
+            Request::Put(vec![])
+        });
         let mut statuses = Vec::with_capacity(entries.len());
-        for (ents, bs) in entries.chunks(per).zip(bufs.chunks(per)) {
+        let mut done = 0;
+        while done < entries.len() {
+            let n = c.fit(base, &entries[done..], per, entry_bytes);
+            let (ents, bs) = (&entries[done..done + n], &bufs[done..done + n]);
+            done += n;
             let raw = if self.local {
                 self.put_local(&c, ents, bs).await?
             } else {
@@ -832,6 +867,7 @@ impl Client {
             entries: ents.to_vec(),
             lease_ms: self.timeout().as_millis().max(1) as u64,
         };
+        let sent = Instant::now();
         let r = c.call(&req, &[], self.timeout()).await?;
         let p = match r.response {
             Response::Reserve(p) => p,
@@ -846,13 +882,25 @@ impl Client {
         if p.reservation_id == 0 {
             return Ok(p.slots.iter().map(|s| s.status).collect());
         }
+        // Past the reservation's deadline the server may reuse its slots (once this
+        // connection is gone) and refuses the commit: never write or commit after it.
+        let deadline = sent + Duration::from_millis(p.lease_ms);
+        let in_time = || {
+            if Instant::now() < deadline {
+                Ok(())
+            } else {
+                Err(ClientError::Timeout)
+            }
+        };
         let copied = p.slots.iter().zip(bs).try_for_each(|(s, b)| {
             if s.status == PutStatus::Stored as u8 {
+                in_time()?;
                 arena.write(s.offset, b)
             } else {
                 Ok(())
             }
         });
+        let copied = copied.and_then(|()| in_time());
         if let Err(e) = copied {
             let _ = c
                 .send_no_reply(
@@ -883,13 +931,35 @@ impl Client {
     /// Asks the server to copy NVMe-only blocks among `keys` up into DRAM ahead of use;
     /// returns how many copies it queued.
     pub async fn prefetch(&self, keys: &[BlockKey]) -> Result<u64, ClientError> {
-        let req = Request::Prefetch(KeyList {
-            keys: keys.to_vec(),
-        });
-        match self.call(&req).await?.1.response {
-            Response::Prefetch { queued } => Ok(queued),
-            r => Err(Self::unexpected(&r)),
+        let mut queued = 0;
+        for chunk in self
+            .key_chunks(keys, |k| Request::Prefetch(KeyList { keys: k }))
+            .await?
+        {
+            match self.call(&chunk).await?.1.response {
+                Response::Prefetch { queued: q } => queued += q,
+                r => return Err(Self::unexpected(&r)),
+            }
         }
+        Ok(queued)
+    }
+
+    /// `keys` split into requests (made by `make`) that the server accepts.
+    async fn key_chunks(
+        &self,
+        keys: &[BlockKey],
+        make: impl Fn(Vec<BlockKey>) -> Request,
+    ) -> Result<Vec<Request>, ClientError> {
+        let c = self.conn().await?;
+        let base = meta_base(&make(vec![]));
+        let mut out = Vec::new();
+        let mut rest = keys;
+        while !rest.is_empty() {
+            let (chunk, after) = rest.split_at(c.fit(base, rest, usize::MAX, key_bytes));
+            rest = after;
+            out.push(make(chunk.to_vec()));
+        }
+        Ok(out)
     }
 
     /// Pins the longest cached prefix in DRAM for `lease` (e.g. ahead of a transfer).
@@ -914,13 +984,17 @@ impl Client {
 
     /// Removes blocks; returns how many were cached.
     pub async fn remove(&self, keys: &[BlockKey]) -> Result<u64, ClientError> {
-        let req = Request::Remove(KeyList {
-            keys: keys.to_vec(),
-        });
-        match self.call(&req).await?.1.response {
-            Response::Remove { removed } => Ok(removed),
-            r => Err(Self::unexpected(&r)),
+        let mut removed = 0;
+        for chunk in self
+            .key_chunks(keys, |k| Request::Remove(KeyList { keys: k }))
+            .await?
+        {
+            match self.call(&chunk).await?.1.response {
+                Response::Remove { removed: n } => removed += n,
+                r => return Err(Self::unexpected(&r)),
+            }
         }
+        Ok(removed)
     }
 
     /// Removes every block of the server (all tenants).
@@ -965,6 +1039,21 @@ impl Client {
             r => Err(Self::unexpected(&r)),
         }
     }
+}
+
+/// Metadata bytes of `r` without its keys or entries.
+fn meta_base(r: &Request) -> usize {
+    r.encode_meta().len()
+}
+
+/// Metadata bytes of one key of a key list.
+fn key_bytes(_: &BlockKey) -> usize {
+    BlockKey::BYTES
+}
+
+/// Metadata bytes of one put entry: its key, then the parent as an option tag and a key.
+fn entry_bytes(e: &PutEntry) -> usize {
+    1 + BlockKey::BYTES + e.parent.map_or(0, |_| BlockKey::BYTES)
 }
 
 #[cfg(test)]

@@ -25,7 +25,7 @@ use super::Shared;
 use super::events::tier_code;
 use super::metrics::{Metrics, Transport};
 use crate::policy::admission::RejectReason;
-use crate::{MissReason, PinnedRead, PutOutcome, Reservation, StoreError};
+use crate::{HeldSlot, MissReason, PinnedRead, PutOutcome, Reservation, StoreError};
 
 /// Responses queued for the writer of one connection.
 const OUT_QUEUE: usize = 256;
@@ -35,6 +35,9 @@ const MAX_SUBSCRIPTIONS: usize = 4;
 const EVENT_BATCH: usize = 1024;
 /// How often a connection drops its expired reservations.
 const RESERVATION_REAP: Duration = Duration::from_millis(100);
+/// DRAM slots of expired reservations one connection may hold (see [`ConnState::held`]);
+/// past this, its reserves are answered "busy" until it closes.
+const MAX_HELD_SLOTS: usize = 1024;
 /// How long a put (or a reservation) waits, at most, for a DRAM slot while every slot is
 /// pinned and background copies (write-through to NVMe, which pin their DRAM slot until
 /// written) are running: those copies free slots as they finish, so a chain longer than
@@ -110,12 +113,33 @@ struct ConnState {
     leases: HashMap<u64, Instant>,
     reservations: HashMap<u64, ReservationRecord>,
     next_reservation: u64,
+    /// Slots of this connection's expired reservations. Its client was lent them through
+    /// the shared arena and may still write into them late, so they are not reused until
+    /// the connection is gone (a client that keeps the arena mapped after closing its
+    /// connection is not fenced: a read-only arena is the full fix).
+    held: Vec<HeldSlot>,
 }
 
 impl ConnState {
+    /// Ends an expired reservation: its slots are held until the connection closes.
+    fn hold(&mut self, r: ReservationRecord) {
+        self.held
+            .extend(r.slots.into_iter().flatten().map(Reservation::expire));
+    }
+
     fn reap(&mut self, now: Instant) {
         let before = self.reservations.len();
-        self.reservations.retain(|_, r| r.deadline > now);
+        let expired: Vec<u64> = self
+            .reservations
+            .iter()
+            .filter(|(_, r)| r.deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            if let Some(r) = self.reservations.remove(&id) {
+                self.hold(r);
+            }
+        }
         let gone = before - self.reservations.len();
         self.shared.metrics.reservations_open.sub(gone as i64);
         // The store releases expired leases on its own; forget ours.
@@ -187,6 +211,7 @@ pub(crate) async fn serve<R, W>(
         leases: HashMap::new(),
         reservations: HashMap::new(),
         next_reservation: 1,
+        held: Vec::new(),
     }));
     let depth = shared.config.limits.max_inflight_per_connection;
     let mut c = Conn {
@@ -872,6 +897,13 @@ impl Job {
                         "reserve needs the arena: a Unix socket hello with want_arena",
                     );
                 }
+                if lock(&self.state).held.len() >= MAX_HELD_SLOTS {
+                    return self.error(
+                        ErrorCode::Busy,
+                        "this connection holds too many slots of expired reservations; \
+                         reconnect (or put over the socket)",
+                    );
+                }
                 let lease = self.lease(lease_ms);
                 let (slots, statuses) =
                     reserve_batch(&s, &entries, Instant::now() + SLOT_WAIT).await;
@@ -910,7 +942,20 @@ impl Job {
                 }))
             }
             Request::Commit { reservation_id } => {
-                let Some(rec) = lock(&self.state).reservations.remove(&reservation_id) else {
+                let rec = {
+                    let mut st = lock(&self.state);
+                    match st.reservations.remove(&reservation_id) {
+                        // Expired but not yet reaped: refused like a reaped one (its client
+                        // was told the deadline and may have written after it).
+                        Some(rec) if rec.deadline <= Instant::now() => {
+                            st.shared.metrics.reservations_open.dec();
+                            st.hold(rec);
+                            None
+                        }
+                        r => r,
+                    }
+                };
+                let Some(rec) = rec else {
                     return self.error(
                         ErrorCode::NotFound,
                         format!("no reservation {reservation_id} here (expired or committed)"),

@@ -29,10 +29,11 @@ mod movement;
 mod pending;
 mod read;
 mod slots;
+mod warn;
 mod write;
 
 pub use events::{EventSink, SnapshotEntry, StoreEvent, StoreEventKind};
-pub use handles::{PinnedRead, Reservation};
+pub use handles::{HeldSlot, PinnedRead, Reservation};
 pub use lease::{LEASE_REAP_INTERVAL, Lease, PinnedBlock};
 pub use pending::Announcement;
 
@@ -109,6 +110,8 @@ struct Inner {
     nvme: Option<Arc<NvmeTier>>,
     pool: IoPool,
     bounce: BufferPool,
+    /// NVMe (and other tier) write and erase errors: logged at most every 10 s.
+    write_errors_log: warn::WarnEvery,
     leases: Mutex<HashMap<u64, LeaseRecord>>,
     next_lease: AtomicU64,
     /// Keys being stored (announced or reserved, not yet committed).
@@ -235,6 +238,7 @@ impl TieredStore {
             nvme,
             pool,
             bounce: BufferPool::new(slot_bytes, config.io_threads),
+            write_errors_log: warn::WarnEvery::new(warn::IO_ERROR_LOG_INTERVAL),
             leases: Mutex::new(HashMap::new()),
             next_lease: AtomicU64::new(1),
             events: std::sync::OnceLock::new(),

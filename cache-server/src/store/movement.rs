@@ -101,8 +101,8 @@ impl Inner {
             Some(ts) => match self.copy_slot(key, parent, from, fs, to, ts) {
                 Ok(()) => Some(ts),
                 Err(e) => {
-                    tracing::debug!(%key, "demotion failed: {e}");
                     TierCounters::inc(&tc.io_errors);
+                    self.write_failed(to, &e);
                     // The slot may still hold an older block's valid header: erase it.
                     self.retire(to, ts, true);
                     self.unpin(to, ts);
@@ -185,6 +185,18 @@ impl Inner {
         }
     }
 
+    /// Logs a failed write or erase in tier `t` (already counted in `io_errors`), at most
+    /// once per `IO_ERROR_LOG_INTERVAL` (10 s) with the count since the last line.
+    pub(super) fn write_failed(&self, t: usize, e: &TierError) {
+        if let Some(n) = self.write_errors_log.note(std::time::Instant::now()) {
+            tracing::warn!(
+                tier = %self.tiers[t].kind,
+                errors_since_last_warning = n,
+                "tier write failed: {e} (see kvtier_tier_io_errors_total)"
+            );
+        }
+    }
+
     /// Counts a hit served by slot `slot` of tier `t`.
     pub(super) fn hit(&self, t: usize, slot: u32) {
         let c = &self.tiers[t].counters;
@@ -232,6 +244,41 @@ impl Inner {
             self.retire(t, slot, true);
         }
         reason
+    }
+
+    /// After a corrupt read in tier `t`, drops the copies in `t` of the rest of the chain
+    /// (`rest`, the keys after the corrupt block) that have no faster copy: damage rarely
+    /// stops at one slot, and a lookup must not report blocks a load may fail on one per
+    /// turn. A put of the chain then stores them all again. Blocks with a copy above `t`
+    /// are kept (reads are served from that copy).
+    pub(super) fn drop_rest_of_chain(self: &Arc<Self>, t: usize, rest: &[BlockKey]) {
+        let mut dropped = 0u64;
+        for key in rest {
+            let mut shard = self.shard(key);
+            let Some(ent) = shard.get_mut(key) else {
+                continue;
+            };
+            let Some((ft, slot)) = ent.fastest().filter(|(ft, _)| *ft == t) else {
+                continue;
+            };
+            ent.loc[ft] = NONE;
+            self.emit(StoreEventKind::Removed, t, *key);
+            if ent.is_empty() {
+                shard.remove(key);
+            }
+            drop(shard);
+            // Erased like a corrupt block, so a restart does not index it again.
+            self.retire(t, slot, true);
+            dropped += 1;
+        }
+        if dropped > 0 {
+            let tier = &self.tiers[t];
+            tracing::warn!(
+                tier = %tier.kind,
+                dropped,
+                "dropped the rest of a chain after a corrupt block"
+            );
+        }
     }
 
     /// Copies slot `fs` of tier `from` (pinned by the caller) into a new slot of tier `to`:

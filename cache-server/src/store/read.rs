@@ -238,6 +238,9 @@ impl Inner {
                         break;
                     }
                     Err(reason) => {
+                        if reason == MissReason::Corrupt {
+                            self.drop_rest_of_chain(t, &keys[i + 1..]);
+                        }
                         miss = Some(reason);
                         break;
                     }

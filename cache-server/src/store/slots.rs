@@ -124,8 +124,9 @@ impl Inner {
 
     pub(super) fn erase_then_free(self: &Arc<Self>, t: usize, slot: u32) {
         let s = &self.tiers[t];
-        if s.tier.erase(SlotId(slot)).is_err() {
+        if let Err(e) = s.tier.erase(SlotId(slot)) {
             TierCounters::inc(&s.counters.io_errors);
+            self.write_failed(t, &e);
         }
         self.free(t, slot, false);
     }

@@ -2,9 +2,11 @@
 //! over every transport, on loopback, each with a time bound.
 
 mod common;
+mod expiry;
 mod isolation;
 mod leaks;
 mod lifecycle;
+mod limits;
 mod long_prefix;
 mod malformed;
 mod pending;

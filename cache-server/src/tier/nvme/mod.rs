@@ -15,7 +15,7 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, IoSlice, IoSliceMut, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -185,11 +185,13 @@ impl NvmeTier {
         let dir = config.dir.clone();
         fs::create_dir_all(&dir)
             .map_err(|e| config_err("nvme.dir", format!("cannot create {}: {e}", dir.display())))?;
+        make_private(&dir)?;
         let lock_file = lock_dir(&dir)?;
 
         let mut report = NvmeOpenReport::default();
         let slots_per_file = (config.file_bytes / stride).max(1);
         let old = read_manifest(&dir);
+        let on_disk = old.as_ref().ok().cloned().flatten();
         let mut epoch = 1;
         match old {
             Ok(None) => {}
@@ -286,7 +288,11 @@ impl NvmeTier {
             slots_per_file,
             epoch,
         };
-        write_manifest(&dir, &manifest)?;
+        // Unchanged (a warm restart): not rewritten, so a restart on a full disk still
+        // serves what is there.
+        if on_disk.as_ref() != Some(&manifest) {
+            write_manifest(&dir, &manifest)?;
+        }
 
         let mut tier = Self {
             dir,
@@ -608,12 +614,49 @@ impl Tier for NvmeTier {
     }
 }
 
+/// Mode of the tier's files (slot files, manifest, lock file): the server's user only.
+const PRIVATE_FILE_MODE: u32 = 0o600;
+/// Mode of the tier's directory.
+const PRIVATE_DIR_MODE: u32 = 0o700;
+
+/// Makes `dir` and the files in it private to the server's user (0700 and 0600), tightening
+/// (with a log line) what an older version or another tool left readable by others. Files
+/// created later are created 0600.
+fn make_private(dir: &Path) -> Result<(), TierError> {
+    let tighten = |path: &Path, want: u32| -> Result<(), TierError> {
+        let meta = fs::symlink_metadata(path).map_err(io_err(path))?;
+        let mode = meta.permissions().mode() & 0o7777;
+        if mode & 0o077 != 0 {
+            fs::set_permissions(path, fs::Permissions::from_mode(want)).map_err(io_err(path))?;
+            tracing::warn!(
+                path = %path.display(),
+                "tightened mode {mode:o} to {want:o}: NVMe data is private to the server's user"
+            );
+        }
+        Ok(())
+    };
+    tighten(dir, PRIVATE_DIR_MODE)?;
+    for e in fs::read_dir(dir).map_err(io_err(dir))?.flatten() {
+        let name = e.file_name();
+        let ours = slot_file_index(&name).is_some()
+            || [MANIFEST_FILE, LOCK_FILE].iter().any(|n| {
+                name.to_str()
+                    .is_some_and(|s| s == *n || s == format!("{n}.tmp"))
+            });
+        if ours && e.file_type().is_ok_and(|t| t.is_file()) {
+            tighten(&e.path(), PRIVATE_FILE_MODE)?;
+        }
+    }
+    Ok(())
+}
+
 fn lock_dir(dir: &Path) -> Result<File, TierError> {
     let path = dir.join(LOCK_FILE);
     let f = OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
+        .mode(PRIVATE_FILE_MODE)
         .open(&path)
         .map_err(|e| {
             config_err(
@@ -646,7 +689,14 @@ fn read_manifest(dir: &Path) -> Result<Option<Manifest>, String> {
 fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), TierError> {
     let tmp = dir.join(format!("{MANIFEST_FILE}.tmp"));
     let run = || -> io::Result<()> {
-        let mut f = File::create(&tmp)?;
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(PRIVATE_FILE_MODE)
+            .open(&tmp)?;
+        // An existing temporary file keeps its mode at open: set it.
+        f.set_permissions(fs::Permissions::from_mode(PRIVATE_FILE_MODE))?;
         f.write_all(m.encode().as_bytes())?;
         f.sync_all()?;
         fs::rename(&tmp, dir.join(MANIFEST_FILE))?;
@@ -716,6 +766,7 @@ fn open_slot_file(path: &Path, direct: bool) -> Result<(File, bool), TierError> 
             .write(true)
             .create(true)
             .truncate(false)
+            .mode(PRIVATE_FILE_MODE)
             .custom_flags(flags)
             .open(path)
     };

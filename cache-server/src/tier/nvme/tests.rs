@@ -178,3 +178,75 @@ fn flipped_bits_and_truncation_are_misses_never_bytes() {
         "{present:?}"
     );
 }
+
+/// Mode bits (permissions only) of `p`.
+fn mode(p: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    fs::metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+#[test]
+fn the_directory_and_files_are_private_and_looser_ones_are_tightened() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("nvme");
+    let key = BlockKey::from_u128(7);
+    let files = |dir: &Path| -> Vec<std::path::PathBuf> {
+        let mut v: Vec<_> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        v.sort();
+        v
+    };
+    {
+        let (t, _) = cfg(&dir).open().unwrap();
+        t.write(SlotId(4), key, &block_bytes(key, 100)).unwrap();
+    }
+    let made = files(&dir);
+    // Slot files, the manifest and the lock file.
+    assert!(made.len() >= 4, "{made:?}");
+    assert_eq!(mode(&dir), 0o700);
+    for f in &made {
+        assert_eq!(mode(f), 0o600, "{}", f.display());
+    }
+    // Loosened by someone else: the next open tightens them and still serves the block.
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
+    for f in &made {
+        fs::set_permissions(f, fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let (t, r) = cfg(&dir).open().unwrap();
+    assert_eq!(r.cold_start, None);
+    assert_eq!(mode(&dir), 0o700);
+    for f in &files(&dir) {
+        assert_eq!(mode(f), 0o600, "{}", f.display());
+    }
+    let mut b = vec![0u8; 100];
+    t.read(SlotId(4), key, &mut b).unwrap();
+    assert_eq!(b, block_bytes(key, 100));
+}
+
+#[test]
+fn a_warm_restart_that_cannot_write_the_manifest_serves_what_is_there() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let key = BlockKey::from_u128(9);
+    {
+        let (t, _) = cfg(dir.path()).open().unwrap();
+        t.write(SlotId(2), key, &block_bytes(key, 100)).unwrap();
+    }
+    let inode = fs::metadata(dir.path().join(MANIFEST_FILE)).unwrap().ino();
+    // As on a full disk: the manifest's temporary file cannot be created (a directory is in
+    // its way; root ignores modes, so a read-only directory would not do).
+    fs::create_dir(dir.path().join(format!("{MANIFEST_FILE}.tmp"))).unwrap();
+    let (t, r) = cfg(dir.path()).open().unwrap();
+    assert_eq!(r.cold_start, None);
+    assert_eq!(
+        fs::metadata(dir.path().join(MANIFEST_FILE)).unwrap().ino(),
+        inode,
+        "an unchanged manifest is not rewritten"
+    );
+    let mut b = vec![0u8; 100];
+    t.read(SlotId(2), key, &mut b).unwrap();
+    assert_eq!(b, block_bytes(key, 100));
+}
