@@ -14,7 +14,6 @@ cargo:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -57,32 +56,6 @@ PROMPTS = [
     "The best way to learn a new language is",
     "Mount Everest is located in",
 ]
-
-
-def _fetch_module():
-    spec = importlib.util.spec_from_file_location("fetch_model", SCRIPTS / "fetch-model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    out = subprocess.run(
-        [sys.executable, str(SCRIPTS / "fetch-model.py"), "--print-dir"],
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, out.stderr
-    return Path(out.stdout.strip())
-
-
-@pytest.fixture(scope="module")
-def gguf_path(model_dir: Path) -> Path:
-    path = model_dir.parent / "gguf" / _fetch_module().GGUF_NAME
-    assert path.is_file(), f"{path} missing after scripts/fetch-model.py"
-    return path
 
 
 @pytest.fixture(scope="module")

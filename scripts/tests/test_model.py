@@ -8,7 +8,6 @@ The vLLM tests share one vLLM run (scripts/verify-model.py in a subprocess, abou
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -20,36 +19,14 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(SCRIPTS))
 
-from model_reference import GgufBpe, LlamaNumpy  # noqa: E402 (after the sys.path line above)
+from conftest import load_script  # noqa: E402 (after the sys.path line above)
+from model_reference import GgufBpe, LlamaNumpy  # noqa: E402
 
 FRANCE = "The capital of France is"
 
 
 def _verify_module():
-    spec = importlib.util.spec_from_file_location("verify_model", SCRIPTS / "verify-model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(scope="session")
-def model_dir() -> Path:
-    out = subprocess.run(
-        [sys.executable, str(SCRIPTS / "fetch-model.py"), "--print-dir"],
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, out.stderr
-    return Path(out.stdout.strip())
-
-
-@pytest.fixture(scope="session")
-def gguf_path(model_dir: Path) -> Path:
-    fetch = importlib.util.spec_from_file_location("fetch_model", SCRIPTS / "fetch-model.py")
-    mod = importlib.util.module_from_spec(fetch)
-    fetch.loader.exec_module(mod)
-    return model_dir.parent / "gguf" / mod.GGUF_NAME
+    return load_script("verify-model.py")
 
 
 @pytest.fixture(scope="session")
