@@ -529,6 +529,8 @@ fn a_block_being_stored_is_pending_until_committed_and_never_served_before() {
     // Announced by a put in flight: pending, not cached.
     let mut ann = s.announce(&[a, b]);
     assert!(s.is_pending(&a) && s.is_pending(&b));
+    assert_eq!(s.first_pending(&[c, b, a]), Some(1));
+    assert_eq!(s.first_pending(&[c]), None);
     let mut r = s.reserve(a, None).unwrap();
     r.bytes_mut().copy_from_slice(&data(a));
     assert!(s.is_pending(&a));
@@ -549,5 +551,6 @@ fn a_block_being_stored_is_pending_until_committed_and_never_served_before() {
     drop(ann);
     assert!(!s.is_pending(&b));
     assert_eq!(s.pending_blocks(), 0);
+    assert_eq!(s.first_pending(&[a, b, c]), None);
     s.check_consistency().unwrap();
 }

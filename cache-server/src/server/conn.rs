@@ -1028,7 +1028,9 @@ impl Job {
 /// reads the index, which holds committed blocks only.
 async fn await_pending(s: &Shared, keys: &[kvtier_core::BlockKey]) {
     let store = &s.store;
-    if store.pending_blocks() == 0 {
+    // One lock over the pending set, not a walk of the index, when none of these keys is being
+    // stored (the common case, also while other clients' puts are in flight).
+    if store.first_pending(keys).is_none() {
         return;
     }
     let start = Instant::now();

@@ -419,6 +419,11 @@ impl TieredStore {
         self.inner.pending.contains(key)
     }
 
+    /// The index of the first of `keys` that is being stored now, if any.
+    pub fn first_pending(&self, keys: &[BlockKey]) -> Option<usize> {
+        self.inner.pending.first_of(keys)
+    }
+
     /// How many distinct keys are being stored now.
     pub fn pending_blocks(&self) -> usize {
         self.inner.pending.len()

@@ -52,6 +52,16 @@ impl Pending {
         self.count.load(Ordering::Acquire) != 0 && lock(&self.map).contains_key(key)
     }
 
+    /// The index of the first of `keys` that is pending, under one lock (none: at once, without
+    /// the lock, while nothing is pending).
+    pub(super) fn first_of(&self, keys: &[BlockKey]) -> Option<usize> {
+        if self.count.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let m = lock(&self.map);
+        keys.iter().position(|k| m.contains_key(k))
+    }
+
     pub(super) fn len(&self) -> usize {
         self.count.load(Ordering::Acquire)
     }
