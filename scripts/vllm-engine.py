@@ -3,7 +3,7 @@
 
     vllm-engine.py --model DIR [--kvtier URL [--extra JSON] | --kv-config JSON] [--prefix-caching]
 
-Starts ``vllm.LLM`` on the model (bfloat16, eager, 128-token blocks), with kvtier's connector
+Starts ``vllm.LLM`` on the model (``--dtype``, default bfloat16; eager; 128-token blocks), with kvtier's connector
 when ``--kvtier`` is given, prints ``{"ready": ...}`` and then answers one JSON line per request
 line on stdin:
 
@@ -51,6 +51,7 @@ def main() -> int:
     ap.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache")
     ap.add_argument("--kv-space-gib", default=None, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     args = ap.parse_args()
     for k, v in VLLM_ENV.items():
         os.environ.setdefault(k, v)
@@ -70,7 +71,7 @@ def main() -> int:
     t0 = time.perf_counter()
     llm = LLM(
         model=args.model,
-        dtype="bfloat16",
+        dtype=args.dtype,
         max_model_len=args.max_model_len,
         enforce_eager=True,
         max_num_seqs=8,

@@ -320,6 +320,7 @@ class _Counters:
         self.interval = {k: 0 for k in _COUNTERS}
         self.total = {k: 0 for k in _COUNTERS}
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
         self._path = f"{stats_file}.{role}.json" if stats_file else None
         self._dirty = False
 
@@ -344,13 +345,16 @@ class _Counters:
                 return
             self._dirty = False
             data = dict(self.total)
-        tmp = f"{self._path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(data, f)
-            os.replace(tmp, self._path)
-        except OSError as e:
-            logger.warning("kvtier connector: cannot write the stats file %s: %s", self._path, e)
+        with self._write_lock:  # the saver thread and the step both flush
+            tmp = f"{self._path}.{os.getpid()}.tmp"
+            try:
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(data, f)
+                os.replace(tmp, self._path)
+            except OSError as e:
+                logger.warning(
+                    "kvtier connector: cannot write the stats file %s: %s", self._path, e
+                )
 
 
 # --------------------------------------------------------------------------------------------

