@@ -627,8 +627,13 @@ impl ServerConfig {
             let bytes = match self.store.nvme_bytes {
                 Size::Bytes(b) => b,
                 Size::Auto => {
-                    std::fs::create_dir_all(&dir)
-                        .map_err(|e| cerr("store.nvme_dir", format!("{}: {e}", dir.display())))?;
+                    // Private, as the server's startup checks want it (docs/operations.md).
+                    std::os::unix::fs::DirBuilderExt::mode(
+                        std::fs::DirBuilder::new().recursive(true),
+                        0o700,
+                    )
+                    .create(&dir)
+                    .map_err(|e| cerr("store.nvme_dir", format!("{}: {e}", dir.display())))?;
                     auto_nvme_bytes(
                         crate::tier::nvme::available_bytes(&dir).map_err(|e| {
                             cerr("store.nvme_dir", format!("{}: {e}", dir.display()))

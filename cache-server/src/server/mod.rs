@@ -8,6 +8,7 @@ mod conn;
 pub mod events;
 mod fdpass;
 pub mod metrics;
+mod places;
 mod tls;
 
 use std::net::SocketAddr;
@@ -43,6 +44,14 @@ pub enum ServerError {
     },
     #[error("TLS: {0}")]
     Tls(String),
+    /// A directory or secret file that another user could change or read.
+    #[error("{setting} {}: unsafe: it {problem}. Fix: {fix}", path.display())]
+    UnsafePlace {
+        setting: String,
+        path: PathBuf,
+        problem: String,
+        fix: String,
+    },
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -134,10 +143,7 @@ impl Server {
     pub async fn start(config: ServerConfig) -> Result<Server, ServerError> {
         config.validate()?;
         let runtime = config.runtime_dir();
-        std::fs::create_dir_all(&runtime).map_err(io_err(format!(
-            "creating runtime dir {}",
-            runtime.display()
-        )))?;
+        check_places(&config, &runtime)?;
         let store_config = config.store_config()?;
         let layout = store_config.layout;
         let store = tokio::task::spawn_blocking(move || TieredStore::open(store_config))
@@ -300,6 +306,27 @@ impl Server {
     }
 }
 
+/// Refuses to start where another user could replace the socket, the token or the data
+/// (see [`places`]); creates missing directories 0700.
+fn check_places(c: &ServerConfig, runtime: &Path) -> Result<(), ServerError> {
+    places::ensure_private_dir("server.runtime_dir", runtime)?;
+    if let Some(dir) = c.unix_path().as_deref().and_then(Path::parent)
+        && dir != runtime
+    {
+        places::ensure_private_dir("server.unix (its directory)", dir)?;
+    }
+    if !c.store.nvme_dir.is_empty() && c.tiers()?.contains(&crate::tier::TierKind::Nvme) {
+        places::ensure_private_dir("store.nvme_dir", Path::new(&c.store.nvme_dir))?;
+    }
+    if c.server.token.is_empty() && !c.server.token_file.is_empty() {
+        places::check_secret_file("server.token_file", Path::new(&c.server.token_file))?;
+    }
+    if !c.server.tls_key.is_empty() {
+        places::check_secret_file("server.tls_key", Path::new(&c.server.tls_key))?;
+    }
+    Ok(())
+}
+
 /// Runs `serve` as a tracked connection (counted for max_connections and the drain).
 fn spawn_conn<F>(shared: &Arc<Shared>, f: F)
 where
@@ -346,33 +373,41 @@ async fn refuse_busy<W: tokio::io::AsyncWrite + Unpin>(mut w: W) {
     .await;
 }
 
+/// Binds the Unix socket atomically: under a temporary name in its (private) directory,
+/// made 0600, then renamed over `path`, so the path never holds another process's socket or
+/// one that others may connect to.
 fn bind_unix(path: &Path) -> Result<tokio::net::UnixListener, ServerError> {
     use std::os::unix::fs::PermissionsExt;
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(io_err(format!("creating {}", dir.display())))?;
-    }
-    // A socket file left by a dead server is removed; a live one is not stolen.
-    if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(ServerError::Bind {
-                what: "unix",
-                addr: path.display().to_string(),
-                source: std::io::Error::new(
-                    std::io::ErrorKind::AddrInUse,
-                    "another server is listening there",
-                ),
-            });
-        }
-        let _ = std::fs::remove_file(path);
-    }
-    let l = tokio::net::UnixListener::bind(path).map_err(|source| ServerError::Bind {
+    let bind_err = |source| ServerError::Bind {
         what: "unix",
         addr: path.display().to_string(),
         source,
-    })?;
-    // Only this user's processes may connect (the local path maps the arena).
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(io_err(format!("chmod {}", path.display())))?;
+    };
+    // A socket file left by a dead server is replaced; a live one is not stolen.
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        return Err(bind_err(std::io::Error::new(
+            std::io::ErrorKind::AddrInUse,
+            "another server is listening there",
+        )));
+    }
+    let dir = path.parent().unwrap_or(Path::new("."));
+    // Short, so that a path that fits the 108-byte limit mostly fits with it too.
+    let tmp = dir.join(format!(".{:x}.t", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    let l = tokio::net::UnixListener::bind(&tmp).map_err(bind_err)?;
+    let done = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
+        .map_err(io_err(format!("chmod {}", tmp.display())))
+        .and_then(|()| {
+            std::fs::rename(&tmp, path).map_err(io_err(format!(
+                "renaming {} to {}",
+                tmp.display(),
+                path.display()
+            )))
+        });
+    if let Err(e) = done {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
     Ok(l)
 }
 

@@ -10,4 +10,5 @@ mod limits;
 mod long_prefix;
 mod malformed;
 mod pending;
+mod places;
 mod sdk;
