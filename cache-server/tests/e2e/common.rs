@@ -113,8 +113,31 @@ impl ServerProc {
 
     /// Starts a server whose state lives in `dir` (kept by the caller across restarts).
     pub fn start_in(dir: &Path, extra: &[&str]) -> ServerProc {
+        Self::spawn(dir, extra, None)
+    }
+
+    /// Starts a server that may hold at most `nofile` file descriptors (`ulimit -n`).
+    pub fn start_with_nofile(nofile: u32, extra: &[&str]) -> ServerProc {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut p = Self::spawn(tmp.path(), extra, Some(nofile));
+        p._tmp = Some(tmp);
+        p
+    }
+
+    fn spawn(dir: &Path, extra: &[&str], nofile: Option<u32>) -> ServerProc {
         let args = Self::args(dir, extra);
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier-server"));
+        let bin = env!("CARGO_BIN_EXE_kvtier-server");
+        let mut cmd = match nofile {
+            None => Command::new(bin),
+            Some(n) => {
+                // The shell lowers its own limit, then becomes the server.
+                let mut c = Command::new("sh");
+                c.arg("-c")
+                    .arg(format!("ulimit -n {n} && exec \"$0\" \"$@\""))
+                    .arg(bin);
+                c
+            }
+        };
         for a in &args {
             cmd.arg("--set").arg(a);
         }
@@ -186,6 +209,22 @@ impl ServerProc {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// The server's resident memory (VmRSS), in bytes.
+    pub fn rss_bytes(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        let kb: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap();
+        kb * 1024
     }
 
     pub fn unix_url(&self) -> String {
