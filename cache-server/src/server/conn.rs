@@ -404,6 +404,9 @@ impl Conn {
                     return ReadEnd::Dropped;
                 }
                 self.refuse(h.request_id, h.opcode, &e).await;
+                if !authed {
+                    return ReadEnd::Dropped; // any error before hello ends the connection
+                }
                 continue;
             }
             let req = match h
