@@ -201,9 +201,47 @@ impl Drop for PreHelloSlot {
     }
 }
 
+/// Raises this process's soft limit on open file descriptors to its hard limit (as Go's
+/// runtime and most servers do: the soft limit's usual 1,024 would cap connections below
+/// `limits.max_connections`); returns the limit now in force.
+pub fn raise_nofile_limit() -> std::io::Result<u64> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into the struct we pass, which lives on our stack.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if r.rlim_cur < r.rlim_max {
+        let want = libc::rlimit {
+            rlim_cur: r.rlim_max,
+            rlim_max: r.rlim_max,
+        };
+        // SAFETY: setrlimit reads one rlimit from the struct we pass.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        r.rlim_cur = r.rlim_max;
+    }
+    Ok(r.rlim_cur)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_soft_fd_limit_is_raised_to_the_hard_one() {
+        let now = raise_nofile_limit().unwrap();
+        let mut r = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: as in raise_nofile_limit.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) }, 0);
+        assert_eq!((r.rlim_cur, r.rlim_max), (now, now));
+    }
 
     #[test]
     fn a_peer_is_braked_after_its_burst_and_refills() {

@@ -638,7 +638,13 @@ impl Conn {
             match s.store.dram().arena_fd().try_clone_to_owned() {
                 Ok(fd) => Some(fd),
                 Err(e) => {
-                    tracing::warn!("cannot duplicate the arena fd: {e}");
+                    // Out of descriptors, most likely: the client falls back to the socket.
+                    if let Some(n) = s.logs.arena_fd.tick(Instant::now()) {
+                        tracing::warn!(
+                            "cannot duplicate the arena fd for a hello: {e} ({n} since the last \
+                             warning); the client gets no arena"
+                        );
+                    }
                     None
                 }
             }

@@ -23,6 +23,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
+pub use brakes::raise_nofile_limit;
 pub use config::{ConfigError, ConfigLoader, ServerConfig, Size, parse_size};
 use events::EventBus;
 use metrics::{Metrics, Transport};
@@ -124,6 +125,7 @@ pub(crate) struct Logs {
     pub no_fds: brakes::RateLimitedLog,
     pub accept: brakes::RateLimitedLog,
     pub refused: brakes::RateLimitedLog,
+    pub arena_fd: brakes::RateLimitedLog,
 }
 
 /// Where a started server listens, and what a client needs to reach it.
