@@ -61,10 +61,21 @@ async fn guessing_tokens_is_braked_per_address() {
             .err()
             .expect("a braked address is refused");
         assert!(e.to_string().contains("too many failed hellos"), "{e}");
+        // ...over QUIC as well: the brake is the address's, not the transport's...
+        let e = Client::connect(
+            &srv.quic_url(),
+            ClientConfig::default()
+                .token(TOKEN)
+                .quic_cert_der(srv.cert()),
+        )
+        .await
+        .err()
+        .expect("a braked address is refused over QUIC too");
+        assert!(e.to_string().contains("too many failed hellos"), "{e}");
         // ...while the local socket is not braked, and the refusals are counted.
         srv.client("unix").await.ping().await.unwrap();
         assert_eq!(metric(&srv, "kvtier_auth_failures_total").await, 5);
-        assert!(metric(&srv, "kvtier_auth_throttled_total").await >= 596);
+        assert!(metric(&srv, "kvtier_auth_throttled_total").await >= 597);
     })
     .await;
 }
