@@ -22,7 +22,6 @@ use kvtier_worker::gguf::GgufFile;
 use kvtier_worker::serve::{ServeConfig, WorkerServer};
 use serde::Serialize;
 
-use crate::agentic::driver::PromptFormat;
 use crate::agentic::{self, AgenticArgs, Comparison};
 use crate::report::{Plot, Report, Table};
 
@@ -446,10 +445,6 @@ pub fn run(a: &DemoArgs, seed: u64) -> Result<DemoResult> {
     argv.extend(sizing.workload);
     let cli =
         AgenticCli::try_parse_from(argv).map_err(|e| anyhow::anyhow!("demo settings: {e}"))?;
-    debug_assert!(
-        matches!(chosen, DemoModel::Random { .. })
-            || cli.args.prompt_format == PromptFormat::English
-    );
     // The comparison runs on its own runtime; the servers keep running on `rt`'s threads.
     let result = agentic::run(&cli.args, seed, true);
     let samples = match &result {
