@@ -49,6 +49,10 @@ struct Args {
     print_config: bool,
 }
 
+/// Descriptors the server needs beside its connections (listeners, the arena, NVMe slot
+/// files, the runtime's own).
+const FD_HEADROOM: u64 = 64;
+
 fn load_config(args: &Args) -> Result<ServerConfig> {
     let mut l = ConfigLoader::new();
     if let Some(p) = &args.config {
@@ -89,6 +93,18 @@ fn main() -> Result<()> {
     if args.print_config {
         print!("{}", toml::to_string(&config)?);
         return Ok(());
+    }
+    // Room for max_connections (each a descriptor) and the server's own files; past the
+    // limit, connections are refused cleanly, and the operator is told why up front.
+    match kvtier_server::server::raise_nofile_limit() {
+        Ok(n) if n < config.limits.max_connections as u64 + FD_HEADROOM => tracing::warn!(
+            "the open-file limit is {n}, below limits.max_connections ({}) + {FD_HEADROOM}: \
+             connections past the limit are refused as \"out of file descriptors\"; raise it \
+             (ulimit -n, LimitNOFILE) or lower limits.max_connections",
+            config.limits.max_connections
+        ),
+        Ok(_) => {}
+        Err(e) => tracing::warn!("cannot raise the open-file limit: {e}"),
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

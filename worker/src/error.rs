@@ -58,6 +58,9 @@ pub enum WorkerError {
     /// The GPU path cannot run (no driver, no device, a CUDA call failed) or was not built.
     #[error("GPU: {reason}")]
     Gpu { reason: String },
+    /// The reference model could not be fetched ([`crate::fetch`]).
+    #[error("fetching the model: {reason}")]
+    Fetch { reason: String },
     /// A `serve` setting is unusable.
     #[error("serve setting `{setting}`: {reason}")]
     Serve { setting: String, reason: String },

@@ -27,43 +27,8 @@ const MAX_TOKENS: usize = 8;
 
 /// The GGUF file, fetched (or found cached) by scripts/fetch-model.py.
 fn gguf_path() -> Result<PathBuf> {
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let python = match std::env::var("KVTIER_PYTHON") {
-        Ok(p) => p,
-        Err(_) => {
-            let out = std::process::Command::new("bash")
-                .arg(repo.join("scripts/ref-env.sh"))
-                .output()
-                .context("running scripts/ref-env.sh")?;
-            ensure!(
-                out.status.success(),
-                "scripts/ref-env.sh failed (it makes the venv that fetches the model): {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            format!("{}/bin/python", String::from_utf8(out.stdout)?.trim())
-        }
-    };
-    let out = std::process::Command::new(&python)
-        .arg(repo.join("scripts/fetch-model.py"))
-        .arg("--print-dir")
-        .output()
-        .with_context(|| format!("running {python} scripts/fetch-model.py"))?;
-    ensure!(
-        out.status.success(),
-        "scripts/fetch-model.py failed (the model is needed by this test): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let dir = PathBuf::from(String::from_utf8(out.stdout)?.trim());
-    let gguf = dir
-        .parent()
-        .context("model dir has a parent")?
-        .join("gguf/SmolLM2-135M-Instruct.Q4_1.gguf");
-    ensure!(
-        gguf.is_file(),
-        "{} missing after fetch-model.py",
-        gguf.display()
-    );
-    Ok(gguf)
+    kvtier_worker::fetch::smollm2_gguf(None)
+        .context("the model is needed by this test (scripts/fetch-model.py)")
 }
 
 /// A kvtier-server for SmolLM2's KV layout (30 layers, 3 KV heads of 64, f32, 16-token blocks).

@@ -15,7 +15,7 @@ use serde::Serialize;
 use tokio::task::JoinSet;
 
 use super::http::{CompletionClient, Endpoint, Timeouts};
-use super::workload::{Base, Chain, Step, Workload};
+use super::workload::{Base, Chain, Content, Step, Workload};
 
 /// Tokens per block when counting the ideal prefix reuse (the reference worker's block size).
 pub const REUSE_BLOCK_TOKENS: usize = 16;
@@ -27,6 +27,41 @@ pub enum PromptFormat {
     Tokens,
     /// A string (the same bytes; for engines with their own tokenizer).
     Text,
+    /// English text, one word per workload token (sentences of a coding agent's transcript):
+    /// for engines with a real tokenizer, where a word is about one token.
+    English,
+}
+
+impl PromptFormat {
+    /// What the generated content is made of in this format.
+    pub fn content(self) -> Content {
+        match self {
+            PromptFormat::Tokens | PromptFormat::Text => Content::Letters,
+            PromptFormat::English => Content::English,
+        }
+    }
+}
+
+/// A prompt's workload tokens: its bytes, or with [`Content::English`] its words (each with
+/// the space before it).
+pub fn units(prompt: &[u8], content: Content) -> Vec<&[u8]> {
+    match content {
+        Content::Letters => prompt.chunks(1).collect(),
+        Content::English => {
+            let mut v = Vec::new();
+            let mut start = 0;
+            for (i, b) in prompt.iter().enumerate() {
+                if *b == b' ' && i > start {
+                    v.push(&prompt[start..i]);
+                    start = i;
+                }
+            }
+            if start < prompt.len() {
+                v.push(&prompt[start..]);
+            }
+            v
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -140,7 +175,7 @@ pub async fn drive(w: &Workload, ep: &Endpoint, o: &DriveOptions) -> anyhow::Res
         client,
         o: o.clone(),
         long_idle_s: w.long_idle_s,
-        harness: w.harness(harness_len),
+        harness: w.harness(harness_len, o.prompt_format.content()),
         start: Instant::now(),
         records: Mutex::new(Vec::new()),
         seen_blocks: Mutex::new(HashSet::new()),
@@ -221,7 +256,14 @@ fn harness_lengths(c: &Chain) -> Vec<usize> {
 
 fn base_context(sh: &Shared, base: &Base, parent: &[u8]) -> Vec<u8> {
     match base {
-        Base::Harness(n) => sh.harness[..*n].to_vec(),
+        Base::Harness(n) => {
+            let bytes: usize = units(&sh.harness, sh.o.prompt_format.content())
+                .iter()
+                .take(*n)
+                .map(|u| u.len())
+                .sum();
+            sh.harness[..bytes].to_vec()
+        }
         Base::Parent => parent.to_vec(),
     }
 }
@@ -250,7 +292,7 @@ fn run_chain(
                     if pause > 0.0 {
                         tokio::time::sleep(Duration::from_secs_f64(pause)).await;
                     }
-                    append.extend(&mut ctx);
+                    append.extend(sh.o.prompt_format.content(), &mut ctx);
                     let kind = if chain_id != 0 {
                         TurnKind::Subagent
                     } else if turn == 0 {
@@ -272,7 +314,7 @@ fn run_chain(
                 }
                 Step::Join { append } => {
                     while subs.join_next().await.is_some() {}
-                    append.extend(&mut ctx);
+                    append.extend(sh.o.prompt_format.content(), &mut ctx);
                 }
             }
         }
@@ -282,7 +324,7 @@ fn run_chain(
 
 /// Leading tokens of `prompt` (whole blocks) seen at the start of an earlier prompt; records
 /// this prompt's blocks.
-fn reusable(sh: &Shared, prompt: &[u8]) -> usize {
+fn reusable(sh: &Shared, prompt: &[&[u8]]) -> usize {
     let mut h = DefaultHasher::new();
     let hashes: Vec<u64> = prompt
         .chunks_exact(REUSE_BLOCK_TOKENS)
@@ -307,7 +349,9 @@ pub fn body(model: &str, prompt: &[u8], max_tokens: u32, format: PromptFormat) -
                 .collect::<Vec<_>>(),
         ),
         // Generated content is ASCII, so this is lossless.
-        PromptFormat::Text => serde_json::Value::from(String::from_utf8_lossy(prompt)),
+        PromptFormat::Text | PromptFormat::English => {
+            serde_json::Value::from(String::from_utf8_lossy(prompt))
+        }
     };
     serde_json::to_vec(&serde_json::json!({
         "model": model,
@@ -330,7 +374,8 @@ async fn request(
     prompt: &[u8],
     max_tokens: u32,
 ) {
-    let reusable_tokens = reusable(sh, prompt);
+    let units = units(prompt, sh.o.prompt_format.content());
+    let reusable_tokens = reusable(sh, &units);
     let body = body(&sh.o.model, prompt, max_tokens, sh.o.prompt_format);
     let start_s = sh.start.elapsed().as_secs_f64();
     let now = sh.inflight.fetch_add(1, Ordering::SeqCst) + 1;
@@ -357,7 +402,7 @@ async fn request(
         chain,
         turn,
         kind,
-        prompt_tokens: prompt.len(),
+        prompt_tokens: units.len(),
         reusable_tokens,
         max_tokens,
         start_s,

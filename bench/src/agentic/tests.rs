@@ -197,6 +197,59 @@ fn each_turn_extends_the_previous_one_and_sessions_share_the_harness() {
 }
 
 #[test]
+fn english_prompts_are_words_that_extend_the_previous_turn() {
+    within(20, async {
+        let m = MockServer::start(MockConfig::default()).await.unwrap();
+        let p = small(2, 0.0);
+        let w = workload::generate(&p, 11).unwrap();
+        let per_session = w.sessions[0].main.turns();
+        let o = DriveOptions {
+            prompt_format: PromptFormat::English,
+            ..opts(1)
+        };
+        let d = driver::drive(&w, &ep(&m), &o).await.unwrap();
+        let text = |v: &Vec<u32>| String::from_utf8(v.iter().map(|b| *b as u8).collect()).unwrap();
+        m.with_log(|l| {
+            let (a, b) = l.prompts.split_at(per_session);
+            for s in [a, b] {
+                let s: Vec<String> = s.iter().map(text).collect();
+                assert!(
+                    s[0].starts_with("You are a coding agent"),
+                    "the harness is a system prompt: {:?}",
+                    &s[0][..40]
+                );
+                for pair in s.windows(2) {
+                    assert!(pair[1].starts_with(&pair[0]), "not a prefix extension");
+                    // The new part starts at a word boundary (a real tokenizer splits there).
+                    assert!(pair[1][pair[0].len()..].starts_with(' '));
+                }
+                for t in &s {
+                    assert!(
+                        t.bytes().all(|c| c.is_ascii_graphic() || c == b' '),
+                        "{t:?}"
+                    );
+                    assert!(!t.contains("  "), "empty words: {t:?}");
+                }
+            }
+            // One word per workload token: the first prompt has the harness and the task.
+            let first = text(&a[0]);
+            let words = first.split(' ').count();
+            let task = match &w.sessions[0].main.steps[0] {
+                Step::Turn { append, .. } => append.len,
+                s => panic!("a chain starts with a turn, not {s:?}"),
+            };
+            assert_eq!(words, p.harness_tokens + task, "{first:?}");
+            let rec = d
+                .records
+                .iter()
+                .find(|r| r.session == 0 && r.turn == 0)
+                .unwrap();
+            assert_eq!(rec.prompt_tokens, words);
+        });
+    });
+}
+
+#[test]
 fn subagents_branch_off_the_parent_and_rejoin_before_it_continues() {
     within(20, async {
         let m = MockServer::start(MockConfig {
@@ -279,7 +332,10 @@ fn the_generator_is_deterministic_per_seed() {
     assert_eq!(a, workload::generate(&p, 1).unwrap());
     let b = workload::generate(&p, 2).unwrap();
     assert_ne!(a, b);
-    assert_ne!(a.harness(64), b.harness(64));
+    assert_ne!(
+        a.harness(64, workload::Content::Letters),
+        b.harness(64, workload::Content::Letters)
+    );
     // The defaults produce a realistic mix: subagents, long idles, growing contexts.
     assert!(a.sessions.iter().any(|s| s.main.subagents() > 0));
     let idle = a

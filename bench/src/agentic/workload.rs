@@ -9,6 +9,10 @@
 //! The model's previous output is represented by seeded tokens of the requested output length
 //! (not the text the endpoint returned), which keeps the prompts identical across engines and
 //! configurations.
+//!
+//! Content comes in two kinds ([`Content`]): lower-case letters and spaces, one byte per token
+//! (for the byte-level tokenizer of the random-weight model), or English words drawn from an
+//! agentic transcript's sentences, one word per workload token (for a real tokenizer).
 
 use serde::Serialize;
 
@@ -22,6 +26,59 @@ const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz     ";
 /// Tokens kept free under `--max-context` for a BOS the engine may put before the prompt.
 pub const BOS_MARGIN: usize = 1;
 
+/// What generated content is made of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Content {
+    /// Lower-case letters and spaces, one byte per token.
+    Letters,
+    /// English words, one per token, each after a space: sentences of a coding agent's
+    /// transcript, drawn from the seed (the harness from a system prompt's sentences). With a
+    /// byte-pair tokenizer a word is about one token. Each segment starts with a space, so
+    /// a real tokenizer splits the prompt at the segment boundaries the same way every turn
+    /// and a turn's tokens extend the previous turn's.
+    English,
+}
+
+/// The harness prefix in English: a coding agent's system prompt and tool descriptions.
+const HARNESS_SENTENCES: &[&str] = &[
+    "You are a coding agent working in a Rust repository on behalf of the user.",
+    "You can call the tools read_file, edit_file, search and run_tests.",
+    "The tool read_file takes a path and returns the contents of that file.",
+    "The tool edit_file replaces one exact piece of text in a file with another.",
+    "The tool search finds lines that match a pattern in every file of the repository.",
+    "The tool run_tests runs the test suite and returns the names of the tests that failed.",
+    "Read the relevant code before you change it, and keep every change small.",
+    "Explain what you are going to do in one or two sentences before each tool call.",
+    "Never invent the output of a tool; wait for the result and read it carefully.",
+    "When the tests pass, summarize what you changed and why in a short answer.",
+    "Follow the style of the surrounding code and keep the documentation true.",
+    "Ask the user a question only when the task cannot be done without an answer.",
+];
+
+/// Everything else in English: tasks, tool results and the agent's notes.
+const TRANSCRIPT_SENTENCES: &[&str] = &[
+    "The user asks you to fix the failing test in the cache server.",
+    "Please add a timeout to the client so that a request never hangs forever.",
+    "The function returns an error when the block is missing from the index.",
+    "I will read the file that defines the configuration loader first.",
+    "The test expected five blocks in the result but found only three.",
+    "Running the tests again after the change shows that all of them pass.",
+    "The error says that the value was moved before it was used again.",
+    "Let me search for every place where the lock is taken in this module.",
+    "The file has two hundred lines and most of them handle the wire format.",
+    "This change keeps the old behaviour for clients that send no token.",
+    "The build failed because a type in the public interface was renamed.",
+    "I found the bug: the counter is read before the write has finished.",
+    "The next step is to update the documentation of the new setting.",
+    "Three tests failed with a timeout while waiting for the server to start.",
+    "The server logs a warning when the disk tier is almost full.",
+    "Now I will edit the function so that it checks the length first.",
+    "The benchmark shows that the new path is twice as fast as before.",
+    "The cache keeps the most recent blocks in memory and the rest on disk.",
+    "The review asks for a clearer name and a test for the empty case.",
+    "After the edit the code compiles and the linter reports no warnings.",
+];
+
 /// `len` tokens drawn from `seed`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Segment {
@@ -31,7 +88,14 @@ pub struct Segment {
 
 impl Segment {
     /// Appends the segment's tokens to `out`.
-    pub fn extend(&self, out: &mut Vec<u8>) {
+    pub fn extend(&self, content: Content, out: &mut Vec<u8>) {
+        match content {
+            Content::Letters => self.letters(out),
+            Content::English => english(self.seed, self.len, TRANSCRIPT_SENTENCES, false, out),
+        }
+    }
+
+    fn letters(&self, out: &mut Vec<u8>) {
         let mut r = SplitMix64::new(self.seed);
         out.reserve(self.len);
         let mut left = self.len;
@@ -42,6 +106,27 @@ impl Segment {
                 x >>= 8;
                 left -= 1;
             }
+        }
+    }
+}
+
+/// Appends `len` words, each after a space, of sentences drawn from `bank` by `seed` (with
+/// `in_order`, the bank's sentences in order first).
+fn english(seed: u64, len: usize, bank: &[&str], in_order: bool, out: &mut Vec<u8>) {
+    let mut r = SplitMix64::new(seed);
+    let mut left = len;
+    let mut i = 0;
+    while left > 0 {
+        let sentence = if in_order && i < bank.len() {
+            bank[i]
+        } else {
+            bank[(r.next_u64() % bank.len() as u64) as usize]
+        };
+        i += 1;
+        for w in sentence.split(' ').take(left) {
+            out.push(b' ');
+            out.extend_from_slice(w.as_bytes());
+            left -= 1;
         }
     }
 }
@@ -129,13 +214,22 @@ impl Workload {
     }
 
     /// The harness prefix's first `n` tokens.
-    pub fn harness(&self, n: usize) -> Vec<u8> {
+    pub fn harness(&self, n: usize, content: Content) -> Vec<u8> {
         let mut v = Vec::with_capacity(n);
-        Segment {
-            seed: self.harness_seed,
-            len: n,
+        match content {
+            Content::Letters => Segment {
+                seed: self.harness_seed,
+                len: n,
+            }
+            .letters(&mut v),
+            Content::English => {
+                english(self.harness_seed, n, HARNESS_SENTENCES, true, &mut v);
+                // The prompt starts with the system prompt's first word, not a space.
+                if !v.is_empty() {
+                    v.remove(0);
+                }
+            }
         }
-        .extend(&mut v);
         v
     }
 }

@@ -1,6 +1,11 @@
 //! The HTTP admin port: `/health` (the process answers), `/ready` (listeners up, not
 //! draining), `/metrics` (Prometheus text), `/stats` (JSON). It exposes counters only: no
 //! keys, no token ids.
+//!
+//! Bounded like the data ports: at most `limits.admin_max_connections` connections (more are
+//! closed at accept and counted), a request's headers must arrive within
+//! `limits.admin_timeout_ms` (hyper's header timeout, which also runs while a kept-alive
+//! connection sits idle), and a connection lives at most [`LIFETIME_FACTOR`] times that.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -10,8 +15,14 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::sync::Semaphore;
 
-use super::Shared;
+use super::{Refusal, Shared};
+
+/// An admin connection lives at most this many `admin_timeout_ms`.
+const LIFETIME_FACTOR: u32 = 6;
 
 pub(crate) async fn serve(shared: Arc<Shared>, l: tokio::net::TcpListener) {
     let stop = shared.shutdown.clone();
@@ -20,12 +31,45 @@ pub(crate) async fn serve(shared: Arc<Shared>, l: tokio::net::TcpListener) {
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .route("/stats", get(stats))
-        .with_state(shared);
-    if let Err(e) = axum::serve(l, app)
-        .with_graceful_shutdown(stop.cancelled_owned())
-        .await
-    {
-        tracing::warn!("admin server stopped: {e}");
+        .with_state(shared.clone());
+    let slots = Arc::new(Semaphore::new(shared.config.limits.admin_max_connections));
+    let timeout = shared.config.admin_timeout();
+    loop {
+        let stream = tokio::select! {
+            _ = stop.cancelled() => return,
+            r = l.accept() => match r {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    if let Some(n) = shared.logs.accept.tick(std::time::Instant::now()) {
+                        tracing::warn!("admin accept: {e} ({n} errors since the last warning)");
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            super::refused(&shared, Refusal::Admin);
+            drop(stream);
+            continue;
+        };
+        let service = TowerToHyperService::new(app.clone());
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            let mut b = hyper::server::conn::http1::Builder::new();
+            b.timer(TokioTimer::new()).header_read_timeout(timeout);
+            let conn = b.serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = &mut conn => {}
+                _ = tokio::time::sleep(timeout * LIFETIME_FACTOR) => {}
+                _ = stop.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(timeout, conn).await;
+                }
+            }
+        });
     }
 }
 
@@ -39,6 +83,7 @@ async fn ready(State(s): State<Arc<Shared>>) -> impl IntoResponse {
 
 async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     let store = s.store.stats();
+    s.metrics.pre_hello.set(s.pre_hello.open() as i64);
     let text = s.metrics.render(&store, s.ready.load(Ordering::Acquire));
     ([(header::CONTENT_TYPE, super::metrics::CONTENT_TYPE)], text)
 }

@@ -165,6 +165,27 @@ pub struct LayoutSection {
 pub struct LimitsSection {
     /// Default: 1,024. Past it, new connections get a "busy" error and are closed.
     pub max_connections: usize,
+    /// Of `max_connections`, places only the Unix socket may take, so that a flood over the
+    /// network cannot lock the local worker out. Default: 64.
+    pub unix_reserved_connections: usize,
+    /// TCP and QUIC connections that have not completed their hello, at most; they are
+    /// counted apart from the others. Default: 128.
+    pub max_pre_hello_connections: usize,
+    /// A new connection must complete its hello within this. Default: 5,000 ms.
+    pub hello_timeout_ms: u64,
+    /// Failed hellos (wrong or missing token) one peer address (an IPv6 /64) may make at
+    /// once before it is refused without a look at its token. Default: 10.
+    pub auth_failures_burst: u32,
+    /// ...and how many more a minute after that. Default: 6.
+    pub auth_failures_per_minute: u32,
+    /// Response bytes (metadata and get payloads) queued unsent on one connection; a get
+    /// past it is answered "busy", other responses wait. Default: 64 MiB.
+    pub max_queued_bytes_per_connection: Size,
+    /// Connections to the admin port at once; more are closed at accept. Default: 64.
+    pub admin_max_connections: usize,
+    /// An admin connection must send a request's headers within this (also when idle
+    /// between requests), and lives at most six times this. Default: 10,000 ms.
+    pub admin_timeout_ms: u64,
     /// Requests of one connection in flight at once (pipelining depth). Default: 64.
     pub max_inflight_per_connection: usize,
     /// Block bytes being sent to clients at once, all connections together. Default: 1 GiB.
@@ -240,6 +261,14 @@ impl Default for LimitsSection {
         let l = Limits::default();
         Self {
             max_connections: 1024,
+            unix_reserved_connections: 64,
+            max_pre_hello_connections: 128,
+            hello_timeout_ms: 5_000,
+            auth_failures_burst: 10,
+            auth_failures_per_minute: 6,
+            max_queued_bytes_per_connection: Size::Bytes(64 << 20),
+            admin_max_connections: 64,
+            admin_timeout_ms: 10_000,
             max_inflight_per_connection: 64,
             max_inflight_bytes: Size::Bytes(1 << 30),
             max_keys: l.max_keys,
@@ -431,6 +460,16 @@ impl ServerConfig {
             ("limits.idle_timeout_ms", l.idle_timeout_ms),
             ("limits.frame_timeout_ms", l.frame_timeout_ms),
             ("limits.write_timeout_ms", l.write_timeout_ms),
+            ("limits.hello_timeout_ms", l.hello_timeout_ms),
+            (
+                "limits.max_pre_hello_connections",
+                l.max_pre_hello_connections as u64,
+            ),
+            (
+                "limits.admin_max_connections",
+                l.admin_max_connections as u64,
+            ),
+            ("limits.admin_timeout_ms", l.admin_timeout_ms),
             ("store.io_threads", self.store.io_threads as u64),
         ] {
             if v == 0 {
@@ -465,6 +504,24 @@ impl ServerConfig {
                     "must not be 0 (use \"auto\", or disable the tier)",
                 ));
             }
+        }
+        if l.unix_reserved_connections >= l.max_connections {
+            return Err(cerr(
+                "limits.unix_reserved_connections",
+                format!(
+                    "must be below limits.max_connections ({}), or the network has no place",
+                    l.max_connections
+                ),
+            ));
+        }
+        if matches!(
+            l.max_queued_bytes_per_connection,
+            Size::Auto | Size::Bytes(0..4096)
+        ) {
+            return Err(cerr(
+                "limits.max_queued_bytes_per_connection",
+                "must be a size of at least 4 KiB",
+            ));
         }
         if matches!(self.limits.max_inflight_bytes, Size::Auto | Size::Bytes(0)) {
             return Err(cerr(
@@ -567,6 +624,18 @@ impl ServerConfig {
     pub fn write_timeout(&self) -> Duration {
         Duration::from_millis(self.limits.write_timeout_ms)
     }
+    pub fn hello_timeout(&self) -> Duration {
+        Duration::from_millis(self.limits.hello_timeout_ms)
+    }
+    pub fn admin_timeout(&self) -> Duration {
+        Duration::from_millis(self.limits.admin_timeout_ms)
+    }
+    /// Connections TCP and QUIC may hold together: `max_connections` less the Unix reserve.
+    pub fn max_network_connections(&self) -> usize {
+        self.limits
+            .max_connections
+            .saturating_sub(self.limits.unix_reserved_connections)
+    }
     pub fn drain_timeout(&self) -> Duration {
         Duration::from_millis(self.limits.drain_timeout_ms)
     }
@@ -627,8 +696,13 @@ impl ServerConfig {
             let bytes = match self.store.nvme_bytes {
                 Size::Bytes(b) => b,
                 Size::Auto => {
-                    std::fs::create_dir_all(&dir)
-                        .map_err(|e| cerr("store.nvme_dir", format!("{}: {e}", dir.display())))?;
+                    // Private, as the server's startup checks want it (docs/operations.md).
+                    std::os::unix::fs::DirBuilderExt::mode(
+                        std::fs::DirBuilder::new().recursive(true),
+                        0o700,
+                    )
+                    .create(&dir)
+                    .map_err(|e| cerr("store.nvme_dir", format!("{}: {e}", dir.display())))?;
                     auto_nvme_bytes(
                         crate::tier::nvme::available_bytes(&dir).map_err(|e| {
                             cerr("store.nvme_dir", format!("{}: {e}", dir.display()))

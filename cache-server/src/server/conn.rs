@@ -8,6 +8,7 @@
 //! connection's [`ConnState`], which releases them on drop.
 
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -22,6 +23,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use super::Shared;
+use super::brakes::{AuthGate, PreHelloSlot, token_matches};
 use super::events::tier_code;
 use super::metrics::{Metrics, Transport};
 use crate::policy::admission::RejectReason;
@@ -55,6 +57,9 @@ const PENDING_WAIT: Duration = Duration::from_millis(500);
 const PENDING_POLL: Duration = Duration::from_millis(1);
 /// Global in-flight byte budget is counted in units of this many bytes.
 pub(crate) const BUDGET_UNIT: u64 = 4096;
+/// Metadata bytes a frame may carry before its connection has said hello (a hello needs
+/// about 1.3 KiB): an unauthenticated peer cannot make the server allocate more.
+pub(crate) const PRE_HELLO_META_BYTES: u32 = 4096;
 
 /// A response on its way to the writer.
 pub(crate) struct Out {
@@ -66,6 +71,8 @@ pub(crate) struct Out {
     fd: Option<OwnedFd>,
     /// In-flight byte budget held until the payload is written.
     _budget: Option<OwnedSemaphorePermit>,
+    /// This connection's queued-bytes budget, held until the frame is written.
+    _queued: Option<OwnedSemaphorePermit>,
 }
 
 impl Out {
@@ -85,6 +92,7 @@ impl Out {
             pinned: None,
             fd: None,
             _budget: None,
+            _queued: None,
         }
     }
 
@@ -99,6 +107,61 @@ impl Out {
             0,
         )
     }
+}
+
+/// Where a connection's responses go: the writer's queue, bounded in count
+/// ([`OUT_QUEUE`]) and in bytes (`limits.max_queued_bytes_per_connection`, counted in
+/// [`BUDGET_UNIT`]s).
+#[derive(Clone)]
+struct Outbox {
+    tx: mpsc::Sender<Out>,
+    queued: Arc<Semaphore>,
+    /// The whole queued-bytes budget, in units (a frame larger than it takes all of it).
+    cap_units: u32,
+    /// Cancelled when the writer gave up (write error or timeout): the connection ends.
+    closing: CancellationToken,
+}
+
+impl Outbox {
+    fn units(&self, bytes: u64) -> u32 {
+        (bytes.div_ceil(BUDGET_UNIT).min(u64::from(self.cap_units)) as u32).max(1)
+    }
+
+    /// Queues `o`, waiting for queue room; false when the connection is closing.
+    async fn send(&self, mut o: Out) -> bool {
+        if o._queued.is_none() {
+            let units = self.units((HEADER_BYTES + o.meta.len()) as u64);
+            let p = tokio::select! {
+                _ = self.closing.cancelled() => return false,
+                p = self.queued.clone().acquire_many_owned(units) => p,
+            };
+            match p {
+                Ok(p) => o._queued = Some(p),
+                Err(_) => return false,
+            }
+        }
+        tokio::select! {
+            _ = self.closing.cancelled() => false,
+            r = self.tx.send(o) => r.is_ok(),
+        }
+    }
+
+    /// Room for a frame of `bytes` (a get's payload and metadata) now, or `None`.
+    fn try_reserve(&self, bytes: u64) -> Option<OwnedSemaphorePermit> {
+        self.queued
+            .clone()
+            .try_acquire_many_owned(self.units(bytes))
+            .ok()
+    }
+}
+
+/// How a connection arrived.
+pub(crate) struct Peer {
+    pub transport: Transport,
+    /// The peer's address (TCP, QUIC): failed hellos are charged to it.
+    pub ip: Option<IpAddr>,
+    /// Its place among network connections before hello, given back at hello.
+    pub pre_hello: Option<PreHelloSlot>,
 }
 
 struct ReservationRecord {
@@ -169,7 +232,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 struct Conn {
     shared: Arc<Shared>,
     transport: Transport,
-    tx: mpsc::Sender<Out>,
+    ip: Option<IpAddr>,
+    pre_hello: Option<PreHelloSlot>,
+    out: Outbox,
     state: Arc<Mutex<ConnState>>,
     inflight: Arc<Semaphore>,
     /// Ends this connection's subscriptions and reaper.
@@ -189,7 +254,7 @@ enum ReadEnd {
 /// arena); `None` on other transports.
 pub(crate) async fn serve<R, W>(
     shared: Arc<Shared>,
-    transport: Transport,
+    peer: Peer,
     mut rd: R,
     wr: W,
     sock: Option<RawFd>,
@@ -197,14 +262,27 @@ pub(crate) async fn serve<R, W>(
     R: AsyncRead + Unpin + Send,
     W: AsyncWrite + Unpin + Send + 'static,
 {
+    let transport = peer.transport;
     shared.metrics.connection_opened(transport);
     let (tx, rx) = mpsc::channel(OUT_QUEUE);
+    let cap_units = match shared.config.limits.max_queued_bytes_per_connection {
+        super::Size::Bytes(b) => b.div_ceil(BUDGET_UNIT),
+        super::Size::Auto => 1 << 14,
+    }
+    .clamp(1, u64::from(u32::MAX)) as u32;
+    let out = Outbox {
+        tx,
+        queued: Arc::new(Semaphore::new(cap_units as usize)),
+        cap_units,
+        closing: shared.shutdown.child_token(),
+    };
     let writer = tokio::spawn(write_loop(
         wr,
         rx,
         sock,
         shared.config.write_timeout(),
         shared.clone(),
+        out.closing.clone(),
     ));
     let state = Arc::new(Mutex::new(ConnState {
         shared: shared.clone(),
@@ -217,7 +295,9 @@ pub(crate) async fn serve<R, W>(
     let mut c = Conn {
         shared: shared.clone(),
         transport,
-        tx,
+        ip: peer.ip,
+        pre_hello: peer.pre_hello,
+        out,
         state: state.clone(),
         inflight: Arc::new(Semaphore::new(depth)),
         done: shared.shutdown.child_token(),
@@ -251,7 +331,7 @@ pub(crate) async fn serve<R, W>(
 impl Conn {
     async fn send(&self, o: Out) {
         // A closed writer means the connection is going away; nothing to do.
-        let _ = self.tx.send(o).await;
+        let _ = self.out.send(o).await;
     }
 
     async fn read_loop<R: AsyncRead + Unpin>(&mut self, rd: &mut R) -> ReadEnd {
@@ -260,12 +340,20 @@ impl Conn {
         let limits = shared.limits;
         let mut authed = false;
         let mut meta = Vec::new();
+        // The hello must arrive whole by then.
+        let hello_deadline = tokio::time::Instant::now() + cfg.hello_timeout();
         loop {
             let mut head = [0u8; HEADER_BYTES];
+            let wait = if authed {
+                tokio::time::Instant::now() + cfg.idle_timeout()
+            } else {
+                hello_deadline
+            };
             let first = tokio::select! {
                 biased;
                 _ = self.shared.shutdown.cancelled() => return ReadEnd::Closed,
-                r = tokio::time::timeout(cfg.idle_timeout(), rd.read(&mut head[..1])) => r,
+                _ = self.out.closing.cancelled() => return ReadEnd::Dropped,
+                r = tokio::time::timeout_at(wait, rd.read(&mut head[..1])) => r,
             };
             match first {
                 Ok(Ok(1)) => {}
@@ -275,7 +363,10 @@ impl Conn {
                     return ReadEnd::Closed;
                 }
             }
-            let deadline = tokio::time::Instant::now() + cfg.frame_timeout();
+            let mut deadline = tokio::time::Instant::now() + cfg.frame_timeout();
+            if !authed {
+                deadline = deadline.min(hello_deadline);
+            }
             if !self.within(deadline, rd.read_exact(&mut head[1..])).await {
                 return ReadEnd::Dropped;
             }
@@ -288,6 +379,16 @@ impl Conn {
                     return ReadEnd::Dropped;
                 }
             };
+            if !authed && h.meta_len > PRE_HELLO_META_BYTES {
+                // Nothing large is allocated for a peer that has not authenticated.
+                let e = FrameError::TooLong {
+                    what: "metadata before hello",
+                    got: u64::from(h.meta_len),
+                    limit: u64::from(PRE_HELLO_META_BYTES),
+                };
+                self.refuse(h.request_id, h.opcode, &e).await;
+                return ReadEnd::Dropped;
+            }
             meta.clear();
             meta.resize(h.meta_len as usize, 0);
             if !self.within(deadline, rd.read_exact(&mut meta)).await {
@@ -303,6 +404,9 @@ impl Conn {
                     return ReadEnd::Dropped;
                 }
                 self.refuse(h.request_id, h.opcode, &e).await;
+                if !authed {
+                    return ReadEnd::Dropped; // any error before hello ends the connection
+                }
                 continue;
             }
             let req = match h
@@ -330,6 +434,8 @@ impl Conn {
                             return ReadEnd::Dropped;
                         }
                         authed = true;
+                        // No longer counted among the connections before hello.
+                        self.pre_hello = None;
                         self.shared
                             .metrics
                             .request_done(Opcode::Hello, started.elapsed());
@@ -412,7 +518,7 @@ impl Conn {
                         let out = job.run(req).await;
                         job.shared.metrics.request_done(op, started.elapsed());
                         if let Some(o) = out {
-                            let _ = job.tx.send(o).await;
+                            let _ = job.out.send(o).await;
                         }
                     });
                 }
@@ -424,7 +530,7 @@ impl Conn {
         Job {
             shared: self.shared.clone(),
             state: self.state.clone(),
-            tx: self.tx.clone(),
+            out: self.out.clone(),
             local_arena: self.local_arena,
             transport: self.transport,
             id: h.request_id,
@@ -438,7 +544,11 @@ impl Conn {
     where
         F: std::future::Future<Output = std::io::Result<T>>,
     {
-        match tokio::time::timeout_at(deadline, f).await {
+        let r = tokio::select! {
+            _ = self.out.closing.cancelled() => return false,
+            r = tokio::time::timeout_at(deadline, f) => r,
+        };
+        match r {
             Ok(Ok(_)) => true,
             Ok(Err(_)) => false,
             Err(_) => {
@@ -482,16 +592,36 @@ impl Conn {
             .await;
             return false;
         }
-        if self.transport != Transport::Unix
-            && !constant_time_eq(h.token.as_bytes(), s.token.as_bytes())
-        {
-            Metrics::inc(&s.metrics.auth_failures);
-            self.send(fail(
-                ErrorCode::Unauthorized,
-                "wrong or missing token".into(),
-            ))
-            .await;
-            return false;
+        if self.transport != Transport::Unix {
+            // The Unix socket is the server user's own (mode 0600): no token there.
+            let now = Instant::now();
+            let ip = self
+                .ip
+                .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
+            if let AuthGate::Throttled(wait) = s.auth.gate(ip, now) {
+                Metrics::inc(&s.metrics.auth_throttled);
+                self.log_auth_refusal(ip, "throttled");
+                self.send(fail(
+                    ErrorCode::Unauthorized,
+                    format!(
+                        "too many failed hellos from this address; retry in {} s",
+                        wait.as_secs().max(1)
+                    ),
+                ))
+                .await;
+                return false;
+            }
+            if !token_matches(h.token.as_bytes(), &s.token_digest) {
+                Metrics::inc(&s.metrics.auth_failures);
+                s.auth.failed(ip, now);
+                self.log_auth_refusal(ip, "wrong or missing token");
+                self.send(fail(
+                    ErrorCode::Unauthorized,
+                    "wrong or missing token".into(),
+                ))
+                .await;
+                return false;
+            }
         }
         if h.block_bytes != 0 && h.block_bytes != s.block_bytes as u64 {
             self.send(fail(
@@ -508,7 +638,13 @@ impl Conn {
             match s.store.dram().arena_fd().try_clone_to_owned() {
                 Ok(fd) => Some(fd),
                 Err(e) => {
-                    tracing::warn!("cannot duplicate the arena fd: {e}");
+                    // Out of descriptors, most likely: the client falls back to the socket.
+                    if let Some(n) = s.logs.arena_fd.tick(Instant::now()) {
+                        tracing::warn!(
+                            "cannot duplicate the arena fd for a hello: {e} ({n} since the last \
+                             warning); the client gets no arena"
+                        );
+                    }
                     None
                 }
             }
@@ -536,6 +672,18 @@ impl Conn {
         out.fd = fd;
         self.send(out).await;
         true
+    }
+
+    /// Logs a refused hello, at most once per interval (with the count since the last).
+    fn log_auth_refusal(&self, ip: IpAddr, why: &str) {
+        if let Some(n) = self.shared.logs.auth.tick(Instant::now()) {
+            tracing::warn!(
+                peer = %ip,
+                transport = self.transport.name(),
+                "refused a hello: {why} ({n} refused since the last warning; see \
+                 kvtier_auth_failures_total, kvtier_auth_throttled_total)"
+            );
+        }
     }
 
     /// A put: each block is read from the socket straight into its reserved DRAM slot.
@@ -614,7 +762,7 @@ impl Conn {
             0,
         ))
         .await;
-        let tx = self.tx.clone();
+        let tx = self.out.clone();
         let done = self.done.clone();
         tokio::spawn(async move {
             let send = |events: Events| {
@@ -622,7 +770,6 @@ impl Conn {
                 async move {
                     tx.send(Out::new(id, op, &Response::Events(events), 0))
                         .await
-                        .is_ok()
                 }
             };
             if snapshot {
@@ -729,7 +876,7 @@ impl Conn {
 struct Job {
     shared: Arc<Shared>,
     state: Arc<Mutex<ConnState>>,
-    tx: mpsc::Sender<Out>,
+    out: Outbox,
     local_arena: bool,
     transport: Transport,
     id: u64,
@@ -821,6 +968,16 @@ impl Job {
                         ),
                     );
                 }
+                // This connection's share first: a client that does not read its gets runs
+                // into its own bound, not the server's.
+                let Some(queued) = self.out.try_reserve(bytes + (HEADER_BYTES as u64) + n + 16)
+                else {
+                    return self.error(
+                        ErrorCode::Busy,
+                        "this connection has too many response bytes unsent \
+                         (limits.max_queued_bytes_per_connection): read them, then retry",
+                    );
+                };
                 let units = bytes.div_ceil(BUDGET_UNIT).min(u64::from(u32::MAX)) as u32;
                 let Ok(budget) = s.inflight_bytes.clone().try_acquire_many_owned(units) else {
                     return self.error(ErrorCode::Busy, "server send budget is spent; retry");
@@ -846,6 +1003,7 @@ impl Job {
                 let mut o = Out::new(self.id, self.op, &r, len);
                 o.pinned = Some(pinned);
                 o._budget = Some(budget);
+                o._queued = Some(queued);
                 Some(o)
             }
             Request::Pin { keys, lease_ms } => {
@@ -1121,21 +1279,16 @@ async fn reserve_batch(
     (slots, statuses)
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 async fn write_loop<W: AsyncWrite + Unpin>(
     wr: W,
     mut rx: mpsc::Receiver<Out>,
     sock: Option<RawFd>,
     timeout: Duration,
     shared: Arc<Shared>,
+    closing: CancellationToken,
 ) {
     let mut w = BufWriter::with_capacity(64 << 10, wr);
+    let mut failed = false;
     while let Some(o) = rx.recv().await {
         let r = tokio::time::timeout(timeout, async {
             match (o.fd, sock) {
@@ -1164,14 +1317,26 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         .await;
         match r {
             Ok(Ok(())) => {}
-            Ok(Err(_)) => break,
+            Ok(Err(_)) => {
+                failed = true;
+                break;
+            }
             Err(_) => {
                 Metrics::inc(&shared.metrics.timeouts);
+                failed = true;
                 break;
             }
         }
     }
-    let _ = w.shutdown().await;
+    if failed {
+        // The peer does not take what it is sent (or is gone): end the whole connection now,
+        // without waiting on a flush it will not take either. Queued responses are dropped,
+        // and with them the pins and budget they held.
+        closing.cancel();
+        drop(rx);
+        return;
+    }
+    let _ = tokio::time::timeout(timeout, w.shutdown()).await;
 }
 
 /// Sends `bytes` with `fd` attached (SCM_RIGHTS) on the Unix socket `sock`; returns how many

@@ -68,7 +68,11 @@ pub struct Metrics {
     connections_open: [IntGauge; 3],
     connections_total: [IntCounter; 3],
     pub connections_refused: IntCounter,
+    refusals: [IntCounter; 4],
     pub auth_failures: IntCounter,
+    pub auth_throttled: IntCounter,
+    /// TCP and QUIC connections before their hello (set at each scrape).
+    pub pre_hello: IntGauge,
     requests: Vec<IntCounter>,
     latency: Vec<Histogram>,
     pub errors: IntCounter,
@@ -138,6 +142,12 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Counts a connection refused at accept.
+    pub(crate) fn connection_refused(&self, why: super::Refusal) {
+        self.connections_refused.inc();
+        self.refusals[why as usize].inc();
+    }
+
     pub fn new() -> Self {
         let r = Registry::new();
         let ready = gauge(&r, "kvtier_ready", "1 when the server accepts requests.");
@@ -195,8 +205,28 @@ impl Metrics {
             "reason",
         );
         let puts_refused = REFUSAL_REASONS.map(|n| refused.with_label_values(&[n]));
+        let refusals = counter_vec(
+            &r,
+            "kvtier_connection_refusals_total",
+            "Connections refused at accept, by reason (max_connections, pre_hello: too many \
+             waiting for their hello, no_fds: out of file descriptors, admin: the admin port's \
+             cap).",
+            "reason",
+        );
+        let refusals = super::Refusal::ALL.map(|w| refusals.with_label_values(&[w.name()]));
         let store = StoreMetrics::new(&r);
         Self {
+            refusals,
+            pre_hello: gauge(
+                &r,
+                "kvtier_connections_pre_hello",
+                "TCP and QUIC connections that have not completed their hello.",
+            ),
+            auth_throttled: counter(
+                &r,
+                "kvtier_auth_throttled_total",
+                "Hellos refused without a look at their token: their peer failed too often.",
+            ),
             pending_waits: counter(
                 &r,
                 "kvtier_pending_waits_total",
@@ -214,7 +244,7 @@ impl Metrics {
             connections_refused: counter(
                 &r,
                 "kvtier_connections_refused_total",
-                "Connections refused over max_connections.",
+                "Connections refused at accept, whatever the reason.",
             ),
             auth_failures: counter(
                 &r,

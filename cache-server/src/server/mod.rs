@@ -3,11 +3,13 @@
 //! port. See `docs/protocol.md` and `docs/operations.md`.
 
 mod admin;
+mod brakes;
 pub mod config;
 mod conn;
 pub mod events;
 mod fdpass;
 pub mod metrics;
+mod places;
 mod tls;
 
 use std::net::SocketAddr;
@@ -21,6 +23,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
+pub use brakes::raise_nofile_limit;
 pub use config::{ConfigError, ConfigLoader, ServerConfig, Size, parse_size};
 use events::EventBus;
 use metrics::{Metrics, Transport};
@@ -43,6 +46,14 @@ pub enum ServerError {
     },
     #[error("TLS: {0}")]
     Tls(String),
+    /// A directory or secret file that another user could change or read.
+    #[error("{setting} {}: unsafe: it {problem}. Fix: {fix}", path.display())]
+    UnsafePlace {
+        setting: String,
+        path: PathBuf,
+        problem: String,
+        fix: String,
+    },
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -62,7 +73,14 @@ pub(crate) struct Shared {
     pub limits: Limits,
     pub metrics: Metrics,
     pub events: Arc<EventBus>,
-    pub token: String,
+    /// The token's SHA-256 (see [`brakes::token_matches`]).
+    pub token_digest: [u8; 32],
+    /// Failed hellos per peer address.
+    pub auth: brakes::AuthThrottle,
+    /// Network connections before their hello.
+    pub pre_hello: Arc<brakes::PreHello>,
+    /// Rate-limited warnings.
+    pub logs: Logs,
     /// Block bytes being sent, in [`conn::BUDGET_UNIT`]s.
     pub inflight_bytes: Arc<Semaphore>,
     pub shutdown: CancellationToken,
@@ -86,6 +104,9 @@ impl Shared {
             "busy": m.busy.get(),
             "bad_frames": m.bad_frames.get(),
             "auth_failures": m.auth_failures.get(),
+            "auth_throttled": m.auth_throttled.get(),
+            "connections_pre_hello": self.pre_hello.open(),
+            "connections_refused": m.connections_refused.get(),
             "leases_open": m.leases_open.get(),
             "reservations_open": m.reservations_open.get(),
             "bytes_sent": m.bytes_sent.get(),
@@ -95,6 +116,16 @@ impl Shared {
         })
         .to_string()
     }
+}
+
+/// The server's rate-limited warnings, one per kind.
+#[derive(Default)]
+pub(crate) struct Logs {
+    pub auth: brakes::RateLimitedLog,
+    pub no_fds: brakes::RateLimitedLog,
+    pub accept: brakes::RateLimitedLog,
+    pub refused: brakes::RateLimitedLog,
+    pub arena_fd: brakes::RateLimitedLog,
 }
 
 /// Where a started server listens, and what a client needs to reach it.
@@ -134,10 +165,7 @@ impl Server {
     pub async fn start(config: ServerConfig) -> Result<Server, ServerError> {
         config.validate()?;
         let runtime = config.runtime_dir();
-        std::fs::create_dir_all(&runtime).map_err(io_err(format!(
-            "creating runtime dir {}",
-            runtime.display()
-        )))?;
+        check_places(&config, &runtime)?;
         let store_config = config.store_config()?;
         let layout = store_config.layout;
         let store = tokio::task::spawn_blocking(move || TieredStore::open(store_config))
@@ -159,7 +187,13 @@ impl Server {
             limits,
             metrics: Metrics::default(),
             events: Arc::new(EventBus::new()),
-            token: token.clone(),
+            token_digest: brakes::token_digest(token.as_bytes()),
+            auth: brakes::AuthThrottle::new(
+                config.limits.auth_failures_burst,
+                config.limits.auth_failures_per_minute,
+            ),
+            pre_hello: brakes::PreHello::new(config.limits.max_pre_hello_connections),
+            logs: Logs::default(),
             inflight_bytes: Arc::new(Semaphore::new(budget_units)),
             shutdown: CancellationToken::new(),
             ready: AtomicBool::new(false),
@@ -300,6 +334,27 @@ impl Server {
     }
 }
 
+/// Refuses to start where another user could replace the socket, the token or the data
+/// (see [`places`]); creates missing directories 0700.
+fn check_places(c: &ServerConfig, runtime: &Path) -> Result<(), ServerError> {
+    places::ensure_private_dir("server.runtime_dir", runtime)?;
+    if let Some(dir) = c.unix_path().as_deref().and_then(Path::parent)
+        && dir != runtime
+    {
+        places::ensure_private_dir("server.unix (its directory)", dir)?;
+    }
+    if !c.store.nvme_dir.is_empty() && c.tiers()?.contains(&crate::tier::TierKind::Nvme) {
+        places::ensure_private_dir("store.nvme_dir", Path::new(&c.store.nvme_dir))?;
+    }
+    if c.server.token.is_empty() && !c.server.token_file.is_empty() {
+        places::check_secret_file("server.token_file", Path::new(&c.server.token_file))?;
+    }
+    if !c.server.tls_key.is_empty() {
+        places::check_secret_file("server.tls_key", Path::new(&c.server.tls_key))?;
+    }
+    Ok(())
+}
+
 /// Runs `serve` as a tracked connection (counted for max_connections and the drain).
 fn spawn_conn<F>(shared: &Arc<Shared>, f: F)
 where
@@ -314,20 +369,129 @@ where
     });
 }
 
-/// Whether one more connection fits; if not, counts the refusal.
-fn admit(shared: &Shared) -> bool {
-    if shared.open.load(Ordering::Acquire) >= shared.config.limits.max_connections {
-        Metrics::inc(&shared.metrics.connections_refused);
-        return false;
-    }
-    true
+/// Why a connection was refused at accept (the `reason` label of
+/// `kvtier_connection_refusals_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// `limits.max_connections` (less the Unix reserve, for the network).
+    MaxConnections,
+    /// `limits.max_pre_hello_connections`.
+    PreHello,
+    /// The process is out of file descriptors.
+    NoFds,
+    /// `limits.admin_max_connections`.
+    Admin,
 }
 
-async fn refuse_busy<W: tokio::io::AsyncWrite + Unpin>(mut w: W) {
+impl Refusal {
+    pub const ALL: [Refusal; 4] = [
+        Refusal::MaxConnections,
+        Refusal::PreHello,
+        Refusal::NoFds,
+        Refusal::Admin,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            Refusal::MaxConnections => "max_connections",
+            Refusal::PreHello => "pre_hello",
+            Refusal::NoFds => "no_fds",
+            Refusal::Admin => "admin",
+        }
+    }
+}
+
+/// Counts (and logs, rate-limited) a connection refused at accept.
+pub(crate) fn refused(shared: &Shared, why: Refusal) {
+    shared.metrics.connection_refused(why);
+    if let Some(n) = shared.logs.refused.tick(Instant::now()) {
+        tracing::warn!(
+            reason = why.name(),
+            "refusing connections ({n} since the last warning); see \
+             kvtier_connection_refusals_total"
+        );
+    }
+}
+
+/// Whether one more connection over `transport` fits: the Unix socket up to
+/// `max_connections`, the network up to that less the Unix reserve, and then only while
+/// fewer than `max_pre_hello_connections` network connections wait for their hello (the
+/// place it takes there comes back). Counts a refusal.
+fn admit(shared: &Shared, transport: Transport) -> Result<Option<brakes::PreHelloSlot>, Refusal> {
+    let open = shared.open.load(Ordering::Acquire);
+    let r = if transport == Transport::Unix {
+        if open >= shared.config.limits.max_connections {
+            Err(Refusal::MaxConnections)
+        } else {
+            Ok(None)
+        }
+    } else if open >= shared.config.max_network_connections() {
+        Err(Refusal::MaxConnections)
+    } else {
+        shared.pre_hello.admit().map(Some).ok_or(Refusal::PreHello)
+    };
+    if let Err(why) = r {
+        refused(shared, why);
+    }
+    r
+}
+
+/// A spare file descriptor: when accept fails for want of descriptors (EMFILE, ENFILE), it
+/// is closed to take the waiting connection and refuse it with "busy" (instead of leaving
+/// the client hanging in the backlog), then opened again.
+struct FdReserve(Option<std::fs::File>);
+
+/// How long accept pauses after running out of file descriptors.
+const NO_FDS_BACKOFF: Duration = Duration::from_millis(100);
+
+impl FdReserve {
+    fn new() -> Self {
+        Self(std::fs::File::open("/dev/null").ok())
+    }
+
+    /// Handles an accept error: refuses one waiting connection cleanly when descriptors ran
+    /// out, logs (rate-limited) and pauses.
+    async fn accept_failed<S, F, Fut>(
+        &mut self,
+        shared: &Shared,
+        what: &str,
+        e: std::io::Error,
+        accept: F,
+    ) where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = std::io::Result<S>>,
+        S: tokio::io::AsyncWrite + Unpin,
+    {
+        let no_fds = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+        if !no_fds {
+            if let Some(n) = shared.logs.accept.tick(Instant::now()) {
+                tracing::warn!("{what} accept: {e} ({n} errors since the last warning)");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            return;
+        }
+        refused(shared, Refusal::NoFds);
+        if let Some(n) = shared.logs.no_fds.tick(Instant::now()) {
+            tracing::warn!(
+                "{what} accept: out of file descriptors ({e}): refusing new connections \
+                 ({n} since the last warning); raise the limit (ulimit -n, LimitNOFILE) or \
+                 lower limits.max_connections"
+            );
+        }
+        if self.0.take().is_some()
+            && let Ok(Ok(stream)) = tokio::time::timeout(Duration::from_millis(10), accept()).await
+        {
+            refuse_busy(stream, "out of file descriptors").await;
+        }
+        tokio::time::sleep(NO_FDS_BACKOFF).await;
+        *self = Self::new();
+    }
+}
+
+async fn refuse_busy<W: tokio::io::AsyncWrite + Unpin>(mut w: W, why: &str) {
     use kvtier_core::protocol::{ErrorReply, Header, Response, VERSION};
     let (fl, meta) = Response::Error(ErrorReply {
         code: ErrorCode::Busy as u16,
-        message: "too many connections".into(),
+        message: why.into(),
     })
     .encode_meta();
     let h = Header {
@@ -338,7 +502,9 @@ async fn refuse_busy<W: tokio::io::AsyncWrite + Unpin>(mut w: W) {
         meta_len: meta.len() as u32,
         payload_len: 0,
     };
-    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+    // A fresh socket takes these few bytes at once; a peer that does not read is not waited
+    // for long (the accept loop waits on it).
+    let _ = tokio::time::timeout(Duration::from_millis(100), async {
         w.write_all(&h.encode()).await?;
         w.write_all(&meta).await?;
         w.shutdown().await
@@ -346,74 +512,120 @@ async fn refuse_busy<W: tokio::io::AsyncWrite + Unpin>(mut w: W) {
     .await;
 }
 
+/// Binds the Unix socket atomically: under a temporary name in its (private) directory,
+/// made 0600, then renamed over `path`, so the path never holds another process's socket or
+/// one that others may connect to.
 fn bind_unix(path: &Path) -> Result<tokio::net::UnixListener, ServerError> {
     use std::os::unix::fs::PermissionsExt;
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(io_err(format!("creating {}", dir.display())))?;
-    }
-    // A socket file left by a dead server is removed; a live one is not stolen.
-    if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(ServerError::Bind {
-                what: "unix",
-                addr: path.display().to_string(),
-                source: std::io::Error::new(
-                    std::io::ErrorKind::AddrInUse,
-                    "another server is listening there",
-                ),
-            });
-        }
-        let _ = std::fs::remove_file(path);
-    }
-    let l = tokio::net::UnixListener::bind(path).map_err(|source| ServerError::Bind {
+    let bind_err = |source| ServerError::Bind {
         what: "unix",
         addr: path.display().to_string(),
         source,
-    })?;
-    // Only this user's processes may connect (the local path maps the arena).
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(io_err(format!("chmod {}", path.display())))?;
+    };
+    // A socket file left by a dead server is replaced; a live one is not stolen.
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        return Err(bind_err(std::io::Error::new(
+            std::io::ErrorKind::AddrInUse,
+            "another server is listening there",
+        )));
+    }
+    let dir = path.parent().unwrap_or(Path::new("."));
+    // Short, so that a path that fits the 108-byte limit mostly fits with it too.
+    let tmp = dir.join(format!(".{:x}.t", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    let l = tokio::net::UnixListener::bind(&tmp).map_err(bind_err)?;
+    let done = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
+        .map_err(io_err(format!("chmod {}", tmp.display())))
+        .and_then(|()| {
+            std::fs::rename(&tmp, path).map_err(io_err(format!(
+                "renaming {} to {}",
+                tmp.display(),
+                path.display()
+            )))
+        });
+    if let Err(e) = done {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
     Ok(l)
 }
 
 async fn accept_unix(shared: Arc<Shared>, l: tokio::net::UnixListener) {
     use std::os::fd::AsRawFd;
+    let mut reserve = FdReserve::new();
     loop {
-        let (stream, _) = tokio::select! {
+        let r = tokio::select! {
             _ = shared.shutdown.cancelled() => return,
-            r = l.accept() => match r {
-                Ok(s) => s,
-                Err(e) => { tracing::warn!("unix accept: {e}"); tokio::time::sleep(Duration::from_millis(10)).await; continue; }
-            },
+            r = l.accept() => r,
         };
-        if !admit(&shared) {
-            tokio::spawn(refuse_busy(stream));
-            continue;
-        }
+        let stream = match r {
+            Ok((s, _)) => s,
+            Err(e) => {
+                reserve
+                    .accept_failed(&shared, "unix", e, || async {
+                        l.accept().await.map(|(s, _)| s)
+                    })
+                    .await;
+                continue;
+            }
+        };
+        let pre_hello = match admit(&shared, Transport::Unix) {
+            Ok(p) => p,
+            Err(_) => {
+                tokio::spawn(refuse_busy(stream, "too many connections"));
+                continue;
+            }
+        };
         let fd = stream.as_raw_fd();
         let (r, w) = stream.into_split();
         let s = shared.clone();
-        spawn_conn(&shared, conn::serve(s, Transport::Unix, r, w, Some(fd)));
+        let peer = conn::Peer {
+            transport: Transport::Unix,
+            ip: None,
+            pre_hello,
+        };
+        spawn_conn(&shared, conn::serve(s, peer, r, w, Some(fd)));
     }
 }
 
 async fn accept_tcp(shared: Arc<Shared>, l: tokio::net::TcpListener) {
+    let mut reserve = FdReserve::new();
     loop {
-        let (stream, _) = tokio::select! {
+        let r = tokio::select! {
             _ = shared.shutdown.cancelled() => return,
-            r = l.accept() => match r {
-                Ok(s) => s,
-                Err(e) => { tracing::warn!("tcp accept: {e}"); tokio::time::sleep(Duration::from_millis(10)).await; continue; }
-            },
+            r = l.accept() => r,
         };
-        if !admit(&shared) {
-            tokio::spawn(refuse_busy(stream));
-            continue;
-        }
+        let (stream, addr) = match r {
+            Ok(s) => s,
+            Err(e) => {
+                reserve
+                    .accept_failed(&shared, "tcp", e, || async {
+                        l.accept().await.map(|(s, _)| s)
+                    })
+                    .await;
+                continue;
+            }
+        };
+        let pre_hello = match admit(&shared, Transport::Tcp) {
+            Ok(p) => p,
+            Err(why) => {
+                let msg = match why {
+                    Refusal::PreHello => "too many connections waiting for their hello",
+                    _ => "too many connections",
+                };
+                tokio::spawn(refuse_busy(stream, msg));
+                continue;
+            }
+        };
         let _ = stream.set_nodelay(true);
         let (r, w) = stream.into_split();
         let s = shared.clone();
-        spawn_conn(&shared, conn::serve(s, Transport::Tcp, r, w, None));
+        let peer = conn::Peer {
+            transport: Transport::Tcp,
+            ip: Some(addr.ip()),
+            pre_hello,
+        };
+        spawn_conn(&shared, conn::serve(s, peer, r, w, None));
     }
 }
 
@@ -423,24 +635,34 @@ async fn accept_quic(shared: Arc<Shared>, ep: quinn::Endpoint) {
             _ = shared.shutdown.cancelled() => return,
             i = ep.accept() => match i { Some(i) => i, None => return },
         };
-        if !admit(&shared) {
+        if shared.open.load(Ordering::Acquire) >= shared.config.max_network_connections() {
+            refused(&shared, Refusal::MaxConnections);
             incoming.refuse();
             continue;
         }
         let s = shared.clone();
         tokio::spawn(async move {
             let Ok(conn) = incoming.await else { return };
+            let ip = conn.remote_address().ip();
             loop {
                 let (send, recv) = tokio::select! {
                     _ = s.shutdown.cancelled() => return,
                     r = conn.accept_bi() => match r { Ok(b) => b, Err(_) => return },
                 };
-                if !admit(&s) {
-                    conn.close(1u32.into(), b"too many connections");
-                    return;
-                }
+                let pre_hello = match admit(&s, Transport::Quic) {
+                    Ok(p) => p,
+                    Err(_) => {
+                        conn.close(1u32.into(), b"too many connections");
+                        return;
+                    }
+                };
                 let s2 = s.clone();
-                spawn_conn(&s, conn::serve(s2, Transport::Quic, recv, send, None));
+                let peer = conn::Peer {
+                    transport: Transport::Quic,
+                    ip: Some(ip),
+                    pre_hello,
+                };
+                spawn_conn(&s, conn::serve(s2, peer, recv, send, None));
             }
         });
     }

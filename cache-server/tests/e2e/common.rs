@@ -49,8 +49,8 @@ impl ServerProc {
         p
     }
 
-    /// Starts a server whose state lives in `dir` (kept by the caller across restarts).
-    pub fn start_in(dir: &Path, extra: &[&str]) -> ServerProc {
+    /// The `--set` assignments of a server in `dir`, then `extra` (which win).
+    fn args(dir: &Path, extra: &[&str]) -> Vec<String> {
         let mut args: Vec<String> = [
             format!(
                 "server.runtime_dir={:?}",
@@ -77,7 +77,67 @@ impl ServerProc {
         ]
         .into();
         args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    }
+
+    /// Runs a server in `dir` that must refuse to start; its exit status and what it said
+    /// on stderr (within 30 s).
+    pub fn refused_in(dir: &Path, extra: &[&str]) -> (std::process::ExitStatus, String) {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier-server"));
+        for a in Self::args(dir, extra) {
+            cmd.arg("--set").arg(a);
+        }
+        let mut child = cmd
+            .env("RUST_LOG", "warn")
+            .env_remove("KVTIER_TOKEN")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawning kvtier-server");
+        let until = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if Instant::now() > until {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the server did not refuse to start within 30 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        (status, err)
+    }
+
+    /// Starts a server whose state lives in `dir` (kept by the caller across restarts).
+    pub fn start_in(dir: &Path, extra: &[&str]) -> ServerProc {
+        Self::spawn(dir, extra, None)
+    }
+
+    /// Starts a server that may hold at most `nofile` file descriptors (`ulimit -n`).
+    pub fn start_with_nofile(nofile: u32, extra: &[&str]) -> ServerProc {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut p = Self::spawn(tmp.path(), extra, Some(nofile));
+        p._tmp = Some(tmp);
+        p
+    }
+
+    fn spawn(dir: &Path, extra: &[&str], nofile: Option<u32>) -> ServerProc {
+        let args = Self::args(dir, extra);
+        let bin = env!("CARGO_BIN_EXE_kvtier-server");
+        let mut cmd = match nofile {
+            None => Command::new(bin),
+            Some(n) => {
+                // The shell lowers its own limit, then becomes the server.
+                let mut c = Command::new("sh");
+                c.arg("-c")
+                    .arg(format!("ulimit -n {n} && exec \"$0\" \"$@\""))
+                    .arg(bin);
+                c
+            }
+        };
         for a in &args {
             cmd.arg("--set").arg(a);
         }
@@ -149,6 +209,22 @@ impl ServerProc {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// The server's resident memory (VmRSS), in bytes.
+    pub fn rss_bytes(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        let kb: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap();
+        kb * 1024
     }
 
     pub fn unix_url(&self) -> String {

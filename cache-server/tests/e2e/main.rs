@@ -1,6 +1,7 @@
 //! End-to-end tests: the real `kvtier-server` binary, driven through the SDK and raw sockets
 //! over every transport, on loopback, each with a time bound.
 
+mod brakes;
 mod common;
 mod expiry;
 mod isolation;
@@ -10,4 +11,5 @@ mod limits;
 mod long_prefix;
 mod malformed;
 mod pending;
+mod places;
 mod sdk;

@@ -132,6 +132,15 @@ async fn malformed_frames_are_refused_and_others_keep_being_served() {
         r.s.write_all(&f).await.unwrap();
         let (_, resp, _) = r.recv().await.unwrap();
         assert_eq!(error_code(&resp), Some(ErrorCode::BadRequest));
+        // After hello the connection stays; before hello, any error ends it
+        // (docs/protocol.md).
+        r.send(&Request::Ping, &[]).await;
+        assert!(matches!(r.recv().await.unwrap().1, Response::Pong));
+        let mut r = Raw::new(TcpStream::connect(srv.tcp).await.unwrap());
+        r.s.write_all(&f).await.unwrap();
+        let (_, resp, _) = r.recv().await.unwrap();
+        assert_eq!(error_code(&resp), Some(ErrorCode::BadRequest));
+        assert!(r.closed_within(5).await);
 
         still_serving(&srv, &bystander).await;
         let st = srv.stats().await;
@@ -257,6 +266,62 @@ async fn every_transport_refuses_bad_frames_and_keeps_serving() {
             Some(ErrorCode::Unauthorized)
         );
         still_serving(&srv, &bystander).await;
+    })
+    .await;
+}
+
+/// NO_REPLY is honoured by release and abort only, and never hides an error
+/// (docs/protocol.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_reply_is_honoured_by_release_and_abort_only() {
+    use kvtier_core::protocol::flags::NO_REPLY;
+    let srv = ServerProc::start(&[]);
+    bounded(60, async {
+        let c = srv.client("tcp").await;
+        let k = keys(b"noreply", 2, 0);
+        put_all(&c, &k).await;
+        let mut r = tcp(&srv).await;
+        let send = |req: Request, id: u64| {
+            let mut f = Raw::<TcpStream>::frame(&req, id, 0);
+            f[7] = NO_REPLY;
+            f
+        };
+        // A ping with NO_REPLY is answered anyway.
+        r.s.write_all(&send(Request::Ping, 1)).await.unwrap();
+        let (h, resp, _) = r.recv().await.unwrap();
+        assert_eq!((h.request_id, matches!(resp, Response::Pong)), (1, true));
+        // A release of a lease this connection does not hold: the error still comes.
+        r.s.write_all(&send(Request::Release { lease_id: 999 }, 2))
+            .await
+            .unwrap();
+        let (h, resp, _) = r.recv().await.unwrap();
+        assert_eq!(
+            (h.request_id, error_code(&resp)),
+            (2, Some(ErrorCode::NotFound))
+        );
+        // A release that succeeds sends nothing: the next frame is the ping's.
+        r.send(
+            &Request::Pin {
+                keys: k.clone(),
+                lease_ms: 10_000,
+            },
+            &[],
+        )
+        .await;
+        let lease = match r.recv().await.unwrap().1 {
+            Response::Pin(p) => p.lease_id,
+            other => panic!("{other:?}"),
+        };
+        assert_ne!(lease, 0);
+        r.s.write_all(&send(Request::Release { lease_id: lease }, 4))
+            .await
+            .unwrap();
+        r.s.write_all(&Raw::<TcpStream>::frame(&Request::Ping, 5, 0))
+            .await
+            .unwrap();
+        let (h, resp, _) = r.recv().await.unwrap();
+        assert_eq!((h.request_id, matches!(resp, Response::Pong)), (5, true));
+        assert_eq!(srv.stats().await["leases_open"], 0);
     })
     .await;
 }

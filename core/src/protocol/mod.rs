@@ -126,8 +126,9 @@ impl Opcode {
 /// Bounds on every length a peer sends. The server announces its own in the hello reply.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
-    /// Largest metadata section accepted. Default: 1 MiB (a 65,536-key list is 1 MiB + 8 B,
-    /// so key counts hit `max_keys` first).
+    /// Largest metadata section accepted. Default: 1 MiB. A request must fit both this and
+    /// `max_keys`: with the defaults this binds first (a 65,536-key list is 1 MiB + 8 B; see
+    /// `docs/protocol.md`).
     pub max_meta_bytes: u32,
     /// Most keys in one request. Default: 65,536.
     pub max_keys: u32,

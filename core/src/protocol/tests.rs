@@ -375,6 +375,98 @@ fn key_counts_over_the_limit_are_refused() {
     assert_eq!(got.code(), ErrorCode::TooLarge);
 }
 
+/// The strictness rules `docs/protocol.md` states: metadata is decoded exactly (a trailing
+/// byte is an error), a `bool` is 0 or 1, an `Option` tag is 0 or 1, a string is UTF-8.
+/// Each case: (what, request metadata bytes as sent).
+#[test]
+fn metadata_is_decoded_strictly() {
+    fn check(what: &str, op: Opcode, meta: &[u8], ok: bool) {
+        let b = frame(Header::request(op, 1, meta.len(), 0), meta, &[]);
+        let r = decode_frame(&b, &Limits::default());
+        assert_eq!(r.is_ok(), ok, "{what}: {r:?}");
+        if let Err(e) = r {
+            assert!(
+                !e.is_fatal(),
+                "{what}: a delimited frame's error keeps the stream"
+            );
+            assert_eq!(e.code(), ErrorCode::BadRequest, "{what}");
+        }
+    }
+    let hello = |client: &[u8], want_arena: u8| {
+        let mut m = Vec::new();
+        m.extend_from_slice(&1u16.to_le_bytes());
+        m.extend_from_slice(&1u16.to_le_bytes());
+        m.extend_from_slice(&(client.len() as u64).to_le_bytes());
+        m.extend_from_slice(client);
+        m.extend_from_slice(&0u64.to_le_bytes()); // token ""
+        m.extend_from_slice(&0u64.to_le_bytes()); // block_bytes
+        m.push(want_arena);
+        m
+    };
+    check(
+        "hello as the SDK sends it",
+        Opcode::Hello,
+        &hello(b"w", 1),
+        true,
+    );
+    check("bool 2", Opcode::Hello, &hello(b"w", 2), false);
+    check(
+        "invalid UTF-8",
+        Opcode::Hello,
+        &hello(&[0xff, 0xfe], 0),
+        false,
+    );
+    let mut trailing = hello(b"w", 0);
+    trailing.push(0);
+    check("a trailing byte", Opcode::Hello, &trailing, false);
+    check("ping with no metadata", Opcode::Ping, &[], true);
+    check("ping with a trailing byte", Opcode::Ping, &[0], false);
+    let subscribe = |tag: u8, rest: &[u8]| {
+        let mut m = vec![tag];
+        m.extend_from_slice(rest);
+        m
+    };
+    check("option none", Opcode::Subscribe, &subscribe(0, &[1]), true);
+    let some: Vec<u8> = 7u64.to_le_bytes().into_iter().chain([0]).collect();
+    check("option some", Opcode::Subscribe, &subscribe(1, &some), true);
+    check(
+        "option tag 2",
+        Opcode::Subscribe,
+        &subscribe(2, &some),
+        false,
+    );
+}
+
+/// `max_keys` and `max_meta_bytes` both bound a request: with the defaults (65,536 keys,
+/// 1 MiB) a key list reaches the metadata limit first (65,535 keys), and a put of a chain
+/// from its root (17 bytes for the root entry, 33 for each with a parent) at 31,775
+/// entries, as `docs/protocol.md` says.
+#[test]
+fn the_metadata_limit_binds_before_the_key_limit() {
+    let l = Limits::default();
+    let fits = |r: &Request| r.encode_meta().len() <= l.max_meta_bytes as usize;
+    let keys = |n: usize| (0..n as u128).map(k).collect::<Vec<_>>();
+    assert!(fits(&Request::Get(KeyList { keys: keys(65_535) })));
+    assert!(!fits(&Request::Get(KeyList { keys: keys(65_536) })));
+    let chain = |n: usize| {
+        (0..n as u128)
+            .map(|i| PutEntry {
+                key: k(i + 1),
+                // A chain from the root: the first block has no parent.
+                parent: (i > 0).then(|| k(i)),
+            })
+            .collect::<Vec<_>>()
+    };
+    assert!(fits(&Request::Put(chain(31_775))));
+    assert!(!fits(&Request::Put(chain(31_776))));
+    let pin = |n| Request::Pin {
+        keys: keys(n),
+        lease_ms: 1,
+    };
+    assert!(fits(&pin(65_535)));
+    assert!(!fits(&pin(65_536)));
+}
+
 #[test]
 fn codes_round_trip_and_unknown_ones_are_none() {
     for &op in Opcode::ALL {
