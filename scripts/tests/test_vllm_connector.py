@@ -336,6 +336,10 @@ def test_slow_server_costs_at_most_the_timeout(
     """A server that stops answering between requests: the first request waits at most the
     lookup timeout, then the breaker keeps kvtier out of the way."""
     time.sleep(1.2)
+    # The same kind of request with the server answering (nothing cached: computed in full).
+    t = time.perf_counter()
+    second.ask([fresh(prompts, 9)], 4)
+    reference = time.perf_counter() - t
     server.pause()
     try:
         times = []
@@ -346,10 +350,14 @@ def test_slow_server_costs_at_most_the_timeout(
             assert out["tokens"]
     finally:
         server.resume()
-    print("requests while the server was stopped (s):", [round(x, 2) for x in times])
-    # Each waits at most a timeout for kvtier (0.5 s lookup, 2 s get) on top of computing
-    # about 1,000 tokens: a request stuck on the stopped server would take far longer.
-    assert max(times) < 30, times
+    print(
+        f"requests while the server was stopped: {[round(x, 2) for x in times]} s "
+        f"(with it answering: {reference:.2f} s)"
+    )
+    # Each waits at most a timeout for kvtier (0.5 s lookup, 2 s get) on top of computing the
+    # prompt (load on a shared machine varies, hence the factor): a request stuck on the
+    # stopped server would wait for the engine's 600 s.
+    assert max(times) < 2 * reference + 5, (times, reference)
 
 
 def test_loaded_kv_is_vllm_kv(server: KvtierServer, prompts: dict, model_dir: Path) -> None:

@@ -75,7 +75,10 @@ class KvtierServer:
             f'store.nvme_dir="{self.dir / "nvme"}"',
             f'store.nvme_bytes="{self.nvme}"',
             "store.io_threads=2",
-        ] + [f"layout.{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in LAYOUT.items()]
+        ] + [
+            f"layout.{k}={json.dumps(v) if isinstance(v, str) else v}"
+            for k, v in {**LAYOUT, "dtype": DTYPES[self.dtype][0]}.items()
+        ]
         args = [str(server_binary())]
         for s in sets:
             args += ["--set", s]
@@ -149,10 +152,13 @@ class Engine:
         python: str | None = None,
         env: dict | None = None,
         stderr=None,
+        dtype: str = "bfloat16",
     ) -> None:
         args = [
             python or sys.executable,
             str(SCRIPTS / "vllm-engine.py"),
+            "--dtype",
+            dtype,
             "--model",
             str(model_dir),
         ]
