@@ -66,7 +66,8 @@ pub(crate) struct Reply {
     pub payload: Option<Payload>,
 }
 
-/// The DRAM arena mapped from the server (local connections).
+/// The DRAM arena mapped from the server (local connections), read-only: the server passes
+/// a read-only descriptor of a memfd sealed against writes and resizing.
 pub(crate) struct Arena {
     map: memmap2::MmapRaw,
 }
@@ -74,19 +75,11 @@ pub(crate) struct Arena {
 impl Arena {
     /// Copies `dst.len()` bytes at `offset` out of the arena.
     pub(crate) fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), ClientError> {
-        let (o, n) = self.check(offset, dst.len())?;
+        let (o, n) = check_range(&self.map, "arena", offset, dst.len())?;
         // SAFETY: [o, o + n) is inside the mapping (checked). The server keeps the slot pinned
-        // for our lease, so nobody writes it while we copy.
+        // for our lease, so nobody writes it while we copy; a raw copy forms no reference into
+        // the shared memory.
         unsafe { std::ptr::copy_nonoverlapping(self.map.as_ptr().add(o), dst.as_mut_ptr(), n) };
-        Ok(())
-    }
-
-    /// Copies `src` into the arena at `offset`.
-    pub(crate) fn write(&self, offset: u64, src: &[u8]) -> Result<(), ClientError> {
-        let (o, n) = self.check(offset, src.len())?;
-        // SAFETY: [o, o + n) is inside the mapping (checked), and the server reserved that slot
-        // for us alone until we commit or abort.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(o), n) };
         Ok(())
     }
 
@@ -95,20 +88,48 @@ impl Arena {
     /// # Safety
     /// The caller holds a pin on that range for as long as the slice lives.
     pub(crate) unsafe fn slice(&self, offset: u64, len: usize) -> Result<&[u8], ClientError> {
-        let (o, n) = self.check(offset, len)?;
+        let (o, n) = check_range(&self.map, "arena", offset, len)?;
         // SAFETY: in bounds (checked); the caller's pin keeps writers away.
         Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(o), n) })
     }
+}
 
-    fn check(&self, offset: u64, len: usize) -> Result<(usize, usize), ClientError> {
-        let end = offset.checked_add(len as u64);
-        match end {
-            Some(e) if e <= self.map.len() as u64 => Ok((offset as usize, len)),
-            _ => Err(ClientError::Protocol(format!(
-                "server named arena range {offset}+{len} outside its {} bytes",
-                self.map.len()
-            ))),
-        }
+/// This connection's staging region, mapped read-write: the only memory of the server's
+/// this client writes. A local put copies its blocks into the places a `reserve` names, and
+/// the server copies them into the arena at `commit`.
+pub(crate) struct Staging {
+    map: memmap2::MmapRaw,
+}
+
+impl Staging {
+    /// Copies `src` into the staging region at `offset`.
+    pub(crate) fn write(&self, offset: u64, src: &[u8]) -> Result<(), ClientError> {
+        let (o, n) = check_range(&self.map, "staging", offset, src.len())?;
+        // SAFETY: [o, o + n) is inside the mapping (checked). The server lent that place to
+        // one reservation of ours, and local puts on a connection are serialized, so nothing
+        // else of ours writes it; the server only reads it at commit (after this copy).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(o), n) };
+        Ok(())
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.map.len()
+    }
+}
+
+fn check_range(
+    map: &memmap2::MmapRaw,
+    what: &str,
+    offset: u64,
+    len: usize,
+) -> Result<(usize, usize), ClientError> {
+    let end = offset.checked_add(len as u64);
+    match end {
+        Some(e) if e <= map.len() as u64 => Ok((offset as usize, len)),
+        _ => Err(ClientError::Protocol(format!(
+            "server named {what} range {offset}+{len} outside its {} bytes",
+            map.len()
+        ))),
     }
 }
 
@@ -120,6 +141,9 @@ pub(crate) struct Conn {
     dead: AtomicBool,
     pub hello: HelloReply,
     pub arena: Option<Arena>,
+    pub staging: Option<Staging>,
+    /// Local puts one at a time: they share the one staging region.
+    pub put_lock: tokio::sync::Mutex<()>,
     limits: Limits,
     reader: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
@@ -150,17 +174,17 @@ impl Conn {
             want_arena: cfg.zero_copy,
         });
         let hello_frame = frame(&hello, 0, 0, 0);
-        let (rd, wr, reply, fd): (BoxRead, BoxWrite, Vec<u8>, Option<OwnedFd>) = match ep {
+        let (rd, wr, reply, fds): (BoxRead, BoxWrite, Vec<u8>, Vec<OwnedFd>) = match ep {
             Endpoint::Unix(path) => {
                 let mut s = tokio::net::UnixStream::connect(path)
                     .await
                     .map_err(|e| ClientError::Connect(format!("{}: {e}", path.display())))?;
                 s.write_all(&hello_frame).await.map_err(ClientError::Io)?;
-                let (head, fd) = recv_head_with_fd(&s).await?;
+                let (head, fds) = recv_head_with_fds(&s).await?;
                 let mut reply = head.to_vec();
                 read_rest(&mut s, &mut reply).await?;
                 let (r, w) = s.into_split();
-                (Box::new(r), Box::new(w), reply, fd)
+                (Box::new(r), Box::new(w), reply, fds)
             }
             Endpoint::Tcp(addr) => {
                 let mut s = tokio::net::TcpStream::connect(addr.as_str())
@@ -172,7 +196,7 @@ impl Conn {
                 s.read_exact(&mut reply).await.map_err(ClientError::Io)?;
                 read_rest(&mut s, &mut reply).await?;
                 let (r, w) = s.into_split();
-                (Box::new(r), Box::new(w), reply, None)
+                (Box::new(r), Box::new(w), reply, Vec::new())
             }
             Endpoint::Quic { addr, server_name } => {
                 let (mut send, mut recv) = crate::quic::connect(addr, server_name, cfg).await?;
@@ -184,7 +208,7 @@ impl Conn {
                     .await
                     .map_err(ClientError::Io)?;
                 read_rest(&mut recv, &mut reply).await?;
-                (Box::new(recv), Box::new(send), reply, None)
+                (Box::new(recv), Box::new(send), reply, Vec::new())
             }
         };
         let client_limits = Limits {
@@ -207,9 +231,19 @@ impl Conn {
                 )));
             }
         };
-        let arena = match fd {
-            Some(fd) if hello.arena_bytes > 0 => Some(map_arena(fd, hello.arena_bytes)?),
-            _ => None,
+        let (arena, staging) = if hello.arena_bytes > 0 {
+            let [arena, staging]: [OwnedFd; 2] = fds.try_into().map_err(|f: Vec<OwnedFd>| {
+                ClientError::Protocol(format!(
+                    "the hello reply names an arena but carried {} descriptors, not 2",
+                    f.len()
+                ))
+            })?;
+            (
+                Some(map_arena(arena, hello.arena_bytes)?),
+                Some(map_staging(staging, hello.staging_bytes)?),
+            )
+        } else {
+            (None, None)
         };
         let limits = Limits {
             max_meta_bytes: hello.max_meta_bytes.max(1 << 20).saturating_mul(4),
@@ -224,6 +258,8 @@ impl Conn {
             dead: AtomicBool::new(false),
             hello,
             arena,
+            staging,
+            put_lock: tokio::sync::Mutex::new(()),
             limits,
             reader: Mutex::new(None),
         });
@@ -507,13 +543,14 @@ async fn read_loop(conn: std::sync::Weak<Conn>, side: Arc<tokio::sync::Mutex<Rea
     }
 }
 
-/// Receives the first bytes of the hello reply and the arena fd riding with them.
-async fn recv_head_with_fd(
+/// Receives the first bytes of the hello reply and the fds riding with them (the arena's,
+/// then the staging region's).
+async fn recv_head_with_fds(
     s: &tokio::net::UnixStream,
-) -> Result<([u8; HEADER_BYTES], Option<OwnedFd>), ClientError> {
+) -> Result<([u8; HEADER_BYTES], Vec<OwnedFd>), ClientError> {
     let mut head = [0u8; HEADER_BYTES];
     let mut got = 0;
-    let mut fd = None;
+    let mut fds = Vec::new();
     while got < HEADER_BYTES {
         s.readable().await.map_err(ClientError::Io)?;
         match s.try_io(tokio::io::Interest::READABLE, || {
@@ -522,18 +559,16 @@ async fn recv_head_with_fd(
             Ok((0, _)) => return Err(ClientError::Disconnected),
             Ok((n, f)) => {
                 got += n;
-                if f.is_some() {
-                    fd = f;
-                }
+                fds.extend(f);
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(e) => return Err(ClientError::Io(e)),
         }
     }
-    Ok((head, fd))
+    Ok((head, fds))
 }
 
-fn recv_fd(sock: RawFd, buf: &mut [u8]) -> std::io::Result<(usize, Option<OwnedFd>)> {
+fn recv_fd(sock: RawFd, buf: &mut [u8]) -> std::io::Result<(usize, Vec<OwnedFd>)> {
     let mut control = [0u8; 64];
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr() as *mut libc::c_void,
@@ -550,21 +585,26 @@ fn recv_fd(sock: RawFd, buf: &mut [u8]) -> std::io::Result<(usize, Option<OwnedF
     if n < 0 {
         return Err(std::io::Error::last_os_error());
     }
-    let mut fd = None;
+    let mut fds = Vec::new();
     // SAFETY: the kernel filled `control` up to msg_controllen; CMSG_FIRSTHDR/NXTHDR walk
-    // only within it, and an SCM_RIGHTS payload holds at least one fd the kernel installed
-    // for us (so we own it).
+    // only within it, and an SCM_RIGHTS payload holds `(cmsg_len - CMSG_LEN(0)) / 4` fds the
+    // kernel installed for us (so we own them; each is taken into an OwnedFd once).
     unsafe {
         let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
         while !cmsg.is_null() {
             if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let raw = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg) as *const RawFd);
-                fd = Some(OwnedFd::from_raw_fd(raw));
+                let data = libc::CMSG_DATA(cmsg) as *const RawFd;
+                let count = ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                    / std::mem::size_of::<RawFd>();
+                for i in 0..count {
+                    let raw = std::ptr::read_unaligned(data.add(i));
+                    fds.push(OwnedFd::from_raw_fd(raw));
+                }
             }
             cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
         }
     }
-    Ok((n as usize, fd))
+    Ok((n as usize, fds))
 }
 
 fn map_arena(fd: OwnedFd, bytes: u64) -> Result<Arena, ClientError> {
@@ -575,11 +615,27 @@ fn map_arena(fd: OwnedFd, bytes: u64) -> Result<Arena, ClientError> {
             "arena file is {len} bytes, server announced {bytes}"
         )));
     }
+    // Read-only: the fd is, and the memfd is sealed against writable mappings.
+    let map = memmap2::MmapOptions::new()
+        .len(bytes as usize)
+        .map_raw_read_only(&f)
+        .map_err(ClientError::Io)?;
+    Ok(Arena { map })
+}
+
+fn map_staging(fd: OwnedFd, bytes: u64) -> Result<Staging, ClientError> {
+    let f = std::fs::File::from(fd);
+    let len = f.metadata().map_err(ClientError::Io)?.len();
+    if bytes == 0 || len < bytes {
+        return Err(ClientError::Protocol(format!(
+            "staging file is {len} bytes, server announced {bytes}"
+        )));
+    }
     let map = memmap2::MmapOptions::new()
         .len(bytes as usize)
         .map_raw(&f)
         .map_err(ClientError::Io)?;
-    Ok(Arena { map })
+    Ok(Staging { map })
 }
 
 #[cfg(test)]
@@ -587,18 +643,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn arena_ranges_are_checked() {
+    fn arena_and_staging_ranges_are_checked() {
         let f = tempfile_fd(8192);
-        let a = map_arena(f, 8192).unwrap();
-        a.write(4096, &[7u8; 16]).unwrap();
+        let same = f.try_clone().unwrap();
+        let st = map_staging(f, 8192).unwrap();
+        assert_eq!(st.len(), 8192);
+        let a = map_arena(same, 8192).unwrap();
+        st.write(4096, &[7u8; 16]).unwrap();
         let mut b = [0u8; 16];
         a.read(4096, &mut b).unwrap();
         assert_eq!(b, [7u8; 16]);
         assert!(a.read(8190, &mut b).is_err());
-        assert!(a.write(u64::MAX - 2, &b).is_err());
-        // SAFETY: nothing else writes this private mapping during the test.
+        assert!(st.write(u64::MAX - 2, &b).is_err());
+        assert!(st.write(8190, &b).is_err());
+        // SAFETY: nothing else writes this mapping during the test.
         let s = unsafe { a.slice(4096, 16) }.unwrap();
         assert_eq!(s, &[7u8; 16]);
+        // Too small, or announced empty.
+        assert!(map_arena(tempfile_fd(4096), 8192).is_err());
+        assert!(map_staging(tempfile_fd(4096), 0).is_err());
     }
 
     fn tempfile_fd(len: u64) -> OwnedFd {

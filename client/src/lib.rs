@@ -37,7 +37,9 @@
 //! ```
 //!
 //! Addresses: `unix:///path/to/kvtier.sock` (local; with [`ClientConfig::zero_copy`] the
-//! client maps the server's DRAM arena and bytes cross memory once), `tcp://host:port` and
+//! client maps the server's DRAM arena read-only and reads blocks from it in place, and
+//! writes the blocks it puts into a staging region of its own that the server copies from),
+//! `tcp://host:port` and
 //! `quic://host:port` (both need [`ClientConfig::token`]; QUIC also the server's certificate).
 //!
 //! Every call has a timeout. A connection that fails is reopened on the next call (after
@@ -70,10 +72,6 @@ use conn::Conn;
 /// Rounds in a row a multi-round get may make no progress (the server still releasing the
 /// previous round's pins) before it reports the miss.
 const BUSY_RETRIES: u32 = 3;
-/// A local put reserves at most 1/this of the server's DRAM arena at a time, so a chain
-/// longer than DRAM is stored in windows (each committed before the next is reserved)
-/// instead of refused once every slot is reserved.
-const RESERVE_WINDOW_DIVISOR: usize = 4;
 
 /// Client settings. Each field's doc ends with its default.
 #[derive(Clone, Debug)]
@@ -270,6 +268,14 @@ fn arena_blocks(c: &Conn, block_bytes: usize) -> usize {
         return 0;
     }
     (c.hello.arena_bytes / block_bytes as u64) as usize
+}
+
+/// Blocks the staging region of `c` holds: what one local put may reserve at once.
+fn staging_blocks(c: &Conn, block_bytes: usize) -> usize {
+    match &c.staging {
+        Some(s) if block_bytes > 0 => s.len() / block_bytes,
+        _ => 0,
+    }
 }
 
 /// Blocks pinned in the server's DRAM arena, readable in place (local connections only).
@@ -792,8 +798,9 @@ impl Client {
         self.put(&entries, bufs).await
     }
 
-    /// Stores blocks (parents before children). Local connections write into reserved arena
-    /// slots and commit; remote ones send the bytes straight from `bufs`.
+    /// Stores blocks (parents before children). Local connections write into the places of
+    /// their staging region a reserve names and commit (the server copies them into its
+    /// arena); remote ones send the bytes straight from `bufs`.
     pub async fn put(&self, entries: &[PutEntry], bufs: &[&[u8]]) -> Stored {
         match self.put_inner(entries, bufs).await {
             Ok(s) => s,
@@ -815,7 +822,10 @@ impl Client {
         let c = self.conn().await?;
         let mut per = (c.max_payload() / self.block_bytes as u64).max(1) as usize;
         if self.local {
-            per = per.min((arena_blocks(&c, self.block_bytes) / RESERVE_WINDOW_DIVISOR).max(1));
+            // A local put reserves at most what the connection's staging region holds (the
+            // server sizes it at a quarter of the arena, at most 64 MiB), so a chain longer
+            // than DRAM is stored in windows, each committed before the next is reserved.
+            per = per.min(staging_blocks(&c, self.block_bytes).max(1));
         }
         let base = meta_base(&if self.local {
             Request::Reserve {
@@ -862,7 +872,9 @@ impl Client {
         ents: &[PutEntry],
         bs: &[&[u8]],
     ) -> Result<Vec<u8>, ClientError> {
-        let arena = c.arena.as_ref().ok_or(ClientError::NotLocal("put"))?;
+        let staging = c.staging.as_ref().ok_or(ClientError::NotLocal("put"))?;
+        // One put at a time per connection: the staging region is one.
+        let _one = c.put_lock.lock().await;
         let req = Request::Reserve {
             entries: ents.to_vec(),
             lease_ms: self.timeout().as_millis().max(1) as u64,
@@ -895,7 +907,7 @@ impl Client {
         let copied = p.slots.iter().zip(bs).try_for_each(|(s, b)| {
             if s.status == PutStatus::Stored as u8 {
                 in_time()?;
-                arena.write(s.offset, b)
+                staging.write(s.offset, b)
             } else {
                 Ok(())
             }

@@ -205,7 +205,8 @@ impl Client {
         self.client.block_bytes()
     }
 
-    /// Whether gets and puts go through the server's mapped DRAM arena (unix:// with zero_copy).
+    /// Whether gets read the server's mapped DRAM arena and puts go through this connection's
+    /// staging region (unix:// with zero_copy).
     #[getter]
     fn is_local(&self) -> bool {
         self.client.is_local()

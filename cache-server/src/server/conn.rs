@@ -26,8 +26,9 @@ use super::Shared;
 use super::brakes::{AuthGate, PreHelloSlot, token_matches};
 use super::events::tier_code;
 use super::metrics::{Metrics, Transport};
+use super::staging::Staging;
 use crate::policy::admission::RejectReason;
-use crate::{HeldSlot, MissReason, PinnedRead, PutOutcome, Reservation, StoreError};
+use crate::{MissReason, PinnedRead, PutOutcome, Reservation, StoreError};
 
 /// Responses queued for the writer of one connection.
 const OUT_QUEUE: usize = 256;
@@ -37,9 +38,9 @@ const MAX_SUBSCRIPTIONS: usize = 4;
 const EVENT_BATCH: usize = 1024;
 /// How often a connection drops its expired reservations.
 const RESERVATION_REAP: Duration = Duration::from_millis(100);
-/// DRAM slots of expired reservations one connection may hold (see [`ConnState::held`]);
-/// past this, its reserves are answered "busy" until it closes.
-const MAX_HELD_SLOTS: usize = 1024;
+/// A commit copying more than this many bytes out of the staging region runs on the
+/// blocking pool, not on a runtime worker.
+const COPY_INLINE_BYTES: u64 = 4 << 20;
 /// How long a put (or a reservation) waits, at most, for a DRAM slot while every slot is
 /// pinned and background copies (write-through to NVMe, which pin their DRAM slot until
 /// written) are running: those copies free slots as they finish, so a chain longer than
@@ -67,8 +68,9 @@ pub(crate) struct Out {
     meta: Vec<u8>,
     /// Get payload: written straight from the pinned slots, which stay pinned until sent.
     pinned: Option<PinnedRead>,
-    /// The DRAM arena, passed with this frame over the Unix socket.
-    fd: Option<OwnedFd>,
+    /// The DRAM arena (read-only) and the staging region, passed with this frame over the
+    /// Unix socket.
+    fds: Vec<OwnedFd>,
     /// In-flight byte budget held until the payload is written.
     _budget: Option<OwnedSemaphorePermit>,
     /// This connection's queued-bytes budget, held until the frame is written.
@@ -90,7 +92,7 @@ impl Out {
             head: h.encode(),
             meta,
             pinned: None,
-            fd: None,
+            fds: Vec::new(),
             _budget: None,
             _queued: None,
         }
@@ -164,10 +166,28 @@ pub(crate) struct Peer {
     pub pre_hello: Option<PreHelloSlot>,
 }
 
+/// A reserved DRAM slot and the staging place its client writes the block into.
+struct Staged {
+    slot: Reservation,
+    place: u32,
+}
+
+/// A reservation of a local client: its slots are freed and its staging places given back
+/// when it drops (committed, aborted, expired or its connection gone). The client never
+/// wrote the slots (the arena is read-only to it), so they are reused at once.
 struct ReservationRecord {
-    slots: Vec<Option<Reservation>>,
+    staging: Arc<Staging>,
+    slots: Vec<Option<Staged>>,
     statuses: Vec<u8>,
     deadline: Instant,
+}
+
+impl Drop for ReservationRecord {
+    fn drop(&mut self) {
+        for s in self.slots.drain(..).flatten() {
+            self.staging.give_back(s.place);
+        }
+    }
 }
 
 /// Pins and reservations held by one connection; all released on drop.
@@ -176,20 +196,11 @@ struct ConnState {
     leases: HashMap<u64, Instant>,
     reservations: HashMap<u64, ReservationRecord>,
     next_reservation: u64,
-    /// Slots of this connection's expired reservations. Its client was lent them through
-    /// the shared arena and may still write into them late, so they are not reused until
-    /// the connection is gone (a client that keeps the arena mapped after closing its
-    /// connection is not fenced: a read-only arena is the full fix).
-    held: Vec<HeldSlot>,
+    /// The staging region passed at hello (local connections with the arena).
+    staging: Option<Arc<Staging>>,
 }
 
 impl ConnState {
-    /// Ends an expired reservation: its slots are held until the connection closes.
-    fn hold(&mut self, r: ReservationRecord) {
-        self.held
-            .extend(r.slots.into_iter().flatten().map(Reservation::expire));
-    }
-
     fn reap(&mut self, now: Instant) {
         let before = self.reservations.len();
         let expired: Vec<u64> = self
@@ -199,9 +210,7 @@ impl ConnState {
             .map(|(id, _)| *id)
             .collect();
         for id in expired {
-            if let Some(r) = self.reservations.remove(&id) {
-                self.hold(r);
-            }
+            self.reservations.remove(&id);
         }
         let gone = before - self.reservations.len();
         self.shared.metrics.reservations_open.sub(gone as i64);
@@ -289,7 +298,7 @@ pub(crate) async fn serve<R, W>(
         leases: HashMap::new(),
         reservations: HashMap::new(),
         next_reservation: 1,
-        held: Vec::new(),
+        staging: None,
     }));
     let depth = shared.config.limits.max_inflight_per_connection;
     let mut c = Conn {
@@ -634,14 +643,15 @@ impl Conn {
             .await;
             return false;
         }
-        let fd = if h.want_arena && self.transport == Transport::Unix {
-            match s.store.dram().arena_fd().try_clone_to_owned() {
-                Ok(fd) => Some(fd),
+        let local = if h.want_arena && self.transport == Transport::Unix {
+            match local_fds(s) {
+                Ok(l) => Some(l),
                 Err(e) => {
-                    // Out of descriptors, most likely: the client falls back to the socket.
+                    // Out of descriptors or memory, most likely: the client falls back to the
+                    // socket.
                     if let Some(n) = s.logs.arena_fd.tick(Instant::now()) {
                         tracing::warn!(
-                            "cannot duplicate the arena fd for a hello: {e} ({n} since the last \
+                            "cannot pass the arena to a local client: {e} ({n} since the last \
                              warning); the client gets no arena"
                         );
                     }
@@ -651,17 +661,19 @@ impl Conn {
         } else {
             None
         };
-        self.local_arena = fd.is_some();
+        self.local_arena = local.is_some();
+        let staging_bytes = local.as_ref().map_or(0, |l| l.staging.bytes());
         let reply = Response::Hello(HelloReply {
             version: h.max_version.min(VERSION),
             server: s.config.server.name.clone(),
             block_bytes: s.block_bytes as u64,
             layout_fingerprint: s.layout_fingerprint,
-            arena_bytes: if fd.is_some() {
+            arena_bytes: if local.is_some() {
                 s.store.dram().arena_bytes()
             } else {
                 0
             },
+            staging_bytes,
             max_keys: s.limits.max_keys,
             max_meta_bytes: s.limits.max_meta_bytes,
             max_payload_bytes: s.limits.max_payload_bytes,
@@ -669,7 +681,10 @@ impl Conn {
             event_seq: s.events.next_seq(),
         });
         let mut out = Out::new(id, op, &reply, 0);
-        out.fd = fd;
+        if let Some(l) = local {
+            out.fds = vec![l.arena, l.staging_fd];
+            lock(&self.state).staging = Some(l.staging);
+        }
         self.send(out).await;
         true
     }
@@ -1055,13 +1070,26 @@ impl Job {
                         "reserve needs the arena: a Unix socket hello with want_arena",
                     );
                 }
-                if lock(&self.state).held.len() >= MAX_HELD_SLOTS {
+                let Some(staging) = lock(&self.state).staging.clone() else {
+                    return self.error(ErrorCode::Internal, "no staging region");
+                };
+                if entries.len() > staging.places() as usize {
                     return self.error(
-                        ErrorCode::Busy,
-                        "this connection holds too many slots of expired reservations; \
-                         reconnect (or put over the socket)",
+                        ErrorCode::TooLarge,
+                        format!(
+                            "a reserve takes at most {} blocks (staging_bytes / block_bytes)",
+                            staging.places()
+                        ),
                     );
                 }
+                // Places for every entry up front (those refused are given back below).
+                let Some(places) = staging.take(entries.len()) else {
+                    return self.error(
+                        ErrorCode::Busy,
+                        "the staging region is lent to earlier reservations: commit or abort \
+                         them first",
+                    );
+                };
                 let lease = self.lease(lease_ms);
                 let (slots, statuses) =
                     reserve_batch(&s, &entries, Instant::now() + SLOT_WAIT).await;
@@ -1069,13 +1097,25 @@ impl Job {
                     count_refusal(&s, self.transport, *st);
                 }
                 let mut reply_slots = Vec::with_capacity(slots.len());
-                for (r, st) in slots.iter().zip(&statuses) {
+                let mut staged = Vec::with_capacity(slots.len());
+                for ((r, st), place) in slots.into_iter().zip(&statuses).zip(places) {
                     reply_slots.push(ReservedSlot {
                         status: *st,
-                        offset: r.as_ref().map_or(0, |r| r.offset()),
+                        offset: if r.is_some() {
+                            staging.offset(place)
+                        } else {
+                            0
+                        },
                     });
+                    match r {
+                        Some(slot) => staged.push(Some(Staged { slot, place })),
+                        None => {
+                            staging.give_back(place);
+                            staged.push(None);
+                        }
+                    }
                 }
-                let any = slots.iter().any(Option::is_some);
+                let any = staged.iter().any(Option::is_some);
                 let id = if any {
                     let mut st = lock(&self.state);
                     let id = st.next_reservation;
@@ -1083,7 +1123,8 @@ impl Job {
                     st.reservations.insert(
                         id,
                         ReservationRecord {
-                            slots,
+                            staging,
+                            slots: staged,
                             statuses,
                             deadline: Instant::now() + lease,
                         },
@@ -1107,7 +1148,6 @@ impl Job {
                         // was told the deadline and may have written after it).
                         Some(rec) if rec.deadline <= Instant::now() => {
                             st.shared.metrics.reservations_open.dec();
-                            st.hold(rec);
                             None
                         }
                         r => r,
@@ -1120,12 +1160,17 @@ impl Job {
                     );
                 };
                 s.metrics.reservations_open.dec();
-                let mut statuses = rec.statuses;
-                for (i, r) in rec.slots.into_iter().enumerate() {
-                    if let Some(r) = r {
-                        statuses[i] = commit_status(r.commit());
-                        count_refusal(&s, self.transport, statuses[i]);
+                let copied = rec.slots.iter().flatten().count() as u64 * s.block_bytes as u64;
+                let statuses = if copied > COPY_INLINE_BYTES {
+                    match self.blocking(move || commit_staged(rec)).await {
+                        Ok(st) => st,
+                        Err(o) => return o,
                     }
+                } else {
+                    commit_staged(rec)
+                };
+                for st in &statuses {
+                    count_refusal(&s, self.transport, *st);
                 }
                 let stored = statuses
                     .iter()
@@ -1178,6 +1223,43 @@ impl Job {
             }
         }
     }
+}
+
+/// What a local client is passed at hello: the arena read-only and its own staging region.
+struct LocalFds {
+    arena: OwnedFd,
+    staging_fd: OwnedFd,
+    staging: Arc<Staging>,
+}
+
+fn local_fds(s: &Shared) -> std::io::Result<LocalFds> {
+    let dram = s.store.dram();
+    let arena = dram.client_fd().try_clone_to_owned()?;
+    let places = Staging::places_for(
+        u64::from(crate::tier::Tier::slot_count(dram)),
+        s.block_bytes,
+    );
+    let staging = Arc::new(Staging::create(places, s.block_bytes)?);
+    let staging_fd = staging.fd().try_clone_to_owned()?;
+    Ok(LocalFds {
+        arena,
+        staging_fd,
+        staging,
+    })
+}
+
+/// Commits a local reservation: each block is copied from its staging place into its
+/// reserved DRAM slot, then committed. Returns the statuses of every entry.
+fn commit_staged(mut rec: ReservationRecord) -> Vec<u8> {
+    let mut statuses = std::mem::take(&mut rec.statuses);
+    for (i, staged) in rec.slots.iter_mut().enumerate() {
+        if let Some(Staged { mut slot, place }) = staged.take() {
+            rec.staging.copy_out(place, slot.bytes_mut());
+            rec.staging.give_back(place);
+            statuses[i] = commit_status(slot.commit());
+        }
+    }
+    statuses
 }
 
 /// Waits while the leading run of `keys` reaches a block that is being stored, until it is
@@ -1291,12 +1373,13 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     let mut failed = false;
     while let Some(o) = rx.recv().await {
         let r = tokio::time::timeout(timeout, async {
-            match (o.fd, sock) {
-                (Some(fd), Some(sock)) => {
+            match (o.fds.is_empty(), sock) {
+                (false, Some(sock)) => {
                     w.flush().await?;
                     let mut frame = o.head.to_vec();
                     frame.extend_from_slice(&o.meta);
-                    let sent = send_with_fd(sock, &frame, fd.as_raw_fd()).await?;
+                    let fds: Vec<RawFd> = o.fds.iter().map(|f| f.as_raw_fd()).collect();
+                    let sent = send_with_fds(sock, &frame, &fds).await?;
                     w.write_all(&frame[sent..]).await?;
                 }
                 _ => {
@@ -1339,11 +1422,11 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     let _ = tokio::time::timeout(timeout, w.shutdown()).await;
 }
 
-/// Sends `bytes` with `fd` attached (SCM_RIGHTS) on the Unix socket `sock`; returns how many
-/// bytes went (at least one: the fd rides with the first byte).
-async fn send_with_fd(sock: RawFd, bytes: &[u8], fd: RawFd) -> std::io::Result<usize> {
+/// Sends `bytes` with `fds` attached (SCM_RIGHTS) on the Unix socket `sock`; returns how
+/// many bytes went (at least one: the fds ride with the first byte).
+async fn send_with_fds(sock: RawFd, bytes: &[u8], fds: &[RawFd]) -> std::io::Result<usize> {
     loop {
-        match super::fdpass::send_fd(sock, bytes, fd) {
+        match super::fdpass::send_fds(sock, bytes, fds) {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }

@@ -1,12 +1,22 @@
-//! Passing the DRAM arena's file descriptor to a local client (SCM_RIGHTS).
+//! Passing the DRAM arena's and the staging region's file descriptors to a local client
+//! (SCM_RIGHTS).
 
 use std::os::fd::RawFd;
 
-/// Sends `bytes` on the Unix stream socket `sock` with `fd` attached. Non-blocking: returns
-/// `WouldBlock` when the socket is full. Returns the bytes sent (the fd rides with them).
-pub(crate) fn send_fd(sock: RawFd, bytes: &[u8], fd: RawFd) -> std::io::Result<usize> {
+/// Most descriptors one message carries.
+const MAX_FDS: usize = 4;
+
+/// Sends `bytes` on the Unix stream socket `sock` with `fds` attached (one SCM_RIGHTS
+/// message, in order). Non-blocking: returns `WouldBlock` when the socket is full. Returns
+/// the bytes sent (the fds ride with them).
+///
+/// # Panics
+/// If `fds` is empty or holds more than 4.
+pub(crate) fn send_fds(sock: RawFd, bytes: &[u8], fds: &[RawFd]) -> std::io::Result<usize> {
+    assert!(!fds.is_empty() && fds.len() <= MAX_FDS, "1..=4 fds");
+    let fd_bytes = std::mem::size_of_val(fds) as u32;
     // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let space = unsafe { libc::CMSG_SPACE(fd_bytes) } as usize;
     let mut control = vec![0u8; space];
     let mut iov = libc::iovec {
         iov_base: bytes.as_ptr() as *mut libc::c_void,
@@ -18,15 +28,18 @@ pub(crate) fn send_fd(sock: RawFd, bytes: &[u8], fd: RawFd) -> std::io::Result<u
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
     msg.msg_controllen = space as _;
-    // SAFETY: msg_control points at `space` bytes, enough for one cmsg holding one fd, so
-    // CMSG_FIRSTHDR is non-null and CMSG_DATA has room for the fd. `iov` borrows `bytes`,
+    // SAFETY: msg_control points at `space` bytes, enough for one cmsg holding `fds`, so
+    // CMSG_FIRSTHDR is non-null and CMSG_DATA has room for every fd. `iov` borrows `bytes`,
     // which the kernel only reads. Both outlive the sendmsg call.
     let n = unsafe {
         let cmsg = libc::CMSG_FIRSTHDR(&msg);
         (*cmsg).cmsg_level = libc::SOL_SOCKET;
         (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg) as *mut RawFd, fd);
+        (*cmsg).cmsg_len = libc::CMSG_LEN(fd_bytes) as _;
+        let data = libc::CMSG_DATA(cmsg) as *mut RawFd;
+        for (i, fd) in fds.iter().enumerate() {
+            std::ptr::write_unaligned(data.add(i), *fd);
+        }
         libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL)
     };
     if n < 0 {
@@ -43,11 +56,13 @@ mod tests {
     use std::os::unix::net::UnixStream;
 
     #[test]
-    fn a_passed_fd_reaches_the_same_file() {
+    fn passed_fds_reach_the_same_files_in_order() {
         let (a, b) = UnixStream::pair().unwrap();
         let mut f = tempfile::tempfile().unwrap();
         f.write_all(b"arena").unwrap();
-        let n = send_fd(a.as_raw_fd(), b"hi", f.as_raw_fd()).unwrap();
+        let mut f2 = tempfile::tempfile().unwrap();
+        f2.write_all(b"staging").unwrap();
+        let n = send_fds(a.as_raw_fd(), b"hi", &[f.as_raw_fd(), f2.as_raw_fd()]).unwrap();
         assert_eq!(n, 2);
         // Receive with a plain recvmsg.
         let mut buf = [0u8; 2];
@@ -67,14 +82,21 @@ mod tests {
             assert_eq!(n, 2);
             let cmsg = libc::CMSG_FIRSTHDR(&msg);
             assert!(!cmsg.is_null());
-            std::ptr::read_unaligned(libc::CMSG_DATA(cmsg) as *const RawFd)
+            assert_eq!((*cmsg).cmsg_len, libc::CMSG_LEN(8) as usize);
+            let data = libc::CMSG_DATA(cmsg) as *const RawFd;
+            [
+                std::ptr::read_unaligned(data),
+                std::ptr::read_unaligned(data.add(1)),
+            ]
         };
         assert_eq!(&buf, b"hi");
-        // SAFETY: the kernel installed a new fd for us; we own it now.
-        let mut g = unsafe { std::fs::File::from_raw_fd(got) };
-        g.rewind().unwrap();
-        let mut s = String::new();
-        g.read_to_string(&mut s).unwrap();
-        assert_eq!(s, "arena");
+        for (fd, want) in got.into_iter().zip(["arena", "staging"]) {
+            // SAFETY: the kernel installed a new fd for us; we own it now.
+            let mut g = unsafe { std::fs::File::from_raw_fd(fd) };
+            g.rewind().unwrap();
+            let mut s = String::new();
+            g.read_to_string(&mut s).unwrap();
+            assert_eq!(s, want);
+        }
     }
 }

@@ -10,6 +10,7 @@ pub mod events;
 mod fdpass;
 pub mod metrics;
 mod places;
+mod staging;
 mod tls;
 
 use std::net::SocketAddr;

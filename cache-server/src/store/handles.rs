@@ -98,32 +98,6 @@ impl Reservation {
         self.inner.pending.remove(&self.key);
         r
     }
-
-    /// Ends the reservation without storing its block: readers stop waiting for the key at
-    /// once, but the slot stays out of use until the returned [`HeldSlot`] drops. A server
-    /// holds it while the client that was lent the slot (through the shared arena) may
-    /// still write into it late.
-    pub fn expire(mut self) -> HeldSlot {
-        self.open = false;
-        self.inner.pending.remove(&self.key);
-        HeldSlot {
-            inner: self.inner.clone(),
-            slot: self.slot,
-        }
-    }
-}
-
-/// A DRAM slot of an expired [`Reservation`], kept out of use; freed on drop.
-pub struct HeldSlot {
-    inner: Arc<Inner>,
-    slot: u32,
-}
-
-impl Drop for HeldSlot {
-    fn drop(&mut self) {
-        self.inner.retire(self.inner.host, self.slot, false);
-        self.inner.unpin(self.inner.host, self.slot);
-    }
 }
 
 impl Drop for Reservation {

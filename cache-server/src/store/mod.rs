@@ -33,7 +33,7 @@ mod warn;
 mod write;
 
 pub use events::{EventSink, SnapshotEntry, StoreEvent, StoreEventKind};
-pub use handles::{HeldSlot, PinnedRead, Reservation};
+pub use handles::{PinnedRead, Reservation};
 pub use lease::{LEASE_REAP_INTERVAL, Lease, PinnedBlock};
 pub use pending::Announcement;
 

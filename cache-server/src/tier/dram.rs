@@ -1,9 +1,16 @@
 //! The DRAM tier: one pre-allocated arena of fixed-size slots in a memfd.
 //!
-//! The arena is a memfd so the server can hand its file descriptor to a local client, which
-//! maps it and reads or writes slots in place (the zero-copy local path). Slot `i` lives at
+//! The arena is a memfd so the server can hand a file descriptor of it to a local client,
+//! which maps it and reads slots in place (the zero-copy local path). Slot `i` lives at
 //! byte offset `i * slot_bytes`; `slot_bytes` is a multiple of the page size, so every slot is
 //! page aligned (and so usable as an O_DIRECT buffer). Nothing is allocated per block.
+//!
+//! **Invariant:** only this process writes the arena. Once the tier has mapped it, the memfd
+//! is sealed with `F_SEAL_FUTURE_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`: the
+//! tier's own mapping keeps writing, but no `write`, writable shared `mmap` or hole punch can
+//! reach it again through any descriptor (even one reopened read-write through `/proc`), and
+//! its size can never change, so no mapping of it ever faults (SIGBUS). Clients get
+//! [`DramTier::client_fd`], opened read-only on top of that.
 
 use kvtier_core::BlockKey;
 use memmap2::MmapRaw;
@@ -50,6 +57,8 @@ impl DramTierConfig {
 /// See the module documentation.
 pub struct DramTier {
     file: File,
+    /// The same memfd opened read-only: what clients are given.
+    read_only: File,
     map: MmapRaw,
     slot_bytes: usize,
     slots: u32,
@@ -89,8 +98,7 @@ impl DramTier {
             path: "memfd:kvtier-dram".into(),
             source,
         };
-        // Sealing allowed: the transfer library seals the arena's size when it registers it
-        // for shared-memory peers (a peer's mapping can then never be truncated under it).
+        // Sealing allowed: sealed below, once mapped, so that clients cannot write or resize it.
         // SAFETY: memfd_create takes a NUL-terminated name and flags; it returns a new fd or -1.
         let fd = unsafe {
             libc::memfd_create(
@@ -118,9 +126,22 @@ impl DramTier {
             }
         }
         let map = MmapRaw::map_raw(&file).map_err(io)?;
+        seal_read_only(&file).map_err(|e| {
+            config_err(
+                "dram.capacity_bytes",
+                format!("cannot seal the arena memfd (F_SEAL_FUTURE_WRITE needs Linux 5.1): {e}"),
+            )
+        })?;
+        // A new open file description of the same memfd, read-only (not a `dup`, which would
+        // share the read-write mode).
+        let read_only = File::open(format!("/proc/self/fd/{fd}")).map_err(|e| TierError::Io {
+            path: format!("/proc/self/fd/{fd} (the arena, reopened read-only)").into(),
+            source: e,
+        })?;
         let meta = SlotTable::new(slots);
         Ok(Self {
             file,
+            read_only,
             map,
             slot_bytes,
             slots,
@@ -128,9 +149,16 @@ impl DramTier {
         })
     }
 
-    /// The arena's file descriptor, for a local client to map.
+    /// The arena's read-write file descriptor (sealed: it can no longer be used to write,
+    /// map writable or resize; only the tier's own mapping writes).
     pub fn arena_fd(&self) -> BorrowedFd<'_> {
         self.file.as_fd()
+    }
+
+    /// A read-only file descriptor of the arena, for a local client to map (shared,
+    /// `PROT_READ`): it cannot be mapped writable, written, truncated or hole-punched.
+    pub fn client_fd(&self) -> BorrowedFd<'_> {
+        self.read_only.as_fd()
     }
 
     /// Size of the arena, always at most the configured capacity.
@@ -231,6 +259,19 @@ impl DramTier {
     }
 }
 
+/// Seals `file` (a memfd created with `MFD_ALLOW_SEALING`) against writes through any new
+/// descriptor or mapping, resizing, and further seals. Mappings made before keep writing.
+fn seal_read_only(file: &File) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let seals =
+        libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: fcntl on a descriptor we own, with an integer argument.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 impl Tier for DramTier {
     fn in_place(&self) -> Option<&dyn InPlaceTier> {
         Some(self)
@@ -323,14 +364,69 @@ mod tests {
             .unwrap()
             .len();
         assert_eq!(fd_len, t.arena_bytes());
-        // Sealable (for the transfer library's shared-memory registration).
+        // Sealed for good: no writes through new descriptors or mappings, no resizing.
         // SAFETY: fcntl F_GET_SEALS on a descriptor we own; it only reads.
         let seals = unsafe { libc::fcntl(t.arena_fd().as_raw_fd(), libc::F_GET_SEALS) };
-        assert!(
-            seals >= 0 && seals & libc::F_SEAL_SEAL == 0,
-            "seals {seals:#x}"
-        );
+        let want =
+            libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        assert_eq!(seals & want, want, "seals {seals:#x}");
         assert_eq!(t.slot_offset(SlotId(3)), 3 * 8192);
+    }
+
+    /// What a hostile local client could try with the descriptor it is given (and with the
+    /// same memfd reopened read-write through /proc): every attempt is refused, and the
+    /// tier's own mapping still writes, and reads back, its blocks.
+    #[test]
+    fn clients_cannot_write_punch_or_resize_the_arena() {
+        let t = DramTierConfig::new(4 * 4096, 4096).open().unwrap();
+        let k = BlockKey::from_u128(5);
+        t.write(SlotId(0), k, &[7u8; 4096]).unwrap();
+        let ro = File::from(t.client_fd().try_clone_to_owned().unwrap());
+        let reopened = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/self/fd/{}", t.client_fd().as_raw_fd()))
+            .unwrap();
+        for (what, f) in [("read-only fd", &ro), ("reopened read-write", &reopened)] {
+            assert!(
+                memmap2::MmapOptions::new().len(4096).map_raw(f).is_err(),
+                "{what}: a writable shared mapping"
+            );
+            assert!(f.set_len(0).is_err(), "{what}: ftruncate to 0");
+            assert!(f.set_len(1 << 20).is_err(), "{what}: growing");
+            assert!(
+                std::os::unix::fs::FileExt::write_at(f, &[1], 0).is_err(),
+                "{what}: write"
+            );
+            // SAFETY: fallocate on a descriptor we own; it is expected to fail.
+            let punch = unsafe {
+                libc::fallocate(
+                    f.as_raw_fd(),
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    0,
+                    4096,
+                )
+            };
+            assert_ne!(punch, 0, "{what}: punching a hole");
+            // SAFETY: fcntl with an integer argument; expected to fail (F_SEAL_SEAL).
+            let unseal =
+                unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE) };
+            assert!(unseal < 0, "{what}: adding a seal");
+        }
+        // A read-only shared mapping works and sees the tier's bytes.
+        let map = memmap2::MmapOptions::new()
+            .len(4096)
+            .map_raw_read_only(&ro)
+            .unwrap();
+        let mut got = [0u8; 4096];
+        // SAFETY: the mapping is 4096 bytes long and nothing writes slot 0 during the copy.
+        unsafe { std::ptr::copy_nonoverlapping(map.as_ptr(), got.as_mut_ptr(), 4096) };
+        assert_eq!(got, [7u8; 4096]);
+        // The tier still writes through its own mapping.
+        t.write(SlotId(0), k, &[9u8; 4096]).unwrap();
+        let mut back = [0u8; 4096];
+        t.read(SlotId(0), k, &mut back).unwrap();
+        assert_eq!(back, [9u8; 4096]);
     }
 
     #[test]

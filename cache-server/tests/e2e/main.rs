@@ -1,6 +1,7 @@
 //! End-to-end tests: the real `kvtier-server` binary, driven through the SDK and raw sockets
 //! over every transport, on loopback, each with a time bound.
 
+mod arena;
 mod brakes;
 mod common;
 mod expiry;

@@ -110,8 +110,13 @@ pub struct HelloReply {
     pub server: String,
     pub block_bytes: u64,
     pub layout_fingerprint: u64,
-    /// Bytes of the arena whose fd rides with this frame (SCM_RIGHTS); 0 = no fd sent.
+    /// Bytes of the arena whose fd rides with this frame (SCM_RIGHTS, read-only); 0 = no fd
+    /// sent.
     pub arena_bytes: u64,
+    /// Bytes of this connection's staging region, whose fd rides second with the arena's
+    /// (read-write): `staging_bytes / block_bytes` block-sized places local puts are written
+    /// into (a reserve's offsets point there). 0 = none (then no arena either).
+    pub staging_bytes: u64,
     pub max_keys: u32,
     pub max_meta_bytes: u32,
     pub max_payload_bytes: u64,

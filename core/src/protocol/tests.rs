@@ -174,6 +174,7 @@ fn every_response_round_trips() {
                 block_bytes: 4096,
                 layout_fingerprint: 0xabc,
                 arena_bytes: 1 << 30,
+                staging_bytes: 1 << 26,
                 max_keys: 65536,
                 max_meta_bytes: 1 << 20,
                 max_payload_bytes: 1 << 28,
