@@ -38,6 +38,9 @@ use crate::score::{self, Candidate, Score};
 /// in the worker's JSON and in its last SSE chunk).
 const USAGE_TAIL_BYTES: usize = 8 << 10;
 
+/// Response header naming the worker that answered.
+pub const WORKER_HEADER: &str = "x-kvtier-worker";
+
 /// One worker as the router sees it.
 pub struct WorkerState {
     pub url: String,
@@ -651,6 +654,10 @@ async fn forward(app: &App, d: &Decision, body: Bytes, path: &str) -> (Response,
         *resp.status_mut() = status;
         if let Some(ct) = content_type.and_then(|c| header::HeaderValue::from_str(&c).ok()) {
             resp.headers_mut().insert(header::CONTENT_TYPE, ct);
+        }
+        // Which worker answered, for operators and tests.
+        if let Ok(v) = header::HeaderValue::from_str(&w.url) {
+            resp.headers_mut().insert(WORKER_HEADER, v);
         }
         let outcome = if status.is_success() {
             "ok"
