@@ -47,7 +47,8 @@ impl ServerView {
         self.index.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn set_synced(&self, on: bool, m: &Metrics) {
+    /// Marks the view subscribed or not; not subscribed forgets every block.
+    pub fn set_synced(&self, on: bool, m: &Metrics) {
         use std::sync::atomic::Ordering;
         self.synced.store(on, Ordering::Relaxed);
         m.index_synced
@@ -57,6 +58,51 @@ impl ServerView {
             self.write().clear();
             m.index_blocks.with_label_values(&[&self.url]).set(0);
         }
+    }
+}
+
+impl ServerView {
+    /// Applies one batch of a subscription; the reason to resync (`"gap"`: the server said
+    /// events were lost; `"sequence"`: a hole in the numbers), if any. Events after the one
+    /// that calls for a resync are not applied.
+    pub fn apply_batch(
+        &self,
+        seq: &mut SeqTracker,
+        batch: Vec<EventItem>,
+        m: &Metrics,
+    ) -> Option<&'static str> {
+        let events = m.index_events.with_label_values(&[&self.url]);
+        let dropped = m.index_dropped.with_label_values(&[&self.url]);
+        let mut ix = self.write();
+        let mut resync = None;
+        for item in batch {
+            let step = match &item {
+                EventItem::Gap { from, to } => seq.gap(*from, *to),
+                EventItem::Event(e) => seq.event(e.seq),
+            };
+            match (step, item) {
+                (Step::Apply, EventItem::Event(e)) => {
+                    events.inc();
+                    if ix.apply(&e) == Applied::DroppedAtCap {
+                        dropped.inc();
+                    }
+                }
+                (Step::Skip, _) | (Step::Apply, EventItem::Gap { .. }) => {}
+                (Step::Resync { from, to }, item) => {
+                    tracing::warn!(server = %self.url, from, to, "block events lost");
+                    resync = Some(if matches!(item, EventItem::Gap { .. }) {
+                        "gap"
+                    } else {
+                        "sequence"
+                    });
+                    break;
+                }
+            }
+        }
+        m.index_blocks
+            .with_label_values(&[&self.url])
+            .set(ix.len() as i64);
+        resync
     }
 }
 
@@ -124,9 +170,6 @@ async fn subscribe_once(
     view.set_synced(true, m);
     tracing::info!(server = %view.url, next_seq = stream.start_seq, "block events: subscribed");
     let mut seq = SeqTracker::new(stream.start_seq);
-    let events = m.index_events.with_label_values(&[&view.url]);
-    let dropped = m.index_dropped.with_label_values(&[&view.url]);
-    let blocks = m.index_blocks.with_label_values(&[&view.url]);
     loop {
         let batch = tokio::select! {
             _ = cancel.cancelled() => return Ok(Ended::Cancelled),
@@ -135,31 +178,66 @@ async fn subscribe_once(
         let Some(batch) = batch else {
             return Ok(Ended::Resync("lost"));
         };
-        let mut ix = view.write();
-        for item in batch {
-            let step = match &item {
-                EventItem::Gap { from, to } => seq.gap(*from, *to),
-                EventItem::Event(e) => seq.event(e.seq),
-            };
-            match (step, item) {
-                (Step::Apply, EventItem::Event(e)) => {
-                    events.inc();
-                    if ix.apply(&e) == Applied::DroppedAtCap {
-                        dropped.inc();
-                    }
-                }
-                (Step::Skip, _) | (Step::Apply, EventItem::Gap { .. }) => {}
-                (Step::Resync { from, to }, item) => {
-                    tracing::warn!(server = %view.url, from, to, "block events lost");
-                    let why = if matches!(item, EventItem::Gap { .. }) {
-                        "gap"
-                    } else {
-                        "sequence"
-                    };
-                    return Ok(Ended::Resync(why));
-                }
-            }
+        if let Some(why) = view.apply_batch(&mut seq, batch, m) {
+            return Ok(Ended::Resync(why));
         }
-        blocks.set(ix.len() as i64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvtier_core::BlockKey;
+    use kvtier_core::protocol::{BlockEvent, EventKind, TierCode};
+
+    fn stored(seq: u64, k: u8) -> EventItem {
+        EventItem::Event(BlockEvent {
+            seq,
+            kind: EventKind::Stored as u8,
+            tier: TierCode::Dram as u8,
+            key: BlockKey::from_bytes([k; 16]),
+        })
+    }
+
+    fn keys(n: u8) -> Vec<BlockKey> {
+        (1..=n).map(|k| BlockKey::from_bytes([k; 16])).collect()
+    }
+
+    #[test]
+    fn a_gap_or_a_hole_asks_for_a_resync_and_unsyncing_forgets() {
+        let m = Metrics::new().unwrap();
+        let v = ServerView::new("tcp://s:1".into(), 100);
+        v.set_synced(true, &m);
+        let mut seq = SeqTracker::new(5);
+        // Snapshot, then the live stream.
+        assert_eq!(
+            v.apply_batch(&mut seq, vec![stored(0, 1), stored(0, 2), stored(5, 3)], &m),
+            None
+        );
+        assert_eq!(v.read().prefix(&keys(4)).len(), 3);
+        // The server says 6..9 were lost: resync; the rest of the batch is not applied.
+        let r = v.apply_batch(
+            &mut seq,
+            vec![EventItem::Gap { from: 6, to: 9 }, stored(9, 4)],
+            &m,
+        );
+        assert_eq!(r, Some("gap"));
+        assert_eq!(v.read().prefix(&keys(4)).len(), 3);
+        // A hole in the numbers is a resync too.
+        let mut seq = SeqTracker::new(5);
+        assert_eq!(
+            v.apply_batch(&mut seq, vec![stored(5, 4), stored(7, 5)], &m),
+            Some("sequence")
+        );
+        assert_eq!(v.read().prefix(&keys(5)).len(), 4);
+        // Until the next snapshot, the router knows nothing of this server.
+        v.set_synced(false, &m);
+        assert!(v.read().is_empty());
+        assert!(!v.synced.load(std::sync::atomic::Ordering::Relaxed));
+        let text = m.render();
+        assert!(
+            text.contains("kvtier_router_index_synced{server=\"tcp://s:1\"} 0"),
+            "{text}"
+        );
     }
 }
