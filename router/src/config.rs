@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::error::RouterError;
-use crate::score::Costs;
+use crate::score::{Costs, Policy};
 
 /// One inference worker behind the router.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -50,6 +50,9 @@ pub struct RouterConfig {
     /// public development secret.
     pub hash_secret_file: Option<PathBuf>,
     pub costs: Costs,
+    /// How workers are chosen: "kv" (expected time to first token), or the baselines
+    /// "round_robin" and "least_loaded" (caches ignored). Default: "kv".
+    pub policy: Policy,
     /// Most blocks tracked per kvtier server (see `index`). Default: 1,048,576.
     pub max_blocks_per_server: usize,
     /// How often each worker's `/health` is asked. Default: 1000 ms.
@@ -76,6 +79,7 @@ impl Default for RouterConfig {
             block_tokens: 16,
             hash_secret_file: None,
             costs: Costs::default(),
+            policy: Policy::Kv,
             max_blocks_per_server: 1 << 20,
             health_interval_ms: 1000,
             request_timeout_s: 600,

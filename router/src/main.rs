@@ -46,6 +46,10 @@ struct Args {
     /// Most blocks tracked per kvtier server. Default 1048576.
     #[arg(long)]
     max_blocks_per_server: Option<usize>,
+    /// kv (expected time to first token; default), or the baselines round_robin and
+    /// least_loaded.
+    #[arg(long)]
+    policy: Option<String>,
     /// How often each worker's /health is asked, ms. Default 1000.
     #[arg(long)]
     health_interval_ms: Option<u64>,
@@ -82,6 +86,9 @@ fn config(a: Args) -> anyhow::Result<RouterConfig> {
     }
     if let Some(v) = a.max_blocks_per_server {
         c.max_blocks_per_server = v;
+    }
+    if let Some(v) = a.policy {
+        c.policy = kvtier_router::score::Policy::parse(&v).map_err(anyhow::Error::msg)?;
     }
     if let Some(v) = a.health_interval_ms {
         c.health_interval_ms = v;

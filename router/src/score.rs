@@ -144,6 +144,55 @@ pub fn score(prompt_tokens: usize, block_tokens: usize, c: &Candidate, costs: &C
     }
 }
 
+/// How the workers are ordered for a request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Policy {
+    /// By expected time to first token ([`rank`]). The default.
+    #[default]
+    Kv,
+    /// In turn, ignoring caches and load (a baseline).
+    RoundRobin,
+    /// Fewest outstanding requests, then in turn, ignoring caches (a baseline).
+    LeastLoaded,
+}
+
+impl Policy {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "kv" => Ok(Policy::Kv),
+            "round_robin" | "round-robin" => Ok(Policy::RoundRobin),
+            "least_loaded" | "least-loaded" => Ok(Policy::LeastLoaded),
+            _ => Err(format!(
+                "unknown policy {s:?} (kv, round_robin, least_loaded)"
+            )),
+        }
+    }
+}
+
+/// The order to try the workers in under `policy`: healthy ones first, then the unhealthy
+/// ones in the same order.
+pub fn order(policy: Policy, scores: &[Score], tie_s: f64, rotation: usize) -> Vec<usize> {
+    let n = scores.len().max(1);
+    let turn = |w: usize| (w + n - rotation % n) % n;
+    let mut out: Vec<usize> = match policy {
+        Policy::Kv => return rank(scores, tie_s, rotation),
+        Policy::RoundRobin => {
+            let mut v: Vec<&Score> = scores.iter().collect();
+            v.sort_by_key(|s| turn(s.worker));
+            v.iter().map(|s| s.worker).collect()
+        }
+        Policy::LeastLoaded => {
+            let mut v: Vec<&Score> = scores.iter().collect();
+            v.sort_by_key(|s| (s.outstanding_requests, turn(s.worker)));
+            v.iter().map(|s| s.worker).collect()
+        }
+    };
+    // Stable: healthy first, each group in the policy's order.
+    out.sort_by_key(|w| !scores.iter().any(|s| s.worker == *w && s.healthy));
+    out
+}
+
 /// The order to try the workers in: healthy ones by expected TTFT (ties as the module says),
 /// then the unhealthy ones in the same order (tried only when no healthy one could serve).
 pub fn rank(scores: &[Score], tie_s: f64, rotation: usize) -> Vec<usize> {
@@ -294,6 +343,35 @@ mod tests {
             0,
             &[2, 1, 0],
         );
+    }
+
+    #[test]
+    fn baseline_policies_ignore_the_cache() {
+        let costs = Costs::default();
+        let mut dead = cand(2, vec![], 0, 0);
+        dead.healthy = false;
+        let cands = [
+            cand(0, vec![Dram; 40], 3, 0),
+            cand(1, vec![], 1, 0),
+            dead,
+            cand(3, vec![], 1, 0),
+        ];
+        let scores: Vec<Score> = cands.iter().map(|c| score(1000, 16, c, &costs)).collect();
+        let check = |p: Policy, rotation: usize, want: &[usize]| {
+            assert_eq!(
+                order(p, &scores, costs.tie_s, rotation),
+                want,
+                "{p:?} {rotation}"
+            );
+        };
+        check(Policy::Kv, 0, &[0, 1, 3, 2]);
+        check(Policy::RoundRobin, 0, &[0, 1, 3, 2]);
+        check(Policy::RoundRobin, 1, &[1, 3, 0, 2]);
+        check(Policy::RoundRobin, 3, &[3, 0, 1, 2]);
+        check(Policy::LeastLoaded, 0, &[1, 3, 0, 2]);
+        check(Policy::LeastLoaded, 2, &[3, 1, 0, 2]);
+        assert_eq!(Policy::parse("round-robin"), Ok(Policy::RoundRobin));
+        assert!(Policy::parse("random").is_err());
     }
 
     #[test]

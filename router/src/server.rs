@@ -176,7 +176,8 @@ impl Router {
                 source,
             })?;
         tracing::info!(%addr, workers = workers.len(), servers = views.len(),
-            model = %config.model_name, block_tokens = config.block_tokens, "kvtier-router serving");
+            model = %config.model_name, block_tokens = config.block_tokens,
+            policy = ?config.policy, "kvtier-router serving");
         let app: App = Arc::new(AppInner {
             config,
             prompt,
@@ -301,7 +302,7 @@ fn decide(app: &AppInner, analysed: Analysed, rotation: usize) -> Decision {
             score::score(analysed.prompt_tokens, bt, &c, costs)
         })
         .collect();
-    let order = score::rank(&scores, costs.tie_s, rotation);
+    let order = score::order(app.config.policy, &scores, costs.tie_s, rotation);
     Decision {
         analysed,
         scores,
