@@ -18,6 +18,8 @@ struct Fleet {
     workers: Vec<(Proc, String)>,
     router: Proc,
     url: String,
+    /// The router's arguments (to start it again).
+    args: Vec<String>,
 }
 
 fn fleet(n: usize, router_extra: &[String]) -> Result<Fleet> {
@@ -41,6 +43,7 @@ fn fleet(n: usize, router_extra: &[String]) -> Result<Fleet> {
         workers,
         router,
         url,
+        args,
     })
 }
 
@@ -331,6 +334,48 @@ async fn the_index_follows_a_server_restart() -> Result<()> {
             },
         )
         .await?;
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_router_rebuilds_its_index_from_snapshots() -> Result<()> {
+    bounded(180, async {
+        let mut f = fleet(2, &[])?;
+        let prompt = text(11, 600);
+        let body = completion(&prompt, 4, false);
+        let r = post(&format!("{}/v1/completions", f.url), &body).await?;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let holder = answered_by(&r);
+        let predicted = |url: String| {
+            let (body, holder) = (body.clone(), holder.clone());
+            async move {
+                let v = route(&url, &body).await?;
+                Ok::<_, anyhow::Error>((
+                    v["order"][0] == holder.as_str(),
+                    entry(&v, &holder)["cached_tokens"].clone(),
+                ))
+            }
+        };
+        wait_until(Duration::from_secs(60), "the holder predicted", || async {
+            Ok(predicted(f.url.clone()).await? == (true, json!(592)))
+        })
+        .await?;
+        // A new router knows nothing but what the servers' snapshots tell it.
+        f.router.kill();
+        let (router, url) = router(&f.args)?;
+        f.router = router;
+        f.url = url;
+        wait_until(
+            Duration::from_secs(60),
+            "the holder predicted again",
+            || async { Ok(predicted(f.url.clone()).await? == (true, json!(592))) },
+        )
+        .await?;
+        let r = post(&format!("{}/v1/completions", f.url), &body).await?;
+        assert_eq!(answered_by(&r), holder);
+        assert!(cached(&json(&r)) >= 592, "{}", r.text());
         Ok(())
     })
     .await
