@@ -90,3 +90,91 @@ impl PromptModel {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> PromptModel {
+        let (cfg, tok) = kvtier_worker::prompt_side::model_and_tokenizer(None, 16).unwrap();
+        PromptModel::new(cfg, tok, "kvtier-tiny".into(), HashSecret::development()).unwrap()
+    }
+
+    #[test]
+    fn keys_are_the_workers_keys_of_the_workers_tokens() {
+        let m = model();
+        let text = "x".repeat(100);
+        let layout = kvtier_worker::ModelConfig::default().kv_layout().unwrap();
+        let keys = BlockKeys::new(HashSecret::development(), "kvtier-tiny".into(), layout);
+        // The byte tokenizer puts BOS in front: 101 tokens, 6 full blocks.
+        let tokens = Tokenizer::Byte.encode(&text, true).unwrap();
+        for salt in [None, Some("tenant-a")] {
+            let mut body = serde_json::json!({"prompt": text, "stream": true});
+            if let Some(s) = salt {
+                body["cache_salt"] = s.into();
+            }
+            let a = m
+                .analyse(body.to_string().as_bytes(), Endpoint::Completions)
+                .unwrap();
+            let want = keys.keys(&tokens[..96], salt.map(str::as_bytes)).unwrap();
+            assert_eq!((a.prompt_tokens, a.stream), (101, true));
+            assert_eq!(a.keys, want, "salt {salt:?}");
+        }
+        let plain = m
+            .analyse(
+                format!(r#"{{"prompt":"{text}"}}"#).as_bytes(),
+                Endpoint::Completions,
+            )
+            .unwrap();
+        let salted = m
+            .analyse(
+                format!(r#"{{"prompt":"{text}","cache_salt":"s"}}"#).as_bytes(),
+                Endpoint::Completions,
+            )
+            .unwrap();
+        assert_ne!(plain.keys[0], salted.keys[0]);
+        // Token ids are used as given, as the worker does.
+        let ids: Vec<u32> = tokens.clone();
+        let by_ids = m
+            .analyse(
+                serde_json::json!({"prompt": ids}).to_string().as_bytes(),
+                Endpoint::Completions,
+            )
+            .unwrap();
+        assert_eq!(by_ids.keys, plain.keys);
+    }
+
+    #[test]
+    fn requests_the_workers_refuse_are_refused_alike() {
+        let m = model();
+        for (body, endpoint, status) in [
+            ("{", Endpoint::Completions, 400),
+            (
+                r#"{"prompt":"x","model":"other"}"#,
+                Endpoint::Completions,
+                404,
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}]}"#,
+                Endpoint::Completions,
+                400,
+            ),
+            (r#"{"prompt":"x"}"#, Endpoint::Chat, 400),
+            (
+                r#"{"prompt":"x","max_tokens":100000}"#,
+                Endpoint::Completions,
+                400,
+            ),
+        ] {
+            let e = m.analyse(body.as_bytes(), endpoint).unwrap_err();
+            assert_eq!(e.status.as_u16(), status, "{body}: {e:?}");
+        }
+        let chat = m
+            .analyse(
+                br#"{"messages":[{"role":"user","content":"hello"}]}"#,
+                Endpoint::Chat,
+            )
+            .unwrap();
+        assert!(chat.prompt_tokens > 5);
+    }
+}
