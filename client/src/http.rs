@@ -112,6 +112,8 @@ impl HttpRequest {
 pub struct HttpResponse {
     pub status: u16,
     pub content_type: Option<String>,
+    /// Every header of the answer.
+    pub headers: hyper::HeaderMap,
     pub body: Bytes,
 }
 
@@ -127,6 +129,8 @@ impl HttpResponse {
 pub struct HttpStream {
     pub status: u16,
     pub content_type: Option<String>,
+    /// Every header of the answer.
+    pub headers: hyper::HeaderMap,
     body: Incoming,
     deadline: Instant,
     max_body_bytes: usize,
@@ -213,10 +217,12 @@ impl HttpClient {
     pub async fn send(&self, req: HttpRequest) -> Result<HttpResponse, ClientError> {
         let s = self.stream(req).await?;
         let (status, content_type) = (s.status, s.content_type.clone());
+        let headers = s.headers.clone();
         let body = s.collect().await?;
         Ok(HttpResponse {
             status,
             content_type,
+            headers,
             body,
         })
     }
@@ -268,6 +274,7 @@ impl HttpClient {
         Ok(HttpStream {
             status: resp.status().as_u16(),
             content_type,
+            headers: resp.headers().clone(),
             body: resp.into_body(),
             deadline,
             max_body_bytes: self.config.max_body_bytes,

@@ -21,6 +21,7 @@ pub mod kv_cache;
 pub mod metrics;
 pub mod model;
 pub mod prefix_cache;
+pub mod prompt_side;
 pub mod quant;
 pub mod scheduler;
 pub mod serve;

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use kvtier_core::{HashScheme, HashSecret};
+use kvtier_core::HashSecret;
 use kvtier_worker::serve::{Role, ServeConfig, WorkerServer};
 use kvtier_worker::{DeviceSpec, Engine, Model, ModelConfig, Sampling, Tokenizer, load_pretrained};
 
@@ -109,12 +109,7 @@ enum Command {
 }
 
 fn read_secret(path: &std::path::Path) -> anyhow::Result<HashSecret> {
-    let mut bytes = std::fs::read(path)
-        .with_context(|| format!("reading --hash-secret-file {}", path.display()))?;
-    while bytes.last().is_some_and(|b| b.is_ascii_whitespace()) {
-        bytes.pop();
-    }
-    HashSecret::new(HashScheme::Xxh3Keyed, &bytes)
+    kvtier_worker::prompt_side::read_hash_secret(path)
         .with_context(|| format!("--hash-secret-file {}", path.display()))
 }
 

@@ -1,0 +1,295 @@
+//! The router's configuration: a TOML file (`--config`), flags over it. Every field's doc
+//! ends with its default.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::error::RouterError;
+use crate::score::{Costs, Policy};
+
+/// One inference worker behind the router.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// The worker's OpenAI-compatible HTTP API, `http://host:port`.
+    pub url: String,
+    /// The kvtier server the worker loads blocks from (`tcp://`, `quic://` or `unix://`), whose
+    /// events tell the router what the worker can load. Workers sharing one server name the
+    /// same URL (one subscription). Default: none (no cache knowledge: routed by load).
+    #[serde(default)]
+    pub kvtier: Option<String>,
+    /// Token for that server over TCP/QUIC. Default: the router's `kvtier_token`.
+    #[serde(default)]
+    pub kvtier_token: Option<String>,
+    /// This worker's prefill rate, tokens/s. Default: `costs.prefill_tokens_per_s`.
+    #[serde(default)]
+    pub prefill_tokens_per_s: Option<f64>,
+}
+
+/// Everything the router runs with.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RouterConfig {
+    /// HTTP listen address. Default: 127.0.0.1:8080.
+    pub listen: String,
+    pub workers: Vec<WorkerConfig>,
+    /// Token for the workers' kvtier servers over TCP/QUIC. Default: `KVTIER_TOKEN`.
+    pub kvtier_token: Option<String>,
+    /// The model as the workers load it (`kvtier-worker serve --model-dir`): only its
+    /// configuration, tokenizer and chat template are read. Default: the built-in
+    /// random-weight model (byte tokenizer).
+    pub model_dir: Option<PathBuf>,
+    /// The served model name, part of every block key (the workers' `--model-name`).
+    /// Default: "kvtier-tiny".
+    pub model_name: String,
+    /// Tokens per KV block, as the workers. Default: 16.
+    pub block_tokens: usize,
+    /// The deployment's block-key secret, as the workers' `--hash-secret-file`. Default: the
+    /// public development secret.
+    pub hash_secret_file: Option<PathBuf>,
+    pub costs: Costs,
+    /// How workers are chosen: "kv" (expected time to first token), or the baselines
+    /// "round_robin" and "least_loaded" (caches ignored). Default: "kv".
+    pub policy: Policy,
+    /// Most blocks tracked per kvtier server (see `index`). Default: 1,048,576.
+    pub max_blocks_per_server: usize,
+    /// How often each worker's `/health` is asked. Default: 1000 ms.
+    pub health_interval_ms: u64,
+    /// Deadline of one forwarded request, head and whole body. Default: 600 s.
+    pub request_timeout_s: u64,
+    /// Connect timeout to a worker. Default: 2000 ms.
+    pub connect_timeout_ms: u64,
+    /// Disagreements in a row between predicted and reported cached tokens before a key
+    /// mismatch is reported. Default: 5.
+    pub mismatch_streak: u64,
+    /// Cached tokens below which neither side's figure counts as evidence. Default: 32.
+    pub mismatch_min_tokens: u64,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8080".into(),
+            workers: Vec::new(),
+            kvtier_token: std::env::var("KVTIER_TOKEN").ok().filter(|t| !t.is_empty()),
+            model_dir: None,
+            model_name: "kvtier-tiny".into(),
+            block_tokens: 16,
+            hash_secret_file: None,
+            costs: Costs::default(),
+            policy: Policy::Kv,
+            max_blocks_per_server: 1 << 20,
+            health_interval_ms: 1000,
+            request_timeout_s: 600,
+            connect_timeout_ms: 2000,
+            mismatch_streak: 5,
+            mismatch_min_tokens: 32,
+        }
+    }
+}
+
+fn bad(field: &str, reason: impl Into<String>) -> RouterError {
+    RouterError::Config {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+impl RouterConfig {
+    /// Reads a TOML file.
+    pub fn from_file(path: &Path) -> Result<Self, RouterError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| bad("--config", format!("cannot read {}: {e}", path.display())))?;
+        Self::from_toml(&text).map_err(|e| match e {
+            RouterError::Config { field, reason } => {
+                bad(&field, format!("{}: {reason}", path.display()))
+            }
+            e => e,
+        })
+    }
+
+    pub fn from_toml(text: &str) -> Result<Self, RouterError> {
+        toml::from_str(text).map_err(|e| bad("(toml)", e.to_string()))
+    }
+
+    /// Parses a `--worker` flag: `HTTP_URL[,kvtier=URL][,token=T][,prefill_tokens_per_s=R]`.
+    pub fn parse_worker_flag(s: &str) -> Result<WorkerConfig, RouterError> {
+        let mut parts = s.split(',');
+        let url = parts.next().unwrap_or_default().trim().to_string();
+        let mut w = WorkerConfig {
+            url,
+            kvtier: None,
+            kvtier_token: None,
+            prefill_tokens_per_s: None,
+        };
+        for p in parts {
+            let (k, v) = p
+                .split_once('=')
+                .ok_or_else(|| bad("--worker", format!("{s:?}: {p:?} is not key=value")))?;
+            match k.trim() {
+                "kvtier" => w.kvtier = Some(v.trim().to_string()),
+                "token" => w.kvtier_token = Some(v.to_string()),
+                "prefill_tokens_per_s" => {
+                    w.prefill_tokens_per_s = Some(v.trim().parse().map_err(|e| {
+                        bad(
+                            "--worker",
+                            format!("{s:?}: prefill_tokens_per_s {v:?}: {e}"),
+                        )
+                    })?)
+                }
+                other => {
+                    return Err(bad(
+                        "--worker",
+                        format!(
+                            "{s:?}: unknown key {other:?} (kvtier, token, prefill_tokens_per_s)"
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(w)
+    }
+
+    /// Checks what can be checked before starting.
+    pub fn check(&self) -> Result<(), RouterError> {
+        if self.workers.is_empty() {
+            return Err(bad(
+                "workers",
+                "no worker configured (--worker or [[workers]])",
+            ));
+        }
+        for (i, w) in self.workers.iter().enumerate() {
+            kvtier_client::http::parse_url(&w.url)
+                .map_err(|e| bad(&format!("workers[{i}].url"), e.to_string()))?;
+            if let Some(k) = &w.kvtier
+                && !["tcp://", "quic://", "unix://"]
+                    .iter()
+                    .any(|p| k.starts_with(p))
+            {
+                return Err(bad(
+                    &format!("workers[{i}].kvtier"),
+                    format!("{k:?} is not tcp://, quic:// or unix://"),
+                ));
+            }
+            if let Some(r) = w.prefill_tokens_per_s
+                && !(r.is_finite() && r > 0.0)
+            {
+                return Err(bad(
+                    &format!("workers[{i}].prefill_tokens_per_s"),
+                    format!("must be a positive number, got {r}"),
+                ));
+            }
+        }
+        for (i, a) in self.workers.iter().enumerate() {
+            if self.workers[..i].iter().any(|b| b.url == a.url) {
+                return Err(bad("workers", format!("{} is listed twice", a.url)));
+            }
+        }
+        self.costs.check().map_err(|e| bad("costs", e))?;
+        if self.max_blocks_per_server == 0 {
+            return Err(bad("max_blocks_per_server", "must be at least 1"));
+        }
+        for (name, v) in [
+            ("health_interval_ms", self.health_interval_ms),
+            ("request_timeout_s", self.request_timeout_s),
+            ("connect_timeout_ms", self.connect_timeout_ms),
+        ] {
+            if v == 0 {
+                return Err(bad(name, "must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn health_interval(&self) -> Duration {
+        Duration::from_millis(self.health_interval_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_with_every_section_parses() {
+        let c = RouterConfig::from_toml(
+            r#"
+            listen = "0.0.0.0:9000"
+            model_name = "m"
+            [costs]
+            prefill_tokens_per_s = 500.0
+            [[workers]]
+            url = "http://10.0.0.1:8000"
+            kvtier = "tcp://10.0.0.1:7000"
+            kvtier_token = "t"
+            [[workers]]
+            url = "http://10.0.0.2:8000"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.listen, "0.0.0.0:9000");
+        assert_eq!(c.costs.prefill_tokens_per_s, 500.0);
+        assert_eq!(c.costs.dram_bytes_per_s, Costs::default().dram_bytes_per_s);
+        assert_eq!(c.workers.len(), 2);
+        assert_eq!(c.workers[0].kvtier.as_deref(), Some("tcp://10.0.0.1:7000"));
+        assert_eq!(c.workers[1].kvtier, None);
+        c.check().unwrap();
+    }
+
+    #[test]
+    fn bad_input_is_refused_with_the_field_named() {
+        let e = RouterConfig::from_toml("listen = 1").unwrap_err();
+        assert!(e.to_string().contains("listen"), "{e}");
+        let e = RouterConfig::from_toml("nope = 1").unwrap_err();
+        assert!(e.to_string().contains("nope"), "{e}");
+        let check = |toml: &str, field: &str| {
+            let e = RouterConfig::from_toml(toml).unwrap().check().unwrap_err();
+            assert!(e.to_string().contains(field), "{toml}: {e}");
+        };
+        check("", "no worker");
+        check("[[workers]]\nurl = \"ftp://x\"", "workers[0].url");
+        check(
+            "[[workers]]\nurl = \"http://a:1\"\nkvtier = \"http://b:2\"",
+            "workers[0].kvtier",
+        );
+        check(
+            "[[workers]]\nurl = \"http://a:1\"\n[[workers]]\nurl = \"http://a:1\"",
+            "twice",
+        );
+        check(
+            "[costs]\ndram_bytes_per_s = 0.0\n[[workers]]\nurl = \"http://a:1\"",
+            "dram_bytes_per_s",
+        );
+        check(
+            "max_blocks_per_server = 0\n[[workers]]\nurl = \"http://a:1\"",
+            "max_blocks_per_server",
+        );
+    }
+
+    #[test]
+    fn worker_flags() {
+        let w = RouterConfig::parse_worker_flag(
+            "http://h:1,kvtier=tcp://h:2,token=abc,prefill_tokens_per_s=10",
+        )
+        .unwrap();
+        assert_eq!(w.url, "http://h:1");
+        assert_eq!(w.kvtier.as_deref(), Some("tcp://h:2"));
+        assert_eq!(w.kvtier_token.as_deref(), Some("abc"));
+        assert_eq!(w.prefill_tokens_per_s, Some(10.0));
+        assert_eq!(
+            RouterConfig::parse_worker_flag("http://h:1")
+                .unwrap()
+                .kvtier,
+            None
+        );
+        for bad in [
+            "http://h:1,kvtier",
+            "http://h:1,x=1",
+            "http://h:1,prefill_tokens_per_s=q",
+        ] {
+            assert!(RouterConfig::parse_worker_flag(bad).is_err(), "{bad}");
+        }
+    }
+}

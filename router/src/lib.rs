@@ -1,0 +1,24 @@
+//! kvtier-router: an OpenAI-compatible front that sends each request to the inference worker
+//! expected to answer it first, knowing from each worker's kvtier server's block events which
+//! prefixes it can load. See `docs/router.md`.
+//!
+//! * [`index`]: the blocks of each kvtier server, from its events (sans-IO).
+//! * [`events`]: the subscriber task per server (snapshot, stream, resync).
+//! * [`prompt`]: a request rendered, tokenized and hashed exactly as the workers do.
+//! * [`score`]: expected time to first token per worker, and the ranking (sans-IO).
+//! * [`mismatch`]: predicted against reported cached tokens (sans-IO).
+//! * [`server`]: the HTTP front, forwarding, retries, health checks.
+
+pub mod config;
+mod error;
+pub mod events;
+pub mod index;
+pub mod metrics;
+pub mod mismatch;
+pub mod prompt;
+pub mod score;
+pub mod server;
+
+pub use config::{RouterConfig, WorkerConfig};
+pub use error::RouterError;
+pub use server::Router;

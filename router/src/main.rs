@@ -1,0 +1,129 @@
+//! `kvtier-router`: KV-aware routing in front of OpenAI-compatible inference workers (see
+//! `docs/router.md`). Prints `listening http=IP:PORT` on stdout when ready; SIGTERM or SIGINT
+//! drains and exits 0.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Parser;
+use kvtier_router::{Router, RouterConfig};
+
+#[derive(Parser)]
+#[command(
+    name = "kvtier-router",
+    version,
+    about = "KV-aware request routing across inference workers"
+)]
+struct Args {
+    /// TOML configuration file (docs/router.md); the flags below override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// HTTP listen address (port 0 picks a free port). Default 127.0.0.1:8080.
+    #[arg(long)]
+    listen: Option<String>,
+    /// A worker: HTTP_URL[,kvtier=URL][,token=T][,prefill_tokens_per_s=R]; repeat for more
+    /// (added to the file's workers).
+    #[arg(long = "worker")]
+    workers: Vec<String>,
+    /// Token for the workers' kvtier servers over TCP/QUIC (default: KVTIER_TOKEN).
+    #[arg(long)]
+    kvtier_token: Option<String>,
+    /// The workers' model (their --model-dir); only its configuration and tokenizer are read.
+    #[arg(long)]
+    model_dir: Option<PathBuf>,
+    /// The workers' --model-name. Default kvtier-tiny.
+    #[arg(long)]
+    model_name: Option<String>,
+    /// The workers' --hash-secret-file.
+    #[arg(long)]
+    hash_secret_file: Option<PathBuf>,
+    /// Tokens per KV block, as the workers. Default 16.
+    #[arg(long)]
+    block_tokens: Option<usize>,
+    /// Default prefill rate of a worker, tokens/s. Default 3000.
+    #[arg(long)]
+    prefill_tokens_per_s: Option<f64>,
+    /// Most blocks tracked per kvtier server. Default 1048576.
+    #[arg(long)]
+    max_blocks_per_server: Option<usize>,
+    /// kv (expected time to first token; default), or the baselines round_robin and
+    /// least_loaded.
+    #[arg(long)]
+    policy: Option<String>,
+    /// How often each worker's /health is asked, ms. Default 1000.
+    #[arg(long)]
+    health_interval_ms: Option<u64>,
+}
+
+fn config(a: Args) -> anyhow::Result<RouterConfig> {
+    let mut c = match &a.config {
+        Some(p) => RouterConfig::from_file(p)?,
+        None => RouterConfig::default(),
+    };
+    for w in &a.workers {
+        c.workers.push(RouterConfig::parse_worker_flag(w)?);
+    }
+    if let Some(v) = a.listen {
+        c.listen = v;
+    }
+    if let Some(v) = a.kvtier_token {
+        c.kvtier_token = Some(v);
+    }
+    if let Some(v) = a.model_dir {
+        c.model_dir = Some(v);
+    }
+    if let Some(v) = a.model_name {
+        c.model_name = v;
+    }
+    if let Some(v) = a.hash_secret_file {
+        c.hash_secret_file = Some(v);
+    }
+    if let Some(v) = a.block_tokens {
+        c.block_tokens = v;
+    }
+    if let Some(v) = a.prefill_tokens_per_s {
+        c.costs.prefill_tokens_per_s = v;
+    }
+    if let Some(v) = a.max_blocks_per_server {
+        c.max_blocks_per_server = v;
+    }
+    if let Some(v) = a.policy {
+        c.policy = kvtier_router::score::Policy::parse(&v).map_err(anyhow::Error::msg)?;
+    }
+    if let Some(v) = a.health_interval_ms {
+        c.health_interval_ms = v;
+    }
+    c.check()?;
+    Ok(c)
+}
+
+async fn run(c: RouterConfig) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let router = Router::start(c).await?;
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "listening http={}", router.addr())?;
+        out.flush()?;
+    }
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: draining"),
+        _ = int.recv() => tracing::info!("interrupt: draining"),
+    }
+    router.shutdown().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let c = config(Args::parse()).context("kvtier-router")?;
+    tokio::runtime::Runtime::new()?.block_on(run(c))
+}

@@ -1,0 +1,400 @@
+//! The routing decision: for each worker, the expected time to first token of a request, and
+//! the order to try the workers in. Free of I/O: tested on constructed states.
+//!
+//! `total_s = prefill_s + load_s + queue_s`, where
+//! * `prefill_s = uncached_tokens / prefill_tokens_per_s` (the worker computes what it cannot
+//!   load; it always recomputes the prompt's last token, so at most `(prompt - 1) /
+//!   block_tokens` leading blocks count as cached);
+//! * `load_s` = the cached blocks' bytes over each tier's bandwidth (HBM, DRAM, NVMe);
+//! * `queue_s = outstanding_prefill_tokens / prefill_tokens_per_s + outstanding_requests x
+//!   per_request_s`: what the router has sent the worker and not seen start answering (prefill
+//!   tokens), or not seen finish (requests).
+//!
+//! Workers within `tie_s` of the best are a tie: the one with the fewest outstanding requests
+//! goes first, then the order rotates (`rotation`) so cold prompts spread.
+
+use kvtier_core::protocol::TierCode;
+use serde::Serialize;
+
+/// The cost model's rates. Each field's doc ends with its default.
+#[derive(Clone, Debug, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Costs {
+    /// Prompt tokens a worker prefills per second (a worker's own setting overrides it).
+    /// Default: 3000 (the default random-weight model on 2 CPU cores, docs/worker.md).
+    pub prefill_tokens_per_s: f64,
+    /// Bytes per second loaded from a block in the server's HBM tier. Default: 20e9.
+    pub hbm_bytes_per_s: f64,
+    /// Bytes per second loaded from DRAM. Default: 2e9.
+    pub dram_bytes_per_s: f64,
+    /// Bytes per second loaded from NVMe. Default: 1e9.
+    pub nvme_bytes_per_s: f64,
+    /// Queueing cost of each request the worker is still answering. Default: 0.005.
+    pub per_request_s: f64,
+    /// Scores this close to the best are a tie. Default: 0.001.
+    pub tie_s: f64,
+}
+
+impl Default for Costs {
+    fn default() -> Self {
+        Self {
+            prefill_tokens_per_s: 3000.0,
+            hbm_bytes_per_s: 20e9,
+            dram_bytes_per_s: 2e9,
+            nvme_bytes_per_s: 1e9,
+            per_request_s: 0.005,
+            tie_s: 0.001,
+        }
+    }
+}
+
+impl Costs {
+    /// Every rate positive and finite, every cost non-negative.
+    pub fn check(&self) -> Result<(), String> {
+        for (name, v) in [
+            ("prefill_tokens_per_s", self.prefill_tokens_per_s),
+            ("hbm_bytes_per_s", self.hbm_bytes_per_s),
+            ("dram_bytes_per_s", self.dram_bytes_per_s),
+            ("nvme_bytes_per_s", self.nvme_bytes_per_s),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("{name} must be a positive number, got {v}"));
+            }
+        }
+        for (name, v) in [("per_request_s", self.per_request_s), ("tie_s", self.tie_s)] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("{name} must be zero or more, got {v}"));
+            }
+        }
+        Ok(())
+    }
+
+    fn bytes_per_s(&self, t: TierCode) -> f64 {
+        match t {
+            TierCode::Hbm => self.hbm_bytes_per_s,
+            TierCode::Dram => self.dram_bytes_per_s,
+            TierCode::Nvme => self.nvme_bytes_per_s,
+        }
+    }
+}
+
+/// What the router knows about one worker for one request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Candidate {
+    /// Position in the router's worker list.
+    pub worker: usize,
+    pub healthy: bool,
+    /// The fastest tier of each block of the longest cached prefix of the prompt.
+    pub cached: Vec<TierCode>,
+    /// Bytes of one block on the worker's kvtier server.
+    pub block_bytes: u64,
+    pub outstanding_requests: u64,
+    pub outstanding_prefill_tokens: u64,
+    /// This worker's prefill rate, when configured for it.
+    pub prefill_tokens_per_s: Option<f64>,
+}
+
+/// One worker's expected time to first token, and its parts.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Score {
+    pub worker: usize,
+    pub healthy: bool,
+    pub cached_blocks: usize,
+    pub cached_tokens: usize,
+    /// Cached blocks by tier: HBM, DRAM, NVMe.
+    pub cached_blocks_by_tier: [usize; 3],
+    pub uncached_tokens: usize,
+    pub prefill_s: f64,
+    pub load_s: f64,
+    pub queue_s: f64,
+    pub total_s: f64,
+    pub outstanding_requests: u64,
+    pub outstanding_prefill_tokens: u64,
+}
+
+/// Scores every candidate for a prompt of `prompt_tokens` tokens in blocks of `block_tokens`.
+pub fn score(prompt_tokens: usize, block_tokens: usize, c: &Candidate, costs: &Costs) -> Score {
+    let usable = prompt_tokens.saturating_sub(1) / block_tokens.max(1);
+    let cached = &c.cached[..c.cached.len().min(usable)];
+    let mut by_tier = [0usize; 3];
+    let mut load_s = 0.0;
+    for t in cached {
+        by_tier[*t as usize] += 1;
+        load_s += c.block_bytes as f64 / costs.bytes_per_s(*t);
+    }
+    let cached_tokens = cached.len() * block_tokens;
+    let uncached = prompt_tokens - cached_tokens;
+    let rate = c.prefill_tokens_per_s.unwrap_or(costs.prefill_tokens_per_s);
+    let prefill_s = uncached as f64 / rate;
+    let queue_s = c.outstanding_prefill_tokens as f64 / rate
+        + c.outstanding_requests as f64 * costs.per_request_s;
+    Score {
+        worker: c.worker,
+        healthy: c.healthy,
+        cached_blocks: cached.len(),
+        cached_tokens,
+        cached_blocks_by_tier: by_tier,
+        uncached_tokens: uncached,
+        prefill_s,
+        load_s,
+        queue_s,
+        total_s: prefill_s + load_s + queue_s,
+        outstanding_requests: c.outstanding_requests,
+        outstanding_prefill_tokens: c.outstanding_prefill_tokens,
+    }
+}
+
+/// How the workers are ordered for a request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Policy {
+    /// By expected time to first token ([`rank`]). The default.
+    #[default]
+    Kv,
+    /// In turn, ignoring caches and load (a baseline).
+    RoundRobin,
+    /// Fewest outstanding requests, then in turn, ignoring caches (a baseline).
+    LeastLoaded,
+}
+
+impl Policy {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "kv" => Ok(Policy::Kv),
+            "round_robin" | "round-robin" => Ok(Policy::RoundRobin),
+            "least_loaded" | "least-loaded" => Ok(Policy::LeastLoaded),
+            _ => Err(format!(
+                "unknown policy {s:?} (kv, round_robin, least_loaded)"
+            )),
+        }
+    }
+}
+
+/// The order to try the workers in under `policy`: healthy ones first, then the unhealthy
+/// ones in the same order.
+pub fn order(policy: Policy, scores: &[Score], tie_s: f64, rotation: usize) -> Vec<usize> {
+    let n = scores.len().max(1);
+    let turn = |w: usize| (w + n - rotation % n) % n;
+    let mut out: Vec<usize> = match policy {
+        Policy::Kv => return rank(scores, tie_s, rotation),
+        Policy::RoundRobin => {
+            let mut v: Vec<&Score> = scores.iter().collect();
+            v.sort_by_key(|s| turn(s.worker));
+            v.iter().map(|s| s.worker).collect()
+        }
+        Policy::LeastLoaded => {
+            let mut v: Vec<&Score> = scores.iter().collect();
+            v.sort_by_key(|s| (s.outstanding_requests, turn(s.worker)));
+            v.iter().map(|s| s.worker).collect()
+        }
+    };
+    // Stable: healthy first, each group in the policy's order.
+    out.sort_by_key(|w| !scores.iter().any(|s| s.worker == *w && s.healthy));
+    out
+}
+
+/// The order to try the workers in: healthy ones by expected TTFT (ties as the module says),
+/// then the unhealthy ones in the same order (tried only when no healthy one could serve).
+pub fn rank(scores: &[Score], tie_s: f64, rotation: usize) -> Vec<usize> {
+    let n = scores.len().max(1);
+    let by_time = |a: &Score, b: &Score| a.total_s.total_cmp(&b.total_s);
+    let mut out = Vec::with_capacity(scores.len());
+    for healthy in [true, false] {
+        let mut group: Vec<&Score> = scores.iter().filter(|s| s.healthy == healthy).collect();
+        group.sort_by(|a, b| by_time(a, b).then(a.worker.cmp(&b.worker)));
+        let Some(best) = group.first().map(|s| s.total_s) else {
+            continue;
+        };
+        let ties = group
+            .iter()
+            .take_while(|s| s.total_s - best <= tie_s)
+            .count();
+        // Rotated position of a worker, so equal candidates take turns.
+        let turn = |w: usize| (w + n - rotation % n) % n;
+        group[..ties].sort_by(|a, b| {
+            a.outstanding_requests
+                .cmp(&b.outstanding_requests)
+                .then(turn(a.worker).cmp(&turn(b.worker)))
+        });
+        out.extend(group.iter().map(|s| s.worker));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use TierCode::*;
+
+    fn cand(worker: usize, cached: Vec<TierCode>, reqs: u64, prefill: u64) -> Candidate {
+        Candidate {
+            worker,
+            healthy: true,
+            cached,
+            block_bytes: 32 << 10,
+            outstanding_requests: reqs,
+            outstanding_prefill_tokens: prefill,
+            prefill_tokens_per_s: None,
+        }
+    }
+
+    /// Ranks `cands` for a prompt of `tokens` tokens (16-token blocks, default costs).
+    fn check(tokens: usize, cands: &[Candidate], rotation: usize, want: &[usize]) {
+        let costs = Costs::default();
+        let scores: Vec<Score> = cands.iter().map(|c| score(tokens, 16, c, &costs)).collect();
+        assert_eq!(rank(&scores, costs.tie_s, rotation), want, "{scores:#?}");
+    }
+
+    #[test]
+    fn the_parts_of_a_score() {
+        let costs = Costs::default();
+        let s = score(1000, 16, &cand(0, vec![Dram; 10], 2, 300), &costs);
+        assert_eq!(
+            (s.cached_blocks, s.cached_tokens, s.uncached_tokens),
+            (10, 160, 840)
+        );
+        assert!((s.prefill_s - 840.0 / 3000.0).abs() < 1e-12);
+        assert!((s.load_s - 10.0 * 32768.0 / 2e9).abs() < 1e-12);
+        assert!((s.queue_s - (300.0 / 3000.0 + 2.0 * 0.005)).abs() < 1e-12);
+        assert_eq!(s.cached_blocks_by_tier, [0, 10, 0]);
+        // A whole-prompt hit still recomputes the last token: 64 tokens, 4 blocks cached,
+        // 3 usable.
+        let s = score(64, 16, &cand(0, vec![Nvme; 4], 0, 0), &costs);
+        assert_eq!((s.cached_blocks, s.uncached_tokens), (3, 16));
+    }
+
+    #[test]
+    fn the_worker_holding_the_longest_prefix_wins() {
+        check(
+            1000,
+            &[
+                cand(0, vec![], 0, 0),
+                cand(1, vec![Dram; 40], 0, 0),
+                cand(2, vec![Dram; 10], 0, 0),
+            ],
+            0,
+            &[1, 2, 0],
+        );
+    }
+
+    #[test]
+    fn a_slow_tier_can_lose_to_a_shorter_fast_prefix() {
+        // On a 10 MB/s disk a 32 KiB block takes 3.3 ms to load, against 5.3 ms to compute its
+        // 16 tokens: 60 blocks from that disk (197 ms + 40 tokens, 13 ms) lose to 50 from DRAM
+        // (1 ms + 200 tokens, 67 ms).
+        let costs = Costs {
+            nvme_bytes_per_s: 10e6,
+            ..Costs::default()
+        };
+        let a = score(1000, 16, &cand(0, vec![Nvme; 60], 0, 0), &costs);
+        let b = score(1000, 16, &cand(1, vec![Dram; 50], 0, 0), &costs);
+        assert!(a.total_s > b.total_s, "{a:?} {b:?}");
+        assert_eq!(rank(&[a, b], costs.tie_s, 0), vec![1, 0]);
+    }
+
+    #[test]
+    fn load_outweighs_a_cached_prefix_when_the_queue_is_long() {
+        // Worker 0 holds 40 blocks (640 tokens, 213 ms of prefill) but has 3000 prefill tokens
+        // (1 s) queued in front of it.
+        check(
+            1000,
+            &[cand(0, vec![Dram; 40], 4, 3000), cand(1, vec![], 0, 0)],
+            0,
+            &[1, 0],
+        );
+        check(
+            1000,
+            &[cand(0, vec![Dram; 40], 1, 100), cand(1, vec![], 0, 0)],
+            0,
+            &[0, 1],
+        );
+    }
+
+    #[test]
+    fn cold_prompts_go_to_the_least_loaded_then_take_turns() {
+        let cold = |reqs: [u64; 3]| -> Vec<Candidate> {
+            (0..3).map(|w| cand(w, vec![], reqs[w], 0)).collect()
+        };
+        check(100, &cold([0, 0, 0]), 0, &[0, 1, 2]);
+        check(100, &cold([0, 0, 0]), 1, &[1, 2, 0]);
+        check(100, &cold([0, 0, 0]), 5, &[2, 0, 1]);
+        // Equal scores within the tie margin (1 ms): fewer outstanding requests first, even
+        // against the rotation.
+        let costs = Costs {
+            per_request_s: 0.0001,
+            ..Costs::default()
+        };
+        let scores: Vec<Score> = cold([2, 0, 1])
+            .iter()
+            .map(|c| score(100, 16, c, &costs))
+            .collect();
+        assert_eq!(rank(&scores, costs.tie_s, 0), vec![1, 2, 0]);
+        // Outside the margin the score alone decides.
+        check(100, &cold([2, 0, 1]), 1, &[1, 2, 0]);
+    }
+
+    #[test]
+    fn unhealthy_workers_come_last_whatever_they_hold() {
+        let mut dead = cand(0, vec![Dram; 40], 0, 0);
+        dead.healthy = false;
+        check(
+            1000,
+            &[dead, cand(1, vec![], 3, 900), cand(2, vec![], 0, 0)],
+            0,
+            &[2, 1, 0],
+        );
+    }
+
+    #[test]
+    fn baseline_policies_ignore_the_cache() {
+        let costs = Costs::default();
+        let mut dead = cand(2, vec![], 0, 0);
+        dead.healthy = false;
+        let cands = [
+            cand(0, vec![Dram; 40], 3, 0),
+            cand(1, vec![], 1, 0),
+            dead,
+            cand(3, vec![], 1, 0),
+        ];
+        let scores: Vec<Score> = cands.iter().map(|c| score(1000, 16, c, &costs)).collect();
+        let check = |p: Policy, rotation: usize, want: &[usize]| {
+            assert_eq!(
+                order(p, &scores, costs.tie_s, rotation),
+                want,
+                "{p:?} {rotation}"
+            );
+        };
+        check(Policy::Kv, 0, &[0, 1, 3, 2]);
+        check(Policy::RoundRobin, 0, &[0, 1, 3, 2]);
+        check(Policy::RoundRobin, 1, &[1, 3, 0, 2]);
+        check(Policy::RoundRobin, 3, &[3, 0, 1, 2]);
+        check(Policy::LeastLoaded, 0, &[1, 3, 0, 2]);
+        check(Policy::LeastLoaded, 2, &[3, 1, 0, 2]);
+        assert_eq!(Policy::parse("round-robin"), Ok(Policy::RoundRobin));
+        assert!(Policy::parse("random").is_err());
+    }
+
+    #[test]
+    fn a_worker_rate_overrides_the_default_and_bad_costs_are_refused() {
+        let mut fast = cand(1, vec![], 0, 0);
+        fast.prefill_tokens_per_s = Some(30_000.0);
+        check(1000, &[cand(0, vec![Dram; 10], 0, 0), fast], 0, &[1, 0]);
+        assert!(Costs::default().check().is_ok());
+        for bad in [
+            Costs {
+                prefill_tokens_per_s: 0.0,
+                ..Costs::default()
+            },
+            Costs {
+                dram_bytes_per_s: f64::NAN,
+                ..Costs::default()
+            },
+            Costs {
+                tie_s: -1.0,
+                ..Costs::default()
+            },
+        ] {
+            assert!(bad.check().is_err(), "{bad:?}");
+        }
+    }
+}

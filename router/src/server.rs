@@ -1,0 +1,817 @@
+//! The HTTP front: OpenAI-compatible endpoints, the routing decision for each request, and
+//! forwarding to the chosen worker with the workspace's HTTP client (`kvtier_client::http`),
+//! the answer passed through piece by piece as it arrives, byte for byte.
+//!
+//! **Failure.** A worker that cannot be reached, drops the connection, or answers 5xx before
+//! the first byte of its body is passed over for the next in the ranking; one that could not be
+//! reached or dropped the connection also leaves the candidates until its `/health` answers
+//! 200 again (polled every `health_interval_ms`). Unhealthy workers are still tried, last, so a
+//! request fails only when no worker could answer it. Once a byte has been passed on, a failure
+//! ends the client's response (the bytes cannot be taken back).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::serve::ListenerExt;
+use kvtier_client::http::{HttpClient, HttpConfig, HttpRequest, HttpStream};
+use kvtier_client::{ClientConfig, ClientError};
+use kvtier_worker::api::{self, ApiError, Endpoint};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::RouterConfig;
+use crate::error::RouterError;
+use crate::events::{self, ServerView};
+use crate::metrics::Metrics;
+use crate::mismatch::{self, Streak, Verdict};
+use crate::prompt::{Analysed, PromptModel};
+use crate::score::{self, Candidate, Score};
+
+/// Bytes of the end of an answer kept to read its `cached_tokens` (the usage object comes last
+/// in the worker's JSON and in its last SSE chunk).
+const USAGE_TAIL_BYTES: usize = 8 << 10;
+
+/// Response header naming the worker that answered.
+pub const WORKER_HEADER: &str = "x-kvtier-worker";
+
+/// One worker as the router sees it.
+pub struct WorkerState {
+    pub url: String,
+    pub view: Option<Arc<ServerView>>,
+    pub prefill_tokens_per_s: Option<f64>,
+    pub healthy: AtomicBool,
+    pub outstanding_requests: AtomicU64,
+    pub outstanding_prefill_tokens: AtomicU64,
+    streak: Mutex<Streak>,
+}
+
+struct AppInner {
+    config: RouterConfig,
+    prompt: PromptModel,
+    workers: Vec<Arc<WorkerState>>,
+    http: HttpClient,
+    metrics: Arc<Metrics>,
+    rotation: AtomicUsize,
+}
+
+type App = Arc<AppInner>;
+
+/// A running router. Stop it with [`Router::shutdown`].
+pub struct Router {
+    addr: SocketAddr,
+    cancel: CancellationToken,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Router {
+    /// Loads the model's prompt side, subscribes to every kvtier server, starts the health
+    /// checks and the HTTP listener.
+    pub async fn start(config: RouterConfig) -> Result<Router, RouterError> {
+        config.check()?;
+        let (model_config, tokenizer) = {
+            let dir = config.model_dir.clone();
+            let bt = config.block_tokens;
+            tokio::task::spawn_blocking(move || {
+                kvtier_worker::prompt_side::model_and_tokenizer(dir.as_deref(), bt)
+            })
+            .await
+            .map_err(|e| RouterError::Config {
+                field: "model_dir".into(),
+                reason: e.to_string(),
+            })??
+        };
+        let secret = match &config.hash_secret_file {
+            Some(p) => kvtier_worker::prompt_side::read_hash_secret(p)?,
+            None => {
+                tracing::warn!(
+                    "no hash_secret_file: block keys use the public development secret (the \
+                     workers must too, or the router predicts nothing)"
+                );
+                kvtier_core::HashSecret::development()
+            }
+        };
+        let prompt = PromptModel::new(model_config, tokenizer, config.model_name.clone(), secret)?;
+        let metrics = Arc::new(Metrics::new()?);
+        let cancel = CancellationToken::new();
+        let mut tasks = Vec::new();
+        let mut views: Vec<Arc<ServerView>> = Vec::new();
+        let mut workers = Vec::new();
+        for w in &config.workers {
+            let view = match &w.kvtier {
+                None => None,
+                Some(url) => Some(match views.iter().find(|v| &v.url == url) {
+                    Some(v) => v.clone(),
+                    None => {
+                        let v =
+                            Arc::new(ServerView::new(url.clone(), config.max_blocks_per_server));
+                        let mut cc = ClientConfig::default().zero_copy(false);
+                        cc.name = "kvtier-router".into();
+                        cc.token = w
+                            .kvtier_token
+                            .clone()
+                            .or_else(|| config.kvtier_token.clone());
+                        tasks.push(tokio::spawn(events::follow(
+                            v.clone(),
+                            cc,
+                            metrics.clone(),
+                            cancel.clone(),
+                        )));
+                        views.push(v.clone());
+                        v
+                    }
+                }),
+            };
+            metrics.worker_healthy.with_label_values(&[&w.url]).set(1);
+            workers.push(Arc::new(WorkerState {
+                url: w.url.trim_end_matches('/').to_string(),
+                view,
+                prefill_tokens_per_s: w.prefill_tokens_per_s,
+                healthy: AtomicBool::new(true),
+                outstanding_requests: AtomicU64::new(0),
+                outstanding_prefill_tokens: AtomicU64::new(0),
+                streak: Mutex::new(Streak::default()),
+            }));
+        }
+        let connect_timeout = Duration::from_millis(config.connect_timeout_ms);
+        let http = HttpClient::new(HttpConfig {
+            connect_timeout,
+            timeout: Duration::from_secs(config.request_timeout_s),
+            // The router streams answers through; this bounds only what it reads whole (a 5xx
+            // body's first bytes).
+            max_body_bytes: usize::MAX,
+            keep_alive: true,
+        });
+        let health = HttpClient::new(HttpConfig {
+            connect_timeout,
+            timeout: config.health_interval().max(Duration::from_secs(1)),
+            max_body_bytes: 64 << 10,
+            keep_alive: true,
+        });
+        for w in &workers {
+            tasks.push(tokio::spawn(health_loop(
+                w.clone(),
+                health.clone(),
+                config.health_interval(),
+                metrics.clone(),
+                cancel.clone(),
+            )));
+        }
+        let listener = tokio::net::TcpListener::bind(&config.listen)
+            .await
+            .map_err(|source| RouterError::Listen {
+                addr: config.listen.clone(),
+                source,
+            })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|source| RouterError::Listen {
+                addr: config.listen.clone(),
+                source,
+            })?;
+        tracing::info!(%addr, workers = workers.len(), servers = views.len(),
+            model = %config.model_name, block_tokens = config.block_tokens,
+            policy = ?config.policy, "kvtier-router serving");
+        let app: App = Arc::new(AppInner {
+            config,
+            prompt,
+            workers,
+            http,
+            metrics,
+            rotation: AtomicUsize::new(0),
+        });
+        let routes = axum::Router::new()
+            .route("/v1/completions", post(completions))
+            .route("/v1/chat/completions", post(chat))
+            .route("/v1/models", get(models))
+            .route("/health", get(health_answer))
+            .route("/metrics", get(metrics_answer))
+            .route("/debug/route", post(debug_route))
+            .fallback(not_found)
+            .with_state(app);
+        let stop = cancel.clone();
+        tasks.push(tokio::spawn(async move {
+            // Answers stream as small SSE chunks: no Nagle delay on them (as the worker).
+            let listener = listener.tap_io(|tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection");
+                }
+            });
+            if let Err(e) = axum::serve(listener, routes)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await
+            {
+                tracing::error!(error = %e, "HTTP server failed");
+            }
+        }));
+        Ok(Router {
+            addr,
+            cancel,
+            tasks,
+        })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops accepting, lets answers in flight finish (up to 30 s), stops the subscriptions.
+    pub async fn shutdown(self) {
+        self.cancel.cancel();
+        for t in self.tasks {
+            if tokio::time::timeout(Duration::from_secs(30), t)
+                .await
+                .is_err()
+            {
+                tracing::warn!("a router task did not stop within 30 s");
+            }
+        }
+    }
+}
+
+async fn health_loop(
+    w: Arc<WorkerState>,
+    http: HttpClient,
+    every: Duration,
+    m: Arc<Metrics>,
+    cancel: CancellationToken,
+) {
+    let url = format!("{}/health", w.url);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        let ok = matches!(http.get(&url).await, Ok(r) if r.status == 200);
+        set_health(&w, ok, &m, "health check");
+    }
+}
+
+fn set_health(w: &WorkerState, ok: bool, m: &Metrics, why: &str) {
+    let was = w.healthy.swap(ok, Ordering::Relaxed);
+    if was != ok {
+        m.worker_healthy.with_label_values(&[&w.url]).set(ok as i64);
+        if ok {
+            tracing::info!(worker = %w.url, "worker healthy again: back among the candidates");
+        } else {
+            tracing::warn!(worker = %w.url, reason = why, "worker unhealthy: out of the candidates until /health passes");
+        }
+    }
+}
+
+/// A routing decision: every worker's score and the order to try them in.
+struct Decision {
+    analysed: Analysed,
+    scores: Vec<Score>,
+    order: Vec<usize>,
+}
+
+fn decide(app: &AppInner, analysed: Analysed, rotation: usize) -> Decision {
+    let costs = &app.config.costs;
+    let bt = app.prompt.block_tokens();
+    let scores: Vec<Score> = app
+        .workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let (cached, block_bytes) = match &w.view {
+                Some(v) => (
+                    v.read().prefix(&analysed.keys),
+                    match v.block_bytes.load(Ordering::Relaxed) {
+                        0 => app.prompt.block_bytes(),
+                        b => b,
+                    },
+                ),
+                None => (Vec::new(), app.prompt.block_bytes()),
+            };
+            let c = Candidate {
+                worker: i,
+                healthy: w.healthy.load(Ordering::Relaxed),
+                cached,
+                block_bytes,
+                outstanding_requests: w.outstanding_requests.load(Ordering::Relaxed),
+                outstanding_prefill_tokens: w.outstanding_prefill_tokens.load(Ordering::Relaxed),
+                prefill_tokens_per_s: w.prefill_tokens_per_s,
+            };
+            score::score(analysed.prompt_tokens, bt, &c, costs)
+        })
+        .collect();
+    let order = score::order(app.config.policy, &scores, costs.tie_s, rotation);
+    Decision {
+        analysed,
+        scores,
+        order,
+    }
+}
+
+/// The decision as JSON (for `/debug/route` and the debug log).
+fn explain(app: &AppInner, d: &Decision) -> Value {
+    let workers: Vec<Value> = d
+        .scores
+        .iter()
+        .map(|s| {
+            let w = &app.workers[s.worker];
+            let mut v = serde_json::to_value(s).unwrap_or(Value::Null);
+            if let Value::Object(o) = &mut v {
+                o.insert("url".into(), json!(w.url));
+                o.insert(
+                    "kvtier".into(),
+                    match &w.view {
+                        None => Value::Null,
+                        Some(view) => json!({
+                            "url": view.url,
+                            "synced": view.synced.load(Ordering::Relaxed),
+                            "blocks": view.read().len(),
+                        }),
+                    },
+                );
+            }
+            v
+        })
+        .collect();
+    json!({
+        "prompt_tokens": d.analysed.prompt_tokens,
+        "block_tokens": app.prompt.block_tokens(),
+        "prompt_blocks": d.analysed.keys.len(),
+        "order": d.order.iter().map(|&i| app.workers[i].url.clone()).collect::<Vec<_>>(),
+        "workers": workers,
+    })
+}
+
+fn short(d: &Decision, app: &AppInner) -> String {
+    d.order
+        .iter()
+        .map(|&i| {
+            let s = &d.scores[i];
+            format!(
+                "{}[{}cached={} prefill={:.4}s load={:.4}s queue={:.4}s total={:.4}s]",
+                app.workers[i].url,
+                if s.healthy { "" } else { "UNHEALTHY " },
+                s.cached_tokens,
+                s.prefill_s,
+                s.load_s,
+                s.queue_s,
+                s.total_s
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+async fn read_body(body: Body) -> Result<Bytes, ApiError> {
+    axum::body::to_bytes(body, api::MAX_BODY_BYTES)
+        .await
+        .map_err(|e| {
+            ApiError::invalid(
+                format!(
+                    "cannot read the request body (at most {} bytes): {e}",
+                    api::MAX_BODY_BYTES
+                ),
+                None,
+            )
+            .with_status(StatusCode::PAYLOAD_TOO_LARGE)
+        })
+}
+
+async fn completions(State(app): State<App>, body: Body) -> Response {
+    handle(app, body, Endpoint::Completions, "/v1/completions").await
+}
+
+async fn chat(State(app): State<App>, body: Body) -> Response {
+    handle(app, body, Endpoint::Chat, "/v1/chat/completions").await
+}
+
+fn endpoint_label(e: Endpoint) -> &'static str {
+    match e {
+        Endpoint::Completions => "completions",
+        Endpoint::Chat => "chat",
+    }
+}
+
+async fn handle(app: App, body: Body, endpoint: Endpoint, path: &'static str) -> Response {
+    let label = endpoint_label(endpoint);
+    let outcome = |o: &str| app.metrics.requests.with_label_values(&[label, o]).inc();
+    let bytes = match read_body(body).await {
+        Ok(b) => b,
+        Err(e) => {
+            outcome("client_error");
+            return e.into_response();
+        }
+    };
+    let t = Instant::now();
+    let analysed = match app.prompt.analyse(&bytes, endpoint) {
+        Ok(a) => a,
+        Err(e) => {
+            outcome("client_error");
+            return e.into_response();
+        }
+    };
+    let rotation = app.rotation.fetch_add(1, Ordering::Relaxed);
+    let d = decide(&app, analysed, rotation);
+    app.metrics
+        .decision_seconds
+        .observe(t.elapsed().as_secs_f64());
+    tracing::debug!(prompt_tokens = d.analysed.prompt_tokens, blocks = d.analysed.keys.len(),
+        ranking = %short(&d, &app), "route");
+    let (resp, o) = forward(&app, &d, bytes, path).await;
+    outcome(o);
+    resp
+}
+
+/// What the router has sent a worker and not seen answered: incremented when a request is
+/// sent, the prefill tokens released at the answer's first byte, the request at its end.
+struct Outstanding {
+    worker: Arc<WorkerState>,
+    metrics: Arc<Metrics>,
+    prefill: u64,
+}
+
+impl Outstanding {
+    fn new(worker: Arc<WorkerState>, metrics: Arc<Metrics>, prefill: u64) -> Self {
+        worker.outstanding_requests.fetch_add(1, Ordering::Relaxed);
+        worker
+            .outstanding_prefill_tokens
+            .fetch_add(prefill, Ordering::Relaxed);
+        let o = Self {
+            worker,
+            metrics,
+            prefill,
+        };
+        o.publish();
+        o
+    }
+
+    fn started(&mut self) {
+        self.worker
+            .outstanding_prefill_tokens
+            .fetch_sub(self.prefill, Ordering::Relaxed);
+        self.prefill = 0;
+        self.publish();
+    }
+
+    fn publish(&self) {
+        let w = &self.worker;
+        self.metrics
+            .outstanding_requests
+            .with_label_values(&[&w.url])
+            .set(w.outstanding_requests.load(Ordering::Relaxed) as i64);
+        self.metrics
+            .outstanding_prefill_tokens
+            .with_label_values(&[&w.url])
+            .set(w.outstanding_prefill_tokens.load(Ordering::Relaxed) as i64);
+    }
+}
+
+impl Drop for Outstanding {
+    fn drop(&mut self) {
+        self.worker
+            .outstanding_prefill_tokens
+            .fetch_sub(self.prefill, Ordering::Relaxed);
+        self.worker
+            .outstanding_requests
+            .fetch_sub(1, Ordering::Relaxed);
+        self.publish();
+    }
+}
+
+/// Watches an answer go through; when it has ended whole, compares the cached tokens the
+/// worker reported with the router's prediction.
+struct Observer {
+    app: App,
+    _outstanding: Outstanding,
+    worker: usize,
+    predicted: u64,
+    /// The prediction came from a synced index (else it says nothing).
+    evidence: bool,
+    tail: Vec<u8>,
+    complete: bool,
+}
+
+impl Observer {
+    fn see(&mut self, b: &[u8]) {
+        self.tail.extend_from_slice(b);
+        if self.tail.len() > 2 * USAGE_TAIL_BYTES {
+            self.tail.drain(..self.tail.len() - USAGE_TAIL_BYTES);
+        }
+    }
+}
+
+/// The last `"cached_tokens":N` in `tail`.
+fn cached_tokens(tail: &[u8]) -> Option<u64> {
+    const NEEDLE: &[u8] = b"\"cached_tokens\":";
+    let at = tail.windows(NEEDLE.len()).rposition(|w| w == NEEDLE)? + NEEDLE.len();
+    let rest = &tail[at..];
+    let rest = &rest[rest.iter().take_while(|b| b.is_ascii_whitespace()).count()..];
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
+}
+
+impl Drop for Observer {
+    fn drop(&mut self) {
+        if !self.complete {
+            return;
+        }
+        let Some(reported) = cached_tokens(&self.tail) else {
+            return;
+        };
+        let w = &self.app.workers[self.worker];
+        let m = &self.app.metrics;
+        m.reported_cached_tokens
+            .with_label_values(&[&w.url])
+            .inc_by(reported);
+        if !self.evidence {
+            return;
+        }
+        let cfg = &self.app.config;
+        let v = mismatch::verdict(self.predicted, reported, cfg.mismatch_min_tokens);
+        if matches!(v, Verdict::Lower | Verdict::Higher) {
+            m.cache_mismatch
+                .with_label_values(&[&w.url, v.label()])
+                .inc();
+            tracing::debug!(worker = %w.url, predicted = self.predicted, reported,
+                direction = v.label(), "cached tokens disagree with the prediction");
+        }
+        let mut streak = w.streak.lock().unwrap_or_else(|p| p.into_inner());
+        if streak.record(v, cfg.mismatch_streak) {
+            tracing::error!(worker = %w.url, predicted = self.predicted, reported,
+                in_a_row = cfg.mismatch_streak, direction = v.label(),
+                "KEY MISMATCH SUSPECTED: the worker's reported cached tokens keep disagreeing \
+                 with the router's prediction from its kvtier events. Check that the router and \
+                 the worker use the same model directory (tokenizer, chat template), \
+                 --model-name, block_tokens, hash secret file and cache_salt handling");
+        }
+        m.key_mismatch_suspected
+            .with_label_values(&[&w.url])
+            .set(streak.suspected(cfg.mismatch_streak) as i64);
+    }
+}
+
+fn fail(status: StatusCode, message: String, code: &'static str) -> Response {
+    ApiError::server(status, message, code).into_response()
+}
+
+/// Sends the request to the workers in the decision's order until one answers; the response
+/// and the outcome label.
+async fn forward(app: &App, d: &Decision, body: Bytes, path: &str) -> (Response, &'static str) {
+    let mut failures = Vec::new();
+    for &i in &d.order {
+        let w = &app.workers[i];
+        let s = &d.scores[i];
+        let mut outstanding =
+            Outstanding::new(w.clone(), app.metrics.clone(), s.uncached_tokens as u64);
+        let retry = |reason: &str| {
+            app.metrics
+                .retries
+                .with_label_values(&[&w.url, reason])
+                .inc()
+        };
+        let req = HttpRequest::post_json(format!("{}{path}", w.url), body.clone());
+        let mut stream = match app.http.stream(req).await {
+            Ok(st) => st,
+            Err(ClientError::Timeout) => {
+                retry("timeout");
+                return (
+                    fail(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        format!(
+                            "worker {} did not answer within the request deadline",
+                            w.url
+                        ),
+                        "worker_timeout",
+                    ),
+                    "worker_error",
+                );
+            }
+            Err(e) => {
+                retry(if matches!(e, ClientError::Connect(_)) {
+                    "connect"
+                } else {
+                    "http"
+                });
+                set_health(w, false, &app.metrics, "request failed");
+                failures.push(format!("{}: {e}", w.url));
+                continue;
+            }
+        };
+        if stream.status >= 500 {
+            let text = stream.prefix(512).await.unwrap_or_default();
+            retry("status_5xx");
+            failures.push(format!(
+                "{}: {} {}",
+                w.url,
+                stream.status,
+                String::from_utf8_lossy(&text)
+            ));
+            continue;
+        }
+        // The answer counts as started at its first byte: a worker dying before it is passed
+        // over like one that could not be reached.
+        let first = match stream.chunk().await {
+            Ok(c) => c,
+            Err(e) => {
+                retry("http");
+                set_health(w, false, &app.metrics, "answer cut short");
+                failures.push(format!("{}: {e}", w.url));
+                continue;
+            }
+        };
+        outstanding.started();
+        let m = &app.metrics;
+        m.routed.with_label_values(&[&w.url]).inc();
+        m.prompt_tokens
+            .with_label_values(&[&w.url])
+            .inc_by(d.analysed.prompt_tokens as u64);
+        m.predicted_cached_tokens
+            .with_label_values(&[&w.url])
+            .inc_by(s.cached_tokens as u64);
+        let evidence = w
+            .view
+            .as_ref()
+            .is_some_and(|v| v.synced.load(Ordering::Relaxed));
+        let mut obs = Observer {
+            app: app.clone(),
+            _outstanding: outstanding,
+            worker: i,
+            predicted: s.cached_tokens as u64,
+            evidence: evidence && stream.status == 200,
+            tail: Vec::new(),
+            complete: false,
+        };
+        let status = StatusCode::from_u16(stream.status).unwrap_or(StatusCode::BAD_GATEWAY);
+        let content_type = stream.content_type.clone();
+        if let Some(b) = &first {
+            obs.see(b);
+        } else {
+            obs.complete = true;
+        }
+        let body = Body::from_stream(passthrough(first, stream, obs));
+        let mut resp = Response::new(body);
+        *resp.status_mut() = status;
+        if let Some(ct) = content_type.and_then(|c| header::HeaderValue::from_str(&c).ok()) {
+            resp.headers_mut().insert(header::CONTENT_TYPE, ct);
+        }
+        // Which worker answered, for operators and tests.
+        if let Ok(v) = header::HeaderValue::from_str(&w.url) {
+            resp.headers_mut().insert(WORKER_HEADER, v);
+        }
+        let outcome = if status.is_success() {
+            "ok"
+        } else if status.is_client_error() {
+            "client_error"
+        } else {
+            "worker_error"
+        };
+        return (resp, outcome);
+    }
+    if failures.is_empty() {
+        return (
+            fail(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no worker configured".into(),
+                "no_worker",
+            ),
+            "no_worker",
+        );
+    }
+    tracing::warn!(failures = ?failures, "no worker could answer");
+    (
+        fail(
+            StatusCode::BAD_GATEWAY,
+            format!("no worker could answer: {}", failures.join("; ")),
+            "no_worker",
+        ),
+        "no_worker",
+    )
+}
+
+/// The answer's pieces as they arrive: the first (already read), then the rest.
+fn passthrough(
+    first: Option<Bytes>,
+    stream: HttpStream,
+    obs: Observer,
+) -> impl futures_util::Stream<Item = Result<Bytes, ClientError>> + Send + 'static {
+    futures_util::stream::unfold(Some((first, stream, obs)), |state| async move {
+        let (first, mut stream, mut obs) = state?;
+        if obs.complete {
+            return None;
+        }
+        if let Some(b) = first {
+            return Some((Ok(b), Some((None, stream, obs))));
+        }
+        match stream.chunk().await {
+            Ok(Some(b)) => {
+                obs.see(&b);
+                Some((Ok(b), Some((None, stream, obs))))
+            }
+            Ok(None) => {
+                obs.complete = true;
+                None
+            }
+            Err(e) => {
+                tracing::warn!(worker = %obs.app.workers[obs.worker].url, error = %e,
+                        "the worker's answer broke off after it started");
+                Some((Err(e), None))
+            }
+        }
+    })
+}
+
+async fn debug_route(State(app): State<App>, body: Body) -> Response {
+    let bytes = match read_body(body).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    // A body with `messages` is a chat request.
+    let endpoint = match serde_json::from_slice::<Value>(&bytes) {
+        Ok(v) if v.get("messages").is_some() => Endpoint::Chat,
+        _ => Endpoint::Completions,
+    };
+    let analysed = match app.prompt.analyse(&bytes, endpoint) {
+        Ok(a) => a,
+        Err(e) => return e.into_response(),
+    };
+    let d = decide(&app, analysed, app.rotation.load(Ordering::Relaxed));
+    let mut v = explain(&app, &d);
+    v["endpoint"] = json!(endpoint_label(endpoint));
+    axum::Json(v).into_response()
+}
+
+async fn models(State(app): State<App>) -> Response {
+    axum::Json(json!({
+        "object": "list",
+        "data": [{"id": app.prompt.model_name(), "object": "model", "owned_by": "kvtier"}],
+    }))
+    .into_response()
+}
+
+async fn health_answer(State(app): State<App>) -> Response {
+    let workers: Vec<Value> = app
+        .workers
+        .iter()
+        .map(|w| {
+            json!({
+                "url": w.url,
+                "healthy": w.healthy.load(Ordering::Relaxed),
+                "outstanding_requests": w.outstanding_requests.load(Ordering::Relaxed),
+                "kvtier_synced": w.view.as_ref().map(|v| v.synced.load(Ordering::Relaxed)),
+            })
+        })
+        .collect();
+    let healthy = app
+        .workers
+        .iter()
+        .filter(|w| w.healthy.load(Ordering::Relaxed))
+        .count();
+    let status = if healthy > 0 {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        axum::Json(json!({
+            "status": if healthy > 0 { "ok" } else { "no_healthy_worker" },
+            "healthy_workers": healthy,
+            "workers": workers,
+        })),
+    )
+        .into_response()
+}
+
+async fn metrics_answer(State(app): State<App>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        app.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn not_found() -> Response {
+    ApiError::invalid("no such endpoint", None)
+        .with_status(StatusCode::NOT_FOUND)
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cached_tokens;
+
+    #[test]
+    fn cached_tokens_are_read_from_either_answer_shape() {
+        let json = br#"{"choices":[],"usage":{"completion_tokens":4,"prompt_tokens":40,"prompt_tokens_details":{"cached_tokens":32},"total_tokens":44}}"#;
+        assert_eq!(cached_tokens(json), Some(32));
+        let sse = b"data: {\"choices\":[{\"text\":\"x\"}]}\n\ndata: {\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\": 7}}}\n\ndata: [DONE]\n\n";
+        assert_eq!(cached_tokens(sse), Some(7));
+        assert_eq!(cached_tokens(b"data: [DONE]\n\n"), None);
+        assert_eq!(cached_tokens(b"\"cached_tokens\":x"), None);
+    }
+}
