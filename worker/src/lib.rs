@@ -13,6 +13,7 @@ pub mod config;
 pub mod disagg;
 pub mod engine;
 mod error;
+mod gemm;
 pub mod gguf;
 #[cfg(feature = "cuda")]
 pub mod gpu;
