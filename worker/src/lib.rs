@@ -8,6 +8,7 @@
 //! prefill/decode over kvtier-transfer ([`disagg`]). See `docs/worker.md`.
 
 pub mod api;
+mod attention;
 pub mod chat;
 pub mod config;
 pub mod disagg;

@@ -656,7 +656,9 @@ impl Model {
     }
 
     /// Attention of `q` (`[heads, t, head_dim]`) over positions `0..total` of `table` at
-    /// `layer`, with `mask` when the queries are several; `[t, heads * head_dim]`.
+    /// `layer`, with `mask` when the queries are several (the causal mask of the last `t`
+    /// positions: [`crate::attention`]'s kernel where it runs, candle ops otherwise);
+    /// `[t, heads * head_dim]`.
     fn attend(
         &self,
         q: &Tensor,
@@ -670,6 +672,20 @@ impl Model {
         let rep = nh / nkv;
         let t = q.dim(1)?;
         let (kc, vc) = cache.gather(table, layer, total)?;
+        if mask.is_some() {
+            // A prefill chunk: the blocked kernel where the CPU runs it.
+            let shape = crate::attention::Shape {
+                heads: nh,
+                kv_heads: nkv,
+                head_dim: hd,
+                queries: t,
+                start_pos: total - t,
+            };
+            let qs = q.flatten_all()?.to_vec1::<f32>()?;
+            if let Some(out) = crate::attention::causal(&qs, &kc, &vc, shape) {
+                return Ok(Tensor::from_vec(out, (t, nh * hd), &self.device)?);
+            }
+        }
         let expand = |rows: Vec<f32>| -> Result<Tensor> {
             Ok(Tensor::from_vec(rows, (total, nkv, hd), &self.device)?
                 .transpose(0, 1)? // [kv_heads, total, hd]

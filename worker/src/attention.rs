@@ -1,0 +1,412 @@
+//! Causal attention of a prefill chunk over the cached K/V, computed block by block with an
+//! online softmax (the flash-attention schedule): for a tile of [`QT`] query rows of one head,
+//! the scores of [`KB`] keys at a time, their running maximum and sum, and the weighted sum of
+//! the values, so no `[queries, keys]` score matrix is ever materialized and keys after a
+//! query's position are never visited past the tile's last position. Tiles are split across
+//! rayon's pool.
+//!
+//! AVX-512 intrinsics (`std::arch`), the output accumulators of a tile held in zmm registers;
+//! used only where the CPU has AVX-512 ([`crate::gemm::available`], checked at run time). The
+//! model falls back to its candle attention elsewhere, and for head dims other than 32, 64
+//! and 128. Hand-written because candle has no fused CPU attention: its ops materialize the
+//! `[heads, queries, keys]` scores and a mask of the same size, several passes over memory per
+//! layer that grow with the context.
+
+use rayon::prelude::*;
+
+/// Query rows per tile.
+const QT: usize = 6;
+/// Keys per step.
+const KB: usize = 32;
+
+/// The shape of one chunk's attention.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Shape {
+    /// Query heads.
+    pub heads: usize,
+    /// K/V heads (each serves `heads / kv_heads` query heads).
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Queries in the chunk.
+    pub queries: usize,
+    /// Position of the first query; the keys are positions `0..start_pos + queries`.
+    pub start_pos: usize,
+}
+
+/// Attention of `q` (`[heads][queries][head_dim]`, rotated) over `k` and `v` (each
+/// `[start_pos + queries][kv_heads][head_dim]`), query `i` seeing keys `0..=start_pos + i`;
+/// `[queries][heads * head_dim]`. `None` where the kernel does not run (no AVX-512, or a head
+/// dim other than 32, 64, 128).
+pub(crate) fn causal(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Option<Vec<f32>> {
+    if !crate::gemm::available() || !s.heads.is_multiple_of(s.kv_heads) {
+        return None;
+    }
+    let total = s.start_pos + s.queries;
+    assert_eq!(
+        q.len(),
+        s.heads * s.queries * s.head_dim,
+        "q is not [heads][t][hd]"
+    );
+    assert_eq!(
+        k.len(),
+        total * s.kv_heads * s.head_dim,
+        "k is not [total][kv][hd]"
+    );
+    assert_eq!(v.len(), k.len(), "v is not [total][kv][hd]");
+    match s.head_dim {
+        32 => Some(run::<32>(q, k, v, s)),
+        64 => Some(run::<64>(q, k, v, s)),
+        128 => Some(run::<128>(q, k, v, s)),
+        _ => None,
+    }
+}
+
+fn run<const HD: usize>(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f32> {
+    let total = s.start_pos + s.queries;
+    let blocks = total.div_ceil(KB);
+    let rep = s.heads / s.kv_heads;
+    // K per kv head, transposed per block of keys: kt[g][b][d][j] = k[b * KB + j][g][d]
+    // (zeros past the last key).
+    let kt: Vec<Vec<f32>> = (0..s.kv_heads)
+        .into_par_iter()
+        .map(|g| {
+            let mut t = vec![0f32; blocks * HD * KB];
+            for key in 0..total {
+                let (b, j) = (key / KB, key % KB);
+                let src = &k[(key * s.kv_heads + g) * HD..][..HD];
+                for (d, &x) in src.iter().enumerate() {
+                    t[(b * HD + d) * KB + j] = x;
+                }
+            }
+            t
+        })
+        .collect();
+    let tiles = s.queries.div_ceil(QT);
+    let scale = 1.0 / (HD as f32).sqrt();
+    // One item per (query head, tile): its QT x HD output rows.
+    let outs: Vec<[[f32; HD]; QT]> = (0..s.heads * tiles)
+        .into_par_iter()
+        .map(|item| {
+            let (h, tile) = (item / tiles, item % tiles);
+            let g = h / rep;
+            let first = tile * QT;
+            // Scaled queries; rows past the chunk repeat the last one (their output is dropped).
+            let qt: [[f32; HD]; QT] = std::array::from_fn(|r| {
+                let i = (first + r).min(s.queries - 1);
+                let row = &q[(h * s.queries + i) * HD..][..HD];
+                std::array::from_fn(|d| row[d] * scale)
+            });
+            let last: [usize; QT] =
+                std::array::from_fn(|r| s.start_pos + (first + r).min(s.queries - 1));
+            let vg = VHead {
+                v,
+                kv_heads: s.kv_heads,
+                g,
+            };
+            // SAFETY: `causal` returned early unless `gemm::available()`: the CPU has AVX-512F
+            // and FMA, the only requirement of this `target_feature` function (otherwise safe
+            // code).
+            unsafe { tile_avx512::<HD>(&qt, &last, &kt[g], &vg) }
+        })
+        .collect();
+    let mut out = vec![0f32; s.queries * s.heads * HD];
+    for (item, rows) in outs.iter().enumerate() {
+        let (h, tile) = (item / tiles, item % tiles);
+        for (r, row) in rows.iter().enumerate() {
+            let i = tile * QT + r;
+            if i < s.queries {
+                out[(i * s.heads + h) * HD..][..HD].copy_from_slice(row);
+            }
+        }
+    }
+    out
+}
+
+/// The values of one kv head.
+struct VHead<'a> {
+    v: &'a [f32],
+    kv_heads: usize,
+    g: usize,
+}
+
+impl VHead<'_> {
+    #[inline(always)]
+    fn row<const HD: usize>(&self, key: usize) -> &[f32; HD] {
+        self.v[(key * self.kv_heads + self.g) * HD..][..HD]
+            .try_into()
+            .expect("a slice of HD values")
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn tile_avx512<const HD: usize>(
+    _q: &[[f32; HD]; QT],
+    _last: &[usize; QT],
+    _kt: &[f32],
+    _v: &VHead,
+) -> [[f32; HD]; QT] {
+    unreachable!("gemm::available() is false off x86_64")
+}
+
+/// Softmax attention of `QT` (scaled) query rows, row `r` seeing keys `0..=last[r]`, with
+/// the accumulators in registers: per row `HD / 16` vectors of the output and two of scores.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+fn tile_avx512<const HD: usize>(
+    q: &[[f32; HD]; QT],
+    last: &[usize; QT],
+    kt: &[f32],
+    v: &VHead,
+) -> [[f32; HD]; QT] {
+    match HD {
+        32 => tile::<HD, 2>(q, last, kt, v),
+        64 => tile::<HD, 4>(q, last, kt, v),
+        128 => tile::<HD, 8>(q, last, kt, v),
+        _ => unreachable!("causal() takes head dims 32, 64 and 128 only"),
+    }
+}
+
+/// Sixteen lanes from the start of `s`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn load(s: &[f32]) -> std::arch::x86_64::__m512 {
+    let s = &s[..16];
+    // SAFETY: `s` holds 16 f32 (the slice above checked it); the load is unaligned.
+    unsafe { std::arch::x86_64::_mm512_loadu_ps(s.as_ptr()) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+#[inline]
+fn tile<const HD: usize, const V: usize>(
+    q: &[[f32; HD]; QT],
+    last: &[usize; QT],
+    kt: &[f32],
+    v: &VHead,
+) -> [[f32; HD]; QT] {
+    use std::arch::x86_64::*;
+    debug_assert_eq!(V * 16, HD);
+    let mut acc = [[_mm512_setzero_ps(); V]; QT];
+    let mut max = [f32::NEG_INFINITY; QT];
+    let mut sum = [0f32; QT];
+    let end = last.iter().max().copied().unwrap_or(0) + 1;
+    let iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    let mut p = [[0f32; KB]; QT];
+    let mut scale = [0f32; QT];
+    for (b, kb) in kt.chunks_exact(HD * KB).enumerate().take(end.div_ceil(KB)) {
+        let key0 = b * KB;
+        let mut sc = [[_mm512_setzero_ps(); 2]; QT];
+        for (d, kd) in kb.chunks_exact(KB).enumerate() {
+            let (k0, k1) = (load(kd), load(&kd[16..]));
+            for (s, qr) in sc.iter_mut().zip(q) {
+                let a = _mm512_set1_ps(qr[d]);
+                s[0] = _mm512_fmadd_ps(a, k0, s[0]);
+                s[1] = _mm512_fmadd_ps(a, k1, s[1]);
+            }
+        }
+        let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+        for r in 0..QT {
+            // Keys after this row's position (and past the last key) do not count. Positions
+            // fit an i32: the context is far below 2^31.
+            let lim = _mm512_set1_epi32(last[r] as i32);
+            let idx0 = _mm512_add_epi32(iota, _mm512_set1_epi32(key0 as i32));
+            let idx1 = _mm512_add_epi32(idx0, _mm512_set1_epi32(16));
+            let s0 = _mm512_mask_mov_ps(neg_inf, _mm512_cmple_epi32_mask(idx0, lim), sc[r][0]);
+            let s1 = _mm512_mask_mov_ps(neg_inf, _mm512_cmple_epi32_mask(idx1, lim), sc[r][1]);
+            let m = max[r].max(_mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+            // Key 0 is in the first block for every row, so `m` is finite from there on.
+            let alpha = (max[r] - m).exp();
+            max[r] = m;
+            let mv = _mm512_set1_ps(m);
+            let (p0, p1) = (exp16(_mm512_sub_ps(s0, mv)), exp16(_mm512_sub_ps(s1, mv)));
+            sum[r] = sum[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            // SAFETY: `p[r]` holds KB = 32 f32: two unaligned 16-lane stores.
+            unsafe {
+                _mm512_storeu_ps(p[r].as_mut_ptr(), p0);
+                _mm512_storeu_ps(p[r][16..].as_mut_ptr(), p1);
+            }
+            scale[r] = alpha;
+        }
+        // A local copy indexed only by constants (the loops unroll), so that it lives in
+        // registers across the keys; `acc` is indexed by `r` above.
+        let mut a = acc;
+        for (ar, &s) in a.iter_mut().zip(&scale) {
+            let sv = _mm512_set1_ps(s);
+            for x in ar.iter_mut() {
+                *x = _mm512_mul_ps(*x, sv);
+            }
+        }
+        for j in 0..KB.min(end - key0) {
+            let vr = v.row::<HD>(key0 + j);
+            let vv: [__m512; V] = std::array::from_fn(|c| load(&vr[c * 16..]));
+            for (ar, pr) in a.iter_mut().zip(&p) {
+                let pj = _mm512_set1_ps(pr[j]);
+                for (x, &vc) in ar.iter_mut().zip(&vv) {
+                    *x = _mm512_fmadd_ps(pj, vc, *x);
+                }
+            }
+        }
+        acc = a;
+    }
+    let mut out = [[0f32; HD]; QT];
+    for ((o, a), s) in out.iter_mut().zip(&acc).zip(sum) {
+        let inv = _mm512_set1_ps(1.0 / s);
+        for (c, &x) in a.iter().enumerate() {
+            // SAFETY: `o` holds HD = 16 * V f32 and `c < V`: 16 f32 from `16 * c` are in it.
+            unsafe { _mm512_storeu_ps(o[c * 16..].as_mut_ptr(), _mm512_mul_ps(x, inv)) };
+        }
+    }
+    out
+}
+
+/// `e^x` of 16 lanes, each `<= 0` or `-inf` (which gives 0), without a libm call:
+/// `x = n ln 2 + r`, `e^r` by Cephes' `expf` polynomial (within about 1 ulp), times `2^n`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+#[inline]
+fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // Below this e^x is under f32's smallest normal; the result is then 0.
+    const MIN: f32 = -87.3;
+    let keep = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_set1_ps(MIN));
+    let xc = _mm512_max_ps(x, _mm512_set1_ps(MIN));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(xc, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+    );
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), xc);
+    let r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.121_944_4e-4), r);
+    let mut p = _mm512_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let e = _mm512_add_ps(
+        _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r),
+        _mm512_set1_ps(1.0),
+    );
+    _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(e, n))
+}
+
+/// [`exp16`] of 16 values (for the tests).
+#[cfg(all(test, target_arch = "x86_64"))]
+#[target_feature(enable = "avx512f,fma")]
+fn exp_lanes(x: &[f32; 16]) -> [f32; 16] {
+    let mut out = [0f32; 16];
+    // SAFETY: `out` holds 16 f32.
+    unsafe { std::arch::x86_64::_mm512_storeu_ps(out.as_mut_ptr(), exp16(load(x))) };
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Plain attention in f64: scores, causal mask, softmax, weighted values.
+    fn reference(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f32> {
+        let (hd, kvh) = (s.head_dim, s.kv_heads);
+        let rep = s.heads / kvh;
+        let mut out = vec![0f32; s.queries * s.heads * hd];
+        for h in 0..s.heads {
+            let g = h / rep;
+            for i in 0..s.queries {
+                let qr = &q[(h * s.queries + i) * hd..][..hd];
+                let keys = s.start_pos + i + 1;
+                let sc: Vec<f64> = (0..keys)
+                    .map(|j| {
+                        let kr = &k[(j * kvh + g) * hd..][..hd];
+                        let dot: f64 = qr.iter().zip(kr).map(|(a, b)| f64::from(a * b)).sum();
+                        dot / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for d in 0..hd {
+                    let o: f64 = (0..keys)
+                        .map(|j| e[j] * f64::from(v[(j * kvh + g) * hd + d]))
+                        .sum();
+                    out[(i * s.heads + h) * hd + d] = (o / z) as f32;
+                }
+            }
+        }
+        out
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn exp_matches_std() {
+        if !crate::gemm::available() {
+            eprintln!("no AVX-512 here: the kernel is not used, nothing to check");
+            return;
+        }
+        let xs: Vec<f32> = (0..=20_000)
+            .map(|i| -90.0 * i as f32 / 20_000.0)
+            .chain([f32::NEG_INFINITY; 15])
+            .collect();
+        for c in xs.chunks(16) {
+            let mut x = [f32::NEG_INFINITY; 16];
+            x[..c.len()].copy_from_slice(c);
+            // SAFETY: the CPU has AVX-512F and FMA (checked above).
+            let got = unsafe { exp_lanes(&x) };
+            for (&x, g) in x.iter().zip(got) {
+                let want = x.exp();
+                assert!(
+                    (g - want).abs() <= 2e-7 * want + 2.0 * f32::MIN_POSITIVE,
+                    "exp({x}) = {g}, std {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn causal_attention_matches_a_plain_softmax() {
+        if !crate::gemm::available() {
+            eprintln!("no AVX-512 here: the kernel is not used, nothing to check");
+            return;
+        }
+        let mut rng = kvtier_core::SplitMix64::new(11);
+        // (heads, kv heads, head dim, queries, start): ragged tiles and key blocks, a chunk
+        // after a cached prefix, one query.
+        for (heads, kv_heads, head_dim, queries, start_pos) in [
+            (1, 1, 32, 1, 0),
+            (3, 1, 64, 7, 0),
+            (9, 3, 64, 40, 0),
+            (9, 3, 64, 33, 64),
+            (4, 2, 128, 13, 5),
+            (2, 2, 32, 70, 100),
+        ] {
+            let s = Shape {
+                heads,
+                kv_heads,
+                head_dim,
+                queries,
+                start_pos,
+            };
+            let total = start_pos + queries;
+            // Scores spread over several units, as a trained model's are.
+            let mut rand =
+                |n: usize| -> Vec<f32> { (0..n).map(|_| (rng.next_f32() - 0.5) * 6.0).collect() };
+            let q = rand(heads * queries * head_dim);
+            let k = rand(total * kv_heads * head_dim);
+            let v = rand(total * kv_heads * head_dim);
+            let got = causal(&q, &k, &v, s).expect("available");
+            let want = reference(&q, &k, &v, s);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!((g - w).abs() <= 1e-4, "{s:?} [{i}]: {g} vs {w}");
+            }
+        }
+        let odd = Shape {
+            heads: 1,
+            kv_heads: 1,
+            head_dim: 48,
+            queries: 1,
+            start_pos: 0,
+        };
+        assert!(causal(&[0.0; 48], &[0.0; 48], &[0.0; 48], odd).is_none());
+    }
+}
