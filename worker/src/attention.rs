@@ -38,7 +38,7 @@ pub(crate) struct Shape {
 /// `[queries][heads * head_dim]`. `None` where the kernel does not run (no AVX-512, or a head
 /// dim other than 32, 64, 128).
 pub(crate) fn causal(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Option<Vec<f32>> {
-    if !crate::gemm::available() || !s.heads.is_multiple_of(s.kv_heads) {
+    if !runs(s.heads, s.kv_heads, s.head_dim) {
         return None;
     }
     let total = s.start_pos + s.queries;
@@ -59,6 +59,15 @@ pub(crate) fn causal(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Option<Vec<f3
         128 => Some(run::<128>(q, k, v, s)),
         _ => None,
     }
+}
+
+/// Whether [`causal`] computes attention of this shape here (the CPU has AVX-512, the head
+/// dim is 32, 64 or 128, and the heads split evenly over the K/V heads).
+pub(crate) fn runs(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
+    crate::gemm::available()
+        && kv_heads > 0
+        && heads.is_multiple_of(kv_heads)
+        && matches!(head_dim, 32 | 64 | 128)
 }
 
 fn run<const HD: usize>(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f32> {
