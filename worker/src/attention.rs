@@ -2,8 +2,9 @@
 //! online softmax (the flash-attention schedule): for a tile of [`QT`] query rows of one head,
 //! the scores of [`KB`] keys at a time, their running maximum and sum, and the weighted sum of
 //! the values, so no `[queries, keys]` score matrix is ever materialized and keys after a
-//! query's position are never visited past the tile's last position. Tiles are split across
-//! rayon's pool.
+//! query's position are never visited past the tile's last position. One work item takes the
+//! tiles of every query head sharing a K/V head ([`TILES_PER_GROUP`] per head), which read each
+//! block of K and V in turn while it is in L1; items are split across rayon's pool.
 //!
 //! AVX-512 intrinsics (`std::arch`), the output accumulators of a tile held in zmm registers;
 //! used only where the CPU has AVX-512 ([`crate::gemm::available`], checked at run time). The
@@ -18,6 +19,8 @@ use rayon::prelude::*;
 const QT: usize = 6;
 /// Keys per step.
 const KB: usize = 32;
+/// Tiles of each query head one work item takes (with all the heads of a kv head).
+const TILES_PER_GROUP: usize = 2;
 
 /// The shape of one chunk's attention.
 #[derive(Clone, Copy, Debug)]
@@ -90,23 +93,33 @@ fn run<const HD: usize>(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f32> {
             t
         })
         .collect();
-    let tiles = s.queries.div_ceil(QT);
+    let groups = s.queries.div_ceil(QT * TILES_PER_GROUP);
     let scale = 1.0 / (HD as f32).sqrt();
-    // One item per (query head, tile): its QT x HD output rows.
-    let outs: Vec<[[f32; HD]; QT]> = (0..s.heads * tiles)
+    // One item per (kv head, group of TILES_PER_GROUP * QT queries): the tiles of every query
+    // head on that kv head, which read each block of K and V while it is in L1.
+    let outs: Vec<Vec<TileOut<HD>>> = (0..s.kv_heads * groups)
         .into_par_iter()
         .map(|item| {
-            let (h, tile) = (item / tiles, item % tiles);
-            let g = h / rep;
-            let first = tile * QT;
-            // Scaled queries; rows past the chunk repeat the last one (their output is dropped).
-            let qt: [[f32; HD]; QT] = std::array::from_fn(|r| {
-                let i = (first + r).min(s.queries - 1);
-                let row = &q[(h * s.queries + i) * HD..][..HD];
-                std::array::from_fn(|d| row[d] * scale)
-            });
-            let last: [usize; QT] =
-                std::array::from_fn(|r| s.start_pos + (first + r).min(s.queries - 1));
+            let (g, group) = (item / groups, item % groups);
+            let mut tiles = Vec::new();
+            for h in g * rep..(g + 1) * rep {
+                for t in 0..TILES_PER_GROUP {
+                    let first = (group * TILES_PER_GROUP + t) * QT;
+                    if first >= s.queries {
+                        break;
+                    }
+                    // Scaled queries; rows past the chunk repeat the last one (their output is
+                    // dropped).
+                    let q: [[f32; HD]; QT] = std::array::from_fn(|r| {
+                        let i = (first + r).min(s.queries - 1);
+                        let row = &q[(h * s.queries + i) * HD..][..HD];
+                        std::array::from_fn(|d| row[d] * scale)
+                    });
+                    let last =
+                        std::array::from_fn(|r| s.start_pos + (first + r).min(s.queries - 1));
+                    tiles.push(Tile { h, first, q, last });
+                }
+            }
             let vg = VHead {
                 v,
                 kv_heads: s.kv_heads,
@@ -115,20 +128,38 @@ fn run<const HD: usize>(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f32> {
             // SAFETY: `causal` returned early unless `gemm::available()`: the CPU has AVX-512F
             // and FMA, the only requirement of this `target_feature` function (otherwise safe
             // code).
-            unsafe { tile_avx512::<HD>(&qt, &last, &kt[g], &vg) }
+            let rows = unsafe { tiles_avx512::<HD>(&tiles, &kt[g], &vg) };
+            tiles
+                .iter()
+                .zip(rows)
+                .map(|(t, r)| (t.h, t.first, r))
+                .collect()
         })
         .collect();
     let mut out = vec![0f32; s.queries * s.heads * HD];
-    for (item, rows) in outs.iter().enumerate() {
-        let (h, tile) = (item / tiles, item % tiles);
+    for (h, first, rows) in outs.iter().flatten() {
         for (r, row) in rows.iter().enumerate() {
-            let i = tile * QT + r;
+            let i = first + r;
             if i < s.queries {
                 out[(i * s.heads + h) * HD..][..HD].copy_from_slice(row);
             }
         }
     }
     out
+}
+
+/// A tile's head, first row, and output rows.
+type TileOut<const HD: usize> = (usize, usize, [[f32; HD]; QT]);
+
+/// `QT` query rows of one head.
+struct Tile<const HD: usize> {
+    h: usize,
+    /// The chunk's index of the first row.
+    first: usize,
+    /// Scaled by `1 / sqrt(HD)`.
+    q: [[f32; HD]; QT],
+    /// Row `r` sees keys `0..=last[r]`.
+    last: [usize; QT],
 }
 
 /// The values of one kv head.
@@ -148,29 +179,28 @@ impl VHead<'_> {
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn tile_avx512<const HD: usize>(
-    _q: &[[f32; HD]; QT],
-    _last: &[usize; QT],
+fn tiles_avx512<const HD: usize>(
+    _tiles: &[Tile<HD>],
     _kt: &[f32],
     _v: &VHead,
-) -> [[f32; HD]; QT] {
+) -> Vec<[[f32; HD]; QT]> {
     unreachable!("gemm::available() is false off x86_64")
 }
 
-/// Softmax attention of `QT` (scaled) query rows, row `r` seeing keys `0..=last[r]`, with
-/// the accumulators in registers: per row `HD / 16` vectors of the output and two of scores.
+/// Softmax attention of each tile (all on the kv head of `kt` and `v`), block of keys by
+/// block of keys, with the accumulators of the tile at work in registers: per row `HD / 16`
+/// vectors of the output and two of scores.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-fn tile_avx512<const HD: usize>(
-    q: &[[f32; HD]; QT],
-    last: &[usize; QT],
+fn tiles_avx512<const HD: usize>(
+    tiles: &[Tile<HD>],
     kt: &[f32],
     v: &VHead,
-) -> [[f32; HD]; QT] {
+) -> Vec<[[f32; HD]; QT]> {
     match HD {
-        32 => tile::<HD, 2>(q, last, kt, v),
-        64 => tile::<HD, 4>(q, last, kt, v),
-        128 => tile::<HD, 8>(q, last, kt, v),
+        32 => attend_tiles::<HD, 2>(tiles, kt, v),
+        64 => attend_tiles::<HD, 4>(tiles, kt, v),
+        128 => attend_tiles::<HD, 8>(tiles, kt, v),
         _ => unreachable!("causal() takes head dims 32, 64 and 128 only"),
     }
 }
@@ -187,78 +217,119 @@ fn load(s: &[f32]) -> std::arch::x86_64::__m512 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
 #[inline]
-fn tile<const HD: usize, const V: usize>(
-    q: &[[f32; HD]; QT],
-    last: &[usize; QT],
+fn attend_tiles<const HD: usize, const V: usize>(
+    tiles: &[Tile<HD>],
     kt: &[f32],
     v: &VHead,
-) -> [[f32; HD]; QT] {
+) -> Vec<[[f32; HD]; QT]> {
     use std::arch::x86_64::*;
     debug_assert_eq!(V * 16, HD);
-    let mut acc = [[_mm512_setzero_ps(); V]; QT];
-    let mut max = [f32::NEG_INFINITY; QT];
-    let mut sum = [0f32; QT];
-    let end = last.iter().max().copied().unwrap_or(0) + 1;
+    // Per tile: the output accumulators, and per row the running maximum and sum.
+    let mut state: Vec<TileState<V>> = tiles
+        .iter()
+        .map(|_| {
+            (
+                [[_mm512_setzero_ps(); V]; QT],
+                [f32::NEG_INFINITY; QT],
+                [0f32; QT],
+            )
+        })
+        .collect();
+    let ends: Vec<usize> = tiles
+        .iter()
+        .map(|t| t.last.iter().max().copied().unwrap_or(0) + 1)
+        .collect();
+    let end_all = ends.iter().max().copied().unwrap_or(0);
     let iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     let mut p = [[0f32; KB]; QT];
     let mut scale = [0f32; QT];
-    for (b, kb) in kt.chunks_exact(HD * KB).enumerate().take(end.div_ceil(KB)) {
+    for (b, kb) in kt
+        .chunks_exact(HD * KB)
+        .enumerate()
+        .take(end_all.div_ceil(KB))
+    {
         let key0 = b * KB;
-        let mut sc = [[_mm512_setzero_ps(); 2]; QT];
-        for (d, kd) in kb.chunks_exact(KB).enumerate() {
-            let (k0, k1) = (load(kd), load(&kd[16..]));
-            for (s, qr) in sc.iter_mut().zip(q) {
-                let a = _mm512_set1_ps(qr[d]);
-                s[0] = _mm512_fmadd_ps(a, k0, s[0]);
-                s[1] = _mm512_fmadd_ps(a, k1, s[1]);
+        for ((tile, (acc, max, sum)), &end) in tiles.iter().zip(state.iter_mut()).zip(&ends) {
+            if key0 >= end {
+                // Every key of this block is after every row of the tile.
+                continue;
             }
-        }
-        let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
-        for r in 0..QT {
-            // Keys after this row's position (and past the last key) do not count. Positions
-            // fit an i32: the context is far below 2^31.
-            let lim = _mm512_set1_epi32(last[r] as i32);
-            let idx0 = _mm512_add_epi32(iota, _mm512_set1_epi32(key0 as i32));
-            let idx1 = _mm512_add_epi32(idx0, _mm512_set1_epi32(16));
-            let s0 = _mm512_mask_mov_ps(neg_inf, _mm512_cmple_epi32_mask(idx0, lim), sc[r][0]);
-            let s1 = _mm512_mask_mov_ps(neg_inf, _mm512_cmple_epi32_mask(idx1, lim), sc[r][1]);
-            let m = max[r].max(_mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-            // Key 0 is in the first block for every row, so `m` is finite from there on.
-            let alpha = (max[r] - m).exp();
-            max[r] = m;
-            let mv = _mm512_set1_ps(m);
-            let (p0, p1) = (exp16(_mm512_sub_ps(s0, mv)), exp16(_mm512_sub_ps(s1, mv)));
-            sum[r] = sum[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-            // SAFETY: `p[r]` holds KB = 32 f32: two unaligned 16-lane stores.
-            unsafe {
-                _mm512_storeu_ps(p[r].as_mut_ptr(), p0);
-                _mm512_storeu_ps(p[r][16..].as_mut_ptr(), p1);
-            }
-            scale[r] = alpha;
-        }
-        // A local copy indexed only by constants (the loops unroll), so that it lives in
-        // registers across the keys; `acc` is indexed by `r` above.
-        let mut a = acc;
-        for (ar, &s) in a.iter_mut().zip(&scale) {
-            let sv = _mm512_set1_ps(s);
-            for x in ar.iter_mut() {
-                *x = _mm512_mul_ps(*x, sv);
-            }
-        }
-        for j in 0..KB.min(end - key0) {
-            let vr = v.row::<HD>(key0 + j);
-            let vv: [__m512; V] = std::array::from_fn(|c| load(&vr[c * 16..]));
-            for (ar, pr) in a.iter_mut().zip(&p) {
-                let pj = _mm512_set1_ps(pr[j]);
-                for (x, &vc) in ar.iter_mut().zip(&vv) {
-                    *x = _mm512_fmadd_ps(pj, vc, *x);
+            let (q, last) = (&tile.q, &tile.last);
+            let mut sc = [[_mm512_setzero_ps(); 2]; QT];
+            for (d, kd) in kb.chunks_exact(KB).enumerate() {
+                let (k0, k1) = (load(kd), load(&kd[16..]));
+                for (s, qr) in sc.iter_mut().zip(q) {
+                    let a = _mm512_set1_ps(qr[d]);
+                    s[0] = _mm512_fmadd_ps(a, k0, s[0]);
+                    s[1] = _mm512_fmadd_ps(a, k1, s[1]);
                 }
             }
+            let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+            for r in 0..QT {
+                // Keys after this row's position (and past the last key) do not count. Positions
+                // fit an i32: the context is far below 2^31.
+                let lim = _mm512_set1_epi32(last[r] as i32);
+                let idx0 = _mm512_add_epi32(iota, _mm512_set1_epi32(key0 as i32));
+                let idx1 = _mm512_add_epi32(idx0, _mm512_set1_epi32(16));
+                let s0 = _mm512_mask_mov_ps(neg_inf, _mm512_cmple_epi32_mask(idx0, lim), sc[r][0]);
+                let s1 = _mm512_mask_mov_ps(neg_inf, _mm512_cmple_epi32_mask(idx1, lim), sc[r][1]);
+                let m = max[r].max(_mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+                // Key 0 is in the first block for every row, so `m` is finite from there on.
+                let alpha = (max[r] - m).exp();
+                max[r] = m;
+                let mv = _mm512_set1_ps(m);
+                let (p0, p1) = (exp16(_mm512_sub_ps(s0, mv)), exp16(_mm512_sub_ps(s1, mv)));
+                sum[r] = sum[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+                // SAFETY: `p[r]` holds KB = 32 f32: two unaligned 16-lane stores.
+                unsafe {
+                    _mm512_storeu_ps(p[r].as_mut_ptr(), p0);
+                    _mm512_storeu_ps(p[r][16..].as_mut_ptr(), p1);
+                }
+                scale[r] = alpha;
+            }
+            // A local copy indexed only by constants (the loops unroll), so that it lives in
+            // registers across the keys.
+            let mut a = *acc;
+            for (ar, &s) in a.iter_mut().zip(&scale) {
+                let sv = _mm512_set1_ps(s);
+                for x in ar.iter_mut() {
+                    *x = _mm512_mul_ps(*x, sv);
+                }
+            }
+            for j in 0..KB.min(end - key0) {
+                let vr = v.row::<HD>(key0 + j);
+                let vv: [__m512; V] = std::array::from_fn(|c| load(&vr[c * 16..]));
+                for (ar, pr) in a.iter_mut().zip(&p) {
+                    let pj = _mm512_set1_ps(pr[j]);
+                    for (x, &vc) in ar.iter_mut().zip(&vv) {
+                        *x = _mm512_fmadd_ps(pj, vc, *x);
+                    }
+                }
+            }
+            *acc = a;
         }
-        acc = a;
     }
+    state
+        .iter()
+        .map(|(acc, _, sum)| finish::<HD, V>(acc, sum))
+        .collect()
+}
+
+/// A tile's output accumulators, and per row the running maximum and sum of the softmax.
+#[cfg(target_arch = "x86_64")]
+type TileState<const V: usize> = ([[std::arch::x86_64::__m512; V]; QT], [f32; QT], [f32; QT]);
+
+/// The output rows: the accumulators over the softmax sums.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+#[inline]
+fn finish<const HD: usize, const V: usize>(
+    acc: &[[std::arch::x86_64::__m512; V]; QT],
+    sum: &[f32; QT],
+) -> [[f32; HD]; QT] {
+    use std::arch::x86_64::*;
     let mut out = [[0f32; HD]; QT];
-    for ((o, a), s) in out.iter_mut().zip(&acc).zip(sum) {
+    for ((o, a), &s) in out.iter_mut().zip(acc).zip(sum) {
         let inv = _mm512_set1_ps(1.0 / s);
         for (c, &x) in a.iter().enumerate() {
             // SAFETY: `o` holds HD = 16 * V f32 and `c < V`: 16 f32 from `16 * c` are in it.
