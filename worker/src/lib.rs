@@ -8,12 +8,14 @@
 //! prefill/decode over kvtier-transfer ([`disagg`]). See `docs/worker.md`.
 
 pub mod api;
+mod attention;
 pub mod chat;
 pub mod config;
 pub mod disagg;
 pub mod engine;
 mod error;
 pub mod fetch;
+mod gemm;
 pub mod gguf;
 #[cfg(feature = "cuda")]
 pub mod gpu;

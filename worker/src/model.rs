@@ -525,7 +525,13 @@ impl Model {
         let mut x = self.embed.forward(&ids)?; // [t, hidden]
         let cos = self.cos.narrow(0, start_pos, t)?;
         let sin = self.sin.narrow(0, start_pos, t)?;
-        let mask = causal_mask(t, start_pos, &self.device)?;
+        // Only candle's attention reads the mask ([`Model::attend`]).
+        let (nh, nkv, hd) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
+        let mask = if crate::attention::runs(nh, nkv, hd) {
+            None
+        } else {
+            causal_mask(t, start_pos, &self.device)?
+        };
         for (li, layer) in self.layers.iter().enumerate() {
             hook.before_layer(li, cache)?;
             let (q, k_rows, v_rows) = self.qkv(layer, &x, &cos, &sin)?;
@@ -656,7 +662,9 @@ impl Model {
     }
 
     /// Attention of `q` (`[heads, t, head_dim]`) over positions `0..total` of `table` at
-    /// `layer`, with `mask` when the queries are several; `[t, heads * head_dim]`.
+    /// `layer`, causal over the last `t` positions when the queries are several
+    /// ([`crate::attention`]'s kernel where it runs, else candle ops with `mask`, built here
+    /// when not given); `[t, heads * head_dim]`.
     fn attend(
         &self,
         q: &Tensor,
@@ -670,6 +678,29 @@ impl Model {
         let rep = nh / nkv;
         let t = q.dim(1)?;
         let (kc, vc) = cache.gather(table, layer, total)?;
+        if t > 1 {
+            // A prefill chunk: the blocked kernel where the CPU runs it.
+            let shape = crate::attention::Shape {
+                heads: nh,
+                kv_heads: nkv,
+                head_dim: hd,
+                queries: t,
+                start_pos: total - t,
+            };
+            let qs = q.flatten_all()?.to_vec1::<f32>()?;
+            if let Some(out) = crate::attention::causal(&qs, &kc, &vc, shape) {
+                return Ok(Tensor::from_vec(out, (t, nh * hd), &self.device)?);
+            }
+        }
+        let built;
+        let mask = match mask {
+            Some(m) => Some(m),
+            None if t > 1 => {
+                built = causal_mask(t, total - t, &self.device)?;
+                built.as_ref()
+            }
+            None => None,
+        };
         let expand = |rows: Vec<f32>| -> Result<Tensor> {
             Ok(Tensor::from_vec(rows, (total, nkv, hd), &self.device)?
                 .transpose(0, 1)? // [kv_heads, total, hd]
@@ -692,15 +723,52 @@ impl Model {
 
     /// The rest of a layer after attention: output projection and residual, then the MLP and
     /// its residual.
+    ///
+    /// The residual adds and the SiLU gate run here on rayon's pool rather than as candle
+    /// ops: candle parallelizes element-wise ops over 64 Ki values on a second, spinning
+    /// thread pool of its own, which competes with rayon's (the projections' pool) for the
+    /// cores; on a busy machine its spin-waits took a fifth of a prefill's time.
     fn finish_layer(&self, layer: &Layer, x: Tensor, att: &Tensor) -> Result<Tensor> {
-        let x = (x + layer.o_proj.forward(att)?)?;
+        let x = add(&x, &layer.o_proj.forward(att)?)?;
         let h = layer.post_norm.forward(&x)?;
-        let gate = candle_nn::ops::silu(&layer.gate_proj.forward(&h)?)?;
-        let mlp = layer
-            .down_proj
-            .forward(&(gate * layer.up_proj.forward(&h)?)?)?;
-        Ok((x + mlp)?)
+        let gated = silu_mul(&layer.gate_proj.forward(&h)?, &layer.up_proj.forward(&h)?)?;
+        add(&x, &layer.down_proj.forward(&gated)?)
     }
+}
+
+/// Values per rayon work item of the element-wise ops below.
+const ELEMWISE_CHUNK: usize = 16 * 1024;
+
+/// `a + b`, two f32 tensors of one shape.
+fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    elementwise(a, b, |x, y| x + y)
+}
+
+/// `silu(g) * u = g / (1 + e^-g) * u` (SwiGLU's gate), two f32 tensors of one shape.
+fn silu_mul(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    elementwise(g, u, |g, u| g / (1.0 + (-g).exp()) * u)
+}
+
+/// `f` of each pair of elements of `a` and `b` (same shape), on rayon's pool (the CPU
+/// forward's; the GPU forward has its own kernels).
+fn elementwise(a: &Tensor, b: &Tensor, f: impl Fn(f32, f32) -> f32 + Sync) -> Result<Tensor> {
+    use rayon::prelude::*;
+    if a.shape() != b.shape() {
+        return Err(WorkerError::Config {
+            field: "(element-wise op)".to_owned(),
+            reason: format!("shapes {:?} and {:?}", a.shape(), b.shape()),
+        });
+    }
+    let mut xs = a.flatten_all()?.to_vec1::<f32>()?;
+    let ys = b.flatten_all()?.to_vec1::<f32>()?;
+    xs.par_chunks_mut(ELEMWISE_CHUNK)
+        .zip(ys.par_chunks(ELEMWISE_CHUNK))
+        .for_each(|(xs, ys)| {
+            for (x, &y) in xs.iter_mut().zip(ys) {
+                *x = f(*x, y);
+            }
+        });
+    Ok(Tensor::from_vec(xs, a.shape(), a.device())?)
 }
 
 /// `cos`/`sin` of `pos * theta^(-2i/head_dim)`, `[max_context_tokens][head_dim / 2]`, in the

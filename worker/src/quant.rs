@@ -8,8 +8,9 @@
 //! about 1e-4 of the f32 product of the dequantized weights, so the model's logits follow an
 //! f32 reference closely (scripts/tests/test_gguf_reference.py). The loops are plain Rust compiled a second time with AVX2
 //! enabled, chosen at run time; each token's rows are split across rayon's pool. From
-//! `DEQUANTIZE_FROM_TOKENS` tokens on (prefill) the matrix is dequantized for the call and
-//! multiplied in f32 instead.
+//! `DEQUANTIZE_FROM_TOKENS` tokens on (prefill) the matrix is dequantized and multiplied in
+//! f32 instead: strip by strip into [`crate::gemm`]'s AVX-512 kernel where the CPU has it,
+//! else whole, by candle's f32 matmul.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
@@ -117,6 +118,13 @@ impl QuantMatrix {
             });
         }
         if t >= DEQUANTIZE_FROM_TOKENS {
+            if crate::gemm::available() {
+                let xs = x.flatten_all()?.to_vec1::<f32>()?;
+                let pack = |first: usize, panel: &mut [f32]| self.pack_panel(first, panel);
+                if let Some(y) = crate::gemm::matmul(&xs, t, cols, self.rows, pack) {
+                    return Ok(Tensor::from_vec(y, (t, self.rows), &Device::Cpu)?);
+                }
+            }
             return Ok(x.matmul(&self.dequantize()?.t()?)?);
         }
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
@@ -161,6 +169,36 @@ impl QuantMatrix {
             }
         }
         Ok(Tensor::from_vec(w, (self.rows, self.cols), &Device::Cpu)?)
+    }
+
+    /// Rows `first..first + gemm::NR` dequantized into `panel` (`[cols][NR]`: value `p` of
+    /// row `first + r` at `p * NR + r`), zeros for rows past the last.
+    fn pack_panel(&self, first: usize, panel: &mut [f32]) {
+        use crate::gemm::NR;
+        let kb = self.cols / BLOCK;
+        panel.fill(0.0);
+        for r in 0..NR.min(self.rows.saturating_sub(first)) {
+            let row = first + r;
+            for b in 0..kb {
+                let i = row * kb + b;
+                let base = b * BLOCK * NR + r;
+                match &self.blocks {
+                    Blocks::Q4_1 { scales, nibbles } => {
+                        let ((d, m), qs) = (scales[i], &nibbles[i]);
+                        for (j, &q) in qs.iter().enumerate() {
+                            panel[base + j * NR] = d * f32::from(q & 15) + m;
+                            panel[base + (j + 16) * NR] = d * f32::from(q >> 4) + m;
+                        }
+                    }
+                    Blocks::Q8_0 { scales, q } => {
+                        let d = scales[i];
+                        for (j, &v) in q[i].iter().enumerate() {
+                            panel[base + j * NR] = d * f32::from(v);
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// Rows `first..first + dst.len() / t` for the `t = act.len() / blocks per row` tokens of
@@ -290,6 +328,8 @@ mod tests {
             (64, 576, 17),
             (33, 1536, 31),
             (33, 1536, 40),
+            (70, 576, 45),
+            (100, 64, 130),
         ] {
             check(GgmlDType::Q4_1, rows, cols, t);
             check(GgmlDType::Q8_0, rows, cols, t);

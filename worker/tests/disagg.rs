@@ -45,6 +45,8 @@ async fn agent(name: &str) -> Result<Arc<Agent>> {
 struct PrefillWorker {
     url: String,
     server: Arc<PrefillServer>,
+    /// The engine the server runs its forwards on.
+    engine: Arc<Mutex<Engine>>,
     task: JoinHandle<()>,
 }
 
@@ -52,18 +54,20 @@ impl PrefillWorker {
     async fn start() -> Result<Self> {
         let agent = agent("prefill").await?;
         let engine = engine_in_agent(Model::random(cfg(), SEED)?, POOL_BLOCKS, &agent)?;
-        let server = PrefillServer::new(
-            Arc::new(Mutex::new(engine)),
-            agent,
-            PrefillConfig::default(),
-        )?;
+        let engine = Arc::new(Mutex::new(engine));
+        let server = PrefillServer::new(Arc::clone(&engine), agent, PrefillConfig::default())?;
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let url = format!("http://{}", listener.local_addr()?);
         let app = prefill_router(Arc::clone(&server));
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
-        Ok(Self { url, server, task })
+        Ok(Self {
+            url,
+            server,
+            engine,
+            task,
+        })
     }
 
     /// Kills it: the listener closes and the agent goes with the server.
@@ -372,9 +376,11 @@ async fn a_hung_or_failing_prefill_worker_means_a_local_prefill_and_fenced_block
         ensure!(g.generation.tokens == want);
         ensure!(pw.server.stats().failed == 1);
 
-        // A decode worker that gives up while the prefill worker is mid-forward hangs up on
-        // it; the prefill request still runs to its end (writes, then its source blocks
-        // freed) and is counted, and the decode worker's output is a single worker's.
+        // A decode worker that gives up while the prefill worker is busy hangs up on it; the
+        // prefill request still runs to its end (writes, then its source blocks freed) and is
+        // counted, and the decode worker's output is a single worker's. The prefill worker's
+        // engine is held for 600 ms from another thread (as another request's forward would),
+        // so the 150 ms timeout hits however fast the forward itself is.
         let long = byte_prompt(6, 1000);
         let d = decoder_with(
             |c| c.request_timeout = Duration::from_millis(150),
@@ -382,7 +388,20 @@ async fn a_hung_or_failing_prefill_worker_means_a_local_prefill_and_fenced_block
             BackendKind::Tcp,
         )
         .await?;
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let engine = Arc::clone(&pw.engine);
+        let holder = std::thread::spawn(move || {
+            let _busy = engine.lock();
+            let _ = held_tx.send(());
+            std::thread::sleep(Duration::from_millis(600));
+        });
+        held_rx
+            .recv_timeout(Duration::from_secs(10))
+            .context("the engine was never taken")?;
         let g = d.generate(long.clone(), 4, Sampling::GREEDY).await?;
+        holder
+            .join()
+            .map_err(|_| anyhow::anyhow!("the holding thread panicked"))?;
         ensure!(
             matches!(g.path, PrefillPath::Fallback { .. }),
             "{:?}",

@@ -114,3 +114,40 @@ async fn gguf_prefix_from_kvtier_equals_recompute() -> Result<()> {
     server.shutdown().await;
     Ok(())
 }
+
+/// A long prompt prefilled in chunks (the prefill GEMM and blocked attention kernels where the
+/// CPU runs them) gives the logits of the same prompt fed one token at a time (the decode
+/// kernel and candle's attention, which scripts/tests/test_gguf_reference.py checks against a
+/// float32 reference).
+#[test]
+fn gguf_chunked_prefill_equals_token_by_token() -> Result<()> {
+    let gguf = gguf_path()?;
+    let (model, tok) = load_pretrained(&gguf, 16)?;
+    let mut ids = Vec::new();
+    while ids.len() < 300 {
+        ids.extend(tok.encode(PROMPT, true)?);
+    }
+    ids.truncate(300);
+    let mut e = Engine::new(model, 2 * ids.len().div_ceil(16) + 2)?;
+    // Chunks of 128 then the rest, each after a cached prefix.
+    let mut chunked = kvtier_worker::BlockTable::new();
+    let mut want = Vec::new();
+    for (start, end) in [(0, 128), (128, 256), (256, ids.len())] {
+        want = e.prefill(&ids[..end], start, &mut chunked)?;
+    }
+    let mut one = kvtier_worker::BlockTable::new();
+    let mut got = Vec::new();
+    for i in 0..ids.len() {
+        got = e.prefill(&ids[..=i], i, &mut one)?;
+    }
+    let diff = want
+        .iter()
+        .zip(&got)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    ensure!(diff <= 0.05, "largest logit difference {diff}");
+    ensure!(
+        kvtier_worker::model::argmax(&want) == kvtier_worker::model::argmax(&got),
+        "greedy tokens differ"
+    );
+    Ok(())
+}
