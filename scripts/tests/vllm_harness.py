@@ -179,7 +179,7 @@ class Engine:
             start_new_session=True,
             env={**os.environ, **(env or {})},
         )
-        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._lines: queue.Queue[dict | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         ready = self._next(start_timeout)
         if not ready.get("ready"):
@@ -188,8 +188,12 @@ class Engine:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            if line.startswith("{"):
-                self._lines.put(line)
+            if not line.startswith("{"):
+                continue
+            try:
+                self._lines.put(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # something else vLLM (or a connector) printed
         self._lines.put(None)
 
     def _next(self, timeout: float) -> dict:
@@ -201,7 +205,7 @@ class Engine:
         if line is None:
             code = self.proc.wait(timeout=30)
             raise RuntimeError(f"vLLM engine exited with {code}")
-        return json.loads(line)
+        return line
 
     def ask(
         self,
