@@ -12,7 +12,8 @@ line on stdin:
           "seconds": wall}
 
 Greedy decoding. ``cached`` is vLLM's ``num_cached_tokens`` (local prefix-cache hits plus
-tokens the connector loaded). EOF on stdin ends the process.
+tokens the connector loaded). EOF on stdin ends the process. ``--reply-fd N`` sends the replies
+to file descriptor N instead of stdout (vLLM's processes log to stdout).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def main() -> int:
     ap.add_argument("--kv-space-gib", default=None, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
+    ap.add_argument(
+        "--reply-fd", type=int, help="write the JSON replies to this fd (default: stdout)"
+    )
     args = ap.parse_args()
     for k, v in VLLM_ENV.items():
         os.environ.setdefault(k, v)
@@ -80,7 +84,13 @@ def main() -> int:
         disable_log_stats=True,
         **kw,
     )
-    print(json.dumps({"ready": True, "start_s": time.perf_counter() - t0}), flush=True)
+    reply = sys.stdout if args.reply_fd is None else os.fdopen(args.reply_fd, "w")
+
+    def answer(obj: dict) -> None:
+        reply.write(json.dumps(obj) + "\n")
+        reply.flush()
+
+    answer({"ready": True, "start_s": time.perf_counter() - t0})
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -115,7 +125,7 @@ def main() -> int:
                     "ttft_s": ttft,
                 }
             )
-        print(json.dumps({"outputs": res, "seconds": wall}), flush=True)
+        answer({"outputs": res, "seconds": wall})
     return 0
 
 

@@ -170,15 +170,24 @@ class Engine:
             args.append("--prefix-caching")
         if kv_space_gib:
             args += ["--kv-space-gib", kv_space_gib]
-        self.proc = subprocess.Popen(
-            args,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=stderr or sys.stderr,
-            text=True,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
+        # Replies come on a pipe of their own: vLLM's processes write logs and progress bars
+        # (some without a newline) to stdout, which would interleave with them.
+        rfd, wfd = os.pipe()
+        args += ["--reply-fd", str(wfd)]
+        try:
+            self.proc = subprocess.Popen(
+                args,
+                stdin=subprocess.PIPE,
+                stdout=stderr or sys.stderr,
+                stderr=stderr or sys.stderr,
+                text=True,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
+                pass_fds=(wfd,),
+            )
+        finally:
+            os.close(wfd)
+        self._replies = os.fdopen(rfd, "r", encoding="utf-8")
         self._lines: queue.Queue[dict | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         ready = self._next(start_timeout)
@@ -186,14 +195,8 @@ class Engine:
             raise RuntimeError(f"vLLM engine did not start: {ready}")
 
     def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if not line.startswith("{"):
-                continue
-            try:
-                self._lines.put(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # something else vLLM (or a connector) printed
+        for line in self._replies:
+            self._lines.put(json.loads(line))
         self._lines.put(None)
 
     def _next(self, timeout: float) -> dict:
