@@ -53,7 +53,7 @@ def serve(model: Path, port: int, blocks: int, kv: dict | None) -> subprocess.Po
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "bfloat16", "--max-model-len", "8192", "--enforce-eager",
+        "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager",
         "--max-num-seqs", "8", "--num-gpu-blocks-override", str(blocks),
     ]  # fmt: skip
     if kv:
