@@ -173,17 +173,27 @@ fn metrics_pass_promtool_check() -> Result<()> {
             ))?;
             assert_eq!(resp.status, 200, "{}", resp.text());
             for (role, addr) in [("prefill", paddr), ("decode", daddr)] {
-                let m = http(HttpRequest::get(format!("http://{addr}/metrics")))?;
-                assert_eq!(m.status, 200);
-                assert_eq!(
-                    m.content_type.as_deref(),
-                    Some("text/plain; version=0.0.4; charset=utf-8")
-                );
-                let text = m.text();
                 let family = if role == "decode" {
                     "kvtier_worker_disagg_prefills_total{path=\"remote\"} 1"
                 } else {
                     "kvtier_worker_disagg_prefill_served_total 1"
+                };
+                // The decode worker answers once every layer's notification is in, which can
+                // be before the prefill worker's task has counted the request as served: poll
+                // for the count, for a bounded time.
+                let deadline = Instant::now() + Duration::from_secs(10);
+                let text = loop {
+                    let m = http(HttpRequest::get(format!("http://{addr}/metrics")))?;
+                    assert_eq!(m.status, 200);
+                    assert_eq!(
+                        m.content_type.as_deref(),
+                        Some("text/plain; version=0.0.4; charset=utf-8")
+                    );
+                    let text = m.text();
+                    if text.contains(family) || Instant::now() >= deadline {
+                        break text;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
                 };
                 assert!(text.contains(family), "{role}: no {family} in\n{text}");
                 check_metrics(&text).map_err(|e| anyhow::anyhow!("{role} worker: {e}"))?;
