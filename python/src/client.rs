@@ -16,7 +16,7 @@ use pyo3::types::{PyBytes, PyList};
 use crate::buffer::{Access, HeldBuffer, check_disjoint};
 use crate::events::EventStream;
 use crate::hashing::{key_from_py, keys_from_py};
-use crate::pages::{KvPages, gather, scatter};
+use crate::pages::KvPages;
 use crate::results::{Fetch, Lookup, Stored, miss_parts, tier_names};
 
 /// Worker threads of each client's runtime: they read responses and events; the calls
@@ -318,9 +318,7 @@ impl Client {
     ) -> PyResult<Fetch> {
         let keys = keys_from_py(keys)?;
         self.check_pages(keys.len(), &page_ids, pages)?;
-        let ranges = pages.ranges(&page_ids)?;
-        KvPages::check_disjoint(&ranges)?;
-        let per = pages.region_count();
+        pages.check_pages(&page_ids, true)?;
         let block = self.client.block_bytes();
         let f = py.detach(|| {
             let _held = pages.lock();
@@ -337,10 +335,10 @@ impl Client {
                         }
                     };
                     for i in 0..pinned.len() {
-                        // SAFETY: the ranges lie in buffers `_held` keeps held and writable,
-                        // are pairwise disjoint (checked above) and cannot overlap the
-                        // server's arena, which Python code never sees.
-                        unsafe { scatter(pinned.block(i), &ranges[i * per..(i + 1) * per]) };
+                        // SAFETY: `_held` is the pages' lock, the page ids were checked for
+                        // writing, and the server's arena, which Python code never sees, cannot
+                        // overlap the pages' buffers.
+                        unsafe { pages.copy_in(pinned.block(i), &page_ids[i..=i]) };
                     }
                     // Dropped inside the runtime: the release goes out at once.
                     SdkFetch {
@@ -355,7 +353,7 @@ impl Client {
                 let f = self.rt.block_on(self.client.get_into(&keys, &mut dst));
                 let n = f.blocks.min(keys.len());
                 // SAFETY: as above; `scratch` is our own allocation.
-                unsafe { scatter(&scratch[..n * block], &ranges[..n * per]) };
+                unsafe { pages.copy_in(&scratch[..n * block], &page_ids[..n]) };
                 f
             }
         });
@@ -376,14 +374,15 @@ impl Client {
         let keys = keys_from_py(keys)?;
         let parent = parent.map(|p| key_from_py(p, "parent")).transpose()?;
         self.check_pages(keys.len(), &page_ids, pages)?;
-        let ranges = pages.ranges(&page_ids)?;
+        pages.check_pages(&page_ids, false)?;
         let block = self.client.block_bytes();
         let s = py.detach(|| {
             let mut scratch = vec![0u8; keys.len() * block];
             {
                 let _held = pages.lock();
-                // SAFETY: the ranges lie in buffers `_held` keeps held; `scratch` is ours.
-                unsafe { gather(&ranges, &mut scratch) };
+                // SAFETY: `_held` is the pages' lock, the page ids were checked, and `scratch`
+                // is ours.
+                unsafe { pages.copy_out(&page_ids, &mut scratch) };
             }
             let bufs: Vec<&[u8]> = scratch.chunks(block.max(1)).collect();
             self.rt

