@@ -1,14 +1,21 @@
 """CPU torch tensors as caller buffers (viewed as bytes, no copy). Runs where torch is
-installed (the vLLM environment); elsewhere pytest reports it skipped, with the reason."""
+installed: scripts/test-vllm.sh runs it in the vLLM environment with KVTIER_REQUIRE_TORCH=1
+(then a missing torch fails); python/run-tests.sh's venv has no torch and pytest reports it
+skipped, with the reason."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 from conftest import BLOCK, fresh_keys
 
 import kvtier
 
-torch = pytest.importorskip("torch", reason="torch is not installed in this environment")
+if os.environ.get("KVTIER_REQUIRE_TORCH") == "1":
+    import torch
+else:
+    torch = pytest.importorskip("torch", reason="torch is not installed in this environment")
 
 
 def test_bf16_tensors_round_trip_without_copies(unix_client, tcp_client) -> None:
