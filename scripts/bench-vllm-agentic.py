@@ -70,9 +70,10 @@ def main() -> int:
         ]  # fmt: skip
         print("$", " ".join(cmd), flush=True)
         code = subprocess.run(cmd, check=False).returncode
-        stats = work / "serve.worker.json"
-        if stats.exists():
-            print("kvtier connector (worker):", stats.read_text(), flush=True)
+        for side in ("scheduler", "worker"):
+            stats = work / f"serve.{side}.json"
+            if stats.exists():
+                print(f"kvtier connector ({side}):", stats.read_text(), flush=True)
         return code
     finally:
         for api in servers:
