@@ -91,6 +91,7 @@ fn demo_defaults(args: &ServerDemoArgs, c: &mut ServerConfig) -> Result<()> {
         ))?
         .set("server.tcp=\"127.0.0.1:0\"")?
         .set("server.quic=\"127.0.0.1:0\"")?
+        .set("server.tls=\"127.0.0.1:0\"")?
         .set("server.admin=\"127.0.0.1:0\"")?
         .set("store.dram_bytes=\"512MiB\"")?
         .set(&format!("store.nvme_bytes=\"{nvme_mib}MiB\""))?;
@@ -101,6 +102,7 @@ fn demo_defaults(args: &ServerDemoArgs, c: &mut ServerConfig) -> Result<()> {
     c.server.runtime_dir = d.server.runtime_dir;
     c.server.tcp = d.server.tcp;
     c.server.quic = d.server.quic;
+    c.server.tls = d.server.tls;
     c.server.admin = d.server.admin;
     if args.dram_bytes.is_none() {
         c.store.dram_bytes = d.store.dram_bytes;

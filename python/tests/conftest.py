@@ -87,6 +87,7 @@ def start_server(directory: Path) -> Server:
         f'server.runtime_dir="{directory / "run"}"',
         'server.tcp="127.0.0.1:0"',
         'server.quic="127.0.0.1:0"',
+        'server.tls="127.0.0.1:0"',
         'server.admin="127.0.0.1:0"',
         f'server.token="{TOKEN}"',
         'store.dram_bytes="4MiB"',
