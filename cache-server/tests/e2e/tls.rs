@@ -295,3 +295,62 @@ fn plain_tcp_off_loopback_needs_tcp_plaintext() {
             c.ping().await.unwrap();
         }));
 }
+
+/// A rustls client trusting the server's certificate, offering `alpn`.
+fn raw_tls(srv: &ServerProc, alpn: &[&[u8]]) -> tokio_rustls::TlsConnector {
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls::pki_types::CertificateDer::from(srv.cert()))
+        .unwrap();
+    let mut c = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    c.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    tokio_rustls::TlsConnector::from(Arc::new(c))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alpn_is_kvtier_and_a_silent_tls_client_is_cut_at_the_hello_deadline() {
+    let srv = ServerProc::start(&["limits.hello_timeout_ms=1000"]);
+    bounded(60, async {
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        // Another protocol only: refused in the handshake.
+        let tcp = TcpStream::connect(srv.tls).await.unwrap();
+        let e = raw_tls(&srv, &[b"h2"])
+            .connect(name.clone(), tcp)
+            .await
+            .err()
+            .expect("a handshake offering only h2");
+        assert!(e.to_string().contains("NoApplicationProtocol"), "{e}");
+        // kvtier/1 is chosen; then a client that says nothing is closed at the hello
+        // deadline, which the handshake's time counts against.
+        let started = Instant::now();
+        let tcp = TcpStream::connect(srv.tls).await.unwrap();
+        let mut s = raw_tls(&srv, &[b"other", kvtier_core::protocol::TLS_ALPN])
+            .connect(name, tcp)
+            .await
+            .unwrap();
+        assert_eq!(
+            s.get_ref().1.alpn_protocol(),
+            Some(kvtier_core::protocol::TLS_ALPN)
+        );
+        let mut b = [0u8; 1];
+        let end = tokio::time::timeout(Duration::from_secs(5), s.read(&mut b)).await;
+        assert!(
+            matches!(end, Ok(Ok(0)) | Ok(Err(_))),
+            "still open after its hello deadline: {end:?}"
+        );
+        let took = started.elapsed();
+        assert!(
+            (Duration::from_millis(900)..Duration::from_secs(3)).contains(&took),
+            "{took:?}"
+        );
+        assert_eq!(srv.stats().await["connections_pre_hello"], 0);
+        assert!(metric(&srv, "kvtier_timeouts_total").await >= 1);
+    })
+    .await;
+}
