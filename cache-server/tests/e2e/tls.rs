@@ -323,8 +323,7 @@ async fn alpn_is_kvtier_and_a_silent_tls_client_is_cut_at_the_hello_deadline() {
         let e = raw_tls(&srv, &[b"h2"])
             .connect(name.clone(), tcp)
             .await
-            .err()
-            .expect("a handshake offering only h2");
+            .expect_err("a handshake offering only h2");
         assert!(e.to_string().contains("NoApplicationProtocol"), "{e}");
         // kvtier/1 is chosen; then a client that says nothing is closed at the hello
         // deadline, which the handshake's time counts against.
