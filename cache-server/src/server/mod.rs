@@ -1,6 +1,6 @@
-//! The sidecar daemon: listeners (Unix socket, TCP, TLS over TCP, QUIC), the connection handler (the only
-//! module that knows the wire format), the block event stream, metrics and the HTTP admin
-//! port. See `docs/protocol.md` and `docs/operations.md`.
+//! The sidecar daemon: listeners (Unix socket, TCP, TLS over TCP, QUIC), the connection
+//! handler (the only module that knows the wire format), the block event stream, metrics and
+//! the HTTP admin port. See `docs/protocol.md` and `docs/operations.md`.
 
 mod admin;
 mod brakes;
