@@ -193,6 +193,7 @@ async fn start(
         ))?
         .set("server.tcp=\"off\"")?
         .set("server.quic=\"off\"")?
+        .set("server.tls=\"off\"")?
         .set("server.admin=\"off\"")?
         .set(&format!("store.dram_bytes={}", q(dram)))?
         .set("store.nvme_dir=\"\"")?

@@ -1,6 +1,6 @@
 //! `kvtier-bench server-demo`: the server's demonstration. Starts a kvtier server in this
 //! process (small tiers, ephemeral ports, its own runtime directory), plays an inference worker
-//! against it through the SDK over every transport (unix zero-copy, TCP, QUIC; a wrong token
+//! against it through the SDK over every transport (unix zero-copy, TCP, TLS, QUIC; a wrong token
 //! refused; another tenant's salt missing), subscribes to block events, reads the admin
 //! `/metrics`, then restarts the server to show the NVMe tier keeping the cache warm, and
 //! exits. Every block fetched is verified ([`crate::replay::payload`]).
@@ -91,6 +91,7 @@ fn demo_defaults(args: &ServerDemoArgs, c: &mut ServerConfig) -> Result<()> {
         ))?
         .set("server.tcp=\"127.0.0.1:0\"")?
         .set("server.quic=\"127.0.0.1:0\"")?
+        .set("server.tls=\"127.0.0.1:0\"")?
         .set("server.admin=\"127.0.0.1:0\"")?
         .set("store.dram_bytes=\"512MiB\"")?
         .set(&format!("store.nvme_bytes=\"{nvme_mib}MiB\""))?;
@@ -101,6 +102,7 @@ fn demo_defaults(args: &ServerDemoArgs, c: &mut ServerConfig) -> Result<()> {
     c.server.runtime_dir = d.server.runtime_dir;
     c.server.tcp = d.server.tcp;
     c.server.quic = d.server.quic;
+    c.server.tls = d.server.tls;
     c.server.admin = d.server.admin;
     if args.dram_bytes.is_none() {
         c.store.dram_bytes = d.store.dram_bytes;
@@ -165,8 +167,9 @@ async fn demo(config: ServerConfig, blocks: usize) -> Result<()> {
     let e = server.endpoints().clone();
     let show = |a: Option<std::net::SocketAddr>| a.map_or("off".to_string(), |a| a.to_string());
     println!(
-        "server up: tcp={} quic={} admin={}",
+        "server up: tcp={} tls={} quic={} admin={}",
         show(e.tcp),
+        show(e.tls),
         show(e.quic),
         show(e.admin)
     );
@@ -243,11 +246,18 @@ async fn demo(config: ServerConfig, blocks: usize) -> Result<()> {
             ClientConfig::default().token(&e.token),
         ),
         (
+            "tls ",
+            e.tls.map(|a| format!("tls://{a}")),
+            ClientConfig::default()
+                .token(&e.token)
+                .server_cert_der(e.quic_cert_der.clone()),
+        ),
+        (
             "quic",
             e.quic.map(|a| format!("quic://{a}")),
             ClientConfig::default()
                 .token(&e.token)
-                .quic_cert_der(e.quic_cert_der.clone()),
+                .server_cert_der(e.quic_cert_der.clone()),
         ),
     ] {
         let Some(url) = url else { continue };

@@ -23,16 +23,20 @@ struct Args {
     /// Unix socket path ("off" to disable).
     #[arg(long)]
     unix: Option<String>,
-    /// TCP listen address ("off" to disable).
+    /// Plain TCP listen address ("off" to disable; loopback only unless
+    /// server.tcp_plaintext = true).
     #[arg(long)]
     tcp: Option<String>,
+    /// TLS-over-TCP listen address ("off" to disable).
+    #[arg(long)]
+    tls: Option<String>,
     /// QUIC listen address ("off" to disable).
     #[arg(long)]
     quic: Option<String>,
     /// HTTP admin address ("off" to disable).
     #[arg(long)]
     admin: Option<String>,
-    /// Token for TCP and QUIC clients.
+    /// Token for TCP, TLS and QUIC clients.
     #[arg(long)]
     token: Option<String>,
     /// DRAM tier size (e.g. 4GiB, or auto).
@@ -63,6 +67,7 @@ fn load_config(args: &Args) -> Result<ServerConfig> {
     for (key, v) in [
         ("server.unix", &args.unix),
         ("server.tcp", &args.tcp),
+        ("server.tls", &args.tls),
         ("server.quic", &args.quic),
         ("server.admin", &args.admin),
         ("server.token", &args.token),
@@ -124,13 +129,14 @@ async fn serve(config: ServerConfig) -> Result<()> {
     // One machine-readable line (tests and scripts parse it).
     let show = |a: Option<std::net::SocketAddr>| a.map_or("off".to_string(), |a| a.to_string());
     println!(
-        "listening unix={} tcp={} quic={} admin={}",
+        "listening unix={} tcp={} quic={} admin={} tls={}",
         e.unix
             .as_ref()
             .map_or("off".into(), |p| p.display().to_string()),
         show(e.tcp),
         show(e.quic),
-        show(e.admin)
+        show(e.admin),
+        show(e.tls)
     );
     use std::io::Write;
     let _ = std::io::stdout().flush();
@@ -148,7 +154,10 @@ fn print_endpoints(e: &kvtier_server::server::Endpoints) {
         println!("  unix  unix://{}  (local workers; zero-copy)", p.display());
     }
     if let Some(a) = e.tcp {
-        println!("  tcp   tcp://{a}  (token required)");
+        println!("  tcp   tcp://{a}  (token required; plain text)");
+    }
+    if let Some(a) = e.tls {
+        println!("  tls   tls://{a}  (token required; TLS)");
     }
     if let Some(a) = e.quic {
         println!("  quic  quic://{a}  (token required; TLS)");
@@ -160,6 +169,9 @@ fn print_endpoints(e: &kvtier_server::server::Endpoints) {
         println!("  token file {} (mode 0600)", t.display());
     }
     if let Some(c) = &e.quic_cert_file {
-        println!("  QUIC certificate {} (clients pin it)", c.display());
+        println!(
+            "  certificate of QUIC and TLS {} (clients pin it)",
+            c.display()
+        );
     }
 }

@@ -198,6 +198,15 @@ impl Conn {
                 let (r, w) = s.into_split();
                 (Box::new(r), Box::new(w), reply, Vec::new())
             }
+            Endpoint::Tls { addr, server_name } => {
+                let mut s = crate::tls::connect(addr, server_name, cfg).await?;
+                s.write_all(&hello_frame).await.map_err(ClientError::Io)?;
+                let mut reply = vec![0u8; HEADER_BYTES];
+                s.read_exact(&mut reply).await.map_err(ClientError::Io)?;
+                read_rest(&mut s, &mut reply).await?;
+                let (r, w) = tokio::io::split(s);
+                (Box::new(r), Box::new(w), reply, Vec::new())
+            }
             Endpoint::Quic { addr, server_name } => {
                 let (mut send, mut recv) = crate::quic::connect(addr, server_name, cfg).await?;
                 AsyncWriteExt::write_all(&mut send, &hello_frame)

@@ -6,7 +6,8 @@ use kvtier_core::protocol::{ErrorCode, ErrorReply, FrameError};
 #[non_exhaustive]
 pub enum ClientError {
     #[error(
-        "bad server address {0:?} (expected unix:///path, tcp://host:port or quic://host:port)"
+        "bad server address {0:?} (expected unix:///path, tcp://host:port, tls://host:port or \
+         quic://host:port)"
     )]
     BadUrl(String),
     #[error("cannot connect: {0}")]

@@ -39,8 +39,10 @@
 //! Addresses: `unix:///path/to/kvtier.sock` (local; with [`ClientConfig::zero_copy`] the
 //! client maps the server's DRAM arena read-only and reads blocks from it in place, and
 //! writes the blocks it puts into a staging region of its own that the server copies from),
-//! `tcp://host:port` and
-//! `quic://host:port` (both need [`ClientConfig::token`]; QUIC also the server's certificate).
+//! `tcp://host:port` (plain text: for loopback, or a network the operator trusts),
+//! `tls://host:port` (TLS over TCP) and `quic://host:port`. The network transports need
+//! [`ClientConfig::token`]; the encrypted ones (TLS, QUIC) also the server's certificate,
+//! or its CA's ([`ClientConfig::server_cert_der`]): there are no system roots.
 //!
 //! Every call has a timeout. A connection that fails is reopened on the next call (after
 //! [`ClientConfig::reconnect_backoff`]; until then calls answer at once with a miss).
@@ -54,6 +56,7 @@ mod conn;
 mod error;
 pub mod http;
 mod quic;
+mod tls;
 
 pub use quic::transport as quic_transport;
 
@@ -77,12 +80,16 @@ const BUSY_RETRIES: u32 = 3;
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct ClientConfig {
-    /// Token for TCP and QUIC servers. Default: `KVTIER_TOKEN` from the environment, if set.
+    /// Token for TCP, TLS and QUIC servers. Default: `KVTIER_TOKEN` from the environment,
+    /// if set.
     pub token: Option<String>,
-    /// The server's QUIC certificate (DER) to trust. Default: none (QUIC refused).
-    pub quic_cert_der: Option<Vec<u8>>,
-    /// Name the QUIC certificate must carry. Default: "localhost".
-    pub quic_server_name: String,
+    /// The certificate (DER) `tls://` and `quic://` trust: the server's own (pinned; a
+    /// server with a generated one writes it to `<runtime_dir>/quic-cert.der`), or the CA
+    /// certificate that issued it. The only one trusted: there are no system roots.
+    /// Default: none (TLS and QUIC refused, saying so).
+    pub server_cert_der: Option<Vec<u8>>,
+    /// Name the server's certificate must carry (TLS and QUIC). Default: "localhost".
+    pub server_name: String,
     /// Deadline of every call. Default: 5 s.
     pub timeout: Duration,
     /// Deadline of a connect and hello. Default: 2 s.
@@ -105,8 +112,8 @@ impl Default for ClientConfig {
     fn default() -> Self {
         Self {
             token: std::env::var("KVTIER_TOKEN").ok().filter(|t| !t.is_empty()),
-            quic_cert_der: None,
-            quic_server_name: "localhost".into(),
+            server_cert_der: None,
+            server_name: "localhost".into(),
             timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(2),
             reconnect_backoff: Duration::from_secs(1),
@@ -123,8 +130,19 @@ impl ClientConfig {
         self.token = Some(t.into());
         self
     }
-    pub fn quic_cert_der(mut self, der: Vec<u8>) -> Self {
-        self.quic_cert_der = Some(der);
+    /// Sets [`ClientConfig::server_cert_der`].
+    pub fn server_cert_der(mut self, der: Vec<u8>) -> Self {
+        self.server_cert_der = Some(der);
+        self
+    }
+    /// The former name of [`ClientConfig::server_cert_der`] (the certificate serves QUIC
+    /// and TLS alike).
+    pub fn quic_cert_der(self, der: Vec<u8>) -> Self {
+        self.server_cert_der(der)
+    }
+    /// Sets [`ClientConfig::server_name`].
+    pub fn server_name(mut self, name: impl Into<String>) -> Self {
+        self.server_name = name.into();
         self
     }
     pub fn timeout(mut self, t: Duration) -> Self {
@@ -149,6 +167,7 @@ impl ClientConfig {
 pub(crate) enum Endpoint {
     Unix(PathBuf),
     Tcp(String),
+    Tls { addr: String, server_name: String },
     Quic { addr: String, server_name: String },
 }
 
@@ -171,10 +190,16 @@ impl Endpoint {
         if let Some(r) = url.strip_prefix("tcp://") {
             return Ok(Endpoint::Tcp(hostport(r)?));
         }
+        if let Some(r) = url.strip_prefix("tls://") {
+            return Ok(Endpoint::Tls {
+                addr: hostport(r)?,
+                server_name: cfg.server_name.clone(),
+            });
+        }
         if let Some(r) = url.strip_prefix("quic://") {
             return Ok(Endpoint::Quic {
                 addr: hostport(r)?,
-                server_name: cfg.quic_server_name.clone(),
+                server_name: cfg.server_name.clone(),
             });
         }
         Err(bad())
@@ -1087,12 +1112,21 @@ mod tests {
             Endpoint::parse("quic://localhost:7451/", &c).unwrap(),
             Endpoint::Quic { .. }
         ));
+        assert_eq!(
+            Endpoint::parse("tls://10.0.0.1:7453/", &c.clone().server_name("kv.example")).unwrap(),
+            Endpoint::Tls {
+                addr: "10.0.0.1:7453".into(),
+                server_name: "kv.example".into()
+            }
+        );
         for bad in [
             "",
             "http://x:1",
             "tcp://nohost",
             "tcp://:80",
             "tcp://h:99999",
+            "tls://nohost",
+            "tls://h:0x1",
             "unix://",
         ] {
             let e = Endpoint::parse(bad, &c).unwrap_err();

@@ -1,5 +1,6 @@
 //! QUIC transport: one bidirectional stream per client connection, TLS with the server's
-//! certificate pinned (from the server's runtime directory, or configured).
+//! certificate pinned (from the server's runtime directory, or configured): the trust of
+//! [`crate::tls::roots`], which `tls://` shares.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -12,15 +13,7 @@ pub(crate) async fn connect(
     server_name: &str,
     cfg: &ClientConfig,
 ) -> Result<(quinn::SendStream, quinn::RecvStream), ClientError> {
-    let Some(der) = &cfg.quic_cert_der else {
-        return Err(ClientError::Connect(
-            "quic needs the server's certificate (ClientConfig::quic_cert_der)".into(),
-        ));
-    };
-    let mut roots = rustls::RootCertStore::empty();
-    roots
-        .add(rustls::pki_types::CertificateDer::from(der.clone()))
-        .map_err(|e| ClientError::Connect(format!("server certificate: {e}")))?;
+    let roots = crate::tls::roots(cfg, "quic")?;
     let mut qc = quinn::ClientConfig::with_root_certificates(Arc::new(roots))
         .map_err(|e| ClientError::Connect(format!("tls: {e}")))?;
     qc.transport_config(transport());

@@ -126,7 +126,7 @@ class KvtierSettings:
         if not url:
             raise ValueError(
                 "kvtier connector: kv_connector_extra_config needs 'url' "
-                "(unix:///path/kvtier.sock, tcp://host:port or quic://host:port), "
+                "(unix:///path/kvtier.sock, tcp://host:port, tls://host:port or quic://host:port), "
                 "or set KVTIER_URL"
             )
         token_file = extra.pop("token_file", None)

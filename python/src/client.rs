@@ -137,12 +137,15 @@ fn split_blocks(held: &[HeldBuffer], block: usize) -> Vec<&[u8]> {
 
 #[pymethods]
 impl Client {
-    /// Connects to `url` ("unix:///path/kvtier.sock", "tcp://host:port", "quic://host:port")
-    /// and says hello. Raises ValueError for a malformed URL and ConnectionError when no
-    /// server answers.
+    /// Connects to `url` ("unix:///path/kvtier.sock", "tcp://host:port", "tls://host:port",
+    /// "quic://host:port") and says hello. `server_cert` (DER bytes or a file) is the
+    /// certificate `tls://` and `quic://` trust (the server's, or its CA's); `quic_cert` is
+    /// its former name, `quic_server_name` that of `server_name`. Raises ValueError for a
+    /// malformed URL or both names given, and ConnectionError when no server answers.
     #[new]
     #[pyo3(signature = (
-        url, *, token = None, quic_cert = None, quic_server_name = "localhost",
+        url, *, token = None, server_cert = None, server_name = None, quic_cert = None,
+        quic_server_name = None,
         timeout = 5.0, connect_timeout = 2.0, reconnect_backoff = 1.0, block_bytes = 0,
         zero_copy = true, lease = 10.0, name = "kvtier-python"
     ))]
@@ -151,8 +154,10 @@ impl Client {
         py: Python<'_>,
         url: &str,
         token: Option<String>,
+        server_cert: Option<&Bound<'_, PyAny>>,
+        server_name: Option<&str>,
         quic_cert: Option<&Bound<'_, PyAny>>,
-        quic_server_name: &str,
+        quic_server_name: Option<&str>,
         timeout: f64,
         connect_timeout: f64,
         reconnect_backoff: f64,
@@ -165,10 +170,26 @@ impl Client {
         if let Some(t) = token {
             cfg.token = Some(t);
         }
-        if let Some(c) = quic_cert {
-            cfg.quic_cert_der = Some(cert_der(c)?);
+        let cert = match (server_cert, quic_cert) {
+            (Some(_), Some(_)) => {
+                return Err(PyValueError::new_err(
+                    "give server_cert or quic_cert (its former name), not both",
+                ));
+            }
+            (c, q) => c.or(q),
+        };
+        if let Some(c) = cert {
+            cfg.server_cert_der = Some(cert_der(c)?);
         }
-        cfg.quic_server_name = quic_server_name.to_string();
+        match (server_name, quic_server_name) {
+            (Some(_), Some(_)) => {
+                return Err(PyValueError::new_err(
+                    "give server_name or quic_server_name (its former name), not both",
+                ));
+            }
+            (Some(n), None) | (None, Some(n)) => cfg.server_name = n.to_string(),
+            (None, None) => {}
+        }
         cfg.timeout = secs("timeout", timeout)?;
         cfg.connect_timeout = secs("connect_timeout", connect_timeout)?;
         cfg.reconnect_backoff = Duration::try_from_secs_f64(reconnect_backoff).map_err(|_| {
@@ -452,8 +473,8 @@ fn cert_der(c: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
         return Ok(b.as_bytes().to_vec());
     }
     let path: std::path::PathBuf = c.extract().map_err(|_| {
-        pyo3::exceptions::PyTypeError::new_err("quic_cert: expected DER bytes or a file path")
+        pyo3::exceptions::PyTypeError::new_err("server_cert: expected DER bytes or a file path")
     })?;
     std::fs::read(&path)
-        .map_err(|e| PyValueError::new_err(format!("quic_cert: reading {}: {e}", path.display())))
+        .map_err(|e| PyValueError::new_err(format!("server_cert: reading {}: {e}", path.display())))
 }

@@ -55,6 +55,7 @@ class Server:
     unix: str
     tcp: str
     quic: str
+    tls: str
 
     @property
     def unix_url(self) -> str:
@@ -65,11 +66,16 @@ class Server:
         return f"tcp://{self.tcp}"
 
     @property
+    def tls_url(self) -> str:
+        return f"tls://{self.tls}"
+
+    @property
     def quic_url(self) -> str:
         return f"quic://{self.quic}"
 
     @property
     def quic_cert(self) -> Path:
+        """The generated certificate QUIC and TLS present (named for QUIC, which had it first)."""
         return self.dir / "run" / "quic-cert.der"
 
     def stop(self) -> int:
@@ -87,6 +93,7 @@ def start_server(directory: Path) -> Server:
         f'server.runtime_dir="{directory / "run"}"',
         'server.tcp="127.0.0.1:0"',
         'server.quic="127.0.0.1:0"',
+        'server.tls="127.0.0.1:0"',
         'server.admin="127.0.0.1:0"',
         f'server.token="{TOKEN}"',
         'store.dram_bytes="4MiB"',
@@ -122,7 +129,7 @@ def start_server(directory: Path) -> Server:
         proc.kill()
         proc.wait(timeout=15)
         raise RuntimeError("kvtier-server did not report its endpoints within 30 s")
-    return Server(proc, directory, found["unix"], found["tcp"], found["quic"])
+    return Server(proc, directory, found["unix"], found["tcp"], found["quic"], found["tls"])
 
 
 @pytest.fixture(scope="session")

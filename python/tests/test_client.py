@@ -69,6 +69,28 @@ def test_quic_round_trip_with_the_pinned_certificate(server: Server) -> None:
     assert kvtier.Client(server.quic_url, token=TOKEN, quic_cert=der).lookup(keys).blocks == 2
 
 
+def test_tls_round_trip_with_the_pinned_certificate(server: Server) -> None:
+    c = kvtier.Client(server.tls_url, token=TOKEN, server_cert=server.quic_cert)
+    assert not c.is_local
+    keys = fresh_keys(2)
+    data = blocks(2, 9)
+    assert c.put_chain(keys, data).cached == 2
+    out = np.zeros_like(data)
+    assert c.get_into(keys, out).blocks == 2
+    np.testing.assert_array_equal(out, data)
+    # DER bytes, and the former name quic_cert, serve tls:// too.
+    der = server.quic_cert.read_bytes()
+    assert kvtier.Client(server.tls_url, token=TOKEN, quic_cert=der).lookup(keys).blocks == 2
+    # The certificate must be the server's, under the name it carries.
+    with pytest.raises(ConnectionError, match="TLS handshake"):
+        kvtier.Client(server.tls_url, token=TOKEN, server_cert=der, server_name="kv.example")
+    with pytest.raises(ConnectionError, match="server_cert_der"):
+        kvtier.Client(server.tls_url, token=TOKEN)
+    # A plaintext client on the TLS port is told what to use.
+    with pytest.raises(PermissionError, match="tls://"):
+        kvtier.Client(f"tcp://{server.tls}", token=TOKEN)
+
+
 def test_copy_path_on_unix_without_zero_copy(server: Server) -> None:
     c = kvtier.Client(server.unix_url, zero_copy=False)
     assert not c.is_local
@@ -176,6 +198,9 @@ def test_misuse_raises_with_a_clear_message(unix_client, call, error, message) -
         ("unix://", {}, ValueError, "bad server address"),
         ("unix:///x", {"timeout": 0}, ValueError, "timeout"),
         ("unix:///x", {"lease": -1.0}, ValueError, "lease"),
+        ("tls://nohost", {}, ValueError, "bad server address"),
+        ("tls://h:1", {"server_cert": b"x", "quic_cert": b"x"}, ValueError, "not both"),
+        ("tls://h:1", {"server_name": "a", "quic_server_name": "b"}, ValueError, "not both"),
     ],
 )
 def test_bad_settings_raise(url, kwargs, error, message) -> None:

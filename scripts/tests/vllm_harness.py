@@ -71,6 +71,7 @@ class KvtierServer:
             f'server.runtime_dir="{self.dir / "run"}"',
             'server.tcp=""',
             'server.quic=""',
+            'server.tls=""',
             'server.admin="127.0.0.1:0"',
             f'store.dram_bytes="{self.dram}"',
             "store.dram_prefault=false",

@@ -154,6 +154,7 @@ async fn main() -> Result<()> {
         ))?
         .set("server.tcp=\"off\"")?
         .set("server.quic=\"off\"")?
+        .set("server.tls=\"off\"")?
         .set("server.admin=\"off\"")?
         .set("store.dram_bytes=\"1GiB\"")?
         .set("store.nvme_dir=\"\"")?

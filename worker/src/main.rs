@@ -28,14 +28,15 @@ enum Command {
         /// HTTP listen address (port 0 picks a free port).
         #[arg(long, default_value = "127.0.0.1:8000")]
         listen: String,
-        /// kvtier sidecar: unix:///path, tcp://host:port, quic://host:port, or off.
+        /// kvtier sidecar: unix:///path, tcp://host:port, tls://host:port, quic://host:port, or
+        /// off.
         #[arg(long, default_value = "off")]
         sidecar: String,
-        /// Token for a tcp/quic sidecar (default: KVTIER_TOKEN).
+        /// Token for a tcp/tls/quic sidecar (default: KVTIER_TOKEN).
         #[arg(long)]
         sidecar_token: Option<String>,
-        /// The QUIC sidecar's certificate in DER (the server writes its generated one to
-        /// `<runtime_dir>/quic-cert.der`), pinned for a quic:// sidecar.
+        /// The sidecar's certificate in DER (the server writes its generated one to
+        /// `<runtime_dir>/quic-cert.der`), pinned for a tls:// or quic:// sidecar.
         #[arg(long)]
         sidecar_cert: Option<PathBuf>,
         /// File holding the deployment's block-key secret (at least 16 bytes; a trailing

@@ -106,7 +106,8 @@ impl Role {
 pub struct ServeConfig {
     /// HTTP listen address (port 0 picks one). Default: "127.0.0.1:8000".
     pub listen: String,
-    /// kvtier sidecar URL (`unix:///path`, `tcp://host:port`, `quic://host:port`); None =
+    /// kvtier sidecar URL (`unix:///path`, `tcp://host:port`, `tls://host:port`,
+    /// `quic://host:port`); None =
     /// no prefix reuse. Default: None.
     pub sidecar: Option<String>,
     /// Token for a tcp/quic sidecar. Default: None (`KVTIER_TOKEN` from the environment).

@@ -48,11 +48,11 @@ pub const REFUSED_STORE_LOG_INTERVAL: Duration = Duration::from_secs(10);
 /// How to reach the sidecar and make keys.
 #[derive(Clone, Debug)]
 pub struct SidecarSettings {
-    /// `unix:///path`, `tcp://host:port` or `quic://host:port`.
+    /// `unix:///path`, `tcp://host:port`, `tls://host:port` or `quic://host:port`.
     pub url: String,
     /// Token for tcp/quic.
     pub token: Option<String>,
-    /// The server's QUIC certificate (DER) to trust.
+    /// The server's certificate (DER) to trust over `tls://` and `quic://`.
     pub quic_cert_der: Option<Vec<u8>>,
     /// The deployment's hash secret (every worker sharing blocks uses the same one).
     pub secret: HashSecret,

@@ -39,6 +39,7 @@ fn kvtier_config(dir: &Path) -> Result<ServerConfig> {
         .set(&format!("server.unix={}", q(dir.join("kvtier.sock"))))?
         .set("server.tcp=\"127.0.0.1:0\"")?
         .set("server.quic=\"127.0.0.1:0\"")?
+        .set("server.tls=\"off\"")?
         .set("server.admin=\"off\"")?
         .set(&format!("server.token={TOKEN:?}"))?
         .set("store.dram_bytes=\"64MiB\"")?

@@ -110,17 +110,19 @@ async fn check_round_trip(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn loaded_prefix_logits_equal_recomputed_over_unix_tcp_and_quic() -> Result<()> {
+async fn loaded_prefix_logits_equal_recomputed_over_unix_tcp_tls_and_quic() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let cfg = kvtier_config(dir.path(), "8MiB", 4)?;
     let (server, unix, tcp) = start_kvtier(&cfg).await?;
     let e = server.endpoints();
     let quic = format!("quic://{}", e.quic.context("quic listener")?);
+    let tls = format!("tls://{}", e.tls.context("tls listener")?);
     let cert = e.quic_cert_der.clone();
     let d1 = check_round_trip(unix, None, None).await?;
     let d2 = check_round_trip(tcp, None, Some(b"tenant-a")).await?;
-    let d3 = check_round_trip(quic, Some(cert), Some(b"tenant-b")).await?;
-    println!("max |loaded - recomputed| logits: unix {d1:e}, tcp {d2:e}, quic {d3:e}");
+    let d3 = check_round_trip(quic, Some(cert.clone()), Some(b"tenant-b")).await?;
+    let d4 = check_round_trip(tls, Some(cert), Some(b"tenant-c")).await?;
+    println!("max |loaded - recomputed| logits: unix {d1:e}, tcp {d2:e}, quic {d3:e}, tls {d4:e}");
     server.shutdown().await;
     Ok(())
 }

@@ -211,6 +211,8 @@ pub fn start(spec: &SpawnSpec, o: &SpawnOptions) -> Result<Spawned> {
                 "off".into(),
                 "--quic".into(),
                 "off".into(),
+                "--tls".into(),
+                "off".into(),
                 "--admin".into(),
                 "off".into(),
                 "--set".into(),

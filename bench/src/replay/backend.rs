@@ -184,6 +184,7 @@ impl Embedded {
             format!("server.runtime_dir={:?}", run.path().display().to_string()),
             "server.tcp=\"off\"".into(),
             "server.quic=\"off\"".into(),
+            "server.tls=\"off\"".into(),
             "server.admin=\"off\"".into(),
             format!("store.dram_bytes={}", c.dram_blocks * slot),
             "store.dram_prefault=false".into(),

@@ -159,6 +159,7 @@ impl ServerChild {
             ),
             "server.tcp=\"127.0.0.1:0\"".into(),
             "server.quic=\"127.0.0.1:0\"".into(),
+            "server.tls=\"off\"".into(),
             "server.admin=off".into(),
             format!("server.token={TOKEN:?}"),
             format!("store.dram_bytes={dram_bytes}"),

@@ -100,8 +100,16 @@ pub struct ListenConfig {
     pub runtime_dir: String,
     /// Unix socket path; "" = `<runtime_dir>/kvtier.sock`; "off" disables it.
     pub unix: String,
-    /// TCP listen address; "off" disables. Default: "127.0.0.1:7450".
+    /// Plain TCP listen address; "off" disables. Default: "127.0.0.1:7450". A token sent
+    /// over it crosses the network in clear, so an address other than loopback is refused
+    /// unless `tcp_plaintext` is true.
     pub tcp: String,
+    /// Accept `tcp` on an address other than loopback (plain TCP across a network).
+    /// Default: false.
+    pub tcp_plaintext: bool,
+    /// TLS-over-TCP listen address (the same frames inside TLS, ALPN "kvtier/1", the
+    /// certificate of `tls_cert`); "off" disables. Default: "127.0.0.1:7453".
+    pub tls: String,
     /// QUIC (UDP) listen address; "off" disables. Default: "127.0.0.1:7451".
     pub quic: String,
     /// HTTP admin address (/health /ready /metrics /stats); "off" disables. Default:
@@ -112,8 +120,9 @@ pub struct ListenConfig {
     pub token: String,
     /// File holding the token (first line). Default: "".
     pub token_file: String,
-    /// PEM certificate chain and key for QUIC; "" = generate a self-signed certificate for
-    /// `localhost` and write it to `<runtime_dir>/quic-cert.der` for clients to pin.
+    /// PEM certificate chain and key for QUIC and TLS (both present the same one); "" =
+    /// generate a self-signed certificate for `localhost` and write it to
+    /// `<runtime_dir>/quic-cert.der` for clients to pin (over `quic://` and `tls://`).
     pub tls_cert: String,
     pub tls_key: String,
 }
@@ -215,6 +224,8 @@ impl Default for ListenConfig {
             runtime_dir: String::new(),
             unix: String::new(),
             tcp: "127.0.0.1:7450".into(),
+            tcp_plaintext: false,
+            tls: "127.0.0.1:7453".into(),
             quic: "127.0.0.1:7451".into(),
             admin: "127.0.0.1:7452".into(),
             token: String::new(),
@@ -444,6 +455,7 @@ impl ServerConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.layout()?;
         self.tcp_addr()?;
+        self.tls_addr()?;
         self.quic_addr()?;
         self.admin_addr()?;
         self.demotion()?;
@@ -585,8 +597,25 @@ impl ServerConfig {
         })
     }
 
+    /// The plain TCP address; one other than loopback only with `server.tcp_plaintext`.
     pub fn tcp_addr(&self) -> Result<Option<SocketAddr>, ConfigError> {
-        addr("server.tcp", &self.server.tcp)
+        let a = addr("server.tcp", &self.server.tcp)?;
+        if let Some(a) = a
+            && !a.ip().is_loopback()
+            && !self.server.tcp_plaintext
+        {
+            return Err(cerr(
+                "server.tcp",
+                format!(
+                    "{a} is not a loopback address, and plain TCP sends the token in clear; \
+                     use server.tls, or set server.tcp_plaintext = true to accept it"
+                ),
+            ));
+        }
+        Ok(a)
+    }
+    pub fn tls_addr(&self) -> Result<Option<SocketAddr>, ConfigError> {
+        addr("server.tls", &self.server.tls)
     }
     pub fn quic_addr(&self) -> Result<Option<SocketAddr>, ConfigError> {
         addr("server.quic", &self.server.quic)
@@ -916,6 +945,48 @@ mod tests {
             .err()
             .unwrap();
         assert!(e.to_string().contains("f.toml"), "{e}");
+    }
+
+    #[test]
+    fn plain_tcp_leaves_loopback_only_when_asked() {
+        let build = |sets: &[&str]| {
+            let mut l = ConfigLoader::new();
+            for s in sets {
+                l = l.set(s).unwrap();
+            }
+            l.build()
+        };
+        // Loopback, v4 and v6: the default, no flag needed.
+        for a in ["127.0.0.1:7450", "[::1]:0", "127.0.0.2:0"] {
+            let c = build(&[&format!("server.tcp={a:?}")]).unwrap();
+            assert!(c.tcp_addr().unwrap().unwrap().ip().is_loopback());
+        }
+        for a in ["0.0.0.0:7450", "10.1.2.3:7450", "[::]:7450"] {
+            let e = build(&[&format!("server.tcp={a:?}")])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("server.tcp")
+                    && e.contains("in clear")
+                    && e.contains("server.tcp_plaintext = true"),
+                "{e}"
+            );
+            let c = build(&[&format!("server.tcp={a:?}"), "server.tcp_plaintext=true"]).unwrap();
+            assert_eq!(c.tcp_addr().unwrap(), Some(a.parse().unwrap()));
+        }
+        // The flag is a boolean, and the TLS port may listen anywhere without it.
+        check_err(&["server.tcp_plaintext=\"yes\""], "server.tcp_plaintext");
+        let c = build(&["server.tls=\"0.0.0.0:7453\""]).unwrap();
+        assert_eq!(c.tls_addr().unwrap(), Some("0.0.0.0:7453".parse().unwrap()));
+        assert_eq!(
+            ServerConfig::default().tls_addr().unwrap(),
+            Some("127.0.0.1:7453".parse().unwrap())
+        );
+        assert_eq!(
+            build(&["server.tls=off"]).unwrap().tls_addr().unwrap(),
+            None
+        );
+        check_err(&["server.tls=somewhere"], "server.tls");
     }
 
     #[test]

@@ -243,6 +243,8 @@ struct Conn {
     transport: Transport,
     ip: Option<IpAddr>,
     pre_hello: Option<PreHelloSlot>,
+    /// The hello must arrive whole by then.
+    hello_by: tokio::time::Instant,
     out: Outbox,
     state: Arc<Mutex<ConnState>>,
     inflight: Arc<Semaphore>,
@@ -261,12 +263,24 @@ enum ReadEnd {
 
 /// Serves one connection until it ends. `sock` is the Unix socket's fd (for passing the
 /// arena); `None` on other transports.
-pub(crate) async fn serve<R, W>(
+pub(crate) async fn serve<R, W>(shared: Arc<Shared>, peer: Peer, rd: R, wr: W, sock: Option<RawFd>)
+where
+    R: AsyncRead + Unpin + Send,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let hello_by = tokio::time::Instant::now() + shared.config.hello_timeout();
+    serve_until(shared, peer, rd, wr, sock, hello_by).await;
+}
+
+/// [`serve`], with the hello due by `hello_by` (a TLS connection's handshake spends part
+/// of the time).
+pub(crate) async fn serve_until<R, W>(
     shared: Arc<Shared>,
     peer: Peer,
     mut rd: R,
     wr: W,
     sock: Option<RawFd>,
+    hello_by: tokio::time::Instant,
 ) where
     R: AsyncRead + Unpin + Send,
     W: AsyncWrite + Unpin + Send + 'static,
@@ -306,6 +320,7 @@ pub(crate) async fn serve<R, W>(
         transport,
         ip: peer.ip,
         pre_hello: peer.pre_hello,
+        hello_by,
         out,
         state: state.clone(),
         inflight: Arc::new(Semaphore::new(depth)),
@@ -349,8 +364,7 @@ impl Conn {
         let limits = shared.limits;
         let mut authed = false;
         let mut meta = Vec::new();
-        // The hello must arrive whole by then.
-        let hello_deadline = tokio::time::Instant::now() + cfg.hello_timeout();
+        let hello_deadline = self.hello_by;
         loop {
             let mut head = [0u8; HEADER_BYTES];
             let wait = if authed {

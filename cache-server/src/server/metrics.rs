@@ -45,15 +45,23 @@ pub enum Transport {
     Unix,
     Tcp,
     Quic,
+    /// TLS over TCP (`server.tls`).
+    Tls,
 }
 
 impl Transport {
-    pub const ALL: [Transport; 3] = [Transport::Unix, Transport::Tcp, Transport::Quic];
+    pub const ALL: [Transport; 4] = [
+        Transport::Unix,
+        Transport::Tcp,
+        Transport::Quic,
+        Transport::Tls,
+    ];
     pub fn name(self) -> &'static str {
         match self {
             Transport::Unix => "unix",
             Transport::Tcp => "tcp",
             Transport::Quic => "quic",
+            Transport::Tls => "tls",
         }
     }
     fn idx(self) -> usize {
@@ -65,13 +73,15 @@ impl Transport {
 /// lookup by label, no lock).
 pub struct Metrics {
     registry: Registry,
-    connections_open: [IntGauge; 3],
-    connections_total: [IntCounter; 3],
+    connections_open: [IntGauge; 4],
+    connections_total: [IntCounter; 4],
     pub connections_refused: IntCounter,
     refusals: [IntCounter; 4],
     pub auth_failures: IntCounter,
     pub auth_throttled: IntCounter,
-    /// TCP and QUIC connections before their hello (set at each scrape).
+    /// TLS handshakes on the `server.tls` port that failed or timed out.
+    pub tls_handshake_failures: IntCounter,
+    /// Network (TCP, TLS, QUIC) connections before their hello (set at each scrape).
     pub pre_hello: IntGauge,
     requests: Vec<IntCounter>,
     latency: Vec<Histogram>,
@@ -220,7 +230,14 @@ impl Metrics {
             pre_hello: gauge(
                 &r,
                 "kvtier_connections_pre_hello",
-                "TCP and QUIC connections that have not completed their hello.",
+                "Network (TCP, TLS, QUIC) connections that have not completed their hello.",
+            ),
+            tls_handshake_failures: counter(
+                &r,
+                "kvtier_tls_handshake_failures_total",
+                "TLS handshakes on the TLS port that failed or did not finish within \
+                 limits.hello_timeout_ms (a plaintext client, a client that does not trust \
+                 the certificate, a stalled peer).",
             ),
             auth_throttled: counter(
                 &r,

@@ -1,6 +1,6 @@
-//! The sidecar daemon: listeners (Unix socket, TCP, QUIC), the connection handler (the only
-//! module that knows the wire format), the block event stream, metrics and the HTTP admin
-//! port. See `docs/protocol.md` and `docs/operations.md`.
+//! The sidecar daemon: listeners (Unix socket, TCP, TLS over TCP, QUIC), the connection
+//! handler (the only module that knows the wire format), the block event stream, metrics and
+//! the HTTP admin port. See `docs/protocol.md` and `docs/operations.md`.
 
 mod admin;
 mod brakes;
@@ -127,6 +127,7 @@ pub(crate) struct Logs {
     pub accept: brakes::RateLimitedLog,
     pub refused: brakes::RateLimitedLog,
     pub arena_fd: brakes::RateLimitedLog,
+    pub tls_handshake: brakes::RateLimitedLog,
 }
 
 /// Where a started server listens, and what a client needs to reach it.
@@ -134,13 +135,16 @@ pub(crate) struct Logs {
 pub struct Endpoints {
     pub unix: Option<PathBuf>,
     pub tcp: Option<SocketAddr>,
+    /// TLS over TCP (`server.tls`).
+    pub tls: Option<SocketAddr>,
     pub quic: Option<SocketAddr>,
     pub admin: Option<SocketAddr>,
-    /// The token TCP and QUIC clients present.
+    /// The token TCP, TLS and QUIC clients present.
     pub token: String,
     /// Where the token was written (when generated).
     pub token_file: Option<PathBuf>,
-    /// The QUIC certificate (DER), for clients to pin.
+    /// The certificate QUIC and TLS present (DER), for clients to pin; empty when both are
+    /// off. (Named for QUIC, which had it first.)
     pub quic_cert_der: Vec<u8>,
     /// Where that certificate was written (when generated).
     pub quic_cert_file: Option<PathBuf>,
@@ -209,6 +213,7 @@ impl Server {
         let mut endpoints = Endpoints {
             unix: None,
             tcp: None,
+            tls: None,
             quic: None,
             admin: None,
             token,
@@ -234,9 +239,30 @@ impl Server {
             endpoints.tcp = Some(l.local_addr().map_err(io_err("tcp local_addr"))?);
             tasks.push(tokio::spawn(accept_tcp(shared.clone(), l)));
         }
+        // One certificate for QUIC and TLS (generated once, when not configured).
+        let identity = if c.quic_addr()?.is_some() || c.tls_addr()?.is_some() {
+            let id = tls::identity(c, &runtime)?;
+            endpoints.quic_cert_der = id.cert_der();
+            endpoints.quic_cert_file = id.file.clone();
+            Some(id)
+        } else {
+            None
+        };
+        if let (Some(addr), Some(id)) = (c.tls_addr()?, &identity) {
+            let acceptor = tls::tcp_acceptor(id)?;
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServerError::Bind {
+                    what: "tls",
+                    addr: addr.to_string(),
+                    source,
+                })?;
+            endpoints.tls = Some(l.local_addr().map_err(io_err("tls local_addr"))?);
+            tasks.push(tokio::spawn(accept_tls(shared.clone(), l, acceptor)));
+        }
         let mut quic = None;
-        if let Some(addr) = c.quic_addr()? {
-            let (server_config, der, file) = tls::server_config(c, &runtime)?;
+        if let (Some(addr), Some(id)) = (c.quic_addr()?, &identity) {
+            let server_config = tls::quic_config(id)?;
             let ep = quinn::Endpoint::server(server_config, addr).map_err(|source| {
                 ServerError::Bind {
                     what: "quic",
@@ -245,8 +271,6 @@ impl Server {
                 }
             })?;
             endpoints.quic = Some(ep.local_addr().map_err(io_err("quic local_addr"))?);
-            endpoints.quic_cert_der = der;
-            endpoints.quic_cert_file = file;
             tasks.push(tokio::spawn(accept_quic(shared.clone(), ep.clone())));
             quic = Some(ep);
         }
@@ -262,7 +286,7 @@ impl Server {
             tasks.push(tokio::spawn(admin::serve(shared.clone(), l)));
         }
         shared.ready.store(true, Ordering::Release);
-        tracing::info!(?endpoints.unix, ?endpoints.tcp, ?endpoints.quic, ?endpoints.admin, "kvtier-server ready");
+        tracing::info!(?endpoints.unix, ?endpoints.tcp, ?endpoints.tls, ?endpoints.quic, ?endpoints.admin, "kvtier-server ready");
         Ok(Server {
             shared,
             endpoints,
@@ -488,10 +512,15 @@ impl FdReserve {
     }
 }
 
-async fn refuse_busy<W: tokio::io::AsyncWrite + Unpin>(mut w: W, why: &str) {
+async fn refuse_busy<W: tokio::io::AsyncWrite + Unpin>(w: W, why: &str) {
+    refuse_with(w, ErrorCode::Busy, why).await;
+}
+
+/// Writes one error frame (request id 0) and closes.
+async fn refuse_with<W: tokio::io::AsyncWrite + Unpin>(mut w: W, code: ErrorCode, why: &str) {
     use kvtier_core::protocol::{ErrorReply, Header, Response, VERSION};
     let (fl, meta) = Response::Error(ErrorReply {
-        code: ErrorCode::Busy as u16,
+        code: code as u16,
         message: why.into(),
     })
     .encode_meta();
@@ -628,6 +657,114 @@ async fn accept_tcp(shared: Arc<Shared>, l: tokio::net::TcpListener) {
         };
         spawn_conn(&shared, conn::serve(s, peer, r, w, None));
     }
+}
+
+/// The TLS port: each connection is admitted as a network connection before hello (the
+/// handshake counts against `limits.max_pre_hello_connections` and must finish, with the
+/// hello after it, within `limits.hello_timeout_ms`), then served by the same handler as
+/// plain TCP, over the TLS stream.
+async fn accept_tls(
+    shared: Arc<Shared>,
+    l: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+) {
+    let mut reserve = FdReserve::new();
+    loop {
+        let r = tokio::select! {
+            _ = shared.shutdown.cancelled() => return,
+            r = l.accept() => r,
+        };
+        let (stream, addr) = match r {
+            Ok(s) => s,
+            Err(e) => {
+                reserve
+                    .accept_failed(&shared, "tls", e, || async {
+                        l.accept().await.map(|(s, _)| s)
+                    })
+                    .await;
+                continue;
+            }
+        };
+        let pre_hello = match admit(&shared, Transport::Tls) {
+            Ok(p) => p,
+            // No TLS session to answer in: close at once.
+            Err(_) => continue,
+        };
+        let _ = stream.set_nodelay(true);
+        let s = shared.clone();
+        let acceptor = acceptor.clone();
+        spawn_conn(&shared, async move {
+            let hello_by = tokio::time::Instant::now() + s.config.hello_timeout();
+            let tls = tokio::select! {
+                _ = s.shutdown.cancelled() => return,
+                r = tokio::time::timeout_at(hello_by, tls_handshake(acceptor, stream)) => r,
+            };
+            let tls = match tls {
+                Ok(Ok(t)) => t,
+                Ok(Err(why)) => return tls_failed(&s, addr, &why),
+                Err(_) => {
+                    return tls_failed(&s, addr, "no handshake within limits.hello_timeout_ms");
+                }
+            };
+            let (r, w) = tokio::io::split(tls);
+            let peer = conn::Peer {
+                transport: Transport::Tls,
+                ip: Some(addr.ip()),
+                pre_hello,
+            };
+            conn::serve_until(s, peer, r, w, None, hello_by).await;
+        });
+    }
+}
+
+/// The handshake of one TLS connection. A peer that speaks kvtier's plaintext frames to the
+/// TLS port is told so in a plaintext error frame (it has sent its hello, token included, in
+/// clear already; the answer at least says why it fails), then closed.
+async fn tls_handshake(
+    acceptor: tokio_rustls::TlsAcceptor,
+    stream: tokio::net::TcpStream,
+) -> Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, String> {
+    let mut first = [0u8; 4];
+    // Peek until the first 4 bytes are in, or they cannot be a kvtier frame's magic.
+    loop {
+        let n = stream.peek(&mut first).await.map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Err("closed before the handshake".into());
+        }
+        let magic = kvtier_core::protocol::MAGIC.to_le_bytes();
+        if first[..n] != magic[..n] {
+            break;
+        }
+        if n == magic.len() {
+            refuse_plaintext(stream).await;
+            return Err("a plaintext kvtier client (this port speaks TLS: use tls://)".into());
+        }
+        // Part of a magic so far: wait for more (bounded by the caller's timeout).
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    acceptor.accept(stream).await.map_err(|e| e.to_string())
+}
+
+/// Counts and logs (rate-limited) a failed TLS handshake; the connection is closed.
+fn tls_failed(shared: &Shared, peer: SocketAddr, why: &str) {
+    Metrics::inc(&shared.metrics.tls_handshake_failures);
+    if let Some(n) = shared.logs.tls_handshake.tick(Instant::now()) {
+        tracing::warn!(
+            %peer,
+            "TLS handshake failed: {why} ({n} since the last warning; see \
+             kvtier_tls_handshake_failures_total)"
+        );
+    }
+}
+
+/// Answers a plaintext kvtier frame on the TLS port with an error frame saying so.
+async fn refuse_plaintext<W: tokio::io::AsyncWrite + Unpin>(w: W) {
+    refuse_with(
+        w,
+        ErrorCode::Unauthorized,
+        "this port speaks TLS: connect with tls://host:port (plain TCP is the server.tcp port)",
+    )
+    .await;
 }
 
 async fn accept_quic(shared: Arc<Shared>, ep: quinn::Endpoint) {

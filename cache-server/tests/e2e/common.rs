@@ -33,6 +33,8 @@ pub struct ServerProc {
     pub dir: PathBuf,
     pub unix: PathBuf,
     pub tcp: SocketAddr,
+    /// TLS over TCP.
+    pub tls: SocketAddr,
     pub quic: SocketAddr,
     pub admin: SocketAddr,
     args: Vec<String>,
@@ -58,6 +60,7 @@ impl ServerProc {
             ),
             "server.tcp=\"127.0.0.1:0\"".into(),
             "server.quic=\"127.0.0.1:0\"".into(),
+            "server.tls=\"127.0.0.1:0\"".into(),
             "server.admin=\"127.0.0.1:0\"".into(),
             format!("server.token={TOKEN:?}"),
             "store.dram_bytes=\"4MiB\"".into(),
@@ -172,6 +175,7 @@ impl ServerProc {
             dir: dir.to_path_buf(),
             unix: PathBuf::from(field("unix")),
             tcp: field("tcp").parse().unwrap(),
+            tls: field("tls").parse().unwrap(),
             quic: field("quic").parse().unwrap(),
             admin: field("admin").parse().unwrap(),
             args,
@@ -233,6 +237,9 @@ impl ServerProc {
     pub fn tcp_url(&self) -> String {
         format!("tcp://{}", self.tcp)
     }
+    pub fn tls_url(&self) -> String {
+        format!("tls://{}", self.tls)
+    }
     pub fn quic_url(&self) -> String {
         format!("quic://{}", self.quic)
     }
@@ -245,6 +252,13 @@ impl ServerProc {
         vec![
             ("unix", self.unix_url(), ClientConfig::default()),
             ("tcp", self.tcp_url(), ClientConfig::default().token(TOKEN)),
+            (
+                "tls",
+                self.tls_url(),
+                ClientConfig::default()
+                    .token(TOKEN)
+                    .server_cert_der(self.cert()),
+            ),
             (
                 "quic",
                 self.quic_url(),

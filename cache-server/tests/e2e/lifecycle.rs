@@ -45,7 +45,7 @@ async fn admin_port_reports_health_readiness_metrics_and_stats() {
 async fn metrics_pass_promtool_check() {
     let srv = ServerProc::start(&[]);
     bounded(60, async {
-        for t in ["unix", "tcp", "quic"] {
+        for t in ["unix", "tcp", "tls", "quic"] {
             let c = srv.client(t).await;
             let k = keys(t.as_bytes(), 2, 0);
             put_all(&c, &k).await;
@@ -62,6 +62,11 @@ async fn metrics_pass_promtool_check() {
         );
         let m = r.text();
         assert!(m.contains("kvtier_requests_total{op=\"put\"}"), "{m}");
+        assert!(
+            m.contains("kvtier_connections_total{transport=\"tls\"} 1"),
+            "{m}"
+        );
+        assert!(m.contains("kvtier_tls_handshake_failures_total 0"), "{m}");
         promtool_check(&m);
     })
     .await;

@@ -14,3 +14,4 @@ mod malformed;
 mod pending;
 mod places;
 mod sdk;
+mod tls;

@@ -56,6 +56,9 @@ pub const MIN_VERSION: u16 = 1;
 /// of 2 MiB blocks in flight, and no more, because quinn buffers what is in flight in its own
 /// memory, so the window bounds a server's memory per QUIC connection.
 pub const QUIC_WINDOW_BYTES: u32 = 4 << 20;
+/// ALPN protocol of the TLS-over-TCP transport (`tls://`): the same frames inside TLS. A
+/// client that offers other protocols only is refused in the handshake.
+pub const TLS_ALPN: &[u8] = b"kvtier/1";
 /// Size of the fixed header.
 pub const HEADER_BYTES: usize = 32;
 

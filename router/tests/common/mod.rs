@@ -147,6 +147,8 @@ impl KvServer {
             "off".into(),
             "--quic".into(),
             "off".into(),
+            "--tls".into(),
+            "off".into(),
             "--admin".into(),
             "off".into(),
             "--dram-bytes".into(),

@@ -31,6 +31,7 @@ pub fn kvtier_config(dir: &Path, dram: &str, layers: u32) -> Result<ServerConfig
         ))?
         .set("server.tcp=\"127.0.0.1:0\"")?
         .set("server.quic=\"127.0.0.1:0\"")?
+        .set("server.tls=\"127.0.0.1:0\"")?
         .set("server.admin=\"off\"")?
         .set(&format!("server.token={}", q(TOKEN.into())))?
         .set(&format!("store.dram_bytes={}", q(dram.into())))?
