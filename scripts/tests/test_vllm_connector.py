@@ -420,3 +420,33 @@ def test_loaded_kv_is_vllm_kv(server: KvtierServer, prompts: dict, model_dir: Pa
     kv = buf.view(torch.float32).view(2, 30, 2, BLOCK, 3, 64)
     assert kv.float().abs().sum() > 0
     assert torch.isfinite(kv.float()).all()
+
+
+def test_an_engine_started_before_its_server(
+    model_dir: Path, workdir: Path, prompts: dict, baseline: dict
+) -> None:
+    """vLLM started while its kvtier server is not up yet (start-up order is not guaranteed
+    on a node): it starts and serves, computing; once the server comes up, the connector
+    connects by itself after its back-off, stores, and a later request loads."""
+    late = KvtierServer(workdir / "late", dram="1GiB", nvme="4GiB", dtype=DTYPE)
+    eng = Engine(model_dir, late.url, connector_extra(workdir, "late"), dtype=DTYPE)
+    try:
+        out = eng.ask([prompts["long"]], MAX_TOKENS)["outputs"][0]
+        assert out["tokens"] == baseline["long"]["tokens"] and out["cached"] == 0
+        late.start()
+        try:
+            time.sleep(1.2)  # past the breaker's back-off
+            ok = wait_until(
+                lambda: (
+                    eng.ask([prompts["long"]], MAX_TOKENS)["outputs"][0]["cached"]
+                    == expected_cached(LONG)
+                ),
+                timeout=60,
+                step=1.0,
+            )
+            # vLLM's own prefix cache is off: every cached token was loaded by the connector.
+            assert ok, "the connector never used the server that came up after vLLM"
+        finally:
+            late.kill()
+    finally:
+        eng.close()
