@@ -618,7 +618,22 @@ async fn accept_unix(shared: Arc<Shared>, l: tokio::net::UnixListener) {
     }
 }
 
-async fn accept_tcp(shared: Arc<Shared>, l: tokio::net::TcpListener) {
+/// The accept loop of a TCP listener, plain or TLS: accepts until shutdown, rides out
+/// accept errors (file descriptors exhausted: [`FdReserve`]), admits each connection as
+/// `transport` before its hello, sets `TCP_NODELAY`, and hands it to `serve`; a connection
+/// admission refuses goes to `refuse`.
+async fn accept_stream_loop(
+    shared: Arc<Shared>,
+    l: tokio::net::TcpListener,
+    transport: Transport,
+    refuse: impl Fn(tokio::net::TcpStream, Refusal),
+    serve: impl Fn(&Arc<Shared>, tokio::net::TcpStream, SocketAddr, Option<brakes::PreHelloSlot>),
+) {
+    let what = if transport == Transport::Tls {
+        "tls"
+    } else {
+        "tcp"
+    };
     let mut reserve = FdReserve::new();
     loop {
         let r = tokio::select! {
@@ -629,34 +644,42 @@ async fn accept_tcp(shared: Arc<Shared>, l: tokio::net::TcpListener) {
             Ok(s) => s,
             Err(e) => {
                 reserve
-                    .accept_failed(&shared, "tcp", e, || async {
+                    .accept_failed(&shared, what, e, || async {
                         l.accept().await.map(|(s, _)| s)
                     })
                     .await;
                 continue;
             }
         };
-        let pre_hello = match admit(&shared, Transport::Tcp) {
-            Ok(p) => p,
-            Err(why) => {
-                let msg = match why {
-                    Refusal::PreHello => "too many connections waiting for their hello",
-                    _ => "too many connections",
-                };
-                tokio::spawn(refuse_busy(stream, msg));
-                continue;
+        match admit(&shared, transport) {
+            Ok(pre_hello) => {
+                let _ = stream.set_nodelay(true);
+                serve(&shared, stream, addr, pre_hello);
             }
-        };
-        let _ = stream.set_nodelay(true);
-        let (r, w) = stream.into_split();
-        let s = shared.clone();
-        let peer = conn::Peer {
-            transport: Transport::Tcp,
-            ip: Some(addr.ip()),
-            pre_hello,
-        };
-        spawn_conn(&shared, conn::serve(s, peer, r, w, None));
+            Err(why) => refuse(stream, why),
+        }
     }
+}
+
+async fn accept_tcp(shared: Arc<Shared>, l: tokio::net::TcpListener) {
+    let refuse = |stream, why| {
+        let msg = match why {
+            Refusal::PreHello => "too many connections waiting for their hello",
+            _ => "too many connections",
+        };
+        tokio::spawn(refuse_busy(stream, msg));
+    };
+    let serve =
+        |shared: &Arc<Shared>, stream: tokio::net::TcpStream, addr: SocketAddr, pre_hello| {
+            let (r, w) = stream.into_split();
+            let peer = conn::Peer {
+                transport: Transport::Tcp,
+                ip: Some(addr.ip()),
+                pre_hello,
+            };
+            spawn_conn(shared, conn::serve(shared.clone(), peer, r, w, None));
+        };
+    accept_stream_loop(shared, l, Transport::Tcp, refuse, serve).await;
 }
 
 /// The TLS port: each connection is admitted as a network connection before hello (the
@@ -668,53 +691,35 @@ async fn accept_tls(
     l: tokio::net::TcpListener,
     acceptor: tokio_rustls::TlsAcceptor,
 ) {
-    let mut reserve = FdReserve::new();
-    loop {
-        let r = tokio::select! {
-            _ = shared.shutdown.cancelled() => return,
-            r = l.accept() => r,
+    // No TLS session to answer a refusal in: close at once.
+    let refuse = |_stream, _why| {};
+    let serve =
+        |shared: &Arc<Shared>, stream: tokio::net::TcpStream, addr: SocketAddr, pre_hello| {
+            let s = shared.clone();
+            let acceptor = acceptor.clone();
+            spawn_conn(shared, async move {
+                let hello_by = tokio::time::Instant::now() + s.config.hello_timeout();
+                let tls = tokio::select! {
+                    _ = s.shutdown.cancelled() => return,
+                    r = tokio::time::timeout_at(hello_by, tls_handshake(acceptor, stream)) => r,
+                };
+                let tls = match tls {
+                    Ok(Ok(t)) => t,
+                    Ok(Err(why)) => return tls_failed(&s, addr, &why),
+                    Err(_) => {
+                        return tls_failed(&s, addr, "no handshake within limits.hello_timeout_ms");
+                    }
+                };
+                let (r, w) = tokio::io::split(tls);
+                let peer = conn::Peer {
+                    transport: Transport::Tls,
+                    ip: Some(addr.ip()),
+                    pre_hello,
+                };
+                conn::serve_until(s, peer, r, w, None, hello_by).await;
+            });
         };
-        let (stream, addr) = match r {
-            Ok(s) => s,
-            Err(e) => {
-                reserve
-                    .accept_failed(&shared, "tls", e, || async {
-                        l.accept().await.map(|(s, _)| s)
-                    })
-                    .await;
-                continue;
-            }
-        };
-        let pre_hello = match admit(&shared, Transport::Tls) {
-            Ok(p) => p,
-            // No TLS session to answer in: close at once.
-            Err(_) => continue,
-        };
-        let _ = stream.set_nodelay(true);
-        let s = shared.clone();
-        let acceptor = acceptor.clone();
-        spawn_conn(&shared, async move {
-            let hello_by = tokio::time::Instant::now() + s.config.hello_timeout();
-            let tls = tokio::select! {
-                _ = s.shutdown.cancelled() => return,
-                r = tokio::time::timeout_at(hello_by, tls_handshake(acceptor, stream)) => r,
-            };
-            let tls = match tls {
-                Ok(Ok(t)) => t,
-                Ok(Err(why)) => return tls_failed(&s, addr, &why),
-                Err(_) => {
-                    return tls_failed(&s, addr, "no handshake within limits.hello_timeout_ms");
-                }
-            };
-            let (r, w) = tokio::io::split(tls);
-            let peer = conn::Peer {
-                transport: Transport::Tls,
-                ip: Some(addr.ip()),
-                pre_hello,
-            };
-            conn::serve_until(s, peer, r, w, None, hello_by).await;
-        });
-    }
+    accept_stream_loop(shared, l, Transport::Tls, refuse, serve).await;
 }
 
 /// The handshake of one TLS connection. A peer that speaks kvtier's plaintext frames to the
