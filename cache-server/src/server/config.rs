@@ -469,7 +469,8 @@ fn scalar(s: &str) -> toml::Value {
                 v @ (toml::Value::Integer(_)
                 | toml::Value::Boolean(_)
                 | toml::Value::String(_)
-                | toml::Value::Array(_)),
+                | toml::Value::Array(_)
+                | toml::Value::Table(_)),
             ) => v,
             _ => toml::Value::String(s.to_string()),
         },
