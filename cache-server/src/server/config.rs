@@ -633,13 +633,13 @@ impl ServerConfig {
             if t.quota == Size::Bytes(0) {
                 return Err(cerr(at("quota"), "must not be 0 (\"auto\": no quota)"));
             }
-            if t.unix {
-                if let Some(other) = unix.replace(name) {
-                    return Err(cerr(
-                        at("unix"),
-                        format!("tenant {other:?} is already the Unix socket's"),
-                    ));
-                }
+            if t.unix
+                && let Some(other) = unix.replace(name)
+            {
+                return Err(cerr(
+                    at("unix"),
+                    format!("tenant {other:?} is already the Unix socket's"),
+                ));
             }
         }
         Ok(())

@@ -104,7 +104,7 @@ async fn another_tenant_cannot_see_read_replace_remove_or_clear_blocks() {
         );
 
         // Clear needs an admin.
-        let e = b.clear().await.err().expect("a tenant may not clear");
+        let e = b.clear().await.expect_err("a tenant may not clear");
         assert!(
             matches!(
                 e,
@@ -178,7 +178,7 @@ async fn a_sharing_group_shares_and_the_unix_socket_can_join_it() {
         // The worker on the Unix socket is a member too (a tenant, not an admin).
         let u = srv.client("unix").await;
         assert_eq!(get_verified(&u, &k).await, k.len());
-        let e = u.clear().await.err().expect("the worker is not an admin");
+        let e = u.clear().await.expect_err("the worker is not an admin");
         assert!(
             matches!(
                 e,
