@@ -646,7 +646,10 @@ impl Conn {
                 None => {
                     token_matches(h.token.as_bytes(), &s.token_digest).then_some(Identity::SINGLE)
                 }
-                Some(found) => found.map(|(who, _)| who),
+                Some(found) => found.map(|(who, name)| {
+                    tracing::debug!(tenant = name, transport = self.transport.name(), "hello");
+                    who
+                }),
             };
             if let Some(who) = who {
                 self.who = who;

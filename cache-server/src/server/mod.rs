@@ -192,6 +192,12 @@ impl Server {
             store.block_bytes() as u64,
             capacity_blocks,
         )?);
+        if tenants.enforced() {
+            tracing::info!(
+                tenants = config.tenants.len(),
+                "tenants enforced: each token names a tenant and its namespace"
+            );
+        }
         let limits = config.limits()?;
         let budget_units = match config.limits.max_inflight_bytes {
             Size::Bytes(b) => b.div_ceil(conn::BUDGET_UNIT),
