@@ -178,6 +178,18 @@ async fn a_sharing_group_shares_and_the_unix_socket_can_join_it() {
         // The worker on the Unix socket is a member too (a tenant, not an admin).
         let u = srv.client("unix").await;
         assert_eq!(get_verified(&u, &k).await, k.len());
+        // Its puts (reserve and commit through its staging region) land in the group, and
+        // the group's subscribers hear of them in the worker's keys; A hears nothing.
+        let mut a_events = a.events(None, false).await.unwrap();
+        let kw = keys(b"worker", 3, 0);
+        put_all(&u, &kw).await;
+        assert_eq!(get_verified(&d, &kw).await, kw.len());
+        let seen: Vec<_> = drain(&mut d_events).await.iter().map(|e| e.key).collect();
+        assert!(kw.iter().all(|x| seen.contains(x)), "{seen:?}");
+        assert!(drain(&mut a_events).await.is_empty());
+        let mut snap = d.events(None, true).await.unwrap();
+        let snap: Vec<_> = drain(&mut snap).await.iter().map(|e| e.key).collect();
+        assert!(k.iter().chain(&kw).all(|x| snap.contains(x)), "{snap:?}");
         let e = u.clear().await.expect_err("the worker is not an admin");
         assert!(
             matches!(
