@@ -283,3 +283,32 @@ fn tenant_configuration_errors_stop_the_server_naming_the_setting() {
     assert!(!status.success());
     assert!(err.contains("server.token"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_blocks_do_not_survive_a_restart_and_are_shown_to_no_one() {
+    let srv = ServerProc::start(TENANTS);
+    let ka = keys(b"before", 4, 0);
+    bounded(30, async {
+        let a = as_tenant(&srv, "tok-a").await;
+        put_all(&a, &ka).await;
+        assert_eq!(a.lookup(&ka).await.tiers.len(), ka.len());
+    })
+    .await;
+    let srv = srv.restart();
+    bounded(30, async {
+        // The blocks are still on NVMe, under internal keys no one can name any more.
+        let blocks = srv.stats().await["store"]["blocks"].as_u64().unwrap();
+        assert!(blocks >= ka.len() as u64, "{blocks}");
+        let a = as_tenant(&srv, "tok-a").await;
+        assert_eq!(a.lookup(&ka).await.tiers.len(), 0, "a new secret: new keys");
+        for token in ["tok-a", "tok-root"] {
+            let c = as_tenant(&srv, token).await;
+            let mut s = c.events(Some(1), true).await.unwrap();
+            assert!(drain(&mut s).await.is_empty(), "{token}");
+        }
+        let u = srv.client("unix").await;
+        let mut s = u.events(Some(1), true).await.unwrap();
+        assert!(drain(&mut s).await.is_empty());
+    })
+    .await;
+}
