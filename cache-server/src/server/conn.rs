@@ -1021,7 +1021,7 @@ impl Job {
             Request::Get(k) => Request::Get(internal(&s, ns, k)),
             Request::Prefetch(k) => Request::Prefetch(internal(&s, ns, k)),
             Request::Remove(k) => Request::Remove(internal(&s, ns, k)),
-            Request::Pin { keys, lease_ms } => Request::Pin {
+            Request::Pin { keys, lease_ms } if s.tenants.enforced() => Request::Pin {
                 keys: s.tenants.keys(ns, &keys),
                 lease_ms,
             },
