@@ -78,11 +78,33 @@ struct Name {
 #[derive(Default)]
 struct Names {
     map: HashMap<BlockKey, Name>,
-    /// Per namespace, internal keys in the order they were first stored (stale ones are
-    /// skipped when met).
+    /// Per namespace with a quota, internal keys in the order they were first stored (stale
+    /// ones are skipped when met, and dropped when they outnumber the live ones).
     fifo: Vec<VecDeque<BlockKey>>,
     /// Per namespace, entries of `map` (blocks held or being stored).
     count: Vec<u64>,
+}
+
+impl Names {
+    /// Appends a block of `ns` to its order of storing; drops the order's stale entries
+    /// (blocks gone, or stored again later) when they outnumber the live ones, so the order
+    /// stays within about twice the namespace's blocks.
+    fn push_stored(&mut self, ns: Ns, internal: BlockKey) {
+        self.fifo[ns].push_back(internal);
+        if self.fifo[ns].len() as u64 <= 2 * self.count[ns] + 64 {
+            return;
+        }
+        let mut seen = std::collections::HashSet::new();
+        let mut kept: Vec<BlockKey> = Vec::with_capacity(self.count[ns] as usize);
+        // Newest first: a block stored again keeps its latest place.
+        for k in self.fifo[ns].iter().rev() {
+            if self.map.get(k).is_some_and(|n| n.ns == ns && n.tiers != 0) && seen.insert(*k) {
+                kept.push(*k);
+            }
+        }
+        kept.reverse();
+        self.fifo[ns] = kept.into();
+    }
 }
 
 struct Multi {
@@ -436,11 +458,12 @@ impl Tenants {
                 let Some(n) = names.map.get_mut(&e.key) else {
                     return;
                 };
-                if n.tiers == 0 {
-                    names.fifo[n.ns].push_back(e.key);
-                }
+                let first = n.tiers == 0;
                 n.tiers |= tier_bit(e.tier);
                 let (ns, key) = (n.ns, n.key);
+                if first && m.spaces[ns].quota.is_some() {
+                    names.push_stored(ns, e.key);
+                }
                 self.buses[ns].publish(StoreEvent { key, ..e });
             }
             StoreEventKind::Removed => {
@@ -602,6 +625,31 @@ mod tests {
             Err(Admit::Evict(v)) => assert_eq!(v, t.key(0, k(0))),
             _ => panic!("expected its own oldest as the victim"),
         }
+    }
+
+    #[test]
+    fn the_order_of_storing_stays_bounded_when_blocks_leave_by_other_ways() {
+        let mut a = tenant("ta");
+        a.quota = Size::Bytes(8 * 4096);
+        let t = Arc::new(Tenants::new(&cfg(&[("a", a), ("b", tenant("tb"))]), 4096, 10).unwrap());
+        for i in 0..10_000 {
+            for ns in [0, 1] {
+                let ik = t.key(ns, k(i));
+                let r = t.admit(ns, ik, k(i)).ok().unwrap();
+                t.observe(stored(ik));
+                drop(r);
+                // Evicted by the tiers, not by the quota.
+                t.observe(StoreEvent {
+                    kind: StoreEventKind::Removed,
+                    ..stored(ik)
+                });
+            }
+        }
+        let m = t.multi.as_ref().unwrap();
+        let g = lock(&m.names);
+        assert!(g.fifo[0].len() <= 66, "{}", g.fifo[0].len());
+        assert!(g.fifo[1].is_empty(), "no quota, no order");
+        assert!(g.map.is_empty());
     }
 
     #[test]
