@@ -116,6 +116,7 @@ impl Shared {
             "bytes_received": m.bytes_received.get(),
             "event_seq": self.tenants.bus(0).next_seq(),
             "store": self.store.stats(),
+            "namespaces": self.tenants.stats(),
         })
         .to_string()
     }

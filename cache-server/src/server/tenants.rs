@@ -59,6 +59,8 @@ struct Tenant {
 }
 
 struct Space {
+    /// `tenant:NAME`, `group:NAME`, or `unix` (the Unix socket's own).
+    name: String,
     /// SHA-256 state after the secret and the namespace's number.
     prefix: digest::Context,
     /// Most blocks the namespace holds; `None`: no quota.
@@ -190,6 +192,7 @@ impl Tenants {
         // Namespaces: each group, then each tenant outside a group, in name order.
         let mut space_of: HashMap<String, Ns> = HashMap::new();
         let mut quotas: Vec<Option<u64>> = Vec::new();
+        let mut space_names: Vec<String> = Vec::new();
         let mut tenants = Vec::new();
         let mut unix = None;
         let mut digests: HashMap<[u8; 32], String> = HashMap::new();
@@ -239,6 +242,7 @@ impl Tenants {
                 None => {
                     let ns = quotas.len();
                     quotas.push(quota);
+                    space_names.push(space.clone());
                     space_of.insert(space, ns);
                     ns
                 }
@@ -273,6 +277,7 @@ impl Tenants {
         // a tenant marked for it, they are an admin with a namespace of their own.
         let unix = unix.unwrap_or_else(|| {
             quotas.push(None);
+            space_names.push("unix".into());
             Identity {
                 admin: true,
                 ns: quotas.len() - 1,
@@ -286,7 +291,11 @@ impl Tenants {
                 prefix.update(b"kvtier tenant namespace v1");
                 prefix.update(&secret);
                 prefix.update(&(ns as u64).to_le_bytes());
-                Space { prefix, quota: *q }
+                Space {
+                    name: space_names[ns].clone(),
+                    prefix,
+                    quota: *q,
+                }
             })
             .collect::<Vec<_>>();
         let n = spaces.len();
@@ -421,6 +430,26 @@ impl Tenants {
                 names.count[ns] -= 1;
             }
         }
+    }
+
+    /// Each namespace's blocks and quota, for `/stats` (`None` without tenants).
+    pub fn stats(&self) -> Option<serde_json::Value> {
+        let m = self.multi.as_ref()?;
+        let g = lock(&m.names);
+        Some(
+            m.spaces
+                .iter()
+                .enumerate()
+                .map(|(ns, sp)| {
+                    serde_json::json!({
+                        "namespace": sp.name,
+                        "blocks": g.count[ns],
+                        "quota_blocks": sp.quota,
+                        "event_seq": self.buses[ns].next_seq(),
+                    })
+                })
+                .collect(),
+        )
     }
 
     /// Blocks namespace `ns` holds (or is storing).

@@ -235,6 +235,22 @@ async fn a_tenant_filling_its_quota_gives_up_its_own_blocks_not_anothers() {
         // B holds its newest 8 (32 KiB), its older ones removed first.
         assert_eq!(get_verified(&b, &kb[32..]).await, 8);
         assert_eq!(b.lookup(&kb[31..]).await.tiers.len(), 0);
+        // /stats counts each namespace's blocks against its quota.
+        let st = srv.stats().await;
+        let ns = |name: &str| {
+            st["namespaces"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|n| n["namespace"] == name)
+                .cloned()
+                .unwrap()
+        };
+        assert_eq!(ns("tenant:a")["blocks"], 6);
+        assert_eq!(ns("tenant:a")["quota_blocks"], serde_json::Value::Null);
+        assert_eq!(ns("tenant:b")["blocks"], 8);
+        assert_eq!(ns("tenant:b")["quota_blocks"], 8);
+        assert_eq!(ns("unix")["blocks"], 0);
     })
     .await;
 }
