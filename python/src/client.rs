@@ -27,7 +27,7 @@ fn client_err(e: ClientError) -> PyErr {
         ClientError::BadUrl(_) | ClientError::Buffer(_) => PyValueError::new_err(e.to_string()),
         ClientError::Timeout => PyTimeoutError::new_err(e.to_string()),
         ClientError::Server {
-            code: Some(ErrorCode::Unauthorized),
+            code: Some(ErrorCode::Unauthorized | ErrorCode::Forbidden),
             ..
         } => PyPermissionError::new_err(e.to_string()),
         ClientError::Server {

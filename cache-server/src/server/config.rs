@@ -88,6 +88,42 @@ pub struct ServerConfig {
     pub store: StoreSection,
     pub layout: LayoutSection,
     pub limits: LimitsSection,
+    /// Tenants by name (`[tenants.NAME]`); none: one tenant, today's single token, every
+    /// client an admin. See `docs/operations.md`, "Tenants".
+    pub tenants: std::collections::BTreeMap<String, TenantSection>,
+}
+
+/// One tenant: the credential that names it, its role, quota and sharing group.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TenantSection {
+    /// The token its TCP, TLS and QUIC clients present ("" with `token_file`, or for a tenant
+    /// of the Unix socket only).
+    pub token: String,
+    /// File holding its token (first line).
+    pub token_file: String,
+    /// `"tenant"` (default) or `"admin"` (may also `clear` the store).
+    pub role: String,
+    /// Most bytes of blocks its namespace holds (counted once, whatever the tiers); `"auto"`:
+    /// no quota.
+    pub quota: Size,
+    /// Sharing group: tenants of one group share one namespace. "": its own.
+    pub group: String,
+    /// Clients of the Unix socket are this tenant (at most one tenant says so).
+    pub unix: bool,
+}
+
+impl Default for TenantSection {
+    fn default() -> Self {
+        Self {
+            token: String::new(),
+            token_file: String::new(),
+            role: "tenant".into(),
+            quota: Size::Auto,
+            group: String::new(),
+            unix: false,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
@@ -433,7 +469,8 @@ fn scalar(s: &str) -> toml::Value {
                 v @ (toml::Value::Integer(_)
                 | toml::Value::Boolean(_)
                 | toml::Value::String(_)
-                | toml::Value::Array(_)),
+                | toml::Value::Array(_)
+                | toml::Value::Table(_)),
             ) => v,
             _ => toml::Value::String(s.to_string()),
         },
@@ -543,6 +580,67 @@ impl ServerConfig {
         }
         if self.server.tls_cert.is_empty() != self.server.tls_key.is_empty() {
             return Err(cerr("server.tls_cert", "tls_cert and tls_key go together"));
+        }
+        self.validate_tenants()
+    }
+
+    fn validate_tenants(&self) -> Result<(), ConfigError> {
+        if self.tenants.is_empty() {
+            return Ok(());
+        }
+        for s in ["server.token", "server.token_file"] {
+            let v = if s == "server.token" {
+                &self.server.token
+            } else {
+                &self.server.token_file
+            };
+            if !v.is_empty() {
+                return Err(cerr(
+                    s,
+                    "unused when [tenants] is configured: give each tenant its token",
+                ));
+            }
+        }
+        let mut unix = None;
+        for (name, t) in &self.tenants {
+            let at = |k: &str| format!("tenants.{name}.{k}");
+            if name.is_empty()
+                || !name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            {
+                return Err(cerr(
+                    format!("tenants.{name}"),
+                    "a tenant's name is letters, digits, '-' and '_'",
+                ));
+            }
+            if !matches!(t.role.as_str(), "tenant" | "admin") {
+                return Err(cerr(
+                    at("role"),
+                    format!("{:?}: expected \"tenant\" or \"admin\"", t.role),
+                ));
+            }
+            if !t.token.is_empty() && !t.token_file.is_empty() {
+                return Err(cerr(at("token"), "token and token_file: give one"));
+            }
+            if t.token.is_empty() && t.token_file.is_empty() && !t.unix {
+                return Err(cerr(
+                    at("token"),
+                    "a tenant needs a token (or token_file), unless it is the Unix socket's \
+                     (unix = true)",
+                ));
+            }
+            if t.quota == Size::Bytes(0) {
+                return Err(cerr(at("quota"), "must not be 0 (\"auto\": no quota)"));
+            }
+            if t.unix
+                && let Some(other) = unix.replace(name)
+            {
+                return Err(cerr(
+                    at("unix"),
+                    format!("tenant {other:?} is already the Unix socket's"),
+                ));
+            }
         }
         Ok(())
     }

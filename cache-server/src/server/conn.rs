@@ -27,6 +27,7 @@ use super::brakes::{AuthGate, PreHelloSlot, token_matches};
 use super::events::tier_code;
 use super::metrics::{Metrics, Transport};
 use super::staging::Staging;
+use super::tenants::{Admit, Identity, Registration};
 use crate::policy::admission::RejectReason;
 use crate::{MissReason, PinnedRead, PutOutcome, Reservation, StoreError};
 
@@ -180,6 +181,8 @@ struct ReservationRecord {
     slots: Vec<Option<Staged>>,
     statuses: Vec<u8>,
     deadline: Instant,
+    /// The reserved keys' places in their namespace, held until the record drops.
+    _names: Vec<Registration>,
 }
 
 impl Drop for ReservationRecord {
@@ -252,6 +255,8 @@ struct Conn {
     done: CancellationToken,
     local_arena: bool,
     subscriptions: usize,
+    /// Who the connection is (from its hello's credential).
+    who: Identity,
 }
 
 enum ReadEnd {
@@ -327,6 +332,7 @@ pub(crate) async fn serve_until<R, W>(
         done: shared.shutdown.child_token(),
         local_arena: false,
         subscriptions: 0,
+        who: Identity::SINGLE,
     };
     let reaper = {
         let (state, done) = (state.clone(), c.done.clone());
@@ -556,6 +562,7 @@ impl Conn {
             out: self.out.clone(),
             local_arena: self.local_arena,
             transport: self.transport,
+            who: self.who,
             id: h.request_id,
             op: h.opcode,
             no_reply: h.is(flags::NO_REPLY),
@@ -634,7 +641,19 @@ impl Conn {
                 .await;
                 return false;
             }
-            if !token_matches(h.token.as_bytes(), &s.token_digest) {
+            let who = match s.tenants.by_token(h.token.as_bytes()) {
+                // No tenants: the one token, every client an admin.
+                None => {
+                    token_matches(h.token.as_bytes(), &s.token_digest).then_some(Identity::SINGLE)
+                }
+                Some(found) => found.map(|(who, name)| {
+                    tracing::debug!(tenant = name, transport = self.transport.name(), "hello");
+                    who
+                }),
+            };
+            if let Some(who) = who {
+                self.who = who;
+            } else {
                 Metrics::inc(&s.metrics.auth_failures);
                 s.auth.failed(ip, now);
                 self.log_auth_refusal(ip, "wrong or missing token");
@@ -645,6 +664,9 @@ impl Conn {
                 .await;
                 return false;
             }
+        }
+        if self.transport == Transport::Unix {
+            self.who = s.tenants.unix_identity();
         }
         if h.block_bytes != 0 && h.block_bytes != s.block_bytes as u64 {
             self.send(fail(
@@ -692,7 +714,7 @@ impl Conn {
             max_meta_bytes: s.limits.max_meta_bytes,
             max_payload_bytes: s.limits.max_payload_bytes,
             max_lease_ms: s.config.limits.max_lease_ms,
-            event_seq: s.events.next_seq(),
+            event_seq: s.tenants.bus(self.who.ns).next_seq(),
         });
         let mut out = Out::new(id, op, &reply, 0);
         if let Some(l) = local {
@@ -745,14 +767,22 @@ impl Conn {
             .await;
             return true;
         }
-        let keys: Vec<_> = entries.iter().map(|e| e.key).collect();
+        let ns = self.who.ns;
+        let keys: Vec<_> = entries.iter().map(|e| s.tenants.key(ns, e.key)).collect();
         // Readers that meet these keys wait for them (bounded) instead of missing.
         let mut announced = s.store.announce(&keys);
         let mut statuses = Vec::with_capacity(entries.len());
         for (i, e) in entries.iter().enumerate() {
             let until = deadline.into_std().min(Instant::now() + SLOT_WAIT);
-            match reserve_waiting(s, e.key, e.parent, None, until).await {
-                Ok(mut r) => {
+            let parent = e.parent.map(|p| s.tenants.key(ns, p));
+            let reserved = match admit(s, ns, keys[i], e.key) {
+                Some(name) => reserve_waiting(s, keys[i], parent, None, until)
+                    .await
+                    .map(|r| (r, name)),
+                None => Err(PutOutcome::Rejected(RejectReason::NoEvictableSlot)),
+            };
+            match reserved {
+                Ok((mut r, _name)) => {
                     if !self.within(deadline, rd.read_exact(r.bytes_mut())).await {
                         return false; // the reservation frees its slot
                     }
@@ -780,7 +810,8 @@ impl Conn {
 
     async fn subscribe(&self, id: u64, from_seq: Option<u64>, snapshot: bool) {
         let s = self.shared.clone();
-        let sub = s.events.subscribe(from_seq);
+        let ns = self.who.ns;
+        let sub = s.tenants.bus(ns).subscribe(from_seq);
         let op = Opcode::Subscribe as u8;
         self.send(Out::new(
             id,
@@ -803,9 +834,19 @@ impl Conn {
             };
             if snapshot {
                 let store = s.store.clone();
-                let snap = tokio::task::spawn_blocking(move || store.snapshot())
-                    .await
-                    .unwrap_or_default();
+                let tenants = s.tenants.clone();
+                let snap = tokio::task::spawn_blocking(move || {
+                    // Only the namespace's blocks, in the client's keys.
+                    let snap = store.snapshot();
+                    let internal: Vec<_> = snap.iter().map(|e| e.key).collect();
+                    let keys = tenants.client_keys(ns, &internal);
+                    snap.into_iter()
+                        .zip(keys)
+                        .filter_map(|(e, k)| Some(crate::SnapshotEntry { key: k?, ..e }))
+                        .collect::<Vec<_>>()
+                })
+                .await
+                .unwrap_or_default();
                 let mut evs = Vec::new();
                 for e in snap {
                     for t in e.tiers() {
@@ -908,6 +949,7 @@ struct Job {
     out: Outbox,
     local_arena: bool,
     transport: Transport,
+    who: Identity,
     id: u64,
     op: u8,
     no_reply: bool,
@@ -972,6 +1014,19 @@ impl Job {
     async fn run(&self, req: Request) -> Option<Out> {
         let s = self.shared.clone();
         let store = s.store.clone();
+        // Every key names a block of the caller's namespace only.
+        let ns = self.who.ns;
+        let req = match req {
+            Request::Lookup(k) => Request::Lookup(internal(&s, ns, k)),
+            Request::Get(k) => Request::Get(internal(&s, ns, k)),
+            Request::Prefetch(k) => Request::Prefetch(internal(&s, ns, k)),
+            Request::Remove(k) => Request::Remove(internal(&s, ns, k)),
+            Request::Pin { keys, lease_ms } if s.tenants.enforced() => Request::Pin {
+                keys: s.tenants.keys(ns, &keys),
+                lease_ms,
+            },
+            r => r,
+        };
         match req {
             Request::Ping => self.reply(Response::Pong),
             Request::Lookup(k) => {
@@ -1105,8 +1160,8 @@ impl Job {
                     );
                 };
                 let lease = self.lease(lease_ms);
-                let (slots, statuses) =
-                    reserve_batch(&s, &entries, Instant::now() + SLOT_WAIT).await;
+                let (slots, statuses, names) =
+                    reserve_batch(&s, ns, &entries, Instant::now() + SLOT_WAIT).await;
                 for st in &statuses {
                     count_refusal(&s, self.transport, *st);
                 }
@@ -1141,6 +1196,7 @@ impl Job {
                             slots: staged,
                             statuses,
                             deadline: Instant::now() + lease,
+                            _names: names,
                         },
                     );
                     s.metrics.reservations_open.inc();
@@ -1225,6 +1281,10 @@ impl Job {
                 };
                 self.reply(Response::Remove { removed: n as u64 })
             }
+            Request::Clear if !self.who.admin => self.error(
+                ErrorCode::Forbidden,
+                "clear needs the admin role (this connection's tenant is not an admin)",
+            ),
             Request::Clear => match self.blocking(move || store.clear()).await {
                 Ok(Ok(())) => self.reply(Response::Done),
                 Ok(Err(e)) => self.error(ErrorCode::Internal, format!("clear failed: {e}")),
@@ -1350,17 +1410,30 @@ async fn reserve_waiting(
 /// `until`) as [`reserve_waiting`] does.
 async fn reserve_batch(
     s: &Shared,
+    ns: super::tenants::Ns,
     entries: &[PutEntry],
     until: Instant,
-) -> (Vec<Option<Reservation>>, Vec<u8>) {
+) -> (Vec<Option<Reservation>>, Vec<u8>, Vec<Registration>) {
     let mut slots: Vec<Option<Reservation>> = Vec::with_capacity(entries.len());
     let mut statuses = Vec::with_capacity(entries.len());
+    let mut names = Vec::with_capacity(entries.len());
     for (i, e) in entries.iter().enumerate() {
         let pending_parent = match (e.parent, slots.last()) {
             (Some(p), Some(Some(prev))) if i > 0 && entries[i - 1].key == p => Some(prev),
             _ => None,
         };
-        let r = reserve_waiting(s, e.key, e.parent, pending_parent, until).await;
+        let key = s.tenants.key(ns, e.key);
+        let parent = e.parent.map(|p| s.tenants.key(ns, p));
+        let r = match admit(s, ns, key, e.key) {
+            Some(name) => {
+                let r = reserve_waiting(s, key, parent, pending_parent, until).await;
+                if r.is_ok() {
+                    names.push(name);
+                }
+                r
+            }
+            None => Err(PutOutcome::Rejected(RejectReason::NoEvictableSlot)),
+        };
         match r {
             Ok(r) => {
                 slots.push(Some(r));
@@ -1372,7 +1445,43 @@ async fn reserve_batch(
             }
         }
     }
-    (slots, statuses)
+    (slots, statuses, names)
+}
+
+/// A key list in the caller's namespace.
+fn internal(
+    s: &Shared,
+    ns: super::tenants::Ns,
+    k: kvtier_core::protocol::KeyList,
+) -> kvtier_core::protocol::KeyList {
+    if !s.tenants.enforced() {
+        return k;
+    }
+    kvtier_core::protocol::KeyList {
+        keys: s.tenants.keys(ns, &k.keys),
+    }
+}
+
+/// Makes room for one more block of namespace `ns` within its quota, removing the
+/// namespace's own oldest blocks (never another's), and registers the put. `None`: over
+/// quota with nothing of its own to remove.
+fn admit(
+    s: &Shared,
+    ns: super::tenants::Ns,
+    internal: kvtier_core::BlockKey,
+    key: kvtier_core::BlockKey,
+) -> Option<Registration> {
+    // Each round removes one block of the namespace; a bound keeps a stale order finite.
+    for _ in 0..64 {
+        match s.tenants.admit(ns, internal, key) {
+            Ok(name) => return Some(name),
+            Err(Admit::Evict(victim)) => {
+                s.store.remove(&victim);
+            }
+            Err(Admit::Refuse) => return None,
+        }
+    }
+    None
 }
 
 async fn write_loop<W: AsyncWrite + Unpin>(

@@ -53,7 +53,9 @@ impl EventBus {
         Self {
             state: Mutex::new(Ring {
                 next_seq: 1,
-                events: VecDeque::with_capacity(EVENT_RING),
+                // Grown as events come (up to EVENT_RING): a namespace that stores little
+                // costs little.
+                events: VecDeque::new(),
             }),
             tx: broadcast::channel(EVENT_CHANNEL).0,
         }

@@ -11,6 +11,7 @@ mod fdpass;
 pub mod metrics;
 mod places;
 mod staging;
+mod tenants;
 mod tls;
 
 use std::net::SocketAddr;
@@ -26,8 +27,8 @@ use tokio_util::sync::CancellationToken;
 
 pub use brakes::raise_nofile_limit;
 pub use config::{ConfigError, ConfigLoader, ServerConfig, Size, parse_size};
-use events::EventBus;
 use metrics::{Metrics, Transport};
+use tenants::Tenants;
 
 use crate::{StoreError, TieredStore};
 
@@ -73,7 +74,8 @@ pub(crate) struct Shared {
     pub config: ServerConfig,
     pub limits: Limits,
     pub metrics: Metrics,
-    pub events: Arc<EventBus>,
+    /// Tenants, their namespaces and each namespace's event stream.
+    pub tenants: Arc<Tenants>,
     /// The token's SHA-256 (see [`brakes::token_matches`]).
     pub token_digest: [u8; 32],
     /// Failed hellos per peer address.
@@ -112,8 +114,9 @@ impl Shared {
             "reservations_open": m.reservations_open.get(),
             "bytes_sent": m.bytes_sent.get(),
             "bytes_received": m.bytes_received.get(),
-            "event_seq": self.events.next_seq(),
+            "event_seq": self.tenants.bus(0).next_seq(),
             "store": self.store.stats(),
+            "namespaces": self.tenants.stats(),
         })
         .to_string()
     }
@@ -178,7 +181,24 @@ impl Server {
             .map_err(|e| ServerError::Tls(format!("store open task failed: {e}")))??
             .0;
         let store = Arc::new(store);
-        let (token, token_file) = resolve_token(&config, &runtime)?;
+        let (token, token_file) = if config.tenants.is_empty() {
+            resolve_token(&config, &runtime)?
+        } else {
+            // Each tenant presents its own token; there is no server-wide one.
+            (String::new(), None)
+        };
+        let capacity_blocks: u64 = store.stats().tiers.iter().map(|t| t.capacity_slots).sum();
+        let tenants = Arc::new(Tenants::new(
+            &config,
+            store.block_bytes() as u64,
+            capacity_blocks,
+        )?);
+        if tenants.enforced() {
+            tracing::info!(
+                tenants = config.tenants.len(),
+                "tenants enforced: each token names a tenant and its namespace"
+            );
+        }
         let limits = config.limits()?;
         let budget_units = match config.limits.max_inflight_bytes {
             Size::Bytes(b) => b.div_ceil(conn::BUDGET_UNIT),
@@ -191,7 +211,7 @@ impl Server {
             store: store.clone(),
             limits,
             metrics: Metrics::default(),
-            events: Arc::new(EventBus::new()),
+            tenants: tenants.clone(),
             token_digest: brakes::token_digest(token.as_bytes()),
             auth: brakes::AuthThrottle::new(
                 config.limits.auth_failures_burst,
@@ -207,9 +227,9 @@ impl Server {
             started: Instant::now(),
             config,
         });
-        // The sink holds the bus only: the store must not keep the server state alive.
-        let bus = shared.events.clone();
-        store.set_event_sink(Arc::new(move |e| bus.publish(e)));
+        // The sink holds the tenants (names, event streams) only: the store must not keep the
+        // server state alive.
+        store.set_event_sink(Arc::new(move |e| tenants.observe(e)));
         let mut endpoints = Endpoints {
             unix: None,
             tcp: None,
@@ -376,6 +396,14 @@ fn check_places(c: &ServerConfig, runtime: &Path) -> Result<(), ServerError> {
     }
     if !c.server.tls_key.is_empty() {
         places::check_secret_file("server.tls_key", Path::new(&c.server.tls_key))?;
+    }
+    for (name, t) in &c.tenants {
+        if t.token.is_empty() && !t.token_file.is_empty() {
+            places::check_secret_file(
+                &format!("tenants.{name}.token_file"),
+                Path::new(&t.token_file),
+            )?;
+        }
     }
     Ok(())
 }

@@ -14,4 +14,5 @@ mod malformed;
 mod pending;
 mod places;
 mod sdk;
+mod tenants;
 mod tls;

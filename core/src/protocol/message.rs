@@ -87,6 +87,9 @@ wire_enum! {
         Internal = 10,
         /// The request needs the local (Unix socket) path, e.g. reserve/commit.
         LocalOnly = 11,
+        /// Authenticated, but the caller's role does not allow the operation (`clear` needs
+        /// the admin role when tenants are configured).
+        Forbidden = 12,
     }
 }
 

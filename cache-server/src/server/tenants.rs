@@ -1,0 +1,703 @@
+//! Tenants the server enforces (`[tenants]` in the configuration; `docs/operations.md`,
+//! "Tenants").
+//!
+//! With no tenants configured there is one namespace, keys are used as sent and every client
+//! may do everything: the server behaves as it always has.
+//!
+//! With tenants, the credential that authenticated a connection (a tenant's token over TCP,
+//! TLS and QUIC; the tenant marked `unix = true`, else an implicit admin, on the Unix socket)
+//! names a tenant, and the tenant a **namespace**: its own, or its sharing group's. Every key
+//! a client sends is mapped to an internal key `SHA-256(secret, namespace, key)[..16]`, with a
+//! secret drawn at each start, so namespaces never meet in the store and no client can name an
+//! internal key of another namespace (it never sees one, and cannot compute one). The store,
+//! its tiers and the NVMe files work on internal keys unchanged.
+//!
+//! The server remembers, for each internal key a tenant stored, its namespace and the
+//! client's key ([`Names`]), kept current by the store's events: that is what turns store
+//! events and snapshots back into the client's keys, delivered only to subscribers of the
+//! block's namespace, each namespace numbering its events in its own sequence. It also counts
+//! each namespace's blocks for its quota: a put past the quota first removes the namespace's
+//! own oldest blocks (first stored, first removed), never another's.
+//!
+//! Internal keys are not kept across a restart (the secret is new): blocks tenants stored on
+//! NVMe before a restart are unreachable afterwards, shown to no subscriber, and age out by
+//! eviction.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvtier_core::BlockKey;
+use ring::digest;
+
+use super::brakes::{token_digest, token_matches};
+use super::config::{ServerConfig, Size, TenantSection};
+use super::events::EventBus;
+use crate::{StoreEvent, StoreEventKind, TierKind};
+
+/// A namespace: an index into [`Tenants::buses`].
+pub(crate) type Ns = usize;
+
+/// Who a connection is, once it has said hello.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Identity {
+    /// May `clear` the store.
+    pub admin: bool,
+    /// The namespace its keys live in.
+    pub ns: Ns,
+}
+
+impl Identity {
+    /// The single tenant of a deployment without `[tenants]`.
+    pub const SINGLE: Identity = Identity { admin: true, ns: 0 };
+}
+
+struct Tenant {
+    name: String,
+    /// SHA-256 of its token; `None` for a tenant reachable over the Unix socket only.
+    digest: Option<[u8; 32]>,
+    id: Identity,
+}
+
+struct Space {
+    /// `tenant:NAME`, `group:NAME`, or `unix` (the Unix socket's own).
+    name: String,
+    /// SHA-256 state after the secret and the namespace's number.
+    prefix: digest::Context,
+    /// Most blocks the namespace holds; `None`: no quota.
+    quota: Option<u64>,
+}
+
+/// What the server knows of one internal key a tenant stored.
+struct Name {
+    ns: Ns,
+    key: BlockKey,
+    /// Tiers holding the block (bit = tier code), from the store's events.
+    tiers: u8,
+    /// Puts of it in progress.
+    pending: u32,
+}
+
+#[derive(Default)]
+struct Names {
+    map: HashMap<BlockKey, Name>,
+    /// Per namespace with a quota, internal keys in the order they were first stored (stale
+    /// ones are skipped when met, and dropped when they outnumber the live ones).
+    fifo: Vec<VecDeque<BlockKey>>,
+    /// Per namespace, entries of `map` (blocks held or being stored).
+    count: Vec<u64>,
+}
+
+impl Names {
+    /// Appends a block of `ns` to its order of storing; drops the order's stale entries
+    /// (blocks gone, or stored again later) when they outnumber the live ones, so the order
+    /// stays within about twice the namespace's blocks.
+    fn push_stored(&mut self, ns: Ns, internal: BlockKey) {
+        self.fifo[ns].push_back(internal);
+        if self.fifo[ns].len() as u64 <= 2 * self.count[ns] + 64 {
+            return;
+        }
+        let mut seen = std::collections::HashSet::new();
+        let mut kept: Vec<BlockKey> = Vec::with_capacity(self.count[ns] as usize);
+        // Newest first: a block stored again keeps its latest place.
+        for k in self.fifo[ns].iter().rev() {
+            if self.map.get(k).is_some_and(|n| n.ns == ns && n.tiers != 0) && seen.insert(*k) {
+                kept.push(*k);
+            }
+        }
+        kept.reverse();
+        self.fifo[ns] = kept.into();
+    }
+}
+
+struct Multi {
+    tenants: Vec<Tenant>,
+    unix: Identity,
+    spaces: Vec<Space>,
+    names: Mutex<Names>,
+}
+
+/// The server's tenants, their namespaces and event streams.
+pub(crate) struct Tenants {
+    multi: Option<Multi>,
+    /// One event stream per namespace (one in all without tenants).
+    buses: Vec<Arc<EventBus>>,
+}
+
+/// Why a block cannot be admitted to its namespace now.
+pub(crate) enum Admit {
+    /// Remove this block of the same namespace (its oldest), then try again.
+    Evict(BlockKey),
+    /// Over quota with nothing of its own to remove (all being stored), or an internal key
+    /// that belongs to another namespace.
+    Refuse,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn tier_bit(t: TierKind) -> u8 {
+    match t {
+        TierKind::Hbm => 1,
+        TierKind::Dram => 2,
+        TierKind::Nvme => 4,
+    }
+}
+
+/// A configuration error of `[tenants]`, naming the setting.
+pub(crate) type TenantError = super::config::ConfigError;
+
+fn terr(setting: impl Into<String>, reason: impl std::fmt::Display) -> TenantError {
+    super::config::ConfigError {
+        setting: setting.into(),
+        reason: reason.to_string(),
+    }
+}
+
+/// A tenant's token: the setting, or the first line of `token_file`.
+fn tenant_token(name: &str, t: &TenantSection) -> Result<Option<String>, TenantError> {
+    if !t.token.is_empty() {
+        return Ok(Some(t.token.clone()));
+    }
+    if t.token_file.is_empty() {
+        return Ok(None);
+    }
+    let setting = format!("tenants.{name}.token_file");
+    let text = std::fs::read_to_string(&t.token_file)
+        .map_err(|e| terr(&setting, format!("{}: {e}", t.token_file)))?;
+    let line = text.lines().next().unwrap_or("").trim().to_string();
+    if line.is_empty() {
+        return Err(terr(&setting, format!("{} holds no token", t.token_file)));
+    }
+    Ok(Some(line))
+}
+
+impl Tenants {
+    /// The tenants of `c` (already validated), for blocks of `block_bytes` in a store holding
+    /// at most `capacity_blocks` blocks (its tiers' slots together). Reads token files.
+    pub fn new(
+        c: &ServerConfig,
+        block_bytes: u64,
+        capacity_blocks: u64,
+    ) -> Result<Tenants, TenantError> {
+        if c.tenants.is_empty() {
+            return Ok(Tenants {
+                multi: None,
+                buses: vec![Arc::new(EventBus::new())],
+            });
+        }
+        let mut secret = [0u8; 32];
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut secret)
+            .map_err(|_| terr("tenants", "no randomness for the key secret"))?;
+        // Namespaces: each group, then each tenant outside a group, in name order.
+        let mut space_of: HashMap<String, Ns> = HashMap::new();
+        let mut quotas: Vec<Option<u64>> = Vec::new();
+        let mut space_names: Vec<String> = Vec::new();
+        let mut tenants = Vec::new();
+        let mut unix = None;
+        let mut digests: HashMap<[u8; 32], String> = HashMap::new();
+        for (name, t) in &c.tenants {
+            let space = if t.group.is_empty() {
+                format!("tenant:{name}")
+            } else {
+                format!("group:{}", t.group)
+            };
+            let quota = match t.quota {
+                Size::Auto => None,
+                Size::Bytes(b) => {
+                    let blocks = b / block_bytes.max(1);
+                    let setting = format!("tenants.{name}.quota");
+                    if blocks == 0 {
+                        return Err(terr(
+                            setting,
+                            format!("{b} bytes is less than one block ({block_bytes} bytes)"),
+                        ));
+                    }
+                    if blocks > capacity_blocks {
+                        return Err(terr(
+                            setting,
+                            format!(
+                                "{blocks} blocks is more than the store holds ({capacity_blocks} \
+                                 blocks in all its tiers)"
+                            ),
+                        ));
+                    }
+                    Some(blocks)
+                }
+            };
+            let ns = match space_of.get(&space) {
+                Some(&ns) => {
+                    if quotas[ns] != quota {
+                        return Err(terr(
+                            format!("tenants.{name}.quota"),
+                            format!(
+                                "the members of group {:?} share one namespace and must give \
+                                 the same quota (or none)",
+                                t.group
+                            ),
+                        ));
+                    }
+                    ns
+                }
+                None => {
+                    let ns = quotas.len();
+                    quotas.push(quota);
+                    space_names.push(space.clone());
+                    space_of.insert(space, ns);
+                    ns
+                }
+            };
+            let id = Identity {
+                admin: t.role == "admin",
+                ns,
+            };
+            let digest = match tenant_token(name, t)? {
+                Some(tok) => {
+                    let d = token_digest(tok.as_bytes());
+                    if let Some(other) = digests.insert(d, name.clone()) {
+                        return Err(terr(
+                            format!("tenants.{name}.token"),
+                            format!("the same token as tenant {other:?}: a token names one tenant"),
+                        ));
+                    }
+                    Some(d)
+                }
+                None => None,
+            };
+            if t.unix {
+                unix = Some(id);
+            }
+            tenants.push(Tenant {
+                name: name.clone(),
+                digest,
+                id,
+            });
+        }
+        // The Unix socket's clients run as the server's user and map the whole arena: without
+        // a tenant marked for it, they are an admin with a namespace of their own.
+        let unix = unix.unwrap_or_else(|| {
+            quotas.push(None);
+            space_names.push("unix".into());
+            Identity {
+                admin: true,
+                ns: quotas.len() - 1,
+            }
+        });
+        let spaces = quotas
+            .iter()
+            .enumerate()
+            .map(|(ns, q)| {
+                let mut prefix = digest::Context::new(&digest::SHA256);
+                prefix.update(b"kvtier tenant namespace v1");
+                prefix.update(&secret);
+                prefix.update(&(ns as u64).to_le_bytes());
+                Space {
+                    name: space_names[ns].clone(),
+                    prefix,
+                    quota: *q,
+                }
+            })
+            .collect::<Vec<_>>();
+        let n = spaces.len();
+        Ok(Tenants {
+            multi: Some(Multi {
+                tenants,
+                unix,
+                spaces,
+                names: Mutex::new(Names {
+                    map: HashMap::new(),
+                    fifo: vec![VecDeque::new(); n],
+                    count: vec![0; n],
+                }),
+            }),
+            buses: (0..n).map(|_| Arc::new(EventBus::new())).collect(),
+        })
+    }
+
+    /// Whether tenants are configured.
+    pub fn enforced(&self) -> bool {
+        self.multi.is_some()
+    }
+
+    /// The event stream of namespace `ns`.
+    pub fn bus(&self, ns: Ns) -> &Arc<EventBus> {
+        &self.buses[ns.min(self.buses.len() - 1)]
+    }
+
+    /// Who the Unix socket's clients are.
+    pub fn unix_identity(&self) -> Identity {
+        self.multi.as_ref().map_or(Identity::SINGLE, |m| m.unix)
+    }
+
+    /// The tenant a token names, and its name, compared in constant time against every
+    /// tenant's token (no early exit). `None` when tenants are not configured.
+    pub fn by_token(&self, presented: &[u8]) -> Option<Option<(Identity, &str)>> {
+        let m = self.multi.as_ref()?;
+        let mut found = None;
+        for t in &m.tenants {
+            if let Some(d) = &t.digest
+                && token_matches(presented, d)
+            {
+                found = Some((t.id, t.name.as_str()));
+            }
+        }
+        Some(found)
+    }
+
+    /// The internal key of a client's `key` in namespace `ns`.
+    pub fn key(&self, ns: Ns, key: BlockKey) -> BlockKey {
+        let Some(m) = &self.multi else {
+            return key;
+        };
+        let mut c = m.spaces[ns].prefix.clone();
+        c.update(key.as_bytes());
+        let d = c.finish();
+        let mut b = [0u8; 16];
+        b.copy_from_slice(&d.as_ref()[..16]);
+        BlockKey::from_bytes(b)
+    }
+
+    /// The internal keys of a client's keys.
+    pub fn keys(&self, ns: Ns, keys: &[BlockKey]) -> Vec<BlockKey> {
+        if self.multi.is_none() {
+            return keys.to_vec();
+        }
+        keys.iter().map(|k| self.key(ns, *k)).collect()
+    }
+
+    /// Registers a put of `key` (the client's; `internal`, its internal key) in `ns`, within
+    /// the namespace's quota. Keep the returned guard until the put is committed or dropped.
+    pub fn admit(
+        self: &Arc<Self>,
+        ns: Ns,
+        internal: BlockKey,
+        key: BlockKey,
+    ) -> Result<Registration, Admit> {
+        let Some(m) = &self.multi else {
+            return Ok(Registration {
+                tenants: None,
+                key: internal,
+            });
+        };
+        let mut g = lock(&m.names);
+        let names = &mut *g;
+        if let Some(n) = names.map.get_mut(&internal) {
+            if n.ns != ns {
+                return Err(Admit::Refuse);
+            }
+            n.pending += 1;
+        } else {
+            if let Some(q) = m.spaces[ns].quota
+                && names.count[ns] >= q
+            {
+                while let Some(v) = names.fifo[ns].pop_front() {
+                    if names
+                        .map
+                        .get(&v)
+                        .is_some_and(|n| n.ns == ns && n.tiers != 0)
+                    {
+                        return Err(Admit::Evict(v));
+                    }
+                }
+                return Err(Admit::Refuse);
+            }
+            names.map.insert(
+                internal,
+                Name {
+                    ns,
+                    key,
+                    tiers: 0,
+                    pending: 1,
+                },
+            );
+            names.count[ns] += 1;
+        }
+        Ok(Registration {
+            tenants: Some(self.clone()),
+            key: internal,
+        })
+    }
+
+    fn settle(&self, internal: BlockKey) {
+        let Some(m) = &self.multi else { return };
+        let mut g = lock(&m.names);
+        let names = &mut *g;
+        if let Some(n) = names.map.get_mut(&internal) {
+            n.pending = n.pending.saturating_sub(1);
+            if n.pending == 0 && n.tiers == 0 {
+                let ns = n.ns;
+                names.map.remove(&internal);
+                names.count[ns] -= 1;
+            }
+        }
+    }
+
+    /// Each namespace's blocks and quota, for `/stats` (`None` without tenants).
+    pub fn stats(&self) -> Option<serde_json::Value> {
+        let m = self.multi.as_ref()?;
+        let g = lock(&m.names);
+        Some(
+            m.spaces
+                .iter()
+                .enumerate()
+                .map(|(ns, sp)| {
+                    serde_json::json!({
+                        "namespace": sp.name,
+                        "blocks": g.count[ns],
+                        "quota_blocks": sp.quota,
+                        "event_seq": self.buses[ns].next_seq(),
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    /// Blocks namespace `ns` holds (or is storing).
+    #[cfg(test)]
+    pub fn blocks(&self, ns: Ns) -> Option<u64> {
+        self.multi.as_ref().map(|m| lock(&m.names).count[ns])
+    }
+
+    /// The store's event sink: keeps the names current and publishes each event, in the
+    /// client's key, to its namespace's stream (`Cleared`: to every stream). An event of a
+    /// block no tenant stored in this run is published nowhere.
+    pub fn observe(&self, e: StoreEvent) {
+        let Some(m) = &self.multi else {
+            self.buses[0].publish(e);
+            return;
+        };
+        let mut g = lock(&m.names);
+        let names = &mut *g;
+        match e.kind {
+            StoreEventKind::Cleared => {
+                names.map.retain(|_, n| {
+                    n.tiers = 0;
+                    n.pending > 0
+                });
+                names.count.iter_mut().for_each(|c| *c = 0);
+                names.fifo.iter_mut().for_each(VecDeque::clear);
+                for n in names.map.values() {
+                    names.count[n.ns] += 1;
+                }
+                for b in &self.buses {
+                    b.publish(e);
+                }
+            }
+            StoreEventKind::Stored => {
+                let Some(n) = names.map.get_mut(&e.key) else {
+                    return;
+                };
+                let first = n.tiers == 0;
+                n.tiers |= tier_bit(e.tier);
+                let (ns, key) = (n.ns, n.key);
+                if first && m.spaces[ns].quota.is_some() {
+                    names.push_stored(ns, e.key);
+                }
+                self.buses[ns].publish(StoreEvent { key, ..e });
+            }
+            StoreEventKind::Removed => {
+                let Some(n) = names.map.get_mut(&e.key) else {
+                    return;
+                };
+                n.tiers &= !tier_bit(e.tier);
+                let (ns, key) = (n.ns, n.key);
+                if n.tiers == 0 && n.pending == 0 {
+                    names.map.remove(&e.key);
+                    names.count[ns] -= 1;
+                }
+                self.buses[ns].publish(StoreEvent { key, ..e });
+            }
+        }
+    }
+
+    /// The client's key of internal key `internal`, when it belongs to namespace `ns`
+    /// (always, with keys as sent, without tenants).
+    pub fn client_keys(&self, ns: Ns, internal: &[BlockKey]) -> Vec<Option<BlockKey>> {
+        let Some(m) = &self.multi else {
+            return internal.iter().map(|k| Some(*k)).collect();
+        };
+        let g = lock(&m.names);
+        internal
+            .iter()
+            .map(|k| {
+                g.map
+                    .get(k)
+                    .filter(|n| n.ns == ns && n.tiers != 0)
+                    .map(|n| n.key)
+            })
+            .collect()
+    }
+}
+
+/// A put in progress of one internal key: while it lives, the server keeps the key's name
+/// (so the store's `Stored` event finds its namespace).
+pub(crate) struct Registration {
+    tenants: Option<Arc<Tenants>>,
+    key: BlockKey,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if let Some(t) = &self.tenants {
+            t.settle(self.key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn cfg(tenants: &[(&str, TenantSection)]) -> ServerConfig {
+        ServerConfig {
+            tenants: tenants
+                .iter()
+                .map(|(n, t)| (n.to_string(), t.clone()))
+                .collect::<BTreeMap<_, _>>(),
+            ..ServerConfig::default()
+        }
+    }
+
+    fn tenant(token: &str) -> TenantSection {
+        TenantSection {
+            token: token.into(),
+            ..TenantSection::default()
+        }
+    }
+
+    fn k(i: u128) -> BlockKey {
+        BlockKey::from_u128(i)
+    }
+
+    fn stored(key: BlockKey) -> StoreEvent {
+        StoreEvent {
+            kind: StoreEventKind::Stored,
+            tier: TierKind::Dram,
+            key,
+        }
+    }
+
+    #[test]
+    fn without_tenants_keys_pass_as_sent() {
+        let t = Tenants::new(&ServerConfig::default(), 4096, 10).unwrap();
+        assert!(!t.enforced());
+        assert_eq!(t.key(0, k(7)), k(7));
+        assert_eq!(t.by_token(b"x"), None);
+        assert_eq!(t.unix_identity(), Identity::SINGLE);
+    }
+
+    #[test]
+    fn namespaces_part_keys_and_groups_share_them() {
+        let mut c = tenant("tc");
+        c.group = "g".into();
+        let mut d = tenant("td");
+        d.group = "g".into();
+        let t = Tenants::new(
+            &cfg(&[("a", tenant("ta")), ("b", tenant("tb")), ("c", c), ("d", d)]),
+            4096,
+            10,
+        )
+        .unwrap();
+        let id = |tok: &[u8]| t.by_token(tok).unwrap().unwrap().0;
+        let (a, b, c, d) = (id(b"ta"), id(b"tb"), id(b"tc"), id(b"td"));
+        assert_eq!(t.by_token(b"nope"), Some(None));
+        assert!(!a.admin);
+        assert_ne!(t.key(a.ns, k(1)), t.key(b.ns, k(1)));
+        assert_ne!(t.key(a.ns, k(1)), k(1));
+        assert_eq!(t.key(c.ns, k(1)), t.key(d.ns, k(1)));
+        assert!(t.unix_identity().admin);
+        assert_ne!(t.unix_identity().ns, a.ns);
+    }
+
+    #[test]
+    fn events_go_to_their_namespace_in_the_clients_key() {
+        let t = Arc::new(
+            Tenants::new(&cfg(&[("a", tenant("ta")), ("b", tenant("tb"))]), 4096, 10).unwrap(),
+        );
+        let (a, b) = (0, 1);
+        let ia = t.key(a, k(1));
+        let reg = t.admit(a, ia, k(1)).ok().unwrap();
+        let mut sa = t.bus(a).subscribe(None);
+        let mut sb = t.bus(b).subscribe(None);
+        t.observe(stored(ia));
+        drop(reg);
+        assert_eq!(sa.rx.try_recv().unwrap().key, k(1));
+        assert!(sb.rx.try_recv().is_err());
+        assert_eq!(t.client_keys(a, &[ia]), vec![Some(k(1))]);
+        assert_eq!(t.client_keys(b, &[ia]), vec![None]);
+        // Unknown internal keys (another run's) go nowhere.
+        t.observe(stored(k(99)));
+        assert!(sa.rx.try_recv().is_err());
+        assert_eq!(t.blocks(a), Some(1));
+        t.observe(StoreEvent {
+            kind: StoreEventKind::Removed,
+            ..stored(ia)
+        });
+        assert_eq!(t.blocks(a), Some(0));
+    }
+
+    #[test]
+    fn a_namespace_over_quota_gives_up_its_own_oldest() {
+        let mut a = tenant("ta");
+        a.quota = Size::Bytes(2 * 4096);
+        let t = Arc::new(Tenants::new(&cfg(&[("a", a), ("b", tenant("tb"))]), 4096, 10).unwrap());
+        for i in 0..2 {
+            let ik = t.key(0, k(i));
+            let _r = t.admit(0, ik, k(i)).ok().unwrap();
+            t.observe(stored(ik));
+        }
+        let ib = t.key(1, k(5));
+        let _r = t.admit(1, ib, k(5)).ok().unwrap();
+        t.observe(stored(ib));
+        match t.admit(0, t.key(0, k(3)), k(3)) {
+            Err(Admit::Evict(v)) => assert_eq!(v, t.key(0, k(0))),
+            _ => panic!("expected its own oldest as the victim"),
+        }
+    }
+
+    #[test]
+    fn the_order_of_storing_stays_bounded_when_blocks_leave_by_other_ways() {
+        let mut a = tenant("ta");
+        a.quota = Size::Bytes(8 * 4096);
+        let t = Arc::new(Tenants::new(&cfg(&[("a", a), ("b", tenant("tb"))]), 4096, 10).unwrap());
+        for i in 0..10_000 {
+            for ns in [0, 1] {
+                let ik = t.key(ns, k(i));
+                let r = t.admit(ns, ik, k(i)).ok().unwrap();
+                t.observe(stored(ik));
+                drop(r);
+                // Evicted by the tiers, not by the quota.
+                t.observe(StoreEvent {
+                    kind: StoreEventKind::Removed,
+                    ..stored(ik)
+                });
+            }
+        }
+        let m = t.multi.as_ref().unwrap();
+        let g = lock(&m.names);
+        assert!(g.fifo[0].len() <= 66, "{}", g.fifo[0].len());
+        assert!(g.fifo[1].is_empty(), "no quota, no order");
+        assert!(g.map.is_empty());
+    }
+
+    #[test]
+    fn tenant_config_errors_name_the_setting() {
+        let err = |c: ServerConfig| Tenants::new(&c, 4096, 10).err().unwrap().to_string();
+        let e = err(cfg(&[("a", tenant("same")), ("b", tenant("same"))]));
+        assert!(
+            e.contains("tenants.b.token") && e.contains("same token"),
+            "{e}"
+        );
+        let mut a = tenant("ta");
+        a.quota = Size::Bytes(11 * 4096);
+        let e = err(cfg(&[("a", a)]));
+        assert!(
+            e.contains("tenants.a.quota") && e.contains("more than the store"),
+            "{e}"
+        );
+        let mut a = tenant("ta");
+        a.quota = Size::Bytes(100);
+        assert!(err(cfg(&[("a", a)])).contains("less than one block"));
+    }
+}
