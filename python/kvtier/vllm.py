@@ -467,6 +467,10 @@ _FAILED = frozenset({"timeout", "disconnected", "unavailable", "io_error"})
 # --------------------------------------------------------------------------------------------
 
 
+# How long a request's lookup answers vLLM's repeated questions while it waits to be scheduled.
+_LOOKUP_REUSE_S = 1.0
+
+
 @dataclass
 class _Req:
     """What the scheduler side knows of a request."""
@@ -476,6 +480,7 @@ class _Req:
     full_blocks: int  # full blocks of the prompt (the ones that can be stored)
     loadable: int  # full blocks of the prompt minus its last token (the ones that can be loaded)
     in_kvtier: int = 0  # blocks kvtier held at the last lookup
+    looked_up_at: float | None = None  # time.monotonic() of that lookup
     matched: tuple[int, int] | None = None  # blocks reported to vLLM (first, end)
     planned: tuple[int, int] | None = None  # blocks to load (first, end), once allocated
     block_ids: list[int] = field(default_factory=list)
@@ -625,23 +630,30 @@ class KvtierConnector(KVConnectorBase_V1):
         first = num_computed_tokens // self._block_size
         if not self._s.load or st.loadable <= first:
             return 0, False
-        client = self._link.get()
-        if client is None:
-            self._counters.add(lookup_failures=1)
-            return 0, False
-        keys = self.block_keys(st.tokens[: st.loadable * self._block_size], st.cache_salt)
-        found = client.lookup(keys)
-        self._counters.add(lookups=1)
-        if found.miss in _FAILED:
-            self._link.failed(f"lookup: {found.miss} ({found.miss_detail})")
-            self._counters.add(lookup_failures=1)
-            return 0, False
-        n = 0
-        for tier in found.tiers:
-            if tier not in self._s.load_tiers:
-                break
-            n += 1
-        st.in_kvtier = n
+        now = time.monotonic()
+        if st.looked_up_at is not None and now - st.looked_up_at < _LOOKUP_REUSE_S:
+            # vLLM asks again each step a waiting request is not scheduled: answer from the
+            # last lookup (a block evicted since is a load error, recomputed).
+            n = st.in_kvtier
+        else:
+            client = self._link.get()
+            if client is None:
+                self._counters.add(lookup_failures=1)
+                return 0, False
+            keys = self.block_keys(st.tokens[: st.loadable * self._block_size], st.cache_salt)
+            found = client.lookup(keys)
+            self._counters.add(lookups=1)
+            if found.miss in _FAILED:
+                self._link.failed(f"lookup: {found.miss} ({found.miss_detail})")
+                self._counters.add(lookup_failures=1)
+                return 0, False
+            n = 0
+            for tier in found.tiers:
+                if tier not in self._s.load_tiers:
+                    break
+                n += 1
+            st.in_kvtier = n
+            st.looked_up_at = now
         if n <= first:
             return 0, False
         tokens = (n - first) * self._block_size
