@@ -119,6 +119,7 @@ impl Inner {
                     if let Some(ts) = stored {
                         if e.loc[to] == NONE {
                             e.loc[to] = ts;
+                            self.placed(to, ts, key);
                             self.emit(StoreEventKind::Stored, to, key);
                         } else {
                             orphan = Some(ts);
@@ -321,6 +322,7 @@ impl Inner {
                     match shard.get_mut(&key) {
                         Some(e) if e.loc[to] == NONE => {
                             e.loc[to] = ts;
+                            self.placed(to, ts, key);
                             self.emit(StoreEventKind::Stored, to, key);
                             true
                         }
