@@ -123,7 +123,7 @@ const FAST_TRIES: usize = 2;
 
 impl SlotView {
     fn word64(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off % 8 == 0 && off + 8 <= self.map.len());
+        debug_assert!(off.is_multiple_of(8) && off + 8 <= self.map.len());
         // SAFETY: every caller passes an 8-aligned offset inside the mapping (the layout was
         // checked against the mapping's length in `map_slot_table`; the mapping is page
         // aligned). The memory lives as long as `self.map`; this process only reads it, and
@@ -132,7 +132,7 @@ impl SlotView {
     }
 
     fn word32(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off % 4 == 0 && off + 4 <= self.map.len());
+        debug_assert!(off.is_multiple_of(4) && off + 4 <= self.map.len());
         // SAFETY: as in `word64`, 4-aligned.
         unsafe { &*(self.map.as_ptr().add(off) as *const AtomicU32) }
     }

@@ -97,10 +97,8 @@ impl Inner {
     /// matters only for a persistent tier (its header goes before the slot is reused).
     pub(super) fn retire(self: &Arc<Self>, t: usize, slot: u32, erase: bool) {
         let s = &self.tiers[t];
-        if t == self.host {
-            // Local clients stop reading it in place before it can be reused.
-            self.dram.published().unpublish(SlotId(slot));
-        }
+        // Local clients stop reading it in place before it can be reused.
+        self.unplaced(t, slot);
         lock(&s.state).policy.on_remove(slot, self.now());
         let bits = RETIRED | if erase { ERASE } else { 0 };
         let prev = s.pins[slot as usize].fetch_or(bits, Ordering::AcqRel);
@@ -140,6 +138,14 @@ impl Inner {
     pub(super) fn placed(&self, t: usize, slot: u32, key: BlockKey) {
         if t == self.host {
             self.dram.published().publish(SlotId(slot), key);
+        }
+    }
+
+    /// The index no longer names `slot` of tier `t` (evicted, removed, retired): local
+    /// clients stop reading it in place, before anything can write it again.
+    pub(super) fn unplaced(&self, t: usize, slot: u32) {
+        if t == self.host {
+            self.dram.published().unpublish(SlotId(slot));
         }
     }
 

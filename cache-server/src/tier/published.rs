@@ -100,14 +100,20 @@ impl Published {
     }
 
     fn word64(&self, off: usize) -> &AtomicU64 {
-        assert!(off % 8 == 0 && off + 8 <= self.map.len(), "table offset");
+        assert!(
+            off.is_multiple_of(8) && off + 8 <= self.map.len(),
+            "table offset"
+        );
         // SAFETY: in bounds and 8-aligned (asserted; the mapping is page aligned); the memory
         // lives as long as `self.map`, and is only ever accessed through atomics here.
         unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU64) }
     }
 
     fn word32(&self, off: usize) -> &AtomicU32 {
-        assert!(off % 4 == 0 && off + 4 <= self.map.len(), "table offset");
+        assert!(
+            off.is_multiple_of(4) && off + 4 <= self.map.len(),
+            "table offset"
+        );
         // SAFETY: as in `word64`, 4-aligned.
         unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU32) }
     }
@@ -134,7 +140,7 @@ impl Published {
         let s = slot.0;
         let seq = self.seq(s);
         let cur = seq.load(Ordering::Relaxed);
-        let cur = if cur % 2 == 0 {
+        let cur = if cur.is_multiple_of(2) {
             // Published already (a caller bug): withdraw first so no reader mixes the two.
             self.unpublish(slot);
             seq.load(Ordering::Relaxed)
@@ -167,7 +173,7 @@ impl Published {
         let s = slot.0;
         let seq = self.seq(s);
         let cur = seq.load(Ordering::Relaxed);
-        if cur % 2 == 1 {
+        if !cur.is_multiple_of(2) {
             return;
         }
         seq.store(cur + 1, Ordering::Relaxed);
@@ -193,7 +199,7 @@ impl Published {
     /// Whether `slot` is published holding `key` (tests and checks).
     pub fn holds(&self, slot: SlotId, key: BlockKey) -> bool {
         let r = self.record(slot.0);
-        self.seq(slot.0).load(Ordering::Acquire) % 2 == 0
+        self.seq(slot.0).load(Ordering::Acquire).is_multiple_of(2)
             && self.word64(r + 8).load(Ordering::Relaxed) == key.to_u128() as u64
             && self.word64(r + 16).load(Ordering::Relaxed) == (key.to_u128() >> 64) as u64
     }

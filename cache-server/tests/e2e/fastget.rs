@@ -153,9 +153,11 @@ async fn blocks_promoted_from_nvme_are_read_in_place() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let before = c.fast_hits();
-        c.prefetch(first).await.unwrap();
         let t0 = Instant::now();
         loop {
+            // Asked again each turn: a prefetch the I/O queue has no room for is dropped.
+            c.prefetch(first).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(20)).await;
             let l = c.lookup(first).await;
             if l.tiers.len() == 4 && l.tiers.iter().all(|t| t.name() == "dram") {
                 break;
@@ -167,10 +169,7 @@ async fn blocks_promoted_from_nvme_are_read_in_place() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         assert_eq!(get_exact(&c, first).await, 4);
-        assert!(
-            c.fast_hits() >= before + 1,
-            "promoted blocks not read in place"
-        );
+        assert!(c.fast_hits() > before, "promoted blocks not read in place");
     })
     .await;
 }
