@@ -822,6 +822,94 @@ mod tests {
         assert!(map_staging(tempfile_fd(4096), 0).is_err());
     }
 
+    /// The real reader against an in-process writer that keeps rewriting the one slot the
+    /// reader reads, alternating two keys with different bytes, following the server's
+    /// protocol (seq odd, fill, key, seq even). Blocks are 1 MiB so copies overlap rewrites
+    /// often: an accepted copy must be exactly one key's block, and a header that does not
+    /// describe the arena is refused.
+    #[test]
+    fn slot_table_reads_are_never_torn_while_the_slot_is_rewritten() {
+        use kvtier_core::BlockKey;
+        use kvtier_core::slot_table::{HEADER_BYTES, MAGIC, WAYS, buckets_for, table_bytes};
+        const SLOT: usize = 1 << 20;
+        let tbytes = table_bytes(1);
+        let (tf, af) = (tempfile_fd(tbytes as u64), tempfile_fd(SLOT as u64));
+        let tmap =
+            memmap2::MmapRaw::map_raw(&std::fs::File::from(tf.try_clone().unwrap())).unwrap();
+        let amap =
+            memmap2::MmapRaw::map_raw(&std::fs::File::from(af.try_clone().unwrap())).unwrap();
+        let at = |off: usize| -> &AtomicU64 {
+            assert!(off.is_multiple_of(8) && off + 8 <= tmap.len());
+            // SAFETY: in bounds and aligned (asserted; the mapping is page aligned); the
+            // mapping outlives every use (the writer thread is joined before it drops).
+            unsafe { &*(tmap.as_mut_ptr().add(off) as *const AtomicU64) }
+        };
+        at(0).store(MAGIC, Ordering::Relaxed);
+        at(8).store(u64::from(WAYS as u32) << 32 | 1, Ordering::Relaxed);
+        at(16).store(u64::from(buckets_for(1)), Ordering::Relaxed);
+        at(32).store(SLOT as u64, Ordering::Relaxed);
+        // Index: bucket 0 (the only one), way 0 names slot 0.
+        at(HEADER_BYTES + 32).store(1, Ordering::Relaxed);
+        at(HEADER_BYTES).store(1, Ordering::Relaxed);
+        let bad = map_slot_table(tf.try_clone().unwrap(), tbytes as u64, SLOT as u64 - 4096);
+        assert!(bad.is_err(), "a table describing more than the arena");
+        let view = map_slot_table(tf, tbytes as u64, SLOT as u64).unwrap();
+        let arena = map_arena(af, SLOT as u64).unwrap();
+        let keys = [BlockKey::from_u128(11), BlockKey::from_u128(22)];
+        let stop = AtomicBool::new(false);
+        let (mut hits, mut misses) = (0u64, 0u64);
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                let mut seq = 1u64;
+                for i in 0..400usize {
+                    let k = keys[i % 2];
+                    // unpublish (already odd at the start)
+                    if seq.is_multiple_of(2) {
+                        seq += 1;
+                        at(HEADER_BYTES).store(seq, Ordering::Relaxed);
+                        std::sync::atomic::fence(Ordering::Release);
+                    }
+                    // SAFETY: the arena mapping is SLOT bytes and outlives this thread; the
+                    // reader only copies from it (racy by design, checked by seq).
+                    unsafe { std::ptr::write_bytes(amap.as_mut_ptr(), (i % 2) as u8 + 1, SLOT) };
+                    at(HEADER_BYTES + 8).store(k.to_u128() as u64, Ordering::Relaxed);
+                    at(HEADER_BYTES + 16).store((k.to_u128() >> 64) as u64, Ordering::Relaxed);
+                    seq += 1;
+                    at(HEADER_BYTES).store(seq, Ordering::Release);
+                    // Mostly back to back (copies race the rewrites), sometimes a pause long
+                    // enough for a whole copy to pass its check.
+                    if i % 4 == 0 {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    } else {
+                        std::thread::yield_now();
+                    }
+                }
+                stop.store(true, Ordering::Release);
+            });
+            let mut dst = vec![0u8; SLOT];
+            while !stop.load(Ordering::Acquire) {
+                for (j, k) in keys.iter().enumerate() {
+                    if view.read(&arena, *k, &mut dst) {
+                        hits += 1;
+                        let want = j as u8 + 1;
+                        assert!(dst.iter().all(|b| *b == want), "torn copy of {k}");
+                    } else {
+                        misses += 1;
+                    }
+                }
+            }
+        });
+        eprintln!("{hits} hits, {misses} misses while the slot was rewritten");
+        // Stable again: the last block written (key 22, bytes 2) reads whole.
+        let mut dst = vec![0u8; SLOT];
+        assert!(view.read(&arena, keys[1], &mut dst));
+        assert!(dst.iter().all(|b| *b == 2));
+        assert!(
+            !view.read(&arena, keys[0], &mut dst),
+            "a key the slot no longer holds"
+        );
+    }
+
     fn tempfile_fd(len: u64) -> OwnedFd {
         // SAFETY: memfd_create with a valid C string; the fd is checked and then owned.
         let fd = unsafe { libc::memfd_create(c"kvtier-test".as_ptr(), libc::MFD_CLOEXEC) };

@@ -38,7 +38,9 @@
 //!
 //! Addresses: `unix:///path/to/kvtier.sock` (local; with [`ClientConfig::zero_copy`] the
 //! client maps the server's DRAM arena read-only and reads blocks from it in place, and
-//! writes the blocks it puts into a staging region of its own that the server copies from),
+//! writes the blocks it puts into a staging region of its own that the server copies from;
+//! without tenants on the server, [`Client::get_into`] reads DRAM hits through the server's
+//! published slot table with no message at all, see [`ClientConfig::fast_local_gets`]),
 //! `tcp://host:port` (plain text: for loopback, or a network the operator trusts),
 //! `tls://host:port` (TLS over TCP) and `quic://host:port`. The network transports need
 //! [`ClientConfig::token`]; the encrypted ones (TLS, QUIC) also the server's certificate,
