@@ -554,3 +554,46 @@ fn a_block_being_stored_is_pending_until_committed_and_never_served_before() {
     assert_eq!(s.first_pending(&[a, b, c]), None);
     s.check_consistency().unwrap();
 }
+
+/// The published slot table (what local clients read DRAM hits through) names exactly the
+/// blocks the store holds in DRAM, in their slots, through puts that evict, promotions, gets,
+/// removal and clear.
+#[test]
+fn the_published_slot_table_follows_dram_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, _) = TieredStore::open(config(8, Some((dir.path(), 64)))).unwrap();
+    let keys: Vec<_> = (0..40).map(key).collect();
+    let check = |what: &str| {
+        for k in &keys {
+            let in_dram = s.lookup(std::slice::from_ref(k)) == [TierKind::Dram];
+            let published = s.dram().published().find(*k);
+            assert_eq!(published.is_some(), in_dram, "{what}: {k}");
+            if let Some(slot) = published {
+                // The slot named holds the block's bytes.
+                let mut buf = vec![0u8; BLOCK];
+                kvtier_server::tier::Tier::read(s.dram(), slot, *k, &mut buf).unwrap();
+                assert!(buf == data(*k), "{what}: wrong bytes for {k}");
+            }
+        }
+    };
+    for k in &keys {
+        s.put(*k, None, &data(*k)).unwrap();
+        s.flush();
+    }
+    check("after puts that evicted");
+    for k in &keys[..6] {
+        let _ = get(&s, *k);
+    }
+    s.flush();
+    check("after gets that promoted");
+    assert_eq!(s.prefetch(&keys[10..13]), 3);
+    s.flush();
+    check("after a prefetch");
+    for k in keys.iter().step_by(3) {
+        s.remove(k);
+    }
+    check("after removals");
+    s.clear().unwrap();
+    check("after clear");
+    assert!(keys.iter().all(|k| s.dram().published().find(*k).is_none()));
+}

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -83,6 +83,20 @@ impl Arena {
         Ok(())
     }
 
+    /// Copies `dst.len()` bytes at `offset` out of the arena with no pin: the server may be
+    /// rewriting them, so what lands in `dst` is only trusted after a seqlock check
+    /// ([`SlotView::read`]).
+    pub(crate) fn read_racy(&self, offset: u64, dst: &mut [u8]) -> Result<(), ClientError> {
+        let (o, n) = check_range(&self.map, "arena", offset, dst.len())?;
+        // SAFETY: [o, o + n) is inside the mapping (checked), which stays mapped while `self`
+        // lives and is never resized (sealed). Another process (the server) may write those
+        // bytes during the copy: a raw copy forms no reference into the shared memory, every
+        // bit pattern is a valid `u8`, and the caller discards the result unless the slot's
+        // sequence number shows no write overlapped it.
+        unsafe { std::ptr::copy_nonoverlapping(self.map.as_ptr().add(o), dst.as_mut_ptr(), n) };
+        Ok(())
+    }
+
     /// The bytes at `offset` in place.
     ///
     /// # Safety
@@ -91,6 +105,83 @@ impl Arena {
         let (o, n) = check_range(&self.map, "arena", offset, len)?;
         // SAFETY: in bounds (checked); the caller's pin keeps writers away.
         Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(o), n) })
+    }
+}
+
+/// The server's published slot table (local connections, no tenants), mapped read-only:
+/// a DRAM hit is read from the arena with no message (see `kvtier_core::slot_table` and
+/// `docs/protocol.md`, "Local gets without a message").
+pub(crate) struct SlotView {
+    map: memmap2::MmapRaw,
+    slots: u32,
+    buckets: u32,
+    slot_bytes: u64,
+}
+
+/// Tries per slot when the slot changes under a copy, before the caller falls back to a pin.
+const FAST_TRIES: usize = 2;
+
+impl SlotView {
+    fn word64(&self, off: usize) -> &AtomicU64 {
+        debug_assert!(off.is_multiple_of(8) && off + 8 <= self.map.len());
+        // SAFETY: every caller passes an 8-aligned offset inside the mapping (the layout was
+        // checked against the mapping's length in `map_slot_table`; the mapping is page
+        // aligned). The memory lives as long as `self.map`; this process only reads it, and
+        // only through atomics, while the server writes it through atomics.
+        unsafe { &*(self.map.as_ptr().add(off) as *const AtomicU64) }
+    }
+
+    fn word32(&self, off: usize) -> &AtomicU32 {
+        debug_assert!(off.is_multiple_of(4) && off + 4 <= self.map.len());
+        // SAFETY: as in `word64`, 4-aligned.
+        unsafe { &*(self.map.as_ptr().add(off) as *const AtomicU32) }
+    }
+
+    /// Copies block `key` out of `arena` into `dst` if the table says DRAM holds it, and
+    /// returns whether it did. `false` means "ask the server": not indexed, not in DRAM, or
+    /// the slot kept changing under the copy. A `true` copy is exactly the bytes the server
+    /// committed under `key` (the slot's `seq` was even and unchanged around the copy).
+    pub(crate) fn read(&self, arena: &Arena, key: kvtier_core::BlockKey, dst: &mut [u8]) -> bool {
+        use kvtier_core::slot_table::{HEADER_BYTES, RECORD_BYTES, WAYS, bucket_of};
+        if dst.len() as u64 > self.slot_bytes {
+            return false;
+        }
+        let k = key.to_u128();
+        let bucket = (bucket_of(key) & u64::from(self.buckets - 1)) as usize;
+        let base = HEADER_BYTES + RECORD_BYTES * self.slots as usize + 4 * WAYS * bucket;
+        for w in 0..WAYS {
+            let e = self.word32(base + 4 * w).load(Ordering::Acquire);
+            if e == 0 || e > self.slots {
+                continue;
+            }
+            let slot = e - 1;
+            let rec = HEADER_BYTES + RECORD_BYTES * slot as usize;
+            for _ in 0..FAST_TRIES {
+                let s1 = self.word64(rec).load(Ordering::Acquire);
+                if s1 & 1 == 1 {
+                    break;
+                }
+                let lo = self.word64(rec + 8).load(Ordering::Relaxed);
+                let hi = self.word64(rec + 16).load(Ordering::Relaxed);
+                if u128::from(lo) | (u128::from(hi) << 64) != k {
+                    break;
+                }
+                if arena
+                    .read_racy(u64::from(slot) * self.slot_bytes, dst)
+                    .is_err()
+                {
+                    return false;
+                }
+                // Orders the copy's loads before the re-read: if the copy saw any byte the
+                // server wrote after withdrawing the slot (its odd store, then a release
+                // fence), this load sees that odd store or a later value.
+                std::sync::atomic::fence(Ordering::Acquire);
+                if self.word64(rec).load(Ordering::Relaxed) == s1 {
+                    return true;
+                }
+            }
+        }
+        false
     }
 }
 
@@ -142,6 +233,9 @@ pub(crate) struct Conn {
     pub hello: HelloReply,
     pub arena: Option<Arena>,
     pub staging: Option<Staging>,
+    /// The published slot table: DRAM hits read with no message (None with tenants, or when
+    /// [`ClientConfig::fast_local_gets`] is off).
+    pub slot_table: Option<SlotView>,
     /// Local puts one at a time: they share the one staging region.
     pub put_lock: tokio::sync::Mutex<()>,
     limits: Limits,
@@ -240,19 +334,31 @@ impl Conn {
                 )));
             }
         };
-        let (arena, staging) = if hello.arena_bytes > 0 {
-            let [arena, staging]: [OwnedFd; 2] = fds.try_into().map_err(|f: Vec<OwnedFd>| {
-                ClientError::Protocol(format!(
-                    "the hello reply names an arena but carried {} descriptors, not 2",
-                    f.len()
-                ))
-            })?;
+        let (arena, staging, slot_table) = if hello.arena_bytes > 0 {
+            let want = if hello.slot_table_bytes > 0 { 3 } else { 2 };
+            if fds.len() != want {
+                return Err(ClientError::Protocol(format!(
+                    "the hello reply names an arena but carried {} descriptors, not {want}",
+                    fds.len()
+                )));
+            }
+            let mut fds = fds.into_iter();
+            let (arena, staging) = (fds.next().expect("counted"), fds.next().expect("counted"));
+            let table = match fds.next() {
+                Some(t) if cfg.fast_local_gets => Some(map_slot_table(
+                    t,
+                    hello.slot_table_bytes,
+                    hello.arena_bytes,
+                )?),
+                _ => None,
+            };
             (
                 Some(map_arena(arena, hello.arena_bytes)?),
                 Some(map_staging(staging, hello.staging_bytes)?),
+                table,
             )
         } else {
-            (None, None)
+            (None, None, None)
         };
         let limits = Limits {
             max_meta_bytes: hello.max_meta_bytes.max(1 << 20).saturating_mul(4),
@@ -268,6 +374,7 @@ impl Conn {
             hello,
             arena,
             staging,
+            slot_table,
             put_lock: tokio::sync::Mutex::new(()),
             limits,
             reader: Mutex::new(None),
@@ -632,6 +739,48 @@ fn map_arena(fd: OwnedFd, bytes: u64) -> Result<Arena, ClientError> {
     Ok(Arena { map })
 }
 
+/// Maps the published slot table and checks its header against the arena it describes.
+fn map_slot_table(fd: OwnedFd, bytes: u64, arena_bytes: u64) -> Result<SlotView, ClientError> {
+    use kvtier_core::slot_table::{MAGIC, WAYS, buckets_for, table_bytes};
+    let f = std::fs::File::from(fd);
+    let len = f.metadata().map_err(ClientError::Io)?.len();
+    if bytes < 64 || len < bytes {
+        return Err(ClientError::Protocol(format!(
+            "slot table file is {len} bytes, server announced {bytes}"
+        )));
+    }
+    // Read-only: the fd is, and the memfd is sealed against writable mappings.
+    let map = memmap2::MmapOptions::new()
+        .len(bytes as usize)
+        .map_raw_read_only(&f)
+        .map_err(ClientError::Io)?;
+    let mut head = [0u8; 64];
+    // SAFETY: the mapping is at least 64 bytes (checked); the header is written once, before
+    // the server hands out the descriptor.
+    unsafe { std::ptr::copy_nonoverlapping(map.as_ptr(), head.as_mut_ptr(), 64) };
+    let u64_at = |o: usize| u64::from_le_bytes(head[o..o + 8].try_into().expect("8 bytes"));
+    let u32_at = |o: usize| u32::from_le_bytes(head[o..o + 4].try_into().expect("4 bytes"));
+    let (slots, ways, buckets) = (u32_at(8), u32_at(12), u32_at(16));
+    let slot_bytes = u64_at(32);
+    let ok = u64_at(0) == MAGIC
+        && ways as usize == WAYS
+        && buckets == buckets_for(slots)
+        && table_bytes(slots) as u64 <= bytes
+        && slot_bytes > 0
+        && u64::from(slots) * slot_bytes <= arena_bytes;
+    if !ok {
+        return Err(ClientError::Protocol(
+            "the slot table's header does not describe the arena".into(),
+        ));
+    }
+    Ok(SlotView {
+        map,
+        slots,
+        buckets,
+        slot_bytes,
+    })
+}
+
 fn map_staging(fd: OwnedFd, bytes: u64) -> Result<Staging, ClientError> {
     let f = std::fs::File::from(fd);
     let len = f.metadata().map_err(ClientError::Io)?.len();
@@ -671,6 +820,94 @@ mod tests {
         // Too small, or announced empty.
         assert!(map_arena(tempfile_fd(4096), 8192).is_err());
         assert!(map_staging(tempfile_fd(4096), 0).is_err());
+    }
+
+    /// The real reader against an in-process writer that keeps rewriting the one slot the
+    /// reader reads, alternating two keys with different bytes, following the server's
+    /// protocol (seq odd, fill, key, seq even). Blocks are 1 MiB so copies overlap rewrites
+    /// often: an accepted copy must be exactly one key's block, and a header that does not
+    /// describe the arena is refused.
+    #[test]
+    fn slot_table_reads_are_never_torn_while_the_slot_is_rewritten() {
+        use kvtier_core::BlockKey;
+        use kvtier_core::slot_table::{HEADER_BYTES, MAGIC, WAYS, buckets_for, table_bytes};
+        const SLOT: usize = 1 << 20;
+        let tbytes = table_bytes(1);
+        let (tf, af) = (tempfile_fd(tbytes as u64), tempfile_fd(SLOT as u64));
+        let tmap =
+            memmap2::MmapRaw::map_raw(&std::fs::File::from(tf.try_clone().unwrap())).unwrap();
+        let amap =
+            memmap2::MmapRaw::map_raw(&std::fs::File::from(af.try_clone().unwrap())).unwrap();
+        let at = |off: usize| -> &AtomicU64 {
+            assert!(off.is_multiple_of(8) && off + 8 <= tmap.len());
+            // SAFETY: in bounds and aligned (asserted; the mapping is page aligned); the
+            // mapping outlives every use (the writer thread is joined before it drops).
+            unsafe { &*(tmap.as_mut_ptr().add(off) as *const AtomicU64) }
+        };
+        at(0).store(MAGIC, Ordering::Relaxed);
+        at(8).store(u64::from(WAYS as u32) << 32 | 1, Ordering::Relaxed);
+        at(16).store(u64::from(buckets_for(1)), Ordering::Relaxed);
+        at(32).store(SLOT as u64, Ordering::Relaxed);
+        // Index: bucket 0 (the only one), way 0 names slot 0.
+        at(HEADER_BYTES + 32).store(1, Ordering::Relaxed);
+        at(HEADER_BYTES).store(1, Ordering::Relaxed);
+        let bad = map_slot_table(tf.try_clone().unwrap(), tbytes as u64, SLOT as u64 - 4096);
+        assert!(bad.is_err(), "a table describing more than the arena");
+        let view = map_slot_table(tf, tbytes as u64, SLOT as u64).unwrap();
+        let arena = map_arena(af, SLOT as u64).unwrap();
+        let keys = [BlockKey::from_u128(11), BlockKey::from_u128(22)];
+        let stop = AtomicBool::new(false);
+        let (mut hits, mut misses) = (0u64, 0u64);
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                let mut seq = 1u64;
+                for i in 0..400usize {
+                    let k = keys[i % 2];
+                    // unpublish (already odd at the start)
+                    if seq.is_multiple_of(2) {
+                        seq += 1;
+                        at(HEADER_BYTES).store(seq, Ordering::Relaxed);
+                        std::sync::atomic::fence(Ordering::Release);
+                    }
+                    // SAFETY: the arena mapping is SLOT bytes and outlives this thread; the
+                    // reader only copies from it (racy by design, checked by seq).
+                    unsafe { std::ptr::write_bytes(amap.as_mut_ptr(), (i % 2) as u8 + 1, SLOT) };
+                    at(HEADER_BYTES + 8).store(k.to_u128() as u64, Ordering::Relaxed);
+                    at(HEADER_BYTES + 16).store((k.to_u128() >> 64) as u64, Ordering::Relaxed);
+                    seq += 1;
+                    at(HEADER_BYTES).store(seq, Ordering::Release);
+                    // Mostly back to back (copies race the rewrites), sometimes a pause long
+                    // enough for a whole copy to pass its check.
+                    if i % 4 == 0 {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    } else {
+                        std::thread::yield_now();
+                    }
+                }
+                stop.store(true, Ordering::Release);
+            });
+            let mut dst = vec![0u8; SLOT];
+            while !stop.load(Ordering::Acquire) {
+                for (j, k) in keys.iter().enumerate() {
+                    if view.read(&arena, *k, &mut dst) {
+                        hits += 1;
+                        let want = j as u8 + 1;
+                        assert!(dst.iter().all(|b| *b == want), "torn copy of {k}");
+                    } else {
+                        misses += 1;
+                    }
+                }
+            }
+        });
+        eprintln!("{hits} hits, {misses} misses while the slot was rewritten");
+        // Stable again: the last block written (key 22, bytes 2) reads whole.
+        let mut dst = vec![0u8; SLOT];
+        assert!(view.read(&arena, keys[1], &mut dst));
+        assert!(dst.iter().all(|b| *b == 2));
+        assert!(
+            !view.read(&arena, keys[0], &mut dst),
+            "a key the slot no longer holds"
+        );
     }
 
     fn tempfile_fd(len: u64) -> OwnedFd {

@@ -38,7 +38,9 @@
 //!
 //! Addresses: `unix:///path/to/kvtier.sock` (local; with [`ClientConfig::zero_copy`] the
 //! client maps the server's DRAM arena read-only and reads blocks from it in place, and
-//! writes the blocks it puts into a staging region of its own that the server copies from),
+//! writes the blocks it puts into a staging region of its own that the server copies from;
+//! without tenants on the server, [`Client::get_into`] reads DRAM hits through the server's
+//! published slot table with no message at all, see [`ClientConfig::fast_local_gets`]),
 //! `tcp://host:port` (plain text: for loopback, or a network the operator trusts),
 //! `tls://host:port` (TLS over TCP) and `quic://host:port`. The network transports need
 //! [`ClientConfig::token`]; the encrypted ones (TLS, QUIC) also the server's certificate,
@@ -102,6 +104,10 @@ pub struct ClientConfig {
     pub block_bytes: u64,
     /// On `unix://`, map the server's DRAM arena and move bytes through it. Default: true.
     pub zero_copy: bool,
+    /// On `unix://` with an arena, read DRAM hits through the server's published slot table
+    /// with no message (`get_into` only; a miss or a slot changing under the copy falls back
+    /// to a pin). Default: true.
+    pub fast_local_gets: bool,
     /// Lease asked for pins taken by `get_into` on the local path. Default: 10 s.
     pub lease: Duration,
     /// Name for the server's logs. Default: "kvtier-client".
@@ -119,6 +125,7 @@ impl Default for ClientConfig {
             reconnect_backoff: Duration::from_secs(1),
             block_bytes: 0,
             zero_copy: true,
+            fast_local_gets: true,
             lease: Duration::from_secs(10),
             name: "kvtier-client".into(),
         }
@@ -151,6 +158,12 @@ impl ClientConfig {
     }
     pub fn zero_copy(mut self, on: bool) -> Self {
         self.zero_copy = on;
+        self
+    }
+
+    /// See [`ClientConfig::fast_local_gets`].
+    pub fn fast_local_gets(mut self, on: bool) -> Self {
+        self.fast_local_gets = on;
         self
     }
     pub fn block_bytes(mut self, b: u64) -> Self {
@@ -403,6 +416,8 @@ struct Inner {
     config: ClientConfig,
     conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
     backoff_until: std::sync::Mutex<Option<(Instant, String)>>,
+    /// Blocks `get_into` read through the published slot table (no message).
+    fast_hits: std::sync::atomic::AtomicU64,
 }
 
 /// A connection to a kvtier server, reopened when it fails. Cheap to clone; every method
@@ -429,6 +444,7 @@ impl Client {
                 config,
                 conn: tokio::sync::Mutex::new(Some(conn)),
                 backoff_until: std::sync::Mutex::new(None),
+                fast_hits: std::sync::atomic::AtomicU64::new(0),
             }),
             block_bytes,
             local,
@@ -501,6 +517,19 @@ impl Client {
 
     fn unexpected(r: &Response) -> ClientError {
         ClientError::Protocol(format!("unexpected response {r:?}"))
+    }
+
+    /// Blocks [`Client::get_into`] has read through the server's published slot table, with
+    /// no message (local connections; see [`ClientConfig::fast_local_gets`]).
+    pub fn fast_hits(&self) -> u64 {
+        self.inner
+            .fast_hits
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether this connection reads DRAM hits with no message (a slot table was mapped).
+    pub async fn has_fast_gets(&self) -> bool {
+        self.conn().await.is_ok_and(|c| c.slot_table.is_some())
     }
 
     /// Round-trip time of a ping.
@@ -598,10 +627,25 @@ impl Client {
                 miss: None,
             });
         }
-        // A server whose DRAM cannot hold the whole prefix at once answers part of it with
-        // "busy"; ask again for the rest (each round makes progress or stops).
         let mut done = 0;
         let mut tiers = Vec::new();
+        if self.local {
+            // DRAM hits first, straight from the published slot table: no message at all.
+            let c = self.conn().await?;
+            if let (Some(table), Some(arena)) = (&c.slot_table, &c.arena) {
+                while done < keys.len() && table.read(arena, keys[done], bufs[done]) {
+                    done += 1;
+                }
+                if done > 0 {
+                    tiers.resize(done, TierCode::Dram);
+                    self.inner
+                        .fast_hits
+                        .fetch_add(done as u64, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        }
+        // A server whose DRAM cannot hold the whole prefix at once answers part of it with
+        // "busy"; ask again for the rest (each round makes progress or stops).
         let mut miss = None;
         let mut stalls = 0;
         while done < keys.len() {

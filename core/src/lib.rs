@@ -9,6 +9,7 @@ pub mod key;
 pub mod layout;
 pub mod protocol;
 pub mod rng;
+pub mod slot_table;
 
 pub use error::CoreError;
 pub use key::{BlockKey, HashScheme, HashSecret, Namespace, NamespaceBuilder, PrefixHasher};

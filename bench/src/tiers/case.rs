@@ -141,6 +141,8 @@ pub struct Settings {
     pub lookup_blocks: usize,
     pub redis: RedisChoice,
     pub quick: bool,
+    /// Local gets through pins (the path before the published slot table).
+    pub pin_gets: bool,
     pub seed: u64,
 }
 

@@ -188,6 +188,10 @@ pub struct TiersArgs {
     /// still win).
     #[arg(long)]
     pub quick: bool,
+    /// Local (unix) gets take a pin and a release per request, as before issue 18's item 3,
+    /// instead of reading DRAM hits through the published slot table with no message.
+    #[arg(long)]
+    pub pin_gets: bool,
 }
 
 /// `v` without repeats, in first-seen order.
@@ -262,6 +266,7 @@ impl TiersArgs {
             lookup_blocks: self.lookup_blocks.unwrap_or(d.lookup_blocks),
             redis,
             quick: self.quick,
+            pin_gets: self.pin_gets,
             seed,
         })
     }

@@ -127,6 +127,9 @@ pub struct ServerPart {
 }
 
 /// A server in a child process (stopped on drop).
+/// `--pin-gets`: local clients read with pins, not the published slot table.
+static PIN_GETS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 struct ServerChild {
     child: Child,
     unix: PathBuf,
@@ -242,7 +245,8 @@ impl ServerChild {
         let (url, cfg) = match transport {
             Transport::Unix => (
                 format!("unix://{}", self.unix.display()),
-                ClientConfig::default(),
+                ClientConfig::default()
+                    .fast_local_gets(!PIN_GETS.load(std::sync::atomic::Ordering::Relaxed)),
             ),
             Transport::Tcp => (
                 format!("tcp://{}", self.tcp),
@@ -638,6 +642,7 @@ pub fn steps(s: &Settings, redis: Option<&Redis>) -> u64 {
 
 /// Runs the server part for every block size.
 pub fn measure(s: &Settings, redis: Option<&Redis>, bar: &ProgressBar) -> Result<ServerPart> {
+    PIN_GETS.store(s.pin_gets, std::sync::atomic::Ordering::Relaxed);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

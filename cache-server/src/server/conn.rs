@@ -710,6 +710,7 @@ impl Conn {
                 0
             },
             staging_bytes,
+            slot_table_bytes: local.as_ref().map_or(0, |l| l.table_bytes),
             max_keys: s.limits.max_keys,
             max_meta_bytes: s.limits.max_meta_bytes,
             max_payload_bytes: s.limits.max_payload_bytes,
@@ -719,6 +720,7 @@ impl Conn {
         let mut out = Out::new(id, op, &reply, 0);
         if let Some(l) = local {
             out.fds = vec![l.arena, l.staging_fd];
+            out.fds.extend(l.table);
             lock(&self.state).staging = Some(l.staging);
         }
         self.send(out).await;
@@ -1304,6 +1306,10 @@ struct LocalFds {
     arena: OwnedFd,
     staging_fd: OwnedFd,
     staging: Arc<Staging>,
+    /// The published slot table (no tenants only: with tenants, the keys in it are internal
+    /// keys a client cannot compute, so it is not sent).
+    table: Option<OwnedFd>,
+    table_bytes: u64,
 }
 
 fn local_fds(s: &Shared) -> std::io::Result<LocalFds> {
@@ -1315,10 +1321,21 @@ fn local_fds(s: &Shared) -> std::io::Result<LocalFds> {
     );
     let staging = Arc::new(Staging::create(places, s.block_bytes)?);
     let staging_fd = staging.fd().try_clone_to_owned()?;
+    let table = if s.tenants.keys_as_sent() {
+        Some(dram.published().client_fd().try_clone_to_owned()?)
+    } else {
+        None
+    };
     Ok(LocalFds {
         arena,
         staging_fd,
         staging,
+        table_bytes: if table.is_some() {
+            dram.published().bytes()
+        } else {
+            0
+        },
+        table,
     })
 }
 

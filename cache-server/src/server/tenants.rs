@@ -345,6 +345,11 @@ impl Tenants {
     }
 
     /// The internal key of a client's `key` in namespace `ns`.
+    /// Whether keys are used as clients send them (no tenants configured).
+    pub fn keys_as_sent(&self) -> bool {
+        self.multi.is_none()
+    }
+
     pub fn key(&self, ns: Ns, key: BlockKey) -> BlockKey {
         let Some(m) = &self.multi else {
             return key;

@@ -140,6 +140,7 @@ impl Inner {
             let ours = match shard.get_mut(&vkey).filter(|e| e.loc[t] == v) {
                 Some(e) => {
                     e.loc[t] = NONE;
+                    self.unplaced(t, v);
                     self.emit(StoreEventKind::Removed, t, vkey);
                     if e.is_empty() {
                         shard.remove(&vkey);
@@ -165,6 +166,7 @@ impl Inner {
             return Some(Evicted::Retry);
         }
         e.loc[t] = NONE;
+        self.unplaced(t, v);
         self.emit(StoreEventKind::Removed, t, vkey);
         if e.is_empty() {
             shard.remove(&vkey);

@@ -119,6 +119,7 @@ impl Inner {
                     if let Some(ts) = stored {
                         if e.loc[to] == NONE {
                             e.loc[to] = ts;
+                            self.placed(to, ts, key);
                             self.emit(StoreEventKind::Stored, to, key);
                         } else {
                             orphan = Some(ts);
@@ -126,6 +127,7 @@ impl Inner {
                     }
                     if evicting && e.loc[from] == fs {
                         e.loc[from] = NONE;
+                        self.unplaced(from, fs);
                         dropped_from = true;
                         self.emit(StoreEventKind::Removed, from, key);
                         if e.is_empty() {
@@ -235,6 +237,7 @@ impl Inner {
         let mut shard = self.shard(&key);
         if let Some(ent) = shard.get_mut(&key).filter(|ent| ent.loc[t] == slot) {
             ent.loc[t] = NONE;
+            self.unplaced(t, slot);
             self.emit(StoreEventKind::Removed, t, key);
             if ent.is_empty() {
                 shard.remove(&key);
@@ -262,6 +265,7 @@ impl Inner {
                 continue;
             };
             ent.loc[ft] = NONE;
+            self.unplaced(ft, slot);
             self.emit(StoreEventKind::Removed, t, *key);
             if ent.is_empty() {
                 shard.remove(key);
@@ -321,6 +325,7 @@ impl Inner {
                     match shard.get_mut(&key) {
                         Some(e) if e.loc[to] == NONE => {
                             e.loc[to] = ts;
+                            self.placed(to, ts, key);
                             self.emit(StoreEventKind::Stored, to, key);
                             true
                         }

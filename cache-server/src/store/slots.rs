@@ -97,6 +97,8 @@ impl Inner {
     /// matters only for a persistent tier (its header goes before the slot is reused).
     pub(super) fn retire(self: &Arc<Self>, t: usize, slot: u32, erase: bool) {
         let s = &self.tiers[t];
+        // Local clients stop reading it in place before it can be reused.
+        self.unplaced(t, slot);
         lock(&s.state).policy.on_remove(slot, self.now());
         let bits = RETIRED | if erase { ERASE } else { 0 };
         let prev = s.pins[slot as usize].fetch_or(bits, Ordering::AcqRel);
@@ -129,6 +131,22 @@ impl Inner {
             self.write_failed(t, &e);
         }
         self.free(t, slot, false);
+    }
+
+    /// The index now names `slot` of tier `t` for `key` (its bytes are in place): local
+    /// clients may read it without a message. Call under the key's shard lock.
+    pub(super) fn placed(&self, t: usize, slot: u32, key: BlockKey) {
+        if t == self.host {
+            self.dram.published().publish(SlotId(slot), key);
+        }
+    }
+
+    /// The index no longer names `slot` of tier `t` (evicted, removed, retired): local
+    /// clients stop reading it in place, before anything can write it again.
+    pub(super) fn unplaced(&self, t: usize, slot: u32) {
+        if t == self.host {
+            self.dram.published().unpublish(SlotId(slot));
+        }
     }
 
     pub(super) fn touch(&self, t: usize, slot: u32) {

@@ -119,6 +119,7 @@ impl Inner {
                 return Ok(PutOutcome::Rejected(RejectReason::OrphanBlock));
             }
             shard.insert(key, Entry::at(h, slot));
+            self.placed(h, slot, key);
             self.emit(StoreEventKind::Stored, h, key);
         }
         TierCounters::add(&c.bytes_in, self.block_bytes as u64);

@@ -17,6 +17,7 @@ use memmap2::MmapRaw;
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, FromRawFd};
 
+use super::published::Published;
 use super::slot_lock::SlotTable;
 use super::{InPlaceTier, RecoveredSlot, SlotId, Tier, TierError, TierKind};
 
@@ -63,6 +64,8 @@ pub struct DramTier {
     slot_bytes: usize,
     slots: u32,
     meta: SlotTable,
+    /// The slot table local clients read blocks through without a message.
+    published: Published,
 }
 
 fn config_err(setting: &'static str, reason: impl Into<String>) -> TierError {
@@ -139,7 +142,13 @@ impl DramTier {
             source: e,
         })?;
         let meta = SlotTable::new(slots);
+        let published = Published::create(slots, config.slot_bytes as u64, slot_bytes as u64)
+            .map_err(|e| TierError::Io {
+                path: "memfd:kvtier-slots".into(),
+                source: e,
+            })?;
         Ok(Self {
+            published,
             file,
             read_only,
             map,
@@ -159,6 +168,11 @@ impl DramTier {
     /// `PROT_READ`): it cannot be mapped writable, written, truncated or hole-punched.
     pub fn client_fd(&self) -> BorrowedFd<'_> {
         self.read_only.as_fd()
+    }
+
+    /// The published slot table (see [`Published`]).
+    pub fn published(&self) -> &Published {
+        &self.published
     }
 
     /// Size of the arena, always at most the configured capacity.
@@ -182,6 +196,8 @@ impl DramTier {
     ) -> Result<Result<(), E>, TierError> {
         self.check(slot, len)?;
         let w = self.meta.write(slot)?;
+        // A slot being written is never readable in place.
+        self.published.unpublish(slot);
         // SAFETY: the slot's range [offset, offset + len) lies inside the mapping (checked
         // above: slot < slots and len <= slot_bytes), and the write guard makes this the only
         // reference into that range in this process until it is dropped.
@@ -228,6 +244,7 @@ impl DramTier {
     #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn slot_bytes_in_place_mut(&self, slot: SlotId, len: usize) -> &mut [u8] {
         assert!(slot.0 < self.slots && len <= self.slot_bytes, "slot range");
+        self.published.unpublish(slot);
         // SAFETY: in bounds (asserted); the caller guarantees exclusivity.
         unsafe {
             std::slice::from_raw_parts_mut(
@@ -261,7 +278,7 @@ impl DramTier {
 
 /// Seals `file` (a memfd created with `MFD_ALLOW_SEALING`) against writes through any new
 /// descriptor or mapping, resizing, and further seals. Mappings made before keep writing.
-fn seal_read_only(file: &File) -> std::io::Result<()> {
+pub(super) fn seal_read_only(file: &File) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     let seals =
         libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
@@ -307,6 +324,7 @@ impl Tier for DramTier {
 
     fn erase(&self, slot: SlotId) -> Result<(), TierError> {
         self.check(slot, 0)?;
+        self.published.unpublish(slot);
         self.meta.erase(slot)
     }
 

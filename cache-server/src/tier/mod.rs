@@ -14,6 +14,7 @@ pub mod dram;
 #[cfg(feature = "cuda")]
 pub mod hbm;
 pub mod nvme;
+pub mod published;
 mod slot_lock;
 
 pub use dram::{DramTier, DramTierConfig};

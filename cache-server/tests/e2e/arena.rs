@@ -23,8 +23,8 @@ async fn local_hello(path: &Path) -> (Raw<UnixStream>, HelloReply, Vec<OwnedFd>)
     let mut raw = Raw::new(s);
     raw.send(
         &Request::Hello(Hello {
-            min_version: 1,
-            max_version: 1,
+            min_version: 2,
+            max_version: 2,
             client: "hostile".into(),
             token: String::new(),
             block_bytes: 0,
@@ -123,7 +123,7 @@ async fn a_local_client_cannot_write_punch_or_resize_the_arena() {
             hello.arena_bytes > 0 && hello.staging_bytes > 0,
             "{hello:?}"
         );
-        let [arena, _staging]: [OwnedFd; 2] = fds.try_into().expect("two descriptors");
+        let [arena, _staging, _table]: [OwnedFd; 3] = fds.try_into().expect("three descriptors");
         let arena = File::from(arena);
         // The attacker learns where the victim's first block lives.
         raw.send(
@@ -209,7 +209,7 @@ async fn misusing_its_staging_region_costs_a_client_only_its_own_puts() {
         put_all(&victim, &theirs).await;
 
         let (mut raw, hello, fds) = local_hello(&srv.unix).await;
-        let [_arena, staging]: [OwnedFd; 2] = fds.try_into().expect("two descriptors");
+        let [_arena, staging, _table]: [OwnedFd; 3] = fds.try_into().expect("three descriptors");
         let staging = File::from(staging);
         let places = (hello.staging_bytes / BLOCK as u64) as usize;
         assert!(places >= 2, "{hello:?}");

@@ -5,6 +5,7 @@ mod arena;
 mod brakes;
 mod common;
 mod expiry;
+mod fastget;
 mod isolation;
 mod leaks;
 mod lifecycle;

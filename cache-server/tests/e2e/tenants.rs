@@ -121,6 +121,8 @@ async fn another_tenant_cannot_see_read_replace_remove_or_clear_blocks() {
         // namespace: they do not see A's blocks by key either.
         let u = srv.client("unix").await;
         assert_eq!(u.lookup(&ka).await.tiers.len(), 0);
+        // With tenants the published slot table (internal keys) is not sent: gets take pins.
+        assert!(u.is_local() && !u.has_fast_gets().await);
 
         // The old server-wide token is gone; a wrong one is refused as before.
         for t in [TOKEN, "tok-x", ""] {

@@ -126,6 +126,11 @@ pub struct HelloReply {
     pub max_lease_ms: u64,
     /// The next event sequence number.
     pub event_seq: u64,
+    /// Bytes of the published slot table, whose read-only fd rides third (after the arena's
+    /// and the staging region's): local gets read DRAM hits through it with no message
+    /// (`docs/protocol.md`, "Local gets without a message"). 0 = none sent (no arena, or the
+    /// server maps keys per tenant).
+    pub slot_table_bytes: u64,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, SchemaWrite, SchemaRead)]

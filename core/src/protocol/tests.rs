@@ -31,7 +31,7 @@ fn response_frame(op: Opcode, r: &Response) -> Vec<u8> {
 #[test]
 fn header_golden_bytes() {
     let h = Header {
-        version: 1,
+        version: 2,
         opcode: Opcode::Get as u8,
         flags: flags::RESPONSE,
         request_id: 0x0102_0304_0506_0708,
@@ -43,7 +43,7 @@ fn header_golden_bytes() {
         b,
         [
             b'K', b'V', b'T', b'1', // magic
-            1, 0, // version
+            2, 0, // version
             4, // opcode: get
             1, // flags: response
             8, 7, 6, 5, 4, 3, 2, 1, // request id
@@ -107,8 +107,8 @@ fn all_requests() -> Vec<Request> {
     ];
     vec![
         Request::Hello(Hello {
-            min_version: 1,
-            max_version: 1,
+            min_version: 2,
+            max_version: 2,
             client: "worker-0".into(),
             token: "secret".into(),
             block_bytes: 2 << 20,
@@ -169,12 +169,13 @@ fn every_response_round_trips() {
         (
             Opcode::Hello,
             Response::Hello(HelloReply {
-                version: 1,
+                version: 2,
                 server: "kvtier".into(),
                 block_bytes: 4096,
                 layout_fingerprint: 0xabc,
                 arena_bytes: 1 << 30,
                 staging_bytes: 1 << 26,
+                slot_table_bytes: 1 << 20,
                 max_keys: 65536,
                 max_meta_bytes: 1 << 20,
                 max_payload_bytes: 1 << 28,
