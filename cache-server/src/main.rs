@@ -129,14 +129,15 @@ async fn serve(config: ServerConfig) -> Result<()> {
     // One machine-readable line (tests and scripts parse it).
     let show = |a: Option<std::net::SocketAddr>| a.map_or("off".to_string(), |a| a.to_string());
     println!(
-        "listening unix={} tcp={} quic={} admin={} tls={}",
+        "listening unix={} tcp={} quic={} admin={} tls={} zmq={}",
         e.unix
             .as_ref()
             .map_or("off".into(), |p| p.display().to_string()),
         show(e.tcp),
         show(e.quic),
         show(e.admin),
-        show(e.tls)
+        show(e.tls),
+        e.zmq.as_deref().unwrap_or("off")
     );
     use std::io::Write;
     let _ = std::io::stdout().flush();

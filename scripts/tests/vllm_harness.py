@@ -57,6 +57,8 @@ class KvtierServer:
     dtype: str = "bfloat16"
     proc: subprocess.Popen | None = None
     endpoints: dict[str, str] = field(default_factory=dict)
+    # More `--set` settings ("events.zmq=\"tcp://127.0.0.1:0\"").
+    extra: list[str] = field(default_factory=list)
 
     @property
     def socket(self) -> Path:
@@ -83,7 +85,7 @@ class KvtierServer:
             for k, v in {**LAYOUT, "dtype": DTYPES[self.dtype][0]}.items()
         ]
         args = [str(server_binary())]
-        for s in sets:
+        for s in sets + self.extra:
             args += ["--set", s]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
         env["RUST_LOG"] = "warn"

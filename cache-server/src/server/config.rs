@@ -91,6 +91,33 @@ pub struct ServerConfig {
     /// Tenants by name (`[tenants.NAME]`); none: one tenant, today's single token, every
     /// client an admin. See `docs/operations.md`, "Tenants".
     pub tenants: std::collections::BTreeMap<String, TenantSection>,
+    pub events: EventsSection,
+}
+
+/// Block events for other schedulers (`docs/operations.md`, "Events in vLLM's format").
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EventsSection {
+    /// ZMQ PUB endpoint publishing the store's block events in vLLM's KV-events wire format
+    /// (`tcp://HOST:PORT`); "" or "off" disables. Default: "".
+    pub zmq: String,
+    /// The topic frame of every message. Default: "" (vLLM's default).
+    pub zmq_topic: String,
+    /// Longest wait to fill a batch, in ms. Default: 10.
+    pub zmq_batch_ms: u64,
+    /// Most events in one batch. Default: 1000.
+    pub zmq_batch_events: usize,
+}
+
+impl Default for EventsSection {
+    fn default() -> Self {
+        Self {
+            zmq: String::new(),
+            zmq_topic: String::new(),
+            zmq_batch_ms: 10,
+            zmq_batch_events: 1000,
+        }
+    }
 }
 
 /// One tenant: the credential that names it, its role, quota and sharing group.
@@ -581,7 +608,40 @@ impl ServerConfig {
         if self.server.tls_cert.is_empty() != self.server.tls_key.is_empty() {
             return Err(cerr("server.tls_cert", "tls_cert and tls_key go together"));
         }
+        self.zmq_endpoint()?;
         self.validate_tenants()
+    }
+
+    /// The ZMQ PUB endpoint of `events.zmq` (`tcp://HOST:PORT`, HOST an IP address), or
+    /// `None` when off. Refused with `[tenants]`: the stream has no authentication and would
+    /// show every namespace's keys to anyone who connects.
+    pub fn zmq_endpoint(&self) -> Result<Option<String>, ConfigError> {
+        let v = self.events.zmq.as_str();
+        if v.is_empty() || v.eq_ignore_ascii_case("off") {
+            return Ok(None);
+        }
+        let Some(rest) = v.strip_prefix("tcp://") else {
+            return Err(cerr(
+                "events.zmq",
+                format!("{v:?}: expected tcp://HOST:PORT"),
+            ));
+        };
+        rest.parse::<SocketAddr>()
+            .map_err(|e| cerr("events.zmq", format!("{v:?}: {e} (expected tcp://IP:PORT)")))?;
+        if !self.tenants.is_empty() {
+            return Err(cerr(
+                "events.zmq",
+                "not with [tenants]: a ZMQ PUB socket has no authentication, so it would show \
+                 every tenant's block keys to anyone who connects",
+            ));
+        }
+        if self.events.zmq_batch_ms == 0 || self.events.zmq_batch_events == 0 {
+            return Err(cerr(
+                "events.zmq_batch_ms",
+                "events.zmq_batch_ms and events.zmq_batch_events must be at least 1",
+            ));
+        }
+        Ok(Some(v.to_string()))
     }
 
     fn validate_tenants(&self) -> Result<(), ConfigError> {
@@ -1020,6 +1080,15 @@ mod tests {
         check_err(&["store.dram_bytes=0"], "store.dram_bytes");
         check_err(&["store.bogus=1"], "bogus");
         check_err(&["server.tcp=localhost"], "server.tcp");
+        check_err(&["events.zmq=\"ipc:///tmp/x\""], "events.zmq");
+        check_err(&["events.zmq=\"tcp://localhost:5557\""], "events.zmq");
+        check_err(
+            &[
+                "events.zmq=\"tcp://127.0.0.1:5557\"",
+                "events.zmq_batch_events=0",
+            ],
+            "events.zmq_batch",
+        );
         check_err(&["layout.dtype=int3"], "layout.dtype");
         check_err(&["layout.kind=sparse"], "layout.kind");
         check_err(&["layout.layers=0"], "layout");

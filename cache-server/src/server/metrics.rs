@@ -81,6 +81,10 @@ pub struct Metrics {
     pub auth_throttled: IntCounter,
     /// TLS handshakes on the `server.tls` port that failed or timed out.
     pub tls_handshake_failures: IntCounter,
+    /// Batches published on `events.zmq` (vLLM's KV-events format).
+    pub zmq_batches: IntCounter,
+    /// Block events the `events.zmq` publisher fell behind on and skipped.
+    pub zmq_events_lost: IntCounter,
     /// Network (TCP, TLS, QUIC) connections before their hello (set at each scrape).
     pub pre_hello: IntGauge,
     requests: Vec<IntCounter>,
@@ -231,6 +235,17 @@ impl Metrics {
                 &r,
                 "kvtier_connections_pre_hello",
                 "Network (TCP, TLS, QUIC) connections that have not completed their hello.",
+            ),
+            zmq_batches: counter(
+                &r,
+                "kvtier_zmq_event_batches_total",
+                "Batches of block events published on events.zmq, in vLLM's KV-events format.",
+            ),
+            zmq_events_lost: counter(
+                &r,
+                "kvtier_zmq_events_lost_total",
+                "Block events the events.zmq publisher fell behind on and skipped (its \
+                 subscribers see a gap in the batches' sequence numbers).",
             ),
             tls_handshake_failures: counter(
                 &r,

@@ -13,6 +13,7 @@ mod places;
 mod staging;
 mod tenants;
 mod tls;
+mod vllm_events;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -151,6 +152,8 @@ pub struct Endpoints {
     pub quic_cert_der: Vec<u8>,
     /// Where that certificate was written (when generated).
     pub quic_cert_file: Option<PathBuf>,
+    /// The ZMQ PUB endpoint of `events.zmq` (vLLM's KV-events format), as bound.
+    pub zmq: Option<String>,
 }
 
 /// A running server. Stop it with [`Server::shutdown`].
@@ -240,9 +243,36 @@ impl Server {
             token_file,
             quic_cert_der: Vec::new(),
             quic_cert_file: None,
+            zmq: None,
         };
         let mut tasks = Vec::new();
         let c = &shared.config;
+        if let Some(ep) = c.zmq_endpoint()? {
+            let (sock, at) = vllm_events::bind(&ep)
+                .await
+                .map_err(|e| ServerError::Bind {
+                    what: "events.zmq",
+                    addr: ep.clone(),
+                    source: std::io::Error::other(e),
+                })?;
+            endpoints.zmq = Some(at);
+            let p = vllm_events::Publisher {
+                topic: bytes::Bytes::from(c.events.zmq_topic.clone().into_bytes()),
+                block_tokens: layout.block_tokens(),
+                batch: Duration::from_millis(c.events.zmq_batch_ms),
+                batch_events: c.events.zmq_batch_events,
+            };
+            let inner = tokio::spawn(p.run(sock, shared.clone()));
+            // zeromq 0.4 panics (todo!) on a send error it does not expect: that ends the
+            // publisher, never the server; say so.
+            tasks.push(tokio::spawn(async move {
+                if let Err(e) = inner.await
+                    && e.is_panic()
+                {
+                    tracing::error!("events.zmq: the publisher stopped (panic): {e}");
+                }
+            }));
+        }
         if let Some(path) = c.unix_path() {
             let l = bind_unix(&path)?;
             endpoints.unix = Some(path);
