@@ -56,9 +56,14 @@ fn kvtier_config(dir: &Path) -> Result<ServerConfig> {
 
 async fn complete(w: &WorkerServer) -> Result<(String, Value)> {
     let body = json!({"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0});
-    let r = tokio::time::timeout(LIMIT, post(w.addr(), "/v1/completions", &body))
-        .await
-        .context("request timed out")??;
+    let r = request_within(
+        w.addr(),
+        "POST",
+        "/v1/completions",
+        &body.to_string(),
+        LIMIT,
+    )
+    .await?;
     ensure!(r.status == 200, "status {}: {}", r.status, r.body);
     let v = r.json()?;
     let text = v["choices"][0]["text"].as_str().context("text")?.to_owned();

@@ -104,8 +104,20 @@ pub async fn request(
     path: &str,
     body: &str,
 ) -> Result<HttpResponse> {
+    request_within(addr, method, path, body, HTTP_TIMEOUT).await
+}
+
+/// [`request`], bounded by `timeout` (a real model's forward in a debug build on a loaded
+/// machine can take minutes).
+pub async fn request_within(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &str,
+    timeout: Duration,
+) -> Result<HttpResponse> {
     let http = HttpClient::new(HttpConfig {
-        timeout: HTTP_TIMEOUT,
+        timeout,
         ..HttpConfig::default()
     });
     let method = Method::from_bytes(method.as_bytes())?;
