@@ -670,7 +670,7 @@ async fn recv_head_with_fds(
     while got < HEADER_BYTES {
         s.readable().await.map_err(ClientError::Io)?;
         match s.try_io(tokio::io::Interest::READABLE, || {
-            recv_fd(s.as_raw_fd(), &mut head[got..])
+            recv_with_fds(s.as_raw_fd(), &mut head[got..])
         }) {
             Ok((0, _)) => return Err(ClientError::Disconnected),
             Ok((n, f)) => {
@@ -684,7 +684,10 @@ async fn recv_head_with_fds(
     Ok((head, fds))
 }
 
-fn recv_fd(sock: RawFd, buf: &mut [u8]) -> std::io::Result<(usize, Vec<OwnedFd>)> {
+/// One `recvmsg` on a Unix socket: the bytes read into `buf`, and the descriptors an
+/// `SCM_RIGHTS` message carried with them (close-on-exec, owned by the caller). What the hello
+/// reply arrives with on `unix://` (`docs/protocol.md`).
+pub fn recv_with_fds(sock: RawFd, buf: &mut [u8]) -> std::io::Result<(usize, Vec<OwnedFd>)> {
     let mut control = [0u8; 64];
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr() as *mut libc::c_void,

@@ -66,6 +66,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub use conn::recv_with_fds;
 pub use error::ClientError;
 pub use kvtier_core::BlockKey;
 pub use kvtier_core::protocol::{BlockEvent, ErrorCode, EventKind, PutEntry, PutStatus, TierCode};

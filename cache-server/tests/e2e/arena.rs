@@ -3,10 +3,11 @@
 //! exact and the server stays up; misuse of its own staging region costs only its own puts.
 
 use std::fs::File;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
+use kvtier_client::recv_with_fds;
 use kvtier_core::protocol::{
     ErrorCode, HEADER_BYTES, Header, Hello, HelloReply, Limits, PutEntry, Request, Response,
 };
@@ -58,43 +59,6 @@ async fn local_hello(path: &Path) -> (Raw<UnixStream>, HelloReply, Vec<OwnedFd>)
         panic!("no hello reply");
     };
     (raw, hello, fds)
-}
-
-fn recv_with_fds(sock: RawFd, buf: &mut [u8]) -> std::io::Result<(usize, Vec<OwnedFd>)> {
-    use std::os::fd::FromRawFd;
-    let mut control = [0u8; 64];
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr() as *mut libc::c_void,
-        iov_len: buf.len(),
-    };
-    // SAFETY: msghdr is plain data; zeroed is a valid empty header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = control.len() as _;
-    // SAFETY: iov and control point at live buffers of the stated lengths for the call.
-    let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let mut fds = Vec::new();
-    // SAFETY: the kernel filled `control` up to msg_controllen; the walk stays within it and
-    // each fd of an SCM_RIGHTS payload is a new one installed for us, owned once.
-    unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
-        while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(cmsg) as *const RawFd;
-                let count = ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / 4;
-                for i in 0..count {
-                    fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
-                }
-            }
-            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
-        }
-    }
-    Ok((n as usize, fds))
 }
 
 fn punch(f: &File, offset: u64, len: u64) -> i32 {
