@@ -19,7 +19,6 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use kvtier_client::http::{HttpClient, HttpConfig, HttpRequest, HttpStream};
 use kvtier_client::{ClientConfig, ClientError};
 use kvtier_worker::api::{self, ApiError, Endpoint};
@@ -196,20 +195,9 @@ impl Router {
             .fallback(not_found)
             .with_state(app);
         let stop = cancel.clone();
-        tasks.push(tokio::spawn(async move {
-            // Answers stream as small SSE chunks: no Nagle delay on them (as the worker).
-            let listener = listener.tap_io(|tcp| {
-                if let Err(e) = tcp.set_nodelay(true) {
-                    tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection");
-                }
-            });
-            if let Err(e) = axum::serve(listener, routes)
-                .with_graceful_shutdown(stop.cancelled_owned())
-                .await
-            {
-                tracing::error!(error = %e, "HTTP server failed");
-            }
-        }));
+        tasks.push(tokio::spawn(kvtier_worker::serve::serve_streaming(
+            listener, routes, stop,
+        )));
         Ok(Router {
             addr,
             cancel,

@@ -426,23 +426,7 @@ impl WorkerServer {
         let router = router(app);
         let cancel = CancellationToken::new();
         let stop = cancel.clone();
-        let http = tokio::spawn(async move {
-            // Tokens stream as small SSE chunks: without TCP_NODELAY, Nagle's algorithm holds
-            // a chunk back while an earlier one is unacknowledged (about 40 ms on loopback with
-            // delayed ACKs), which shows up as TTFT and inter-token latency on a kept-alive
-            // connection.
-            let listener = listener.tap_io(|tcp| {
-                if let Err(e) = tcp.set_nodelay(true) {
-                    tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection");
-                }
-            });
-            if let Err(e) = axum::serve(listener, router)
-                .with_graceful_shutdown(stop.cancelled_owned())
-                .await
-            {
-                tracing::error!(error = %e, "HTTP server failed");
-            }
-        });
+        let http = tokio::spawn(serve_streaming(listener, router, stop));
         tracing::info!(%addr, model = %config.model_name, pool_blocks = config.pool_blocks,
             max_batch = config.max_batch, sidecar = ?config.sidecar, role = config.role.name(),
             device = %device,
@@ -974,4 +958,27 @@ fn stream_response(
         Body::from_stream(stream),
     )
         .into_response()
+}
+
+/// Serves `routes` on `listener` until `stop` is cancelled (graceful shutdown), with
+/// TCP_NODELAY on every accepted connection: answers stream as small SSE chunks, and without
+/// it Nagle's algorithm holds a chunk back while an earlier one is unacknowledged (about 40 ms
+/// on loopback with delayed ACKs), which shows up as TTFT and inter-token latency on a
+/// kept-alive connection. The worker's HTTP front and kvtier-router's.
+pub async fn serve_streaming(
+    listener: tokio::net::TcpListener,
+    routes: axum::Router,
+    stop: CancellationToken,
+) {
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection");
+        }
+    });
+    if let Err(e) = axum::serve(listener, routes)
+        .with_graceful_shutdown(stop.cancelled_owned())
+        .await
+    {
+        tracing::error!(error = %e, "HTTP server failed");
+    }
 }
