@@ -51,7 +51,9 @@ pub struct RouterConfig {
     pub hash_secret_file: Option<PathBuf>,
     pub costs: Costs,
     /// How workers are chosen: "kv" (expected time to first token), or the baselines
-    /// "round_robin" and "least_loaded" (caches ignored). Default: "kv".
+    /// "round_robin", "least_loaded", "random" and "session_sticky" (by the request's
+    /// `x-session-id` header or OpenAI `user` field), all of which ignore the caches.
+    /// Default: "kv".
     pub policy: Policy,
     /// Most blocks tracked per kvtier server (see `index`). Default: 1,048,576.
     pub max_blocks_per_server: usize,

@@ -46,8 +46,8 @@ struct Args {
     /// Most blocks tracked per kvtier server. Default 1048576.
     #[arg(long)]
     max_blocks_per_server: Option<usize>,
-    /// kv (expected time to first token; default), or the baselines round_robin and
-    /// least_loaded.
+    /// kv (expected time to first token; default), or the baselines round_robin,
+    /// least_loaded, random and session_sticky (by the x-session-id header or the body's user).
     #[arg(long)]
     policy: Option<String>,
     /// How often each worker's /health is asked, ms. Default 1000.

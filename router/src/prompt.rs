@@ -15,6 +15,9 @@ pub struct Analysed {
     /// Keys of the prompt's full blocks.
     pub keys: Vec<BlockKey>,
     pub stream: bool,
+    /// The session the request belongs to, for session-sticky routing: the request's OpenAI
+    /// `user` field (the router's `x-session-id` header overrides it).
+    pub session: Option<String>,
 }
 
 /// The workers' prompt side.
@@ -87,6 +90,7 @@ impl PromptModel {
             prompt_tokens: req.tokens.len(),
             keys,
             stream: req.stream,
+            session: req.user,
         })
     }
 }

@@ -155,6 +155,12 @@ pub enum Policy {
     RoundRobin,
     /// Fewest outstanding requests, then in turn, ignoring caches (a baseline).
     LeastLoaded,
+    /// A random order for each request, ignoring caches and load (a baseline).
+    Random,
+    /// Each session to one worker, chosen by rendezvous hashing of its id over the workers (so
+    /// a worker that leaves moves only its own sessions); requests without a session go to the
+    /// least loaded. Ignores caches and load (a baseline: what session affinity gives).
+    SessionSticky,
 }
 
 impl Policy {
@@ -163,31 +169,61 @@ impl Policy {
             "kv" => Ok(Policy::Kv),
             "round_robin" | "round-robin" => Ok(Policy::RoundRobin),
             "least_loaded" | "least-loaded" => Ok(Policy::LeastLoaded),
+            "random" => Ok(Policy::Random),
+            "session_sticky" | "session-sticky" => Ok(Policy::SessionSticky),
             _ => Err(format!(
-                "unknown policy {s:?} (kv, round_robin, least_loaded)"
+                "unknown policy {s:?} (kv, round_robin, least_loaded, random, session_sticky)"
             )),
         }
     }
 }
 
+/// What a policy may use besides the scores to order the workers of one request.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Turn<'a> {
+    /// The router's request counter: equal candidates take turns by it.
+    pub rotation: usize,
+    /// A random number drawn for this request ([`Policy::Random`]).
+    pub random: u64,
+    /// The request's session ([`Policy::SessionSticky`]).
+    pub session: Option<&'a str>,
+}
+
+/// SplitMix64's output function: a well-mixed 64-bit value of `x`.
+pub fn mix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Rendezvous weight of `worker` for `session`: the session goes to the highest.
+fn affinity(session: &str, worker: usize) -> u64 {
+    // FNV-1a of the id, then mixed with the worker's position: stable across processes and
+    // releases (a std hasher is not promised to be).
+    let h = session.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    mix64(h ^ mix64(worker as u64))
+}
+
 /// The order to try the workers in under `policy`: healthy ones first, then the unhealthy
 /// ones in the same order.
-pub fn order(policy: Policy, scores: &[Score], tie_s: f64, rotation: usize) -> Vec<usize> {
+pub fn order(policy: Policy, scores: &[Score], tie_s: f64, turn: Turn<'_>) -> Vec<usize> {
     let n = scores.len().max(1);
-    let turn = |w: usize| (w + n - rotation % n) % n;
-    let mut out: Vec<usize> = match policy {
-        Policy::Kv => return rank(scores, tie_s, rotation),
-        Policy::RoundRobin => {
-            let mut v: Vec<&Score> = scores.iter().collect();
-            v.sort_by_key(|s| turn(s.worker));
-            v.iter().map(|s| s.worker).collect()
-        }
-        Policy::LeastLoaded => {
-            let mut v: Vec<&Score> = scores.iter().collect();
-            v.sort_by_key(|s| (s.outstanding_requests, turn(s.worker)));
-            v.iter().map(|s| s.worker).collect()
-        }
-    };
+    let rotated = |w: usize| (w + n - turn.rotation % n) % n;
+    let mut v: Vec<&Score> = scores.iter().collect();
+    match policy {
+        Policy::Kv => return rank(scores, tie_s, turn.rotation),
+        Policy::RoundRobin => v.sort_by_key(|s| rotated(s.worker)),
+        Policy::LeastLoaded => v.sort_by_key(|s| (s.outstanding_requests, rotated(s.worker))),
+        Policy::Random => v.sort_by_key(|s| mix64(turn.random ^ mix64(s.worker as u64))),
+        Policy::SessionSticky => match turn.session {
+            Some(id) => v.sort_by_key(|s| std::cmp::Reverse(affinity(id, s.worker))),
+            None => v.sort_by_key(|s| (s.outstanding_requests, rotated(s.worker))),
+        },
+    }
+    let mut out: Vec<usize> = v.iter().map(|s| s.worker).collect();
     // Stable: healthy first, each group in the policy's order.
     out.sort_by_key(|w| !scores.iter().any(|s| s.worker == *w && s.healthy));
     out
@@ -358,8 +394,12 @@ mod tests {
         ];
         let scores: Vec<Score> = cands.iter().map(|c| score(1000, 16, c, &costs)).collect();
         let check = |p: Policy, rotation: usize, want: &[usize]| {
+            let turn = Turn {
+                rotation,
+                ..Turn::default()
+            };
             assert_eq!(
-                order(p, &scores, costs.tie_s, rotation),
+                order(p, &scores, costs.tie_s, turn),
                 want,
                 "{p:?} {rotation}"
             );
@@ -371,7 +411,81 @@ mod tests {
         check(Policy::LeastLoaded, 0, &[1, 3, 0, 2]);
         check(Policy::LeastLoaded, 2, &[3, 1, 0, 2]);
         assert_eq!(Policy::parse("round-robin"), Ok(Policy::RoundRobin));
-        assert!(Policy::parse("random").is_err());
+        assert_eq!(Policy::parse("random"), Ok(Policy::Random));
+        assert_eq!(Policy::parse("session-sticky"), Ok(Policy::SessionSticky));
+        assert!(Policy::parse("sticky").is_err());
+    }
+
+    fn four(healthy: [bool; 4], reqs: [u64; 4]) -> Vec<Score> {
+        let costs = Costs::default();
+        (0..4)
+            .map(|w| {
+                let mut c = cand(w, if w == 0 { vec![Dram; 40] } else { vec![] }, reqs[w], 0);
+                c.healthy = healthy[w];
+                score(1000, 16, &c, &costs)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn random_orders_are_permutations_that_vary_and_spread() {
+        let scores = four([true, true, false, true], [0; 4]);
+        let mut firsts = [0usize; 4];
+        let mut orders = std::collections::HashSet::new();
+        for r in 0..4000u64 {
+            let turn = Turn {
+                random: mix64(r),
+                ..Turn::default()
+            };
+            let o = order(Policy::Random, &scores, 0.001, turn);
+            let mut sorted = o.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, vec![0, 1, 2, 3]);
+            assert_eq!(o[3], 2, "the unhealthy worker comes last: {o:?}");
+            firsts[o[0]] += 1;
+            orders.insert(o);
+        }
+        // Three healthy workers: each first about a third of the time, all 6 orders seen.
+        assert_eq!(orders.len(), 6, "{orders:?}");
+        for w in [0, 1, 3] {
+            assert!((1100..1570).contains(&firsts[w]), "{firsts:?}");
+        }
+    }
+
+    #[test]
+    fn sticky_sessions_keep_their_worker_and_only_a_lost_workers_sessions_move() {
+        let all = four([true; 4], [5, 0, 0, 0]);
+        let pick = |scores: &[Score], id: &str| {
+            let turn = Turn {
+                rotation: 17,
+                random: 99,
+                session: Some(id),
+            };
+            order(Policy::SessionSticky, scores, 0.001, turn)[0]
+        };
+        let ids: Vec<String> = (0..400).map(|i| format!("session-{i}")).collect();
+        let before: Vec<usize> = ids.iter().map(|id| pick(&all, id)).collect();
+        // The same session, the same worker, whatever the load or rotation.
+        let busy = four([true; 4], [0, 9, 9, 9]);
+        for (id, w) in ids.iter().zip(&before) {
+            assert_eq!(pick(&busy, id), *w, "{id}");
+        }
+        let mut per = [0usize; 4];
+        before.iter().for_each(|w| per[*w] += 1);
+        assert!(per.iter().all(|n| (60..140).contains(n)), "{per:?}");
+        // Worker 2 down: its sessions move, no other session does.
+        let less = four([true, true, false, true], [0; 4]);
+        for (id, w) in ids.iter().zip(&before) {
+            let now = pick(&less, id);
+            if *w == 2 {
+                assert_ne!(now, 2, "{id}");
+            } else {
+                assert_eq!(now, *w, "{id}");
+            }
+        }
+        // No session: the least loaded.
+        let turn = Turn::default();
+        assert_eq!(order(Policy::SessionSticky, &all, 0.001, turn)[0], 1);
     }
 
     #[test]

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use kvtier_client::http::{HttpClient, HttpConfig, HttpRequest, HttpStream};
@@ -39,6 +39,8 @@ const USAGE_TAIL_BYTES: usize = 8 << 10;
 
 /// Response header naming the worker that answered.
 pub const WORKER_HEADER: &str = "x-kvtier-worker";
+/// Request header naming the request's session (overrides the body's `user`).
+pub const SESSION_HEADER: &str = "x-session-id";
 
 /// One worker as the router sees it.
 pub struct WorkerState {
@@ -58,6 +60,8 @@ struct AppInner {
     http: HttpClient,
     metrics: Arc<Metrics>,
     rotation: AtomicUsize,
+    /// Seeds the random policy's draws (one per router process).
+    random_seed: u64,
 }
 
 type App = Arc<AppInner>;
@@ -184,6 +188,12 @@ impl Router {
             http,
             metrics,
             rotation: AtomicUsize::new(0),
+            random_seed: {
+                use std::hash::{BuildHasher, Hasher};
+                std::collections::hash_map::RandomState::new()
+                    .build_hasher()
+                    .finish()
+            },
         });
         let routes = axum::Router::new()
             .route("/v1/completions", post(completions))
@@ -290,7 +300,12 @@ fn decide(app: &AppInner, analysed: Analysed, rotation: usize) -> Decision {
             score::score(analysed.prompt_tokens, bt, &c, costs)
         })
         .collect();
-    let order = score::order(app.config.policy, &scores, costs.tie_s, rotation);
+    let turn = score::Turn {
+        rotation,
+        random: score::mix64(app.random_seed ^ rotation as u64),
+        session: analysed.session.as_deref(),
+    };
+    let order = score::order(app.config.policy, &scores, costs.tie_s, turn);
     Decision {
         analysed,
         scores,
@@ -327,6 +342,8 @@ fn explain(app: &AppInner, d: &Decision) -> Value {
         "prompt_tokens": d.analysed.prompt_tokens,
         "block_tokens": app.prompt.block_tokens(),
         "prompt_blocks": d.analysed.keys.len(),
+        "policy": format!("{:?}", app.config.policy),
+        "session": d.analysed.session,
         "order": d.order.iter().map(|&i| app.workers[i].url.clone()).collect::<Vec<_>>(),
         "workers": workers,
     })
@@ -367,12 +384,18 @@ async fn read_body(body: Body) -> Result<Bytes, ApiError> {
         })
 }
 
-async fn completions(State(app): State<App>, body: Body) -> Response {
-    handle(app, body, Endpoint::Completions, "/v1/completions").await
+async fn completions(State(app): State<App>, headers: HeaderMap, body: Body) -> Response {
+    handle(app, &headers, body, Endpoint::Completions, "/v1/completions").await
 }
 
-async fn chat(State(app): State<App>, body: Body) -> Response {
-    handle(app, body, Endpoint::Chat, "/v1/chat/completions").await
+async fn chat(State(app): State<App>, headers: HeaderMap, body: Body) -> Response {
+    handle(app, &headers, body, Endpoint::Chat, "/v1/chat/completions").await
+}
+
+/// The session named by the `x-session-id` header, when it is present and text.
+fn session_header(headers: &HeaderMap) -> Option<String> {
+    let v = headers.get(SESSION_HEADER)?.to_str().ok()?.trim();
+    (!v.is_empty()).then(|| v.to_owned())
 }
 
 fn endpoint_label(e: Endpoint) -> &'static str {
@@ -382,7 +405,13 @@ fn endpoint_label(e: Endpoint) -> &'static str {
     }
 }
 
-async fn handle(app: App, body: Body, endpoint: Endpoint, path: &'static str) -> Response {
+async fn handle(
+    app: App,
+    headers: &HeaderMap,
+    body: Body,
+    endpoint: Endpoint,
+    path: &'static str,
+) -> Response {
     let label = endpoint_label(endpoint);
     let outcome = |o: &str| app.metrics.requests.with_label_values(&[label, o]).inc();
     let bytes = match read_body(body).await {
@@ -393,13 +422,16 @@ async fn handle(app: App, body: Body, endpoint: Endpoint, path: &'static str) ->
         }
     };
     let t = Instant::now();
-    let analysed = match app.prompt.analyse(&bytes, endpoint) {
+    let mut analysed = match app.prompt.analyse(&bytes, endpoint) {
         Ok(a) => a,
         Err(e) => {
             outcome("client_error");
             return e.into_response();
         }
     };
+    if let Some(id) = session_header(headers) {
+        analysed.session = Some(id);
+    }
     let rotation = app.rotation.fetch_add(1, Ordering::Relaxed);
     let d = decide(&app, analysed, rotation);
     app.metrics
@@ -710,7 +742,7 @@ fn passthrough(
     })
 }
 
-async fn debug_route(State(app): State<App>, body: Body) -> Response {
+async fn debug_route(State(app): State<App>, headers: HeaderMap, body: Body) -> Response {
     let bytes = match read_body(body).await {
         Ok(b) => b,
         Err(e) => return e.into_response(),
@@ -720,10 +752,13 @@ async fn debug_route(State(app): State<App>, body: Body) -> Response {
         Ok(v) if v.get("messages").is_some() => Endpoint::Chat,
         _ => Endpoint::Completions,
     };
-    let analysed = match app.prompt.analyse(&bytes, endpoint) {
+    let mut analysed = match app.prompt.analyse(&bytes, endpoint) {
         Ok(a) => a,
         Err(e) => return e.into_response(),
     };
+    if let Some(id) = session_header(&headers) {
+        analysed.session = Some(id);
+    }
     let d = decide(&app, analysed, app.rotation.load(Ordering::Relaxed));
     let mut v = explain(&app, &d);
     v["endpoint"] = json!(endpoint_label(endpoint));

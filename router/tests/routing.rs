@@ -589,3 +589,71 @@ async fn streaming_is_passed_through_byte_for_byte_as_it_arrives() -> Result<()>
     })
     .await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_baselines_route_by_session_and_at_random() -> Result<()> {
+    bounded(240, async {
+        let f = fleet(3, &["--policy".into(), "session_sticky".into()])?;
+        let url = format!("{}/v1/completions", f.url);
+        // Each session's requests (different prompts) all go to one worker, named by `user`.
+        let mut home = Vec::new();
+        for s in 0..6 {
+            let mut first = None;
+            for turn in 0..3 {
+                let mut body = completion(&text(1000 + 10 * s + turn, 60), 2, false);
+                body["user"] = json!(format!("session-{s}"));
+                let r = post(&url, &body).await?;
+                assert_eq!(r.status, 200, "{}", r.text());
+                let w = answered_by(&r);
+                assert_eq!(first.get_or_insert_with(|| w.clone()), &w, "session {s} turn {turn}");
+            }
+            home.push(first.unwrap_or_default());
+        }
+        // The x-session-id header overrides the body's user.
+        let mut body = completion(&text(2000, 60), 2, false);
+        body["user"] = json!("someone-else");
+        let r = http()
+            .send(
+                kvtier_client::http::HttpRequest::post_json(url.clone(), body.to_string())
+                    .header(kvtier_client::http::header::HeaderName::from_static("x-session-id"), "session-4"),
+            )
+            .await?;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(answered_by(&r), home[4]);
+        let v = route(&f.url, &body).await?;
+        assert_eq!((v["policy"].as_str(), v["session"].as_str()), (Some("SessionSticky"), Some("someone-else")), "{v}");
+        // A killed worker's sessions move to others; the rest stay where they were.
+        let mut f = f;
+        let (mut dead, dead_url) = f.workers.remove(0);
+        dead.kill();
+        for (s, was) in home.iter().enumerate() {
+            let mut body = completion(&text(3000 + s as u64, 60), 2, false);
+            body["user"] = json!(format!("session-{s}"));
+            let r = post(&url, &body).await?;
+            assert_eq!(r.status, 200, "{}", r.text());
+            let now = answered_by(&r);
+            if *was == dead_url {
+                assert_ne!(now, dead_url, "session {s}");
+            } else {
+                assert_eq!(&now, was, "session {s}");
+            }
+        }
+        drop(f.router);
+
+        // Random: one session's requests spread over the workers.
+        let f = fleet(3, &["--policy".into(), "random".into()])?;
+        let mut seen = HashSet::new();
+        for i in 0..15 {
+            let mut body = completion(&text(4000 + i, 60), 2, false);
+            body["user"] = json!("session-0");
+            let r = post(&format!("{}/v1/completions", f.url), &body).await?;
+            assert_eq!(r.status, 200, "{}", r.text());
+            seen.insert(answered_by(&r));
+        }
+        // All 15 on one worker: probability 3 / 3^15.
+        assert!(seen.len() >= 2, "{seen:?}");
+        drop(f.router);
+        Ok(())
+    })
+    .await
+}

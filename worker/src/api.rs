@@ -26,6 +26,8 @@ pub const MAX_TEMPERATURE: f64 = 2.0;
 pub const MAX_BODY_BYTES: usize = 4 << 20;
 /// Longest accepted `cache_salt`.
 pub const MAX_CACHE_SALT_BYTES: usize = 1024;
+/// Longest accepted `user`.
+pub const MAX_USER_BYTES: usize = 1024;
 
 /// An error answered as `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone, PartialEq)]
@@ -113,6 +115,9 @@ pub struct ParsedRequest {
     pub stream: bool,
     pub include_usage: bool,
     pub cache_salt: Option<String>,
+    /// OpenAI's `user`: who the request is for. The worker ignores it; a router may keep a
+    /// session on one worker by it.
+    pub user: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -136,6 +141,7 @@ struct RawRequest {
     stream: bool,
     stream_options: Option<StreamOptions>,
     cache_salt: Option<String>,
+    user: Option<String>,
     n: Option<i64>,
 }
 
@@ -205,6 +211,14 @@ pub fn parse(body: &[u8], endpoint: Endpoint, lim: &Limits) -> Result<ParsedRequ
         return Err(ApiError::invalid(
             format!("temperature must be between 0 and {MAX_TEMPERATURE}, got {temperature}"),
             Some("temperature"),
+        ));
+    }
+    if let Some(s) = &raw.user
+        && s.len() > MAX_USER_BYTES
+    {
+        return Err(ApiError::invalid(
+            format!("user is longer than {MAX_USER_BYTES} bytes"),
+            Some("user"),
         ));
     }
     if let Some(s) = &raw.cache_salt
@@ -305,6 +319,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint, lim: &Limits) -> Result<ParsedRequ
         stream: raw.stream,
         include_usage: raw.stream_options.is_some_and(|o| o.include_usage),
         cache_salt: raw.cache_salt,
+        user: raw.user,
     })
 }
 
@@ -634,6 +649,13 @@ mod tests {
             Completions,
             Err((400, Some("cache_salt"), "longer")),
         );
+        check(r#"{"prompt":"x","user":"session-7"}"#, Completions, Ok(()));
+        check(
+            &format!(r#"{{"prompt":"x","user":"{}"}}"#, "u".repeat(2000)),
+            Completions,
+            Err((400, Some("user"), "longer")),
+        );
+        check(r#"{"prompt":"x","user":7}"#, Completions, Err((400, None, "")));
     }
 
     #[test]

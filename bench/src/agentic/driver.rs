@@ -340,7 +340,16 @@ fn reusable(sh: &Shared, prompt: &[&[u8]]) -> usize {
 }
 
 /// The request body for a prompt.
-pub fn body(model: &str, prompt: &[u8], max_tokens: u32, format: PromptFormat) -> Vec<u8> {
+///
+/// `user` names the session (OpenAI's end-user field), so a session-sticky router can keep a
+/// session on one worker; engines ignore it.
+pub fn body(
+    model: &str,
+    prompt: &[u8],
+    max_tokens: u32,
+    format: PromptFormat,
+    session: usize,
+) -> Vec<u8> {
     let prompt = match format {
         PromptFormat::Tokens => serde_json::Value::from(
             prompt
@@ -360,6 +369,7 @@ pub fn body(model: &str, prompt: &[u8], max_tokens: u32, format: PromptFormat) -
         "temperature": 0,
         "stream": true,
         "stream_options": {"include_usage": true},
+        "user": format!("session-{session}"),
     }))
     .unwrap_or_default()
 }
@@ -376,7 +386,7 @@ async fn request(
 ) {
     let units = units(prompt, sh.o.prompt_format.content());
     let reusable_tokens = reusable(sh, &units);
-    let body = body(&sh.o.model, prompt, max_tokens, sh.o.prompt_format);
+    let body = body(&sh.o.model, prompt, max_tokens, sh.o.prompt_format, session);
     let start_s = sh.start.elapsed().as_secs_f64();
     let now = sh.inflight.fetch_add(1, Ordering::SeqCst) + 1;
     sh.peak_inflight.fetch_max(now, Ordering::SeqCst);

@@ -111,6 +111,13 @@ pub struct AgenticArgs {
     /// Tokens each subagent's result adds to the parent's context when it rejoins.
     #[arg(long, default_value_t = 96)]
     pub subagent_result_tokens: usize,
+    /// Skew: the first this many sessions are hot, with a long task context
+    /// (`--hot-task-tokens`) and twice `--turns-max` turns (up to `--max-context`).
+    #[arg(long, default_value_t = 0)]
+    pub hot_sessions: usize,
+    /// A hot session's task context after the harness, in tokens.
+    #[arg(long, default_value_t = 4096)]
+    pub hot_task_tokens: usize,
 
     /// Trace mode: prompt and output lengths are multiplied by this.
     #[arg(long, default_value_t = 0.05)]
@@ -231,6 +238,8 @@ pub fn workload(a: &AgenticArgs, seed: u64) -> Result<Workload> {
             subagent_turns_max: a.subagent_turns_max,
             subagent_result_tokens: a.subagent_result_tokens,
             max_context: a.max_context,
+            hot_sessions: a.hot_sessions,
+            hot_task_tokens: a.hot_task_tokens,
         };
         workload::generate(&p, seed).map_err(|e| anyhow::anyhow!(e))
     } else {

@@ -97,7 +97,7 @@ fn ttft_itl_and_e2e_follow_the_stream() {
         })
         .await
         .unwrap();
-        let body = driver::body("m", b"hello world", 5, PromptFormat::Tokens);
+        let body = driver::body("m", b"hello world", 5, PromptFormat::Tokens, 3);
         let c = CompletionClient::new(&ep(&m), None, opts(1).timeouts)
             .complete(&body)
             .await
@@ -120,7 +120,7 @@ fn ttft_itl_and_e2e_follow_the_stream() {
         // The same prompt again: its one whole 16-token block... none (11 tokens), so a longer
         // prompt shows the cache.
         let long: Vec<u8> = (0..40u8).map(|i| b'a' + i % 26).collect();
-        let body = driver::body("m", &long, 2, PromptFormat::Text);
+        let body = driver::body("m", &long, 2, PromptFormat::Text, 0);
         CompletionClient::new(&ep(&m), None, opts(1).timeouts)
             .complete(&body)
             .await
@@ -354,6 +354,56 @@ fn the_generator_is_deterministic_per_seed() {
     )
     .unwrap_err();
     assert!(e.contains("--turns-max"), "{e}");
+}
+
+#[test]
+fn hot_sessions_have_long_tasks_and_more_turns_and_leave_the_rest_alone() {
+    let p = GenParams {
+        subagent_prob: 0.0,
+        ..GenParams::default()
+    };
+    let plain = workload::generate(&p, 4).unwrap();
+    let hot = workload::generate(
+        &GenParams {
+            hot_sessions: 2,
+            hot_task_tokens: 3000,
+            ..p.clone()
+        },
+        4,
+    )
+    .unwrap();
+    let first_append = |s: &workload::Session| match &s.main.steps[0] {
+        Step::Turn { append, .. } => append.len,
+        other => panic!("{other:?}"),
+    };
+    for (i, (a, b)) in plain.sessions.iter().zip(&hot.sessions).enumerate() {
+        if i < 2 {
+            assert_eq!(first_append(b), 3000, "session {i}");
+            assert!(b.main.turns() > a.main.turns(), "session {i}");
+        } else {
+            assert_eq!(a, b, "session {i} is not hot and must not change");
+        }
+    }
+    for (bad, needle) in [
+        (
+            GenParams {
+                hot_sessions: 17,
+                ..p.clone()
+            },
+            "--hot-sessions",
+        ),
+        (
+            GenParams {
+                hot_sessions: 1,
+                hot_task_tokens: 8000,
+                ..p.clone()
+            },
+            "hot session",
+        ),
+    ] {
+        let e = workload::generate(&bad, 1).unwrap_err();
+        assert!(e.contains(needle), "{e}");
+    }
 }
 
 #[test]

@@ -256,6 +256,10 @@ pub struct GenParams {
     pub subagent_turns_max: usize,
     pub subagent_result_tokens: usize,
     pub max_context: usize,
+    /// The first this many sessions are hot: a task of `hot_task_tokens` and twice
+    /// `turns_max` turns.
+    pub hot_sessions: usize,
+    pub hot_task_tokens: usize,
 }
 
 impl Default for GenParams {
@@ -280,6 +284,8 @@ impl Default for GenParams {
             subagent_turns_max: 3,
             subagent_result_tokens: 96,
             max_context: 8192,
+            hot_sessions: 0,
+            hot_task_tokens: 4096,
         }
     }
 }
@@ -326,6 +332,22 @@ impl GenParams {
             return Err(format!(
                 "--human-gap-alpha must be > 0, not {}",
                 self.human_gap_alpha
+            ));
+        }
+        if self.hot_sessions > self.sessions {
+            return Err(format!(
+                "--hot-sessions ({}) is more than --sessions ({})",
+                self.hot_sessions, self.sessions
+            ));
+        }
+        if self.hot_sessions > 0
+            && self.harness_tokens + self.hot_task_tokens + 2 * self.output_tokens
+                >= self.max_context
+        {
+            return Err(format!(
+                "--max-context {} leaves no room for a hot session: the harness ({}), its task \
+                 ({}) and an output already fill it",
+                self.max_context, self.harness_tokens, self.hot_task_tokens
             ));
         }
         let first = self.harness_tokens + self.task_tokens * 3 / 2 + 2 * self.output_tokens;
@@ -402,8 +424,11 @@ pub fn generate(p: &GenParams, seed: u64) -> Result<Workload, String> {
     let sessions = (0..p.sessions)
         .map(|id| {
             let mut r = Rng::new(mix(seed, 0x5e55_0000 + id as u64));
-            let task = r.range((p.task_tokens / 2).max(1), p.task_tokens * 3 / 2 + 1);
-            let turns = r.range(p.turns_min, p.turns_max);
+            let mut task = r.range((p.task_tokens / 2).max(1), p.task_tokens * 3 / 2 + 1);
+            let mut turns = r.range(p.turns_min, p.turns_max);
+            if id < p.hot_sessions {
+                (task, turns) = (p.hot_task_tokens.max(1), 2 * p.turns_max);
+            }
             let mut ctx = p.harness_tokens;
             let main = gen_chain(
                 p,
