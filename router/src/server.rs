@@ -385,7 +385,14 @@ async fn read_body(body: Body) -> Result<Bytes, ApiError> {
 }
 
 async fn completions(State(app): State<App>, headers: HeaderMap, body: Body) -> Response {
-    handle(app, &headers, body, Endpoint::Completions, "/v1/completions").await
+    handle(
+        app,
+        &headers,
+        body,
+        Endpoint::Completions,
+        "/v1/completions",
+    )
+    .await
 }
 
 async fn chat(State(app): State<App>, headers: HeaderMap, body: Body) -> Response {

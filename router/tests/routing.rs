@@ -605,7 +605,11 @@ async fn the_baselines_route_by_session_and_at_random() -> Result<()> {
                 let r = post(&url, &body).await?;
                 assert_eq!(r.status, 200, "{}", r.text());
                 let w = answered_by(&r);
-                assert_eq!(first.get_or_insert_with(|| w.clone()), &w, "session {s} turn {turn}");
+                assert_eq!(
+                    first.get_or_insert_with(|| w.clone()),
+                    &w,
+                    "session {s} turn {turn}"
+                );
             }
             home.push(first.unwrap_or_default());
         }
@@ -614,14 +618,20 @@ async fn the_baselines_route_by_session_and_at_random() -> Result<()> {
         body["user"] = json!("someone-else");
         let r = http()
             .send(
-                kvtier_client::http::HttpRequest::post_json(url.clone(), body.to_string())
-                    .header(kvtier_client::http::header::HeaderName::from_static("x-session-id"), "session-4"),
+                kvtier_client::http::HttpRequest::post_json(url.clone(), body.to_string()).header(
+                    kvtier_client::http::header::HeaderName::from_static("x-session-id"),
+                    "session-4",
+                ),
             )
             .await?;
         assert_eq!(r.status, 200, "{}", r.text());
         assert_eq!(answered_by(&r), home[4]);
         let v = route(&f.url, &body).await?;
-        assert_eq!((v["policy"].as_str(), v["session"].as_str()), (Some("SessionSticky"), Some("someone-else")), "{v}");
+        assert_eq!(
+            (v["policy"].as_str(), v["session"].as_str()),
+            (Some("SessionSticky"), Some("someone-else")),
+            "{v}"
+        );
         // A killed worker's sessions move to others; the rest stay where they were.
         let mut f = f;
         let (mut dead, dead_url) = f.workers.remove(0);

@@ -655,7 +655,11 @@ mod tests {
             Completions,
             Err((400, Some("user"), "longer")),
         );
-        check(r#"{"prompt":"x","user":7}"#, Completions, Err((400, None, "")));
+        check(
+            r#"{"prompt":"x","user":7}"#,
+            Completions,
+            Err((400, None, "")),
+        );
     }
 
     #[test]

@@ -40,7 +40,8 @@ pub struct AgenticArgs {
     #[arg(long = "target", value_name = "NAME=URL")]
     pub targets: Vec<String>,
     /// Start this configuration and drive it: NAME=KIND [WORKER ARGS], KIND one of off, dram,
-    /// dram+nvme, disagg, worker. Repeatable; runs after the --target entries.
+    /// dram+nvme, disagg, worker, fleet:POLICY[:N] (N workers with their own DRAM servers
+    /// behind kvtier-router --policy POLICY). Repeatable; runs after the --target entries.
     #[arg(long = "spawn", value_name = "NAME=KIND [ARGS]")]
     pub spawns: Vec<String>,
     /// Claude Code trace files or directories of them (instead of the generator).
@@ -157,6 +158,9 @@ pub struct AgenticArgs {
     /// kvtier-server binary for --spawn (default: next to this executable).
     #[arg(long)]
     pub server_bin: Option<PathBuf>,
+    /// kvtier-router binary for --spawn fleet (default: next to this executable).
+    #[arg(long)]
+    pub router_bin: Option<PathBuf>,
     /// DRAM tier of spawned dram and disagg servers.
     #[arg(long, default_value = "256MiB")]
     pub dram_bytes: String,
@@ -303,6 +307,7 @@ pub fn run(a: &AgenticArgs, seed: u64, progress: bool) -> Result<Comparison> {
         spawn: SpawnOptions {
             worker_bin: a.worker_bin.clone(),
             server_bin: a.server_bin.clone(),
+            router_bin: a.router_bin.clone(),
             seed,
             model: a.model.clone(),
             dram_bytes: a.dram_bytes.clone(),

@@ -11,7 +11,10 @@
 //! * `disagg`: a server (DRAM), a prefill worker (`--role prefill`) and a decode worker
 //!   (`--role decode --prefill-url` the prefill worker), both on the socket; requests go to the
 //!   decode worker;
-//! * `worker`: one worker with exactly the given arguments (no server).
+//! * `worker`: one worker with exactly the given arguments (no server);
+//! * `fleet:POLICY[:N]`: N workers (default 3), each with its own DRAM server as in `dram`,
+//!   behind a `kvtier-router --policy POLICY` that follows every server's block events;
+//!   requests go to the router.
 //!
 //! Extra words after KIND go to every worker of the configuration (e.g.
 //! `dram=dram --pool-blocks 256`).
@@ -41,12 +44,21 @@ pub enum Kind {
     DramNvme,
     Disagg,
     Worker,
+    /// Workers, each with its own DRAM server, behind a router.
+    Fleet {
+        workers: usize,
+    },
 }
+
+/// Most workers a `fleet` may have.
+pub const MAX_FLEET_WORKERS: usize = 16;
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct SpawnSpec {
     pub name: String,
     pub kind: Kind,
+    /// The router's `--policy` for a `fleet`.
+    pub router_policy: Option<String>,
     pub worker_args: Vec<String>,
 }
 
@@ -60,7 +72,33 @@ impl SpawnSpec {
             return Err(format!("--spawn {s:?}: empty name"));
         }
         let mut words = rest.split_whitespace();
+        let mut router_policy = None;
         let kind = match words.next() {
+            Some(k) if k.starts_with("fleet:") => {
+                let mut parts = k["fleet:".len()..].split(':');
+                let policy = parts.next().unwrap_or_default();
+                if policy.is_empty() {
+                    return Err(format!("--spawn {s:?}: expected fleet:POLICY[:N]"));
+                }
+                let workers = match parts.next() {
+                    None => 3,
+                    Some(n) => n
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|n| (1..=MAX_FLEET_WORKERS).contains(n))
+                        .ok_or_else(|| {
+                            format!(
+                                "--spawn {s:?}: a fleet has 1 to {MAX_FLEET_WORKERS} workers, \
+                                 not {n:?}"
+                            )
+                        })?,
+                };
+                if parts.next().is_some() {
+                    return Err(format!("--spawn {s:?}: expected fleet:POLICY[:N]"));
+                }
+                router_policy = Some(policy.to_owned());
+                Kind::Fleet { workers }
+            }
             Some("off") => Kind::Off,
             Some("dram") => Kind::Dram,
             Some("dram+nvme") => Kind::DramNvme,
@@ -68,7 +106,8 @@ impl SpawnSpec {
             Some("worker") => Kind::Worker,
             Some(k) => {
                 return Err(format!(
-                    "--spawn {s:?}: unknown kind {k:?} (off, dram, dram+nvme, disagg, worker)"
+                    "--spawn {s:?}: unknown kind {k:?} (off, dram, dram+nvme, disagg, worker, \
+                     fleet:POLICY[:N])"
                 ));
             }
             None => return Err(format!("--spawn {s:?}: no kind after '='")),
@@ -76,6 +115,7 @@ impl SpawnSpec {
         Ok(Self {
             name: name.to_owned(),
             kind,
+            router_policy,
             worker_args: words.map(str::to_owned).collect(),
         })
     }
@@ -86,6 +126,8 @@ impl SpawnSpec {
 pub struct SpawnOptions {
     pub worker_bin: Option<PathBuf>,
     pub server_bin: Option<PathBuf>,
+    /// `kvtier-router`, for `fleet`.
+    pub router_bin: Option<PathBuf>,
     pub seed: u64,
     pub model: String,
     /// DRAM tier of `dram` and `disagg`.
@@ -175,11 +217,7 @@ pub fn find_bin(name: &str, explicit: Option<&Path>, flag: &str) -> Result<PathB
     bail!(
         "{name} not found next to {} (build it: cargo build --release -p {}, or pass {flag} PATH)",
         exe.display(),
-        if name == "kvtier-server" {
-            "kvtier-server"
-        } else {
-            "kvtier-worker"
-        }
+        name
     )
 }
 
@@ -200,75 +238,23 @@ pub fn start(spec: &SpawnSpec, o: &SpawnOptions) -> Result<Spawned> {
     };
     let worker_bin = find_bin("kvtier-worker", o.worker_bin.as_deref(), "--worker-bin")?;
     let sidecar = match spec.kind {
-        Kind::Off | Kind::Worker => None,
-        Kind::Dram | Kind::DramNvme | Kind::Disagg => {
-            let server_bin = find_bin("kvtier-server", o.server_bin.as_deref(), "--server-bin")?;
-            let sock = root.join("kvtier.sock");
-            let mut args: Vec<String> = vec![
-                "--unix".into(),
-                sock.display().to_string(),
-                "--tcp".into(),
-                "off".into(),
-                "--quic".into(),
-                "off".into(),
-                "--tls".into(),
-                "off".into(),
-                "--admin".into(),
-                "off".into(),
-                "--set".into(),
-                format!("server.runtime_dir={:?}", root.display().to_string()),
-            ];
-            if spec.kind == Kind::DramNvme {
-                let nvme = root.join("nvme");
-                args.extend([
-                    "--dram-bytes".into(),
-                    o.nvme_dram_bytes.clone(),
-                    "--nvme-dir".into(),
-                    nvme.display().to_string(),
-                    "--nvme-bytes".into(),
-                    o.nvme_bytes.clone(),
-                ]);
-            } else {
-                args.extend([
-                    "--dram-bytes".into(),
-                    o.dram_bytes.clone(),
-                    "--nvme-dir".into(),
-                    String::new(),
-                ]);
-            }
-            for s in WORKER_LAYOUT_SETS
-                .iter()
-                .map(|s| s.to_string())
-                .chain(o.server_sets.clone())
-            {
-                args.push("--set".into());
-                args.push(s);
-            }
-            let line = launch(
-                &mut sp,
-                &server_bin,
-                &args,
-                &root,
-                "server",
-                "listening unix=",
-                o.startup_timeout,
-            )?;
-            let path = line
-                .strip_prefix("listening unix=")
-                .and_then(|r| r.split_whitespace().next())
-                .filter(|p| *p != "off")
-                .ok_or_else(|| anyhow::anyhow!("kvtier-server reported no Unix socket: {line}"))?;
-            Some(format!("unix://{path}"))
-        }
+        Kind::Off | Kind::Worker | Kind::Fleet { .. } => None,
+        Kind::Dram | Kind::DramNvme | Kind::Disagg => Some(start_server(
+            &mut sp,
+            o,
+            &root,
+            "server",
+            spec.kind == Kind::DramNvme,
+        )?),
     };
-    let worker_args = |role: Option<(&str, Option<&str>)>| -> Vec<String> {
+    let worker_args = |role: Option<(&str, Option<&str>)>, sidecar: Option<&str>| -> Vec<String> {
         let mut a: Vec<String> = vec!["serve".into()];
         if spec.kind != Kind::Worker {
             a.extend([
                 "--listen".into(),
                 "127.0.0.1:0".into(),
                 "--sidecar".into(),
-                sidecar.clone().unwrap_or_else(|| "off".into()),
+                sidecar.unwrap_or("off").into(),
                 "--seed".into(),
                 o.seed.to_string(),
                 "--model-name".into(),
@@ -294,7 +280,7 @@ pub fn start(spec: &SpawnSpec, o: &SpawnOptions) -> Result<Spawned> {
             .ok_or_else(|| anyhow::anyhow!("unexpected ready line {line:?}"))
     };
     if spec.kind == Kind::Disagg {
-        let a = worker_args(Some(("prefill", None)));
+        let a = worker_args(Some(("prefill", None)), sidecar.as_deref());
         let line = launch(
             &mut sp,
             &worker_bin,
@@ -305,7 +291,7 @@ pub fn start(spec: &SpawnSpec, o: &SpawnOptions) -> Result<Spawned> {
             o.startup_timeout,
         )?;
         let prefill = addr(&line)?;
-        let a = worker_args(Some(("decode", Some(&prefill))));
+        let a = worker_args(Some(("decode", Some(&prefill))), sidecar.as_deref());
         let line = launch(
             &mut sp,
             &worker_bin,
@@ -316,8 +302,44 @@ pub fn start(spec: &SpawnSpec, o: &SpawnOptions) -> Result<Spawned> {
             o.startup_timeout,
         )?;
         sp.url = addr(&line)?;
+    } else if let Kind::Fleet { workers } = spec.kind {
+        let router_bin = find_bin("kvtier-router", o.router_bin.as_deref(), "--router-bin")?;
+        let mut args: Vec<String> = vec![
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--policy".into(),
+            spec.router_policy.clone().unwrap_or_else(|| "kv".into()),
+            "--model-name".into(),
+            o.model.clone(),
+        ];
+        for i in 0..workers {
+            let dir = root.join(format!("s{i}"));
+            std::fs::create_dir_all(&dir)
+                .with_context(|| format!("cannot create {}", dir.display()))?;
+            let kv = start_server(&mut sp, o, &dir, &format!("server {i}"), false)?;
+            let line = launch(
+                &mut sp,
+                &worker_bin,
+                &worker_args(None, Some(&kv)),
+                &dir,
+                &format!("worker {i}"),
+                "listening http=",
+                o.startup_timeout,
+            )?;
+            args.extend(["--worker".into(), format!("{},kvtier={kv}", addr(&line)?)]);
+        }
+        let line = launch(
+            &mut sp,
+            &router_bin,
+            &args,
+            &root,
+            "router",
+            "listening http=",
+            o.startup_timeout,
+        )?;
+        sp.url = addr(&line)?;
     } else {
-        let a = worker_args(None);
+        let a = worker_args(None, sidecar.as_deref());
         let line = launch(
             &mut sp,
             &worker_bin,
@@ -330,6 +352,73 @@ pub fn start(spec: &SpawnSpec, o: &SpawnOptions) -> Result<Spawned> {
         sp.url = addr(&line)?;
     }
     Ok(sp)
+}
+
+/// Starts a kvtier-server for the worker's layout in `dir`: a DRAM tier (`o.dram_bytes`), or a
+/// small DRAM tier over NVMe in `dir/nvme`. Returns its Unix socket's URL.
+fn start_server(
+    sp: &mut Spawned,
+    o: &SpawnOptions,
+    dir: &Path,
+    what: &str,
+    nvme: bool,
+) -> Result<String> {
+    let server_bin = find_bin("kvtier-server", o.server_bin.as_deref(), "--server-bin")?;
+    let sock = dir.join("kvtier.sock");
+    let mut args: Vec<String> = vec![
+        "--unix".into(),
+        sock.display().to_string(),
+        "--tcp".into(),
+        "off".into(),
+        "--quic".into(),
+        "off".into(),
+        "--tls".into(),
+        "off".into(),
+        "--admin".into(),
+        "off".into(),
+        "--set".into(),
+        format!("server.runtime_dir={:?}", dir.display().to_string()),
+    ];
+    if nvme {
+        args.extend([
+            "--dram-bytes".into(),
+            o.nvme_dram_bytes.clone(),
+            "--nvme-dir".into(),
+            dir.join("nvme").display().to_string(),
+            "--nvme-bytes".into(),
+            o.nvme_bytes.clone(),
+        ]);
+    } else {
+        args.extend([
+            "--dram-bytes".into(),
+            o.dram_bytes.clone(),
+            "--nvme-dir".into(),
+            String::new(),
+        ]);
+    }
+    for s in WORKER_LAYOUT_SETS
+        .iter()
+        .map(|s| s.to_string())
+        .chain(o.server_sets.clone())
+    {
+        args.push("--set".into());
+        args.push(s);
+    }
+    let line = launch(
+        sp,
+        &server_bin,
+        &args,
+        dir,
+        what,
+        "listening unix=",
+        o.startup_timeout,
+    )?;
+    let path = line
+        .strip_prefix("listening unix=")
+        .and_then(|r| r.split_whitespace().next())
+        .filter(|p| *p != "off")
+        .ok_or_else(|| anyhow::anyhow!("kvtier-server reported no Unix socket: {line}"))?;
+    Ok(format!("unix://{path}"))
 }
 
 /// Starts `bin args`, stderr to a log file, and waits for a stdout line starting with `ready`.
@@ -449,7 +538,22 @@ mod tests {
         );
         assert_eq!(SpawnSpec::parse("x=disagg").unwrap().kind, Kind::Disagg);
         assert_eq!(SpawnSpec::parse("x=off").unwrap().kind, Kind::Off);
+        let f = SpawnSpec::parse("kv=fleet:kv --pool-blocks 64").unwrap();
+        assert_eq!(
+            (f.kind, f.router_policy.as_deref()),
+            (Kind::Fleet { workers: 3 }, Some("kv"))
+        );
+        assert_eq!(f.worker_args, ["--pool-blocks", "64"]);
+        let f = SpawnSpec::parse("s=fleet:session_sticky:4").unwrap();
+        assert_eq!(
+            (f.kind, f.router_policy.as_deref()),
+            (Kind::Fleet { workers: 4 }, Some("session_sticky"))
+        );
         for (bad, part) in [
+            ("x=fleet:", "fleet:POLICY"),
+            ("x=fleet:kv:0", "1 to 16 workers"),
+            ("x=fleet:kv:17", "1 to 16 workers"),
+            ("x=fleet:kv:2:9", "fleet:POLICY"),
             ("dram", "expected NAME=KIND"),
             ("=dram", "empty name"),
             ("x=", "no kind"),
@@ -482,6 +586,7 @@ mod tests {
         SpawnOptions {
             worker_bin: Some(worker),
             server_bin: server,
+            router_bin: None,
             seed: 9,
             model: "tiny".into(),
             dram_bytes: "16MiB".into(),
@@ -556,6 +661,72 @@ mod tests {
         ] {
             assert!(sargs.contains(want), "{want}: {sargs}");
         }
+        drop(sp);
+        for pid in pids {
+            assert!(
+                !Path::new(&format!("/proc/{pid}")).exists(),
+                "{pid} still runs"
+            );
+        }
+    }
+
+    #[test]
+    fn a_fleet_starts_servers_workers_and_a_router_over_them_and_stops_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display().to_string();
+        let worker = script(
+            dir.path(),
+            "fake-worker",
+            &format!(
+                "echo \"$@\" >> {d}/worker-args\n\
+                 n=$(wc -l < {d}/worker-args)\n\
+                 echo \"listening http=127.0.0.1:$((3000 + n))\"\nexec sleep 30"
+            ),
+        );
+        let server = script(
+            dir.path(),
+            "fake-server",
+            "sock=$(echo \"$@\" | sed -n 's/.*--unix \\([^ ]*\\).*/\\1/p')\n\
+             echo \"listening unix=$sock tcp=off\"\nexec sleep 30",
+        );
+        let router = script(
+            dir.path(),
+            "fake-router",
+            &format!(
+                "echo \"$@\" > {d}/router-args\necho \"listening http=127.0.0.1:2999\"\nexec sleep 30"
+            ),
+        );
+        let mut o = options(dir.path(), worker, Some(server));
+        o.router_bin = Some(router);
+        let spec = SpawnSpec::parse("sticky=fleet:session_sticky:3 --pool-blocks 64").unwrap();
+        let sp = start(&spec, &o).unwrap();
+        assert_eq!(sp.url, "http://127.0.0.1:2999");
+        assert_eq!(sp.describe.len(), 7, "{:#?}", sp.describe);
+        let pids = sp.pids();
+        let wargs = std::fs::read_to_string(dir.path().join("worker-args")).unwrap();
+        let rargs = std::fs::read_to_string(dir.path().join("router-args")).unwrap();
+        assert!(
+            rargs.starts_with("--listen 127.0.0.1:0 --policy session_sticky --model-name tiny"),
+            "{rargs}"
+        );
+        // Each worker on its own server, and the router told which server is whose.
+        for (i, line) in wargs.lines().enumerate() {
+            let sock = sp.describe[2 * i]
+                .split("--unix ")
+                .nth(1)
+                .and_then(|r| r.split(' ').next())
+                .unwrap()
+                .to_owned();
+            assert!(sock.ends_with(&format!("s{i}/kvtier.sock")), "{sock}");
+            assert!(line.contains(&format!("--sidecar unix://{sock}")), "{line}");
+            assert!(line.contains("--pool-blocks 64"), "{line}");
+            let want = format!(
+                "--worker http://127.0.0.1:{},kvtier=unix://{sock}",
+                3001 + i
+            );
+            assert!(rargs.contains(&want), "{want}: {rargs}");
+        }
+        assert_eq!(wargs.lines().count(), 3, "{wargs}");
         drop(sp);
         for pid in pids {
             assert!(

@@ -72,6 +72,7 @@ fn cmp_opts(concurrency: usize) -> ComparisonOptions {
         spawn: SpawnOptions {
             worker_bin: None,
             server_bin: None,
+            router_bin: None,
             seed: 1,
             model: "m".into(),
             dram_bytes: "16MiB".into(),
