@@ -68,6 +68,11 @@ pub struct RouterConfig {
     pub mismatch_streak: u64,
     /// Cached tokens below which neither side's figure counts as evidence. Default: 32.
     pub mismatch_min_tokens: u64,
+    /// How long a block the router sent a worker counts as held by that worker before (or
+    /// without) its server's events saying so (`kv` policy; 0 turns it off). Default: 20000 ms.
+    pub recent_route_ttl_ms: u64,
+    /// Most such blocks remembered per worker (about 60 bytes each). Default: 65,536.
+    pub max_recent_blocks_per_worker: usize,
 }
 
 impl Default for RouterConfig {
@@ -88,6 +93,8 @@ impl Default for RouterConfig {
             connect_timeout_ms: 2000,
             mismatch_streak: 5,
             mismatch_min_tokens: 32,
+            recent_route_ttl_ms: 20_000,
+            max_recent_blocks_per_worker: 1 << 16,
         }
     }
 }

@@ -5,6 +5,7 @@
 //! * [`index`]: the blocks of each kvtier server, from its events (sans-IO).
 //! * [`events`]: the subscriber task per server (snapshot, stream, resync).
 //! * [`prompt`]: a request rendered, tokenized and hashed exactly as the workers do.
+//! * [`recent`]: blocks the router sent each worker, until its server's events show them.
 //! * [`score`]: expected time to first token per worker, and the ranking (sans-IO).
 //! * [`mismatch`]: predicted against reported cached tokens (sans-IO).
 //! * [`server`]: the HTTP front, forwarding, retries, health checks.
@@ -16,6 +17,7 @@ pub mod index;
 pub mod metrics;
 pub mod mismatch;
 pub mod prompt;
+pub mod recent;
 pub mod score;
 pub mod server;
 

@@ -53,6 +53,10 @@ struct Args {
     /// How often each worker's /health is asked, ms. Default 1000.
     #[arg(long)]
     health_interval_ms: Option<u64>,
+    /// How long a block routed to a worker counts as held there before its server's events
+    /// show it, ms (kv policy; 0: off). Default 20000.
+    #[arg(long)]
+    recent_route_ttl_ms: Option<u64>,
 }
 
 fn config(a: Args) -> anyhow::Result<RouterConfig> {
@@ -92,6 +96,9 @@ fn config(a: Args) -> anyhow::Result<RouterConfig> {
     }
     if let Some(v) = a.health_interval_ms {
         c.health_interval_ms = v;
+    }
+    if let Some(v) = a.recent_route_ttl_ms {
+        c.recent_route_ttl_ms = v;
     }
     c.check()?;
     Ok(c)

@@ -86,6 +86,9 @@ pub struct Candidate {
     pub healthy: bool,
     /// The fastest tier of each block of the longest cached prefix of the prompt.
     pub cached: Vec<TierCode>,
+    /// How many of `cached` the router counts from its own recent routes to this worker (its
+    /// server's events do not show them yet; counted as DRAM).
+    pub routed_blocks: usize,
     /// Bytes of one block on the worker's kvtier server.
     pub block_bytes: u64,
     pub outstanding_requests: u64,
@@ -103,6 +106,8 @@ pub struct Score {
     pub cached_tokens: usize,
     /// Cached blocks by tier: HBM, DRAM, NVMe.
     pub cached_blocks_by_tier: [usize; 3],
+    /// Of the cached blocks, those known from the router's own recent routes, not events.
+    pub routed_blocks: usize,
     pub uncached_tokens: usize,
     pub prefill_s: f64,
     pub load_s: f64,
@@ -134,6 +139,10 @@ pub fn score(prompt_tokens: usize, block_tokens: usize, c: &Candidate, costs: &C
         cached_blocks: cached.len(),
         cached_tokens,
         cached_blocks_by_tier: by_tier,
+        // Routed blocks end the prefix: those cut off above are routed ones first.
+        routed_blocks: c
+            .routed_blocks
+            .saturating_sub(c.cached.len() - cached.len()),
         uncached_tokens: uncached,
         prefill_s,
         load_s,
@@ -267,6 +276,7 @@ mod tests {
             worker,
             healthy: true,
             cached,
+            routed_blocks: 0,
             block_bytes: 32 << 10,
             outstanding_requests: reqs,
             outstanding_prefill_tokens: prefill,

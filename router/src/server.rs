@@ -31,7 +31,9 @@ use crate::events::{self, ServerView};
 use crate::metrics::Metrics;
 use crate::mismatch::{self, Streak, Verdict};
 use crate::prompt::{Analysed, PromptModel};
-use crate::score::{self, Candidate, Score};
+use crate::recent::RecentRoutes;
+use crate::score::{self, Candidate, Policy, Score};
+use kvtier_core::protocol::TierCode;
 
 /// Bytes of the end of an answer kept to read its `cached_tokens` (the usage object comes last
 /// in the worker's JSON and in its last SSE chunk).
@@ -51,6 +53,8 @@ pub struct WorkerState {
     pub outstanding_requests: AtomicU64,
     pub outstanding_prefill_tokens: AtomicU64,
     streak: Mutex<Streak>,
+    /// Blocks recently routed here, held until the server's events show them.
+    recent: Mutex<RecentRoutes>,
 }
 
 struct AppInner {
@@ -140,6 +144,10 @@ impl Router {
                 outstanding_requests: AtomicU64::new(0),
                 outstanding_prefill_tokens: AtomicU64::new(0),
                 streak: Mutex::new(Streak::default()),
+                recent: Mutex::new(RecentRoutes::new(
+                    Duration::from_millis(config.recent_route_ttl_ms),
+                    config.max_recent_blocks_per_worker,
+                )),
             }));
         }
         let connect_timeout = Duration::from_millis(config.connect_timeout_ms);
@@ -273,25 +281,42 @@ struct Decision {
 fn decide(app: &AppInner, analysed: Analysed, rotation: usize) -> Decision {
     let costs = &app.config.costs;
     let bt = app.prompt.block_tokens();
+    let now = Instant::now();
     let scores: Vec<Score> = app
         .workers
         .iter()
         .enumerate()
         .map(|(i, w)| {
-            let (cached, block_bytes) = match &w.view {
-                Some(v) => (
-                    v.read().prefix(&analysed.keys),
-                    match v.block_bytes.load(Ordering::Relaxed) {
-                        0 => app.prompt.block_bytes(),
-                        b => b,
-                    },
-                ),
-                None => (Vec::new(), app.prompt.block_bytes()),
+            let index = w.view.as_ref().map(|v| v.read());
+            let recent = w.recent.lock().unwrap_or_else(|e| e.into_inner());
+            let mut routed_blocks = 0;
+            // The server's blocks, then (for `kv`) blocks the router just sent this worker.
+            let cached: Vec<TierCode> = analysed
+                .keys
+                .iter()
+                .map_while(|k| {
+                    index.as_ref().and_then(|ix| ix.tier(k)).or_else(|| {
+                        (app.config.policy == Policy::Kv && recent.holds(k, now)).then(|| {
+                            routed_blocks += 1;
+                            TierCode::Dram
+                        })
+                    })
+                })
+                .collect();
+            drop((index, recent));
+            let block_bytes = match w
+                .view
+                .as_ref()
+                .map(|v| v.block_bytes.load(Ordering::Relaxed))
+            {
+                Some(b) if b > 0 => b,
+                _ => app.prompt.block_bytes(),
             };
             let c = Candidate {
                 worker: i,
                 healthy: w.healthy.load(Ordering::Relaxed),
                 cached,
+                routed_blocks,
                 block_bytes,
                 outstanding_requests: w.outstanding_requests.load(Ordering::Relaxed),
                 outstanding_prefill_tokens: w.outstanding_prefill_tokens.load(Ordering::Relaxed),
@@ -649,6 +674,12 @@ async fn forward(app: &App, d: &Decision, body: Bytes, path: &str) -> (Response,
             }
         };
         outstanding.started();
+        if stream.status == 200 {
+            w.recent
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .record(&d.analysed.keys, Instant::now());
+        }
         let m = &app.metrics;
         m.routed.with_label_values(&[&w.url]).inc();
         m.prompt_tokens
@@ -665,7 +696,8 @@ async fn forward(app: &App, d: &Decision, body: Bytes, path: &str) -> (Response,
             app: app.clone(),
             _outstanding: outstanding,
             worker: i,
-            predicted: s.cached_tokens as u64,
+            // Only what the server's events showed is evidence about the keys.
+            predicted: ((s.cached_blocks - s.routed_blocks) * app.prompt.block_tokens()) as u64,
             evidence: evidence && stream.status == 200,
             tail: Vec::new(),
             complete: false,

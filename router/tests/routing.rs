@@ -667,3 +667,72 @@ async fn the_baselines_route_by_session_and_at_random() -> Result<()> {
     })
     .await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_follows_its_worker_before_any_event_shows_its_blocks() -> Result<()> {
+    bounded(240, async {
+        // Workers without a kvtier server: the router hears no events, only what it routed.
+        let mut workers = Vec::new();
+        let mut args: Vec<String> = vec!["--health-interval-ms".into(), "200".into()];
+        for _ in 0..3 {
+            let w = worker("127.0.0.1:0", "off", &[])?;
+            args.extend(["--worker".into(), w.1.clone()]);
+            workers.push(w);
+        }
+        let (r, url) = router(&args)?;
+        let prompt = text(77, 700);
+        let first = post(
+            &format!("{url}/v1/completions"),
+            &completion(&prompt, 4, false),
+        )
+        .await?;
+        assert_eq!(first.status, 200, "{}", first.text());
+        let holder = answered_by(&first);
+        let next = format!("{prompt} and the tool's answer");
+        let v = route(&url, &completion(&next, 4, false)).await?;
+        assert_eq!(v["order"][0], holder.as_str(), "{v}");
+        let e = entry(&v, &holder);
+        // 700 tokens: 43 full blocks routed there, all usable for the longer prompt.
+        assert_eq!(
+            (e["routed_blocks"].as_u64(), e["cached_tokens"].as_u64()),
+            (Some(43), Some(688)),
+            "{v}"
+        );
+        for (_, w) in &workers {
+            if *w != holder {
+                assert_eq!(entry(&v, w)["cached_tokens"], 0, "{v}");
+            }
+        }
+        for i in 0..2 {
+            let r = post(
+                &format!("{url}/v1/completions"),
+                &completion(&next, 4, false),
+            )
+            .await?;
+            assert_eq!(r.status, 200, "{}", r.text());
+            assert_eq!(answered_by(&r), holder, "request {i}");
+            // The worker's own prefix cache had the blocks.
+            assert!(cached(&json(&r)) >= 688, "{}", r.text());
+        }
+        drop(r);
+        // Turned off, the same situation is a cold prompt: the ranking takes turns.
+        args.extend(["--recent-route-ttl-ms".into(), "0".into()]);
+        let (_r, url) = router(&args)?;
+        let v = route(&url, &completion(&text(78, 700), 4, false)).await?;
+        assert!(
+            v["workers"]
+                .as_array()
+                .is_some_and(|a| a.iter().all(|e| e["cached_tokens"] == 0)),
+            "{v}"
+        );
+        let first = post(
+            &format!("{url}/v1/completions"),
+            &completion(&text(78, 700), 4, false),
+        )
+        .await?;
+        let v = route(&url, &completion(&text(78, 700), 4, false)).await?;
+        assert_eq!(entry(&v, &answered_by(&first))["routed_blocks"], 0, "{v}");
+        Ok(())
+    })
+    .await
+}

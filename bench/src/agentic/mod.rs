@@ -377,6 +377,7 @@ pub fn run_comparison(
 }
 
 async fn run_one(w: &Workload, t: &TargetSpec, o: &ComparisonOptions) -> Result<ConfigResult> {
+    let mut notes = Vec::new();
     let (name, url, processes, data) = match t {
         TargetSpec::Url { name, url } => {
             let ep = http::Endpoint::parse(url).map_err(|e| anyhow::anyhow!(e))?;
@@ -406,13 +407,61 @@ async fn run_one(w: &Workload, t: &TargetSpec, o: &ComparisonOptions) -> Result<
                 .context("the start task failed")??;
             let ep = http::Endpoint::parse(&sp.url).map_err(|e| anyhow::anyhow!(e))?;
             let d = driver::drive(w, &ep, &o.drive).await;
+            if matches!(spec.kind, spawn::Kind::Fleet { .. }) {
+                notes = router_notes(&sp.url).await;
+            }
             let procs = sp.describe.clone();
             let url = sp.url.clone();
             tokio::task::spawn_blocking(move || drop(sp)).await.ok();
             (&spec.name, url, procs, d?)
         }
     };
-    Ok(ConfigResult::of(name, &url, processes, &data, o))
+    let mut r = ConfigResult::of(name, &url, processes, &data, o);
+    r.notes = notes;
+    Ok(r)
+}
+
+/// What a spawned fleet's router counted: requests per worker, retries, and the cached tokens
+/// it predicted against those the workers reported.
+async fn router_notes(url: &str) -> Vec<String> {
+    let client = kvtier_client::http::HttpClient::new(kvtier_client::http::HttpConfig::default());
+    let text = match client.get(&format!("{url}/metrics")).await {
+        Ok(r) if r.status == 200 => r.text(),
+        Ok(r) => return vec![format!("router /metrics: HTTP {}", r.status)],
+        Err(e) => return vec![format!("router /metrics: {e}")],
+    };
+    // Samples of `name`, with their label text.
+    let samples = |name: &str| -> Vec<(String, f64)> {
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| {
+                let rest = l.strip_prefix(name)?;
+                let (labels, value) = match rest.strip_prefix('{') {
+                    Some(r) => {
+                        let (labels, v) = r.split_once('}')?;
+                        (labels.to_owned(), v)
+                    }
+                    None if rest.starts_with(' ') => (String::new(), rest),
+                    None => return None,
+                };
+                Some((labels, value.trim().parse().ok()?))
+            })
+            .collect()
+    };
+    let sum = |name: &str| samples(name).iter().map(|(_, v)| v).sum::<f64>() + 0.0;
+    let routed: Vec<String> = samples("kvtier_router_routed_total")
+        .iter()
+        .map(|(l, v)| format!("{v} ({l})"))
+        .collect();
+    vec![
+        format!("router: requests per worker: {}", routed.join(", ")),
+        format!(
+            "router: retries {}; cached tokens predicted {} / reported by the workers {}",
+            sum("kvtier_router_retries_total"),
+            sum("kvtier_router_predicted_cached_tokens_total"),
+            sum("kvtier_router_reported_cached_tokens_total")
+        ),
+    ]
 }
 
 /// Percentiles of one metric (milliseconds unless said otherwise).
@@ -483,6 +532,8 @@ pub struct ConfigResult {
     pub reusable_share: f64,
     pub peak_inflight: usize,
     pub peak_sessions: usize,
+    /// What the configuration's own processes reported (a spawned fleet's router counts).
+    pub notes: Vec<String>,
     /// Mean TTFT (ms) by main-chain turn index.
     pub ttft_by_turn: Vec<(usize, f64)>,
     #[serde(skip)]
@@ -589,6 +640,7 @@ impl ConfigResult {
             },
             peak_inflight: d.peak_inflight,
             peak_sessions: d.peak_sessions,
+            notes: Vec::new(),
             ttft_by_turn: by_turn
                 .into_iter()
                 .map(|(t, (s, n))| (t, s / n as f64))
@@ -823,6 +875,9 @@ impl Report for Comparison {
                 line("process", p);
             }
             line("prefix hit rate", &pct(c.prefix_hit_rate));
+            for n in &c.notes {
+                line("note", n);
+            }
             if let Some(a) = &c.aborted {
                 line("aborted", a);
             }
