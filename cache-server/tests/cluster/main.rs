@@ -163,6 +163,7 @@ async fn members_join_see_each_other_and_leave() {
         assert!(b.stop().success());
         until_view(&a, &["a"], Duration::from_secs(ttl + 3)).await;
         let gone = stopped.elapsed();
+        println!("stopped member gone from the last view after {gone:?} (ttl {ttl} s)");
         assert!(
             gone < Duration::from_secs(ttl - 1),
             "a stopped member should leave at once (lease revoked), took {gone:?}"
