@@ -10,6 +10,9 @@
 //! * [`server`]: the sidecar daemon: Unix socket (with the zero-copy path through the mapped
 //!   DRAM arena), TCP and QUIC listeners, the block event stream, metrics and the HTTP admin
 //!   port, and its configuration.
+//! * [`cluster`]: membership of a cluster of servers on etcd (the driver behind the `cluster`
+//!   feature), the membership view and placement by weighted rendezvous hashing. The data
+//!   path between members (peer lookup and fetch, replication of puts) is not built yet.
 //! * [`replay`]: a block-hash trace replayed through a store, for eviction policy hit rates.
 //!
 //! The `kvtier-server` binary runs the daemon; its demonstration (a worker playing against it
@@ -17,6 +20,7 @@
 //! SDK.
 
 pub mod clock;
+pub mod cluster;
 pub mod config;
 mod error;
 pub mod io_pool;

@@ -164,7 +164,7 @@ fn print_endpoints(e: &kvtier_server::server::Endpoints) {
         println!("  quic  quic://{a}  (token required; TLS)");
     }
     if let Some(a) = e.admin {
-        println!("  admin http://{a}/metrics  /stats  /health  /ready");
+        println!("  admin http://{a}/metrics  /stats  /health  /ready  /cluster");
     }
     if let Some(t) = &e.token_file {
         println!("  token file {} (mode 0600)", t.display());

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{RawQuery, State};
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
@@ -27,7 +27,8 @@ const LIFETIME_FACTOR: u32 = 6;
 pub(crate) async fn serve(shared: Arc<Shared>, l: tokio::net::TcpListener) {
     let stop = shared.shutdown.clone();
     let app = Router::new()
-        .route("/health", get(|| async { "ok\n" }))
+        .route("/health", get(health))
+        .route("/cluster", get(cluster))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .route("/stats", get(stats))
@@ -90,4 +91,46 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
 
 async fn stats(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "application/json")], s.stats_json())
+}
+
+/// 200 while the process answers; with `[cluster]`, a second line on the etcd link (an
+/// unreachable etcd is reported, not a failure: the node keeps serving its local tiers).
+async fn health(State(s): State<Arc<Shared>>) -> String {
+    match s.cluster.get() {
+        Some(c) => format!("ok\n{}\n", c.health_line(std::time::Instant::now())),
+        None => "ok\n".into(),
+    }
+}
+
+/// `/cluster`: members, this node's view and lease, and with `?key=HEX` that key's owners
+/// (`docs/cluster.md`). `{"enabled": false}` without `[cluster]`.
+async fn cluster(State(s): State<Arc<Shared>>, RawQuery(q): RawQuery) -> axum::response::Response {
+    // The one parameter, `key` (32 hex digits: nothing to percent-decode).
+    let key_param = q.as_deref().and_then(|q| {
+        q.split('&')
+            .find_map(|kv| kv.strip_prefix("key="))
+            .map(str::to_string)
+    });
+    let key = match key_param.as_deref().map(str::trim) {
+        None => None,
+        Some(h) => match kvtier_core::BlockKey::from_hex(&h.to_ascii_lowercase()) {
+            Some(k) => Some(k),
+            None => {
+                return (
+                    StatusCode::BAD_REQUEST,
+                    "key: expected 32 hex digits (a block key)\n",
+                )
+                    .into_response();
+            }
+        },
+    };
+    let doc = match s.cluster.get() {
+        Some(c) => c.json(std::time::Instant::now(), key.as_ref()),
+        None => serde_json::json!({ "enabled": false }),
+    };
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        doc.to_string(),
+    )
+        .into_response()
 }

@@ -92,6 +92,62 @@ pub struct ServerConfig {
     /// client an admin. See `docs/operations.md`, "Tenants".
     pub tenants: std::collections::BTreeMap<String, TenantSection>,
     pub events: EventsSection,
+    pub cluster: ClusterSection,
+}
+
+/// Cluster membership on etcd (`docs/cluster.md`). Off while `etcd_endpoints` is "". Needs a
+/// server built with the `cluster` feature; one built without it refuses a cluster config.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterSection {
+    /// etcd client URLs, comma-separated (`http://10.0.0.1:2379,http://10.0.0.2:2379`); ""
+    /// is no cluster. Default: "".
+    pub etcd_endpoints: String,
+    /// The cluster's name: its etcd prefix is `/kvtier/<name>/`. Default: "kvtier".
+    pub name: String,
+    /// This member's id, unique in the cluster (letters, digits, `.`, `_`, `-`; at most 128
+    /// bytes); "" is the host name. Default: "".
+    pub node_id: String,
+    /// The protocol endpoint peers and clients are told (`tcp://HOST:PORT`); "" is the TCP
+    /// listener's address when it is bound to a specific address. Default: "".
+    pub advertise_data: String,
+    /// The kvtier-transfer endpoint peers are told; "" is none (no data path yet).
+    /// Default: "".
+    pub advertise_transfer: String,
+    /// The admin endpoint peers are told (`http://HOST:PORT`); "" is the admin listener's
+    /// address when it is bound to a specific address. Default: "".
+    pub advertise_admin: String,
+    /// File holding the cluster secret (its bytes, trailing newline dropped): member records
+    /// are signed with a key derived from it, and records not signed with it are refused.
+    /// "" is no authentication (a warning at start). Default: "".
+    pub secret_file: String,
+    /// Owners per block (rendezvous hashing). Default: 1.
+    pub replicas: usize,
+    /// Blocks of a prefix chain placed together (a run; `docs/cluster.md`). Default: 64.
+    pub run_blocks: usize,
+    /// The registration lease's time to live, in seconds: a member that stops renewing is
+    /// gone from every view this long after its last renewal. Default: 10.
+    pub lease_ttl_s: u64,
+    /// Bound on each etcd request and on connecting, in ms. Default: 2000.
+    pub etcd_timeout_ms: u64,
+}
+
+impl Default for ClusterSection {
+    fn default() -> Self {
+        Self {
+            etcd_endpoints: String::new(),
+            name: "kvtier".into(),
+            node_id: String::new(),
+            advertise_data: String::new(),
+            advertise_transfer: String::new(),
+            advertise_admin: String::new(),
+            secret_file: String::new(),
+            replicas: 1,
+            run_blocks: crate::cluster::placement::DEFAULT_RUN_BLOCKS,
+            lease_ttl_s: 10,
+            etcd_timeout_ms: 2000,
+        }
+    }
 }
 
 /// Block events for other schedulers (`docs/operations.md`, "Events in vLLM's format").
@@ -416,7 +472,7 @@ impl ConfigLoader {
                 continue;
             };
             let lower = rest.to_ascii_lowercase();
-            let Some((section, key)) = ["server", "store", "layout", "limits"]
+            let Some((section, key)) = ["server", "store", "layout", "limits", "cluster"]
                 .iter()
                 .find_map(|s| Some((*s, lower.strip_prefix(s)?.strip_prefix('_')?)))
             else {
@@ -609,7 +665,79 @@ impl ServerConfig {
             return Err(cerr("server.tls_cert", "tls_cert and tls_key go together"));
         }
         self.zmq_endpoint()?;
+        self.cluster_enabled()?;
         self.validate_tenants()
+    }
+
+    /// Whether `[cluster]` is on (`cluster.etcd_endpoints` set), after checking its settings;
+    /// a build without the `cluster` feature refuses it.
+    pub fn cluster_enabled(&self) -> Result<bool, ConfigError> {
+        let c = &self.cluster;
+        let endpoints = self.etcd_endpoints();
+        if endpoints.is_empty() {
+            return Ok(false);
+        }
+        if !cfg!(feature = "cluster") {
+            return Err(cerr(
+                "cluster.etcd_endpoints",
+                "this kvtier-server was built without the `cluster` feature; build it with \
+                 `cargo build -p kvtier-server --features cluster` (needs protoc: \
+                 `apt-get install protobuf-compiler libprotobuf-dev`, or .ci/install-deps), or remove [cluster]",
+            ));
+        }
+        for e in &endpoints {
+            if !(e.starts_with("http://") || e.starts_with("https://")) || e.len() < 10 {
+                return Err(cerr(
+                    "cluster.etcd_endpoints",
+                    format!("{e:?} is not an etcd URL (http://HOST:PORT)"),
+                ));
+            }
+        }
+        let id_ok = |s: &str| {
+            !s.is_empty()
+                && s.len() <= 128
+                && s.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        };
+        if !id_ok(&c.name) {
+            return Err(cerr(
+                "cluster.name",
+                "must be 1-128 letters, digits, '.', '_' or '-'",
+            ));
+        }
+        if !c.node_id.is_empty() && !id_ok(&c.node_id) {
+            return Err(cerr(
+                "cluster.node_id",
+                "must be 1-128 letters, digits, '.', '_' or '-' (or \"\" for the host name)",
+            ));
+        }
+        for (name, v) in [
+            ("cluster.replicas", c.replicas as u64),
+            ("cluster.run_blocks", c.run_blocks as u64),
+            ("cluster.etcd_timeout_ms", c.etcd_timeout_ms),
+        ] {
+            if v == 0 {
+                return Err(cerr(name, "must be at least 1"));
+            }
+        }
+        if !(2..=3600).contains(&c.lease_ttl_s) {
+            return Err(cerr(
+                "cluster.lease_ttl_s",
+                "must be 2..=3600 seconds (etcd refuses shorter leases)",
+            ));
+        }
+        Ok(true)
+    }
+
+    /// `cluster.etcd_endpoints`, split on commas, blanks dropped.
+    pub fn etcd_endpoints(&self) -> Vec<String> {
+        self.cluster
+            .etcd_endpoints
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect()
     }
 
     /// The ZMQ PUB endpoint of `events.zmq` (`tcp://HOST:PORT`, HOST an IP address), or
@@ -975,6 +1103,54 @@ mod tests {
             crate::tier::nvme::slot_files_bytes(&dir.path().join("absent")),
             0
         );
+    }
+
+    fn cluster_config(sets: &[&str]) -> Result<ServerConfig, ConfigError> {
+        let mut l = ConfigLoader::new().set("cluster.etcd_endpoints=\"http://127.0.0.1:2379\"")?;
+        for a in sets {
+            l = l.set(a)?;
+        }
+        l.build()
+    }
+
+    /// Without the `cluster` feature, a `[cluster]` config is refused, naming the feature.
+    #[cfg(not(feature = "cluster"))]
+    #[test]
+    fn a_build_without_the_feature_refuses_a_cluster() {
+        let e = cluster_config(&[]).unwrap_err();
+        assert_eq!(e.setting, "cluster.etcd_endpoints");
+        assert!(e.reason.contains("`cluster` feature"), "{e}");
+        assert!(!ServerConfig::default().cluster_enabled().unwrap());
+    }
+
+    /// With it: good settings pass; each bad one is named.
+    #[cfg(feature = "cluster")]
+    #[test]
+    fn cluster_settings_are_checked() {
+        let c = cluster_config(&["cluster.etcd_endpoints=\"http://a:1, http://b:2\""]).unwrap();
+        assert!(c.cluster_enabled().unwrap());
+        assert_eq!(c.etcd_endpoints(), ["http://a:1", "http://b:2"]);
+        assert!(!ServerConfig::default().cluster_enabled().unwrap());
+        for (set, setting) in [
+            ("cluster.etcd_endpoints=\"a:1\"", "cluster.etcd_endpoints"),
+            ("cluster.name=\"a/b\"", "cluster.name"),
+            ("cluster.name=\"\"", "cluster.name"),
+            ("cluster.node_id=\"x y\"", "cluster.node_id"),
+            ("cluster.replicas=0", "cluster.replicas"),
+            ("cluster.run_blocks=0", "cluster.run_blocks"),
+            ("cluster.lease_ttl_s=1", "cluster.lease_ttl_s"),
+            ("cluster.etcd_timeout_ms=0", "cluster.etcd_timeout_ms"),
+        ] {
+            let e = cluster_config(&[set]).unwrap_err();
+            assert_eq!(e.setting, setting, "{set}: {e}");
+        }
+        // From the environment too.
+        let c = ConfigLoader::new()
+            .merge_env([("KVTIER_CLUSTER_NODE_ID".to_string(), "n7".to_string())])
+            .unwrap()
+            .build()
+            .unwrap();
+        assert_eq!(c.cluster.node_id, "n7");
     }
 
     #[test]

@@ -12,6 +12,7 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+use crate::cluster::ClusterMetrics;
 use crate::policy::admission::RejectReason;
 use crate::{StoreStats, TierStats};
 
@@ -104,6 +105,8 @@ pub struct Metrics {
     /// (last warning, refusals since it) for the rate-limited warning.
     refused_log: Mutex<(Option<Instant>, u64)>,
     ready: IntGauge,
+    /// Membership on etcd (zero and `kvtier_cluster_enabled 0` without `[cluster]`).
+    pub cluster: ClusterMetrics,
     /// The store's families, set from a snapshot under this lock at each scrape (so two
     /// scrapes never interleave their reset-and-set).
     store: Mutex<StoreMetrics>,
@@ -319,6 +322,8 @@ impl Metrics {
                 "Events a slow subscriber missed.",
             ),
             ready,
+            cluster: ClusterMetrics::register(&r)
+                .expect("cluster metric names are fixed, valid and unique"),
             store: Mutex::new(store),
             registry: r,
         }

@@ -8,6 +8,7 @@ pub mod config;
 mod conn;
 pub mod events;
 mod fdpass;
+mod membership;
 pub mod metrics;
 mod places;
 mod staging;
@@ -91,6 +92,8 @@ pub(crate) struct Shared {
     pub block_bytes: usize,
     pub layout_fingerprint: u64,
     pub ready: AtomicBool,
+    /// This node's cluster state, set at start when `[cluster]` is on.
+    pub cluster: std::sync::OnceLock<Arc<crate::cluster::ClusterNode>>,
     open: AtomicUsize,
     closed: Notify,
     started: Instant,
@@ -162,6 +165,8 @@ pub struct Server {
     endpoints: Endpoints,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     quic: Option<quinn::Endpoint>,
+    /// The etcd driver (`[cluster]`), awaited at shutdown so it can revoke its lease.
+    cluster_task: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// What a shutdown did.
@@ -225,6 +230,7 @@ impl Server {
             inflight_bytes: Arc::new(Semaphore::new(budget_units)),
             shutdown: CancellationToken::new(),
             ready: AtomicBool::new(false),
+            cluster: std::sync::OnceLock::new(),
             open: AtomicUsize::new(0),
             closed: Notify::new(),
             started: Instant::now(),
@@ -335,6 +341,20 @@ impl Server {
             endpoints.admin = Some(l.local_addr().map_err(io_err("admin local_addr"))?);
             tasks.push(tokio::spawn(admin::serve(shared.clone(), l)));
         }
+        let node = membership::node(
+            &shared.config,
+            &endpoints,
+            &store.stats(),
+            shared.metrics.cluster.clone(),
+        )?;
+        // Without the `cluster` feature `node` is None: the config check refused `[cluster]`.
+        #[cfg(feature = "cluster")]
+        let cluster_task = node.as_ref().map(|n| n.spawn(shared.shutdown.clone()));
+        #[cfg(not(feature = "cluster"))]
+        let cluster_task = None;
+        if let Some(n) = node {
+            let _ = shared.cluster.set(n);
+        }
         shared.ready.store(true, Ordering::Release);
         tracing::info!(?endpoints.unix, ?endpoints.tcp, ?endpoints.tls, ?endpoints.quic, ?endpoints.admin, "kvtier-server ready");
         Ok(Server {
@@ -342,6 +362,7 @@ impl Server {
             endpoints,
             tasks,
             quic,
+            cluster_task,
         })
     }
 
@@ -376,6 +397,11 @@ impl Server {
             }
         }
         let cut = s.open.load(Ordering::Acquire);
+        if let Some(t) = self.cluster_task {
+            // It revokes its lease (bounded by cluster.etcd_timeout_ms) and returns.
+            let limit = s.config.cluster.etcd_timeout_ms + 500;
+            let _ = tokio::time::timeout(Duration::from_millis(limit), t).await;
+        }
         if let Some(q) = &self.quic {
             q.close(0u32.into(), b"shutting down");
         }

@@ -1,0 +1,220 @@
+//! A cluster of kvtier servers: membership on etcd and placement of blocks over the members.
+//! See `docs/cluster.md`.
+//!
+//! * [`placement`]: weighted rendezvous hashing of a key over the members, replicas, and
+//!   the runs a prefix chain is cut into. Pure.
+//! * [`record`]: a member's record in etcd and its HMAC with the cluster secret. Pure.
+//! * [`view`]: the membership view, a state machine fed by the etcd driver. Pure.
+//! * `etcd` (feature `cluster`): the driver: registers this node under a lease, renews it,
+//!   lists and watches the members, and reconnects after an outage.
+//! * [`ClusterNode`]: what the server holds: this node's record, the view behind a lock,
+//!   the metrics; `/cluster` and `/health` read it.
+//!
+//! What is not built yet (issue 13, item 3): the data path. Members know each other and
+//! where each block would live, but a lookup or get that misses locally does not ask its
+//! owners, and puts are not offered to them.
+
+#[cfg(feature = "cluster")]
+mod etcd;
+mod metrics;
+pub mod placement;
+pub mod record;
+pub mod view;
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::{Duration, Instant};
+
+use kvtier_core::BlockKey;
+use serde_json::{Value, json};
+
+pub use metrics::ClusterMetrics;
+pub use placement::{Candidate, Placement};
+pub use record::{MemberRecord, RecordSealer, Rejection, TierCapacity};
+pub use view::{Applied, Change, EtcdLink, Member, MembershipView};
+
+/// Everything the driver needs, resolved from `[cluster]` and the running server.
+#[derive(Clone, Debug)]
+pub struct ClusterSettings {
+    pub etcd_endpoints: Vec<String>,
+    pub name: String,
+    pub node_id: String,
+    pub replicas: usize,
+    pub run_blocks: usize,
+    pub lease_ttl: Duration,
+    pub etcd_timeout: Duration,
+    /// The cluster secret, if configured.
+    pub secret: Option<Vec<u8>>,
+}
+
+impl ClusterSettings {
+    /// The etcd prefix of member keys: `/kvtier/<name>/members/`.
+    pub fn members_prefix(&self) -> String {
+        format!("/kvtier/{}/members/", self.name)
+    }
+}
+
+/// This node's cluster state, shared by the driver, the admin port and the metrics.
+pub struct ClusterNode {
+    pub settings: ClusterSettings,
+    /// What this node registers.
+    pub record: MemberRecord,
+    sealer: RecordSealer,
+    view: Mutex<MembershipView>,
+    /// The lease this node's key lives under now (0: not registered).
+    lease_id: AtomicI64,
+    pub metrics: ClusterMetrics,
+}
+
+impl ClusterNode {
+    pub fn new(settings: ClusterSettings, record: MemberRecord, metrics: ClusterMetrics) -> Self {
+        let sealer = RecordSealer::new(settings.secret.as_deref(), &settings.name);
+        let view =
+            MembershipView::new(settings.members_prefix(), sealer.clone(), settings.replicas);
+        metrics.enabled.set(1);
+        Self {
+            settings,
+            record,
+            sealer,
+            view: Mutex::new(view),
+            lease_id: AtomicI64::new(0),
+            metrics,
+        }
+    }
+
+    /// This node's etcd key.
+    pub fn own_key(&self) -> String {
+        format!("{}{}", self.settings.members_prefix(), self.record.node_id)
+    }
+
+    /// The value this node writes at its key.
+    pub fn own_value(&self) -> Vec<u8> {
+        self.sealer.seal(self.own_key().as_bytes(), &self.record)
+    }
+
+    /// Runs `f` on the view under its lock (held briefly: no I/O, no await inside).
+    pub fn with_view<R>(&self, f: impl FnOnce(&mut MembershipView) -> R) -> R {
+        // A panic while the lock was held left a view that is still consistent (every
+        // method finishes its update before returning), so a poisoned lock is used as is.
+        let mut v = self.view.lock().unwrap_or_else(|p| p.into_inner());
+        let out = f(&mut v);
+        self.metrics.members.set(v.members().len() as i64);
+        self.metrics
+            .etcd_connected
+            .set(matches!(v.link(), EtcdLink::Connected { .. }) as i64);
+        out
+    }
+
+    pub fn lease_id(&self) -> i64 {
+        self.lease_id.load(Ordering::Relaxed)
+    }
+
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+    pub(crate) fn set_lease_id(&self, id: i64) {
+        self.lease_id.store(id, Ordering::Relaxed);
+    }
+
+    /// The owners of `key` (as a run's anchor: the first key of a run of `run_blocks`), best
+    /// first, in the current view.
+    pub fn owners(&self, key: &BlockKey) -> Vec<String> {
+        self.with_view(|v| {
+            v.placement()
+                .owners(key)
+                .into_iter()
+                .map(String::from)
+                .collect()
+        })
+    }
+
+    /// One line for `/health`: the etcd link and the view's size.
+    pub fn health_line(&self, now: Instant) -> String {
+        self.with_view(|v| {
+            let n = v.members().len();
+            match v.link() {
+                EtcdLink::Connecting => format!("etcd: connecting (view: {n} members)"),
+                EtcdLink::Connected { .. } => format!("etcd: connected (view: {n} members)"),
+                EtcdLink::Unreachable { error, .. } => format!(
+                    "etcd: unreachable for {} s, serving local tiers with the last known view \
+                     ({n} members): {error}",
+                    v.unreachable_for(now).unwrap_or_default().as_secs()
+                ),
+            }
+        })
+    }
+
+    /// The `/cluster` document (see `docs/cluster.md`, "Operations").
+    pub fn json(&self, now: Instant, key: Option<&BlockKey>) -> Value {
+        let s = &self.settings;
+        self.with_view(|v| {
+            let (state, for_s, error) = match v.link() {
+                EtcdLink::Connecting => ("connecting", None, None),
+                EtcdLink::Connected { since } => (
+                    "connected",
+                    Some(now.saturating_duration_since(*since).as_secs_f64()),
+                    None,
+                ),
+                EtcdLink::Unreachable { since, error } => (
+                    "unreachable",
+                    Some(now.saturating_duration_since(*since).as_secs_f64()),
+                    Some(error.clone()),
+                ),
+            };
+            let members: Vec<Value> = v
+                .members()
+                .values()
+                .map(|m| {
+                    json!({
+                        "node_id": m.record.node_id,
+                        "self": m.record.node_id == self.record.node_id,
+                        "lease_id": m.lease_id,
+                        "mod_revision": m.mod_revision,
+                        "version": m.record.version,
+                        "data_endpoint": m.record.data_endpoint,
+                        "transfer_endpoint": m.record.transfer_endpoint,
+                        "admin_endpoint": m.record.admin_endpoint,
+                        "tiers": m.record.tiers,
+                        "weight": m.record.weight(),
+                        "registered_unix_ms": m.record.registered_unix_ms,
+                    })
+                })
+                .collect();
+            let mut doc = json!({
+                "enabled": true,
+                "cluster": s.name,
+                "node_id": self.record.node_id,
+                "etcd": {
+                    "endpoints": s.etcd_endpoints,
+                    "state": state,
+                    "state_for_s": for_s,
+                    "error": error,
+                },
+                "lease_id": self.lease_id(),
+                "lease_ttl_s": s.lease_ttl.as_secs(),
+                "revision": v.revision(),
+                "view_changes": v.changes(),
+                "replicas": s.replicas,
+                "run_blocks": s.run_blocks,
+                "records_signed": self.sealer.signs(),
+                "records_rejected": v.rejected(),
+                "members": members,
+                "data_path": "not built: members do not yet look up, fetch or replicate \
+                              each other's blocks",
+            });
+            if let Some(k) = key {
+                let owners: Vec<&str> = v.placement().owners(k);
+                doc["key"] = json!({ "key": k.to_string(), "owners": owners });
+            }
+            doc
+        })
+    }
+
+    /// Starts the etcd driver: it registers this node, keeps its lease, watches the members
+    /// and reconnects until `stop` is cancelled, then revokes its lease (bounded).
+    #[cfg(feature = "cluster")]
+    pub fn spawn(
+        self: &std::sync::Arc<Self>,
+        stop: tokio_util::sync::CancellationToken,
+    ) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(etcd::run(self.clone(), stop))
+    }
+}

@@ -1,0 +1,288 @@
+//! Placement: which members own a block. Weighted rendezvous (highest-random-weight)
+//! hashing over the live members, with a replication factor, and the rule that spreads a
+//! prefix chain over the cluster in runs of blocks. Pure functions of the member list: no
+//! I/O, no clock.
+//!
+//! For a key `k` and a member `m` with weight `w_m` (its capacity), the score is
+//! `-w_m / ln(u)`, `u = unit(xxh3_64_with_seed(k, seed_m))` uniform in (0, 1), `seed_m` the
+//! XXH3-64 of the member's id: the logarithmic weighted HRW, under which a member's share
+//! of the keys is `w_m / sum(w)`. The `r` highest scores own the key, best first. Adding or
+//! removing a member changes a key's owners only where that member enters or leaves its
+//! top `r`, so only the blocks of the member that came or went move (a property test checks
+//! it).
+//!
+//! **Chains in runs.** The block at position `i` of a prefix chain is placed by the key at
+//! position `i - i % run_blocks` (its run's *anchor*): a run of `run_blocks` consecutive
+//! blocks lives on the same owners. Two chains that share a prefix share its anchors, so
+//! they agree on owners. A lookup of an `n`-block prefix asks at most `ceil(n /
+//! run_blocks)` owners (one parallel round), and a get still pulls from several nodes at
+//! once. Why 64 is the default: `docs/cluster.md`, "How a chain is spread".
+
+use kvtier_core::BlockKey;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+/// Blocks per run of a chain, by default (`cluster.run_blocks`).
+pub const DEFAULT_RUN_BLOCKS: usize = 64;
+
+/// A member as placement sees it: its id and weight (capacity; only ratios matter).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Candidate {
+    pub id: String,
+    pub weight: f64,
+    seed: u64,
+}
+
+impl Candidate {
+    /// A member of weight `weight` (its capacity in any unit; <= 0 or NaN: owns nothing).
+    pub fn new(id: impl Into<String>, weight: f64) -> Self {
+        let id = id.into();
+        let seed = xxh3_64(id.as_bytes());
+        Self { id, weight, seed }
+    }
+
+    fn eligible(&self) -> bool {
+        self.weight.is_finite() && self.weight > 0.0
+    }
+
+    /// This member's rendezvous score for `key` (higher wins).
+    pub fn score(&self, key: &BlockKey) -> f64 {
+        let h = xxh3_64_with_seed(key.as_bytes(), self.seed);
+        // 53 random bits, centred in their interval: u in (0, 1), never 0 or 1, so ln(u) < 0.
+        let u = ((h >> 11) as f64 + 0.5) * (1.0 / (1u64 << 53) as f64);
+        -self.weight / u.ln()
+    }
+}
+
+/// The owners of keys over one member list (a snapshot of the membership view).
+#[derive(Clone, Debug, Default)]
+pub struct Placement {
+    /// Eligible members (weight > 0), sorted by id so ties break the same way everywhere.
+    members: Vec<Candidate>,
+    replicas: usize,
+}
+
+impl Placement {
+    /// Placement over `members` with `replicas` owners per key (at least 1; fewer where
+    /// there are fewer members). Members of weight <= 0 own nothing.
+    pub fn new(members: impl IntoIterator<Item = Candidate>, replicas: usize) -> Self {
+        let mut members: Vec<Candidate> = members.into_iter().filter(|c| c.eligible()).collect();
+        members.sort_by(|a, b| a.id.cmp(&b.id));
+        members.dedup_by(|a, b| a.id == b.id);
+        Self {
+            members,
+            replicas: replicas.max(1),
+        }
+    }
+
+    pub fn members(&self) -> &[Candidate] {
+        &self.members
+    }
+
+    pub fn replicas(&self) -> usize {
+        self.replicas
+    }
+
+    /// The owners of `key`, best first, as indices into [`Placement::members`], written into
+    /// `out` (cleared first): `min(replicas, members)` of them. O(members) per key.
+    pub fn owners_into(&self, key: &BlockKey, out: &mut Vec<usize>) {
+        out.clear();
+        let r = self.replicas.min(self.members.len());
+        if r == 0 {
+            return;
+        }
+        // The r best (score, index), best first; r is small (1-3), so insertion is cheapest.
+        let mut best: Vec<(f64, usize)> = Vec::with_capacity(r + 1);
+        for (i, m) in self.members.iter().enumerate() {
+            let s = m.score(key);
+            if best.len() == r && s <= best[r - 1].0 {
+                continue;
+            }
+            let at = best.iter().position(|(b, _)| s > *b).unwrap_or(best.len());
+            best.insert(at, (s, i));
+            best.truncate(r);
+        }
+        out.extend(best.into_iter().map(|(_, i)| i));
+    }
+
+    /// The ids of `key`'s owners, best first.
+    pub fn owners(&self, key: &BlockKey) -> Vec<&str> {
+        let mut idx = Vec::new();
+        self.owners_into(key, &mut idx);
+        idx.into_iter()
+            .map(|i| self.members[i].id.as_str())
+            .collect()
+    }
+
+    /// The first owner of `key`, if there is any member.
+    pub fn primary(&self, key: &BlockKey) -> Option<&str> {
+        self.members
+            .iter()
+            .map(|m| (m.score(key), m))
+            .max_by(|a, b| a.0.total_cmp(&b.0))
+            .map(|(_, m)| m.id.as_str())
+    }
+}
+
+/// The key that places the block at position `index` of a chain: the first key of its run.
+/// `run_blocks` 0 is treated as 1 (every block placed by its own key).
+///
+/// Panics if `index` is out of `chain`'s bounds (a caller's bug, not input).
+pub fn anchor(chain: &[BlockKey], index: usize, run_blocks: usize) -> BlockKey {
+    let run = run_blocks.max(1);
+    chain[index - index % run]
+}
+
+/// The runs of `chain`: `(first position, anchor key)` per run of `run_blocks` blocks.
+pub fn runs(chain: &[BlockKey], run_blocks: usize) -> impl Iterator<Item = (usize, BlockKey)> {
+    let run = run_blocks.max(1);
+    (0..chain.len()).step_by(run).map(move |i| (i, chain[i]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn key(n: u64) -> BlockKey {
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&n.to_le_bytes());
+        b[8..].copy_from_slice(&(n.wrapping_mul(0x9e37_79b9_7f4a_7c15)).to_le_bytes());
+        BlockKey::from_bytes(b)
+    }
+
+    fn nodes(n: usize) -> Vec<Candidate> {
+        (0..n)
+            .map(|i| Candidate::new(format!("node-{i}"), 1.0 + (i % 3) as f64))
+            .collect()
+    }
+
+    fn ids(p: &Placement, k: &BlockKey) -> Vec<String> {
+        p.owners(k).into_iter().map(String::from).collect()
+    }
+
+    #[test]
+    fn owners_are_distinct_best_first_and_capped_by_members() {
+        for (n, r, expect) in [(0, 1, 0), (1, 1, 1), (1, 3, 1), (5, 2, 2), (5, 3, 3)] {
+            let p = Placement::new(nodes(n), r);
+            for i in 0..200 {
+                let k = key(i);
+                let o = p.owners(&k);
+                assert_eq!(o.len(), expect, "n={n} r={r}");
+                let mut d = o.clone();
+                d.sort();
+                d.dedup();
+                assert_eq!(d.len(), o.len(), "owners repeat");
+                let scores: Vec<f64> = o
+                    .iter()
+                    .map(|id| p.members().iter().find(|m| m.id == *id).unwrap().score(&k))
+                    .collect();
+                assert!(scores.windows(2).all(|w| w[0] >= w[1]), "not best first");
+                assert_eq!(p.primary(&k), o.first().copied());
+            }
+        }
+    }
+
+    #[test]
+    fn order_of_members_does_not_matter_and_zero_weight_owns_nothing() {
+        let mut a = nodes(7);
+        a.push(Candidate::new("empty", 0.0));
+        let mut b = a.clone();
+        b.reverse();
+        let (pa, pb) = (Placement::new(a, 2), Placement::new(b, 2));
+        for i in 0..500 {
+            assert_eq!(pa.owners(&key(i)), pb.owners(&key(i)));
+            assert!(!pa.owners(&key(i)).contains(&"empty"));
+        }
+    }
+
+    /// Shares follow weights: members of weight 1, 2 and 5 own 1/8, 2/8 and 5/8 of 200k
+    /// keys, within 1 percentage point.
+    #[test]
+    fn shares_follow_weights() {
+        let p = Placement::new(
+            [
+                Candidate::new("a", 1.0),
+                Candidate::new("b", 2.0),
+                Candidate::new("c", 5.0),
+            ],
+            1,
+        );
+        let n = 200_000u64;
+        let mut count = [0u64; 3];
+        for i in 0..n {
+            match p.primary(&key(i)) {
+                Some("a") => count[0] += 1,
+                Some("b") => count[1] += 1,
+                Some("c") => count[2] += 1,
+                o => panic!("unexpected owner {o:?}"),
+            }
+        }
+        for (c, w) in count.iter().zip([1.0, 2.0, 5.0]) {
+            let share = *c as f64 / n as f64;
+            assert!(
+                (share - w / 8.0).abs() < 0.01,
+                "share {share} for weight {w}"
+            );
+        }
+    }
+
+    #[test]
+    fn runs_and_anchors() {
+        let chain: Vec<BlockKey> = (0..10).map(key).collect();
+        let r: Vec<usize> = runs(&chain, 4).map(|(i, _)| i).collect();
+        assert_eq!(r, vec![0, 4, 8]);
+        for (i, expect) in [(0, 0), (3, 0), (4, 4), (7, 4), (9, 8)] {
+            assert_eq!(anchor(&chain, i, 4), chain[expect]);
+        }
+        assert_eq!(anchor(&chain, 5, 0), chain[5]);
+        assert_eq!(runs(&chain, 1).count(), 10);
+    }
+
+    proptest! {
+        /// A member joining takes keys only for itself: every key's new owners are its old
+        /// owners with at most one replaced by the newcomer.
+        #[test]
+        fn a_join_moves_only_keys_to_the_newcomer(n in 1usize..20, r in 1usize..4,
+                                                  w in 0.1f64..10.0, salt in any::<u64>()) {
+            let before = Placement::new(nodes(n), r);
+            let mut grown = nodes(n);
+            grown.push(Candidate::new(format!("new-{salt}"), w));
+            let after = Placement::new(grown, r);
+            let newcomer = format!("new-{salt}");
+            for i in 0..300u64 {
+                let k = key(i ^ salt);
+                let (old, new) = (ids(&before, &k), ids(&after, &k));
+                let gone: Vec<&String> = old.iter().filter(|o| !new.contains(o)).collect();
+                let came: Vec<&String> = new.iter().filter(|o| !old.contains(o)).collect();
+                prop_assert!(came.iter().all(|c| **c == newcomer), "{old:?} -> {new:?}");
+                prop_assert!(gone.len() <= 1 && gone.len() == came.len()
+                    || old.len() < r && gone.is_empty(), "{old:?} -> {new:?}");
+            }
+        }
+
+        /// A member leaving moves only its own keys: a key it did not own keeps its owners
+        /// (in order); a key it owned keeps the others and gains at most one.
+        #[test]
+        fn a_leave_moves_only_the_leavers_keys(n in 2usize..20, r in 1usize..4,
+                                               leaver in any::<prop::sample::Index>(),
+                                               salt in any::<u64>()) {
+            let all = nodes(n);
+            let gone = leaver.index(n);
+            let before = Placement::new(all.clone(), r);
+            let after = Placement::new(
+                all.iter().enumerate().filter(|(i, _)| *i != gone).map(|(_, c)| c.clone()), r);
+            let gone_id = all[gone].id.clone();
+            for i in 0..300u64 {
+                let k = key(i.wrapping_mul(31) ^ salt);
+                let (old, new) = (ids(&before, &k), ids(&after, &k));
+                if !old.contains(&gone_id) {
+                    prop_assert_eq!(&old, &new);
+                } else {
+                    let kept: Vec<&String> = old.iter().filter(|o| **o != gone_id).collect();
+                    prop_assert!(kept.iter().all(|o| new.contains(o)), "{old:?} -> {new:?}");
+                    prop_assert!(new.len() <= kept.len() + 1);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! A member's record in etcd: who it is, where it is reached, what it holds; and its
+//! authentication with the cluster secret. No I/O.
+//!
+//! Stored under `/kvtier/<cluster>/members/<node id>` as JSON:
+//! `{"record": "<the record's JSON text>", "mac": "<hex HMAC-SHA256>"}`. The MAC covers the
+//! etcd key, a zero byte and the record's exact bytes (so a record cannot be moved to
+//! another member's key), keyed with `HMAC-SHA256(secret, "kvtier cluster member record v1
+//! " + cluster name)`. Without a secret, `mac` is empty and the view accepts unsigned
+//! records only (a member with a secret refuses them, and a member without one refuses
+//! signed ones: the two cannot mix silently).
+
+use ring::hmac;
+use serde::{Deserialize, Serialize};
+
+/// The record format's version (field `v`).
+pub const RECORD_VERSION: u32 = 1;
+
+/// One tier of a member and its capacity.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierCapacity {
+    /// "hbm", "dram" or "nvme".
+    pub kind: String,
+    pub capacity_bytes: u64,
+}
+
+/// What a member says about itself.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberRecord {
+    pub v: u32,
+    pub node_id: String,
+    /// kvtier-server's version.
+    pub version: String,
+    /// Where clients and peers reach its protocol (`tcp://HOST:PORT`), "" if not advertised.
+    pub data_endpoint: String,
+    /// Its kvtier-transfer endpoint, "" if not advertised (the data path is not built yet).
+    pub transfer_endpoint: String,
+    /// Its admin port (`http://HOST:PORT`), "" if not advertised.
+    pub admin_endpoint: String,
+    pub tiers: Vec<TierCapacity>,
+    /// Set when it registered (informational; never used for ordering).
+    pub registered_unix_ms: u64,
+}
+
+impl MemberRecord {
+    /// The placement weight: the sum of its tiers' capacities, in GiB.
+    pub fn weight(&self) -> f64 {
+        let bytes: u64 = self
+            .tiers
+            .iter()
+            .map(|t| t.capacity_bytes)
+            .fold(0, u64::saturating_add);
+        bytes as f64 / (1u64 << 30) as f64
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Envelope {
+    record: String,
+    mac: String,
+}
+
+/// Why a stored record was not accepted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rejection {
+    /// Not JSON of the envelope or the record, or an unknown record version.
+    Malformed,
+    /// Signed, but this member has no secret; or unsigned while it has one.
+    SecretMismatch,
+    /// The MAC does not verify under this member's secret.
+    BadMac,
+    /// The record's `node_id` is not the id its key names.
+    WrongKey,
+}
+
+impl Rejection {
+    pub fn name(self) -> &'static str {
+        match self {
+            Rejection::Malformed => "malformed",
+            Rejection::SecretMismatch => "secret_mismatch",
+            Rejection::BadMac => "bad_mac",
+            Rejection::WrongKey => "wrong_key",
+        }
+    }
+}
+
+/// Signs and verifies records with the key derived from the cluster secret (or, without a
+/// secret, writes and accepts unsigned records only).
+#[derive(Clone)]
+pub struct RecordSealer {
+    key: Option<hmac::Key>,
+}
+
+impl std::fmt::Debug for RecordSealer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecordSealer")
+            .field("signed", &self.key.is_some())
+            .finish()
+    }
+}
+
+impl RecordSealer {
+    /// `secret` None: unsigned records. The key is bound to `cluster` (its name).
+    pub fn new(secret: Option<&[u8]>, cluster: &str) -> Self {
+        let key = secret.map(|s| {
+            let root = hmac::Key::new(hmac::HMAC_SHA256, s);
+            let label = format!("kvtier cluster member record v1 {cluster}");
+            let derived = hmac::sign(&root, label.as_bytes());
+            hmac::Key::new(hmac::HMAC_SHA256, derived.as_ref())
+        });
+        Self { key }
+    }
+
+    pub fn signs(&self) -> bool {
+        self.key.is_some()
+    }
+
+    fn message(etcd_key: &[u8], record: &[u8]) -> Vec<u8> {
+        let mut m = Vec::with_capacity(etcd_key.len() + 1 + record.len());
+        m.extend_from_slice(etcd_key);
+        m.push(0);
+        m.extend_from_slice(record);
+        m
+    }
+
+    /// The value stored at `etcd_key` for `record`.
+    pub fn seal(&self, etcd_key: &[u8], record: &MemberRecord) -> Vec<u8> {
+        // A struct of strings and integers always serializes.
+        let text = serde_json::to_string(record).unwrap_or_default();
+        let mac = match &self.key {
+            Some(k) => hex(hmac::sign(k, &Self::message(etcd_key, text.as_bytes())).as_ref()),
+            None => String::new(),
+        };
+        serde_json::to_vec(&Envelope { record: text, mac }).unwrap_or_default()
+    }
+
+    /// The record stored at `etcd_key` naming member `node_id`, if it is acceptable.
+    pub fn open(
+        &self,
+        etcd_key: &[u8],
+        node_id: &str,
+        value: &[u8],
+    ) -> Result<MemberRecord, Rejection> {
+        let env: Envelope = serde_json::from_slice(value).map_err(|_| Rejection::Malformed)?;
+        match (&self.key, env.mac.is_empty()) {
+            (Some(_), true) | (None, false) => return Err(Rejection::SecretMismatch),
+            (None, true) => {}
+            (Some(k), false) => {
+                let tag = unhex(&env.mac).ok_or(Rejection::BadMac)?;
+                hmac::verify(k, &Self::message(etcd_key, env.record.as_bytes()), &tag)
+                    .map_err(|_| Rejection::BadMac)?;
+            }
+        }
+        let r: MemberRecord =
+            serde_json::from_str(&env.record).map_err(|_| Rejection::Malformed)?;
+        if r.v != RECORD_VERSION {
+            return Err(Rejection::Malformed);
+        }
+        if r.node_id != node_id {
+            return Err(Rejection::WrongKey);
+        }
+        Ok(r)
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) || !s.is_ascii() {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).ok())
+        .collect()
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn record(id: &str) -> MemberRecord {
+        MemberRecord {
+            v: RECORD_VERSION,
+            node_id: id.into(),
+            version: "0.1.0".into(),
+            data_endpoint: "tcp://127.0.0.1:1".into(),
+            transfer_endpoint: String::new(),
+            admin_endpoint: String::new(),
+            tiers: vec![TierCapacity {
+                kind: "dram".into(),
+                capacity_bytes: 1 << 30,
+            }],
+            registered_unix_ms: 1,
+        }
+    }
+
+    #[test]
+    fn seal_open_and_every_rejection() {
+        let key = b"/kvtier/c/members/a";
+        let signed = RecordSealer::new(Some(b"s3cret"), "c");
+        let other_secret = RecordSealer::new(Some(b"other"), "c");
+        let other_cluster = RecordSealer::new(Some(b"s3cret"), "d");
+        let unsigned = RecordSealer::new(None, "c");
+        let v = signed.seal(key, &record("a"));
+        let u = unsigned.seal(key, &record("a"));
+        let check =
+            |s: &RecordSealer, k: &[u8], id: &str, v: &[u8], want: Result<(), Rejection>| {
+                assert_eq!(s.open(k, id, v).map(|_| ()), want, "{s:?} {id}");
+            };
+        check(&signed, key, "a", &v, Ok(()));
+        check(&unsigned, key, "a", &u, Ok(()));
+        check(&other_secret, key, "a", &v, Err(Rejection::BadMac));
+        check(&other_cluster, key, "a", &v, Err(Rejection::BadMac));
+        check(
+            &signed,
+            b"/kvtier/c/members/b",
+            "b",
+            &v,
+            Err(Rejection::BadMac),
+        );
+        check(&signed, key, "a", &u, Err(Rejection::SecretMismatch));
+        check(&unsigned, key, "a", &v, Err(Rejection::SecretMismatch));
+        check(&unsigned, key, "b", &u, Err(Rejection::WrongKey));
+        check(&signed, key, "a", b"not json", Err(Rejection::Malformed));
+        // A tampered record (its endpoint changed) fails the MAC.
+        let tampered = String::from_utf8(v.clone())
+            .unwrap()
+            .replace("127.0.0.1:1", "10.0.0.9:1");
+        check(
+            &signed,
+            key,
+            "a",
+            tampered.as_bytes(),
+            Err(Rejection::BadMac),
+        );
+        let mut r = record("a");
+        r.v = 99;
+        check(
+            &unsigned,
+            key,
+            "a",
+            &unsigned.seal(key, &r),
+            Err(Rejection::Malformed),
+        );
+    }
+
+    #[test]
+    fn weight_is_capacity_in_gib() {
+        let mut r = record("a");
+        r.tiers.push(TierCapacity {
+            kind: "nvme".into(),
+            capacity_bytes: 3 << 30,
+        });
+        assert_eq!(r.weight(), 4.0);
+    }
+}

@@ -1,0 +1,106 @@
+//! The server's side of `[cluster]`: this node's settings and record from the config, the
+//! bound listeners and the store, then the etcd driver started (feature `cluster`).
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use super::{ConfigError, Endpoints, ServerConfig, ServerError, io_err, places};
+use crate::StoreStats;
+use crate::cluster::record::RECORD_VERSION;
+use crate::cluster::{ClusterMetrics, ClusterNode, ClusterSettings, MemberRecord, TierCapacity};
+
+/// This node's cluster state, if `[cluster]` is on.
+pub(crate) fn node(
+    c: &ServerConfig,
+    endpoints: &Endpoints,
+    stats: &StoreStats,
+    metrics: ClusterMetrics,
+) -> Result<Option<Arc<ClusterNode>>, ServerError> {
+    if !c.cluster_enabled()? {
+        return Ok(None);
+    }
+    let s = &c.cluster;
+    let node_id = if s.node_id.is_empty() {
+        host_name().ok_or_else(|| ConfigError {
+            setting: "cluster.node_id".into(),
+            reason: "not set, and the host name is unknown or not a valid id: set it".into(),
+        })?
+    } else {
+        s.node_id.clone()
+    };
+    let secret = if s.secret_file.is_empty() {
+        tracing::warn!(
+            "cluster: no cluster.secret_file: member records are not authenticated (anyone \
+             who can write to etcd can add a member)"
+        );
+        None
+    } else {
+        let path = Path::new(&s.secret_file);
+        places::check_secret_file("cluster.secret_file", path)?;
+        let mut b = std::fs::read(path)
+            .map_err(io_err(format!("cluster.secret_file {}", s.secret_file)))?;
+        while b.last().is_some_and(|x| *x == b'\n' || *x == b'\r') {
+            b.pop();
+        }
+        if b.len() < 16 {
+            return Err(ConfigError {
+                setting: "cluster.secret_file".into(),
+                reason: "the secret must be at least 16 bytes".into(),
+            }
+            .into());
+        }
+        Some(b)
+    };
+    let advertised = |set: &str, scheme: &str, bound: Option<SocketAddr>| -> String {
+        if !set.is_empty() {
+            return set.to_string();
+        }
+        match bound {
+            Some(a) if !a.ip().is_unspecified() => format!("{scheme}://{a}"),
+            _ => String::new(),
+        }
+    };
+    let record = MemberRecord {
+        v: RECORD_VERSION,
+        node_id: node_id.clone(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        data_endpoint: advertised(&s.advertise_data, "tcp", endpoints.tcp),
+        transfer_endpoint: s.advertise_transfer.clone(),
+        admin_endpoint: advertised(&s.advertise_admin, "http", endpoints.admin),
+        tiers: stats
+            .tiers
+            .iter()
+            .map(|t| TierCapacity {
+                kind: t.tier.map_or("unknown", |k| k.name()).into(),
+                capacity_bytes: t.capacity_slots.saturating_mul(t.slot_bytes),
+            })
+            .collect(),
+        registered_unix_ms: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
+    };
+    let settings = ClusterSettings {
+        etcd_endpoints: c.etcd_endpoints(),
+        name: s.name.clone(),
+        node_id,
+        replicas: s.replicas,
+        run_blocks: s.run_blocks,
+        lease_ttl: Duration::from_secs(s.lease_ttl_s),
+        etcd_timeout: Duration::from_millis(s.etcd_timeout_ms),
+        secret,
+    };
+    Ok(Some(Arc::new(ClusterNode::new(settings, record, metrics))))
+}
+
+/// The host name, if it is a valid node id.
+fn host_name() -> Option<String> {
+    let h = std::fs::read_to_string("/proc/sys/kernel/hostname").ok()?;
+    let h = h.trim();
+    (!h.is_empty()
+        && h.len() <= 128
+        && h.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)))
+    .then(|| h.to_string())
+}

@@ -1,0 +1,119 @@
+//! A real etcd (Debian's `etcd-server`, `/usr/bin/etcd`) on loopback for the tests: a temp
+//! data dir, free ports, started and checked within a bound, killed on drop. Missing etcd
+//! fails the test, naming `.ci/install-deps`.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// etcd's binary: `$KVTIER_ETCD`, else `/usr/bin/etcd`.
+fn binary() -> PathBuf {
+    let p = std::env::var_os("KVTIER_ETCD")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/bin/etcd"));
+    assert!(
+        p.is_file(),
+        "etcd not found at {}: the cluster tests need a real etcd. Install it with \
+         .ci/install-deps (Debian package etcd-server), or point KVTIER_ETCD at an etcd binary",
+        p.display()
+    );
+    p
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free loopback port")
+        .port()
+}
+
+pub struct Etcd {
+    child: Option<Child>,
+    client_port: u16,
+    peer_port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl Etcd {
+    /// Starts etcd and waits (at most 20 s) until it answers `/health`.
+    pub async fn start() -> Etcd {
+        let mut e = Etcd {
+            child: None,
+            client_port: free_port(),
+            peer_port: free_port(),
+            dir: tempfile::tempdir().unwrap(),
+        };
+        e.spawn().await;
+        e
+    }
+
+    /// The client URL (`http://127.0.0.1:PORT`).
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    async fn spawn(&mut self) {
+        let client = self.url();
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let child = Command::new(binary())
+            .arg("--name=kvtier-test")
+            .arg(format!(
+                "--data-dir={}",
+                self.dir.path().join("data").display()
+            ))
+            .arg(format!("--listen-client-urls={client}"))
+            .arg(format!("--advertise-client-urls={client}"))
+            .arg(format!("--listen-peer-urls={peer}"))
+            .arg(format!("--initial-advertise-peer-urls={peer}"))
+            .arg(format!("--initial-cluster=kvtier-test={peer}"))
+            .arg("--logger=zap")
+            .arg("--log-level=error")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawning etcd");
+        self.child = Some(child);
+        let until = Instant::now() + Duration::from_secs(20);
+        let addr = format!("127.0.0.1:{}", self.client_port).parse().unwrap();
+        loop {
+            if let Some(c) = self.child.as_mut()
+                && let Ok(Some(status)) = c.try_wait()
+            {
+                panic!("etcd exited at start: {status}");
+            }
+            if let Ok(Ok((200, body))) =
+                tokio::time::timeout(Duration::from_secs(2), crate::try_http_get(addr, "/health"))
+                    .await
+                && body.contains("true")
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < until,
+                "etcd did not become healthy in 20 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Kills etcd (SIGKILL), keeping its data dir and ports.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts etcd again on the same data dir and ports.
+    pub async fn restart(&mut self) {
+        self.kill();
+        self.spawn().await;
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
