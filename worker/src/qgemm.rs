@@ -83,6 +83,7 @@ struct Activations {
 }
 
 impl Activations {
+    /// The quantized `x` (`[t, k]`). Only after [`available`] returned true.
     fn new(x: &[f32], t: usize, k: usize) -> Self {
         let kb = k / BLOCK;
         let tiles = t.div_ceil(MR);
@@ -93,33 +94,64 @@ impl Activations {
             .zip(s.par_chunks_mut(kb * MR).zip(s_sum.par_chunks_mut(kb * MR)))
             .enumerate()
             .for_each(|(tile, (q, (s, s_sum)))| {
-                for i in 0..MR.min(t - tile * MR) {
-                    let row = &x[(tile * MR + i) * k..(tile * MR + i + 1) * k];
-                    for (b, values) in row.chunks_exact(BLOCK).enumerate() {
-                        let (scale, quants) = quantize_block(values);
-                        let sum: i32 = quants.iter().map(|&v| i32::from(v)).sum();
-                        s[b * MR + i] = scale;
-                        s_sum[b * MR + i] = scale * sum as f32;
-                        for (p, pair) in quants.chunks_exact(2).enumerate() {
-                            let lo = u32::from(pair[0] as u16);
-                            let hi = u32::from(pair[1] as u16);
-                            q[(b * PAIRS + p) * MR + i] = (lo | hi << 16) as i32;
-                        }
-                    }
-                }
+                let rows = &x[tile * MR * k..((tile + 1) * MR).min(t) * k];
+                // SAFETY: `Activations` are built only by `matmul` after `available()`
+                // returned true: the CPU has AVX-512F and BW, what `tile_avx512` is compiled
+                // for (otherwise safe code).
+                unsafe { quantize_tile_avx512(rows, k, q, s, s_sum) };
             });
         Self { q, s, s_sum }
     }
 }
 
+/// The rows of one tile (`rows`: up to `MR` rows of `k` values) into its parts of
+/// [`Activations`] (rows past the last stay zero).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn quantize_tile_avx512(rows: &[f32], k: usize, q: &mut [i32], s: &mut [f32], s_sum: &mut [f32]) {
+    quantize_tile(rows, k, q, s, s_sum)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn quantize_tile_avx512(rows: &[f32], k: usize, q: &mut [i32], s: &mut [f32], s_sum: &mut [f32]) {
+    quantize_tile(rows, k, q, s, s_sum)
+}
+
+#[inline(always)]
+fn quantize_tile(rows: &[f32], k: usize, q: &mut [i32], s: &mut [f32], s_sum: &mut [f32]) {
+    for (i, row) in rows.chunks_exact(k).enumerate() {
+        for (b, values) in row.chunks_exact(BLOCK).enumerate() {
+            let (scale, quants) = quantize_block(values);
+            let sum: i32 = quants.iter().map(|&v| i32::from(v)).sum();
+            s[b * MR + i] = scale;
+            s_sum[b * MR + i] = scale * sum as f32;
+            for (p, pair) in quants.chunks_exact(2).enumerate() {
+                let lo = u32::from(pair[0] as u16);
+                let hi = u32::from(pair[1] as u16);
+                q[(b * PAIRS + p) * MR + i] = (lo | hi << 16) as i32;
+            }
+        }
+    }
+}
+
 /// 32 values as `s * q` with `s = max|x| / 32767` and `q` rounded to nearest, ties to even
 /// (the decode kernel's rounding too, [`crate::quant`]).
+#[inline]
 pub(crate) fn quantize_block(x: &[f32]) -> (f32, [i16; BLOCK]) {
     // Adding and subtracting 1.5 * 2^23 rounds an f32 below 2^22 in magnitude to an integer,
     // ties to even (the default rounding mode), in two vectorizable adds where `f32::round`
     // is a call to libm per value (a tenth of a prefill's time when it was).
     const ROUND: f32 = 12_582_912.0;
-    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    // The largest magnitude lane-wise, then across lanes; comparisons rather than
+    // `f32::max`, whose NaN rules keep the compiler from vectorizing it.
+    let mut lanes = [0f32; 16];
+    for c in x.chunks_exact(16) {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            let a = v.abs();
+            *m = if a > *m { a } else { *m };
+        }
+    }
+    let amax = lanes.iter().fold(0f32, |m, &a| if a > m { a } else { m });
     let s = amax / 32767.0;
     let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
     let mut q = [0i16; BLOCK];
