@@ -74,7 +74,8 @@ impl Panel {
 
 /// The activations quantized and laid out by tiles of [`MR`] rows (rows past `t` are zeros).
 struct Activations {
-    /// `[tile][kb * PAIRS][MR]`: the two i16 of a pair in one i32 (the first in the low half).
+    /// `[tile][MR][kb * PAIRS]`: each row's values, the two i16 of a pair in one i32 (the
+    /// first in the low half).
     q: Vec<i32>,
     /// `[tile][kb][MR]`: the block's scale `s`.
     s: Vec<f32>,
@@ -87,7 +88,7 @@ impl Activations {
     fn new(x: &[f32], t: usize, k: usize) -> Self {
         let kb = k / BLOCK;
         let tiles = t.div_ceil(MR);
-        let mut q = vec![0i32; tiles * kb * PAIRS * MR];
+        let mut q = vec![0i32; tiles * MR * kb * PAIRS];
         let mut s = vec![0f32; tiles * kb * MR];
         let mut s_sum = vec![0f32; tiles * kb * MR];
         q.par_chunks_mut(kb * PAIRS * MR)
@@ -105,33 +106,54 @@ impl Activations {
 }
 
 /// The rows of one tile (`rows`: up to `MR` rows of `k` values) into its parts of
-/// [`Activations`] (rows past the last stay zero).
+/// [`Activations`] (rows past the last stay zero): [`quantize_block`]'s arithmetic, 32 values
+/// at a time in two vectors (the conversion rounds to nearest, ties to even, as
+/// `quantize_block`'s adds do; the same results).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 fn quantize_tile_avx512(rows: &[f32], k: usize, q: &mut [i32], s: &mut [f32], s_sum: &mut [f32]) {
-    quantize_tile(rows, k, q, s, s_sum)
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn quantize_tile_avx512(rows: &[f32], k: usize, q: &mut [i32], s: &mut [f32], s_sum: &mut [f32]) {
-    quantize_tile(rows, k, q, s, s_sum)
-}
-
-#[inline(always)]
-fn quantize_tile(rows: &[f32], k: usize, q: &mut [i32], s: &mut [f32], s_sum: &mut [f32]) {
-    for (i, row) in rows.chunks_exact(k).enumerate() {
-        for (b, values) in row.chunks_exact(BLOCK).enumerate() {
-            let (scale, quants) = quantize_block(values);
-            let sum: i32 = quants.iter().map(|&v| i32::from(v)).sum();
+    use std::arch::x86_64::{
+        _mm256_storeu_si256, _mm512_abs_ps, _mm512_add_epi32, _mm512_cvtepi32_epi16,
+        _mm512_cvtps_epi32, _mm512_max_ps, _mm512_reduce_add_epi32, _mm512_reduce_max_ps,
+    };
+    for (i, (row, q)) in rows
+        .chunks_exact(k)
+        .zip(q.chunks_exact_mut(k / 2))
+        .enumerate()
+    {
+        for (b, (values, q)) in row
+            .chunks_exact(BLOCK)
+            .zip(q.chunks_exact_mut(PAIRS))
+            .enumerate()
+        {
+            // SAFETY: `values` holds 32 f32 (chunks_exact): two 16-lane unaligned loads.
+            let (x0, x1) = unsafe {
+                (
+                    _mm512_loadu_ps(values.as_ptr()),
+                    _mm512_loadu_ps(values.as_ptr().add(16)),
+                )
+            };
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+            let scale = amax / 32767.0;
+            let inv = _mm512_set1_ps(if scale > 0.0 { 1.0 / scale } else { 0.0 });
+            let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv));
+            let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
             s[b * MR + i] = scale;
             s_sum[b * MR + i] = scale * sum as f32;
-            for (p, pair) in quants.chunks_exact(2).enumerate() {
-                let lo = u32::from(pair[0] as u16);
-                let hi = u32::from(pair[1] as u16);
-                q[(b * PAIRS + p) * MR + i] = (lo | hi << 16) as i32;
+            // SAFETY: `q` holds 16 i32 (chunks_exact(PAIRS)): two 32-byte unaligned stores of
+            // 16 i16 each, values 0..16 then 16..32, so pair `p` is one i32, first value low.
+            unsafe {
+                _mm256_storeu_si256(q.as_mut_ptr().cast(), _mm512_cvtepi32_epi16(q0));
+                _mm256_storeu_si256(q.as_mut_ptr().add(8).cast(), _mm512_cvtepi32_epi16(q1));
             }
         }
     }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn quantize_tile_avx512(_: &[f32], _: usize, _: &mut [i32], _: &mut [f32], _: &mut [f32]) {
+    unreachable!("qgemm::available() is false off x86_64")
 }
 
 /// 32 values as `s * q` with `s = max|x| / 32767` and `q` rounded to nearest, ties to even
@@ -236,7 +258,7 @@ unsafe fn tile_vnni<const WITH_MIN: bool>(
     out: &mut [f32],
 ) {
     // The bounds every unchecked access below stays within.
-    assert!(q.len() == kb * PAIRS * MR && s.len() == kb * MR && s_sum.len() == kb * MR);
+    assert!(q.len() == MR * kb * PAIRS && s.len() == kb * MR && s_sum.len() == kb * MR);
     assert!(panel.q.len() == kb * BLOCK * NR && panel.d.len() == kb * NR);
     assert!(panel.m.len() == kb * NR && out.len() == MR * NR);
     let mut total: [[__m512; 2]; MR] = [[_mm512_setzero_ps(); 2]; MR];
@@ -245,19 +267,18 @@ unsafe fn tile_vnni<const WITH_MIN: bool>(
         for p in 0..PAIRS {
             let step = b * PAIRS + p;
             // SAFETY: `step < kb * PAIRS`, so the two 64-byte vectors at `step * NR * 2` and
-            // 32 i16 later end within `panel.q` (`kb * PAIRS * NR * 2` values, asserted) and
-            // the `MR` pairs at `step * MR` within `q` (asserted); unaligned loads are allowed.
-            let (w0, w1, xp) = unsafe {
+            // 32 i16 later end within `panel.q` (`kb * PAIRS * NR * 2` values, asserted);
+            // unaligned loads are allowed.
+            let (w0, w1) = unsafe {
                 let wq = panel.q.as_ptr().add(step * NR * 2);
                 (
                     _mm512_loadu_si512(wq.cast()),
                     _mm512_loadu_si512(wq.add(NR).cast()),
-                    q.as_ptr().add(step * MR),
                 )
             };
             for (i, acc) in acc.iter_mut().enumerate() {
-                // SAFETY: `i < MR`, within the pairs of this step (see above).
-                let a = _mm512_set1_epi32(unsafe { *xp.add(i) });
+                // SAFETY: `i < MR` and `step < kb * PAIRS`: within `q` (asserted).
+                let a = _mm512_set1_epi32(unsafe { *q.as_ptr().add(i * kb * PAIRS + step) });
                 acc[0] = _mm512_dpwssd_epi32(acc[0], a, w0);
                 acc[1] = _mm512_dpwssd_epi32(acc[1], a, w1);
             }
@@ -409,6 +430,51 @@ mod tests {
                         assert!(
                             (got - want).abs() <= bound + 1e-6,
                             "min={with_min} t={t} k={k} n={n} [{i},{j}]: {got} vs {want} (bound {bound})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The activations' vector quantizer gives [`quantize_block`]'s scales and quants (which
+    /// the decode kernel uses), laid out as [`Activations`] says, on a ragged last tile, with
+    /// ties, zero blocks and large values.
+    #[test]
+    fn activations_equal_quantize_block() {
+        if !available() {
+            eprintln!("no AVX-512 VNNI here: the quantizer is not used, nothing to check");
+            return;
+        }
+        let mut rng = kvtier_core::SplitMix64::new(5);
+        let (t, k) = (MR + 3, 96);
+        let mut x: Vec<f32> = (0..t * k).map(|_| (rng.next_f32() - 0.5) * 1e3).collect();
+        x[BLOCK..2 * BLOCK].fill(0.0);
+        x[2 * BLOCK] = 32767.0;
+        x[2 * BLOCK + 1] = 2.5;
+        x[2 * BLOCK + 2] = -3.5;
+        let acts = Activations::new(&x, t, k);
+        let kb = k / BLOCK;
+        for tile in 0..t.div_ceil(MR) {
+            for i in 0..MR {
+                let row = tile * MR + i;
+                for b in 0..kb {
+                    let (want_s, want_q) = if row < t {
+                        quantize_block(&x[row * k + b * BLOCK..row * k + (b + 1) * BLOCK])
+                    } else {
+                        (0.0, [0; BLOCK])
+                    };
+                    let sum: i32 = want_q.iter().map(|&v| i32::from(v)).sum();
+                    let at = tile * kb * MR + b * MR + i;
+                    assert_eq!(acts.s[at], want_s, "row {row} block {b}");
+                    assert_eq!(acts.s_sum[at], want_s * sum as f32, "row {row} block {b}");
+                    for p in 0..PAIRS {
+                        let got = acts.q[(tile * MR + i) * kb * PAIRS + b * PAIRS + p];
+                        let want = [want_q[2 * p], want_q[2 * p + 1]];
+                        assert_eq!(
+                            [got as i16, (got >> 16) as i16],
+                            want,
+                            "row {row} block {b}"
                         );
                     }
                 }
