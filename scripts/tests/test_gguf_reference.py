@@ -30,9 +30,9 @@ sys.path.insert(0, str(SCRIPTS))
 from model_reference import GgufBpe, LlamaNumpy  # noqa: E402 (after the sys.path line above)
 
 STEPS = 12
-# The worker's decode steps round activations to 16 bits per 32-value block (llama.cpp and
-# candle round them to 8 bits), its prefill multiplies dequantized weights in f32, the reference
-# everything in float32. Largest difference measured over these prompts: 0.008 (docs/worker.md).
+# The worker's decode steps and its prefill GEMM round activations to 16 bits per 32-value
+# block (llama.cpp and candle round them to 8 bits), the reference computes everything in
+# float32. Largest difference measured over these prompts: 0.008 (docs/worker.md).
 LOGIT_TOLERANCE = 0.05
 PROMPTS = [
     "The capital of France is",
@@ -55,6 +55,15 @@ PROMPTS = [
     "2 + 2 =",
     "The best way to learn a new language is",
     "Mount Everest is located in",
+    # Two prompts past the worker's 32-token threshold, so its prefill GEMM and blocked
+    # attention (not the decode kernel) compute their prompt.
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type, oil-based ink and a wooden press adapted from "
+    "those used for wine. Within fifty years printers worked in more than two hundred cities, "
+    "and the number of books in Europe",
+    "Here is a short Python function that reads a CSV file, skips the header line, and returns "
+    "the sum of the values in its third column as a float:\n\nimport csv\n\ndef "
+    "third_column_sum(path):\n",
 ]
 
 

@@ -24,6 +24,7 @@ pub mod metrics;
 pub mod model;
 pub mod prefix_cache;
 pub mod prompt_side;
+mod qgemm;
 pub mod quant;
 pub mod scheduler;
 pub mod serve;

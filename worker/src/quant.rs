@@ -6,11 +6,12 @@
 //! row is quantized to 16 bits per 32-value block, and the dot products run in integers.
 //! llama.cpp and candle round activations to 8 bits (Q8_1); 16 bits keeps each product within
 //! about 1e-4 of the f32 product of the dequantized weights, so the model's logits follow an
-//! f32 reference closely (scripts/tests/test_gguf_reference.py). The loops are plain Rust compiled a second time with AVX2
-//! enabled, chosen at run time; each token's rows are split across rayon's pool. From
-//! `DEQUANTIZE_FROM_TOKENS` tokens on (prefill) the matrix is dequantized and multiplied in
-//! f32 instead: strip by strip into [`crate::gemm`]'s AVX-512 kernel where the CPU has it,
-//! else whole, by candle's f32 matmul.
+//! f32 reference closely (scripts/tests/test_gguf_reference.py). The loops are plain Rust
+//! compiled a second time with AVX2 enabled, chosen at run time; each token's rows are split
+//! across rayon's pool. From `PREFILL_FROM_TOKENS` tokens on (prefill) a register-blocked GEMM
+//! takes over: [`crate::qgemm`]'s integer one (the same 16-bit activations, AVX-512 VNNI) where
+//! the CPU has it, else [`crate::gemm`]'s f32 one on panels dequantized strip by strip
+//! (AVX-512F), else candle's f32 matmul on the whole dequantized matrix.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
@@ -22,15 +23,40 @@ use crate::error::{Result, WorkerError};
 const BLOCK: usize = 32;
 /// Bytes of one Q4_1 block in a GGUF file: f16 `d`, f16 `m`, 16 bytes of nibbles.
 const Q4_1_BLOCK_BYTES: usize = 20;
-/// From this many tokens on (prefill), the matrix is dequantized to f32 for the call and
-/// multiplied by candle's f32 matmul, which is faster there than integer dot products; below
-/// it (decode, small batches) the kernel reads the quantized blocks.
-const DEQUANTIZE_FROM_TOKENS: usize = 32;
+/// From this many tokens on (prefill), the matrix is multiplied by a register-blocked GEMM
+/// ([`crate::qgemm`]'s integer one, or [`crate::gemm`]'s f32 one on dequantized panels, or
+/// candle's f32 matmul on the whole dequantized matrix, whichever the CPU allows); below it
+/// (decode, small batches) the kernel here reads the quantized blocks row by row.
+const PREFILL_FROM_TOKENS: usize = 32;
 /// Output rows one work item computes.
 const ROWS_PER_ITEM: usize = 64;
 
 /// Bytes of one Q8_0 block in a GGUF file: f16 `d`, 32 signed bytes.
 const Q8_0_BLOCK_BYTES: usize = 34;
+
+/// The GEMMs a prefill chunk can run on, fastest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PrefillKernel {
+    /// [`crate::qgemm`]: integer quants times 16-bit activations (AVX-512 VNNI).
+    Integer,
+    /// [`crate::gemm`]: f32 panels dequantized strip by strip (AVX-512F).
+    F32,
+    /// candle's f32 matmul on the whole dequantized matrix (any CPU).
+    Candle,
+}
+
+impl PrefillKernel {
+    /// The fastest this CPU runs.
+    fn best() -> Self {
+        if crate::qgemm::available() {
+            Self::Integer
+        } else if crate::gemm::available() {
+            Self::F32
+        } else {
+            Self::Candle
+        }
+    }
+}
 
 /// A `[rows, cols]` quantized matrix (rows are output features), scales widened to f32.
 pub struct QuantMatrix {
@@ -117,15 +143,8 @@ impl QuantMatrix {
                 reason: format!("input has {cols} columns, the weights {}", self.cols),
             });
         }
-        if t >= DEQUANTIZE_FROM_TOKENS {
-            if crate::gemm::available() {
-                let xs = x.flatten_all()?.to_vec1::<f32>()?;
-                let pack = |first: usize, panel: &mut [f32]| self.pack_panel(first, panel);
-                if let Some(y) = crate::gemm::matmul(&xs, t, cols, self.rows, pack) {
-                    return Ok(Tensor::from_vec(y, (t, self.rows), &Device::Cpu)?);
-                }
-            }
-            return Ok(x.matmul(&self.dequantize()?.t()?)?);
+        if t >= PREFILL_FROM_TOKENS {
+            return self.prefill(x, PrefillKernel::best());
         }
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
         let acts: Vec<Q16Block> = xs.chunks_exact(BLOCK).map(quantize_block).collect();
@@ -142,6 +161,29 @@ impl QuantMatrix {
         } else {
             out_t.t()?.contiguous()?
         })
+    }
+
+    /// `x @ self^T` for a prefill chunk, by `kernel` (where the CPU lacks it: the next one
+    /// down, candle's at the end).
+    fn prefill(&self, x: &Tensor, kernel: PrefillKernel) -> Result<Tensor> {
+        let (t, cols) = x.dims2()?;
+        if kernel == PrefillKernel::Integer {
+            let xs = x.flatten_all()?.to_vec1::<f32>()?;
+            let with_min = matches!(self.blocks, Blocks::Q4_1 { .. });
+            let pack =
+                |first: usize, panel: &mut crate::qgemm::Panel| self.pack_int_panel(first, panel);
+            if let Some(y) = crate::qgemm::matmul(&xs, t, cols, self.rows, with_min, pack) {
+                return Ok(Tensor::from_vec(y, (t, self.rows), &Device::Cpu)?);
+            }
+        }
+        if kernel != PrefillKernel::Candle {
+            let xs = x.flatten_all()?.to_vec1::<f32>()?;
+            let pack = |first: usize, panel: &mut [f32]| self.pack_panel(first, panel);
+            if let Some(y) = crate::gemm::matmul(&xs, t, cols, self.rows, pack) {
+                return Ok(Tensor::from_vec(y, (t, self.rows), &Device::Cpu)?);
+            }
+        }
+        Ok(x.matmul(&self.dequantize()?.t()?)?)
     }
 
     /// The f32 matrix, `[rows, cols]`.
@@ -194,6 +236,40 @@ impl QuantMatrix {
                         let d = scales[i];
                         for (j, &v) in q[i].iter().enumerate() {
                             panel[base + j * NR] = d * f32::from(v);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Rows `first..first + qgemm::NR` into `panel` as [`crate::qgemm::Panel`] lays them out:
+    /// the integer quants widened to i16 (exact), each block's `d` and (Q4_1) `m`. `panel`
+    /// comes zeroed, so rows past the last stay zero.
+    fn pack_int_panel(&self, first: usize, panel: &mut crate::qgemm::Panel) {
+        use crate::qgemm::NR;
+        let kb = self.cols / BLOCK;
+        for r in 0..NR.min(self.rows.saturating_sub(first)) {
+            let row = first + r;
+            for b in 0..kb {
+                let i = row * kb + b;
+                // Value `j` of the block at `(b * 16 + j / 2) * NR * 2 + r * 2 + j % 2`.
+                let q = &mut panel.q[b * BLOCK * NR..(b + 1) * BLOCK * NR];
+                let at = |j: usize| (j / 2) * NR * 2 + r * 2 + j % 2;
+                match &self.blocks {
+                    Blocks::Q4_1 { scales, nibbles } => {
+                        let (d, m) = scales[i];
+                        panel.d[b * NR + r] = d;
+                        panel.m[b * NR + r] = m;
+                        for (j, &v) in nibbles[i].iter().enumerate() {
+                            q[at(j)] = i16::from(v & 15);
+                            q[at(j + 16)] = i16::from(v >> 4);
+                        }
+                    }
+                    Blocks::Q8_0 { scales, q: quants } => {
+                        panel.d[b * NR + r] = scales[i];
+                        for (j, &v) in quants[i].iter().enumerate() {
+                            q[at(j)] = i16::from(v);
                         }
                     }
                 }
@@ -263,17 +339,11 @@ fn rows_into_avx2(w: &QuantMatrix, act: &[Q16Block], first: usize, dst: &mut [f3
     rows_into_generic(w, act, first, dst)
 }
 
-/// 32 values as `d * q` with `d = max|x| / 32767`, `q` rounded to nearest.
+/// 32 values as `d * q` with `d = max|x| / 32767`, `q` rounded to nearest (the prefill
+/// kernel's rounding too: [`crate::qgemm::quantize_block`]).
 fn quantize_block(x: &[f32]) -> Q16Block {
-    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-    let d = amax / 32767.0;
-    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-    let mut q = [0i16; BLOCK];
-    let mut sum = 0i32;
-    for (q, &v) in q.iter_mut().zip(x) {
-        *q = (v * inv).round() as i16;
-        sum += i32::from(*q);
-    }
+    let (d, q) = crate::qgemm::quantize_block(x);
+    let sum: i32 = q.iter().map(|&v| i32::from(v)).sum();
     Q16Block {
         d,
         d_sum: d * sum as f32,
@@ -297,9 +367,24 @@ mod tests {
     /// The kernel against the f32 product of the dequantized weights (what the reference
     /// computes): the only difference is the activations' 16-bit rounding.
     fn check(dtype: GgmlDType, rows: usize, cols: usize, t: usize) {
+        check_with(dtype, rows, cols, t, None);
+    }
+
+    /// [`check`] through `forward` (`None`) or one prefill kernel.
+    fn check_with(
+        dtype: GgmlDType,
+        rows: usize,
+        cols: usize,
+        t: usize,
+        kernel: Option<PrefillKernel>,
+    ) {
         let (q, x) = case(dtype, rows, cols, t, (rows * 31 + cols * 7 + t) as u64);
         let m = QuantMatrix::from_qtensor(&q).unwrap().unwrap();
-        let ours = m.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+        let ours = match kernel {
+            None => m.forward(&x),
+            Some(k) => m.prefill(&x, k),
+        };
+        let ours = ours.unwrap().to_vec2::<f32>().unwrap();
         let f32_ref = x
             .matmul(&q.dequantize(&Device::Cpu).unwrap().t().unwrap())
             .unwrap()
@@ -333,6 +418,30 @@ mod tests {
         ] {
             check(GgmlDType::Q4_1, rows, cols, t);
             check(GgmlDType::Q8_0, rows, cols, t);
+        }
+    }
+
+    /// Every prefill GEMM this CPU has (each packs the blocks its own way) on ragged shapes:
+    /// rows not a multiple of the kernels' tiles, several blocks, outputs not a multiple of
+    /// their 32-row strips.
+    #[test]
+    fn each_prefill_kernel_matches_the_dequantized_product() {
+        let mut kernels = vec![PrefillKernel::Candle];
+        if crate::gemm::available() {
+            kernels.push(PrefillKernel::F32);
+        } else {
+            eprintln!("no AVX-512 here: the f32 GEMM is not checked");
+        }
+        if crate::qgemm::available() {
+            kernels.push(PrefillKernel::Integer);
+        } else {
+            eprintln!("no AVX-512 VNNI here: the integer GEMM is not checked");
+        }
+        for kernel in kernels {
+            for (rows, cols, t) in [(45, 160, 37), (31, 96, 65), (100, 1536, 33), (70, 576, 50)] {
+                check_with(GgmlDType::Q4_1, rows, cols, t, Some(kernel));
+                check_with(GgmlDType::Q8_0, rows, cols, t, Some(kernel));
+            }
         }
     }
 

@@ -709,3 +709,112 @@ async fn chat_requests_use_the_models_own_chat_template() -> Result<()> {
     );
     Ok(())
 }
+
+/// [`CHAT_TEMPLATE`] with tools, as agent harnesses use it: the request's tools after BOS, an
+/// assistant's tool calls and a `tool` message's answer (with its call id) as their own turns.
+const TOOLS_TEMPLATE: &str = "{{- bos_token }}\
+{%- if tools %}{{- '<|start_header_id|>system<|end_header_id|>\\n\\nTools: ' }}\
+{%- for t in tools %}{{- t.function.name + ' (' + t.function.description + ') ' }}{%- endfor %}\
+{{- '<|eot_id|>' }}{%- endif %}\
+{%- for message in messages %}\
+{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}\
+{%- if message.tool_calls %}{%- for c in message.tool_calls %}\
+{{- 'call ' + c.function.name + ' ' + c.function.arguments }}{%- endfor %}\
+{%- elif message.role == 'tool' %}{{- 'answer to ' + message.tool_call_id + ': ' + message.content }}\
+{%- else %}{{- message['content'] | trim }}{%- endif %}\
+{{- '<|eot_id|>' }}\
+{%- endfor %}\
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}";
+
+/// A chat completion with `tools`, an assistant message that only calls a tool (no content)
+/// and the `tool` message answering it is accepted, and its prompt is the model's template
+/// rendered with all of them: the prompt's token count is that of the text the template
+/// makes with the tools, the call and the answer (each adds tokens, so a request whose tools
+/// or tool fields were dropped would count fewer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_requests_with_tools_render_them_through_the_template() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (mut tok_json, vocab) = llama3_style_tokenizer_json();
+    let added = tok_json["added_tokens"]
+        .as_array_mut()
+        .context("added_tokens")?;
+    for (i, name) in ["<|start_header_id|>", "<|end_header_id|>"]
+        .iter()
+        .enumerate()
+    {
+        added.push(
+            json!({"id": vocab + i, "content": name, "single_word": false,
+            "lstrip": false, "rstrip": false, "normalized": false, "special": true}),
+        );
+    }
+    let vocab = vocab + 2;
+    std::fs::write(dir.path().join("tokenizer.json"), tok_json.to_string())?;
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        json!({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+               "chat_template": TOOLS_TEMPLATE})
+        .to_string(),
+    )?;
+    let cfg = ModelConfig {
+        vocab_size: vocab,
+        ..ModelConfig::default()
+    };
+    save_model(dir.path(), &cfg)?;
+    let tok = Tokenizer::for_model_dir(dir.path(), vocab)?;
+
+    let tools = json!([{"type": "function", "function": {
+        "name": "read_file", "description": "reads one file of the repository",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]);
+    let messages = json!([
+        {"role": "user", "content": "What is in README.md?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_7", "type": "function",
+            "function": {"name": "read_file", "arguments": "{\"path\": \"README.md\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_7", "content": "kvtier keeps KV blocks"},
+    ]);
+    let h = |role: &str| format!("<|start_header_id|>{role}<|end_header_id|>\n\n");
+    let want_text = format!(
+        "<|begin_of_text|>{}Tools: read_file (reads one file of the repository) <|eot_id|>\
+         {}What is in README.md?<|eot_id|>\
+         {}call read_file {{\"path\": \"README.md\"}}<|eot_id|>\
+         {}answer to call_7: kvtier keeps KV blocks<|eot_id|>{}",
+        h("system"),
+        h("user"),
+        h("assistant"),
+        h("tool"),
+        h("assistant"),
+    );
+    let want = tok.encode(&want_text, false)?;
+
+    let w = start(dir.path()).await?;
+    let chat = |body: Value| {
+        let addr = w.addr();
+        async move { post(addr, "/v1/chat/completions", &body).await }
+    };
+    let r = tokio::time::timeout(
+        LIMIT,
+        chat(json!({"messages": messages, "tools": tools, "max_tokens": 4, "temperature": 0})),
+    )
+    .await??;
+    ensure!(r.status == 200, "status {}: {}", r.body, r.status);
+    assert_eq!(r.json()?["usage"]["prompt_tokens"], want.len());
+
+    // The same messages without `tools`: the template writes no tools' turn, fewer tokens.
+    let r = tokio::time::timeout(
+        LIMIT,
+        chat(json!({"messages": messages, "max_tokens": 4, "temperature": 0})),
+    )
+    .await??;
+    ensure!(r.status == 200, "status {}: {}", r.body, r.status);
+    let without = r.json()?["usage"]["prompt_tokens"]
+        .as_u64()
+        .context("prompt_tokens")?;
+    let tools_turn = format!(
+        "{}Tools: read_file (reads one file of the repository) <|eot_id|>",
+        h("system")
+    );
+    let want_without = tok.encode(&want_text.replacen(&tools_turn, "", 1), false)?;
+    assert_eq!(without as usize, want_without.len());
+    assert!(want_without.len() < want.len());
+    w.shutdown().await;
+    Ok(())
+}
