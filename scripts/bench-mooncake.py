@@ -568,35 +568,41 @@ def main() -> None:
 
 
 def report(results: list[dict], sizes: list[int], batches: list[int]) -> None:
+    """GB/s is bytes over the summed call times (a mean: the load's tails weigh in); "GB/s at
+    p50" is a call's bytes over its median time, steadier on a loaded machine."""
     by = {(r["path"], r["size"], r["batch"]): r for r in results}
-    print("\n| size | batch | path | GB/s | p50 / p99 us | x memcpy |")
-    print("|---|---|---|---|---|---|")
+
+    def p50_gbps(r: dict) -> float:
+        return r["size"] * r["batch"] / (r["p50_us"] * 1e3)
+
+    print("\n| size | batch | path | GB/s | GB/s at p50 | p50 / p99 us | x memcpy (mean, p50) |")
+    print("|---|---|---|---|---|---|---|")
     for size in sizes:
         for batch in batches:
-            ref = by[("memcpy", size, batch)]["gbps"]
+            ref = by[("memcpy", size, batch)]
             for path in ("memcpy", "mooncake tcp", "mooncake shm", "kvtier tcp", "kvtier unix"):
                 r = by[(path, size, batch)]
                 print(
-                    f"| {human(size)} | {batch} | {path} | {r['gbps']:.2f} | "
-                    f"{r['p50_us']:,.1f} / {r['p99_us']:,.1f} | {r['gbps'] / ref:.2f}x |"
+                    f"| {human(size)} | {batch} | {path} | {r['gbps']:.2f} | {p50_gbps(r):.2f} | "
+                    f"{r['p50_us']:,.1f} / {r['p99_us']:,.1f} | {r['gbps'] / ref['gbps']:.2f}x, "
+                    f"{p50_gbps(r) / p50_gbps(ref):.2f}x |"
                 )
     print(
-        "\n| size | batch | kvtier unix / mooncake shm (target >= 2x) "
-        "| kvtier tcp / mooncake tcp (target >= 2x; not the cluster path) |"
+        "\n| size | batch | kvtier unix / mooncake shm, mean and p50 (target >= 2x) "
+        "| kvtier tcp / mooncake tcp, mean and p50 (target >= 2x; NOT the cluster path) |"
     )
     print("|---|---|---|---|")
     for size in sizes:
         for batch in batches:
-            local = (
-                by[("kvtier unix", size, batch)]["gbps"] / by[("mooncake shm", size, batch)]["gbps"]
-            )
-            remote = (
-                by[("kvtier tcp", size, batch)]["gbps"] / by[("mooncake tcp", size, batch)]["gbps"]
-            )
-            print(
-                f"| {human(size)} | {batch} | {local:.2f}x {'met' if local >= 2 else 'missed'} "
-                f"| {remote:.2f}x {'met' if remote >= 2 else 'missed'} |"
-            )
+            cells = []
+            for ours, theirs in (("kvtier unix", "mooncake shm"), ("kvtier tcp", "mooncake tcp")):
+                a, b = by[(ours, size, batch)], by[(theirs, size, batch)]
+                mean, med = a["gbps"] / b["gbps"], p50_gbps(a) / p50_gbps(b)
+                verdict = {(True, True): "met", (False, True): "met at p50 only"}.get(
+                    (mean >= 2, med >= 2), "missed" if med < 2 and mean < 2 else "met in mean only"
+                )
+                cells.append(f"{mean:.2f}x, {med:.2f}x: {verdict}")
+            print(f"| {human(size)} | {batch} | {cells[0]} | {cells[1]} |")
 
 
 if __name__ == "__main__":
