@@ -35,8 +35,9 @@ if [[ ! -f "$stamp_file" || "$(cat "$stamp_file")" != "$stamp" || ! -x "$venv/bi
   echo "$stamp" > "$stamp_file"
 fi
 
-if [[ "${KVTIER_MOONCAKE_NO_WHEEL:-0}" != 1 || ! -d "$venv/lib" ]] \
-  || ! "$venv/bin/python" -c 'import kvtier' >/dev/null 2>&1; then
+# Build the wheel unless told not to and one is installed already.
+if [[ "${KVTIER_MOONCAKE_NO_WHEEL:-0}" != 1 ]] \
+  || ! (cd / && "$venv/bin/python" -c 'import kvtier') >/dev/null 2>&1; then
   say "building the kvtier wheel (release) into $venv"
   wheels="$(mktemp -d)"
   trap 'rm -rf "$wheels"' EXIT
