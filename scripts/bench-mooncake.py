@@ -1,0 +1,609 @@
+#!/usr/bin/env python3
+"""kvtier against Mooncake Store in one run (issue 13 item 7, the paths that need no cluster).
+
+One client, loopback, the same value sizes and working sets for every path; each get lands in a
+caller's buffer and is compared byte for byte with the value that was put (outside the timed
+call). Paths:
+
+  mooncake tcp   Mooncake Store's `get_into` in a full client (`setup`, protocol "tcp", no
+                 segment of its own, its buffers registered with `register_buffer`) from the
+                 segment of another process (`mooncake_client`, the standalone real client):
+                 the bytes come over Mooncake's TCP transport.
+  mooncake shm   Mooncake Store's shared-memory client: a dummy client (`setup_dummy`) whose
+                 buffers come from its shared-memory pool (`alloc_from_mem_pool`, then
+                 `register_buffer`); a get is an RPC to the real client (`mooncake_client`),
+                 which copies the value from its segment into that shared memory.
+  kvtier unix    kvtier's Python package, `Client.get_into` over the Unix socket (zero copy:
+                 one copy from the server's DRAM arena, mapped read-only, into the buffer).
+  kvtier tcp     the same call over TCP to the server: the nearest analogue of Mooncake's TCP
+                 get, NOT the cluster's peer fetch (kvtier has no remote peer get yet).
+  memcpy         numpy `copyto` of the same values into the same buffer: the physical reference.
+
+Latency is the timed call alone (perf_counter_ns around it); GB/s is bytes over the summed call
+times. Batches (`--batches 1,16`) get that many values a call (`batch_get_into` for Mooncake,
+one `get_into` of that many keys for kvtier). With `--kvtier-bench BIN` the Rust SDK's figure
+(`kvtier-bench tiers`, unix and tcp gets, 1 client) runs in the same script, after the rest.
+
+Run it from the venv that scripts/mooncake-env.sh makes:
+
+  venv="$(scripts/mooncake-env.sh)" && "$venv/bin/python" scripts/bench-mooncake.py \\
+      --server-bin "$CARGO_TARGET_DIR/release/kvtier-server"
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MOONCAKE_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "GLOG_minloglevel": "2"}
+TOKEN = "bench-mooncake-token"
+SEGMENT_BYTES = 1 << 30  # the real client's segment: Mooncake wants plain byte counts
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().lower()
+    for suffix, mult in (("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30)):
+        if text.endswith(suffix):
+            return int(text[:-1]) * mult
+    return int(text)
+
+
+def human(size: int) -> str:
+    if size >= 1 << 20 and size % (1 << 20) == 0:
+        return f"{size >> 20} MiB"
+    return f"{size >> 10} KiB"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def values(size: int, count: int, seed: int) -> np.ndarray:
+    """`count` distinct values of `size` bytes: random bytes, the index in the first 8."""
+    rng = np.random.default_rng(seed)
+    vals = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
+    vals[:, :8] = np.arange(count, dtype=np.uint64).view(np.uint8).reshape(count, 8)
+    return vals
+
+
+@dataclass
+class Result:
+    path: str
+    size: int
+    batch: int
+    ops: int
+    lat_ns: list[int]
+    wrong: int
+
+    @property
+    def gbps(self) -> float:
+        return self.ops * self.batch * self.size / max(sum(self.lat_ns), 1)
+
+    def pct_us(self, q: float) -> float:
+        return float(np.percentile(np.array(self.lat_ns), q)) / 1e3
+
+    def as_json(self) -> dict:
+        return {
+            "path": self.path,
+            "size": self.size,
+            "batch": self.batch,
+            "ops": self.ops,
+            "gbps": self.gbps,
+            "p50_us": self.pct_us(50),
+            "p99_us": self.pct_us(99),
+            "wrong": self.wrong,
+        }
+
+
+def measure(
+    path: str,
+    size: int,
+    batch: int,
+    count: int,
+    seconds: float,
+    get: Callable[[int], None],
+    dst: np.ndarray,
+    vals: np.ndarray,
+) -> Result:
+    """Times `get(first)` (which fills `dst[:batch]` with values first..first+batch) until
+    `seconds` of wall time pass, after a warm-up pass; checks every value it got."""
+    starts = list(range(0, count - batch + 1, batch))
+    for first in starts[: min(len(starts), 8)]:
+        get(first)
+    lat: list[int] = []
+    wrong = 0
+    deadline = time.perf_counter() + seconds
+    i = 0
+    while time.perf_counter() < deadline or len(lat) < 20:
+        first = starts[i % len(starts)]
+        i += 1
+        t0 = time.perf_counter_ns()
+        get(first)
+        lat.append(time.perf_counter_ns() - t0)
+        if not np.array_equal(dst[:batch], vals[first : first + batch]):
+            wrong += 1
+    return Result(path, size, batch, len(lat), lat, wrong)
+
+
+# ---------------------------------------------------------------- Mooncake
+
+
+def mooncake_child(args: argparse.Namespace) -> None:
+    """One Mooncake case in its own process (one store client a process): put the working
+    set, time gets, remove it, print the results as JSON on stdout."""
+    from mooncake.store import MooncakeDistributedStore
+
+    size, count, batches = args.size, args.count, [int(b) for b in args.batches.split(",")]
+    vals = values(size, count, args.seed)
+    max_batch = max(batches)
+    store = MooncakeDistributedStore()
+    if args.child == "mooncake-tcp":
+        # No segment of its own: every value lives in the real client's segment, so gets
+        # read it over the TCP transport. local_buffer_size must be > 0.
+        rc = store.setup("127.0.0.1", args.metadata, 0, 64 << 20, "tcp", "", args.master, None)
+        if rc != 0:
+            raise SystemExit(f"mooncake setup failed: {rc}")
+        src = vals
+        dst = np.zeros((max_batch, size), dtype=np.uint8)
+        for arr in (src, dst):
+            if store.register_buffer(arr.ctypes.data, arr.nbytes) != 0:
+                raise SystemExit("mooncake register_buffer failed")
+    else:
+        pool = (count + max_batch) * size
+        rc = store.setup_dummy(pool + (64 << 20), 64 << 20, args.real_client)
+        if rc != 0:
+            raise SystemExit(f"mooncake setup_dummy failed: {rc}")
+
+        def pool_array(rows: int) -> np.ndarray:
+            ptr = store.alloc_from_mem_pool(rows * size)
+            if not ptr:
+                raise SystemExit("mooncake alloc_from_mem_pool failed")
+            if store.register_buffer(ptr, rows * size) != 0:
+                raise SystemExit("mooncake register_buffer (dummy) failed")
+            raw = (ctypes.c_uint8 * (rows * size)).from_address(ptr)
+            return np.ctypeslib.as_array(raw).reshape(rows, size)
+
+        src = pool_array(count)
+        src[:] = vals
+        dst = pool_array(max_batch)
+    keys = [f"kvb-{args.child}-{size}-{i}" for i in range(count)]
+    src_ptr, dst_ptr = src.ctypes.data, dst.ctypes.data
+    for i, key in enumerate(keys):
+        rc = store.put_from(key, src_ptr + i * size, size)
+        if rc != 0:
+            raise SystemExit(f"mooncake put_from({key}) failed: {rc}")
+    path = "mooncake " + args.child.removeprefix("mooncake-")
+    out = []
+    for batch in batches:
+        ptrs = [dst_ptr + j * size for j in range(batch)]
+        sizes = [size] * batch
+
+        def get(
+            first: int, batch: int = batch, ptrs: list[int] = ptrs, sizes: list[int] = sizes
+        ) -> None:
+            if batch == 1:
+                n = store.get_into(keys[first], dst_ptr, size)
+                if n != size:
+                    raise SystemExit(f"mooncake get_into({keys[first]}) returned {n}")
+            else:
+                got = store.batch_get_into(keys[first : first + batch], ptrs, sizes)
+                if any(n != size for n in got):
+                    raise SystemExit(f"mooncake batch_get_into returned {got}")
+
+        dst[:] = 0
+        out.append(measure(path, size, batch, count, args.seconds, get, dst, vals).as_json())
+    for key in keys:
+        store.remove(key, True)  # force: skip the lease
+    store.close()
+    print(json.dumps(out), flush=True)
+
+
+class Mooncake:
+    """mooncake_master (with its HTTP metadata server) and one mooncake_client (the real client
+    holding the segment the values live in), stopped by close()."""
+
+    def __init__(self, venv_bin: Path, logdir: Path) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.logdir = logdir
+        env = {**os.environ, **MOONCAKE_ENV}
+        rpc, http, metrics, client = free_port(), free_port(), free_port(), free_port()
+        self.master = f"127.0.0.1:{rpc}"
+        self.metadata = f"http://127.0.0.1:{http}/metadata"
+        self.real_client = f"127.0.0.1:{client}"
+        self._spawn(
+            "master",
+            [
+                str(venv_bin / "mooncake_master"),
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={http}",
+                "--rpc_address=127.0.0.1",
+                f"--rpc_port={rpc}",
+                f"--metrics_port={metrics}",
+                "--enable_metric_reporting=false",
+            ],
+            env,
+        )
+        self._wait_port(rpc)
+        self._wait_port(http)
+        self._spawn(
+            "client",
+            [
+                str(venv_bin / "mooncake_client"),
+                "--host=127.0.0.1",
+                f"--port={client}",
+                f"--master_server_address={self.master}",
+                f"--metadata_server={self.metadata}",
+                f"--global_segment_size={SEGMENT_BYTES}",
+                f"--local_buffer_size={64 << 20}",
+                "--protocol=tcp",
+            ],
+            env,
+        )
+        self._wait_port(client)
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        log = open(self.logdir / f"mooncake-{name}.log", "w")  # closed when the process is
+        self.procs.append(subprocess.Popen(argv, stdout=log, stderr=log, env=env))
+
+    def _wait_port(self, port: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(
+                        f"a Mooncake process exited ({p.args[0]}): see {self.logdir}"
+                    )
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                time.sleep(0.5)  # the real client mounts its segment after it listens
+                return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError(f"Mooncake did not listen on {port} within {timeout} s")
+
+    def run_case(self, kind: str, size: int, count: int, args: argparse.Namespace) -> list[dict]:
+        argv = [
+            sys.executable,
+            __file__,
+            "--child",
+            kind,
+            "--size",
+            str(size),
+            "--count",
+            str(count),
+            "--batches",
+            args.batches,
+            "--seconds",
+            str(args.seconds),
+            "--seed",
+            str(args.seed),
+            "--master",
+            self.master,
+            "--metadata",
+            self.metadata,
+            "--real-client",
+            self.real_client,
+        ]
+        env = {**os.environ, **MOONCAKE_ENV}
+        with open(self.logdir / f"{kind}-{size}.log", "w") as log:
+            done = subprocess.run(
+                argv, stdout=subprocess.PIPE, stderr=log, env=env, text=True, timeout=300
+            )
+        if done.returncode != 0:
+            tail = (self.logdir / f"{kind}-{size}.log").read_text()[-2000:]
+            raise RuntimeError(f"{kind} {human(size)} failed ({done.returncode}): {tail}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+
+
+# ---------------------------------------------------------------- kvtier
+
+
+def layout_for(size: int) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a bf16, 16-token block of `size` bytes."""
+    per_layer = 2 * 16 * 8 * 128 * 2  # K and V, 16 tokens, 8 heads of 128 bf16: 64 KiB
+    if size % per_layer == 0:
+        return size // per_layer, 8, 128
+    per_head = 2 * 16 * 128 * 2
+    if size % per_head == 0 and size < per_layer:
+        return 1, size // per_head, 128
+    raise SystemExit(f"no bf16 16-token layout of {size} bytes")
+
+
+class KvtierServer:
+    def __init__(self, binary: Path, size: int, dram_bytes: int, workdir: Path) -> None:
+        layers, heads, dim = layout_for(size)
+        sets = [
+            f'server.runtime_dir="{workdir / "run"}"',
+            'server.tcp="127.0.0.1:0"',
+            'server.quic="off"',
+            'server.tls="off"',
+            'server.admin="off"',
+            f'server.token="{TOKEN}"',
+            'store.tiers=["dram"]',
+            'store.nvme_dir=""',
+            f"store.dram_bytes={dram_bytes}",
+            f"layout.layers={layers}",
+            f"layout.kv_heads={heads}",
+            f"layout.head_dim={dim}",
+            'layout.dtype="bf16"',
+            "layout.block_tokens=16",
+        ]
+        argv = [str(binary)]
+        for s in sets:
+            argv += ["--set", s]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        env["RUST_LOG"] = "warn"
+        self.log = open(workdir / "kvtier-server.log", "w")  # closed in close()
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
+        )
+        found: dict[str, str] = {}
+        ready = threading.Event()
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                if line.startswith("listening ") and not ready.is_set():
+                    found.update(kv.split("=", 1) for kv in line.split()[1:])
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(60) or "unix" not in found:
+            self.close()
+            raise RuntimeError(f"kvtier-server did not start: see {workdir}/kvtier-server.log")
+        self.unix_url = f"unix://{found['unix']}"
+        self.tcp_url = f"tcp://{found['tcp']}"
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=15)
+        self.log.close()
+
+
+def kvtier_cases(
+    server: KvtierServer, size: int, count: int, batches: list[int], args: argparse.Namespace
+) -> list[Result]:
+    import kvtier
+
+    vals = values(size, count, args.seed)
+    # Random 16-byte keys (the engine's own hashes, as far as kvtier knows), stored as one
+    # chain so any run of them is a cached prefix.
+    rng = np.random.default_rng(args.seed + 1)
+    keys = [rng.bytes(16) for _ in range(count)]
+    writer = kvtier.Client(server.unix_url, timeout=30.0)
+    parent = None
+    for start in range(0, count, 64):
+        stored = writer.put_chain(keys[start : start + 64], vals[start : start + 64], parent=parent)
+        if stored.failure or stored.cached != len(keys[start : start + 64]):
+            raise RuntimeError(f"kvtier put failed: {stored.failure} {stored.failure_detail}")
+        parent = keys[min(start + 64, count) - 1]
+    out = []
+    max_batch = max(batches)
+    dst = np.zeros((max_batch, size), dtype=np.uint8)
+    for path, client in (
+        ("kvtier unix", kvtier.Client(server.unix_url, timeout=30.0)),
+        ("kvtier tcp", kvtier.Client(server.tcp_url, token=TOKEN, timeout=30.0)),
+    ):
+        if path == "kvtier unix" and not client.is_local:
+            raise RuntimeError("the Unix client is not local (no zero-copy path)")
+        for batch in batches:
+            view = dst[:batch]
+
+            def get(
+                first: int,
+                batch: int = batch,
+                view: np.ndarray = view,
+                c: kvtier.Client = client,
+                path: str = path,
+            ) -> None:
+                got = c.get_into(keys[first : first + batch], view)
+                if got.blocks != batch:
+                    raise RuntimeError(f"{path}: {got.blocks} of {batch} ({got.miss_detail})")
+
+            dst[:] = 0
+            out.append(measure(path, size, batch, count, args.seconds, get, dst, vals))
+    return out
+
+
+def memcpy_cases(size: int, count: int, batches: list[int], args: argparse.Namespace) -> list:
+    vals = values(size, count, args.seed)
+    dst = np.zeros((max(batches), size), dtype=np.uint8)
+    out = []
+    for batch in batches:
+
+        def get(first: int, batch: int = batch) -> None:
+            np.copyto(dst[:batch], vals[first : first + batch])
+
+        dst[:] = 0
+        out.append(measure("memcpy", size, batch, count, args.seconds, get, dst, vals))
+    return out
+
+
+# ---------------------------------------------------------------- driver
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def rust_figures(binary: str, sizes: list[int], seconds: float) -> str:
+    argv = [
+        binary,
+        "tiers",
+        "--parts",
+        "server",
+        "--server-tiers",
+        "dram",
+        "--transports",
+        "unix,tcp",
+        "--sizes",
+        ",".join(f"{s >> 10}k" for s in sizes),
+        "--clients",
+        "1",
+        "--seconds-per-case",
+        str(seconds),
+        "--lookup-blocks",
+        "0",
+        "--no-redis",
+    ]
+    print(f"\n== kvtier-bench (Rust SDK, same run): {' '.join(argv)}", flush=True)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    return done.stdout + (done.stderr[-3000:] if done.returncode else "")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", default="32k,256k,2m")
+    p.add_argument("--batches", default="1,16", help="values a get call, comma-separated")
+    p.add_argument("--working-set", default="128m", help="bytes of distinct values a size")
+    p.add_argument("--seconds", type=float, default=1.0, help="timed seconds a case")
+    p.add_argument("--seed", type=int, default=13)
+    p.add_argument("--server-bin", help="kvtier-server (release build)")
+    p.add_argument("--kvtier-bench", help="also run `kvtier-bench tiers` (unix, tcp gets)")
+    p.add_argument("--json", help="write every result here")
+    p.add_argument("--keep-logs", action="store_true")
+    # A Mooncake case's own process (internal).
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--count", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--master", help=argparse.SUPPRESS)
+    p.add_argument("--metadata", help=argparse.SUPPRESS)
+    p.add_argument("--real-client", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        mooncake_child(args)
+        return
+    if not args.server_bin:
+        raise SystemExit("--server-bin is required (a release kvtier-server)")
+
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    ws = parse_size(args.working_set)
+    start_load = loadavg()
+    print(
+        f"load average at start: {start_load}; sizes {args.sizes}, batches {args.batches}, "
+        f"working set {human(ws)} a size, {args.seconds} s a case, seed {args.seed}",
+        flush=True,
+    )
+    logdir = Path(tempfile.mkdtemp(prefix="bench-mooncake-"))
+    results: list[dict] = []
+    mooncake = Mooncake(Path(sys.executable).parent, logdir)
+    try:
+        for size in sizes:
+            count = max(ws // size, 2 * max(batches))
+            case: list[dict] = []
+            case += [r.as_json() for r in memcpy_cases(size, count, batches, args)]
+            for kind in ("mooncake-tcp", "mooncake-shm"):
+                case += mooncake.run_case(kind, size, count, args)
+            workdir = logdir / f"kvtier-{size}"
+            workdir.mkdir()
+            server = KvtierServer(
+                Path(args.server_bin), size, 2 * count * size + (64 << 20), workdir
+            )
+            try:
+                case += [r.as_json() for r in kvtier_cases(server, size, count, batches, args)]
+            finally:
+                server.close()
+            for r in case:
+                print(
+                    f"  {human(size):>7} batch {r['batch']:>2} {r['path']:<13} "
+                    f"{r['gbps']:6.2f} GB/s  p50 {r['p50_us']:8.1f} us  p99 {r['p99_us']:8.1f} us"
+                    f"  ({r['ops']} calls, wrong {r['wrong']})",
+                    flush=True,
+                )
+            results += case
+    finally:
+        mooncake.close()
+    end_load = loadavg()
+    report(results, sizes, batches)
+    wrong = sum(r["wrong"] for r in results)
+    print(f"\nwrong values: {wrong}; load average at start {start_load}, at end {end_load}")
+    if args.kvtier_bench:
+        print(rust_figures(args.kvtier_bench, sizes, args.seconds))
+        print(f"load average after kvtier-bench: {loadavg()}")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"start_load": start_load, "end_load": end_load, "results": results}, indent=1
+            )
+        )
+    if args.keep_logs:
+        print(f"logs: {logdir}")
+    else:
+        shutil.rmtree(logdir, ignore_errors=True)
+    if wrong:
+        raise SystemExit(1)
+
+
+def report(results: list[dict], sizes: list[int], batches: list[int]) -> None:
+    """GB/s is bytes over the summed call times (a mean: the load's tails weigh in); "GB/s at
+    p50" is a call's bytes over its median time, steadier on a loaded machine."""
+    by = {(r["path"], r["size"], r["batch"]): r for r in results}
+
+    def p50_gbps(r: dict) -> float:
+        return r["size"] * r["batch"] / (r["p50_us"] * 1e3)
+
+    print("\n| size | batch | path | GB/s | GB/s at p50 | p50 / p99 us | x memcpy (mean, p50) |")
+    print("|---|---|---|---|---|---|---|")
+    for size in sizes:
+        for batch in batches:
+            ref = by[("memcpy", size, batch)]
+            for path in ("memcpy", "mooncake tcp", "mooncake shm", "kvtier tcp", "kvtier unix"):
+                r = by[(path, size, batch)]
+                print(
+                    f"| {human(size)} | {batch} | {path} | {r['gbps']:.2f} | {p50_gbps(r):.2f} | "
+                    f"{r['p50_us']:,.1f} / {r['p99_us']:,.1f} | {r['gbps'] / ref['gbps']:.2f}x, "
+                    f"{p50_gbps(r) / p50_gbps(ref):.2f}x |"
+                )
+    print(
+        "\n| size | batch | kvtier unix / mooncake shm, mean and p50 (target >= 2x) "
+        "| kvtier tcp / mooncake tcp, mean and p50 (target >= 2x; NOT the cluster path) |"
+    )
+    print("|---|---|---|---|")
+    for size in sizes:
+        for batch in batches:
+            cells = []
+            for ours, theirs in (("kvtier unix", "mooncake shm"), ("kvtier tcp", "mooncake tcp")):
+                a, b = by[(ours, size, batch)], by[(theirs, size, batch)]
+                mean, med = a["gbps"] / b["gbps"], p50_gbps(a) / p50_gbps(b)
+                verdict = {(True, True): "met", (False, True): "met at p50 only"}.get(
+                    (mean >= 2, med >= 2), "missed" if med < 2 and mean < 2 else "met in mean only"
+                )
+                cells.append(f"{mean:.2f}x, {med:.2f}x: {verdict}")
+            print(f"| {human(size)} | {batch} | {cells[0]} | {cells[1]} |")
+
+
+if __name__ == "__main__":
+    main()
