@@ -213,10 +213,10 @@ impl ConnState {
     /// Remembers a held lookup of this connection until its load.
     fn remember_hold(&mut self, hold: LookupHold, keys: &[BlockKey]) {
         if let LookupHold::Held { lease_id, blocks } = hold {
-            if self.holds.len() >= MAX_HOLDS_PER_CONNECTION {
-                if let Some((old, _, _)) = self.holds.pop_front() {
-                    self.shared.store.release(old);
-                }
+            if self.holds.len() >= MAX_HOLDS_PER_CONNECTION
+                && let Some((old, _, _)) = self.holds.pop_front()
+            {
+                self.shared.store.release(old);
             }
             self.holds.push_back((lease_id, blocks, keys[blocks - 1]));
         }
