@@ -1,5 +1,7 @@
-//! The store's clock, in milliseconds. Policies that reason about time (how long since a
-//! conversation's last turn) read it; a replay drives a [`ManualClock`] in trace time.
+//! The store's clock, in milliseconds, passed to the eviction policies with every call; a
+//! replay drives a [`ManualClock`] in trace time. The default policy does not read it: it
+//! keeps a logical clock of its own (blocks looked up and inserted), so its decisions do not
+//! depend on how fast requests arrive.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;

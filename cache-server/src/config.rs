@@ -46,8 +46,15 @@ pub struct StoreConfig {
     pub shards: usize,
     /// Longest lease a pin may ask for. Default: 30 s.
     pub max_lease: Duration,
-    /// Time as the policies see it. Default: the system's monotonic clock.
+    /// Time as the policies see it. Default: the system's monotonic clock. (The default
+    /// eviction policy keeps its own logical clock and does not read it.)
     pub clock: Arc<dyn Clock>,
+    /// How long a held lookup ([`crate::TieredStore::lookup_held`]) keeps its DRAM prefix
+    /// pinned when the client does not release it first; zero turns holds off. Default: 1 s.
+    pub lookup_hold: Duration,
+    /// Most DRAM blocks all held lookups may pin together; a lookup that would pass it holds
+    /// nothing and is counted. Zero means a quarter of the DRAM tier's slots. Default: 0.
+    pub lookup_hold_max_blocks: u64,
 }
 
 /// Where and how large the NVMe tier is.
@@ -141,6 +148,8 @@ impl StoreConfig {
             shards: 64,
             max_lease: Duration::from_secs(30),
             clock: Arc::new(SystemClock::default()),
+            lookup_hold: Duration::from_secs(1),
+            lookup_hold_max_blocks: 0,
         }
     }
 

@@ -36,7 +36,7 @@ pub use config::{DeviceMemory, HbmSettings, NvmeSettings, StoreConfig};
 pub use error::StoreError;
 pub use stats::{StoreStats, TierStats};
 pub use store::{
-    Announcement, EventSink, GetOutcome, Lease, MissReason, OpenReport, PinnedBlock, PinnedRead,
-    PutOutcome, Reservation, SnapshotEntry, StoreEvent, StoreEventKind, TieredStore,
+    Announcement, EventSink, GetOutcome, Lease, LookupHold, MissReason, OpenReport, PinnedBlock,
+    PinnedRead, PutOutcome, Reservation, SnapshotEntry, StoreEvent, StoreEventKind, TieredStore,
 };
 pub use tier::TierKind;

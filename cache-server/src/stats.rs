@@ -120,6 +120,12 @@ pub struct StoreStats {
     /// Keys in the index.
     pub blocks: u64,
     pub leases_outstanding: u64,
+    /// Lookups that pinned their DRAM prefix until its load (held lookups).
+    pub lookup_holds: u64,
+    /// Held lookups refused a hold because the hold budget was spent (nothing pinned).
+    pub lookup_holds_refused: u64,
+    /// DRAM blocks pinned by held lookups now.
+    pub held_blocks: u64,
     /// Background jobs queued or running.
     pub io_backlog: u64,
     /// Store memory per block of capacity, all tiers and the index together, in bytes

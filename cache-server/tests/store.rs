@@ -597,3 +597,110 @@ fn the_published_slot_table_follows_dram_exactly() {
     check("after clear");
     assert!(keys.iter().all(|k| s.dram().published().find(*k).is_none()));
 }
+
+/// Puts `keys` as one chain after `parent`.
+fn put_chain(s: &TieredStore, parent: Option<BlockKey>, keys: &[BlockKey]) {
+    let mut p = parent;
+    for &k in keys {
+        s.put(k, p, &data(k)).unwrap();
+        p = Some(k);
+    }
+}
+
+/// Between a lookup and its load, neither other requests' puts nor the request's own puts
+/// evict the looked-up prefix; once released, it is evictable again.
+#[test]
+fn a_held_lookup_keeps_its_prefix_until_released() {
+    for eviction in kvtier_server::policy::EvictionKind::ALL {
+        let mut c = config(16, None);
+        c.eviction = eviction;
+        c.lookup_hold_max_blocks = 8;
+        let (s, _) = TieredStore::open(c).unwrap();
+        let prefix: Vec<BlockKey> = (1..=4).map(key).collect();
+        put_chain(&s, None, &prefix);
+        let (tiers, hold) = s.lookup_held(&prefix);
+        assert_eq!(tiers.len(), 4);
+        let kvtier_server::LookupHold::Held { lease_id, blocks } = hold else {
+            panic!("{}: no hold: {hold:?}", eviction.name());
+        };
+        assert_eq!(blocks, 4);
+        // The request's own continuation, then other requests' chains: 44 blocks through a
+        // 16-block cache.
+        let own: Vec<BlockKey> = (5..=16).map(key).collect();
+        put_chain(&s, Some(prefix[3]), &own);
+        for c in 0..8u64 {
+            let other: Vec<BlockKey> = (0..4).map(|i| key(100 + c * 10 + i)).collect();
+            put_chain(&s, None, &other);
+        }
+        assert_eq!(s.lookup(&prefix).len(), 4, "{}", eviction.name());
+        for &k in &prefix {
+            assert_eq!(get(&s, k), GetOutcome::Hit(TierKind::Dram));
+        }
+        assert_eq!(s.stats().held_blocks, 4);
+        assert!(s.release(lease_id));
+        assert_eq!(s.stats().held_blocks, 0);
+        for c in 0..8u64 {
+            let other: Vec<BlockKey> = (0..4).map(|i| key(500 + c * 10 + i)).collect();
+            put_chain(&s, None, &other);
+        }
+        if eviction == kvtier_server::policy::EvictionKind::Lru {
+            // (The chain-aware policy may keep it on its own: it is a continuing chain.)
+            assert!(
+                s.lookup(&prefix).len() < 4,
+                "released blocks stay unevictable"
+            );
+        }
+        s.check_consistency().unwrap();
+    }
+}
+
+/// Holds share a budget: past it a lookup holds nothing and is counted; unreleased holds
+/// expire on their own, so a client that never loads cannot keep the cache.
+#[test]
+fn held_lookups_are_bounded_and_expire() {
+    let mut c = config(16, None);
+    c.lookup_hold_max_blocks = 6;
+    c.lookup_hold = Duration::from_millis(200);
+    let (s, _) = TieredStore::open(c).unwrap();
+    let a: Vec<BlockKey> = (1..=4).map(key).collect();
+    let b: Vec<BlockKey> = (11..=14).map(key).collect();
+    put_chain(&s, None, &a);
+    put_chain(&s, None, &b);
+    assert!(matches!(
+        s.lookup_held(&a).1,
+        kvtier_server::LookupHold::Held { blocks: 4, .. }
+    ));
+    let (tiers, hold) = s.lookup_held(&b);
+    assert_eq!(
+        tiers.len(),
+        4,
+        "an over-budget lookup still reports the prefix"
+    );
+    assert_eq!(hold, kvtier_server::LookupHold::OverBudget);
+    assert_eq!(
+        s.lookup_held(&[key(999)]).1,
+        kvtier_server::LookupHold::Nothing
+    );
+    let st = s.stats();
+    assert_eq!(
+        (st.lookup_holds, st.lookup_holds_refused, st.held_blocks),
+        (1, 1, 4)
+    );
+    // Puts still find room: at most the budget is held.
+    for i in 0..40 {
+        let k = key(1000 + i);
+        assert!(matches!(
+            s.put(k, None, &data(k)).unwrap(),
+            PutOutcome::Stored(_)
+        ));
+    }
+    let t0 = Instant::now();
+    while s.stats().held_blocks > 0 || s.stats().leases_outstanding > 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "a hold never expired"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    s.check_consistency().unwrap();
+}

@@ -269,6 +269,14 @@ impl Embedded {
 /// One tier's counters from the server's statistics.
 pub type TierCounters = kvtier_server::TierStats;
 
+/// Held lookups and lookups refused a hold, from a server's `stats` JSON (0 from a server
+/// that does not report them).
+pub fn parse_holds(json: &str) -> (u64, u64) {
+    let v: serde_json::Value = serde_json::from_str(json).unwrap_or_default();
+    let n = |k: &str| v["store"][k].as_u64().unwrap_or(0);
+    (n("lookup_holds"), n("lookup_holds_refused"))
+}
+
 /// The per-tier counters in a server's `stats` JSON.
 pub fn parse_stats(json: &str) -> Result<Vec<TierCounters>> {
     let v: serde_json::Value =

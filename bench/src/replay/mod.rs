@@ -13,7 +13,7 @@ pub mod backend;
 pub mod payload;
 pub mod schedule;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -136,6 +136,10 @@ pub struct ReplayArgs {
     /// Worker decode rate in tokens/s (model time of calls).
     #[arg(long, default_value_t = 50.0)]
     pub decode_tok_s: f64,
+    /// Also write the requests in the order they were served, as Mooncake JSONL (ids made
+    /// global by scope, every block stored), for `kvtier-bench policy --trace FILE`.
+    #[arg(long, value_name = "FILE")]
+    pub order_out: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -298,6 +302,10 @@ pub struct Overall {
     pub corrupt_blocks: u64,
     /// Blocks a lookup reported but the load did not deliver.
     pub lost_between_lookup_and_load: u64,
+    /// Lookups whose prefix the server held until the load, and lookups it refused a hold
+    /// (its hold budget spent), from the server's statistics.
+    pub lookup_holds: u64,
+    pub lookup_holds_refused: u64,
     pub busy_answers: u64,
     pub bytes_loaded: u64,
     pub bytes_stored: u64,
@@ -375,6 +383,36 @@ pub fn simulated_trace(records: &[Record]) -> Vec<TraceRequest> {
             }
         })
         .collect()
+}
+
+/// Writes `sim` as Mooncake JSONL: one line a request, ids renumbered densely, every block
+/// stored (`input_length` a whole number of 512-token blocks).
+fn write_order(path: &Path, sim: &[TraceRequest]) -> Result<()> {
+    use std::io::Write;
+    let f = std::fs::File::create(path)
+        .with_context(|| format!("creating --order-out {}", path.display()))?;
+    let mut w = std::io::BufWriter::new(f);
+    // Renumbered densely in order of first appearance, as the Mooncake files are.
+    let mut ids = std::collections::HashMap::new();
+    for r in sim {
+        let hash_ids: Vec<u64> = r
+            .block_ids
+            .iter()
+            .map(|id| {
+                let n = ids.len() as u64;
+                *ids.entry(*id).or_insert(n)
+            })
+            .collect();
+        let line = serde_json::json!({
+            "timestamp": r.timestamp_ms,
+            "input_length": r.block_ids.len() as u64 * u64::from(trace::MOONCAKE_BLOCK_TOKENS),
+            "output_length": 0,
+            "hash_ids": hash_ids,
+        });
+        writeln!(w, "{line}")?;
+    }
+    w.flush()
+        .with_context(|| format!("writing --order-out {}", path.display()))
 }
 
 pub fn run(a: &ReplayArgs, seed: u64) -> Result<ReplayReport> {
@@ -484,7 +522,8 @@ async fn replay_against(
             layout.block_bytes()
         );
     }
-    let before = backend::parse_stats(&client.stats().await.context("server stats")?)?;
+    let before_json = client.stats().await.context("server stats")?;
+    let before = backend::parse_stats(&before_json)?;
     let slots = |name: &str| {
         before
             .iter()
@@ -548,7 +587,11 @@ async fn replay_against(
     };
     let wall_s = t0.elapsed().as_secs_f64();
     pb.finish_and_clear();
-    let after = backend::parse_stats(&client.stats().await.context("server stats")?)?;
+    let after_json = client.stats().await.context("server stats")?;
+    let after = backend::parse_stats(&after_json)?;
+    let holds = |j: &str| backend::parse_holds(j);
+    let (h0, r0) = holds(&before_json);
+    let (h1, r1) = holds(&after_json);
     let server_tiers: Vec<TierCounters> = after
         .iter()
         .map(|t| match before.iter().find(|b| b.tier == t.tier) {
@@ -561,6 +604,8 @@ async fn replay_against(
     let mut o = Overall {
         requests: records.len() as u64,
         wall_s,
+        lookup_holds: h1.saturating_sub(h0),
+        lookup_holds_refused: r1.saturating_sub(r0),
         ..Overall::default()
     };
     let mut tier_hits = [0u64; 3];
@@ -633,6 +678,9 @@ async fn replay_against(
 
     // The same requests, in the same order, simulated at the same capacity.
     let sim = simulated_trace(&records);
+    if let Some(path) = &a.order_out {
+        write_order(path, &sim)?;
+    }
     let lru = replay(&sim, simulated_blocks, EvictionKind::Lru)?.hit_rate();
     let def = replay(&sim, simulated_blocks, EvictionKind::default())?.hit_rate();
     let opt = optimum(&sim, simulated_blocks);
@@ -849,6 +897,10 @@ impl Report for ReplayReport {
             (
                 "lost between lookup and load",
                 o.lost_between_lookup_and_load.to_string(),
+            ),
+            (
+                "lookups held / refused a hold",
+                format!("{} / {}", o.lookup_holds, o.lookup_holds_refused),
             ),
             ("busy answers", o.busy_answers.to_string()),
             (

@@ -272,6 +272,12 @@ pub struct StoreSection {
     pub demotion: String,
     /// Tier I/O threads. Default: 4.
     pub io_threads: usize,
+    /// How long a lookup keeps its DRAM prefix pinned for the load that follows, when the
+    /// connection does not load it first; 0 turns holds off. Default: 1,000.
+    pub lookup_hold_ms: u64,
+    /// Most DRAM blocks all held lookups may pin together (past it a lookup holds nothing,
+    /// counted); 0 = a quarter of the DRAM tier. Default: 0.
+    pub lookup_hold_max_blocks: u64,
 }
 
 /// The KV layout of the blocks this server holds (its size sets the slot size).
@@ -368,6 +374,8 @@ impl Default for StoreSection {
             nvme_direct_io: true,
             demotion: "write-through".into(),
             io_threads: 4,
+            lookup_hold_ms: 1_000,
+            lookup_hold_max_blocks: 0,
         }
     }
 }
@@ -997,6 +1005,8 @@ impl ServerConfig {
         c.demotion = self.demotion()?;
         c.io_threads = self.store.io_threads;
         c.max_lease = self.max_lease();
+        c.lookup_hold = Duration::from_millis(self.store.lookup_hold_ms);
+        c.lookup_hold_max_blocks = self.store.lookup_hold_max_blocks;
         c.tiers = self.tiers()?;
         if c.tiers.contains(&TierKind::Hbm) {
             let Size::Bytes(bytes) = self.store.hbm_bytes else {

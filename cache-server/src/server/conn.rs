@@ -13,6 +13,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvtier_core::BlockKey;
 use kvtier_core::protocol::{
     ErrorCode, ErrorReply, Events, FrameError, HEADER_BYTES, Header, Hello, HelloReply,
     MIN_VERSION, MissCode, Opcode, PinReply, PinnedSlot, PutEntry, PutReply, PutStatus, Request,
@@ -29,7 +30,7 @@ use super::metrics::{Metrics, Transport};
 use super::staging::Staging;
 use super::tenants::{Admit, Identity, Registration};
 use crate::policy::admission::RejectReason;
-use crate::{MissReason, PinnedRead, PutOutcome, Reservation, StoreError};
+use crate::{LookupHold, MissReason, PinnedRead, PutOutcome, Reservation, StoreError};
 
 /// Responses queued for the writer of one connection.
 const OUT_QUEUE: usize = 256;
@@ -197,13 +198,52 @@ impl Drop for ReservationRecord {
 struct ConnState {
     shared: Arc<Shared>,
     leases: HashMap<u64, Instant>,
+    /// Held lookups not yet loaded: (lease id, blocks held, last held key), oldest first.
+    holds: std::collections::VecDeque<(u64, usize, BlockKey)>,
     reservations: HashMap<u64, ReservationRecord>,
     next_reservation: u64,
     /// The staging region passed at hello (local connections with the arena).
     staging: Option<Arc<Staging>>,
 }
 
+/// Held lookups one connection may keep unloaded; a newer one releases the oldest.
+const MAX_HOLDS_PER_CONNECTION: usize = 64;
+
 impl ConnState {
+    /// Remembers a held lookup of this connection until its load.
+    fn remember_hold(&mut self, hold: LookupHold, keys: &[BlockKey]) {
+        if let LookupHold::Held { lease_id, blocks } = hold {
+            if self.holds.len() >= MAX_HOLDS_PER_CONNECTION
+                && let Some((old, _, _)) = self.holds.pop_front()
+            {
+                self.shared.store.release(old);
+            }
+            self.holds.push_back((lease_id, blocks, keys[blocks - 1]));
+        }
+    }
+
+    /// A load of `keys` has pinned what it reads: releases the hold of a lookup of the same
+    /// prefix, if this connection has one.
+    fn loaded(&mut self, keys: &[BlockKey]) {
+        let i = self
+            .holds
+            .iter()
+            .position(|&(_, n, last)| keys.get(n.wrapping_sub(1)) == Some(&last));
+        if let Some((id, _, _)) = i.and_then(|i| self.holds.remove(i)) {
+            self.shared.store.release(id);
+        }
+    }
+
+    /// A put continues a chain after `parent`: the request that held a lookup ending there
+    /// has read its prefix (a zero-copy reader reads the arena without asking the server),
+    /// so its hold is released.
+    fn continued(&mut self, parent: BlockKey) {
+        let i = self.holds.iter().position(|&(_, _, last)| last == parent);
+        if let Some((id, _, _)) = i.and_then(|i| self.holds.remove(i)) {
+            self.shared.store.release(id);
+        }
+    }
+
     fn reap(&mut self, now: Instant) {
         let before = self.reservations.len();
         let expired: Vec<u64> = self
@@ -228,6 +268,9 @@ impl ConnState {
 impl Drop for ConnState {
     fn drop(&mut self) {
         for id in self.leases.keys() {
+            self.shared.store.release(*id);
+        }
+        for (id, _, _) in &self.holds {
             self.shared.store.release(*id);
         }
         let m = &self.shared.metrics;
@@ -315,6 +358,7 @@ pub(crate) async fn serve_until<R, W>(
     let state = Arc::new(Mutex::new(ConnState {
         shared: shared.clone(),
         leases: HashMap::new(),
+        holds: std::collections::VecDeque::new(),
         reservations: HashMap::new(),
         next_reservation: 1,
         staging: None,
@@ -770,6 +814,9 @@ impl Conn {
             return true;
         }
         let ns = self.who.ns;
+        if let Some(p) = entries.first().and_then(|e| e.parent) {
+            lock(&self.state).continued(s.tenants.key(ns, p));
+        }
         let keys: Vec<_> = entries.iter().map(|e| s.tenants.key(ns, e.key)).collect();
         // Readers that meet these keys wait for them (bounded) instead of missing.
         let mut announced = s.store.announce(&keys);
@@ -1033,7 +1080,9 @@ impl Job {
             Request::Ping => self.reply(Response::Pong),
             Request::Lookup(k) => {
                 await_pending(&s, &k.keys).await;
-                let tiers = store.lookup(&k.keys);
+                // The prefix stays pinned until this connection loads it (or briefly).
+                let (tiers, hold) = store.lookup_held(&k.keys);
+                lock(&self.state).remember_hold(hold, &k.keys);
                 let miss = (tiers.len() < k.keys.len()).then_some(MissReason::NotCached);
                 self.reply(Response::Lookup {
                     tiers: tiers.iter().map(|t| tier_code(*t) as u8).collect(),
@@ -1071,7 +1120,13 @@ impl Job {
                 // DRAM-resident prefixes are pinned right here; NVMe promotions block.
                 let pinned = match store.try_pin_read(&k.keys) {
                     Some(p) => p,
-                    None => match self.blocking(move || store.pin_read(&k.keys)).await {
+                    None => match self
+                        .blocking({
+                            let keys = k.keys.clone();
+                            move || store.pin_read(&keys)
+                        })
+                        .await
+                    {
                         Ok(p) => p,
                         Err(o) => return o,
                     },
@@ -1084,6 +1139,7 @@ impl Job {
                         .collect(),
                     miss: miss_code(pinned.miss()),
                 };
+                lock(&self.state).loaded(&k.keys);
                 let len = pinned.blocks().len() as u64 * s.block_bytes as u64;
                 s.metrics.bytes_sent.inc_by(len);
                 let mut o = Out::new(self.id, self.op, &r, len);
@@ -1097,15 +1153,24 @@ impl Job {
                 await_pending(&s, &keys).await;
                 let l = match store.try_pin(&keys, lease) {
                     Some(l) => l,
-                    None => match self.blocking(move || store.pin(&keys, lease)).await {
+                    None => match self
+                        .blocking({
+                            let keys = keys.clone();
+                            move || store.pin(&keys, lease)
+                        })
+                        .await
+                    {
                         Ok(l) => l,
                         Err(o) => return o,
                     },
                 };
-                if !l.blocks.is_empty() {
+                {
                     let mut st = lock(&self.state);
-                    st.leases.insert(l.id, l.deadline);
-                    s.metrics.leases_open.inc();
+                    st.loaded(&keys);
+                    if !l.blocks.is_empty() {
+                        st.leases.insert(l.id, l.deadline);
+                        s.metrics.leases_open.inc();
+                    }
                 }
                 self.reply(Response::Pin(PinReply {
                     lease_id: if l.blocks.is_empty() { 0 } else { l.id },
@@ -1144,6 +1209,9 @@ impl Job {
                 let Some(staging) = lock(&self.state).staging.clone() else {
                     return self.error(ErrorCode::Internal, "no staging region");
                 };
+                if let Some(p) = entries.first().and_then(|e| e.parent) {
+                    lock(&self.state).continued(s.tenants.key(ns, p));
+                }
                 if entries.len() > staging.places() as usize {
                     return self.error(
                         ErrorCode::TooLarge,

@@ -5,7 +5,7 @@ use crate::tier::SlotId;
 use crate::tier::TierKind;
 use kvtier_core::BlockKey;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use std::time::Instant;
 
@@ -41,6 +41,51 @@ pub struct PinnedBlock {
 pub(super) struct LeaseRecord {
     pub(super) deadline: Instant,
     pub(super) slots: Vec<u32>,
+    /// Taken by a held lookup: its blocks count against the hold budget.
+    pub(super) hold: bool,
+}
+
+/// What a held lookup pinned ([`super::TieredStore::lookup_held`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LookupHold {
+    /// The leading run of the prefix held in DRAM is pinned: `blocks` of them, until
+    /// [`super::TieredStore::release`] of `lease_id` or the hold's deadline.
+    Held { lease_id: u64, blocks: usize },
+    /// Nothing to hold: no leading block in DRAM, or holds are off.
+    Nothing,
+    /// Holding would pass the hold budget: nothing is pinned (counted).
+    OverBudget,
+}
+
+/// The hold budget (DRAM blocks all held lookups may pin together) and its counters.
+pub(super) struct Holds {
+    pub(super) max_blocks: u64,
+    pub(super) blocks: AtomicU64,
+    pub(super) taken: AtomicU64,
+    pub(super) refused: AtomicU64,
+}
+
+impl Holds {
+    pub(super) fn new(max_blocks: u64) -> Self {
+        Self {
+            max_blocks,
+            blocks: AtomicU64::new(0),
+            taken: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+        }
+    }
+
+    /// Counts `n` more held blocks; false (and nothing counted) past the budget.
+    pub(super) fn try_take(&self, n: u64) -> bool {
+        let prev = self.blocks.fetch_add(n, Ordering::AcqRel);
+        if prev + n > self.max_blocks {
+            self.blocks.fetch_sub(n, Ordering::AcqRel);
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        self.taken.fetch_add(1, Ordering::Relaxed);
+        true
+    }
 }
 
 impl Inner {
@@ -55,7 +100,14 @@ impl Inner {
         let id = self.next_lease.fetch_add(1, Ordering::Relaxed);
         if !blocks.is_empty() {
             let slots = blocks.iter().map(|b| b.slot.0).collect();
-            lock(&self.leases).insert(id, LeaseRecord { deadline, slots });
+            lock(&self.leases).insert(
+                id,
+                LeaseRecord {
+                    deadline,
+                    slots,
+                    hold: false,
+                },
+            );
         }
         Some(Lease {
             id,
@@ -65,13 +117,51 @@ impl Inner {
         })
     }
 
+    /// Files the pins a held lookup took on `slots` of the host tier as a lease; past the
+    /// hold budget, unpins them instead.
+    pub(super) fn hold(self: &Arc<Self>, slots: Vec<u32>) -> LookupHold {
+        if slots.is_empty() {
+            return LookupHold::Nothing;
+        }
+        let blocks = slots.len();
+        if !self.holds.try_take(blocks as u64) {
+            for s in slots {
+                self.unpin(self.host, s);
+            }
+            return LookupHold::OverBudget;
+        }
+        let id = self.next_lease.fetch_add(1, Ordering::Relaxed);
+        let deadline = Instant::now() + self.config.lookup_hold;
+        lock(&self.leases).insert(
+            id,
+            LeaseRecord {
+                deadline,
+                slots,
+                hold: true,
+            },
+        );
+        LookupHold::Held {
+            lease_id: id,
+            blocks,
+        }
+    }
+
+    fn unpin_lease(self: &Arc<Self>, rec: &LeaseRecord) {
+        if rec.hold {
+            self.holds
+                .blocks
+                .fetch_sub(rec.slots.len() as u64, Ordering::AcqRel);
+        }
+        for &s in &rec.slots {
+            self.unpin(self.host, s);
+        }
+    }
+
     pub(super) fn release_lease(self: &Arc<Self>, id: u64) -> bool {
         let Some(rec) = lock(&self.leases).remove(&id) else {
             return false;
         };
-        for s in rec.slots {
-            self.unpin(self.host, s);
-        }
+        self.unpin_lease(&rec);
         true
     }
 
@@ -86,9 +176,7 @@ impl Inner {
             ids.iter().filter_map(|id| leases.remove(id)).collect()
         };
         for rec in &expired {
-            for &s in &rec.slots {
-                self.unpin(self.host, s);
-            }
+            self.unpin_lease(rec);
         }
         expired.len()
     }

@@ -34,12 +34,12 @@ mod write;
 
 pub use events::{EventSink, SnapshotEntry, StoreEvent, StoreEventKind};
 pub use handles::{PinnedRead, Reservation};
-pub use lease::{LEASE_REAP_INTERVAL, Lease, PinnedBlock};
+pub use lease::{LEASE_REAP_INTERVAL, Lease, LookupHold, PinnedBlock};
 pub use pending::Announcement;
 
 use self::index::Shard;
 use self::index::{Entry, MAX_TIERS};
-use self::lease::LeaseRecord;
+use self::lease::{Holds, LeaseRecord};
 use self::slots::NONE;
 use self::slots::Slots;
 use self::slots::slots_for;
@@ -114,6 +114,8 @@ struct Inner {
     write_errors_log: warn::WarnEvery,
     leases: Mutex<HashMap<u64, LeaseRecord>>,
     next_lease: AtomicU64,
+    /// The budget and counts of held lookups (leases taken by a lookup).
+    holds: Holds,
     /// Keys being stored (announced or reserved, not yet committed).
     pending: pending::Pending,
     events: std::sync::OnceLock<EventSink>,
@@ -224,6 +226,7 @@ impl TieredStore {
             .map(|t| u64::from(t.tier.slot_count()))
             .sum::<u64>()
             .div_ceil(shards as u64) as usize;
+        let host_slots = u64::from(tiers[host].tier.slot_count());
         let inner = Arc::new(Inner {
             block_bytes,
             shard_mask: shards as u64 - 1,
@@ -241,6 +244,10 @@ impl TieredStore {
             write_errors_log: warn::WarnEvery::new(warn::IO_ERROR_LOG_INTERVAL),
             leases: Mutex::new(HashMap::new()),
             next_lease: AtomicU64::new(1),
+            holds: Holds::new(match config.lookup_hold_max_blocks {
+                0 => (host_slots / 4).max(1),
+                n => n,
+            }),
             events: std::sync::OnceLock::new(),
             config,
         });
@@ -307,7 +314,16 @@ impl TieredStore {
     /// A lookup is a request announcing itself: the policies count the prefix as used (use
     /// [`TieredStore::contains`] to ask without that effect).
     pub fn lookup(&self, keys: &[BlockKey]) -> Vec<TierKind> {
-        self.inner.lookup(keys)
+        self.inner.lookup(keys, false).0
+    }
+
+    /// [`TieredStore::lookup`] that also pins the prefix's leading run of DRAM blocks until
+    /// the request loads it: until [`TieredStore::release`] of the hold's lease id, or for
+    /// at most [`StoreConfig::lookup_hold`]. Other requests' puts cannot evict a held block.
+    /// Holds share a budget ([`StoreConfig::lookup_hold_max_blocks`]); past it the lookup
+    /// holds nothing and says so ([`LookupHold::OverBudget`], counted in the stats).
+    pub fn lookup_held(&self, keys: &[BlockKey]) -> (Vec<TierKind>, LookupHold) {
+        self.inner.lookup(keys, true)
     }
 
     /// Whether `key` is cached in any tier.

@@ -10,7 +10,7 @@ use crate::policy::{LookupContext, PromotionPolicy};
 use crate::stats::TierCounters;
 use crate::tier::{SlotId, TierKind};
 
-use super::lease::PinnedBlock;
+use super::lease::{LookupHold, PinnedBlock};
 use super::movement::CopyFor;
 use super::slots::NONE;
 use super::{GetOutcome, Inner, MissReason, lock};
@@ -72,9 +72,17 @@ impl Inner {
         }
     }
 
-    /// The longest cached prefix of `keys`, with each tier's policy told about the request.
-    pub(super) fn lookup(&self, keys: &[BlockKey]) -> Vec<TierKind> {
+    /// The longest cached prefix of `keys`, with each tier's policy told about the request;
+    /// with `hold`, the leading run of it in the host tier stays pinned (see
+    /// [`super::TieredStore::lookup_held`]).
+    pub(super) fn lookup(
+        self: &Arc<Self>,
+        keys: &[BlockKey],
+        hold: bool,
+    ) -> (Vec<TierKind>, LookupHold) {
         let n = self.tiers.len();
+        let h = self.host;
+        let hold = hold && !self.config.lookup_hold.is_zero();
         let mut out = Vec::new();
         // Per tier: the slots of the leading run of keys it holds.
         let mut runs: Vec<Vec<u32>> = vec![Vec::new(); n];
@@ -88,10 +96,20 @@ impl Inner {
                 open[t] &= e.loc[t] != NONE;
                 if open[t] {
                     runs[t].push(e.loc[t]);
+                    if hold && t == h {
+                        // Pinned under the shard lock while the entry references the slot,
+                        // as `pin_location` does: a remover cannot free it under us.
+                        self.pin_slot(h, e.loc[t]);
+                    }
                 }
             }
             out.push(self.tiers[fastest].kind);
         }
+        let held = if hold {
+            self.hold(runs[h].clone())
+        } else {
+            LookupHold::Nothing
+        };
         let now = self.now();
         for (tier, hits) in self.tiers.iter().zip(&mut runs) {
             let mut st = lock(&tier.state);
@@ -109,7 +127,7 @@ impl Inner {
                 now_ms: now,
             });
         }
-        out
+        (out, held)
     }
 
     pub(super) fn get(

@@ -172,6 +172,9 @@ impl Inner {
             tiers,
             blocks: self.shards.iter().map(|s| lock(s).len() as u64).sum(),
             leases_outstanding: lock(&self.leases).len() as u64,
+            lookup_holds: self.holds.taken.load(Ordering::Relaxed),
+            lookup_holds_refused: self.holds.refused.load(Ordering::Relaxed),
+            held_blocks: self.holds.blocks.load(Ordering::Relaxed),
             io_backlog: self.pool.backlog() as u64,
         }
     }

@@ -18,11 +18,19 @@
 //!   `last_access + multiplier x B`.
 //! * **Self-tuning `B`.** `R0` is a moving average of how long class-0 blocks survive before
 //!   eviction; `B = max(0, horizon - R0)`. A cache large enough to keep first turns for the
-//!   whole horizon needs no protection and behaves as leaf-first LRU, which is why the policy
-//!   does not lose to LRU at large capacities.
+//!   whole horizon needs no protection and behaves as leaf-first LRU.
+//! * **Logical time.** The policy's clock is its own count of blocks: every key a lookup
+//!   names and every block inserted is one tick. The horizon is [`HORIZON_SLOTS`] ticks a
+//!   slot. The same requests in the same order give the same decisions at any speed (the
+//!   store's clock is not read).
+//! * **Duel.** Protection is an admission filter that wins when many long conversations
+//!   cycle through a cache too small for all of them and loses when they return quickly;
+//!   two sampled shadow caches, one protecting and one not, decide online whether it is on
+//!   (see [`super::duel`]). Tiers under 512 slots run no duel and always protect.
 //!
 //! Cost: O(log n) per touch, insert and eviction (one binary heap per class with lazy
-//! deletion, compacted in place); all memory is allocated at construction.
+//! deletion, compacted in place), plus each lookup's sampled keys (1 in 16) run through the
+//! duel's two shadows; all memory is allocated at construction.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -31,11 +39,14 @@ use kvtier_core::BlockKey;
 
 use crate::keyhash::KeyHashing;
 
+use super::duel::Duel;
 use super::{EvictionPolicy, InsertContext, LookupContext, MAX_VICTIM_SCAN, NIL};
 
-/// How long protected conversations are kept beyond first turns, at most. Default: 400 s (a
-/// time horizon for think and tool gaps, not a capacity).
-pub const DEFAULT_HORIZON_MS: u64 = 400_000;
+/// How long protected conversations are kept beyond first turns, at most: this many ticks
+/// of the logical clock for each slot of the tier (4: a cache's worth of blocks named four
+/// times over). Chosen with the duel's margin as the pair, of {4, 8} x {0, 5 %}, that was
+/// at or above LRU on every trace and capacity simulated (see `docs/benchmarks.md`).
+pub const HORIZON_SLOTS: u64 = 4;
 /// Weight of each new class-0 eviction age in `R0`.
 const R0_ALPHA: f64 = 0.001;
 const CLASSES: usize = 3;
@@ -61,8 +72,14 @@ fn order_key(last_ms: u64, depth: u32) -> u64 {
 
 /// See the module documentation.
 pub struct ChainAware {
-    horizon_ms: u64,
-    r0_ms: f64,
+    /// Logical time: blocks named by lookups plus blocks inserted, so far.
+    now: u64,
+    /// Chooses `protect` online, when the tier is large enough to sample.
+    duel: Option<Box<Duel>>,
+    /// Whether turns 1+ are protected now (else the policy is leaf-first recency).
+    protect: bool,
+    horizon: u64,
+    r0: f64,
     tracked: Box<[bool]>,
     keys: Box<[BlockKey]>,
     last: Box<[u64]>,
@@ -97,18 +114,27 @@ pub struct ChainAware {
 }
 
 impl ChainAware {
+    /// The default: protection horizon [`HORIZON_SLOTS`] ticks a slot, switched on and off
+    /// by a duel of sampled shadows (see [`Duel`]).
     pub fn new(slots: u32) -> Self {
-        Self::with_horizon(slots, DEFAULT_HORIZON_MS)
+        let mut p = Self::plain(slots, HORIZON_SLOTS * u64::from(slots));
+        p.duel = Duel::new(slots, HORIZON_SLOTS).map(Box::new);
+        p
     }
 
-    pub fn with_horizon(slots: u32, horizon_ms: u64) -> Self {
+    /// A policy whose protection horizon is `horizon` ticks of its logical clock, always
+    /// on (no duel).
+    pub fn plain(slots: u32, horizon: u64) -> Self {
         let n = slots as usize;
         let heap = || BinaryHeap::with_capacity(2 * n + 64);
         let ghost_cap = 2 * n;
         let pending_cap = n.clamp(16, MAX_PENDING_TURNS);
         Self {
-            horizon_ms,
-            r0_ms: 0.0,
+            now: 0,
+            duel: None,
+            protect: true,
+            horizon,
+            r0: 0.0,
             tracked: vec![false; n].into(),
             keys: vec![BlockKey::default(); n].into(),
             last: vec![0; n].into(),
@@ -135,9 +161,17 @@ impl ChainAware {
         }
     }
 
-    /// Current protection bonus for class-1 blocks, in ms.
-    pub fn protection_ms(&self) -> u64 {
-        (self.horizon_ms as f64 - self.r0_ms).max(0.0) as u64
+    /// Current protection bonus for class-1 blocks, in ticks of the logical clock.
+    pub fn protection(&self) -> u64 {
+        if !self.protect {
+            return 0;
+        }
+        (self.horizon as f64 - self.r0).max(0.0) as u64
+    }
+
+    /// The key the policy was told `slot` holds.
+    pub(super) fn key_of(&self, slot: u32) -> BlockKey {
+        self.keys[slot as usize]
     }
 
     fn class_of(level: u8) -> u8 {
@@ -198,6 +232,13 @@ impl EvictionPolicy for ChainAware {
 
     fn on_lookup(&mut self, ctx: LookupContext<'_>) {
         let hits = ctx.hits;
+        if let Some(duel) = self.duel.as_mut() {
+            let keys = &self.keys;
+            let all = hits.iter().map(|&s| keys[s as usize]);
+            self.protect = duel.request(all.chain(ctx.rest.iter().copied()));
+        }
+        self.now += (hits.len() + ctx.rest.len()) as u64;
+        let now = self.now;
         // Continue through keys evicted recently: a returning conversation whose tail is gone.
         let ghost_run = ctx
             .rest
@@ -222,7 +263,7 @@ impl EvictionPolicy for ChainAware {
             if !self.tracked[s] {
                 continue;
             }
-            self.last[s] = ctx.now_ms;
+            self.last[s] = now;
             self.level[s] = self.level[s].max(turn);
             self.req_turn[s] = turn;
             self.refile(slot);
@@ -245,10 +286,11 @@ impl EvictionPolicy for ChainAware {
             Some((t, _)) => t,
             None => req_turn,
         };
+        self.now += 1;
         self.tracked[s] = true;
         self.keys[s] = key;
         self.insert_gen[s] = self.insert_gen[s].wrapping_add(1);
-        self.last[s] = ctx.now_ms;
+        self.last[s] = self.now;
         self.turn[s] = turn;
         self.level[s] = req_turn;
         self.req_turn[s] = req_turn;
@@ -269,22 +311,22 @@ impl EvictionPolicy for ChainAware {
         self.refile(slot);
     }
 
-    fn on_hit(&mut self, slot: u32, now_ms: u64) {
+    fn on_hit(&mut self, slot: u32, _now_ms: u64) {
         let s = slot as usize;
         if self.tracked[s] {
-            self.last[s] = self.last[s].max(now_ms);
+            self.last[s] = self.now;
             self.refile(slot);
         }
     }
 
-    fn on_remove(&mut self, slot: u32, now_ms: u64) {
+    fn on_remove(&mut self, slot: u32, _now_ms: u64) {
         let s = slot as usize;
         if !self.tracked[s] {
             return;
         }
         if self.class[s] == 0 {
-            let age = now_ms.saturating_sub(self.last[s]) as f64;
-            self.r0_ms += R0_ALPHA * (age - self.r0_ms);
+            let age = self.now.saturating_sub(self.last[s]) as f64;
+            self.r0 += R0_ALPHA * (age - self.r0);
         }
         self.entry_seq += 1;
         bounded_insert(
@@ -309,7 +351,7 @@ impl EvictionPolicy for ChainAware {
     }
 
     fn victim(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
-        let b = self.protection_ms();
+        let b = self.protection();
         let mut best: Option<(u64, usize, u32)> = None;
         let mut scanned = 0;
         for (c, multiplier) in CLASS_MULTIPLIER.iter().enumerate() {
@@ -348,7 +390,8 @@ impl EvictionPolicy for ChainAware {
             * std::mem::size_of::<HeapEntry>();
         let ghost = self.ghost.capacity() * (16 + 16 + 1) + self.ghost_order.capacity() * 24;
         let pending = self.pending.capacity() * (16 + 16 + 1) + self.pending_order.capacity() * 24;
-        arrays + (heaps + ghost + pending) / self.tracked.len().max(1)
+        let duel = self.duel.as_ref().map_or(0, |d| d.bytes());
+        arrays + (heaps + ghost + pending + duel) / self.tracked.len().max(1)
     }
 }
 

@@ -223,7 +223,7 @@ impl EvictionPolicy for Lru {
     }
 }
 
-pub use chain::{ChainAware, DEFAULT_HORIZON_MS};
+pub use chain::{ChainAware, HORIZON_SLOTS};
 pub use leaf_lru::LeafLru;
 pub use sanity::{Checked, store_violations};
 
@@ -231,6 +231,7 @@ mod chain;
 /// The conformance suite every policy passes (run by this module's tests).
 #[cfg(test)]
 mod conformance;
+mod duel;
 mod leaf_lru;
 mod sanity;
 

@@ -1,0 +1,202 @@
+//! Set dueling for [`super::ChainAware`]: two small shadow caches, run on a fixed sample of the
+//! keys, one with conversation protection and one without (leaf-first recency). The main
+//! policy protects while the protecting shadow has hit more over the recent requests.
+//!
+//! Protection is an admission filter: it wins when many long conversations cycle through a
+//! cache too small for all of them (it keeps some whole instead of losing all), and loses
+//! when their returns are quick enough for recency alone. Which case holds depends on the
+//! traffic and the capacity, not on a constant, so the policy measures it.
+//!
+//! A shadow holds only the sampled keys (about 1 in [`SAMPLE`]) in `slots / SAMPLE` slots:
+//! the sampled keys of a request form a chain of their own, and a shadow sees each request
+//! as the store does (a lookup of the chain, then inserts of the missing keys after the hit
+//! run). Its clock counts sampled blocks only, so every horizon scales with it.
+
+use std::collections::HashMap;
+
+use kvtier_core::BlockKey;
+
+use crate::keyhash::KeyHashing;
+
+use super::chain::ChainAware;
+use super::{EvictionPolicy, InsertContext, LookupContext};
+
+/// About one key in this many is sampled into the shadows.
+pub(crate) const SAMPLE: u64 = 16;
+/// Shadows smaller than this are not worth running (the duel is then off and the policy
+/// always protects, as before the duel).
+const MIN_SHADOW_SLOTS: u32 = 32;
+/// Weight of each request's hits in the shadows' moving scores: a window of about this many
+/// requests.
+const WINDOW_REQUESTS: f64 = 128.0;
+/// The protecting shadow must lead by this share to switch protection on: on a tie the
+/// policy is plain leaf-first recency, the safe side against LRU.
+const PROTECT_MARGIN: f64 = 0.05;
+
+/// Whether `key` is in the sample (keys are hashes; the multiply mixes any low-bit pattern).
+pub(crate) fn sampled(key: &BlockKey) -> bool {
+    key.low_u64().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60 == 0
+}
+
+/// A simulated cache of sampled keys under one setting of the policy.
+struct Shadow {
+    policy: ChainAware,
+    slots: HashMap<BlockKey, u32, KeyHashing>,
+    free: Vec<u32>,
+    hits: Vec<u32>,
+    score: f64,
+}
+
+impl Shadow {
+    fn new(slots: u32, horizon: u64) -> Self {
+        Self {
+            policy: ChainAware::plain(slots, horizon),
+            slots: HashMap::with_capacity_and_hasher(slots as usize + 1, KeyHashing::new()),
+            free: (0..slots).rev().collect(),
+            hits: Vec::with_capacity(slots as usize),
+            score: 0.0,
+        }
+    }
+
+    /// One request's sampled keys, in chain order: returns how many lead cached.
+    fn request(&mut self, keys: &[BlockKey]) -> usize {
+        self.hits.clear();
+        for k in keys {
+            match self.slots.get(k) {
+                Some(&s) => self.hits.push(s),
+                None => break,
+            }
+        }
+        let n = self.hits.len();
+        self.policy.on_lookup(LookupContext {
+            hits: &self.hits,
+            rest: &keys[n..],
+            now_ms: 0,
+        });
+        let mut parent = self.hits.last().copied();
+        for &k in &keys[n..] {
+            if let Some(&s) = self.slots.get(&k) {
+                // Cached past a hole: the store finds it already present.
+                self.policy.on_hit(s, 0);
+                parent = Some(s);
+                continue;
+            }
+            let slot = match self.free.pop() {
+                Some(s) => s,
+                None => {
+                    let Some(v) = self.policy.victim(&mut |_| true) else {
+                        break;
+                    };
+                    self.slots.remove(&self.policy.key_of(v));
+                    self.policy.on_remove(v, 0);
+                    if parent == Some(v) {
+                        // The store refuses a put whose parent is gone: the request stops.
+                        self.free.push(v);
+                        break;
+                    }
+                    v
+                }
+            };
+            self.slots.insert(k, slot);
+            self.policy
+                .on_insert(slot, k, InsertContext { parent, now_ms: 0 });
+            parent = Some(slot);
+        }
+        n
+    }
+
+    fn bytes(&self) -> usize {
+        self.policy.bytes_per_slot() * self.free.capacity()
+            + self.slots.capacity() * (16 + 4 + 1)
+            + (self.free.capacity() + self.hits.capacity()) * 4
+    }
+}
+
+/// The two shadows and the keys of the request being sampled.
+pub(crate) struct Duel {
+    /// [without protection, with protection]
+    shadows: [Shadow; 2],
+    keys: Vec<BlockKey>,
+}
+
+impl Duel {
+    /// A duel for a tier of `slots` slots whose protection horizon is `horizon_per_slot`
+    /// ticks a slot; `None` when the tier is too small to sample.
+    pub(crate) fn new(slots: u32, horizon_per_slot: u64) -> Option<Self> {
+        let n = (u64::from(slots) / SAMPLE) as u32;
+        (n >= MIN_SHADOW_SLOTS).then(|| Self {
+            shadows: [
+                Shadow::new(n, 0),
+                Shadow::new(n, horizon_per_slot * u64::from(n)),
+            ],
+            keys: Vec::with_capacity(1024),
+        })
+    }
+
+    /// Runs one request's keys (`keys` yields them in chain order) through both shadows;
+    /// returns whether the protecting one leads by [`PROTECT_MARGIN`].
+    pub(crate) fn request(&mut self, keys: impl Iterator<Item = BlockKey>) -> bool {
+        self.keys.clear();
+        self.keys.extend(keys.filter(sampled));
+        if !self.keys.is_empty() {
+            for s in &mut self.shadows {
+                let h = s.request(&self.keys) as f64;
+                s.score += (h - s.score) / WINDOW_REQUESTS;
+            }
+        }
+        self.shadows[1].score > self.shadows[0].score * (1.0 + PROTECT_MARGIN)
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        self.shadows.iter().map(Shadow::bytes).sum::<usize>() + self.keys.capacity() * 16
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `n` sampled keys for chain `c`.
+    fn chain(c: u64, n: usize) -> Vec<BlockKey> {
+        (0u64..)
+            .map(|i| BlockKey::from_u128((u128::from(c) << 64) | u128::from(i + 1)))
+            .filter(sampled)
+            .take(n)
+            .collect()
+    }
+
+    #[test]
+    fn about_one_key_in_sample_is_sampled() {
+        let n = (0..64_000u128)
+            .filter(|&i| sampled(&BlockKey::from_u128(i.wrapping_mul(0x2545_F491_4F6C_DD1D))))
+            .count();
+        assert!((3_000..5_000).contains(&n), "{n} of 64,000");
+    }
+
+    #[test]
+    fn a_shadow_counts_the_cached_leading_run() {
+        let mut s = Shadow::new(64, 0);
+        let a = chain(1, 10);
+        assert_eq!(s.request(&a[..6]), 0);
+        assert_eq!(s.request(&a), 6);
+        assert_eq!(s.request(&a), 10);
+    }
+
+    /// Conversations that return at once: recency loses nothing, so protection stays off
+    /// (a tie is off), while both shadows score their hits.
+    #[test]
+    fn protection_stays_off_when_recency_loses_nothing() {
+        let chains: Vec<Vec<BlockKey>> = (0..6).map(|c| chain(c, 30)).collect();
+        let mut d = Duel::new(64 * SAMPLE as u32, 4).unwrap();
+        let mut on = true;
+        for _ in 0..20 {
+            for c in &chains {
+                for _ in 0..3 {
+                    on = d.request(c.iter().copied());
+                }
+            }
+        }
+        assert!(!on, "scores {:?}", d.shadows.each_ref().map(|s| s.score));
+        assert!(d.shadows.iter().all(|s| s.score > 10.0));
+    }
+}
