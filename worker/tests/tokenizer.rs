@@ -622,11 +622,11 @@ const CHAT_TEMPLATE: &str = "{{- bos_token }}\
 {%- endfor %}\
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}";
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn chat_requests_use_the_models_own_chat_template() -> Result<()> {
-    let dir = tempfile::tempdir()?;
+/// A model directory in `dir` with a Llama-3-style tokenizer (the header tokens the templates
+/// write added as special tokens after the others) and `template` as its chat template; its
+/// tokenizer and vocabulary size.
+fn model_dir_with_template(dir: &std::path::Path, template: &str) -> Result<(Tokenizer, usize)> {
     let (mut tok_json, vocab) = llama3_style_tokenizer_json();
-    // The header tokens the template writes, as special tokens after the others.
     let added = tok_json["added_tokens"]
         .as_array_mut()
         .context("added_tokens")?;
@@ -640,19 +640,25 @@ async fn chat_requests_use_the_models_own_chat_template() -> Result<()> {
         );
     }
     let vocab = vocab + 2;
-    std::fs::write(dir.path().join("tokenizer.json"), tok_json.to_string())?;
+    std::fs::write(dir.join("tokenizer.json"), tok_json.to_string())?;
     std::fs::write(
-        dir.path().join("tokenizer_config.json"),
+        dir.join("tokenizer_config.json"),
         json!({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
-               "chat_template": CHAT_TEMPLATE})
+               "chat_template": template})
         .to_string(),
     )?;
     let cfg = ModelConfig {
         vocab_size: vocab,
         ..ModelConfig::default()
     };
-    save_model(dir.path(), &cfg)?;
-    let tok = Tokenizer::for_model_dir(dir.path(), vocab)?;
+    save_model(dir, &cfg)?;
+    Ok((Tokenizer::for_model_dir(dir, vocab)?, vocab))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_requests_use_the_models_own_chat_template() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (tok, vocab) = model_dir_with_template(dir.path(), CHAT_TEMPLATE)?;
     let template = tok.chat_template().context("the template was loaded")?;
     assert!(template.source().ends_with("tokenizer_config.json"));
 
@@ -734,33 +740,7 @@ const TOOLS_TEMPLATE: &str = "{{- bos_token }}\
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_requests_with_tools_render_them_through_the_template() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let (mut tok_json, vocab) = llama3_style_tokenizer_json();
-    let added = tok_json["added_tokens"]
-        .as_array_mut()
-        .context("added_tokens")?;
-    for (i, name) in ["<|start_header_id|>", "<|end_header_id|>"]
-        .iter()
-        .enumerate()
-    {
-        added.push(
-            json!({"id": vocab + i, "content": name, "single_word": false,
-            "lstrip": false, "rstrip": false, "normalized": false, "special": true}),
-        );
-    }
-    let vocab = vocab + 2;
-    std::fs::write(dir.path().join("tokenizer.json"), tok_json.to_string())?;
-    std::fs::write(
-        dir.path().join("tokenizer_config.json"),
-        json!({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
-               "chat_template": TOOLS_TEMPLATE})
-        .to_string(),
-    )?;
-    let cfg = ModelConfig {
-        vocab_size: vocab,
-        ..ModelConfig::default()
-    };
-    save_model(dir.path(), &cfg)?;
-    let tok = Tokenizer::for_model_dir(dir.path(), vocab)?;
+    let (tok, _) = model_dir_with_template(dir.path(), TOOLS_TEMPLATE)?;
 
     let tools = json!([{"type": "function", "function": {
         "name": "read_file", "description": "reads one file of the repository",
