@@ -55,6 +55,12 @@ where
             out
         })
         .collect();
+    Some(join_strips(&strips, t, n))
+}
+
+/// The `[t][n]` product from per-strip `[t][NR]` blocks of its columns (the last strip's
+/// columns past `n` are padding).
+pub(crate) fn join_strips(strips: &[Vec<f32>], t: usize, n: usize) -> Vec<f32> {
     let mut y = vec![0f32; t * n];
     for (s, strip) in strips.iter().enumerate() {
         let cols = NR.min(n - s * NR);
@@ -62,7 +68,7 @@ where
             dst[s * NR..s * NR + cols].copy_from_slice(&src[..cols]);
         }
     }
-    Some(y)
+    y
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -30,7 +30,7 @@ use rayon::prelude::*;
 /// Values per quantized block (the weights' and the activations').
 pub(crate) const BLOCK: usize = 32;
 /// Output rows (weight rows) per strip: two 16-lane vectors.
-pub(crate) const NR: usize = 32;
+pub(crate) const NR: usize = crate::gemm::NR;
 /// Activation rows per kernel call: `MR x 2` i32 block sums and as many f32 totals stay in
 /// the 32 zmm registers with the two weight vectors and a broadcast.
 const MR: usize = 6;
@@ -232,14 +232,7 @@ where
             out
         })
         .collect();
-    let mut y = vec![0f32; t * n];
-    for (s, strip) in strips.iter().enumerate() {
-        let cols = NR.min(n - s * NR);
-        for (dst, src) in y.chunks_exact_mut(n).zip(strip.chunks_exact(NR)) {
-            dst[s * NR..s * NR + cols].copy_from_slice(&src[..cols]);
-        }
-    }
-    Some(y)
+    Some(crate::gemm::join_strips(&strips, t, n))
 }
 
 /// One tile of [`MR`] activation rows (`q`, `s`, `s_sum` laid out as [`Activations`]'s tile)
