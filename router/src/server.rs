@@ -674,7 +674,8 @@ async fn forward(app: &App, d: &Decision, body: Bytes, path: &str) -> (Response,
             }
         };
         outstanding.started();
-        if stream.status == 200 {
+        // Only the kv policy reads them.
+        if stream.status == 200 && app.config.policy == Policy::Kv {
             w.recent
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
