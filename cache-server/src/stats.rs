@@ -80,19 +80,37 @@ impl TierStats {
     /// The counters' change since `before` (saturating); gauges (slots, pins, sizes) as in
     /// `self`.
     pub fn since(&self, before: &TierStats) -> TierStats {
-        let d = |a: u64, b: u64| a.saturating_sub(b);
+        self.zip_counters(before, u64::saturating_sub)
+    }
+
+    /// Adds another server's figures for the same tier: counters, slots and pins summed; the
+    /// per-slot sizes the larger of the two.
+    pub fn add(&mut self, other: &TierStats) {
+        let mut sum = self.zip_counters(other, u64::saturating_add);
+        sum.used_slots = self.used_slots.saturating_add(other.used_slots);
+        sum.capacity_slots = self.capacity_slots.saturating_add(other.capacity_slots);
+        sum.pins_outstanding = self.pins_outstanding.saturating_add(other.pins_outstanding);
+        sum.slot_bytes = self.slot_bytes.max(other.slot_bytes);
+        sum.metadata_bytes_per_slot = self
+            .metadata_bytes_per_slot
+            .max(other.metadata_bytes_per_slot);
+        *self = sum;
+    }
+
+    /// `f` applied to each counter of `self` and `other`; the gauges as in `self`.
+    fn zip_counters(&self, other: &TierStats, f: impl Fn(u64, u64) -> u64) -> TierStats {
         TierStats {
-            hits: d(self.hits, before.hits),
-            misses: d(self.misses, before.misses),
-            bytes_in: d(self.bytes_in, before.bytes_in),
-            bytes_out: d(self.bytes_out, before.bytes_out),
-            evictions: d(self.evictions, before.evictions),
-            demotions: d(self.demotions, before.demotions),
-            demotions_dropped: d(self.demotions_dropped, before.demotions_dropped),
-            promotions: d(self.promotions, before.promotions),
-            admissions_refused: d(self.admissions_refused, before.admissions_refused),
-            corrupt_dropped: d(self.corrupt_dropped, before.corrupt_dropped),
-            io_errors: d(self.io_errors, before.io_errors),
+            hits: f(self.hits, other.hits),
+            misses: f(self.misses, other.misses),
+            bytes_in: f(self.bytes_in, other.bytes_in),
+            bytes_out: f(self.bytes_out, other.bytes_out),
+            evictions: f(self.evictions, other.evictions),
+            demotions: f(self.demotions, other.demotions),
+            demotions_dropped: f(self.demotions_dropped, other.demotions_dropped),
+            promotions: f(self.promotions, other.promotions),
+            admissions_refused: f(self.admissions_refused, other.admissions_refused),
+            corrupt_dropped: f(self.corrupt_dropped, other.corrupt_dropped),
+            io_errors: f(self.io_errors, other.io_errors),
             ..self.clone()
         }
     }

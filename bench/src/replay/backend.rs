@@ -2,6 +2,7 @@
 //! Unix socket) or one at an address, served through kvtier-client; the server's statistics.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -40,6 +41,96 @@ impl ClientBackend {
             lookup_only,
         })
     }
+}
+
+/// How a fleet's request picks its server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Route {
+    /// The next server, in turn.
+    RoundRobin,
+    /// A hash of the prompt's first two block keys: every call of a session (or every turn
+    /// of a conversation behind a shared system prompt) on one server, as a session-sticky
+    /// router sends them.
+    Session,
+}
+
+impl Route {
+    pub fn name(self) -> &'static str {
+        match self {
+            Route::RoundRobin => "round robin",
+            Route::Session => "session",
+        }
+    }
+}
+
+/// Several servers behind one [`Backend`]: each request is served whole by one of them.
+pub struct Fleet {
+    members: Vec<ClientBackend>,
+    route: Route,
+    next: AtomicUsize,
+}
+
+impl Fleet {
+    /// `members` must not be empty.
+    pub fn new(members: Vec<ClientBackend>, route: Route) -> Self {
+        assert!(!members.is_empty(), "a fleet of no servers");
+        Self {
+            members,
+            route,
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// The member that serves a request for `keys`.
+    pub fn pick(&self, keys: &[BlockKey]) -> usize {
+        let n = self.members.len();
+        match self.route {
+            Route::RoundRobin => self.next.fetch_add(1, Ordering::Relaxed) % n,
+            Route::Session => {
+                // Block keys are cryptographic hashes already: their bytes are uniform.
+                let x = keys.iter().take(2).fold(0u64, |x, k| {
+                    let b: [u8; 8] = k.as_bytes()[..8].try_into().expect("8 of 16 bytes");
+                    x.rotate_left(29) ^ u64::from_le_bytes(b)
+                });
+                (x % n as u64) as usize
+            }
+        }
+    }
+}
+
+impl Backend for Fleet {
+    async fn serve(&self, keys: Vec<BlockKey>, blocks_to_store: usize) -> Result<Served> {
+        let i = self.pick(&keys);
+        self.members[i].serve(keys, blocks_to_store).await
+    }
+}
+
+/// The `stats` JSON of every server of a fleet, in order.
+pub async fn fleet_stats(clients: &[Client]) -> Result<Vec<String>> {
+    let mut out = Vec::with_capacity(clients.len());
+    for (i, c) in clients.iter().enumerate() {
+        out.push(
+            c.stats()
+                .await
+                .with_context(|| format!("server {i}'s stats"))?,
+        );
+    }
+    Ok(out)
+}
+
+/// A fleet's per-tier counters: each tier's counters and capacities summed over the servers
+/// (the per-slot sizes are the largest of them).
+pub fn sum_stats(jsons: &[String]) -> Result<Vec<TierCounters>> {
+    let mut total: Vec<TierCounters> = Vec::new();
+    for j in jsons {
+        for t in parse_stats(j)? {
+            match total.iter_mut().find(|x| x.tier == t.tier) {
+                Some(x) => x.add(&t),
+                None => total.push(t),
+            }
+        }
+    }
+    Ok(total)
 }
 
 /// A miss that means the server is gone or refuses us: the replay stops.

@@ -27,7 +27,7 @@ use serde::Serialize;
 use crate::policy::{optimum, token_count, unlimited};
 use crate::report::{Plot, PlotKind, Report, Series, Table};
 use crate::trace::{self, MooncakeTrace, ReadOptions, Session, Skipped};
-use backend::{ClientBackend, Embedded, EmbeddedConfig, TierCounters};
+use backend::{ClientBackend, Embedded, EmbeddedConfig, Fleet, TierCounters};
 use schedule::{Record, ScheduleConfig, WorkerProfile};
 
 /// Prefill rate of the model time when no worker profile is given (tokens/s).
@@ -63,9 +63,16 @@ pub struct ReplayArgs {
     #[arg(long, value_enum, default_value = "auto")]
     pub format: Format,
     /// Use the server at this address (unix://PATH, tcp://HOST:PORT, quic://HOST:PORT)
-    /// instead of starting one in this process. Its tier sizes are its own.
-    #[arg(long, value_name = "URL")]
-    pub server: Option<String>,
+    /// instead of starting one in this process. Its tier sizes are its own. Repeat the flag
+    /// for a fleet: each request goes to one of the servers by `--route`, and capacities and
+    /// counters are the fleet's sums (separate servers, or members of one cluster).
+    #[arg(long = "server", value_name = "URL")]
+    pub servers: Vec<String>,
+    /// How a request picks its server when there are several: `round-robin`, or `session`
+    /// (a hash of the prompt's first two blocks: the session in the Claude Code samples, the
+    /// conversation after the shared system prompt in Mooncake's), as a router would.
+    #[arg(long, value_enum, default_value = "round-robin")]
+    pub route: backend::Route,
     /// Token for a tcp:// or quic:// server. Default: $KVTIER_TOKEN.
     #[arg(long)]
     pub token: Option<String>,
@@ -444,9 +451,9 @@ async fn run_async(
     model_name: String,
 ) -> Result<ReplayReport> {
     let bt = u64::from(layout.block_tokens());
-    let (embedded, url) = match &a.server {
-        Some(url) => (None, url.clone()),
-        None => {
+    let (embedded, urls) = match a.servers.is_empty() {
+        false => (None, a.servers.clone()),
+        true => {
             let dram_blocks = a.dram_tokens / bt;
             if dram_blocks == 0 {
                 bail!(
@@ -477,7 +484,7 @@ async fn run_async(
             })
             .await?;
             let url = e.url.clone();
-            (Some(e), url)
+            (Some(e), vec![url])
         }
     };
     let nvme_fs = embedded.as_ref().and_then(|e| e.nvme_fs.clone());
@@ -488,7 +495,7 @@ async fn run_async(
         skipped,
         layout,
         model_name,
-        &url,
+        &urls,
         embedded.is_some(),
     )
     .await
@@ -510,20 +517,36 @@ async fn replay_against(
     skipped: Skipped,
     layout: KvLayout,
     model_name: String,
-    url: &str,
+    urls: &[String],
     embedded: bool,
 ) -> Result<ReplayReport> {
     let bt = layout.block_tokens();
-    let client = backend::connect(url, a.token.as_deref(), a.quic_cert.as_deref(), !a.copy).await?;
-    let block_bytes = client.block_bytes() as u64;
+    let mut clients = Vec::with_capacity(urls.len());
+    for url in urls {
+        clients
+            .push(backend::connect(url, a.token.as_deref(), a.quic_cert.as_deref(), !a.copy).await?);
+    }
+    let block_bytes = clients[0].block_bytes() as u64;
+    if let Some((u, c)) = urls
+        .iter()
+        .zip(&clients)
+        .find(|(_, c)| c.block_bytes() as u64 != block_bytes)
+    {
+        bail!(
+            "the servers' blocks differ: {} bytes at {}, {} at {u}",
+            block_bytes,
+            urls[0],
+            c.block_bytes()
+        );
+    }
     if embedded && block_bytes != layout.block_bytes() {
         bail!(
             "the embedded server has {block_bytes}-byte blocks, the model profile {}",
             layout.block_bytes()
         );
     }
-    let before_json = client.stats().await.context("server stats")?;
-    let before = backend::parse_stats(&before_json)?;
+    let before_json = backend::fleet_stats(&clients).await?;
+    let before = backend::sum_stats(&before_json)?;
     let slots = |name: &str| {
         before
             .iter()
@@ -551,7 +574,13 @@ async fn replay_against(
         worker,
         seed,
     };
-    let backend = Arc::new(ClientBackend::new(client.clone(), a.lookup_only)?);
+    let backend = Arc::new(Fleet::new(
+        clients
+            .iter()
+            .map(|c| ClientBackend::new(c.clone(), a.lookup_only))
+            .collect::<Result<_>>()?,
+        a.route,
+    ));
     let (total, trace_name, format) = match work {
         Workload::Mooncake(t) => (
             t.requests.len() as u64,
@@ -587,9 +616,13 @@ async fn replay_against(
     };
     let wall_s = t0.elapsed().as_secs_f64();
     pb.finish_and_clear();
-    let after_json = client.stats().await.context("server stats")?;
-    let after = backend::parse_stats(&after_json)?;
-    let holds = |j: &str| backend::parse_holds(j);
+    let after_json = backend::fleet_stats(&clients).await?;
+    let after = backend::sum_stats(&after_json)?;
+    let holds = |js: &[String]| {
+        js.iter()
+            .map(|j| backend::parse_holds(j))
+            .fold((0, 0), |(h, r), (a, b)| (h + a, r + b))
+    };
     let (h0, r0) = holds(&before_json);
     let (h1, r1) = holds(&after_json);
     let server_tiers: Vec<TierCounters> = after
@@ -737,9 +770,16 @@ async fn replay_against(
         trace: trace_name,
         format,
         server: if embedded {
-            format!("embedded ({url})")
+            format!("embedded ({})", urls[0])
+        } else if urls.len() == 1 {
+            urls[0].clone()
         } else {
-            url.to_owned()
+            format!(
+                "{} servers, routed by {}: {}",
+                urls.len(),
+                a.route.name(),
+                urls.join(", ")
+            )
         },
         nvme_fs: None,
         model: ModelProfile {
@@ -765,7 +805,7 @@ async fn replay_against(
         } else {
             "lookup + load + verify"
         },
-        zero_copy: client.is_local(),
+        zero_copy: clients.iter().all(|c| c.is_local()),
         sessions: matches!(work, Workload::Sessions(_)).then_some(a.sessions),
         repeat: a.repeat,
         worker: Worker {
@@ -1114,6 +1154,76 @@ mod tests {
             .expect("the replay did not finish in time")
     }
 
+    /// Replays the mini trace against three separate embedded servers, routed by `route`.
+    fn fleet_of_three(route: &str) -> ReplayReport {
+        let dir = tempfile::tempdir().unwrap();
+        let p = mooncake_file(dir.path());
+        let a = args(&[
+            "--trace",
+            p.to_str().unwrap(),
+            "--max-inflight",
+            "1",
+            "--route",
+            route,
+        ]);
+        within(120, move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async move {
+                let (work, skipped, bt) = read_workload(&a).unwrap();
+                let (layout, name) = layout_for(&a, bt).unwrap();
+                let mut fleet = Vec::new();
+                for _ in 0..3 {
+                    let e = Embedded::start(&EmbeddedConfig {
+                        layout,
+                        dram_blocks: 1000,
+                        nvme_blocks: 0,
+                        nvme_base: std::env::temp_dir(),
+                        demotion: "write-through".into(),
+                        sets: vec![],
+                    })
+                    .await
+                    .unwrap();
+                    fleet.push(e);
+                }
+                let urls: Vec<String> = fleet.iter().map(|e| e.url.clone()).collect();
+                let r = replay_against(&a, 7, &work, skipped, layout, name, &urls, false).await;
+                for e in fleet {
+                    e.stop().await;
+                }
+                r.unwrap()
+            })
+        })
+    }
+
+    #[test]
+    fn a_fleet_sums_its_servers_and_session_routing_keeps_conversations_together() {
+        let rr = fleet_of_three("round-robin");
+        let by_session = fleet_of_three("session");
+        for r in [&rr, &by_session] {
+            assert_eq!(r.capacity.dram_blocks, 3000, "capacity is the fleet's");
+            assert_eq!(r.overall.requests, 60);
+            assert_eq!(r.overall.corrupt_blocks, 0);
+            assert!(r.server.starts_with("3 servers"), "{}", r.server);
+            // The servers' own counters add up to what the client stored.
+            let dram = r.tiers.iter().find(|t| t.tier == "dram").unwrap();
+            assert_eq!(
+                dram.server.as_ref().unwrap().used_slots,
+                r.overall.stored_blocks,
+                "{}",
+                r.server
+            );
+        }
+        // Three conversations of one request in four: round robin over three servers sends
+        // each turn to another server than the last, so it misses what session routing hits
+        // (measured: 79.6 % by session, 61.3 % round robin).
+        assert!(
+            by_session.overall.hit_rate > rr.overall.hit_rate + 0.1,
+            "session {} vs round robin {}",
+            by_session.overall.hit_rate,
+            rr.overall.hit_rate
+        );
+    }
+
     #[test]
     fn a_large_cache_hits_exactly_what_an_unlimited_one_does() {
         let dir = tempfile::tempdir().unwrap();
@@ -1242,7 +1352,8 @@ mod tests {
                 bad[100] ^= 1;
                 let s = c.put_chain(&[key], None, &[&bad]).await;
                 assert_eq!(s.cached(), 1);
-                let r = replay_against(&a, seed, &work, skipped, layout, name, &e.url, true).await;
+                let urls = std::slice::from_ref(&e.url);
+                let r = replay_against(&a, seed, &work, skipped, layout, name, urls, true).await;
                 e.stop().await;
                 r
             })
