@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# Per-node caches against one cluster, same total capacity, same requests (issue 13 item 7).
+#
+#   scripts/bench-cluster.sh [--nodes N] [--trace PATH] [--total-tokens T] [--route R]
+#                            [--out DIR] [-- extra kvtier-bench replay flags]
+#
+# Starts an etcd on loopback, then twice N kvtier-servers (release build, feature `cluster`)
+# on loopback TCP, each with a DRAM tier of T/N tokens of the replay's `tiny` model:
+#   islands  - N servers that know nothing of each other (what a fleet has without kvtier's
+#              cluster: each node's own cache);
+#   cluster  - the same N servers as members of one cluster on the etcd.
+# and replays the trace against each fleet with `kvtier-bench replay --server ... --route R`
+# (every request served whole by one node). Prints both hit rates and their ratio, and leaves
+# the two JSON reports and the servers' logs in DIR. Every process it starts, it stops.
+#
+# Defaults: 3 nodes, the Claude Code samples, 1m tokens in all, round robin.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+nodes=3
+trace=../shared/traces/claude-code-sample
+total=1m
+route=round-robin
+out=""
+extra=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --nodes) nodes=$2; shift 2 ;;
+        --trace) trace=$2; shift 2 ;;
+        --total-tokens) total=$2; shift 2 ;;
+        --route) route=$2; shift 2 ;;
+        --out) out=$2; shift 2 ;;
+        --) shift; extra=("$@"); break ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        *) echo "bench-cluster: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+case "$nodes" in ''|*[!0-9]*) echo "bench-cluster: --nodes must be a number" >&2; exit 2 ;; esac
+if [ "$nodes" -lt 1 ] || [ "$nodes" -gt 16 ]; then
+    echo "bench-cluster: --nodes must be 1..16" >&2; exit 2
+fi
+[ -e "$trace" ] || { echo "bench-cluster: no trace at $trace" >&2; exit 2; }
+etcd_bin=${ETCD_BIN:-$(command -v etcd || true)}
+[ -n "$etcd_bin" ] || { echo "bench-cluster: no etcd (install it with .ci/install-deps)" >&2; exit 2; }
+
+tokens() { # 1m -> 1000000, 300k -> 300000
+    local v=${1,,}
+    case "$v" in
+        *k) echo $(( ${v%k} * 1000 )) ;;
+        *m) echo $(( ${v%m} * 1000000 )) ;;
+        *[!0-9]*|'') echo "bench-cluster: --total-tokens $1 is not a count" >&2; exit 2 ;;
+        *) echo "$v" ;;
+    esac
+}
+total_tokens=$(tokens "$total")
+case "$trace" in
+    *.jsonl) block_tokens=512 ;;
+    *) block_tokens=64 ;;
+esac
+# The replay's `tiny` model: 16 bytes a token; slots are whole 4 KiB pages.
+block_bytes=$(( block_tokens * 16 ))
+slot=$(( (block_bytes + 4095) / 4096 * 4096 ))
+node_blocks=$(( total_tokens / block_tokens / nodes ))
+[ "$node_blocks" -ge 1 ] || { echo "bench-cluster: --total-tokens is under a block a node" >&2; exit 2; }
+
+# BIN_DIR: binaries built elsewhere (kvtier-server with the `cluster` feature); default: build
+# the release ones here.
+if [ -z "${BIN_DIR:-}" ]; then
+    cargo build --release -q -p kvtier-server --features cluster -p kvtier-bench
+    BIN_DIR=target/release
+fi
+server=$BIN_DIR/kvtier-server
+bench=$BIN_DIR/kvtier-bench
+
+work=$(mktemp -d /tmp/kvtier-bench-cluster.XXXXXX)
+out=${out:-$(mktemp -d /tmp/kvtier-bench-cluster-out.XXXXXX)}
+mkdir -p "$out"
+pids=()
+stop_all() {
+    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+    pids=()
+}
+trap 'stop_all; rm -rf "$work"' EXIT
+
+port_base=$(( 20000 + ($$ % 2000) * 20 ))
+etcd_port=$(( port_base + 19 ))
+token=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
+head -c 32 /dev/urandom | base64 > "$work/secret"
+chmod 600 "$work/secret"
+
+start_fleet() { # $1: islands | cluster
+    local mode=$1 n urls=()
+    for n in $(seq 1 "$nodes"); do
+        local tcp=$(( port_base + n * 2 )) admin=$(( port_base + n * 2 + 1 ))
+        local run="$work/$mode-n$n"
+        mkdir -p "$run" && chmod 700 "$run"
+        local sets=(
+            --set "server.runtime_dir=\"$run\"" --set 'server.unix="off"'
+            --set "server.tcp=\"127.0.0.1:$tcp\"" --set 'server.quic="off"'
+            --set 'server.tls="off"' --set "server.admin=\"127.0.0.1:$admin\""
+            --set "server.token=\"$token\""
+            --set "store.dram_bytes=$(( node_blocks * slot ))" --set 'store.nvme_dir=""'
+            --set 'store.dram_prefault=false'
+            --set layout.layers=1 --set layout.kv_heads=1 --set layout.head_dim=4
+            --set 'layout.dtype="bf16"' --set "layout.block_tokens=$block_tokens"
+        )
+        if [ "$mode" = cluster ]; then
+            sets+=(
+                --set "cluster.etcd_endpoints=\"http://127.0.0.1:$etcd_port\""
+                --set "cluster.node_id=\"n$n\"" --set "cluster.secret_file=\"$work/secret\""
+                --set "cluster.lease_ttl_s=5"
+            )
+        fi
+        "$server" "${sets[@]}" > "$out/$mode-n$n.log" 2>&1 &
+        pids+=($!)
+        urls+=(--server "tcp://127.0.0.1:$tcp")
+    done
+    # Ready: every admin port answers /health (and, in a cluster, sees every member).
+    local deadline=$(( SECONDS + 30 ))
+    for n in $(seq 1 "$nodes"); do
+        local admin=$(( port_base + n * 2 + 1 ))
+        until curl -sf "http://127.0.0.1:$admin/health" > /dev/null 2>&1 &&
+            { [ "$mode" = islands ] ||
+              [ "$(curl -sf "http://127.0.0.1:$admin/cluster" |
+                   python3 -c 'import json,sys; print(len(json.load(sys.stdin)["members"]))')" = "$nodes" ]; }; do
+            if [ $SECONDS -ge $deadline ]; then
+                echo "bench-cluster: node $n of the $mode fleet not ready in 30 s; its log:" >&2
+                tail -20 "$out/$mode-n$n.log" >&2
+                exit 1
+            fi
+            sleep 0.2
+        done
+    done
+    fleet_urls=("${urls[@]}")
+}
+
+"$etcd_bin" --name bench --data-dir "$work/etcd" \
+    --listen-client-urls "http://127.0.0.1:$etcd_port" \
+    --advertise-client-urls "http://127.0.0.1:$etcd_port" \
+    --listen-peer-urls "http://127.0.0.1:$(( etcd_port - 1 ))" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$(( etcd_port - 1 ))" \
+    --initial-cluster "bench=http://127.0.0.1:$(( etcd_port - 1 ))" \
+    > "$out/etcd.log" 2>&1 &
+pids+=($!)
+etcd_pid=$!
+
+for mode in islands cluster; do
+    start_fleet "$mode"
+    echo "== $mode: $nodes nodes x $node_blocks blocks ($block_tokens tokens), route $route" >&2
+    "$bench" --json replay --trace "$trace" "${fleet_urls[@]}" --route "$route" \
+        --token "$token" --model tiny "${extra[@]}" > "$out/$mode.json"
+    # Stop this fleet's servers (not etcd) before the next one starts.
+    for p in "${pids[@]}"; do
+        [ "$p" = "$etcd_pid" ] || { kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; }
+    done
+    pids=("$etcd_pid")
+done
+
+python3 - "$out" <<'EOF'
+import json, sys
+out = sys.argv[1]
+r = {m: json.load(open(f"{out}/{m}.json"))["result"] for m in ("islands", "cluster")}
+def hr(m):
+    return r[m]["overall"]["hit_rate"]
+for m in ("islands", "cluster"):
+    p = r[m]["policies"]
+    print(f"{m:8s} hit rate {hr(m)*100:6.2f} %  (one cache of the same total capacity, "
+          f"simulated LRU {p['lru']*100:.2f} %, unlimited {p['unlimited']*100:.2f} %)  "
+          f"corrupt {r[m]['overall']['corrupt_blocks']}")
+ratio = hr("cluster") / hr("islands") if hr("islands") > 0 else float("inf")
+print(f"cluster / islands: {ratio:.2f}x   reports in {out}")
+EOF
