@@ -523,8 +523,9 @@ async fn replay_against(
     let bt = layout.block_tokens();
     let mut clients = Vec::with_capacity(urls.len());
     for url in urls {
-        clients
-            .push(backend::connect(url, a.token.as_deref(), a.quic_cert.as_deref(), !a.copy).await?);
+        clients.push(
+            backend::connect(url, a.token.as_deref(), a.quic_cert.as_deref(), !a.copy).await?,
+        );
     }
     let block_bytes = clients[0].block_bytes() as u64;
     if let Some((u, c)) = urls

@@ -21,8 +21,8 @@ fn binary() -> PathBuf {
     p
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
+fn free_port(host: &str) -> u16 {
+    TcpListener::bind((host, 0))
         .and_then(|l| l.local_addr())
         .expect("a free loopback port")
         .port()
@@ -30,32 +30,39 @@ fn free_port() -> u16 {
 
 pub struct Etcd {
     child: Option<Child>,
+    host: String,
     client_port: u16,
     peer_port: u16,
     dir: tempfile::TempDir,
 }
 
 impl Etcd {
-    /// Starts etcd and waits (at most 20 s) until it answers `/health`.
+    /// Starts etcd on loopback and waits (at most 20 s) until it answers `/health`.
     pub async fn start() -> Etcd {
+        Self::start_on("127.0.0.1").await
+    }
+
+    /// Starts etcd listening on `host` (an address of the caller's network namespace).
+    pub async fn start_on(host: &str) -> Etcd {
         let mut e = Etcd {
             child: None,
-            client_port: free_port(),
-            peer_port: free_port(),
+            host: host.to_owned(),
+            client_port: free_port(host),
+            peer_port: free_port(host),
             dir: tempfile::tempdir().unwrap(),
         };
         e.spawn().await;
         e
     }
 
-    /// The client URL (`http://127.0.0.1:PORT`).
+    /// The client URL (`http://HOST:PORT`).
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        format!("http://{}:{}", self.host, self.client_port)
     }
 
     async fn spawn(&mut self) {
         let client = self.url();
-        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let peer = format!("http://{}:{}", self.host, self.peer_port);
         let child = Command::new(binary())
             .arg("--name=kvtier-test")
             .arg(format!(
@@ -75,7 +82,9 @@ impl Etcd {
             .expect("spawning etcd");
         self.child = Some(child);
         let until = Instant::now() + Duration::from_secs(20);
-        let addr = format!("127.0.0.1:{}", self.client_port).parse().unwrap();
+        let addr = format!("{}:{}", self.host, self.client_port)
+            .parse()
+            .unwrap();
         loop {
             if let Some(c) = self.child.as_mut()
                 && let Ok(Some(status)) = c.try_wait()

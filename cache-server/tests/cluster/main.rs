@@ -1,11 +1,14 @@
 //! Cluster membership with a real etcd and real `kvtier-server` processes on loopback (built
-//! with the `cluster` feature; this target requires it). Each test bounds its time and stops
-//! the servers and etcd it starts. etcd missing: the tests fail naming `.ci/install-deps`.
+//! with the `cluster` feature; this target requires it), and on hosts in network namespaces
+//! the tests make (`netns`, `partition`). Each test bounds its time and stops the servers and
+//! etcd it starts. etcd missing: the tests fail naming `.ci/install-deps`.
 
 #[allow(dead_code)]
 #[path = "../e2e/common.rs"]
 mod common;
 mod etcd;
+mod netns;
+mod partition;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

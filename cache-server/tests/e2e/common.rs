@@ -41,6 +41,16 @@ pub struct ServerProc {
     _tmp: Option<tempfile::TempDir>,
 }
 
+/// What a server process is started through.
+enum Wrap<'a> {
+    None,
+    /// `sh -c "ulimit -n N && exec ..."`.
+    Nofile(u32),
+    /// `ip netns exec NS ...` (the cluster tests' hosts).
+    #[allow(dead_code)]
+    Netns(&'a str),
+}
+
 impl ServerProc {
     /// Starts a server; `extra` are more `--set` assignments.
     pub fn start(extra: &[&str]) -> ServerProc {
@@ -116,28 +126,43 @@ impl ServerProc {
 
     /// Starts a server whose state lives in `dir` (kept by the caller across restarts).
     pub fn start_in(dir: &Path, extra: &[&str]) -> ServerProc {
-        Self::spawn(dir, extra, None)
+        Self::spawn(dir, extra, Wrap::None)
     }
 
     /// Starts a server that may hold at most `nofile` file descriptors (`ulimit -n`).
     pub fn start_with_nofile(nofile: u32, extra: &[&str]) -> ServerProc {
         let tmp = tempfile::tempdir().unwrap();
-        let mut p = Self::spawn(tmp.path(), extra, Some(nofile));
+        let mut p = Self::spawn(tmp.path(), extra, Wrap::Nofile(nofile));
         p._tmp = Some(tmp);
         p
     }
 
-    fn spawn(dir: &Path, extra: &[&str], nofile: Option<u32>) -> ServerProc {
+    /// Starts a server in network namespace `ns` (`ip netns exec`, which becomes the server);
+    /// used by the cluster tests (tests/cluster/partition.rs).
+    #[allow(dead_code)]
+    pub fn start_in_netns(ns: &str, extra: &[&str]) -> ServerProc {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut p = Self::spawn(tmp.path(), extra, Wrap::Netns(ns));
+        p._tmp = Some(tmp);
+        p
+    }
+
+    fn spawn(dir: &Path, extra: &[&str], wrap: Wrap) -> ServerProc {
         let args = Self::args(dir, extra);
         let bin = env!("CARGO_BIN_EXE_kvtier-server");
-        let mut cmd = match nofile {
-            None => Command::new(bin),
-            Some(n) => {
+        let mut cmd = match wrap {
+            Wrap::None => Command::new(bin),
+            Wrap::Nofile(n) => {
                 // The shell lowers its own limit, then becomes the server.
                 let mut c = Command::new("sh");
                 c.arg("-c")
                     .arg(format!("ulimit -n {n} && exec \"$0\" \"$@\""))
                     .arg(bin);
+                c
+            }
+            Wrap::Netns(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, bin]);
                 c
             }
         };
