@@ -1155,6 +1155,20 @@ mod tests {
             .expect("the replay did not finish in time")
     }
 
+    /// An embedded server of 1,000 DRAM blocks of `layout`.
+    async fn small_server(layout: KvLayout) -> Embedded {
+        Embedded::start(&EmbeddedConfig {
+            layout,
+            dram_blocks: 1000,
+            nvme_blocks: 0,
+            nvme_base: std::env::temp_dir(),
+            demotion: "write-through".into(),
+            sets: vec![],
+        })
+        .await
+        .unwrap()
+    }
+
     /// Replays the mini trace against three separate embedded servers, routed by `route`.
     fn fleet_of_three(route: &str) -> ReplayReport {
         let dir = tempfile::tempdir().unwrap();
@@ -1174,17 +1188,7 @@ mod tests {
                 let (layout, name) = layout_for(&a, bt).unwrap();
                 let mut fleet = Vec::new();
                 for _ in 0..3 {
-                    let e = Embedded::start(&EmbeddedConfig {
-                        layout,
-                        dram_blocks: 1000,
-                        nvme_blocks: 0,
-                        nvme_base: std::env::temp_dir(),
-                        demotion: "write-through".into(),
-                        sets: vec![],
-                    })
-                    .await
-                    .unwrap();
-                    fleet.push(e);
+                    fleet.push(small_server(layout).await);
                 }
                 let urls: Vec<String> = fleet.iter().map(|e| e.url.clone()).collect();
                 let r = replay_against(&a, 7, &work, skipped, layout, name, &urls, false).await;
@@ -1332,16 +1336,7 @@ mod tests {
             rt.block_on(async move {
                 let (work, skipped, bt) = read_workload(&a).unwrap();
                 let (layout, name) = layout_for(&a, bt).unwrap();
-                let e = Embedded::start(&EmbeddedConfig {
-                    layout,
-                    dram_blocks: 1000,
-                    nvme_blocks: 0,
-                    nvme_base: std::env::temp_dir(),
-                    demotion: "write-through".into(),
-                    sets: vec![],
-                })
-                .await
-                .unwrap();
+                let e = small_server(layout).await;
                 // Before the replay, store a wrong payload under the shared first block: the
                 // server holds it intact (its own checksums pass), our verification must not.
                 let c = Client::connect(&e.url, kvtier_client::ClientConfig::default())
