@@ -73,6 +73,10 @@ pub struct RouterConfig {
     pub recent_route_ttl_ms: u64,
     /// Most such blocks remembered per worker (about 60 bytes each). Default: 65,536.
     pub max_recent_blocks_per_worker: usize,
+    /// The workers' kvtier servers are members of one kvtier cluster (`docs/cluster.md`):
+    /// a block any of them holds counts, for every worker, as loadable after its own prefix,
+    /// at `costs.cluster_bytes_per_s` (its server fetches it from the owner). Default: false.
+    pub cluster: bool,
 }
 
 impl Default for RouterConfig {
@@ -95,6 +99,7 @@ impl Default for RouterConfig {
             mismatch_min_tokens: 32,
             recent_route_ttl_ms: 20_000,
             max_recent_blocks_per_worker: 1 << 16,
+            cluster: false,
         }
     }
 }

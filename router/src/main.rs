@@ -57,6 +57,10 @@ struct Args {
     /// show it, ms (kv policy; 0: off). Default 20000.
     #[arg(long)]
     recent_route_ttl_ms: Option<u64>,
+    /// The workers' kvtier servers are one kvtier cluster: a block any of them holds counts
+    /// for every worker, fetched at cluster_bytes_per_s.
+    #[arg(long)]
+    cluster: bool,
 }
 
 fn config(a: Args) -> anyhow::Result<RouterConfig> {
@@ -100,6 +104,7 @@ fn config(a: Args) -> anyhow::Result<RouterConfig> {
     if let Some(v) = a.recent_route_ttl_ms {
         c.recent_route_ttl_ms = v;
     }
+    c.cluster |= a.cluster;
     c.check()?;
     Ok(c)
 }

@@ -31,11 +31,18 @@ impl Verdict {
 /// Compares a prediction with the worker's report: disagreement is a factor of two either way
 /// on at least `min_tokens`.
 pub fn verdict(predicted: u64, reported: u64, min_tokens: u64) -> Verdict {
-    if predicted >= min_tokens && reported.saturating_mul(2) < predicted {
+    verdict_range(predicted, predicted, reported, min_tokens)
+}
+
+/// [`verdict`] for a prediction known only within `low..=high` (a worker in a kvtier cluster:
+/// its own server's blocks at least, those fetched from other members at most): lower is
+/// judged against `low`, higher against `high`.
+pub fn verdict_range(low: u64, high: u64, reported: u64, min_tokens: u64) -> Verdict {
+    if low >= min_tokens && reported.saturating_mul(2) < low {
         Verdict::Lower
-    } else if reported >= min_tokens && predicted.saturating_mul(2) < reported {
+    } else if reported >= min_tokens && high.saturating_mul(2) < reported {
         Verdict::Higher
-    } else if predicted >= min_tokens || reported >= min_tokens {
+    } else if high >= min_tokens || reported >= min_tokens {
         Verdict::Agree
     } else {
         Verdict::NoEvidence
@@ -74,6 +81,22 @@ impl Streak {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_range_agrees_with_anything_between_its_ends() {
+        // 100 tokens from the worker's own server, up to 400 with the cluster's.
+        for (r, want) in [
+            (40, Verdict::Lower),
+            (100, Verdict::Agree),
+            (400, Verdict::Agree),
+            (800, Verdict::Agree),
+            (801, Verdict::Higher),
+        ] {
+            assert_eq!(verdict_range(100, 400, r, 32), want, "reported {r}");
+        }
+        assert_eq!(verdict_range(0, 20, 10, 32), Verdict::NoEvidence);
+        assert_eq!(verdict_range(0, 64, 0, 32), Verdict::Agree);
+    }
 
     #[test]
     fn verdicts() {

@@ -5,7 +5,10 @@
 //! * `prefill_s = uncached_tokens / prefill_tokens_per_s` (the worker computes what it cannot
 //!   load; it always recomputes the prompt's last token, so at most `(prompt - 1) /
 //!   block_tokens` leading blocks count as cached);
-//! * `load_s` = the cached blocks' bytes over each tier's bandwidth (HBM, DRAM, NVMe);
+//! * `load_s` = the cached blocks' bytes over each tier's bandwidth (HBM, DRAM, NVMe), and,
+//!   when the workers' servers form one kvtier cluster, the blocks after the worker's own
+//!   prefix that another server holds, over the cluster's bandwidth (its server fetches them
+//!   from their owner: `docs/cluster.md`);
 //! * `queue_s = outstanding_prefill_tokens / prefill_tokens_per_s + outstanding_requests x
 //!   per_request_s`: what the router has sent the worker and not seen start answering (prefill
 //!   tokens), or not seen finish (requests).
@@ -29,6 +32,9 @@ pub struct Costs {
     pub dram_bytes_per_s: f64,
     /// Bytes per second loaded from NVMe. Default: 1e9.
     pub nvme_bytes_per_s: f64,
+    /// Bytes per second a worker's server fetches a block from another member of its kvtier
+    /// cluster (`cluster = true`). Default: 0.5e9.
+    pub cluster_bytes_per_s: f64,
     /// Queueing cost of each request the worker is still answering. Default: 0.005.
     pub per_request_s: f64,
     /// Scores this close to the best are a tie. Default: 0.001.
@@ -42,6 +48,7 @@ impl Default for Costs {
             hbm_bytes_per_s: 20e9,
             dram_bytes_per_s: 2e9,
             nvme_bytes_per_s: 1e9,
+            cluster_bytes_per_s: 0.5e9,
             per_request_s: 0.005,
             tie_s: 0.001,
         }
@@ -56,6 +63,7 @@ impl Costs {
             ("hbm_bytes_per_s", self.hbm_bytes_per_s),
             ("dram_bytes_per_s", self.dram_bytes_per_s),
             ("nvme_bytes_per_s", self.nvme_bytes_per_s),
+            ("cluster_bytes_per_s", self.cluster_bytes_per_s),
         ] {
             if !(v.is_finite() && v > 0.0) {
                 return Err(format!("{name} must be a positive number, got {v}"));
@@ -89,6 +97,9 @@ pub struct Candidate {
     /// How many of `cached` the router counts from its own recent routes to this worker (its
     /// server's events do not show them yet; counted as DRAM).
     pub routed_blocks: usize,
+    /// Blocks right after `cached` that other servers of the worker's kvtier cluster hold
+    /// (0 without a cluster): its server fetches them.
+    pub cluster_blocks: usize,
     /// Bytes of one block on the worker's kvtier server.
     pub block_bytes: u64,
     pub outstanding_requests: u64,
@@ -108,6 +119,9 @@ pub struct Score {
     pub cached_blocks_by_tier: [usize; 3],
     /// Of the cached blocks, those known from the router's own recent routes, not events.
     pub routed_blocks: usize,
+    /// Of the cached blocks, those the worker's server would fetch from another member of
+    /// its cluster (the last ones of the prefix).
+    pub cluster_blocks: usize,
     pub uncached_tokens: usize,
     pub prefill_s: f64,
     pub load_s: f64,
@@ -121,13 +135,15 @@ pub struct Score {
 pub fn score(prompt_tokens: usize, block_tokens: usize, c: &Candidate, costs: &Costs) -> Score {
     let usable = prompt_tokens.saturating_sub(1) / block_tokens.max(1);
     let cached = &c.cached[..c.cached.len().min(usable)];
+    let cluster = c.cluster_blocks.min(usable - cached.len());
     let mut by_tier = [0usize; 3];
-    let mut load_s = 0.0;
+    let mut load_s = cluster as f64 * c.block_bytes as f64 / costs.cluster_bytes_per_s;
     for t in cached {
         by_tier[*t as usize] += 1;
         load_s += c.block_bytes as f64 / costs.bytes_per_s(*t);
     }
-    let cached_tokens = cached.len() * block_tokens;
+    let cached_blocks = cached.len() + cluster;
+    let cached_tokens = cached_blocks * block_tokens;
     let uncached = prompt_tokens - cached_tokens;
     let rate = c.prefill_tokens_per_s.unwrap_or(costs.prefill_tokens_per_s);
     let prefill_s = uncached as f64 / rate;
@@ -136,13 +152,15 @@ pub fn score(prompt_tokens: usize, block_tokens: usize, c: &Candidate, costs: &C
     Score {
         worker: c.worker,
         healthy: c.healthy,
-        cached_blocks: cached.len(),
+        cached_blocks,
         cached_tokens,
         cached_blocks_by_tier: by_tier,
-        // Routed blocks end the prefix: those cut off above are routed ones first.
+        // Routed blocks end the worker's own prefix: those cut off above are routed ones
+        // first.
         routed_blocks: c
             .routed_blocks
             .saturating_sub(c.cached.len() - cached.len()),
+        cluster_blocks: cluster,
         uncached_tokens: uncached,
         prefill_s,
         load_s,
@@ -277,6 +295,7 @@ mod tests {
             healthy: true,
             cached,
             routed_blocks: 0,
+            cluster_blocks: 0,
             block_bytes: 32 << 10,
             outstanding_requests: reqs,
             outstanding_prefill_tokens: prefill,
@@ -307,6 +326,43 @@ mod tests {
         // 3 usable.
         let s = score(64, 16, &cand(0, vec![Nvme; 4], 0, 0), &costs);
         assert_eq!((s.cached_blocks, s.uncached_tokens), (3, 16));
+    }
+
+    #[test]
+    fn blocks_another_cluster_member_holds_are_loaded_at_the_clusters_rate() {
+        let costs = Costs::default();
+        // 10 blocks in the worker's own DRAM, 20 more elsewhere in the cluster.
+        let mut c = cand(0, vec![Dram; 10], 0, 0);
+        c.cluster_blocks = 20;
+        let s = score(1000, 16, &c, &costs);
+        assert_eq!(
+            (
+                s.cached_blocks,
+                s.cluster_blocks,
+                s.cached_tokens,
+                s.uncached_tokens
+            ),
+            (30, 20, 480, 520)
+        );
+        assert_eq!(s.cached_blocks_by_tier, [0, 10, 0]);
+        let want = 10.0 * 32768.0 / 2e9 + 20.0 * 32768.0 / 0.5e9;
+        assert!((s.load_s - want).abs() < 1e-12, "{}", s.load_s);
+        // The last token is always recomputed: cluster blocks are cut first.
+        let mut c = cand(0, vec![Dram; 2], 0, 0);
+        c.cluster_blocks = 10;
+        let s = score(64, 16, &c, &costs);
+        assert_eq!((s.cached_blocks, s.cluster_blocks), (3, 1));
+        // Fetching from the cluster beats recomputing: the worker holding nothing locally but
+        // reaching 40 blocks through the cluster ranks above a cold one, and below one
+        // holding them itself.
+        let mut remote = cand(1, vec![], 0, 0);
+        remote.cluster_blocks = 40;
+        check(
+            1000,
+            &[cand(0, vec![], 0, 0), remote, cand(2, vec![Dram; 40], 0, 0)],
+            0,
+            &[2, 1, 0],
+        );
     }
 
     #[test]

@@ -33,6 +33,7 @@ use crate::mismatch::{self, Streak, Verdict};
 use crate::prompt::{Analysed, PromptModel};
 use crate::recent::RecentRoutes;
 use crate::score::{self, Candidate, Policy, Score};
+use kvtier_core::BlockKey;
 use kvtier_core::protocol::TierCode;
 
 /// Bytes of the end of an answer kept to read its `cached_tokens` (the usage object comes last
@@ -282,6 +283,7 @@ fn decide(app: &AppInner, analysed: Analysed, rotation: usize) -> Decision {
     let costs = &app.config.costs;
     let bt = app.prompt.block_tokens();
     let now = Instant::now();
+    let cluster = cluster_prefix(app, &analysed.keys, now);
     let scores: Vec<Score> = app
         .workers
         .iter()
@@ -315,6 +317,7 @@ fn decide(app: &AppInner, analysed: Analysed, rotation: usize) -> Decision {
             let c = Candidate {
                 worker: i,
                 healthy: w.healthy.load(Ordering::Relaxed),
+                cluster_blocks: cluster.saturating_sub(cached.len()),
                 cached,
                 routed_blocks,
                 block_bytes,
@@ -336,6 +339,32 @@ fn decide(app: &AppInner, analysed: Analysed, rotation: usize) -> Decision {
         scores,
         order,
     }
+}
+
+/// With `cluster`, the longest prefix of `keys` the cluster holds: each block held by some
+/// worker's server (or, under `kv`, just routed to some worker). 0 without a cluster.
+fn cluster_prefix(app: &AppInner, keys: &[BlockKey], now: Instant) -> usize {
+    if !app.config.cluster {
+        return 0;
+    }
+    let indexes: Vec<_> = app
+        .workers
+        .iter()
+        .filter_map(|w| w.view.as_ref().map(|v| v.read()))
+        .collect();
+    let recents: Vec<_> = if app.config.policy == Policy::Kv {
+        app.workers
+            .iter()
+            .map(|w| w.recent.lock().unwrap_or_else(|e| e.into_inner()))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    keys.iter()
+        .take_while(|k| {
+            indexes.iter().any(|ix| ix.tier(k).is_some()) || recents.iter().any(|r| r.holds(k, now))
+        })
+        .count()
 }
 
 /// The decision as JSON (for `/debug/route` and the debug log).
@@ -538,7 +567,10 @@ struct Observer {
     app: App,
     _outstanding: Outstanding,
     worker: usize,
+    /// Cached tokens predicted from the worker's own server's events...
     predicted: u64,
+    /// ... and with those other members of its cluster hold (as `predicted` without one).
+    predicted_high: u64,
     /// The prediction came from a synced index (else it says nothing).
     evidence: bool,
     tail: Vec<u8>,
@@ -581,7 +613,12 @@ impl Drop for Observer {
             return;
         }
         let cfg = &self.app.config;
-        let v = mismatch::verdict(self.predicted, reported, cfg.mismatch_min_tokens);
+        let v = mismatch::verdict_range(
+            self.predicted,
+            self.predicted_high,
+            reported,
+            cfg.mismatch_min_tokens,
+        );
         if matches!(v, Verdict::Lower | Verdict::Higher) {
             m.cache_mismatch
                 .with_label_values(&[&w.url, v.label()])
@@ -697,8 +734,12 @@ async fn forward(app: &App, d: &Decision, body: Bytes, path: &str) -> (Response,
             app: app.clone(),
             _outstanding: outstanding,
             worker: i,
-            // Only what the server's events showed is evidence about the keys.
-            predicted: ((s.cached_blocks - s.routed_blocks) * app.prompt.block_tokens()) as u64,
+            // Only what the servers' events showed is evidence about the keys: the worker's
+            // own server's at least, the cluster's at most.
+            predicted: ((s.cached_blocks - s.routed_blocks - s.cluster_blocks)
+                * app.prompt.block_tokens()) as u64,
+            predicted_high: ((s.cached_blocks - s.routed_blocks) * app.prompt.block_tokens())
+                as u64,
             evidence: evidence && stream.status == 200,
             tail: Vec::new(),
             complete: false,

@@ -736,3 +736,55 @@ async fn a_session_follows_its_worker_before_any_event_shows_its_blocks() -> Res
     })
     .await
 }
+
+/// With `--cluster` (the servers are one kvtier cluster), a prefix one worker's server holds
+/// counts for every worker, at the cluster's fetch rate: the holder still ranks first (its
+/// own DRAM is faster), the others see the blocks as fetchable, not as a cold prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_a_cluster_every_worker_counts_the_blocks_another_server_holds() -> Result<()> {
+    bounded(180, async {
+        let f = fleet(2, &["--cluster".into()])?;
+        let prompt = text(3, 700);
+        let r = post(
+            &format!("{}/v1/completions", f.url),
+            &completion(&prompt, 4, false),
+        )
+        .await?;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let holder = answered_by(&r);
+        let other = f
+            .workers
+            .iter()
+            .map(|w| w.1.clone())
+            .find(|w| *w != holder)
+            .unwrap();
+        let body = completion(&prompt, 4, false);
+        wait_until(
+            Duration::from_secs(60),
+            "the holder's blocks in the index",
+            || async {
+                let v = route(&f.url, &body).await?;
+                Ok(entry(&v, &holder)["cached_tokens"].as_u64() == Some(688))
+            },
+        )
+        .await?;
+        let v = route(&f.url, &body).await?;
+        assert_eq!(v["order"][0], holder.as_str(), "{v}");
+        let (h, o) = (entry(&v, &holder), entry(&v, &other));
+        assert_eq!(
+            (h["cluster_blocks"].as_u64(), h["cached_blocks"].as_u64()),
+            (Some(0), Some(43)),
+            "{v}"
+        );
+        assert_eq!(
+            (o["cluster_blocks"].as_u64(), o["cached_tokens"].as_u64()),
+            (Some(43), Some(688)),
+            "{v}"
+        );
+        assert!(o["load_s"].as_f64() > h["load_s"].as_f64(), "{v}");
+        assert_eq!(o["cached_blocks_by_tier"], json!([0, 0, 0]), "{v}");
+        drop(f.router);
+        Ok(())
+    })
+    .await
+}
