@@ -194,6 +194,14 @@ pub struct TenantSection {
     pub group: String,
     /// Clients of the Unix socket are this tenant (at most one tenant says so).
     pub unix: bool,
+    /// Unix socket clients running as one of these users (their `SO_PEERCRED` uid) are this
+    /// tenant; a uid names at most one tenant. Default: [].
+    pub unix_uids: Vec<u32>,
+    /// Its Unix socket clients are passed the DRAM arena (read-only) and a staging region at
+    /// hello: they read blocks in place, every namespace's, so only for a tenant trusted with
+    /// them all (the one local engine). Others' gets and puts are copies over the socket.
+    /// Default: false.
+    pub local_arena: bool,
 }
 
 impl Default for TenantSection {
@@ -205,6 +213,8 @@ impl Default for TenantSection {
             quota: Size::Auto,
             group: String::new(),
             unix: false,
+            unix_uids: Vec::new(),
+            local_arena: false,
         }
     }
 }
@@ -244,6 +254,18 @@ pub struct ListenConfig {
     /// `<runtime_dir>/quic-cert.der` for clients to pin (over `quic://` and `tls://`).
     pub tls_cert: String,
     pub tls_key: String,
+    /// With `[tenants]`: file holding the secret that maps tenants' keys to the store's
+    /// (private, at least 16 bytes, trailing newline dropped), so tenants' blocks outlive a
+    /// restart and every server given the same file maps keys alike. "" = derived from
+    /// `cluster.secret_file` when that is set, else kept in `<nvme_dir>/tenant-key-secret`
+    /// (created at first start) when the NVMe tier is on, else drawn at each start.
+    /// Default: "".
+    pub tenant_key_secret_file: String,
+    /// Group (a name or a numeric gid) given the Unix socket, made 0660 so that its members
+    /// may connect; with `[tenants]`, a client's uid must still name a tenant. The socket's
+    /// directory must let the group through (e.g. 0710) and is still refused when others
+    /// may write it. "" = the socket is 0600, the server's user only. Default: "".
+    pub unix_group: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
@@ -357,6 +379,8 @@ impl Default for ListenConfig {
             token_file: String::new(),
             tls_cert: String::new(),
             tls_key: String::new(),
+            tenant_key_secret_file: String::new(),
+            unix_group: String::new(),
         }
     }
 }
@@ -798,6 +822,7 @@ impl ServerConfig {
             }
         }
         let mut unix = None;
+        let mut uids = std::collections::HashMap::new();
         for (name, t) in &self.tenants {
             let at = |k: &str| format!("tenants.{name}.{k}");
             if name.is_empty()
@@ -819,15 +844,31 @@ impl ServerConfig {
             if !t.token.is_empty() && !t.token_file.is_empty() {
                 return Err(cerr(at("token"), "token and token_file: give one"));
             }
-            if t.token.is_empty() && t.token_file.is_empty() && !t.unix {
+            let on_unix = t.unix || !t.unix_uids.is_empty();
+            if t.token.is_empty() && t.token_file.is_empty() && !on_unix {
                 return Err(cerr(
                     at("token"),
-                    "a tenant needs a token (or token_file), unless it is the Unix socket's \
-                     (unix = true)",
+                    "a tenant needs a token (or token_file), unless it is reached over the \
+                     Unix socket (unix = true, or unix_uids)",
                 ));
+            }
+            for uid in &t.unix_uids {
+                if let Some(other) = uids.insert(*uid, name) {
+                    return Err(cerr(
+                        at("unix_uids"),
+                        format!("uid {uid} is already tenant {other:?}'s: a uid names one tenant"),
+                    ));
+                }
             }
             if t.quota == Size::Bytes(0) {
                 return Err(cerr(at("quota"), "must not be 0 (\"auto\": no quota)"));
+            }
+            if t.local_arena && !on_unix {
+                return Err(cerr(
+                    at("local_arena"),
+                    "only the Unix socket's clients can map the arena: set unix = true or \
+                     unix_uids too",
+                ));
             }
             if t.unix
                 && let Some(other) = unix.replace(name)

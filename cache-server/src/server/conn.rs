@@ -166,6 +166,8 @@ pub(crate) struct Peer {
     pub ip: Option<IpAddr>,
     /// Its place among network connections before hello, given back at hello.
     pub pre_hello: Option<PreHelloSlot>,
+    /// The peer's uid (Unix socket, `SO_PEERCRED`): it names the tenant with `[tenants]`.
+    pub uid: Option<u32>,
 }
 
 /// A reserved DRAM slot and the staging place its client writes the block into.
@@ -288,6 +290,7 @@ struct Conn {
     shared: Arc<Shared>,
     transport: Transport,
     ip: Option<IpAddr>,
+    uid: Option<u32>,
     pre_hello: Option<PreHelloSlot>,
     /// The hello must arrive whole by then.
     hello_by: tokio::time::Instant,
@@ -368,6 +371,7 @@ pub(crate) async fn serve_until<R, W>(
         shared: shared.clone(),
         transport,
         ip: peer.ip,
+        uid: peer.uid,
         pre_hello: peer.pre_hello,
         hello_by,
         out,
@@ -650,7 +654,8 @@ impl Conn {
         self.send(Out::error(id, op, e.code(), e.to_string())).await;
     }
 
-    /// Checks a hello; answers it (with the arena's fd when asked on the Unix socket).
+    /// Checks a hello; answers it (with the arena's fd when asked on the Unix socket by a
+    /// client trusted with it).
     async fn hello(&mut self, id: u64, h: Hello) -> bool {
         let op = Opcode::Hello as u8;
         let s = &self.shared;
@@ -710,7 +715,29 @@ impl Conn {
             }
         }
         if self.transport == Transport::Unix {
-            self.who = s.tenants.unix_identity();
+            match s.tenants.unix_identity(self.uid) {
+                Some(who) => self.who = who,
+                None => {
+                    Metrics::inc(&s.metrics.auth_failures);
+                    let who = self.uid.map_or("unknown".into(), |u| u.to_string());
+                    if let Some(n) = s.logs.auth.tick(Instant::now()) {
+                        tracing::warn!(
+                            uid = %who,
+                            "refused a Unix socket hello: its uid is mapped to no tenant ({n} \
+                             refused since the last warning; see kvtier_auth_failures_total)"
+                        );
+                    }
+                    self.send(fail(
+                        ErrorCode::Unauthorized,
+                        format!(
+                            "uid {who} is mapped to no tenant: list it in a tenant's unix_uids \
+                             (tenants.NAME.unix_uids)"
+                        ),
+                    ))
+                    .await;
+                    return false;
+                }
+            }
         }
         if h.block_bytes != 0 && h.block_bytes != s.block_bytes as u64 {
             self.send(fail(
@@ -723,7 +750,8 @@ impl Conn {
             .await;
             return false;
         }
-        let local = if h.want_arena && self.transport == Transport::Unix {
+        // The arena holds every namespace's blocks: only for a tenant trusted with it.
+        let local = if h.want_arena && self.transport == Transport::Unix && self.who.local_arena {
             match local_fds(s) {
                 Ok(l) => Some(l),
                 Err(e) => {
