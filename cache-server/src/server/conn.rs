@@ -168,6 +168,8 @@ pub(crate) struct Peer {
     pub pre_hello: Option<PreHelloSlot>,
     /// The peer's uid (Unix socket, `SO_PEERCRED`): it names the tenant with `[tenants]`.
     pub uid: Option<u32>,
+    /// The SHA-256 of the client certificate it presented (TLS, QUIC), if any.
+    pub cert_sha256: Option<[u8; 32]>,
 }
 
 /// A reserved DRAM slot and the staging place its client writes the block into.
@@ -291,6 +293,7 @@ struct Conn {
     transport: Transport,
     ip: Option<IpAddr>,
     uid: Option<u32>,
+    cert_sha256: Option<[u8; 32]>,
     pre_hello: Option<PreHelloSlot>,
     /// The hello must arrive whole by then.
     hello_by: tokio::time::Instant,
@@ -372,6 +375,7 @@ pub(crate) async fn serve_until<R, W>(
         transport,
         ip: peer.ip,
         uid: peer.uid,
+        cert_sha256: peer.cert_sha256,
         pre_hello: peer.pre_hello,
         hello_by,
         out,
@@ -690,28 +694,15 @@ impl Conn {
                 .await;
                 return false;
             }
-            let who = match s.tenants.by_token(h.token.as_bytes()) {
-                // No tenants: the one token, every client an admin.
-                None => {
-                    token_matches(h.token.as_bytes(), &s.token_digest).then_some(Identity::SINGLE)
+            match self.network_identity(&h.token) {
+                Ok(who) => self.who = who,
+                Err(why) => {
+                    Metrics::inc(&s.metrics.auth_failures);
+                    s.auth.failed(ip, now);
+                    self.log_auth_refusal(ip, &why);
+                    self.send(fail(ErrorCode::Unauthorized, why)).await;
+                    return false;
                 }
-                Some(found) => found.map(|(who, name)| {
-                    tracing::debug!(tenant = name, transport = self.transport.name(), "hello");
-                    who
-                }),
-            };
-            if let Some(who) = who {
-                self.who = who;
-            } else {
-                Metrics::inc(&s.metrics.auth_failures);
-                s.auth.failed(ip, now);
-                self.log_auth_refusal(ip, "wrong or missing token");
-                self.send(fail(
-                    ErrorCode::Unauthorized,
-                    "wrong or missing token".into(),
-                ))
-                .await;
-                return false;
             }
         }
         if self.transport == Transport::Unix {
@@ -797,6 +788,44 @@ impl Conn {
         }
         self.send(out).await;
         true
+    }
+
+    /// Who a network client is: named by its token, or by its client certificate (TLS,
+    /// QUIC; pinned by a tenant), or by both when they agree. The error says why not.
+    fn network_identity(&self, token: &str) -> Result<Identity, String> {
+        let s = &self.shared;
+        let by_token = s.tenants.by_token(token.as_bytes());
+        let Some(by_token) = by_token else {
+            // No tenants: the one token, every client an admin (certificates are not asked).
+            return token_matches(token.as_bytes(), &s.token_digest)
+                .then_some(Identity::SINGLE)
+                .ok_or_else(|| "wrong or missing token".to_string());
+        };
+        let cert = self
+            .cert_sha256
+            .and_then(|d| s.tenants.by_cert(&d).map(|found| (d, found)));
+        let (who, name) = match (cert, by_token) {
+            (None, Some(t)) => t,
+            (None, None) => return Err("wrong or missing token".into()),
+            (Some((d, None)), _) => {
+                let hex: String = d.iter().map(|b| format!("{b:02x}")).collect();
+                return Err(format!(
+                    "the client certificate (SHA-256 {hex}) is pinned by no tenant \
+                     (tenants.NAME.client_cert_sha256)"
+                ));
+            }
+            (Some((_, Some(c))), _) if token.is_empty() => c,
+            (Some((_, Some(c))), Some(t)) if t.1 == c.1 => c,
+            (Some((_, Some(c))), _) => {
+                return Err(format!(
+                    "the client certificate names tenant {:?}, the token another (or none): \
+                     present one tenant's credentials",
+                    c.1
+                ));
+            }
+        };
+        tracing::debug!(tenant = name, transport = self.transport.name(), "hello");
+        Ok(who)
     }
 
     /// Logs a refused hello, at most once per interval (with the count since the last).

@@ -326,8 +326,15 @@ impl Server {
         } else {
             None
         };
+        let client_auth = if !shared.tenants.pins_client_certs() {
+            tls::ClientAuth::None
+        } else if c.server.tls_client_auth == "required" {
+            tls::ClientAuth::Required
+        } else {
+            tls::ClientAuth::Optional
+        };
         if let (Some(addr), Some(id)) = (c.tls_addr()?, &identity) {
-            let acceptor = tls::tcp_acceptor(id)?;
+            let acceptor = tls::tcp_acceptor(id, client_auth)?;
             let l = tokio::net::TcpListener::bind(addr)
                 .await
                 .map_err(|source| ServerError::Bind {
@@ -340,7 +347,7 @@ impl Server {
         }
         let mut quic = None;
         if let (Some(addr), Some(id)) = (c.quic_addr()?, &identity) {
-            let server_config = tls::quic_config(id)?;
+            let server_config = tls::quic_config(id, client_auth)?;
             let ep = quinn::Endpoint::server(server_config, addr).map_err(|source| {
                 ServerError::Bind {
                     what: "quic",
@@ -757,6 +764,7 @@ async fn accept_unix(shared: Arc<Shared>, l: tokio::net::UnixListener) {
             ip: None,
             pre_hello,
             uid,
+            cert_sha256: None,
         };
         spawn_conn(&shared, conn::serve(s, peer, r, w, Some(fd)));
     }
@@ -821,6 +829,7 @@ async fn accept_tcp(shared: Arc<Shared>, l: tokio::net::TcpListener) {
                 ip: Some(addr.ip()),
                 pre_hello,
                 uid: None,
+                cert_sha256: None,
             };
             spawn_conn(shared, conn::serve(shared.clone(), peer, r, w, None));
         };
@@ -855,12 +864,14 @@ async fn accept_tls(
                         return tls_failed(&s, addr, "no handshake within limits.hello_timeout_ms");
                     }
                 };
+                let cert_sha256 = tls::peer_cert_sha256(tls.get_ref().1.peer_certificates());
                 let (r, w) = tokio::io::split(tls);
                 let peer = conn::Peer {
                     transport: Transport::Tls,
                     ip: Some(addr.ip()),
                     pre_hello,
                     uid: None,
+                    cert_sha256,
                 };
                 conn::serve_until(s, peer, r, w, None, hello_by).await;
             });
@@ -933,6 +944,13 @@ async fn accept_quic(shared: Arc<Shared>, ep: quinn::Endpoint) {
         tokio::spawn(async move {
             let Ok(conn) = incoming.await else { return };
             let ip = conn.remote_address().ip();
+            let cert_sha256 = conn
+                .peer_identity()
+                .and_then(|id| {
+                    id.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
+                        .ok()
+                })
+                .and_then(|chain| tls::peer_cert_sha256(Some(&chain)));
             loop {
                 let (send, recv) = tokio::select! {
                     _ = s.shutdown.cancelled() => return,
@@ -951,6 +969,7 @@ async fn accept_quic(shared: Arc<Shared>, ep: quinn::Endpoint) {
                     ip: Some(ip),
                     pre_hello,
                     uid: None,
+                    cert_sha256,
                 };
                 spawn_conn(&s, conn::serve(s2, peer, recv, send, None));
             }

@@ -126,6 +126,9 @@ struct Multi {
     own_uid: u32,
     /// Unix socket clients by uid (`unix_uids`).
     by_uid: HashMap<u32, Identity>,
+    /// TLS and QUIC clients by their certificate's SHA-256 (`client_cert_sha256`): the index
+    /// of the tenant in `tenants`.
+    by_cert: HashMap<[u8; 32], usize>,
     spaces: Vec<Space>,
     names: Mutex<Names>,
 }
@@ -210,6 +213,7 @@ impl Tenants {
         let mut unix = None;
         let mut digests: HashMap<[u8; 32], String> = HashMap::new();
         let mut by_uid = HashMap::new();
+        let mut by_cert = HashMap::new();
         for (name, t) in &c.tenants {
             let space = if t.group.is_empty() {
                 format!("tenant:{name}")
@@ -285,6 +289,11 @@ impl Tenants {
             for uid in &t.unix_uids {
                 by_uid.insert(*uid, id);
             }
+            for hex in &t.client_cert_sha256 {
+                let d = super::config::parse_sha256(hex)
+                    .map_err(|why| terr(format!("tenants.{name}.client_cert_sha256"), why))?;
+                by_cert.insert(d, tenants.len());
+            }
             tenants.push(Tenant {
                 name: name.clone(),
                 digest,
@@ -327,6 +336,7 @@ impl Tenants {
                 unix,
                 own_uid: super::places::euid(),
                 by_uid,
+                by_cert,
                 spaces,
                 names: Mutex::new(Names {
                     map: HashMap::new(),
@@ -378,12 +388,27 @@ impl Tenants {
         Some(found)
     }
 
-    /// The internal key of a client's `key` in namespace `ns`.
+    /// The tenant a client certificate (its DER's SHA-256) names, and its name: `None`
+    /// when tenants are not configured; `Some(None)`: pinned by no tenant.
+    pub fn by_cert(&self, sha256: &[u8; 32]) -> Option<Option<(Identity, &str)>> {
+        let m = self.multi.as_ref()?;
+        Some(m.by_cert.get(sha256).map(|&i| {
+            let t = &m.tenants[i];
+            (t.id, t.name.as_str())
+        }))
+    }
+
+    /// Whether a tenant pins a client certificate (TLS and QUIC then ask for one).
+    pub fn pins_client_certs(&self) -> bool {
+        self.multi.as_ref().is_some_and(|m| !m.by_cert.is_empty())
+    }
+
     /// Whether keys are used as clients send them (no tenants configured).
     pub fn keys_as_sent(&self) -> bool {
         self.multi.is_none()
     }
 
+    /// The internal key of a client's `key` in namespace `ns`.
     pub fn key(&self, ns: Ns, key: BlockKey) -> BlockKey {
         let Some(m) = &self.multi else {
             return key;

@@ -295,6 +295,122 @@ async fn a_unix_clients_uid_names_its_tenant() {
     .await;
 }
 
+/// A client certificate and its key (DER), and the hex SHA-256 a tenant pins it by.
+fn client_cert(name: &str) -> (Vec<u8>, Vec<u8>, String) {
+    let ck = rcgen::generate_simple_self_signed(vec![name.to_string()]).unwrap();
+    let der = ck.cert.der().to_vec();
+    let hex = ring::digest::digest(&ring::digest::SHA256, &der)
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02X}"))
+        .collect::<Vec<_>>()
+        .join(":");
+    (der, ck.signing_key.serialize_der(), hex)
+}
+
+/// Connects over `transport` ("tls" or "quic") with `cert` and `token` (none when empty).
+async fn with_cert(
+    srv: &ServerProc,
+    transport: &str,
+    cert: Option<&(Vec<u8>, Vec<u8>, String)>,
+    token: &str,
+) -> Result<Client, ClientError> {
+    let mut cfg = ClientConfig::default().server_cert_der(srv.cert());
+    if !token.is_empty() {
+        cfg = cfg.token(token);
+    }
+    if let Some((der, key, _)) = cert {
+        cfg = cfg.client_cert_der(der.clone(), key.clone());
+    }
+    let url = if transport == "tls" {
+        srv.tls_url()
+    } else {
+        srv.quic_url()
+    };
+    Client::connect(&url, cfg).await
+}
+
+fn unauthorized(r: Result<Client, ClientError>, says: &str) {
+    match r {
+        Err(ClientError::Server {
+            code: Some(ErrorCode::Unauthorized),
+            message,
+            ..
+        }) => assert!(message.contains(says), "{message}"),
+        Err(e) => panic!("expected unauthorized ({says}), got {e}"),
+        Ok(_) => panic!("expected unauthorized ({says}), got a connection"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_client_certificate_names_its_tenant_over_tls_and_quic() {
+    let (ca, stranger) = (client_cert("client-a"), client_cert("stranger"));
+    let a = format!(
+        "tenants.a={{token=\"tok-a\", client_cert_sha256=[\"{}\"]}}",
+        ca.2
+    );
+    let mut args = TENANTS.to_vec();
+    args.push(&a);
+    let srv = ServerProc::start(&args);
+    bounded(60, async {
+        let ka = keys(b"by-cert", 3, 0);
+        for transport in ["tls", "quic"] {
+            // The certificate alone names A: its blocks are A's, seen by A's token.
+            let c = with_cert(&srv, transport, Some(&ca), "").await.unwrap();
+            put_all(&c, &ka).await;
+            assert_eq!(get_verified(&as_tenant(&srv, "tok-a").await, &ka).await, 3);
+            assert_eq!(
+                as_tenant(&srv, "tok-b").await.lookup(&ka).await.tiers.len(),
+                0
+            );
+            // With A's token too: the same tenant.
+            let c = with_cert(&srv, transport, Some(&ca), "tok-a")
+                .await
+                .unwrap();
+            assert_eq!(get_verified(&c, &ka).await, 3, "{transport}");
+            // A certificate and a token of different tenants: refused.
+            unauthorized(
+                with_cert(&srv, transport, Some(&ca), "tok-b").await,
+                "the token another",
+            );
+            // A certificate no tenant pins: refused, whatever the token.
+            unauthorized(
+                with_cert(&srv, transport, Some(&stranger), "tok-b").await,
+                "pinned by no tenant",
+            );
+            // No certificate: the token still works (certificates are optional).
+            let b = with_cert(&srv, transport, None, "tok-b").await.unwrap();
+            assert_eq!(b.lookup(&ka).await.tiers.len(), 0, "{transport}");
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn required_client_certificates_refuse_a_handshake_without_one() {
+    let ca = client_cert("client-a");
+    let a = format!("tenants.a={{client_cert_sha256=[\"{}\"]}}", ca.2);
+    let mut args = TENANTS.to_vec();
+    args.extend([a.as_str(), "server.tls_client_auth=\"required\""]);
+    let srv = ServerProc::start(&args);
+    bounded(60, async {
+        for transport in ["tls", "quic"] {
+            // TLS 1.3 ends the handshake at the server: the client learns it at its hello.
+            let e = with_cert(&srv, transport, None, "tok-b").await.err();
+            assert!(
+                e.as_ref()
+                    .is_some_and(|e| !matches!(e, ClientError::Server { .. })),
+                "{transport}: {e:?}"
+            );
+            let c = with_cert(&srv, transport, Some(&ca), "").await.unwrap();
+            c.ping().await.unwrap();
+        }
+        // Plain TCP and the Unix socket are not TLS: tokens and the uid as before.
+        as_tenant(&srv, "tok-b").await.ping().await.unwrap();
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_filling_its_quota_gives_up_its_own_blocks_not_anothers() {
     // DRAM only, 16 blocks: without the quota, B's 40 blocks would push A's out.
@@ -389,6 +505,19 @@ fn tenant_configuration_errors_stop_the_server_naming_the_setting() {
             ],
             "server.unix_group",
             "no group named",
+        ),
+        (
+            vec!["tenants.a={client_cert_sha256=[\"abcd\"]}"],
+            "tenants.a.client_cert_sha256",
+            "64 hex digits",
+        ),
+        (
+            vec![
+                "tenants.a={token=\"t\"}",
+                "server.tls_client_auth=\"required\"",
+            ],
+            "server.tls_client_auth",
+            "no tenant pins",
         ),
         (
             vec!["tenants.a={token=\"t\", colour=\"red\"}"],
