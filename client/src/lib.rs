@@ -93,6 +93,11 @@ pub struct ClientConfig {
     pub server_cert_der: Option<Vec<u8>>,
     /// Name the server's certificate must carry (TLS and QUIC). Default: "localhost".
     pub server_name: String,
+    /// This client's certificate (DER) and its private key (PKCS#8, PKCS#1 or SEC1 DER),
+    /// presented on `tls://` and `quic://`: a server with tenants names the tenant that pins
+    /// the certificate's SHA-256 (`tenants.NAME.client_cert_sha256`), and then needs no
+    /// token. Default: none.
+    pub client_cert_der: Option<(Vec<u8>, Vec<u8>)>,
     /// Deadline of every call. Default: 5 s.
     pub timeout: Duration,
     /// Deadline of a connect and hello. Default: 2 s.
@@ -121,6 +126,7 @@ impl Default for ClientConfig {
             token: std::env::var("KVTIER_TOKEN").ok().filter(|t| !t.is_empty()),
             server_cert_der: None,
             server_name: "localhost".into(),
+            client_cert_der: None,
             timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(2),
             reconnect_backoff: Duration::from_secs(1),
@@ -147,6 +153,11 @@ impl ClientConfig {
     /// and TLS alike).
     pub fn quic_cert_der(self, der: Vec<u8>) -> Self {
         self.server_cert_der(der)
+    }
+    /// Sets [`ClientConfig::client_cert_der`]: the certificate's DER and its private key's.
+    pub fn client_cert_der(mut self, cert_der: Vec<u8>, key_der: Vec<u8>) -> Self {
+        self.client_cert_der = Some((cert_der, key_der));
+        self
     }
     /// Sets [`ClientConfig::server_name`].
     pub fn server_name(mut self, name: impl Into<String>) -> Self {

@@ -13,9 +13,10 @@ pub(crate) async fn connect(
     server_name: &str,
     cfg: &ClientConfig,
 ) -> Result<(quinn::SendStream, quinn::RecvStream), ClientError> {
-    let roots = crate::tls::roots(cfg, "quic")?;
-    let mut qc = quinn::ClientConfig::with_root_certificates(Arc::new(roots))
-        .map_err(|e| ClientError::Connect(format!("tls: {e}")))?;
+    let crypto = crate::tls::rustls_config(cfg, "quic", &[&rustls::version::TLS13])?;
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(crypto)
+        .map_err(|e| ClientError::Connect(format!("quic: {e}")))?;
+    let mut qc = quinn::ClientConfig::new(Arc::new(crypto));
     qc.transport_config(transport());
     let remote: SocketAddr = tokio::net::lookup_host(addr)
         .await

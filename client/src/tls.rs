@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use rustls::pki_types::{CertificateDer, ServerName};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
 use crate::ClientConfig;
 use crate::error::ClientError;
@@ -26,16 +26,40 @@ pub(crate) fn roots(cfg: &ClientConfig, what: &str) -> Result<rustls::RootCertSt
     Ok(roots)
 }
 
+/// The rustls client config of `versions` (ring), trusting [`roots`] only, presenting
+/// [`ClientConfig::client_cert_der`] when set.
+pub(crate) fn rustls_config(
+    cfg: &ClientConfig,
+    what: &str,
+    versions: &[&'static rustls::SupportedProtocolVersion],
+) -> Result<rustls::ClientConfig, ClientError> {
+    let roots = roots(cfg, what)?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(versions)
+        .map_err(|e| ClientError::Connect(format!("{what}: {e}")))?
+        .with_root_certificates(roots);
+    let Some((cert, key)) = &cfg.client_cert_der else {
+        return Ok(builder.with_no_client_auth());
+    };
+    let key = PrivateKeyDer::try_from(key.clone()).map_err(|e| {
+        ClientError::Connect(format!(
+            "client certificate's key (ClientConfig::client_cert_der): {e}"
+        ))
+    })?;
+    builder
+        .with_client_auth_cert(vec![CertificateDer::from(cert.clone())], key)
+        .map_err(|e| {
+            ClientError::Connect(format!(
+                "client certificate (ClientConfig::client_cert_der): {e}"
+            ))
+        })
+}
+
 /// The rustls client config of `tls://`: ring, TLS 1.2 and 1.3, ALPN
 /// [`kvtier_core::protocol::TLS_ALPN`], trusting [`roots`] only.
 fn client_config(cfg: &ClientConfig) -> Result<Arc<rustls::ClientConfig>, ClientError> {
-    let roots = roots(cfg, "tls")?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut c = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| ClientError::Connect(format!("tls: {e}")))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+    let mut c = rustls_config(cfg, "tls", rustls::DEFAULT_VERSIONS)?;
     c.alpn_protocols = vec![kvtier_core::protocol::TLS_ALPN.to_vec()];
     Ok(Arc::new(c))
 }

@@ -211,6 +211,8 @@ class Client:
         server_name: str | None = None,
         quic_cert: bytes | str | os.PathLike[str] | None = None,
         quic_server_name: str | None = None,
+        client_cert: bytes | str | os.PathLike[str] | None = None,
+        client_key: bytes | str | os.PathLike[str] | None = None,
         timeout: float = 5.0,
         connect_timeout: float = 2.0,
         reconnect_backoff: float = 1.0,

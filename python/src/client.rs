@@ -140,12 +140,15 @@ impl Client {
     /// Connects to `url` ("unix:///path/kvtier.sock", "tcp://host:port", "tls://host:port",
     /// "quic://host:port") and says hello. `server_cert` (DER bytes or a file) is the
     /// certificate `tls://` and `quic://` trust (the server's, or its CA's); `quic_cert` is
-    /// its former name, `quic_server_name` that of `server_name`. Raises ValueError for a
-    /// malformed URL or both names given, and ConnectionError when no server answers.
+    /// its former name, `quic_server_name` that of `server_name`. `client_cert` and
+    /// `client_key` (DER bytes or files; both or neither) are this client's certificate and
+    /// private key, presented on `tls://` and `quic://` (a server with tenants names the
+    /// tenant that pins it). Raises ValueError for a malformed URL or both names given, and
+    /// ConnectionError when no server answers.
     #[new]
     #[pyo3(signature = (
         url, *, token = None, server_cert = None, server_name = None, quic_cert = None,
-        quic_server_name = None,
+        quic_server_name = None, client_cert = None, client_key = None,
         timeout = 5.0, connect_timeout = 2.0, reconnect_backoff = 1.0, block_bytes = 0,
         zero_copy = true, lease = 10.0, name = "kvtier-python"
     ))]
@@ -158,6 +161,8 @@ impl Client {
         server_name: Option<&str>,
         quic_cert: Option<&Bound<'_, PyAny>>,
         quic_server_name: Option<&str>,
+        client_cert: Option<&Bound<'_, PyAny>>,
+        client_key: Option<&Bound<'_, PyAny>>,
         timeout: f64,
         connect_timeout: f64,
         reconnect_backoff: f64,
@@ -179,7 +184,19 @@ impl Client {
             (c, q) => c.or(q),
         };
         if let Some(c) = cert {
-            cfg.server_cert_der = Some(cert_der(c)?);
+            cfg.server_cert_der = Some(der_bytes("server_cert", c)?);
+        }
+        match (client_cert, client_key) {
+            (Some(c), Some(k)) => {
+                cfg.client_cert_der =
+                    Some((der_bytes("client_cert", c)?, der_bytes("client_key", k)?));
+            }
+            (None, None) => {}
+            _ => {
+                return Err(PyValueError::new_err(
+                    "give client_cert and client_key together (the certificate and its key)",
+                ));
+            }
         }
         match (server_name, quic_server_name) {
             (Some(_), Some(_)) => {
@@ -466,15 +483,15 @@ impl Client {
     }
 }
 
-/// A pinned certificate: DER bytes, or a path (str / os.PathLike) to a DER file such as the
-/// server's `<runtime_dir>/quic-cert.der`.
-fn cert_der(c: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+/// A certificate or key: DER bytes, or a path (str / os.PathLike) to a DER file such as the
+/// server's `<runtime_dir>/quic-cert.der`; `what` names the argument in errors.
+fn der_bytes(what: &str, c: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     if let Ok(b) = c.cast::<PyBytes>() {
         return Ok(b.as_bytes().to_vec());
     }
     let path: std::path::PathBuf = c.extract().map_err(|_| {
-        pyo3::exceptions::PyTypeError::new_err("server_cert: expected DER bytes or a file path")
+        pyo3::exceptions::PyTypeError::new_err(format!("{what}: expected DER bytes or a file path"))
     })?;
     std::fs::read(&path)
-        .map_err(|e| PyValueError::new_err(format!("server_cert: reading {}: {e}", path.display())))
+        .map_err(|e| PyValueError::new_err(format!("{what}: reading {}: {e}", path.display())))
 }

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,7 +87,8 @@ class Server:
             return self.proc.wait(timeout=15)
 
 
-def start_server(directory: Path) -> Server:
+def start_server(directory: Path, extra: Sequence[str] = ()) -> Server:
+    """A server in `directory`; `extra` are more `--set` assignments (they win)."""
     dtype, layers, heads, dim, _ = LAYOUT
     sets = [
         f'server.runtime_dir="{directory / "run"}"',
@@ -105,6 +106,7 @@ def start_server(directory: Path) -> Server:
         f"layout.kv_heads={heads}",
         f"layout.head_dim={dim}",
         f'layout.dtype="{dtype}"',
+        *extra,
     ]
     args = [str(server_binary())]
     for s in sets:

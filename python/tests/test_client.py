@@ -3,12 +3,15 @@ local path, misses as results, misuse as exceptions, events, and concurrent thre
 
 from __future__ import annotations
 
+import hashlib
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BLOCK, TOKEN, Server, fresh_keys
+from conftest import BLOCK, TOKEN, Server, fresh_keys, start_server
 
 import kvtier
 
@@ -89,6 +92,57 @@ def test_tls_round_trip_with_the_pinned_certificate(server: Server) -> None:
     # A plaintext client on the TLS port is told what to use.
     with pytest.raises(PermissionError, match="tls://"):
         kvtier.Client(f"tcp://{server.tls}", token=TOKEN)
+
+
+def client_certificate(directory: Path) -> tuple[Path, bytes, str]:
+    """A self-signed client certificate (DER file), its PKCS#8 key (DER bytes) and the
+    SHA-256 a tenant pins it by, made with the openssl command."""
+    cert, pem = directory / "client.der", directory / "client-key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"]
+        + ["-nodes", "-subj", "/CN=py-client", "-days", "2", "-outform", "DER"]
+        + ["-keyout", str(pem), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    key = subprocess.run(
+        ["openssl", "pkcs8", "-topk8", "-nocrypt", "-in", str(pem), "-outform", "DER"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    return cert, key, hashlib.sha256(cert.read_bytes()).hexdigest()
+
+
+def test_a_pinned_client_certificate_names_the_tenant(tmp_path: Path) -> None:
+    cert, key, digest = client_certificate(tmp_path)
+    srv = start_server(
+        tmp_path / "srv",
+        [
+            'server.token=""',
+            f'tenants.a={{client_cert_sha256=["{digest}"], token="tok-a"}}',
+            'tenants.b={token="tok-b"}',
+        ],
+    )
+    try:
+        keys, data = fresh_keys(2), blocks(2, 11)
+        for url in (srv.tls_url, srv.quic_url):
+            # The certificate alone (a path and DER bytes) names tenant a.
+            a = kvtier.Client(url, server_cert=srv.quic_cert, client_cert=cert, client_key=key)
+            assert a.put_chain(keys, data).cached == 2
+            assert kvtier.Client(srv.tcp_url, token="tok-a").lookup(keys).blocks == 2
+            assert kvtier.Client(srv.tcp_url, token="tok-b").lookup(keys).blocks == 0
+            with pytest.raises(PermissionError, match="the token another"):
+                kvtier.Client(
+                    url,
+                    token="tok-b",
+                    server_cert=srv.quic_cert,
+                    client_cert=cert.read_bytes(),
+                    client_key=key,
+                )
+        with pytest.raises(ValueError, match="together"):
+            kvtier.Client(srv.tls_url, server_cert=srv.quic_cert, client_cert=cert)
+    finally:
+        assert srv.stop() == 0
 
 
 def test_copy_path_on_unix_without_zero_copy(server: Server) -> None:

@@ -37,6 +37,21 @@ impl From<Size> for String {
     }
 }
 
+/// A SHA-256 digest written as 64 hex digits, `:` between bytes allowed (as `openssl x509
+/// -fingerprint -sha256` prints it), either case.
+pub(crate) fn parse_sha256(text: &str) -> Result<[u8; 32], String> {
+    let hex: String = text.chars().filter(|c| *c != ':').collect();
+    let bad = || format!("{text:?} is not a SHA-256 digest (64 hex digits)");
+    if hex.len() != 64 || !hex.is_ascii() {
+        return Err(bad());
+    }
+    let mut out = [0u8; 32];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+    }
+    Ok(out)
+}
+
 /// Parses `"4GiB"`, `"512m"`, `"1048576"`, `"auto"`.
 pub fn parse_size(s: &str) -> Result<Size, String> {
     let t = s.trim();
@@ -194,6 +209,17 @@ pub struct TenantSection {
     pub group: String,
     /// Clients of the Unix socket are this tenant (at most one tenant says so).
     pub unix: bool,
+    /// SHA-256 of client certificates (DER; 64 hex digits, `:` between bytes allowed) that
+    /// name this tenant over TLS and QUIC; a certificate names at most one tenant. Default: [].
+    pub client_cert_sha256: Vec<String>,
+    /// Unix socket clients running as one of these users (their `SO_PEERCRED` uid) are this
+    /// tenant; a uid names at most one tenant. Default: [].
+    pub unix_uids: Vec<u32>,
+    /// Its Unix socket clients are passed the DRAM arena (read-only) and a staging region at
+    /// hello: they read blocks in place, every namespace's, so only for a tenant trusted with
+    /// them all (the one local engine). Others' gets and puts are copies over the socket.
+    /// Default: false.
+    pub local_arena: bool,
 }
 
 impl Default for TenantSection {
@@ -205,6 +231,9 @@ impl Default for TenantSection {
             quota: Size::Auto,
             group: String::new(),
             unix: false,
+            client_cert_sha256: Vec::new(),
+            unix_uids: Vec::new(),
+            local_arena: false,
         }
     }
 }
@@ -244,6 +273,22 @@ pub struct ListenConfig {
     /// `<runtime_dir>/quic-cert.der` for clients to pin (over `quic://` and `tls://`).
     pub tls_cert: String,
     pub tls_key: String,
+    /// With `[tenants]`: file holding the secret that maps tenants' keys to the store's
+    /// (private, at least 16 bytes, trailing newline dropped), so tenants' blocks outlive a
+    /// restart and every server given the same file maps keys alike. "" = derived from
+    /// `cluster.secret_file` when that is set, else kept in `<nvme_dir>/tenant-key-secret`
+    /// (created at first start) when the NVMe tier is on, else drawn at each start.
+    /// Default: "".
+    pub tenant_key_secret_file: String,
+    /// Group (a name or a numeric gid) given the Unix socket, made 0660 so that its members
+    /// may connect; with `[tenants]`, a client's uid must still name a tenant. The socket's
+    /// directory must let the group through (e.g. 0710) and is still refused when others
+    /// may write it. "" = the socket is 0600, the server's user only. Default: "".
+    pub unix_group: String,
+    /// Client certificates on TLS and QUIC, asked for when a tenant pins one
+    /// (`tenants.NAME.client_cert_sha256`): `"optional"` (a client may present one, or a
+    /// token only) or `"required"` (a handshake without one fails). Default: "optional".
+    pub tls_client_auth: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
@@ -357,6 +402,9 @@ impl Default for ListenConfig {
             token_file: String::new(),
             tls_cert: String::new(),
             tls_key: String::new(),
+            tenant_key_secret_file: String::new(),
+            unix_group: String::new(),
+            tls_client_auth: "optional".into(),
         }
     }
 }
@@ -781,6 +829,23 @@ impl ServerConfig {
     }
 
     fn validate_tenants(&self) -> Result<(), ConfigError> {
+        match self.server.tls_client_auth.as_str() {
+            "optional" => {}
+            "required" if !self.tenants.is_empty() => {}
+            "required" => {
+                return Err(cerr(
+                    "server.tls_client_auth",
+                    "\"required\" needs [tenants] with pinned client certificates \
+                     (tenants.NAME.client_cert_sha256)",
+                ));
+            }
+            v => {
+                return Err(cerr(
+                    "server.tls_client_auth",
+                    format!("{v:?}: expected \"optional\" or \"required\""),
+                ));
+            }
+        }
         if self.tenants.is_empty() {
             return Ok(());
         }
@@ -798,6 +863,9 @@ impl ServerConfig {
             }
         }
         let mut unix = None;
+        let mut uids = std::collections::HashMap::new();
+        let mut certs = std::collections::HashMap::new();
+        let mut pinned = 0;
         for (name, t) in &self.tenants {
             let at = |k: &str| format!("tenants.{name}.{k}");
             if name.is_empty()
@@ -819,15 +887,47 @@ impl ServerConfig {
             if !t.token.is_empty() && !t.token_file.is_empty() {
                 return Err(cerr(at("token"), "token and token_file: give one"));
             }
-            if t.token.is_empty() && t.token_file.is_empty() && !t.unix {
+            let on_unix = t.unix || !t.unix_uids.is_empty();
+            if t.token.is_empty()
+                && t.token_file.is_empty()
+                && t.client_cert_sha256.is_empty()
+                && !on_unix
+            {
                 return Err(cerr(
                     at("token"),
-                    "a tenant needs a token (or token_file), unless it is the Unix socket's \
-                     (unix = true)",
+                    "a tenant needs a token (or token_file, or client_cert_sha256), unless it \
+                     is reached over the Unix socket only (unix = true, or unix_uids)",
                 ));
+            }
+            for hex in &t.client_cert_sha256 {
+                let d = parse_sha256(hex).map_err(|why| cerr(at("client_cert_sha256"), why))?;
+                pinned += 1;
+                if let Some(other) = certs.insert(d, name) {
+                    return Err(cerr(
+                        at("client_cert_sha256"),
+                        format!(
+                            "{hex} is already tenant {other:?}'s: a certificate names one tenant"
+                        ),
+                    ));
+                }
+            }
+            for uid in &t.unix_uids {
+                if let Some(other) = uids.insert(*uid, name) {
+                    return Err(cerr(
+                        at("unix_uids"),
+                        format!("uid {uid} is already tenant {other:?}'s: a uid names one tenant"),
+                    ));
+                }
             }
             if t.quota == Size::Bytes(0) {
                 return Err(cerr(at("quota"), "must not be 0 (\"auto\": no quota)"));
+            }
+            if t.local_arena && !on_unix {
+                return Err(cerr(
+                    at("local_arena"),
+                    "only the Unix socket's clients can map the arena: set unix = true or \
+                     unix_uids too",
+                ));
             }
             if t.unix
                 && let Some(other) = unix.replace(name)
@@ -837,6 +937,13 @@ impl ServerConfig {
                     format!("tenant {other:?} is already the Unix socket's"),
                 ));
             }
+        }
+        if self.server.tls_client_auth == "required" && pinned == 0 {
+            return Err(cerr(
+                "server.tls_client_auth",
+                "\"required\", but no tenant pins a client certificate \
+                 (tenants.NAME.client_cert_sha256): no client could connect",
+            ));
         }
         Ok(())
     }

@@ -166,6 +166,10 @@ pub(crate) struct Peer {
     pub ip: Option<IpAddr>,
     /// Its place among network connections before hello, given back at hello.
     pub pre_hello: Option<PreHelloSlot>,
+    /// The peer's uid (Unix socket, `SO_PEERCRED`): it names the tenant with `[tenants]`.
+    pub uid: Option<u32>,
+    /// The SHA-256 of the client certificate it presented (TLS, QUIC), if any.
+    pub cert_sha256: Option<[u8; 32]>,
 }
 
 /// A reserved DRAM slot and the staging place its client writes the block into.
@@ -288,6 +292,8 @@ struct Conn {
     shared: Arc<Shared>,
     transport: Transport,
     ip: Option<IpAddr>,
+    uid: Option<u32>,
+    cert_sha256: Option<[u8; 32]>,
     pre_hello: Option<PreHelloSlot>,
     /// The hello must arrive whole by then.
     hello_by: tokio::time::Instant,
@@ -368,6 +374,8 @@ pub(crate) async fn serve_until<R, W>(
         shared: shared.clone(),
         transport,
         ip: peer.ip,
+        uid: peer.uid,
+        cert_sha256: peer.cert_sha256,
         pre_hello: peer.pre_hello,
         hello_by,
         out,
@@ -650,7 +658,8 @@ impl Conn {
         self.send(Out::error(id, op, e.code(), e.to_string())).await;
     }
 
-    /// Checks a hello; answers it (with the arena's fd when asked on the Unix socket).
+    /// Checks a hello; answers it (with the arena's fd when asked on the Unix socket by a
+    /// client trusted with it).
     async fn hello(&mut self, id: u64, h: Hello) -> bool {
         let op = Opcode::Hello as u8;
         let s = &self.shared;
@@ -685,32 +694,41 @@ impl Conn {
                 .await;
                 return false;
             }
-            let who = match s.tenants.by_token(h.token.as_bytes()) {
-                // No tenants: the one token, every client an admin.
-                None => {
-                    token_matches(h.token.as_bytes(), &s.token_digest).then_some(Identity::SINGLE)
+            match self.network_identity(&h.token) {
+                Ok(who) => self.who = who,
+                Err(why) => {
+                    Metrics::inc(&s.metrics.auth_failures);
+                    s.auth.failed(ip, now);
+                    self.log_auth_refusal(ip, &why);
+                    self.send(fail(ErrorCode::Unauthorized, why)).await;
+                    return false;
                 }
-                Some(found) => found.map(|(who, name)| {
-                    tracing::debug!(tenant = name, transport = self.transport.name(), "hello");
-                    who
-                }),
-            };
-            if let Some(who) = who {
-                self.who = who;
-            } else {
-                Metrics::inc(&s.metrics.auth_failures);
-                s.auth.failed(ip, now);
-                self.log_auth_refusal(ip, "wrong or missing token");
-                self.send(fail(
-                    ErrorCode::Unauthorized,
-                    "wrong or missing token".into(),
-                ))
-                .await;
-                return false;
             }
         }
         if self.transport == Transport::Unix {
-            self.who = s.tenants.unix_identity();
+            match s.tenants.unix_identity(self.uid) {
+                Some(who) => self.who = who,
+                None => {
+                    Metrics::inc(&s.metrics.auth_failures);
+                    let who = self.uid.map_or("unknown".into(), |u| u.to_string());
+                    if let Some(n) = s.logs.auth.tick(Instant::now()) {
+                        tracing::warn!(
+                            uid = %who,
+                            "refused a Unix socket hello: its uid is mapped to no tenant ({n} \
+                             refused since the last warning; see kvtier_auth_failures_total)"
+                        );
+                    }
+                    self.send(fail(
+                        ErrorCode::Unauthorized,
+                        format!(
+                            "uid {who} is mapped to no tenant: list it in a tenant's unix_uids \
+                             (tenants.NAME.unix_uids)"
+                        ),
+                    ))
+                    .await;
+                    return false;
+                }
+            }
         }
         if h.block_bytes != 0 && h.block_bytes != s.block_bytes as u64 {
             self.send(fail(
@@ -723,7 +741,8 @@ impl Conn {
             .await;
             return false;
         }
-        let local = if h.want_arena && self.transport == Transport::Unix {
+        // The arena holds every namespace's blocks: only for a tenant trusted with it.
+        let local = if h.want_arena && self.transport == Transport::Unix && self.who.local_arena {
             match local_fds(s) {
                 Ok(l) => Some(l),
                 Err(e) => {
@@ -769,6 +788,44 @@ impl Conn {
         }
         self.send(out).await;
         true
+    }
+
+    /// Who a network client is: named by its token, or by its client certificate (TLS,
+    /// QUIC; pinned by a tenant), or by both when they agree. The error says why not.
+    fn network_identity(&self, token: &str) -> Result<Identity, String> {
+        let s = &self.shared;
+        let by_token = s.tenants.by_token(token.as_bytes());
+        let Some(by_token) = by_token else {
+            // No tenants: the one token, every client an admin (certificates are not asked).
+            return token_matches(token.as_bytes(), &s.token_digest)
+                .then_some(Identity::SINGLE)
+                .ok_or_else(|| "wrong or missing token".to_string());
+        };
+        let cert = self
+            .cert_sha256
+            .and_then(|d| s.tenants.by_cert(&d).map(|found| (d, found)));
+        let (who, name) = match (cert, by_token) {
+            (None, Some(t)) => t,
+            (None, None) => return Err("wrong or missing token".into()),
+            (Some((d, None)), _) => {
+                let hex: String = d.iter().map(|b| format!("{b:02x}")).collect();
+                return Err(format!(
+                    "the client certificate (SHA-256 {hex}) is pinned by no tenant \
+                     (tenants.NAME.client_cert_sha256)"
+                ));
+            }
+            (Some((_, Some(c))), _) if token.is_empty() => c,
+            (Some((_, Some(c))), Some(t)) if t.1 == c.1 => c,
+            (Some((_, Some(c))), _) => {
+                return Err(format!(
+                    "the client certificate names tenant {:?}, the token another (or none): \
+                     present one tenant's credentials",
+                    c.1
+                ));
+            }
+        };
+        tracing::debug!(tenant = name, transport = self.transport.name(), "hello");
+        Ok(who)
     }
 
     /// Logs a refused hello, at most once per interval (with the count since the last).

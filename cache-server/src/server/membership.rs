@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::{ConfigError, Endpoints, ServerConfig, ServerError, io_err, places};
+use super::{ConfigError, Endpoints, ServerConfig, ServerError, places};
 use crate::StoreStats;
 use crate::cluster::record::RECORD_VERSION;
 use crate::cluster::{ClusterMetrics, ClusterNode, ClusterSettings, MemberRecord, TierCapacity};
@@ -30,29 +30,13 @@ pub(crate) fn node(
     } else {
         s.node_id.clone()
     };
-    let secret = if s.secret_file.is_empty() {
+    let secret = cluster_secret(c)?;
+    if secret.is_none() {
         tracing::warn!(
             "cluster: no cluster.secret_file: member records are not authenticated (anyone \
              who can write to etcd can add a member)"
         );
-        None
-    } else {
-        let path = Path::new(&s.secret_file);
-        places::check_secret_file("cluster.secret_file", path)?;
-        let mut b = std::fs::read(path)
-            .map_err(io_err(format!("cluster.secret_file {}", s.secret_file)))?;
-        while b.last().is_some_and(|x| *x == b'\n' || *x == b'\r') {
-            b.pop();
-        }
-        if b.len() < 16 {
-            return Err(ConfigError {
-                setting: "cluster.secret_file".into(),
-                reason: "the secret must be at least 16 bytes".into(),
-            }
-            .into());
-        }
-        Some(b)
-    };
+    }
     let advertised = |set: &str, scheme: &str, bound: Option<SocketAddr>| -> String {
         if !set.is_empty() {
             return set.to_string();
@@ -92,6 +76,17 @@ pub(crate) fn node(
         secret,
     };
     Ok(Some(Arc::new(ClusterNode::new(settings, record, metrics))))
+}
+
+/// The cluster secret: the bytes of `cluster.secret_file` (private, trailing newline dropped,
+/// at least 16 bytes); `None` when the setting is "".
+pub(crate) fn cluster_secret(c: &ServerConfig) -> Result<Option<Vec<u8>>, ServerError> {
+    let s = &c.cluster;
+    if s.secret_file.is_empty() {
+        return Ok(None);
+    }
+    let b = places::read_secret_file("cluster.secret_file", Path::new(&s.secret_file))?;
+    Ok(Some(b))
 }
 
 /// The host name, if it is a valid node id.

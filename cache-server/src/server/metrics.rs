@@ -284,7 +284,8 @@ impl Metrics {
             auth_failures: counter(
                 &r,
                 "kvtier_auth_failures_total",
-                "Hellos refused for a missing or wrong token.",
+                "Hellos refused for a missing or wrong credential (token, client certificate, or \
+                 a Unix peer's uid mapped to no tenant).",
             ),
             requests,
             latency,

@@ -8,6 +8,7 @@ pub mod config;
 mod conn;
 pub mod events;
 mod fdpass;
+mod key_secret;
 mod membership;
 pub mod metrics;
 mod places;
@@ -196,17 +197,30 @@ impl Server {
             (String::new(), None)
         };
         let capacity_blocks: u64 = store.stats().tiers.iter().map(|t| t.capacity_slots).sum();
+        let secret = if config.tenants.is_empty() {
+            [0; key_secret::KEY_SECRET_BYTES]
+        } else {
+            let (secret, source) = key_secret::key_secret(&config)?;
+            tracing::info!(
+                tenants = config.tenants.len(),
+                key_secret = ?source,
+                "tenants enforced: each credential names a tenant and its namespace"
+            );
+            if source == key_secret::KeySecretSource::PerStart {
+                tracing::warn!(
+                    "tenants: no server.tenant_key_secret_file, cluster.secret_file or NVMe \
+                     tier: the key secret is new at each start, so tenants' blocks do not \
+                     outlive a restart"
+                );
+            }
+            secret
+        };
         let tenants = Arc::new(Tenants::new(
             &config,
+            &secret,
             store.block_bytes() as u64,
             capacity_blocks,
         )?);
-        if tenants.enforced() {
-            tracing::info!(
-                tenants = config.tenants.len(),
-                "tenants enforced: each token names a tenant and its namespace"
-            );
-        }
         let limits = config.limits()?;
         let budget_units = match config.limits.max_inflight_bytes {
             Size::Bytes(b) => b.div_ceil(conn::BUDGET_UNIT),
@@ -280,7 +294,15 @@ impl Server {
             }));
         }
         if let Some(path) = c.unix_path() {
-            let l = bind_unix(&path)?;
+            let group = if c.server.unix_group.is_empty() {
+                None
+            } else {
+                Some(places::group_id("server.unix_group", &c.server.unix_group)?)
+            };
+            let l = bind_unix(&path, group)?;
+            if let Some(gid) = group {
+                warn_if_group_cannot_reach(&path, gid);
+            }
             endpoints.unix = Some(path);
             tasks.push(tokio::spawn(accept_unix(shared.clone(), l)));
         }
@@ -304,8 +326,15 @@ impl Server {
         } else {
             None
         };
+        let client_auth = if !shared.tenants.pins_client_certs() {
+            tls::ClientAuth::None
+        } else if c.server.tls_client_auth == "required" {
+            tls::ClientAuth::Required
+        } else {
+            tls::ClientAuth::Optional
+        };
         if let (Some(addr), Some(id)) = (c.tls_addr()?, &identity) {
-            let acceptor = tls::tcp_acceptor(id)?;
+            let acceptor = tls::tcp_acceptor(id, client_auth)?;
             let l = tokio::net::TcpListener::bind(addr)
                 .await
                 .map_err(|source| ServerError::Bind {
@@ -318,7 +347,7 @@ impl Server {
         }
         let mut quic = None;
         if let (Some(addr), Some(id)) = (c.quic_addr()?, &identity) {
-            let server_config = tls::quic_config(id)?;
+            let server_config = tls::quic_config(id, client_auth)?;
             let ep = quinn::Endpoint::server(server_config, addr).map_err(|source| {
                 ServerError::Bind {
                     what: "quic",
@@ -452,6 +481,12 @@ fn check_places(c: &ServerConfig, runtime: &Path) -> Result<(), ServerError> {
     }
     if !c.server.tls_key.is_empty() {
         places::check_secret_file("server.tls_key", Path::new(&c.server.tls_key))?;
+    }
+    if !c.tenants.is_empty() && !c.server.tenant_key_secret_file.is_empty() {
+        places::check_secret_file(
+            "server.tenant_key_secret_file",
+            Path::new(&c.server.tenant_key_secret_file),
+        )?;
     }
     for (name, t) in &c.tenants {
         if t.token.is_empty() && !t.token_file.is_empty() {
@@ -626,10 +661,34 @@ async fn refuse_with<W: tokio::io::AsyncWrite + Unpin>(mut w: W, code: ErrorCode
     .await;
 }
 
+/// Says so when the socket's directory does not let `gid`'s members through (they could not
+/// connect): the server keeps its directories 0700 unless told otherwise.
+fn warn_if_group_cannot_reach(socket: &Path, gid: u32) {
+    use std::os::unix::fs::MetadataExt;
+    let Some(dir) = socket.parent() else { return };
+    let Ok(m) = std::fs::metadata(dir) else {
+        return;
+    };
+    let through = (m.gid() == gid && m.mode() & 0o010 != 0) || m.mode() & 0o001 != 0;
+    if !through {
+        tracing::warn!(
+            dir = %dir.display(),
+            "server.unix_group: the socket's directory (mode {:04o}, gid {}) does not let group \
+             {gid} through, so its members cannot connect: `chgrp {gid} {d} && chmod 0710 {d}`",
+            m.mode() & 0o7777,
+            m.gid(),
+            d = dir.display()
+        );
+    }
+}
+
 /// Binds the Unix socket atomically: under a temporary name in its (private) directory,
 /// made 0600, then renamed over `path`, so the path never holds another process's socket or
 /// one that others may connect to.
-fn bind_unix(path: &Path) -> Result<tokio::net::UnixListener, ServerError> {
+///
+/// With `group` (`server.unix_group`), the socket is given that group and made 0660 before
+/// the rename, so the group's members may connect (their uid then names their tenant).
+fn bind_unix(path: &Path, group: Option<u32>) -> Result<tokio::net::UnixListener, ServerError> {
     use std::os::unix::fs::PermissionsExt;
     let bind_err = |source| ServerError::Bind {
         what: "unix",
@@ -648,8 +707,13 @@ fn bind_unix(path: &Path) -> Result<tokio::net::UnixListener, ServerError> {
     let tmp = dir.join(format!(".{:x}.t", std::process::id()));
     let _ = std::fs::remove_file(&tmp);
     let l = tokio::net::UnixListener::bind(&tmp).map_err(bind_err)?;
-    let done = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
-        .map_err(io_err(format!("chmod {}", tmp.display())))
+    let mode = if group.is_some() { 0o660 } else { 0o600 };
+    let done = std::os::unix::fs::chown(&tmp, None, group)
+        .map_err(io_err(format!("chgrp {group:?} {}", tmp.display())))
+        .and_then(|()| {
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
+                .map_err(io_err(format!("chmod {mode:o} {}", tmp.display())))
+        })
         .and_then(|()| {
             std::fs::rename(&tmp, path).map_err(io_err(format!(
                 "renaming {} to {}",
@@ -691,12 +755,16 @@ async fn accept_unix(shared: Arc<Shared>, l: tokio::net::UnixListener) {
             }
         };
         let fd = stream.as_raw_fd();
+        // SO_PEERCRED: the uid the peer had when it connected (the kernel's word for it).
+        let uid = stream.peer_cred().ok().map(|c| c.uid());
         let (r, w) = stream.into_split();
         let s = shared.clone();
         let peer = conn::Peer {
             transport: Transport::Unix,
             ip: None,
             pre_hello,
+            uid,
+            cert_sha256: None,
         };
         spawn_conn(&shared, conn::serve(s, peer, r, w, Some(fd)));
     }
@@ -760,6 +828,8 @@ async fn accept_tcp(shared: Arc<Shared>, l: tokio::net::TcpListener) {
                 transport: Transport::Tcp,
                 ip: Some(addr.ip()),
                 pre_hello,
+                uid: None,
+                cert_sha256: None,
             };
             spawn_conn(shared, conn::serve(shared.clone(), peer, r, w, None));
         };
@@ -794,11 +864,14 @@ async fn accept_tls(
                         return tls_failed(&s, addr, "no handshake within limits.hello_timeout_ms");
                     }
                 };
+                let cert_sha256 = tls::peer_cert_sha256(tls.get_ref().1.peer_certificates());
                 let (r, w) = tokio::io::split(tls);
                 let peer = conn::Peer {
                     transport: Transport::Tls,
                     ip: Some(addr.ip()),
                     pre_hello,
+                    uid: None,
+                    cert_sha256,
                 };
                 conn::serve_until(s, peer, r, w, None, hello_by).await;
             });
@@ -871,6 +944,13 @@ async fn accept_quic(shared: Arc<Shared>, ep: quinn::Endpoint) {
         tokio::spawn(async move {
             let Ok(conn) = incoming.await else { return };
             let ip = conn.remote_address().ip();
+            let cert_sha256 = conn
+                .peer_identity()
+                .and_then(|id| {
+                    id.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
+                        .ok()
+                })
+                .and_then(|chain| tls::peer_cert_sha256(Some(&chain)));
             loop {
                 let (send, recv) = tokio::select! {
                     _ = s.shutdown.cancelled() => return,
@@ -888,6 +968,8 @@ async fn accept_quic(shared: Arc<Shared>, ep: quinn::Endpoint) {
                     transport: Transport::Quic,
                     ip: Some(ip),
                     pre_hello,
+                    uid: None,
+                    cert_sha256,
                 };
                 spawn_conn(&s, conn::serve(s2, peer, recv, send, None));
             }

@@ -158,6 +158,80 @@ pub(crate) fn check_secret_file(setting: &str, file: &Path) -> Result<(), Server
     check_ancestors(setting, &real)
 }
 
+/// Least bytes a secret read by [`read_secret_file`] may hold.
+pub(crate) const MIN_SECRET_BYTES: usize = 16;
+
+/// The bytes of a secret file (checked as [`check_secret_file`] does), trailing newline
+/// dropped; at least [`MIN_SECRET_BYTES`].
+pub(crate) fn read_secret_file(setting: &str, file: &Path) -> Result<Vec<u8>, ServerError> {
+    check_secret_file(setting, file)?;
+    let mut b = fs::read(file).map_err(|source| ServerError::Io {
+        what: format!("{setting} {}", file.display()),
+        source,
+    })?;
+    while b.last().is_some_and(|x| *x == b'\n' || *x == b'\r') {
+        b.pop();
+    }
+    if b.len() < MIN_SECRET_BYTES {
+        return Err(super::ConfigError {
+            setting: setting.into(),
+            reason: format!(
+                "{} holds {} bytes: a secret must be at least {MIN_SECRET_BYTES}",
+                file.display(),
+                b.len()
+            ),
+        }
+        .into());
+    }
+    Ok(b)
+}
+
+/// The gid of `group`: a number, or a group name looked up as the system does (NSS, through
+/// libc's `getgrnam_r`: one call, not worth a new dependency).
+pub(crate) fn group_id(setting: &str, group: &str) -> Result<u32, ServerError> {
+    if let Ok(gid) = group.parse::<u32>() {
+        return Ok(gid);
+    }
+    let unknown = |why: String| {
+        ServerError::Config(super::ConfigError {
+            setting: setting.into(),
+            reason: why,
+        })
+    };
+    let name = std::ffi::CString::new(group)
+        .map_err(|_| unknown(format!("{group:?}: a group name holds no NUL byte")))?;
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        // SAFETY: `grp` is a plain C struct for getgrnam_r to fill (all-zero is a valid
+        // value of it); `name` is NUL-terminated; `buf` is writable for `buf.len()` bytes and
+        // outlives the call; `found` is written by the call. Nothing returned is read beyond
+        // `gr_gid`, a plain integer copied out before `buf` is reused or dropped.
+        let (rc, found, gid) = unsafe {
+            let mut grp: libc::group = std::mem::zeroed();
+            let mut found: *mut libc::group = std::ptr::null_mut();
+            let rc = libc::getgrnam_r(
+                name.as_ptr(),
+                &mut grp,
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                &mut found,
+            );
+            (rc, !found.is_null(), grp.gr_gid)
+        };
+        match rc {
+            0 if found => return Ok(gid),
+            0 => return Err(unknown(format!("no group named {group:?}"))),
+            libc::ERANGE if buf.len() < 1 << 22 => buf.resize(buf.len() * 4, 0),
+            e => {
+                return Err(unknown(format!(
+                    "looking up group {group:?}: {}",
+                    std::io::Error::from_raw_os_error(e)
+                )));
+            }
+        }
+    }
+}
+
 /// "group", "others" or "group and others", for the bits of `mode` that are set.
 fn who(mode: u32) -> &'static str {
     match (mode & 0o070 != 0, mode & 0o007 != 0) {
@@ -314,6 +388,16 @@ mod tests {
         check_private_dir("server.runtime_dir", &link.join("run")).unwrap();
         chmod(&d, 0o777);
         assert!(check_private_dir("server.runtime_dir", &link.join("run")).is_err());
+    }
+
+    #[test]
+    fn groups_resolve_by_name_or_number() {
+        // Group 0 is "root" on every Linux system.
+        assert_eq!(group_id("server.unix_group", "root").unwrap(), 0);
+        assert_eq!(group_id("server.unix_group", "4321").unwrap(), 4321);
+        let e = group_id("server.unix_group", "no-such-group-kvtier").unwrap_err();
+        assert!(e.to_string().contains("server.unix_group"), "{e}");
+        assert!(group_id("server.unix_group", "a\0b").is_err());
     }
 
     #[test]

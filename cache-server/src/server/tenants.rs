@@ -7,10 +7,10 @@
 //! With tenants, the credential that authenticated a connection (a tenant's token over TCP,
 //! TLS and QUIC; the tenant marked `unix = true`, else an implicit admin, on the Unix socket)
 //! names a tenant, and the tenant a **namespace**: its own, or its sharing group's. Every key
-//! a client sends is mapped to an internal key `SHA-256(secret, namespace, key)[..16]`, with a
-//! secret drawn at each start, so namespaces never meet in the store and no client can name an
-//! internal key of another namespace (it never sees one, and cannot compute one). The store,
-//! its tiers and the NVMe files work on internal keys unchanged.
+//! a client sends is mapped to an internal key `SHA-256(secret, namespace name, key)[..16]`
+//! (the secret: [`super::key_secret`]), so namespaces never meet in the store and no client
+//! can name an internal key of another namespace (it never sees one, and cannot compute one).
+//! The store, its tiers and the NVMe files work on internal keys unchanged.
 //!
 //! The server remembers, for each internal key a tenant stored, its namespace and the
 //! client's key ([`Names`]), kept current by the store's events: that is what turns store
@@ -19,9 +19,12 @@
 //! each namespace's blocks for its quota: a put past the quota first removes the namespace's
 //! own oldest blocks (first stored, first removed), never another's.
 //!
-//! Internal keys are not kept across a restart (the secret is new): blocks tenants stored on
-//! NVMe before a restart are unreachable afterwards, shown to no subscriber, and age out by
-//! eviction.
+//! With a stable secret (a configured one, or the NVMe tier's), a namespace's internal keys
+//! are the same after a restart, so a tenant reads the blocks it stored on NVMe before. What
+//! the server remembers of them ([`Names`]) is not kept, though: until a tenant stores such a
+//! block again, it is in no snapshot, its events go to no subscriber and it does not count
+//! against the quota. With a secret drawn at each start, blocks stored before a restart are
+//! unreachable and age out by eviction.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -44,11 +47,17 @@ pub(crate) struct Identity {
     pub admin: bool,
     /// The namespace its keys live in.
     pub ns: Ns,
+    /// May be passed the DRAM arena on the Unix socket (it reads every namespace's blocks).
+    pub local_arena: bool,
 }
 
 impl Identity {
     /// The single tenant of a deployment without `[tenants]`.
-    pub const SINGLE: Identity = Identity { admin: true, ns: 0 };
+    pub const SINGLE: Identity = Identity {
+        admin: true,
+        ns: 0,
+        local_arena: true,
+    };
 }
 
 struct Tenant {
@@ -111,7 +120,15 @@ impl Names {
 
 struct Multi {
     tenants: Vec<Tenant>,
+    /// The Unix socket's clients running as the server's user.
     unix: Identity,
+    /// The server's (effective) uid.
+    own_uid: u32,
+    /// Unix socket clients by uid (`unix_uids`).
+    by_uid: HashMap<u32, Identity>,
+    /// TLS and QUIC clients by their certificate's SHA-256 (`client_cert_sha256`): the index
+    /// of the tenant in `tenants`.
+    by_cert: HashMap<[u8; 32], usize>,
     spaces: Vec<Space>,
     names: Mutex<Names>,
 }
@@ -175,8 +192,10 @@ fn tenant_token(name: &str, t: &TenantSection) -> Result<Option<String>, TenantE
 impl Tenants {
     /// The tenants of `c` (already validated), for blocks of `block_bytes` in a store holding
     /// at most `capacity_blocks` blocks (its tiers' slots together). Reads token files.
+    /// `secret` maps keys (unused without tenants).
     pub fn new(
         c: &ServerConfig,
+        secret: &[u8; 32],
         block_bytes: u64,
         capacity_blocks: u64,
     ) -> Result<Tenants, TenantError> {
@@ -186,9 +205,6 @@ impl Tenants {
                 buses: vec![Arc::new(EventBus::new())],
             });
         }
-        let mut secret = [0u8; 32];
-        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut secret)
-            .map_err(|_| terr("tenants", "no randomness for the key secret"))?;
         // Namespaces: each group, then each tenant outside a group, in name order.
         let mut space_of: HashMap<String, Ns> = HashMap::new();
         let mut quotas: Vec<Option<u64>> = Vec::new();
@@ -196,6 +212,8 @@ impl Tenants {
         let mut tenants = Vec::new();
         let mut unix = None;
         let mut digests: HashMap<[u8; 32], String> = HashMap::new();
+        let mut by_uid = HashMap::new();
+        let mut by_cert = HashMap::new();
         for (name, t) in &c.tenants {
             let space = if t.group.is_empty() {
                 format!("tenant:{name}")
@@ -250,6 +268,7 @@ impl Tenants {
             let id = Identity {
                 admin: t.role == "admin",
                 ns,
+                local_arena: t.local_arena,
             };
             let digest = match tenant_token(name, t)? {
                 Some(tok) => {
@@ -267,20 +286,30 @@ impl Tenants {
             if t.unix {
                 unix = Some(id);
             }
+            for uid in &t.unix_uids {
+                by_uid.insert(*uid, id);
+            }
+            for hex in &t.client_cert_sha256 {
+                let d = super::config::parse_sha256(hex)
+                    .map_err(|why| terr(format!("tenants.{name}.client_cert_sha256"), why))?;
+                by_cert.insert(d, tenants.len());
+            }
             tenants.push(Tenant {
                 name: name.clone(),
                 digest,
                 id,
             });
         }
-        // The Unix socket's clients run as the server's user and map the whole arena: without
-        // a tenant marked for it, they are an admin with a namespace of their own.
+        // The Unix socket's clients run as the server's user: without a tenant marked for
+        // it, they are an admin with a namespace of their own, not passed the arena (which
+        // holds every namespace's blocks).
         let unix = unix.unwrap_or_else(|| {
             quotas.push(None);
             space_names.push("unix".into());
             Identity {
                 admin: true,
                 ns: quotas.len() - 1,
+                local_arena: false,
             }
         });
         let spaces = quotas
@@ -288,9 +317,11 @@ impl Tenants {
             .enumerate()
             .map(|(ns, q)| {
                 let mut prefix = digest::Context::new(&digest::SHA256);
-                prefix.update(b"kvtier tenant namespace v1");
-                prefix.update(&secret);
-                prefix.update(&(ns as u64).to_le_bytes());
+                // By name, not number: a namespace keeps its keys when others are added.
+                prefix.update(b"kvtier tenant namespace v2");
+                prefix.update(secret);
+                prefix.update(&(space_names[ns].len() as u64).to_le_bytes());
+                prefix.update(space_names[ns].as_bytes());
                 Space {
                     name: space_names[ns].clone(),
                     prefix,
@@ -303,6 +334,9 @@ impl Tenants {
             multi: Some(Multi {
                 tenants,
                 unix,
+                own_uid: super::places::euid(),
+                by_uid,
+                by_cert,
                 spaces,
                 names: Mutex::new(Names {
                     map: HashMap::new(),
@@ -324,9 +358,19 @@ impl Tenants {
         &self.buses[ns.min(self.buses.len() - 1)]
     }
 
-    /// Who the Unix socket's clients are.
-    pub fn unix_identity(&self) -> Identity {
-        self.multi.as_ref().map_or(Identity::SINGLE, |m| m.unix)
+    /// Who a Unix socket client running as `uid` (its `SO_PEERCRED`; `None`: unknown) is: the
+    /// tenant whose `unix_uids` list it; else, for the server's own user, the tenant marked
+    /// `unix = true` or the implicit Unix admin. Without tenants, the single tenant (the
+    /// socket's mode decides who connects). `None`: a uid mapped to no tenant.
+    pub fn unix_identity(&self, uid: Option<u32>) -> Option<Identity> {
+        let Some(m) = &self.multi else {
+            return Some(Identity::SINGLE);
+        };
+        let uid = uid?;
+        m.by_uid
+            .get(&uid)
+            .copied()
+            .or_else(|| (uid == m.own_uid).then_some(m.unix))
     }
 
     /// The tenant a token names, and its name, compared in constant time against every
@@ -344,12 +388,27 @@ impl Tenants {
         Some(found)
     }
 
-    /// The internal key of a client's `key` in namespace `ns`.
+    /// The tenant a client certificate (its DER's SHA-256) names, and its name: `None`
+    /// when tenants are not configured; `Some(None)`: pinned by no tenant.
+    pub fn by_cert(&self, sha256: &[u8; 32]) -> Option<Option<(Identity, &str)>> {
+        let m = self.multi.as_ref()?;
+        Some(m.by_cert.get(sha256).map(|&i| {
+            let t = &m.tenants[i];
+            (t.id, t.name.as_str())
+        }))
+    }
+
+    /// Whether a tenant pins a client certificate (TLS and QUIC then ask for one).
+    pub fn pins_client_certs(&self) -> bool {
+        self.multi.as_ref().is_some_and(|m| !m.by_cert.is_empty())
+    }
+
     /// Whether keys are used as clients send them (no tenants configured).
     pub fn keys_as_sent(&self) -> bool {
         self.multi.is_none()
     }
 
+    /// The internal key of a client's `key` in namespace `ns`.
     pub fn key(&self, ns: Ns, key: BlockKey) -> BlockKey {
         let Some(m) = &self.multi else {
             return key;
@@ -571,6 +630,16 @@ mod tests {
         }
     }
 
+    const SECRET: [u8; 32] = [7; 32];
+
+    fn with_secret(
+        c: &ServerConfig,
+        block_bytes: u64,
+        capacity: u64,
+    ) -> Result<Tenants, TenantError> {
+        Tenants::new(c, &SECRET, block_bytes, capacity)
+    }
+
     fn k(i: u128) -> BlockKey {
         BlockKey::from_u128(i)
     }
@@ -585,11 +654,11 @@ mod tests {
 
     #[test]
     fn without_tenants_keys_pass_as_sent() {
-        let t = Tenants::new(&ServerConfig::default(), 4096, 10).unwrap();
+        let t = Tenants::new(&ServerConfig::default(), &SECRET, 4096, 10).unwrap();
         assert!(!t.enforced());
         assert_eq!(t.key(0, k(7)), k(7));
         assert_eq!(t.by_token(b"x"), None);
-        assert_eq!(t.unix_identity(), Identity::SINGLE);
+        assert_eq!(t.unix_identity(Some(12345)), Some(Identity::SINGLE));
     }
 
     #[test]
@@ -598,7 +667,7 @@ mod tests {
         c.group = "g".into();
         let mut d = tenant("td");
         d.group = "g".into();
-        let t = Tenants::new(
+        let t = with_secret(
             &cfg(&[("a", tenant("ta")), ("b", tenant("tb")), ("c", c), ("d", d)]),
             4096,
             10,
@@ -611,14 +680,50 @@ mod tests {
         assert_ne!(t.key(a.ns, k(1)), t.key(b.ns, k(1)));
         assert_ne!(t.key(a.ns, k(1)), k(1));
         assert_eq!(t.key(c.ns, k(1)), t.key(d.ns, k(1)));
-        assert!(t.unix_identity().admin);
-        assert_ne!(t.unix_identity().ns, a.ns);
+        let me = Some(crate::server::places::euid());
+        assert!(t.unix_identity(me).unwrap().admin);
+        assert_ne!(t.unix_identity(me).unwrap().ns, a.ns);
+    }
+
+    #[test]
+    fn a_unix_clients_uid_names_its_tenant() {
+        let me = crate::server::places::euid();
+        let other = me.wrapping_add(1000);
+        let mut w = tenant("");
+        w.unix = true;
+        w.local_arena = true;
+        let mut u = tenant("");
+        u.unix_uids = vec![other, other + 1];
+        let t = with_secret(&cfg(&[("a", tenant("ta")), ("u", u), ("w", w)]), 4096, 10).unwrap();
+        let (a, u, w) = (0, 1, 2);
+        let id = |uid| t.unix_identity(uid).map(|i| (i.ns, i.admin, i.local_arena));
+        assert_eq!(id(Some(other)), Some((u, false, false)));
+        assert_eq!(id(Some(other + 1)), Some((u, false, false)));
+        assert_eq!(
+            id(Some(me)),
+            Some((w, false, true)),
+            "the server's own user"
+        );
+        assert_eq!(id(Some(other + 2)), None, "mapped to no tenant");
+        assert_eq!(id(None), None);
+        assert_ne!(id(Some(other)).unwrap().0, a);
+        // Listing the server's own uid names that tenant for it, not the `unix` one.
+        let mut mine = tenant("");
+        mine.unix_uids = vec![me];
+        let t = with_secret(&cfg(&[("m", mine)]), 4096, 10).unwrap();
+        assert_eq!(
+            t.unix_identity(Some(me)).map(|i| (i.ns, i.admin)),
+            Some((0, false))
+        );
+        // Without tenants, whoever can open the socket is the single tenant.
+        let t = with_secret(&ServerConfig::default(), 4096, 10).unwrap();
+        assert_eq!(t.unix_identity(Some(other)), Some(Identity::SINGLE));
     }
 
     #[test]
     fn events_go_to_their_namespace_in_the_clients_key() {
         let t = Arc::new(
-            Tenants::new(&cfg(&[("a", tenant("ta")), ("b", tenant("tb"))]), 4096, 10).unwrap(),
+            with_secret(&cfg(&[("a", tenant("ta")), ("b", tenant("tb"))]), 4096, 10).unwrap(),
         );
         let (a, b) = (0, 1);
         let ia = t.key(a, k(1));
@@ -646,7 +751,7 @@ mod tests {
     fn a_namespace_over_quota_gives_up_its_own_oldest() {
         let mut a = tenant("ta");
         a.quota = Size::Bytes(2 * 4096);
-        let t = Arc::new(Tenants::new(&cfg(&[("a", a), ("b", tenant("tb"))]), 4096, 10).unwrap());
+        let t = Arc::new(with_secret(&cfg(&[("a", a), ("b", tenant("tb"))]), 4096, 10).unwrap());
         for i in 0..2 {
             let ik = t.key(0, k(i));
             let _r = t.admit(0, ik, k(i)).ok().unwrap();
@@ -665,7 +770,7 @@ mod tests {
     fn the_order_of_storing_stays_bounded_when_blocks_leave_by_other_ways() {
         let mut a = tenant("ta");
         a.quota = Size::Bytes(8 * 4096);
-        let t = Arc::new(Tenants::new(&cfg(&[("a", a), ("b", tenant("tb"))]), 4096, 10).unwrap());
+        let t = Arc::new(with_secret(&cfg(&[("a", a), ("b", tenant("tb"))]), 4096, 10).unwrap());
         for i in 0..10_000 {
             for ns in [0, 1] {
                 let ik = t.key(ns, k(i));
@@ -688,7 +793,12 @@ mod tests {
 
     #[test]
     fn tenant_config_errors_name_the_setting() {
-        let err = |c: ServerConfig| Tenants::new(&c, 4096, 10).err().unwrap().to_string();
+        let err = |c: ServerConfig| {
+            Tenants::new(&c, &SECRET, 4096, 10)
+                .err()
+                .unwrap()
+                .to_string()
+        };
         let e = err(cfg(&[("a", tenant("same")), ("b", tenant("same"))]));
         assert!(
             e.contains("tenants.b.token") && e.contains("same token"),

@@ -1,11 +1,20 @@
 //! The server's certificate (configured, or a generated self-signed one) and the TLS
 //! configurations built on it: QUIC's, and the TLS-over-TCP listener's (`server.tls`).
+//!
+//! Client certificates: where a tenant pins one (`tenants.NAME.client_cert_sha256`), both ask
+//! clients for a certificate ([`ClientAuth`]). Any certificate is taken at the handshake, whose
+//! signature rustls checks against the certificate's key (so the client holds that key); the
+//! certificate is then known by the SHA-256 of its DER ([`peer_cert_sha256`]) and the hello
+//! looks that up among the pinned ones. Pinning, not a CA: no chain, names or validity
+//! dates are checked, as with SSH keys.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
 
 use super::{ServerConfig, ServerError};
 
@@ -76,24 +85,124 @@ pub fn identity(c: &ServerConfig, runtime: &Path) -> Result<Identity, ServerErro
     })
 }
 
-/// The QUIC server config.
-pub fn quic_config(id: &Identity) -> Result<quinn::ServerConfig, ServerError> {
-    let mut sc = quinn::ServerConfig::with_single_cert(id.chain.clone(), id.key.clone_key())
+/// Whether TLS and QUIC ask clients for a certificate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClientAuth {
+    /// Not asked (no tenant pins one).
+    None,
+    /// Asked; a client may go without (and present a token).
+    Optional,
+    /// A handshake without one fails (`server.tls_client_auth = "required"`).
+    Required,
+}
+
+/// Takes any client certificate whose handshake signature its key made; which tenant (if
+/// any) it names is the hello's business.
+#[derive(Debug)]
+struct PinnedClients {
+    required: bool,
+    algs: rustls::crypto::WebPkiSupportedAlgorithms,
+}
+
+impl ClientCertVerifier for PinnedClients {
+    fn offer_client_auth(&self) -> bool {
+        true
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        self.required
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        &[]
+    }
+
+    fn verify_client_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        // Pinned by digest at hello: no chain to build.
+        Ok(ClientCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algs)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algs)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.algs.supported_schemes()
+    }
+}
+
+/// The rustls server config both listeners share: `versions`, the identity, client
+/// certificates as `auth` says.
+fn server_config(
+    id: &Identity,
+    versions: &[&'static rustls::SupportedProtocolVersion],
+    auth: ClientAuth,
+) -> Result<rustls::ServerConfig, ServerError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let algs = provider.signature_verification_algorithms;
+    let builder = rustls::ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(versions)
         .map_err(|e| tls(&e))?;
+    let builder = match auth {
+        ClientAuth::None => builder.with_no_client_auth(),
+        ClientAuth::Optional | ClientAuth::Required => {
+            builder.with_client_cert_verifier(Arc::new(PinnedClients {
+                required: auth == ClientAuth::Required,
+                algs,
+            }))
+        }
+    };
+    builder
+        .with_single_cert(id.chain.clone(), id.key.clone_key())
+        .map_err(|e| tls(&e))
+}
+
+/// The SHA-256 of the DER of the client's certificate (the first of its chain), if it
+/// presented one.
+pub fn peer_cert_sha256(chain: Option<&[CertificateDer<'_>]>) -> Option<[u8; 32]> {
+    let der = chain?.first()?;
+    let d = ring::digest::digest(&ring::digest::SHA256, der.as_ref());
+    let mut out = [0u8; 32];
+    out.copy_from_slice(d.as_ref());
+    Some(out)
+}
+
+/// The QUIC server config.
+pub fn quic_config(id: &Identity, auth: ClientAuth) -> Result<quinn::ServerConfig, ServerError> {
+    let crypto = server_config(id, &[&rustls::version::TLS13], auth)?;
+    let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(crypto).map_err(|e| tls(&e))?;
+    let mut sc = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     sc.transport_config(transport());
     Ok(sc)
 }
 
-/// The TLS-over-TCP acceptor: TLS 1.2 and 1.3 (ring), no client certificates (clients
-/// authenticate with the token inside), ALPN [`kvtier_core::protocol::TLS_ALPN`].
-pub fn tcp_acceptor(id: &Identity) -> Result<tokio_rustls::TlsAcceptor, ServerError> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut sc = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| tls(&e))?
-        .with_no_client_auth()
-        .with_single_cert(id.chain.clone(), id.key.clone_key())
-        .map_err(|e| tls(&e))?;
+/// The TLS-over-TCP acceptor: TLS 1.2 and 1.3 (ring), client certificates as `auth` says
+/// (otherwise clients authenticate with the token inside), ALPN
+/// [`kvtier_core::protocol::TLS_ALPN`].
+pub fn tcp_acceptor(
+    id: &Identity,
+    auth: ClientAuth,
+) -> Result<tokio_rustls::TlsAcceptor, ServerError> {
+    let mut sc = server_config(id, rustls::DEFAULT_VERSIONS, auth)?;
     sc.alpn_protocols = vec![kvtier_core::protocol::TLS_ALPN.to_vec()];
     Ok(tokio_rustls::TlsAcceptor::from(Arc::new(sc)))
 }

@@ -19,7 +19,7 @@ use crate::common::*;
 /// Says hello on the Unix socket asking for the arena, as a client written from
 /// `docs/protocol.md` would: the reply's first bytes are read with `recvmsg`, and the
 /// descriptors riding with them kept.
-async fn local_hello(path: &Path) -> (Raw<UnixStream>, HelloReply, Vec<OwnedFd>) {
+pub(crate) async fn local_hello(path: &Path) -> (Raw<UnixStream>, HelloReply, Vec<OwnedFd>) {
     let s = UnixStream::connect(path).await.unwrap();
     let mut raw = Raw::new(s);
     raw.send(

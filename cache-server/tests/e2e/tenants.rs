@@ -118,11 +118,11 @@ async fn another_tenant_cannot_see_read_replace_remove_or_clear_blocks() {
         assert_eq!(a.lookup(&ka).await.tiers.len(), ka.len());
 
         // The Unix socket's clients (no tenant marked for it) are an admin of their own
-        // namespace: they do not see A's blocks by key either.
+        // namespace: they do not see A's blocks by key either, and are not passed the arena
+        // (which holds every namespace's blocks).
         let u = srv.client("unix").await;
         assert_eq!(u.lookup(&ka).await.tiers.len(), 0);
-        // With tenants the published slot table (internal keys) is not sent: gets take pins.
-        assert!(u.is_local() && !u.has_fast_gets().await);
+        assert!(!u.is_local() && !u.has_fast_gets().await);
 
         // The old server-wide token is gone; a wrong one is refused as before.
         for t in [TOKEN, "tok-x", ""] {
@@ -159,7 +159,7 @@ async fn another_tenant_cannot_see_read_replace_remove_or_clear_blocks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sharing_group_shares_and_the_unix_socket_can_join_it() {
     let mut args = TENANTS.to_vec();
-    args.push("tenants.worker={group=\"g\", unix=true}");
+    args.push("tenants.worker={group=\"g\", unix=true, local_arena=true}");
     let srv = ServerProc::start(&args);
     bounded(60, async {
         let (a, c, d) = (
@@ -179,6 +179,7 @@ async fn a_sharing_group_shares_and_the_unix_socket_can_join_it() {
         assert_eq!(a.lookup(&k).await.tiers.len(), 0, "A is not in the group");
         // The worker on the Unix socket is a member too (a tenant, not an admin).
         let u = srv.client("unix").await;
+        assert!(u.is_local(), "trusted with the arena");
         assert_eq!(get_verified(&u, &k).await, k.len());
         // Its puts (reserve and commit through its staging region) land in the group, and
         // the group's subscribers hear of them in the worker's keys; A hears nothing.
@@ -203,6 +204,209 @@ async fn a_sharing_group_shares_and_the_unix_socket_can_join_it() {
             ),
             "{e}"
         );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_tenant_trusted_with_the_arena_is_passed_it() {
+    for trusted in [false, true] {
+        let worker = format!("tenants.worker={{group=\"g\", unix=true, local_arena={trusted}}}");
+        let mut args = TENANTS.to_vec();
+        args.push(&worker);
+        let srv = ServerProc::start(&args);
+        bounded(60, async {
+            // A hello asking for the arena, read as a client written from docs/protocol.md.
+            let (_raw, hello, fds) = crate::arena::local_hello(&srv.unix).await;
+            if trusted {
+                assert!(
+                    hello.arena_bytes > 0 && hello.staging_bytes > 0,
+                    "{hello:?}"
+                );
+                // The arena and the staging region; no slot table with tenants.
+                assert_eq!((fds.len(), hello.slot_table_bytes), (2, 0));
+            } else {
+                assert_eq!(
+                    (
+                        hello.arena_bytes,
+                        hello.staging_bytes,
+                        hello.slot_table_bytes
+                    ),
+                    (0, 0, 0)
+                );
+                assert!(fds.is_empty(), "{} descriptors", fds.len());
+            }
+            // The SDK asks for the arena by default and works either way: gets and puts in
+            // place, or copies over the socket.
+            let u = srv.client("unix").await;
+            assert_eq!(u.is_local(), trusted);
+            let c = as_tenant(&srv, "tok-c").await;
+            let kw = keys(b"worker", 3, 0);
+            put_all(&u, &kw).await;
+            assert_eq!(get_verified(&c, &kw).await, kw.len(), "trusted: {trusted}");
+            let kc = keys(b"member", 3, 0);
+            put_all(&c, &kc).await;
+            assert_eq!(get_verified(&u, &kc).await, kc.len(), "trusted: {trusted}");
+        })
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_clients_uid_names_its_tenant() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    // SAFETY: geteuid and getegid have no preconditions and cannot fail.
+    let (me, my_gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    // This test's own uid (the server's too) mapped to tenant u; the socket given our group.
+    let u = format!("tenants.u={{token=\"tok-u\", unix_uids=[{me}]}}");
+    let group = format!("server.unix_group=\"{my_gid}\"");
+    let mut args = TENANTS.to_vec();
+    args.extend([u.as_str(), group.as_str()]);
+    let srv = ServerProc::start(&args);
+    let m = std::fs::metadata(&srv.unix).unwrap();
+    assert_eq!((m.permissions().mode() & 0o777, m.gid()), (0o660, my_gid));
+    bounded(60, async {
+        let unix = srv.client("unix").await;
+        let k = keys(b"by-uid", 3, 0);
+        put_all(&unix, &k).await;
+        // The blocks are u's: u reads them over TCP, a does not see them.
+        assert_eq!(
+            get_verified(&as_tenant(&srv, "tok-u").await, &k).await,
+            k.len()
+        );
+        assert_eq!(
+            as_tenant(&srv, "tok-a").await.lookup(&k).await.tiers.len(),
+            0
+        );
+        // u is a tenant, not the implicit Unix admin, and not trusted with the arena.
+        assert!(!unix.is_local());
+        let e = unix.clear().await.expect_err("u may not clear");
+        assert!(
+            matches!(
+                e,
+                ClientError::Server {
+                    code: Some(ErrorCode::Forbidden),
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    })
+    .await;
+}
+
+/// A client certificate and its key (DER), and the hex SHA-256 a tenant pins it by.
+fn client_cert(name: &str) -> (Vec<u8>, Vec<u8>, String) {
+    let ck = rcgen::generate_simple_self_signed(vec![name.to_string()]).unwrap();
+    let der = ck.cert.der().to_vec();
+    let hex = ring::digest::digest(&ring::digest::SHA256, &der)
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02X}"))
+        .collect::<Vec<_>>()
+        .join(":");
+    (der, ck.signing_key.serialize_der(), hex)
+}
+
+/// Connects over `transport` ("tls" or "quic") with `cert` and `token` (none when empty).
+async fn with_cert(
+    srv: &ServerProc,
+    transport: &str,
+    cert: Option<&(Vec<u8>, Vec<u8>, String)>,
+    token: &str,
+) -> Result<Client, ClientError> {
+    let mut cfg = ClientConfig::default().server_cert_der(srv.cert());
+    if !token.is_empty() {
+        cfg = cfg.token(token);
+    }
+    if let Some((der, key, _)) = cert {
+        cfg = cfg.client_cert_der(der.clone(), key.clone());
+    }
+    let url = if transport == "tls" {
+        srv.tls_url()
+    } else {
+        srv.quic_url()
+    };
+    Client::connect(&url, cfg).await
+}
+
+fn unauthorized(r: Result<Client, ClientError>, says: &str) {
+    match r {
+        Err(ClientError::Server {
+            code: Some(ErrorCode::Unauthorized),
+            message,
+            ..
+        }) => assert!(message.contains(says), "{message}"),
+        Err(e) => panic!("expected unauthorized ({says}), got {e}"),
+        Ok(_) => panic!("expected unauthorized ({says}), got a connection"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_client_certificate_names_its_tenant_over_tls_and_quic() {
+    let (ca, stranger) = (client_cert("client-a"), client_cert("stranger"));
+    let a = format!(
+        "tenants.a={{token=\"tok-a\", client_cert_sha256=[\"{}\"]}}",
+        ca.2
+    );
+    let mut args = TENANTS.to_vec();
+    args.push(&a);
+    let srv = ServerProc::start(&args);
+    bounded(60, async {
+        let ka = keys(b"by-cert", 3, 0);
+        for transport in ["tls", "quic"] {
+            // The certificate alone names A: its blocks are A's, seen by A's token.
+            let c = with_cert(&srv, transport, Some(&ca), "").await.unwrap();
+            put_all(&c, &ka).await;
+            assert_eq!(get_verified(&as_tenant(&srv, "tok-a").await, &ka).await, 3);
+            assert_eq!(
+                as_tenant(&srv, "tok-b").await.lookup(&ka).await.tiers.len(),
+                0
+            );
+            // With A's token too: the same tenant.
+            let c = with_cert(&srv, transport, Some(&ca), "tok-a")
+                .await
+                .unwrap();
+            assert_eq!(get_verified(&c, &ka).await, 3, "{transport}");
+            // A certificate and a token of different tenants: refused.
+            unauthorized(
+                with_cert(&srv, transport, Some(&ca), "tok-b").await,
+                "the token another",
+            );
+            // A certificate no tenant pins: refused, whatever the token.
+            unauthorized(
+                with_cert(&srv, transport, Some(&stranger), "tok-b").await,
+                "pinned by no tenant",
+            );
+            // No certificate: the token still works (certificates are optional).
+            let b = with_cert(&srv, transport, None, "tok-b").await.unwrap();
+            assert_eq!(b.lookup(&ka).await.tiers.len(), 0, "{transport}");
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn required_client_certificates_refuse_a_handshake_without_one() {
+    let ca = client_cert("client-a");
+    let a = format!("tenants.a={{client_cert_sha256=[\"{}\"]}}", ca.2);
+    let mut args = TENANTS.to_vec();
+    args.extend([a.as_str(), "server.tls_client_auth=\"required\""]);
+    let srv = ServerProc::start(&args);
+    bounded(60, async {
+        for transport in ["tls", "quic"] {
+            // TLS 1.3 ends the handshake at the server: the client learns it at its hello.
+            let e = with_cert(&srv, transport, None, "tok-b").await.err();
+            assert!(
+                e.as_ref()
+                    .is_some_and(|e| !matches!(e, ClientError::Server { .. })),
+                "{transport}: {e:?}"
+            );
+            let c = with_cert(&srv, transport, Some(&ca), "").await.unwrap();
+            c.ping().await.unwrap();
+        }
+        // Plain TCP and the Unix socket are not TLS: tokens and the uid as before.
+        as_tenant(&srv, "tok-b").await.ping().await.unwrap();
     })
     .await;
 }
@@ -282,6 +486,40 @@ fn tenant_configuration_errors_stop_the_server_naming_the_setting() {
             "needs a token",
         ),
         (
+            vec!["tenants.a={token=\"t\", local_arena=true}"],
+            "tenants.a.local_arena",
+            "unix = true",
+        ),
+        (
+            vec![
+                "tenants.a={token=\"t\", unix_uids=[1001]}",
+                "tenants.b={token=\"u\", unix_uids=[1002, 1001]}",
+            ],
+            "tenants.b.unix_uids",
+            "uid 1001",
+        ),
+        (
+            vec![
+                "server.unix_group=\"no-such-group-kvtier\"",
+                "tenants.a={token=\"t\"}",
+            ],
+            "server.unix_group",
+            "no group named",
+        ),
+        (
+            vec!["tenants.a={client_cert_sha256=[\"abcd\"]}"],
+            "tenants.a.client_cert_sha256",
+            "64 hex digits",
+        ),
+        (
+            vec![
+                "tenants.a={token=\"t\"}",
+                "server.tls_client_auth=\"required\"",
+            ],
+            "server.tls_client_auth",
+            "no tenant pins",
+        ),
+        (
             vec!["tenants.a={token=\"t\", colour=\"red\"}"],
             "tenants",
             "unknown field",
@@ -303,8 +541,10 @@ fn tenant_configuration_errors_stop_the_server_naming_the_setting() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tenants_blocks_do_not_survive_a_restart_and_are_shown_to_no_one() {
-    let srv = ServerProc::start(TENANTS);
+async fn tenants_blocks_survive_a_restart_with_the_nvme_tier_and_stay_their_own() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut srv = ServerProc::start_in(tmp.path(), TENANTS);
     let ka = keys(b"before", 4, 0);
     bounded(30, async {
         let a = as_tenant(&srv, "tok-a").await;
@@ -312,21 +552,88 @@ async fn tenants_blocks_do_not_survive_a_restart_and_are_shown_to_no_one() {
         assert_eq!(a.lookup(&ka).await.tiers.len(), ka.len());
     })
     .await;
-    let srv = srv.restart();
+    assert!(srv.stop().success());
+    // The key secret the first start made, beside the data it keys.
+    let secret = tmp.path().join("nvme").join("tenant-key-secret");
+    let m = std::fs::metadata(&secret).unwrap();
+    assert_eq!((m.permissions().mode() & 0o777, m.len()), (0o600, 32));
+
+    // Started again, with one more tenant: namespaces keep their keys when others join.
+    let mut args = TENANTS.to_vec();
+    args.push("tenants.e={token=\"tok-e\"}");
+    let mut srv = ServerProc::start_in(tmp.path(), &args);
     bounded(30, async {
-        // The blocks are still on NVMe, under internal keys no one can name any more.
-        let blocks = srv.stats().await["store"]["blocks"].as_u64().unwrap();
-        assert!(blocks >= ka.len() as u64, "{blocks}");
         let a = as_tenant(&srv, "tok-a").await;
-        assert_eq!(a.lookup(&ka).await.tiers.len(), 0, "a new secret: new keys");
-        for token in ["tok-a", "tok-root"] {
+        assert_eq!(
+            get_verified(&a, &ka).await,
+            ka.len(),
+            "A reads its own bytes"
+        );
+        for token in ["tok-b", "tok-e", "tok-root"] {
             let c = as_tenant(&srv, token).await;
+            assert_eq!(c.lookup(&ka).await.tiers.len(), 0, "{token}");
+            assert_eq!(get_verified(&c, &ka).await, 0, "{token}");
             let mut s = c.events(Some(1), true).await.unwrap();
             assert!(drain(&mut s).await.is_empty(), "{token}");
         }
         let u = srv.client("unix").await;
-        let mut s = u.events(Some(1), true).await.unwrap();
-        assert!(drain(&mut s).await.is_empty());
+        assert_eq!(u.lookup(&ka).await.tiers.len(), 0);
     })
     .await;
+    assert!(srv.stop().success());
+
+    // A secret others may read, or one changed, is a clear startup error.
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let (status, err) = ServerProc::refused_in(tmp.path(), TENANTS);
+    assert!(!status.success());
+    assert!(
+        err.contains("tenant-key-secret") && err.contains("0644") && err.contains("chmod 0600"),
+        "{err}"
+    );
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::write(&secret, [0u8; 31]).unwrap();
+    let (status, err) = ServerProc::refused_in(tmp.path(), TENANTS);
+    assert!(!status.success());
+    assert!(
+        err.contains("tenant-key-secret") && err.contains("31 bytes"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn servers_given_one_key_secret_file_map_a_tenants_keys_alike() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("key-secret");
+    std::fs::write(&file, "a secret of more than sixteen bytes\n").unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let setting = format!(
+        "server.tenant_key_secret_file={:?}",
+        file.display().to_string()
+    );
+    let mut args = TENANTS.to_vec();
+    args.push(&setting);
+    // Two servers on one NVMe directory in turn, the second knowing nothing of the first's
+    // start but the file: the NVMe tier's own secret is not made.
+    let ka = keys(b"shared-secret", 3, 0);
+    let mut srv = ServerProc::start_in(tmp.path(), &args);
+    bounded(30, async {
+        put_all(&as_tenant(&srv, "tok-a").await, &ka).await
+    })
+    .await;
+    assert!(srv.stop().success());
+    assert!(!tmp.path().join("nvme").join("tenant-key-secret").exists());
+    let srv = ServerProc::start_in(tmp.path(), &args);
+    bounded(30, async {
+        let a = as_tenant(&srv, "tok-a").await;
+        assert_eq!(get_verified(&a, &ka).await, ka.len());
+        let b = as_tenant(&srv, "tok-b").await;
+        assert_eq!(get_verified(&b, &ka).await, 0);
+    })
+    .await;
+    // Readable by its group: refused.
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let (status, err) = ServerProc::refused_in(&tmp.path().join("other"), &args);
+    assert!(!status.success());
+    assert!(err.contains("server.tenant_key_secret_file"), "{err}");
 }
