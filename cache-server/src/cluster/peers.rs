@@ -119,7 +119,8 @@ impl PeerPool {
             .timeout(self.timeout)
             .block_bytes(self.block_bytes)
             .reconnect_backoff(FIRST_BACKOFF);
-        cfg.connect_timeout = self.timeout;
+        // The caller's bound (`bounded`) cuts a connect that hangs, counted as a timeout.
+        cfg.connect_timeout = self.timeout * 2;
         cfg.name = "kvtier-cluster-peer".into();
         let r = Client::connect(&peer.endpoint, cfg).await;
         let mut g = lock(&self.slots);

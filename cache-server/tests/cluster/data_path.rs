@@ -291,30 +291,10 @@ async fn an_owner_sending_wrong_bytes_is_a_miss() {
         let a = member_with(&etcd, "a", 5, &secret, &extra);
         let b = member_with(&etcd, "b", 5, &secret, &extra);
         let liar = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let liar_addr = liar.local_addr().unwrap();
-        tokio::spawn(lying_peer(liar));
         // Its record, signed with the secret (a holder of the secret gone wrong, or a
         // corrupting path: either way the bytes do not match their sums).
-        let key = "/kvtier/test/members/zz";
-        let record = MemberRecord {
-            v: RECORD_VERSION,
-            node_id: "zz".into(),
-            version: "0".into(),
-            data_endpoint: format!("tcp://{liar_addr}"),
-            transfer_endpoint: String::new(),
-            admin_endpoint: String::new(),
-            tiers: vec![TierCapacity {
-                kind: "dram".into(),
-                capacity_bytes: 12 << 20,
-            }],
-            registered_unix_ms: 0,
-        };
-        let value =
-            RecordSealer::new(Some(SECRET.as_bytes()), "test").seal(key.as_bytes(), &record);
-        let mut e = etcd_client::Client::connect([etcd.url()], None)
-            .await
-            .unwrap();
-        e.put(key, value, None).await.unwrap();
+        fake_member(&etcd, &liar).await;
+        tokio::spawn(lying_peer(liar));
         for s in [&a, &b] {
             until_view(s, &["a", "b", "zz"], Duration::from_secs(15)).await;
         }
@@ -322,12 +302,14 @@ async fn an_owner_sending_wrong_bytes_is_a_miss() {
         for seed in 1..100 {
             let chain = keys(b"liar", 32, seed);
             let owners = run_owners(&a, &chain).await;
-            if let Some(first) = owners.iter().position(|o| o == "zz") {
+            if let Some(first) = owners.iter().position(|o| o == "zz")
+                && first > 0
+            {
                 found = Some((chain, owners, first * RUN));
                 break;
             }
         }
-        let (chain, owners, expect) = found.expect("a chain with a run of zz's");
+        let (chain, owners, expect) = found.expect("a chain with a run of zz's after the first");
         put_all(&a.client("tcp").await, &chain).await;
         until_offered(&[("a", &a), ("b", &b)], "a", &chain, &owners).await;
         let cl = b.client("tcp").await;
@@ -338,6 +320,125 @@ async fn an_owner_sending_wrong_bytes_is_a_miss() {
         assert!(
             labelled(&m, "kvtier_cluster_peer_bad_blocks_total", "peer=\"zz\"") >= 1.0,
             "{m}"
+        );
+    })
+    .await;
+}
+
+/// Registers member `zz` (signed with the secret, as much capacity as a test server)
+/// whose data endpoint is `l`.
+async fn fake_member(etcd: &Etcd, l: &tokio::net::TcpListener) {
+    let key = "/kvtier/test/members/zz";
+    let record = MemberRecord {
+        v: RECORD_VERSION,
+        node_id: "zz".into(),
+        version: "0".into(),
+        data_endpoint: format!("tcp://{}", l.local_addr().unwrap()),
+        transfer_endpoint: String::new(),
+        admin_endpoint: String::new(),
+        tiers: vec![TierCapacity {
+            kind: "dram".into(),
+            capacity_bytes: 12 << 20,
+        }],
+        registered_unix_ms: 0,
+    };
+    let value = RecordSealer::new(Some(SECRET.as_bytes()), "test").seal(key.as_bytes(), &record);
+    let mut e = etcd_client::Client::connect([etcd.url()], None)
+        .await
+        .unwrap();
+    e.put(key, value, None).await.unwrap();
+}
+
+/// A member that accepts connections and never answers: a lookup on a real member is not
+/// held past the peer timeout; the silent member's runs are misses, counted as timeouts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_owner_is_a_miss_within_the_deadline() {
+    bounded(90, async {
+        let etcd = Etcd::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let secret = secret_file(dir.path(), SECRET);
+        let extra = ["cluster.run_blocks=8", "cluster.peer_timeout_ms=500"];
+        let a = member_with(&etcd, "a", 5, &secret, &extra);
+        let b = member_with(&etcd, "b", 5, &secret, &extra);
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        fake_member(&etcd, &silent).await;
+        // Accepts, holds the connections, never reads or writes.
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = silent.accept().await {
+                held.push(s);
+            }
+        });
+        for s in [&a, &b] {
+            until_view(s, &["a", "b", "zz"], Duration::from_secs(15)).await;
+        }
+        let mut found = None;
+        for seed in 1..100 {
+            let chain = keys(b"silent", 32, seed);
+            let owners = run_owners(&a, &chain).await;
+            if let Some(first) = owners.iter().position(|o| o == "zz")
+                && first > 0
+            {
+                found = Some((chain, owners, first * RUN));
+                break;
+            }
+        }
+        let (chain, owners, expect) = found.expect("a chain with a run of zz's after the first");
+        put_all(&a.client("tcp").await, &chain).await;
+        until_offered(&[("a", &a), ("b", &b)], "a", &chain, &owners).await;
+        let cl = b.client("tcp").await;
+        let t0 = Instant::now();
+        let l = cl.lookup(&chain).await;
+        let took = t0.elapsed();
+        println!(
+            "lookup with a silent owner: {took:?}, {} of {}",
+            l.tiers.len(),
+            chain.len()
+        );
+        assert_eq!(l.tiers.len(), expect, "{owners:?} {l:?}");
+        assert!(
+            took < Duration::from_millis(2 * 500 + 1000),
+            "a silent peer must not hold a lookup past its deadline: {took:?}"
+        );
+        assert_eq!(get_verified(&cl, &chain).await, expect);
+        let m = http_get(b.admin, "/metrics").await.1;
+        assert!(
+            labelled(&m, "kvtier_cluster_peer_timeouts_total", "peer=\"zz\"") >= 1.0,
+            "{m}"
+        );
+    })
+    .await;
+}
+
+/// Offers under back-pressure: with a queue of one block, a long put still stores every
+/// block here at once, and the offers that did not fit are dropped and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offers_beyond_the_queue_are_dropped_and_counted() {
+    bounded(60, async {
+        let etcd = Etcd::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let secret = secret_file(dir.path(), SECRET);
+        let extra = ["cluster.run_blocks=1", "cluster.offer_queue_blocks=1"];
+        let a = member_with(&etcd, "a", 5, &secret, &extra);
+        let b = member_with(&etcd, "b", 5, &secret, &extra);
+        for s in [&a, &b] {
+            until_view(s, &["a", "b"], Duration::from_secs(15)).await;
+        }
+        let chain = keys(b"back-pressure", 512, 4);
+        put_all(&a.client("tcp").await, &chain).await;
+        let d = cluster_doc(&a, "").await;
+        let dropped = d["data_path"]["offers_dropped"]["queue_full"]
+            .as_u64()
+            .unwrap();
+        assert!(dropped > 0, "{d:#}");
+        let m = http_get(a.admin, "/metrics").await.1;
+        assert_eq!(
+            labelled(
+                &m,
+                "kvtier_cluster_offers_dropped_total",
+                "reason=\"queue_full\""
+            ) as u64,
+            dropped
         );
     })
     .await;
