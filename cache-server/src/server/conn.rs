@@ -1256,17 +1256,25 @@ impl Job {
                     .map(|b| tier_code(b.found_in) as u8)
                     .collect();
                 let miss = miss_code(pinned.miss());
-                let r = if fetch {
-                    // Each block's sum over its key and bytes: the peer verifies on arrival.
-                    let sums = pinned
-                        .blocks()
-                        .iter()
-                        .enumerate()
-                        .map(|(i, b)| block_sum(&b.key, pinned.bytes(i)))
-                        .collect();
-                    Response::Fetch(FetchReply { tiers, miss, sums })
+                let (pinned, r) = if fetch {
+                    // Each block's sum over its key and bytes (the peer verifies on arrival),
+                    // hashed on the blocking pool: a reply may be hundreds of MiB.
+                    let summed = self.blocking(move || {
+                        let sums: Vec<u64> = pinned
+                            .blocks()
+                            .iter()
+                            .enumerate()
+                            .map(|(i, b)| block_sum(&b.key, pinned.bytes(i)))
+                            .collect();
+                        (pinned, sums)
+                    });
+                    let (pinned, sums) = match summed.await {
+                        Ok(x) => x,
+                        Err(o) => return o,
+                    };
+                    (pinned, Response::Fetch(FetchReply { tiers, miss, sums }))
                 } else {
-                    Response::Get { tiers, miss }
+                    (pinned, Response::Get { tiers, miss })
                 };
                 lock(&self.state).loaded(&k.keys);
                 let len = pinned.blocks().len() as u64 * s.block_bytes as u64;
