@@ -91,6 +91,21 @@ fn metadata_golden_bytes() {
     .encode_meta();
     assert_eq!(fl, flags::RESPONSE | flags::ERROR);
     assert_eq!(m, [7, 0, 4, 0, 0, 0, 0, 0, 0, 0, b'b', b'u', b's', b'y']);
+
+    // A fetch reply: u64-prefixed tiers, the miss byte, then u64-prefixed u64 sums.
+    let (fl, m) = Response::Fetch(FetchReply {
+        tiers: vec![1],
+        miss: 1,
+        sums: vec![0x0102_0304_0506_0708],
+    })
+    .encode_meta();
+    assert_eq!(fl, flags::RESPONSE);
+    assert_eq!(
+        m,
+        [
+            1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 8, 7, 6, 5, 4, 3, 2, 1
+        ]
+    );
 }
 
 fn all_requests() -> Vec<Request> {
