@@ -295,6 +295,18 @@ pub struct Fetch {
     pub miss: Option<Miss>,
 }
 
+/// The result of [`Client::fetch`]: the blocks of `keys[..blocks.len()]`, each with the sum
+/// the server stated for it (not yet verified).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fetched {
+    /// How many keys were asked (as many as fit one reply).
+    pub asked: usize,
+    pub blocks: Vec<Vec<u8>>,
+    pub sums: Vec<u64>,
+    /// Why it stopped before `asked` (None: every key asked was returned).
+    pub miss: Option<Miss>,
+}
+
 /// The result of a put: one status per block sent, and why the rest were not sent.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Stored {
@@ -773,6 +785,58 @@ impl Client {
             }
         }
         Ok((done, tiers, None))
+    }
+
+    /// A fetch between cluster peers (opcode 16): the longest cached prefix of `keys`, as
+    /// many blocks as one reply may carry, each with the checksum the server states for it
+    /// ([`kvtier_core::protocol::block_sum`]). The caller verifies them; this call checks
+    /// only the counts and the payload length. Servers answer it only to a connection that
+    /// said hello with the cluster's peer token (`docs/cluster.md`); applications use
+    /// [`Client::get_into`].
+    pub async fn fetch(&self, keys: &[BlockKey]) -> Result<Fetched, ClientError> {
+        let c = self.conn().await?;
+        let per = (c.max_payload() / self.block_bytes.max(1) as u64).max(1) as usize;
+        let base = meta_base(&Request::Fetch(KeyList::default()));
+        let n = c.fit(base, keys, per, key_bytes);
+        let req = Request::Fetch(KeyList {
+            keys: keys[..n].to_vec(),
+        });
+        let r = c.call(&req, &[], self.timeout()).await?;
+        let f = match r.response {
+            Response::Fetch(f) => f,
+            Response::Error(e) => return Err(ClientError::from_reply(e)),
+            r => return Err(Self::unexpected(&r)),
+        };
+        let m = f.tiers.len();
+        let want = m as u64 * self.block_bytes as u64;
+        let mut payload = r.payload;
+        let have = payload.as_ref().map_or(0, |p| p.remaining());
+        if have != want || m > n {
+            return Err(ClientError::Protocol(format!(
+                "fetch of {n} keys answered {m} blocks in {have} bytes"
+            )));
+        }
+        let mut blocks = Vec::with_capacity(m);
+        let read = async {
+            if let Some(p) = payload.as_mut() {
+                for _ in 0..m {
+                    let mut b = vec![0u8; self.block_bytes];
+                    p.read_exact(&mut b).await?;
+                    blocks.push(b);
+                }
+            }
+            Ok::<(), ClientError>(())
+        };
+        tokio::time::timeout(self.timeout(), read)
+            .await
+            .map_err(|_| ClientError::Timeout)??;
+        let miss = Miss::from_code(f.miss).or((m < n).then_some(Miss::NotCached));
+        Ok(Fetched {
+            asked: n,
+            blocks,
+            sums: f.sums,
+            miss,
+        })
     }
 
     /// How many blocks the server's DRAM arena holds (local connections; 0 otherwise, or

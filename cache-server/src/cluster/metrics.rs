@@ -2,7 +2,9 @@
 //! creates them). Present (and zero) on a server without a cluster; `kvtier_cluster_enabled`
 //! tells which.
 
-use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
 
 /// Counters and gauges of membership. Cheap to clone (the `prometheus` handles are shared).
 #[derive(Clone, Debug)]
@@ -25,6 +27,80 @@ pub struct ClusterMetrics {
     /// Member records refused, by reason (`malformed`, `secret_mismatch`, `bad_mac`,
     /// `wrong_key`).
     pub records_rejected: IntCounterVec,
+    /// The data path, per peer (label `peer`: a member's node id; a member's series are
+    /// removed when it leaves the view, so the label's values are at most the members).
+    pub peer: PeerMetrics,
+    /// Blocks a lookup found at their owners, fetched, verified and stored here.
+    pub remote_hits: IntCounter,
+    /// Put blocks this node offered nobody: `queue_full` (back-pressure), `unplaced` (the
+    /// block's position in its chain is unknown), `tenants` (offers are off with tenants),
+    /// `evicted` (gone from this node before it was sent).
+    pub offers_dropped: IntCounterVec,
+}
+
+/// Per-peer traffic of the data path.
+#[derive(Clone, Debug)]
+pub struct PeerMetrics {
+    /// Requests sent to a peer, by op (`lookup`, `fetch`, `offer`).
+    pub requests: IntCounterVec,
+    /// Blocks fetched from a peer that verified.
+    pub fetched_blocks: IntCounterVec,
+    /// Block bytes received from a peer (verified or not).
+    pub fetched_bytes: IntCounterVec,
+    /// Blocks from a peer whose length or checksum did not verify (dropped, never served).
+    pub bad_blocks: IntCounterVec,
+    /// Requests to a peer that failed (connect, refusal, protocol error).
+    pub errors: IntCounterVec,
+    /// Requests to a peer not answered within `cluster.peer_timeout_ms`.
+    pub timeouts: IntCounterVec,
+    /// Blocks offered to a peer (sent in a put).
+    pub offered_blocks: IntCounterVec,
+    /// Latency of answered requests to a peer, by op.
+    pub latency: HistogramVec,
+}
+
+impl PeerMetrics {
+    /// Forgets a peer's series (it left the view).
+    pub fn forget(&self, peer: &str) {
+        for v in [
+            &self.fetched_blocks,
+            &self.fetched_bytes,
+            &self.bad_blocks,
+            &self.errors,
+            &self.timeouts,
+            &self.offered_blocks,
+        ] {
+            let _ = v.remove_label_values(&[peer]);
+        }
+        for op in ["lookup", "fetch", "offer"] {
+            let _ = self.requests.remove_label_values(&[peer, op]);
+            let _ = self.latency.remove_label_values(&[peer, op]);
+        }
+    }
+
+    /// A peer's traffic, for `/cluster`.
+    pub fn json(&self, peer: &str) -> serde_json::Value {
+        let c = |v: &IntCounterVec| {
+            v.get_metric_with_label_values(&[peer])
+                .map_or(0, |c| c.get())
+        };
+        let r = |op: &str| {
+            self.requests
+                .get_metric_with_label_values(&[peer, op])
+                .map_or(0, |c| c.get())
+        };
+        serde_json::json!({
+            "lookups": r("lookup"),
+            "fetches": r("fetch"),
+            "offers": r("offer"),
+            "fetched_blocks": c(&self.fetched_blocks),
+            "fetched_bytes": c(&self.fetched_bytes),
+            "bad_blocks": c(&self.bad_blocks),
+            "errors": c(&self.errors),
+            "timeouts": c(&self.timeouts),
+            "offered_blocks": c(&self.offered_blocks),
+        })
+    }
 }
 
 impl ClusterMetrics {
@@ -48,7 +124,75 @@ impl ClusterMetrics {
             &["reason"],
         )?;
         r.register(Box::new(rejected.clone()))?;
+        let vec = |name: &str, help: &str, labels: &[&str]| -> prometheus::Result<IntCounterVec> {
+            let v = IntCounterVec::new(Opts::new(name, help), labels)?;
+            r.register(Box::new(v.clone()))?;
+            Ok(v)
+        };
+        let latency = HistogramVec::new(
+            HistogramOpts::new(
+                "kvtier_cluster_peer_request_seconds",
+                "Latency of answered requests to a peer, by peer and op.",
+            )
+            .buckets(vec![
+                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                1.0,
+            ]),
+            &["peer", "op"],
+        )?;
+        r.register(Box::new(latency.clone()))?;
+        let peer = PeerMetrics {
+            requests: vec(
+                "kvtier_cluster_peer_requests_total",
+                "Requests sent to a peer, by peer and op (lookup, fetch, offer).",
+                &["peer", "op"],
+            )?,
+            fetched_blocks: vec(
+                "kvtier_cluster_peer_fetched_blocks_total",
+                "Blocks fetched from a peer that verified.",
+                &["peer"],
+            )?,
+            fetched_bytes: vec(
+                "kvtier_cluster_peer_fetched_bytes_total",
+                "Block bytes received from a peer.",
+                &["peer"],
+            )?,
+            bad_blocks: vec(
+                "kvtier_cluster_peer_bad_blocks_total",
+                "Blocks from a peer that failed verification (dropped, never served).",
+                &["peer"],
+            )?,
+            errors: vec(
+                "kvtier_cluster_peer_errors_total",
+                "Requests to a peer that failed (connect, refusal, protocol).",
+                &["peer"],
+            )?,
+            timeouts: vec(
+                "kvtier_cluster_peer_timeouts_total",
+                "Requests to a peer not answered within cluster.peer_timeout_ms.",
+                &["peer"],
+            )?,
+            offered_blocks: vec(
+                "kvtier_cluster_peer_offered_blocks_total",
+                "Put blocks offered to a peer (their owner).",
+                &["peer"],
+            )?,
+            latency,
+        };
+        let offers_dropped = vec(
+            "kvtier_cluster_offers_dropped_total",
+            "Put blocks not offered to their owner, by reason.",
+            &["reason"],
+        )?;
+        let remote_hits = counter(
+            r,
+            "kvtier_cluster_remote_hits_total",
+            "Blocks a lookup fetched from their owners, verified and stored here.",
+        )?;
         Ok(Self {
+            peer,
+            remote_hits,
+            offers_dropped,
             enabled: gauge(r, "kvtier_cluster_enabled", "1 when [cluster] is on.")?,
             members: gauge(r, "kvtier_cluster_members", "Members in this node's view.")?,
             etcd_connected: gauge(

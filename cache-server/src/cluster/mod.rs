@@ -10,13 +10,20 @@
 //! * [`ClusterNode`]: what the server holds: this node's record, the view behind a lock,
 //!   the metrics; `/cluster` and `/health` read it.
 //!
-//! What is not built yet (issue 13, item 3): the data path. Members know each other and
-//! where each block would live, but a lookup or get that misses locally does not ask its
-//! owners, and puts are not offered to them.
+//! * [`chain`]: the data path's pure parts: which owner to ask for which run, combining
+//!   their answers in chain order, verifying fetched blocks, chain positions of puts.
+//! * [`peers`]: connections to the peers' data endpoints (the kvtier SDK, the peer token),
+//!   every request bounded by `cluster.peer_timeout_ms`.
+//!
+//! The data path itself (a lookup that asks the owners and fetches, puts offered to their
+//! owners) is `server/remote.rs`: it needs the store and the wire. It is on only with a
+//! cluster secret (`docs/cluster.md`, "Data path").
 
+pub mod chain;
 #[cfg(feature = "cluster")]
 mod etcd;
 mod metrics;
+pub mod peers;
 pub mod placement;
 pub mod record;
 pub mod view;
@@ -28,10 +35,16 @@ use std::time::{Duration, Instant};
 use kvtier_core::BlockKey;
 use serde_json::{Value, json};
 
-pub use metrics::ClusterMetrics;
+pub use metrics::{ClusterMetrics, PeerMetrics};
 pub use placement::{Candidate, Placement};
 pub use record::{MemberRecord, RecordSealer, Rejection, TierCapacity};
 pub use view::{Applied, Change, EtcdLink, Member, MembershipView};
+
+fn dropped(m: &ClusterMetrics, reason: &str) -> u64 {
+    m.offers_dropped
+        .get_metric_with_label_values(&[reason])
+        .map_or(0, |c| c.get())
+}
 
 /// Everything the driver needs, resolved from `[cluster]` and the running server.
 #[derive(Clone, Debug)]
@@ -45,6 +58,10 @@ pub struct ClusterSettings {
     pub etcd_timeout: Duration,
     /// The cluster secret, if configured.
     pub secret: Option<Vec<u8>>,
+    /// Bound on each request to a peer.
+    pub peer_timeout: Duration,
+    /// Put blocks queued for offers, at most.
+    pub offer_queue_blocks: usize,
 }
 
 impl ClusterSettings {
@@ -64,6 +81,9 @@ pub struct ClusterNode {
     /// The lease this node's key lives under now (0: not registered).
     lease_id: AtomicI64,
     pub metrics: ClusterMetrics,
+    /// The token peers present (`record::peer_token`); `None` without a secret: then no
+    /// peer is trusted and the data path is off.
+    pub peer_token: Option<String>,
 }
 
 impl ClusterNode {
@@ -72,7 +92,12 @@ impl ClusterNode {
         let view =
             MembershipView::new(settings.members_prefix(), sealer.clone(), settings.replicas);
         metrics.enabled.set(1);
+        let peer_token = settings
+            .secret
+            .as_deref()
+            .map(|s| record::peer_token(s, &settings.name));
         Self {
+            peer_token,
             settings,
             record,
             sealer,
@@ -126,6 +151,11 @@ impl ClusterNode {
         })
     }
 
+    /// Whether the data path is on (a cluster secret is configured).
+    pub fn data_path(&self) -> bool {
+        self.peer_token.is_some()
+    }
+
     /// One line for `/health`: the etcd link and the view's size.
     pub fn health_line(&self, now: Instant) -> String {
         self.with_view(|v| {
@@ -159,11 +189,16 @@ impl ClusterNode {
                     Some(error.clone()),
                 ),
             };
+            let data_path = self.data_path();
             let members: Vec<Value> = v
                 .members()
                 .values()
                 .map(|m| {
+                    let me = m.record.node_id == self.record.node_id;
+                    let traffic =
+                        (data_path && !me).then(|| self.metrics.peer.json(&m.record.node_id));
                     json!({
+                        "traffic": traffic,
                         "node_id": m.record.node_id,
                         "self": m.record.node_id == self.record.node_id,
                         "lease_id": m.lease_id,
@@ -197,8 +232,22 @@ impl ClusterNode {
                 "records_signed": self.sealer.signs(),
                 "records_rejected": v.rejected(),
                 "members": members,
-                "data_path": "not built: members do not yet look up, fetch or replicate \
-                              each other's blocks",
+                "data_path": if data_path {
+                    json!({
+                        "enabled": true,
+                        "peer_timeout_ms": s.peer_timeout.as_millis() as u64,
+                        "offer_queue_blocks": s.offer_queue_blocks,
+                        "remote_hits": self.metrics.remote_hits.get(),
+                        "offers_dropped": {
+                            "queue_full": dropped(&self.metrics, "queue_full"),
+                            "unplaced": dropped(&self.metrics, "unplaced"),
+                            "tenants": dropped(&self.metrics, "tenants"),
+                            "evicted": dropped(&self.metrics, "evicted"),
+                        },
+                    })
+                } else {
+                    json!({"enabled": false, "why": "no cluster.secret_file: no peer is trusted"})
+                },
             });
             if let Some(k) = key {
                 let owners: Vec<&str> = v.placement().owners(k);

@@ -162,6 +162,16 @@ impl RecordSealer {
     }
 }
 
+/// The token a member presents in its hello to a peer's data endpoint: the hex of
+/// HMAC-SHA256(secret, "kvtier cluster peer token v1 " + cluster name). Only holders of the
+/// secret can compute it; a server takes a hello carrying it as a *peer* (`docs/cluster.md`,
+/// "Data path").
+pub fn peer_token(secret: &[u8], cluster: &str) -> String {
+    let root = hmac::Key::new(hmac::HMAC_SHA256, secret);
+    let label = format!("kvtier cluster peer token v1 {cluster}");
+    hex(hmac::sign(&root, label.as_bytes()).as_ref())
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -254,5 +264,17 @@ pub(crate) mod tests {
             capacity_bytes: 3 << 30,
         });
         assert_eq!(r.weight(), 4.0);
+    }
+
+    /// The peer token depends on the secret and the cluster's name, and on nothing else;
+    /// it is not the record-signing key's label.
+    #[test]
+    fn peer_token_is_bound_to_secret_and_cluster() {
+        let t = peer_token(b"secret of sixteen", "c");
+        assert_eq!(t.len(), 64);
+        assert!(t.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_eq!(t, peer_token(b"secret of sixteen", "c"));
+        assert_ne!(t, peer_token(b"secret of sixteeN", "c"));
+        assert_ne!(t, peer_token(b"secret of sixteen", "d"));
     }
 }

@@ -126,7 +126,8 @@ pub struct ClusterSection {
     /// The protocol endpoint peers and clients are told (`tcp://HOST:PORT`); "" is the TCP
     /// listener's address when it is bound to a specific address. Default: "".
     pub advertise_data: String,
-    /// The kvtier-transfer endpoint peers are told; "" is none (no data path yet).
+    /// The kvtier-transfer endpoint peers are told; "" is none (nothing uses it yet: the
+    /// data path goes over the protocol, `advertise_data`).
     /// Default: "".
     pub advertise_transfer: String,
     /// The admin endpoint peers are told (`http://HOST:PORT`); "" is the admin listener's
@@ -145,6 +146,13 @@ pub struct ClusterSection {
     pub lease_ttl_s: u64,
     /// Bound on each etcd request and on connecting, in ms. Default: 2000.
     pub etcd_timeout_ms: u64,
+    /// Bound on each request to a peer (connect, lookup, fetch, offer), in ms: a peer that
+    /// does not answer within it is a miss. The data path is on only with `secret_file`.
+    /// Default: 250.
+    pub peer_timeout_ms: u64,
+    /// Put blocks waiting to be offered to their owners, at most; more are dropped and
+    /// counted. Default: 4096.
+    pub offer_queue_blocks: usize,
 }
 
 impl Default for ClusterSection {
@@ -161,6 +169,8 @@ impl Default for ClusterSection {
             run_blocks: crate::cluster::placement::DEFAULT_RUN_BLOCKS,
             lease_ttl_s: 10,
             etcd_timeout_ms: 2000,
+            peer_timeout_ms: 250,
+            offer_queue_blocks: 4096,
         }
     }
 }
@@ -771,6 +781,8 @@ impl ServerConfig {
             ("cluster.replicas", c.replicas as u64),
             ("cluster.run_blocks", c.run_blocks as u64),
             ("cluster.etcd_timeout_ms", c.etcd_timeout_ms),
+            ("cluster.peer_timeout_ms", c.peer_timeout_ms),
+            ("cluster.offer_queue_blocks", c.offer_queue_blocks as u64),
         ] {
             if v == 0 {
                 return Err(cerr(name, "must be at least 1"));
@@ -1257,6 +1269,8 @@ mod tests {
             ("cluster.run_blocks=0", "cluster.run_blocks"),
             ("cluster.lease_ttl_s=1", "cluster.lease_ttl_s"),
             ("cluster.etcd_timeout_ms=0", "cluster.etcd_timeout_ms"),
+            ("cluster.peer_timeout_ms=0", "cluster.peer_timeout_ms"),
+            ("cluster.offer_queue_blocks=0", "cluster.offer_queue_blocks"),
         ] {
             let e = cluster_config(&[set]).unwrap_err();
             assert_eq!(e.setting, setting, "{set}: {e}");

@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 
 use kvtier_core::BlockKey;
 use kvtier_core::protocol::{
-    ErrorCode, ErrorReply, Events, FrameError, HEADER_BYTES, Header, Hello, HelloReply,
+    ErrorCode, ErrorReply, Events, FetchReply, FrameError, HEADER_BYTES, Header, Hello, HelloReply,
     MIN_VERSION, MissCode, Opcode, PinReply, PinnedSlot, PutEntry, PutReply, PutStatus, Request,
-    ReserveReply, ReservedSlot, Response, VERSION, flags,
+    ReserveReply, ReservedSlot, Response, VERSION, block_sum, flags,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
@@ -306,6 +306,17 @@ struct Conn {
     subscriptions: usize,
     /// Who the connection is (from its hello's credential).
     who: Identity,
+    /// A cluster peer (its hello carried the peer token): internal keys, local-only
+    /// requests (`server/remote.rs` is never entered for it), no admin.
+    peer: bool,
+}
+
+/// What a cluster peer may ask: the data path's own operations.
+fn peer_may(req: &Request) -> bool {
+    matches!(
+        req,
+        Request::Ping | Request::Lookup(_) | Request::Fetch(_) | Request::Put(_)
+    )
 }
 
 enum ReadEnd {
@@ -385,6 +396,7 @@ pub(crate) async fn serve_until<R, W>(
         local_arena: false,
         subscriptions: 0,
         who: Identity::SINGLE,
+        peer: false,
     };
     let reaper = {
         let (state, done) = (state.clone(), c.done.clone());
@@ -535,6 +547,20 @@ impl Conn {
                     }
                 }
             }
+            if self.peer && !peer_may(&req) {
+                if !self.skip(rd, h.payload_len, deadline).await {
+                    return ReadEnd::Dropped;
+                }
+                Metrics::inc(&self.shared.metrics.errors);
+                self.send(Out::error(
+                    h.request_id,
+                    h.opcode,
+                    ErrorCode::Forbidden,
+                    "a cluster peer may only ping, look up, fetch and put",
+                ))
+                .await;
+                continue;
+            }
             match req {
                 Request::Put(entries) => {
                     if !self.put(rd, &h, entries, deadline).await {
@@ -569,7 +595,8 @@ impl Conn {
                     self.subscribe(h.request_id, from_seq, snapshot).await;
                 }
                 req @ (Request::Lookup(_) | Request::Ping)
-                    if self.shared.store.pending_blocks() == 0 =>
+                    if self.shared.store.pending_blocks() == 0
+                        && (self.peer || self.shared.remote.get().is_none()) =>
                 {
                     // CPU only and bounded by max_keys: answered here, saving a task hop.
                     // (With blocks being stored, a lookup may wait for them: a task.)
@@ -615,6 +642,7 @@ impl Conn {
             local_arena: self.local_arena,
             transport: self.transport,
             who: self.who,
+            peer: self.peer,
             id: h.request_id,
             op: h.opcode,
             no_reply: h.is(flags::NO_REPLY),
@@ -694,7 +722,27 @@ impl Conn {
                 .await;
                 return false;
             }
-            match self.network_identity(&h.token) {
+            // A cluster peer: the token derived from the cluster secret (compared in constant
+            // time, as tenants' tokens are). Not an admin; its keys are internal ones.
+            let peer = s
+                .peer_token_digest
+                .get()
+                .is_some_and(|d| token_matches(h.token.as_bytes(), d));
+            let who = if peer {
+                self.peer = true;
+                tracing::debug!(
+                    transport = self.transport.name(),
+                    "hello from a cluster peer"
+                );
+                Ok(Identity {
+                    admin: false,
+                    ns: 0,
+                    local_arena: false,
+                })
+            } else {
+                self.network_identity(&h.token)
+            };
+            match who {
                 Ok(who) => self.who = who,
                 Err(why) => {
                     Metrics::inc(&s.metrics.auth_failures);
@@ -870,6 +918,27 @@ impl Conn {
             .await;
             return true;
         }
+        if self.peer && !s.tenants.keys_as_sent() {
+            // A peer's keys are internal ones, of no namespace: not taken with tenants.
+            if !self.skip(rd, h.payload_len, deadline).await {
+                return false;
+            }
+            Metrics::inc(&s.metrics.errors);
+            self.send(Out::error(
+                h.request_id,
+                h.opcode,
+                ErrorCode::Forbidden,
+                "this server has [tenants]: it takes no offers from cluster peers",
+            ))
+            .await;
+            return true;
+        }
+        // A client's put is offered to the blocks' owners; a peer's never is (no loops).
+        let remote = if self.peer {
+            None
+        } else {
+            s.remote.get().cloned()
+        };
         let ns = self.who.ns;
         if let Some(p) = entries.first().and_then(|e| e.parent) {
             lock(&self.state).continued(s.tenants.key(ns, p));
@@ -896,6 +965,13 @@ impl Conn {
                     announced.done(i);
                     count_refusal(s, self.transport, status);
                     statuses.push(status);
+                    if let Some(rm) = &remote
+                        && (status == PutStatus::Stored as u8
+                            || status == PutStatus::AlreadyPresent as u8)
+                    {
+                        let parent = e.parent.map(|p| s.tenants.key(ns, p));
+                        rm.offered(s, keys[i], parent, status == PutStatus::Stored as u8);
+                    }
                 }
                 Err(outcome) => {
                     announced.done(i);
@@ -1056,6 +1132,8 @@ struct Job {
     local_arena: bool,
     transport: Transport,
     who: Identity,
+    /// See [`Conn::peer`].
+    peer: bool,
     id: u64,
     op: u8,
     no_reply: bool,
@@ -1120,25 +1198,64 @@ impl Job {
     async fn run(&self, req: Request) -> Option<Out> {
         let s = self.shared.clone();
         let store = s.store.clone();
-        // Every key names a block of the caller's namespace only.
+        // Every key names a block of the caller's namespace only (a peer's keys are internal).
         let ns = self.who.ns;
-        let req = match req {
-            Request::Lookup(k) => Request::Lookup(internal(&s, ns, k)),
-            Request::Get(k) => Request::Get(internal(&s, ns, k)),
-            Request::Prefetch(k) => Request::Prefetch(internal(&s, ns, k)),
-            Request::Remove(k) => Request::Remove(internal(&s, ns, k)),
-            Request::Pin { keys, lease_ms } if s.tenants.enforced() => Request::Pin {
-                keys: s.tenants.keys(ns, &keys),
-                lease_ms,
-            },
-            r => r,
+        // The client's own keys of a lookup, for the blocks a remote lookup stores here.
+        let client_keys = match &req {
+            Request::Lookup(k)
+                if !self.peer && s.tenants.enforced() && s.remote.get().is_some() =>
+            {
+                Some(k.keys.clone())
+            }
+            _ => None,
+        };
+        let req = if self.peer {
+            req
+        } else {
+            match req {
+                Request::Lookup(k) => Request::Lookup(internal(&s, ns, k)),
+                Request::Get(k) => Request::Get(internal(&s, ns, k)),
+                Request::Prefetch(k) => Request::Prefetch(internal(&s, ns, k)),
+                Request::Remove(k) => Request::Remove(internal(&s, ns, k)),
+                Request::Pin { keys, lease_ms } if s.tenants.enforced() => Request::Pin {
+                    keys: s.tenants.keys(ns, &keys),
+                    lease_ms,
+                },
+                r => r,
+            }
         };
         match req {
             Request::Ping => self.reply(Response::Pong),
+            Request::Lookup(k) if self.peer => {
+                // A peer's lookup: local-only, and it holds nothing (the asking node's fetch
+                // follows at once, and a fetch pins what it sends).
+                await_pending(&s, &k.keys).await;
+                let tiers = store.lookup(&k.keys);
+                let miss = (tiers.len() < k.keys.len()).then_some(MissReason::NotCached);
+                self.reply(Response::Lookup {
+                    tiers: tiers.iter().map(|t| tier_code(*t) as u8).collect(),
+                    miss: miss_code(miss),
+                })
+            }
             Request::Lookup(k) => {
                 await_pending(&s, &k.keys).await;
                 // The prefix stays pinned until this connection loads it (or briefly).
-                let (tiers, hold) = store.lookup_held(&k.keys);
+                let (mut tiers, mut hold) = store.lookup_held(&k.keys);
+                // Not all here: the cluster's owners may hold the rest.
+                if tiers.len() < k.keys.len()
+                    && let Some(rm) = s.remote.get()
+                {
+                    let client = client_keys.as_deref().unwrap_or(&k.keys);
+                    if rm.extend_lookup(&s, ns, client, &k.keys, tiers.len()).await > 0 {
+                        // The local prefix stayed held meanwhile (its blocks are the
+                        // fetched ones' parents); the new hold covers it, so let it go.
+                        let first = hold;
+                        (tiers, hold) = store.lookup_held(&k.keys);
+                        if let LookupHold::Held { lease_id, .. } = first {
+                            store.release(lease_id);
+                        }
+                    }
+                }
                 lock(&self.state).remember_hold(hold, &k.keys);
                 let miss = (tiers.len() < k.keys.len()).then_some(MissReason::NotCached);
                 self.reply(Response::Lookup {
@@ -1146,7 +1263,12 @@ impl Job {
                     miss: miss_code(miss),
                 })
             }
-            Request::Get(k) => {
+            Request::Fetch(_) if !self.peer => self.error(
+                ErrorCode::Forbidden,
+                "fetch is for cluster peers (a hello with the cluster's peer token); use get",
+            ),
+            Request::Get(k) | Request::Fetch(k) => {
+                let fetch = self.op == Opcode::Fetch as u8;
                 // Before taking any of the send budget: a wait holds nothing.
                 await_pending(&s, &k.keys).await;
                 let n = k.keys.len() as u64;
@@ -1188,13 +1310,31 @@ impl Job {
                         Err(o) => return o,
                     },
                 };
-                let r = Response::Get {
-                    tiers: pinned
-                        .blocks()
-                        .iter()
-                        .map(|b| tier_code(b.found_in) as u8)
-                        .collect(),
-                    miss: miss_code(pinned.miss()),
+                let tiers = pinned
+                    .blocks()
+                    .iter()
+                    .map(|b| tier_code(b.found_in) as u8)
+                    .collect();
+                let miss = miss_code(pinned.miss());
+                let (pinned, r) = if fetch {
+                    // Each block's sum over its key and bytes (the peer verifies on arrival),
+                    // hashed on the blocking pool: a reply may be hundreds of MiB.
+                    let summed = self.blocking(move || {
+                        let sums: Vec<u64> = pinned
+                            .blocks()
+                            .iter()
+                            .enumerate()
+                            .map(|(i, b)| block_sum(&b.key, pinned.bytes(i)))
+                            .collect();
+                        (pinned, sums)
+                    });
+                    let (pinned, sums) = match summed.await {
+                        Ok(x) => x,
+                        Err(o) => return o,
+                    };
+                    (pinned, Response::Fetch(FetchReply { tiers, miss, sums }))
+                } else {
+                    (pinned, Response::Get { tiers, miss })
                 };
                 lock(&self.state).loaded(&k.keys);
                 let len = pinned.blocks().len() as u64 * s.block_bytes as u64;
@@ -1529,7 +1669,7 @@ fn count_refusal(s: &Shared, transport: Transport, status: u8) {
 /// Reserves a DRAM slot for `key`, waiting (until `until`, at most) while every slot is
 /// pinned and background copies that will unpin some are running. `after`: the entry's
 /// parent, reserved earlier in the same batch.
-async fn reserve_waiting(
+pub(super) async fn reserve_waiting(
     s: &Shared,
     key: kvtier_core::BlockKey,
     parent: Option<kvtier_core::BlockKey>,
@@ -1607,7 +1747,7 @@ fn internal(
 /// Makes room for one more block of namespace `ns` within its quota, removing the
 /// namespace's own oldest blocks (never another's), and registers the put. `None`: over
 /// quota with nothing of its own to remove.
-fn admit(
+pub(super) fn admit(
     s: &Shared,
     ns: super::tenants::Ns,
     internal: kvtier_core::BlockKey,

@@ -74,6 +74,8 @@ pub(crate) fn node(
         lease_ttl: Duration::from_secs(s.lease_ttl_s),
         etcd_timeout: Duration::from_millis(s.etcd_timeout_ms),
         secret,
+        peer_timeout: Duration::from_millis(s.peer_timeout_ms),
+        offer_queue_blocks: s.offer_queue_blocks,
     };
     Ok(Some(Arc::new(ClusterNode::new(settings, record, metrics))))
 }

@@ -12,6 +12,7 @@ mod key_secret;
 mod membership;
 pub mod metrics;
 mod places;
+mod remote;
 mod staging;
 mod tenants;
 mod tls;
@@ -95,6 +96,10 @@ pub(crate) struct Shared {
     pub ready: AtomicBool,
     /// This node's cluster state, set at start when `[cluster]` is on.
     pub cluster: std::sync::OnceLock<Arc<crate::cluster::ClusterNode>>,
+    /// The cluster data path, set at start when `[cluster]` has a secret.
+    pub remote: std::sync::OnceLock<Arc<remote::Remote>>,
+    /// SHA-256 of the cluster's peer token (see [`brakes::token_matches`]), with a secret.
+    pub peer_token_digest: std::sync::OnceLock<[u8; 32]>,
     open: AtomicUsize,
     closed: Notify,
     started: Instant,
@@ -245,6 +250,8 @@ impl Server {
             shutdown: CancellationToken::new(),
             ready: AtomicBool::new(false),
             cluster: std::sync::OnceLock::new(),
+            remote: std::sync::OnceLock::new(),
+            peer_token_digest: std::sync::OnceLock::new(),
             open: AtomicUsize::new(0),
             closed: Notify::new(),
             started: Instant::now(),
@@ -382,6 +389,14 @@ impl Server {
         #[cfg(not(feature = "cluster"))]
         let cluster_task = None;
         if let Some(n) = node {
+            if let Some(t) = &n.peer_token {
+                let _ = shared
+                    .peer_token_digest
+                    .set(brakes::token_digest(t.as_bytes()));
+            }
+            if let Some(r) = remote::Remote::start(&shared, n.clone()) {
+                let _ = shared.remote.set(r);
+            }
             let _ = shared.cluster.set(n);
         }
         shared.ready.store(true, Ordering::Release);

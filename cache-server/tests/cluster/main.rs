@@ -6,6 +6,7 @@
 #[allow(dead_code)]
 #[path = "../e2e/common.rs"]
 mod common;
+mod data_path;
 mod etcd;
 mod netns;
 mod partition;
@@ -42,14 +43,21 @@ fn secret_file(dir: &std::path::Path, secret: &str) -> String {
 
 /// A server in the cluster of `etcd` as `id`, with `ttl_s` leases and the secret at `secret`.
 fn member(etcd: &Etcd, id: &str, ttl_s: u64, secret: &str) -> ServerProc {
-    ServerProc::start(&[
-        &format!("cluster.etcd_endpoints={:?}", etcd.url()),
-        "cluster.name=\"test\"",
-        &format!("cluster.node_id={id:?}"),
-        &format!("cluster.lease_ttl_s={ttl_s}"),
-        "cluster.etcd_timeout_ms=1000",
-        &format!("cluster.secret_file={secret:?}"),
-    ])
+    member_with(etcd, id, ttl_s, secret, &[])
+}
+
+/// [`member`], with more `--set` assignments.
+fn member_with(etcd: &Etcd, id: &str, ttl_s: u64, secret: &str, extra: &[&str]) -> ServerProc {
+    let mut sets = vec![
+        format!("cluster.etcd_endpoints={:?}", etcd.url()),
+        "cluster.name=\"test\"".into(),
+        format!("cluster.node_id={id:?}"),
+        format!("cluster.lease_ttl_s={ttl_s}"),
+        "cluster.etcd_timeout_ms=1000".into(),
+        format!("cluster.secret_file={secret:?}"),
+    ];
+    sets.extend(extra.iter().map(|s| s.to_string()));
+    ServerProc::start(&sets.iter().map(String::as_str).collect::<Vec<_>>())
 }
 
 async fn cluster_doc(s: &ServerProc, query: &str) -> Value {

@@ -185,6 +185,9 @@ pub enum Request {
     Lookup(KeyList),
     /// The blocks of the longest cached prefix, copied into the response payload.
     Get(KeyList),
+    /// A get between cluster peers: the reply also carries each block's [`block_sum`], so
+    /// the receiver verifies key, length and content before it stores a byte.
+    Fetch(KeyList),
     /// Stores blocks; the payload is `entries.len() * block_bytes` bytes, in order.
     Put(Vec<PutEntry>),
     Prefetch(KeyList),
@@ -273,6 +276,7 @@ impl Request {
             Request::Ping => Opcode::Ping,
             Request::Lookup(_) => Opcode::Lookup,
             Request::Get(_) => Opcode::Get,
+            Request::Fetch(_) => Opcode::Fetch,
             Request::Put(_) => Opcode::Put,
             Request::Prefetch(_) => Opcode::Prefetch,
             Request::Pin { .. } => Opcode::Pin,
@@ -292,9 +296,11 @@ impl Request {
         match self {
             Request::Hello(h) => enc(h),
             Request::Ping | Request::Clear | Request::Stats => enc(&Empty {}),
-            Request::Lookup(k) | Request::Get(k) | Request::Prefetch(k) | Request::Remove(k) => {
-                enc(k)
-            }
+            Request::Lookup(k)
+            | Request::Get(k)
+            | Request::Fetch(k)
+            | Request::Prefetch(k)
+            | Request::Remove(k) => enc(k),
             Request::Put(entries) => enc(&PutMeta {
                 entries: entries.clone(),
             }),
@@ -346,12 +352,13 @@ impl Request {
                     _ => Request::Stats,
                 }
             }
-            Opcode::Lookup | Opcode::Get | Opcode::Prefetch | Opcode::Remove => {
+            Opcode::Lookup | Opcode::Get | Opcode::Fetch | Opcode::Prefetch | Opcode::Remove => {
                 let k: KeyList = dec(what, meta)?;
                 check_keys(what, k.keys.len(), limits)?;
                 match op {
                     Opcode::Lookup => Request::Lookup(k),
                     Opcode::Get => Request::Get(k),
+                    Opcode::Fetch => Request::Fetch(k),
                     Opcode::Prefetch => Request::Prefetch(k),
                     _ => Request::Remove(k),
                 }
@@ -485,6 +492,26 @@ struct TiersMeta {
     miss: u8,
 }
 
+/// The reply to a fetch: a get's, and one [`block_sum`] per block returned.
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct FetchReply {
+    /// [`TierCode`] of each block returned (the payload holds `tiers.len()` blocks).
+    pub tiers: Vec<u8>,
+    /// [`MissCode`] of the first key not returned.
+    pub miss: u8,
+    /// [`block_sum`] of each block returned, in order (as many as `tiers`).
+    pub sums: Vec<u64>,
+}
+
+/// The checksum a fetch reply carries for a block: XXH3-64 over the key's 16 bytes, then
+/// the block's bytes. It binds the bytes to the key they are sent for.
+pub fn block_sum(key: &BlockKey, block: &[u8]) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(key.as_bytes());
+    h.update(block);
+    h.digest()
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
 struct TextMeta {
     text: String,
@@ -506,6 +533,8 @@ pub enum Response {
         miss: u8,
     },
     Put(PutReply),
+    /// The payload holds `tiers.len()` blocks, each with its sum.
+    Fetch(FetchReply),
     Prefetch {
         queued: u64,
     },
@@ -542,6 +571,7 @@ impl Response {
                 }),
             ),
             Response::Put(p) | Response::Commit(p) => (r, enc(p)),
+            Response::Fetch(f) => (r, enc(f)),
             Response::Prefetch { queued: n }
             | Response::Remove { removed: n }
             | Response::Subscribed { next_seq: n } => (r, enc(&CountMeta { count: *n })),
@@ -593,6 +623,17 @@ impl Response {
                 } else {
                     Response::Get { tiers, miss }
                 }
+            }
+            Opcode::Fetch => {
+                let f: FetchReply = dec(what, meta)?;
+                check_keys(what, f.tiers.len(), limits)?;
+                if f.sums.len() != f.tiers.len() {
+                    return Err(bad(
+                        what,
+                        format!("{} sums for {} blocks", f.sums.len(), f.tiers.len()),
+                    ));
+                }
+                Response::Fetch(f)
             }
             Opcode::Put | Opcode::Commit => {
                 let p: PutReply = dec(what, meta)?;

@@ -38,9 +38,9 @@ macro_rules! wire_enum {
 pub mod message;
 
 pub use message::{
-    BlockEvent, ErrorCode, ErrorReply, EventKind, Events, Hello, HelloReply, KeyList, MissCode,
-    PinReply, PinnedSlot, PutEntry, PutReply, PutStatus, Request, ReserveReply, ReservedSlot,
-    Response, TierCode,
+    BlockEvent, ErrorCode, ErrorReply, EventKind, Events, FetchReply, Hello, HelloReply, KeyList,
+    MissCode, PinReply, PinnedSlot, PutEntry, PutReply, PutStatus, Request, ReserveReply,
+    ReservedSlot, Response, TierCode, block_sum,
 };
 
 use thiserror::Error;
@@ -95,6 +95,8 @@ wire_enum! {
         Clear = 13,
         Stats = 14,
         Subscribe = 15,
+        /// Cluster peers only: a get whose reply carries a checksum per block.
+        Fetch = 16,
     }
 }
 
@@ -117,6 +119,7 @@ impl Opcode {
             Opcode::Clear => "clear",
             Opcode::Stats => "stats",
             Opcode::Subscribe => "subscribe",
+            Opcode::Fetch => "fetch",
         }
     }
 

@@ -91,6 +91,21 @@ fn metadata_golden_bytes() {
     .encode_meta();
     assert_eq!(fl, flags::RESPONSE | flags::ERROR);
     assert_eq!(m, [7, 0, 4, 0, 0, 0, 0, 0, 0, 0, b'b', b'u', b's', b'y']);
+
+    // A fetch reply: u64-prefixed tiers, the miss byte, then u64-prefixed u64 sums.
+    let (fl, m) = Response::Fetch(FetchReply {
+        tiers: vec![1],
+        miss: 1,
+        sums: vec![0x0102_0304_0506_0708],
+    })
+    .encode_meta();
+    assert_eq!(fl, flags::RESPONSE);
+    assert_eq!(
+        m,
+        [
+            1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 8, 7, 6, 5, 4, 3, 2, 1
+        ]
+    );
 }
 
 fn all_requests() -> Vec<Request> {
@@ -117,6 +132,7 @@ fn all_requests() -> Vec<Request> {
         Request::Ping,
         Request::Lookup(KeyList { keys: keys.clone() }),
         Request::Get(KeyList { keys: keys.clone() }),
+        Request::Fetch(KeyList { keys: keys.clone() }),
         Request::Put(entries.clone()),
         Request::Prefetch(KeyList { keys: keys.clone() }),
         Request::Pin {
@@ -202,6 +218,14 @@ fn every_response_round_trips() {
             Opcode::Put,
             Response::Put(PutReply {
                 statuses: vec![0, 1, 4],
+            }),
+        ),
+        (
+            Opcode::Fetch,
+            Response::Fetch(FetchReply {
+                tiers: vec![1, 2],
+                miss: MissCode::NotCached as u8,
+                sums: vec![7, u64::MAX],
             }),
         ),
         (Opcode::Prefetch, Response::Prefetch { queued: 3 }),
@@ -475,7 +499,7 @@ fn codes_round_trip_and_unknown_ones_are_none() {
         assert_eq!(Opcode::from_u8(op as u8), Some(op));
     }
     assert_eq!(Opcode::from_u8(0), None);
-    assert_eq!(Opcode::from_u8(16), None);
+    assert_eq!(Opcode::from_u8(17), None);
     for v in 0..=255u8 {
         if let Some(c) = PutStatus::from_u8(v) {
             assert_eq!(c as u8, v);
@@ -511,4 +535,27 @@ proptest::proptest! {
         b[p] = byte;
         let _ = decode_frame(&b, &Limits::default());
     }
+}
+
+#[test]
+fn a_fetch_reply_with_sums_not_matching_its_blocks_is_refused() {
+    let r = Response::Fetch(FetchReply {
+        tiers: vec![1, 1],
+        miss: 0,
+        sums: vec![1],
+    });
+    let (fl, meta) = r.encode_meta();
+    let mut h = Header::request(Opcode::Fetch, 1, meta.len(), 0);
+    h.flags = fl;
+    let e = Response::decode(&h, &meta, &Limits::default()).unwrap_err();
+    assert!(e.to_string().contains("1 sums for 2 blocks"), "{e}");
+}
+
+#[test]
+fn block_sum_binds_key_and_bytes() {
+    let a = block_sum(&k(1), b"block");
+    assert_eq!(a, block_sum(&k(1), b"block"));
+    assert_ne!(a, block_sum(&k(2), b"block"));
+    assert_ne!(a, block_sum(&k(1), b"blocK"));
+    assert_ne!(a, block_sum(&k(1), b"bloc"));
 }

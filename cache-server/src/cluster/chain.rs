@@ -1,0 +1,267 @@
+//! The data path's pure parts: which owner to ask for which run of a chain, how the owners'
+//! answers combine into one prefix, how fetched blocks are verified, and where a put block
+//! sits in its chain. No I/O, no clock.
+//!
+//! **Invariant:** a remote prefix extends only through blocks every earlier block of which
+//! is present (locally or at its owner): [`combine`] walks the runs in chain order and stops
+//! at the first gap, and [`verified`] stops at the first block that does not check out.
+
+use std::collections::HashMap;
+
+use kvtier_core::BlockKey;
+use kvtier_core::protocol::block_sum;
+
+/// One run of a chain to ask for: positions `start..start + len`, asked of owner `owner`
+/// (an index into the caller's list of owners), at `offset` in the key list sent to that
+/// owner. `owner` is `None` when no peer can be asked (this node is the run's only owner,
+/// or there is no live member).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunAsk {
+    pub start: usize,
+    pub len: usize,
+    pub owner: Option<usize>,
+    pub offset: usize,
+}
+
+/// The runs of a `chain_len`-block chain from position `from` (inclusive) on, each with the
+/// owner to ask: `owner_of(anchor position)` returns the index of the peer to ask for the
+/// run anchored there, or `None`. A run is cut at `from` when `from` falls inside it. Each
+/// owner's key list is its runs' keys in chain order; `offset` is a run's place in it.
+pub fn plan(
+    chain_len: usize,
+    from: usize,
+    run_blocks: usize,
+    mut owner_of: impl FnMut(usize) -> Option<usize>,
+) -> Vec<RunAsk> {
+    let run = run_blocks.max(1);
+    let mut out = Vec::new();
+    let mut next_offset: HashMap<usize, usize> = HashMap::new();
+    let mut start = from;
+    while start < chain_len {
+        let anchor = start - start % run;
+        let end = (anchor + run).min(chain_len);
+        let owner = owner_of(anchor);
+        let offset = match owner {
+            Some(o) => {
+                let off = next_offset.entry(o).or_insert(0);
+                let at = *off;
+                *off += end - start;
+                at
+            }
+            None => 0,
+        };
+        out.push(RunAsk {
+            start,
+            len: end - start,
+            owner,
+            offset,
+        });
+        start = end;
+    }
+    out
+}
+
+/// How many blocks from the first run's start are present, in chain order, given each
+/// owner's answer: `present[o]` is the length of the cached prefix of the key list sent to
+/// owner `o` (`None`: it did not answer in time, or failed: nothing). The prefix extends
+/// through runs that are whole, into the first run that is not (as far as its blocks are
+/// present), and stops there.
+pub fn combine(runs: &[RunAsk], present: &[Option<usize>]) -> usize {
+    let mut total = 0;
+    for r in runs {
+        let have = match r.owner.and_then(|o| present.get(o).copied().flatten()) {
+            Some(p) => p.saturating_sub(r.offset).min(r.len),
+            None => 0,
+        };
+        total += have;
+        if have < r.len {
+            break;
+        }
+    }
+    total
+}
+
+/// How many leading blocks of a fetch reply check out: block `i` has exactly `block_bytes`
+/// bytes and its stated sum is [`block_sum`] of `keys[i]` and its bytes. Stops at the first
+/// that does not (a wrong block is never stored, and nothing after it either).
+pub fn verified(keys: &[BlockKey], blocks: &[Vec<u8>], sums: &[u64], block_bytes: usize) -> usize {
+    keys.iter()
+        .zip(blocks)
+        .zip(sums)
+        .take_while(|((k, b), s)| b.len() == block_bytes && block_sum(k, b) == **s)
+        .count()
+}
+
+/// Where a block sits in its chain: its position and its run's anchor (the key placing it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChainPlace {
+    pub position: u64,
+    pub anchor: BlockKey,
+}
+
+/// Positions of recently put blocks, so that a put's blocks (which name their parent, not
+/// their position) can be placed: a block with no parent is at position 0; one whose parent
+/// is known is one past it. Bounded: two generations of at most `capacity` entries each;
+/// when the newer fills, the older is dropped (a block whose parent was forgotten is not
+/// placed, and so not offered).
+#[derive(Debug)]
+pub struct ChainIndex {
+    capacity: usize,
+    run_blocks: u64,
+    new: HashMap<BlockKey, ChainPlace>,
+    old: HashMap<BlockKey, ChainPlace>,
+}
+
+impl ChainIndex {
+    pub fn new(capacity: usize, run_blocks: usize) -> Self {
+        Self {
+            capacity: capacity.max(1),
+            run_blocks: run_blocks.max(1) as u64,
+            new: HashMap::new(),
+            old: HashMap::new(),
+        }
+    }
+
+    pub fn get(&self, key: &BlockKey) -> Option<ChainPlace> {
+        self.new.get(key).or_else(|| self.old.get(key)).copied()
+    }
+
+    /// Records `key` put after `parent`; returns its place, or `None` when the parent's
+    /// place is not known.
+    pub fn record(&mut self, key: BlockKey, parent: Option<BlockKey>) -> Option<ChainPlace> {
+        let place = match parent {
+            None => ChainPlace {
+                position: 0,
+                anchor: key,
+            },
+            Some(p) => {
+                let pp = self.get(&p)?;
+                let position = pp.position + 1;
+                ChainPlace {
+                    position,
+                    anchor: if position.is_multiple_of(self.run_blocks) {
+                        key
+                    } else {
+                        pp.anchor
+                    },
+                }
+            }
+        };
+        if self.new.len() >= self.capacity {
+            self.old = std::mem::take(&mut self.new);
+        }
+        self.new.insert(key, place);
+        Some(place)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(n: u128) -> BlockKey {
+        BlockKey::from_u128(n)
+    }
+
+    /// Owners by anchor position for a 10-block chain in runs of 3 (anchors 0, 3, 6, 9):
+    /// anchor 0 -> peer 0, 3 -> peer 1, 6 -> peer 0, 9 -> nobody asked.
+    fn owners(anchor: usize) -> Option<usize> {
+        match anchor {
+            0 | 6 => Some(0),
+            3 => Some(1),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn plan_cuts_runs_and_gives_each_owner_its_offsets() {
+        let p = plan(10, 2, 3, owners);
+        let got: Vec<(usize, usize, Option<usize>, usize)> = p
+            .iter()
+            .map(|r| (r.start, r.len, r.owner, r.offset))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (2, 1, Some(0), 0),
+                (3, 3, Some(1), 0),
+                (6, 3, Some(0), 1),
+                (9, 1, None, 0)
+            ]
+        );
+        assert!(plan(10, 10, 3, owners).is_empty());
+        // run_blocks 0 is runs of 1.
+        assert_eq!(plan(2, 0, 0, |_| Some(0)).len(), 2);
+    }
+
+    /// Table: the owners' answers (leading keys present in the list each was sent) -> the
+    /// blocks the prefix extends by, for the plan above (peer 0 was sent positions 2, 6, 7,
+    /// 8; peer 1 positions 3, 4, 5).
+    #[test]
+    fn combine_in_chain_order() {
+        let runs = plan(10, 2, 3, owners);
+        let check = |present: &[Option<usize>], want: usize| {
+            assert_eq!(combine(&runs, present), want, "{present:?}");
+        };
+        check(&[Some(4), Some(3)], 7); // all asked present; stops at the unowned run
+        check(&[Some(0), Some(3)], 0); // the first run missing: nothing, whatever follows
+        check(&[Some(1), Some(2)], 3); // the second run cut after 2 of 3
+        check(&[Some(1), Some(3)], 4); // peer 0 has position 2 only: run 3 is empty
+        check(&[Some(2), Some(3)], 5); // peer 0 has 2 and 6: 7 missing
+        check(&[Some(9), Some(9)], 7); // more than asked is clamped
+        check(&[None, Some(3)], 0); // peer 0 timed out
+        check(&[Some(4), None], 1); // peer 1 failed
+        check(&[], 0);
+        let whole = plan(6, 0, 3, |a| Some(a / 3));
+        assert_eq!(combine(&whole, &[Some(3), Some(3)]), 6);
+        assert_eq!(combine(&whole, &[Some(3), Some(0)]), 3);
+    }
+
+    #[test]
+    fn verified_stops_at_the_first_bad_block() {
+        let keys = [k(1), k(2), k(3)];
+        let blocks: Vec<Vec<u8>> = (0..3).map(|i| vec![i as u8; 8]).collect();
+        let good: Vec<u64> = keys
+            .iter()
+            .zip(&blocks)
+            .map(|(k, b)| block_sum(k, b))
+            .collect();
+        assert_eq!(verified(&keys, &blocks, &good, 8), 3);
+        let mut bad = good.clone();
+        bad[1] ^= 1;
+        assert_eq!(verified(&keys, &blocks, &bad, 8), 1, "a wrong sum");
+        let mut swapped = blocks.clone();
+        swapped.swap(0, 1);
+        assert_eq!(
+            verified(&keys, &swapped, &good, 8),
+            0,
+            "bytes of another key"
+        );
+        let mut short = blocks.clone();
+        short[2].pop();
+        assert_eq!(verified(&keys, &short, &good, 8), 2, "a short block");
+        assert_eq!(verified(&keys, &blocks, &good, 16), 0, "the wrong length");
+        assert_eq!(verified(&keys, &blocks[..1], &good, 8), 1, "fewer blocks");
+    }
+
+    #[test]
+    fn chain_index_places_children_and_forgets_old_generations() {
+        let mut ix = ChainIndex::new(4, 3);
+        let a0 = ix.record(k(10), None).unwrap();
+        assert_eq!((a0.position, a0.anchor), (0, k(10)));
+        let mut prev = k(10);
+        for i in 1..6u128 {
+            let p = ix.record(k(10 + i), Some(prev)).unwrap();
+            let want_anchor = if i < 3 { k(10) } else { k(13) };
+            assert_eq!((p.position, p.anchor), (i as u64, want_anchor), "{i}");
+            prev = k(10 + i);
+        }
+        assert_eq!(ix.record(k(99), Some(k(98))), None, "unknown parent");
+        // Capacity 4 per generation: after 8 more, the first entries are gone.
+        for i in 0..8u128 {
+            ix.record(k(1000 + i), None);
+        }
+        assert_eq!(ix.get(&k(10)), None);
+        assert!(ix.get(&k(1007)).is_some());
+    }
+}

@@ -1,0 +1,384 @@
+//! The cluster data path, on a server with `[cluster]` and a cluster secret
+//! (`docs/cluster.md`, "Data path"):
+//!
+//! * **Lookup.** A client's lookup whose local prefix is shorter than its keys asks the
+//!   owners of the rest (its own runs it looks up in its own store), one batched lookup per
+//!   owner, in parallel; combines
+//!   their answers in chain order ([`chain::combine`]); fetches those blocks from their
+//!   owners (in parallel), verifies each ([`chain::verified`]: length and the checksum the
+//!   owner states over key and bytes), and stores them in the local store in chain order, so
+//!   the lookup's answer, and the get that follows, are local.
+//! * **Offers.** A block a client put here is offered to its owners (if this node is not
+//!   one) through a bounded queue and a task: the local put never waits for it.
+//!
+//! Requests from peers never come here: a peer's lookup is local-only and a peer's put is
+//! never offered on, so no request loops between members.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use kvtier_core::BlockKey;
+use kvtier_core::protocol::PutEntry;
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+
+use super::Shared;
+use super::conn::{admit, reserve_waiting};
+use super::tenants::Ns;
+use crate::cluster::ClusterNode;
+use crate::cluster::chain::{self, ChainIndex, RunAsk};
+use crate::cluster::peers::{PeerAddr, PeerPool};
+
+/// Puts remembered for placing their children (two generations of this many).
+const CHAIN_INDEX_ENTRIES: usize = 1 << 18;
+/// Block bytes one lookup fetches from peers, at most.
+const FETCH_BYTES_PER_LOOKUP: u64 = 256 << 20;
+/// The index of this node among the owners a lookup plans with.
+const SELF: usize = 0;
+/// Offers sent to one owner in one put, at most.
+const OFFER_BATCH: usize = 64;
+
+/// A block to offer to an owner.
+struct Offer {
+    key: BlockKey,
+    /// `None` for the first block of a run (the owner need not hold the run before it).
+    parent: Option<BlockKey>,
+    owner: PeerAddr,
+}
+
+/// The data path of one server. See the module doc.
+pub(crate) struct Remote {
+    node: Arc<ClusterNode>,
+    pool: Arc<PeerPool>,
+    offers: mpsc::Sender<Offer>,
+    chains: Mutex<ChainIndex>,
+    /// The view's change count when the pool last dropped departed peers.
+    pruned_at: Mutex<u64>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Remote {
+    /// The data path of `node`, if it has a secret; starts the offer task (it ends with the
+    /// server's shutdown token).
+    pub fn start(shared: &Arc<Shared>, node: Arc<ClusterNode>) -> Option<Arc<Self>> {
+        let token = node.peer_token.clone()?;
+        let pool = Arc::new(PeerPool::new(
+            token,
+            node.settings.peer_timeout,
+            shared.block_bytes as u64,
+            node.metrics.peer.clone(),
+        ));
+        let (tx, rx) = mpsc::channel(node.settings.offer_queue_blocks.max(1));
+        let run_blocks = node.settings.run_blocks;
+        let r = Arc::new(Self {
+            node,
+            pool,
+            offers: tx,
+            chains: Mutex::new(ChainIndex::new(CHAIN_INDEX_ENTRIES, run_blocks)),
+            pruned_at: Mutex::new(u64::MAX),
+        });
+        tokio::spawn(offer_loop(shared.clone(), r.clone(), rx));
+        Some(r)
+    }
+
+    /// Drops the connections of peers that left the view (when the view changed).
+    fn prune(&self) {
+        let (changes, members) = self.node.with_view(|v| (v.changes(), v.members().clone()));
+        let mut at = lock(&self.pruned_at);
+        if *at != changes {
+            *at = changes;
+            self.pool.retain(&members);
+        }
+    }
+
+    /// Extends a lookup of `keys` (internal keys; `client_keys` as the client sent them, in
+    /// namespace `ns`) whose first `local` blocks are here: asks the owners of the rest,
+    /// fetches what they hold, verifies it and stores it here in chain order. Returns how
+    /// many blocks it stored (the prefix is now `local` + that, unless evicted meanwhile).
+    /// Bounded: two rounds of requests, each within `cluster.peer_timeout_ms`.
+    pub async fn extend_lookup(
+        &self,
+        s: &Arc<Shared>,
+        ns: Ns,
+        client_keys: &[BlockKey],
+        keys: &[BlockKey],
+        local: usize,
+    ) -> usize {
+        if local >= keys.len() {
+            return 0;
+        }
+        self.prune();
+        let me = self.node.record.node_id.clone();
+        let run_blocks = self.node.settings.run_blocks;
+        // Plan under the view's lock: one owner per run, by index into `peers`; index 0 is
+        // this node, for the runs it owns (they are here or nowhere: it is not asked).
+        let (runs, peers) = self.node.with_view(|v| {
+            let mut peers = vec![PeerAddr {
+                id: me.clone(),
+                endpoint: String::new(),
+            }];
+            let runs = chain::plan(keys.len(), local, run_blocks, |anchor| {
+                let owners = v.placement().owners(&keys[anchor]);
+                if owners.contains(&me.as_str()) {
+                    return Some(SELF);
+                }
+                let id = *owners.first()?;
+                if let Some(i) = peers.iter().position(|p| p.id == id) {
+                    return Some(i);
+                }
+                let endpoint = v.members().get(id)?.record.data_endpoint.clone();
+                peers.push(PeerAddr {
+                    id: id.to_string(),
+                    endpoint,
+                });
+                Some(peers.len() - 1)
+            });
+            (runs, peers)
+        });
+        if peers.len() == 1 {
+            return 0; // every run is this node's own
+        }
+        // Round 1: each owner looks up its runs' keys (one list, chain order); this node
+        // looks at its own store.
+        let lists = key_lists(&runs, keys, peers.len(), usize::MAX);
+        let mut present = vec![None; peers.len()];
+        let mut set = JoinSet::new();
+        for (i, (peer, list)) in peers.iter().zip(lists).enumerate() {
+            if i == SELF {
+                present[SELF] = Some(s.store.lookup(&list).len());
+                continue;
+            }
+            if list.is_empty() {
+                continue;
+            }
+            let (pool, peer) = (self.pool.clone(), peer.clone());
+            set.spawn(async move { (i, pool.lookup(&peer, &list).await.ok()) });
+        }
+        while let Some(r) = set.join_next().await {
+            if let Ok((i, p)) = r {
+                present[i] = p;
+            }
+        }
+        // At most FETCH_BYTES_PER_LOOKUP of blocks come in for one lookup (they are held in
+        // memory until stored): a longer remote prefix is served in part, the rest by the
+        // lookups that follow.
+        let cap = (FETCH_BYTES_PER_LOOKUP / s.block_bytes.max(1) as u64).max(1) as usize;
+        let found = chain::combine(&runs, &present).min(cap);
+        if found == 0 {
+            return 0;
+        }
+        // Round 2: fetch the found blocks from their owners, in parallel.
+        let end = local + found;
+        let lists = key_lists(&runs, keys, peers.len(), end);
+        let mut set = JoinSet::new();
+        for (i, (peer, list)) in peers.iter().zip(lists).enumerate() {
+            if i == SELF || list.is_empty() {
+                continue;
+            }
+            let (pool, peer) = (self.pool.clone(), peer.clone());
+            let bb = s.block_bytes;
+            set.spawn(async move {
+                let Ok(f) = pool.fetch(&peer, &list).await else {
+                    return (i, Vec::new());
+                };
+                let ok = chain::verified(&list, &f.blocks, &f.sums, bb);
+                let m = pool.metrics();
+                m.fetched_blocks
+                    .with_label_values(&[&peer.id])
+                    .inc_by(ok as u64);
+                if ok < f.blocks.len() {
+                    m.bad_blocks.with_label_values(&[&peer.id]).inc();
+                    tracing::warn!(
+                        peer = %peer.id,
+                        "a block fetched from a peer failed verification (length or \
+                         checksum); dropped, not served"
+                    );
+                }
+                let mut blocks = f.blocks;
+                blocks.truncate(ok);
+                (i, blocks)
+            });
+        }
+        let mut fetched: Vec<Vec<Vec<u8>>> = vec![Vec::new(); peers.len()];
+        while let Some(r) = set.join_next().await {
+            if let Ok((i, b)) = r {
+                fetched[i] = b;
+            }
+        }
+        self.store(s, ns, client_keys, keys, &runs, &fetched, end)
+            .await
+    }
+
+    /// Stores fetched blocks here in chain order, from the first run's start to `end`;
+    /// stops at the first block missing or refused. Returns how many it stored.
+    #[allow(clippy::too_many_arguments)]
+    async fn store(
+        &self,
+        s: &Arc<Shared>,
+        ns: Ns,
+        client_keys: &[BlockKey],
+        keys: &[BlockKey],
+        runs: &[RunAsk],
+        fetched: &[Vec<Vec<u8>>],
+        end: usize,
+    ) -> usize {
+        let mut stored = 0;
+        let until = Instant::now() + self.pool.timeout();
+        for r in runs {
+            let Some(o) = r.owner else { break };
+            if o == SELF {
+                continue; // here already (its blocks were counted by a local lookup)
+            }
+            for p in r.start..(r.start + r.len).min(end) {
+                let Some(bytes) = fetched[o].get(r.offset + p - r.start) else {
+                    return self.stored(stored);
+                };
+                let parent = p.checked_sub(1).map(|q| keys[q]);
+                let Some(_name) = admit(s, ns, keys[p], client_keys[p]) else {
+                    return self.stored(stored);
+                };
+                let Ok(mut slot) = reserve_waiting(s, keys[p], parent, None, until).await else {
+                    return self.stored(stored);
+                };
+                slot.bytes_mut().copy_from_slice(bytes);
+                match slot.commit() {
+                    Ok(crate::PutOutcome::Stored(_) | crate::PutOutcome::AlreadyPresent) => {
+                        stored += 1
+                    }
+                    _ => return self.stored(stored),
+                }
+            }
+        }
+        self.stored(stored)
+    }
+
+    fn stored(&self, n: usize) -> usize {
+        self.node.metrics.remote_hits.inc_by(n as u64);
+        n
+    }
+
+    /// A client's put of `key` (internal) after `parent` is cached here: remembers its place
+    /// in its chain and, if this node is not among its owners, queues it for them. Never
+    /// waits: a full queue drops the offer (counted).
+    pub fn offered(&self, s: &Shared, key: BlockKey, parent: Option<BlockKey>, stored: bool) {
+        if !s.tenants.keys_as_sent() {
+            // Offers carry internal keys, and an owner cannot tell their namespace.
+            if stored {
+                self.drop_offer("tenants", 1);
+            }
+            return;
+        }
+        let place = lock(&self.chains).record(key, parent);
+        if !stored {
+            return;
+        }
+        let Some(place) = place else {
+            self.drop_offer("unplaced", 1);
+            return;
+        };
+        let me = &self.node.record.node_id;
+        let owners: Vec<PeerAddr> = self.node.with_view(|v| {
+            v.placement()
+                .owners(&place.anchor)
+                .into_iter()
+                .filter(|o| *o != me.as_str())
+                .filter_map(|o| {
+                    Some(PeerAddr {
+                        id: o.to_string(),
+                        endpoint: v.members().get(o)?.record.data_endpoint.clone(),
+                    })
+                })
+                .collect()
+        });
+        let run = self.node.settings.run_blocks.max(1) as u64;
+        let parent = if place.position.is_multiple_of(run) {
+            None
+        } else {
+            parent
+        };
+        for owner in owners {
+            if self.offers.try_send(Offer { key, parent, owner }).is_err() {
+                self.drop_offer("queue_full", 1);
+            }
+        }
+    }
+
+    fn drop_offer(&self, reason: &str, n: u64) {
+        self.node
+            .metrics
+            .offers_dropped
+            .with_label_values(&[reason])
+            .inc_by(n);
+    }
+}
+
+/// The keys each peer is asked for: its runs' keys up to position `end`, in chain order.
+fn key_lists(runs: &[RunAsk], keys: &[BlockKey], peers: usize, end: usize) -> Vec<Vec<BlockKey>> {
+    let mut lists = vec![Vec::new(); peers];
+    for r in runs {
+        if let Some(o) = r.owner {
+            let stop = (r.start + r.len).min(end);
+            if r.start < stop {
+                lists[o].extend_from_slice(&keys[r.start..stop]);
+            }
+        }
+    }
+    lists
+}
+
+/// Sends queued offers: takes what is queued (up to [`OFFER_BATCH`] per owner), reads the
+/// blocks from the local store (pinned while sent) and puts them to their owner. Ends with
+/// the server's shutdown.
+async fn offer_loop(s: Arc<Shared>, r: Arc<Remote>, mut rx: mpsc::Receiver<Offer>) {
+    loop {
+        let first = tokio::select! {
+            _ = s.shutdown.cancelled() => return,
+            o = rx.recv() => match o { Some(o) => o, None => return },
+        };
+        let mut batch = vec![first];
+        while batch.len() < OFFER_BATCH {
+            match rx.try_recv() {
+                Ok(o) => batch.push(o),
+                Err(_) => break,
+            }
+        }
+        // Per owner, in queue order.
+        let mut by_owner: Vec<(PeerAddr, Vec<PutEntry>)> = Vec::new();
+        for o in batch {
+            let e = PutEntry {
+                key: o.key,
+                parent: o.parent,
+            };
+            match by_owner.iter_mut().find(|(p, _)| *p == o.owner) {
+                Some((_, v)) => v.push(e),
+                None => by_owner.push((o.owner, vec![e])),
+            }
+        }
+        for (owner, entries) in by_owner {
+            send_offer(&s, &r, &owner, entries).await;
+        }
+    }
+}
+
+async fn send_offer(s: &Arc<Shared>, r: &Remote, owner: &PeerAddr, entries: Vec<PutEntry>) {
+    let keys: Vec<BlockKey> = entries.iter().map(|e| e.key).collect();
+    let store = s.store.clone();
+    // The blocks stay pinned (not evicted, not rewritten) until sent.
+    let Ok(pinned) = tokio::task::spawn_blocking(move || store.pin_read(&keys)).await else {
+        return;
+    };
+    let n = pinned.blocks().len();
+    if n < entries.len() {
+        r.drop_offer("evicted", (entries.len() - n) as u64);
+    }
+    if n == 0 {
+        return;
+    }
+    let bufs: Vec<&[u8]> = (0..n).map(|i| pinned.bytes(i)).collect();
+    if let Err(e) = r.pool.offer(owner, &entries[..n], &bufs).await {
+        tracing::debug!(peer = %owner.id, "an offer of {n} blocks failed: {e:?}");
+    }
+}

@@ -1,0 +1,534 @@
+//! The cluster data path with a real etcd and real servers on loopback: lookups that ask
+//! the owners, fetch, verify and store; puts offered to their owners; peers authenticated
+//! with the token derived from the cluster secret; a dead owner and a lying one are misses.
+
+use std::time::{Duration, Instant};
+
+use kvtier_client::{Client, ClientConfig, ClientError};
+use kvtier_core::BlockKey;
+use kvtier_core::protocol::{
+    ErrorCode, FetchReply, HEADER_BYTES, Header, HelloReply, Limits, Request, Response, block_sum,
+};
+use kvtier_server::cluster::record::{
+    MemberRecord, RECORD_VERSION, RecordSealer, TierCapacity, peer_token,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::common::{BLOCK, ServerProc, bounded, get_verified, http_get, keys, put_all};
+use super::etcd::Etcd;
+use super::{cluster_doc, member_with, metric, secret_file, until_view};
+
+const SECRET: &str = "the data path's secret, 32 bytes";
+const RUN: usize = 8;
+
+fn token() -> String {
+    peer_token(SECRET.as_bytes(), "test")
+}
+
+async fn peer(s: &ServerProc) -> Client {
+    Client::connect(&s.tcp_url(), ClientConfig::default().token(token()))
+        .await
+        .expect("a peer connects with the derived token")
+}
+
+/// The owner of each run of `chain` (runs of [`RUN`]), as `s` names them.
+async fn run_owners(s: &ServerProc, chain: &[BlockKey]) -> Vec<String> {
+    let mut out = Vec::new();
+    for i in (0..chain.len()).step_by(RUN) {
+        let d = cluster_doc(s, &format!("?key={}", chain[i])).await;
+        let o = d["key"]["owners"][0].as_str().unwrap().to_string();
+        out.push(o);
+    }
+    out
+}
+
+/// Waits (at most 10 s) until each run owned by one of `members` (other than `putter`) is
+/// held by its owner: the offers arrived. Asked over peer connections (local-only lookups).
+async fn until_offered(
+    members: &[(&str, &ServerProc)],
+    putter: &str,
+    chain: &[BlockKey],
+    owners: &[String],
+) {
+    let t0 = Instant::now();
+    for (r, o) in owners.iter().enumerate() {
+        let Some((_, s)) = members.iter().find(|(id, _)| id == o && *id != putter) else {
+            continue;
+        };
+        let p = peer(s).await;
+        let run = &chain[r * RUN..((r + 1) * RUN).min(chain.len())];
+        loop {
+            let l = p.lookup(run).await;
+            if l.tiers.len() == run.len() {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "run {r} never reached its owner {o}: {l:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+fn labelled(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name}{{{label}}} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// A chain put on one member is found by a lookup on each other member and read back
+/// byte-equal through a plain get (the SDK unchanged); each counts exactly the blocks it
+/// fetched from the others; a peer's lookup is local-only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
+    bounded(120, async {
+        let etcd = Etcd::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let secret = secret_file(dir.path(), SECRET);
+        let extra = ["cluster.run_blocks=8", "cluster.peer_timeout_ms=1000"];
+        let a = member_with(&etcd, "a", 5, &secret, &extra);
+        let b = member_with(&etcd, "b", 5, &secret, &extra);
+        let c = member_with(&etcd, "c", 5, &secret, &extra);
+        for s in [&a, &b, &c] {
+            until_view(s, &["a", "b", "c"], Duration::from_secs(15)).await;
+        }
+        let members = [("a", &a), ("b", &b), ("c", &c)];
+        let chain = keys(b"data-path", 96, 1);
+        put_all(&a.client("tcp").await, &chain).await;
+        let owners = run_owners(&a, &chain).await;
+        until_offered(&members, "a", &chain, &owners).await;
+        let m = http_get(a.admin, "/metrics").await.1;
+        let offered: usize = owners.iter().filter(|o| *o != "a").map(|_| RUN).sum();
+        let sent = labelled(&m, "kvtier_cluster_peer_offered_blocks_total", "peer=\"b\"")
+            + labelled(&m, "kvtier_cluster_peer_offered_blocks_total", "peer=\"c\"");
+        assert_eq!(sent as usize, offered, "{owners:?}");
+
+        for (id, s) in [("b", &b), ("c", &c)] {
+            let cl = s.client("tcp").await;
+            let t0 = Instant::now();
+            let l = cl.lookup(&chain).await;
+            println!(
+                "lookup of {} blocks on {id}: {:?}",
+                chain.len(),
+                t0.elapsed()
+            );
+            assert_eq!(l.tiers.len(), chain.len(), "{id}: {l:?}");
+            assert_eq!(l.miss, None);
+            assert_eq!(get_verified(&cl, &chain).await, chain.len(), "{id}");
+            // It fetched exactly the runs others own.
+            let remote = owners.iter().filter(|o| *o != id).count() * RUN;
+            let m = http_get(s.admin, "/metrics").await.1;
+            assert_eq!(
+                metric(&m, "kvtier_cluster_remote_hits_total") as usize,
+                remote,
+                "{id}: {owners:?}"
+            );
+            super::common::promtool_check(&m);
+            let d = cluster_doc(s, "").await;
+            assert_eq!(d["data_path"]["enabled"], true, "{d:#}");
+            let fetched: u64 = d["members"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|m| m["traffic"]["fetched_blocks"].as_u64())
+                .sum();
+            assert_eq!(fetched as usize, remote, "{d:#}");
+            // A second lookup is all local.
+            let again = cl.lookup(&chain).await;
+            assert_eq!(again.tiers.len(), chain.len());
+            let m = http_get(s.admin, "/metrics").await.1;
+            assert_eq!(
+                metric(&m, "kvtier_cluster_remote_hits_total") as usize,
+                remote
+            );
+        }
+
+        // A peer's lookup is local-only: it asks nobody.
+        let chain2 = keys(b"local-only", 16, 2);
+        put_all(&a.client("tcp").await, &chain2).await;
+        let owners2 = run_owners(&a, &chain2).await;
+        until_offered(&members, "a", &chain2, &owners2).await;
+        let (xid, x) = members[1..]
+            .iter()
+            .find(|(id, _)| owners2[0] != *id)
+            .unwrap();
+        let asked = |m: &str| {
+            labelled(
+                m,
+                "kvtier_cluster_peer_requests_total",
+                "op=\"lookup\",peer=\"a\"",
+            ) + labelled(
+                m,
+                "kvtier_cluster_peer_requests_total",
+                "op=\"lookup\",peer=\"b\"",
+            ) + labelled(
+                m,
+                "kvtier_cluster_peer_requests_total",
+                "op=\"lookup\",peer=\"c\"",
+            )
+        };
+        let before = asked(&http_get(x.admin, "/metrics").await.1);
+        let l = peer(x).await.lookup(&chain2).await;
+        assert_eq!(l.tiers.len(), 0, "{xid} does not hold run 0: {l:?}");
+        assert_eq!(asked(&http_get(x.admin, "/metrics").await.1), before);
+        // A client's lookup there asks the owners.
+        let l = x.client("tcp").await.lookup(&chain2).await;
+        assert_eq!(l.tiers.len(), chain2.len(), "{l:?}");
+        assert!(asked(&http_get(x.admin, "/metrics").await.1) > before);
+    })
+    .await;
+}
+
+/// Blocks owned by a member that is then killed are misses, answered within the deadline;
+/// the prefix before them is served, byte-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_owners_blocks_are_misses_within_the_deadline() {
+    bounded(120, async {
+        let etcd = Etcd::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let secret = secret_file(dir.path(), SECRET);
+        let extra = ["cluster.run_blocks=8", "cluster.peer_timeout_ms=500"];
+        // A long lease: the dead member stays in the view while we look.
+        let a = member_with(&etcd, "a", 30, &secret, &extra);
+        let b = member_with(&etcd, "b", 30, &secret, &extra);
+        let c = member_with(&etcd, "c", 30, &secret, &extra);
+        for s in [&a, &b, &c] {
+            until_view(s, &["a", "b", "c"], Duration::from_secs(15)).await;
+        }
+        // A chain whose first run c owns is not run 0.
+        let mut found = None;
+        for seed in 1..100 {
+            let chain = keys(b"killed", 48, seed);
+            let owners = run_owners(&a, &chain).await;
+            if let Some(first) = owners.iter().position(|o| o == "c")
+                && first > 0
+            {
+                found = Some((chain, owners, first * RUN));
+                break;
+            }
+        }
+        let (chain, owners, expect) = found.expect("a chain with a run of c's after the first");
+        put_all(&a.client("tcp").await, &chain).await;
+        until_offered(&[("a", &a), ("b", &b), ("c", &c)], "a", &chain, &owners).await;
+        drop(c); // SIGKILL
+        let cl = b.client("tcp").await;
+        let t0 = Instant::now();
+        let l = cl.lookup(&chain).await;
+        let took = t0.elapsed();
+        println!(
+            "lookup with a dead owner: {took:?}, {} of {}",
+            l.tiers.len(),
+            chain.len()
+        );
+        assert_eq!(l.tiers.len(), expect, "{owners:?} {l:?}");
+        assert!(
+            took < Duration::from_millis(2 * 500 + 1000),
+            "a dead peer must not hold a lookup past its deadline: {took:?}"
+        );
+        assert_eq!(get_verified(&cl, &chain).await, expect);
+        let m = http_get(b.admin, "/metrics").await.1;
+        let failed = labelled(&m, "kvtier_cluster_peer_errors_total", "peer=\"c\"")
+            + labelled(&m, "kvtier_cluster_peer_timeouts_total", "peer=\"c\"");
+        assert!(failed >= 1.0, "{m}");
+    })
+    .await;
+}
+
+/// Only a holder of the secret is a peer: a token derived from another secret (or for
+/// another cluster) is refused at hello; a client's token cannot fetch; a peer can do
+/// nothing but the data path's operations, and the sums it gets verify.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_holders_of_the_secret_fetch() {
+    bounded(60, async {
+        let etcd = Etcd::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let secret = secret_file(dir.path(), SECRET);
+        let a = member_with(&etcd, "a", 5, &secret, &[]);
+        until_view(&a, &["a"], Duration::from_secs(15)).await;
+        let chain = keys(b"secret", 4, 3);
+        let client = a.client("tcp").await;
+        put_all(&client, &chain).await;
+        for wrong in [
+            peer_token(b"a guessed secret................", "test"),
+            peer_token(SECRET.as_bytes(), "another-cluster"),
+        ] {
+            let e = Client::connect(&a.tcp_url(), ClientConfig::default().token(wrong))
+                .await
+                .err()
+                .expect("a wrong peer token is refused");
+            assert!(e.to_string().contains("token"), "{e}");
+        }
+        let p = peer(&a).await;
+        let f = p.fetch(&chain).await.unwrap();
+        assert_eq!(f.blocks.len(), chain.len());
+        for ((k, b), s) in chain.iter().zip(&f.blocks).zip(&f.sums) {
+            assert_eq!(*s, block_sum(k, b));
+            assert_eq!(*b, super::common::block_data(*k));
+        }
+        let forbidden = |e: ClientError| match e {
+            ClientError::Server { code, .. } => assert_eq!(code, Some(ErrorCode::Forbidden)),
+            e => panic!("{e}"),
+        };
+        forbidden(client.fetch(&chain).await.unwrap_err());
+        forbidden(p.clear().await.unwrap_err());
+        forbidden(p.remove(&chain).await.unwrap_err());
+        assert_eq!(get_verified(&client, &chain).await, chain.len());
+    })
+    .await;
+}
+
+/// A "member" that answers every lookup with "all present" and every fetch with wrong
+/// bytes: its blocks are misses, counted, and never served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_sending_wrong_bytes_is_a_miss() {
+    bounded(90, async {
+        let etcd = Etcd::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let secret = secret_file(dir.path(), SECRET);
+        let extra = ["cluster.run_blocks=8", "cluster.peer_timeout_ms=1000"];
+        let a = member_with(&etcd, "a", 5, &secret, &extra);
+        let b = member_with(&etcd, "b", 5, &secret, &extra);
+        let liar = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        // Its record, signed with the secret (a holder of the secret gone wrong, or a
+        // corrupting path: either way the bytes do not match their sums).
+        fake_member(&etcd, &liar).await;
+        tokio::spawn(lying_peer(liar));
+        for s in [&a, &b] {
+            until_view(s, &["a", "b", "zz"], Duration::from_secs(15)).await;
+        }
+        let mut found = None;
+        for seed in 1..100 {
+            let chain = keys(b"liar", 32, seed);
+            let owners = run_owners(&a, &chain).await;
+            if let Some(first) = owners.iter().position(|o| o == "zz")
+                && first > 0
+            {
+                found = Some((chain, owners, first * RUN));
+                break;
+            }
+        }
+        let (chain, owners, expect) = found.expect("a chain with a run of zz's after the first");
+        put_all(&a.client("tcp").await, &chain).await;
+        until_offered(&[("a", &a), ("b", &b)], "a", &chain, &owners).await;
+        let cl = b.client("tcp").await;
+        let l = cl.lookup(&chain).await;
+        assert_eq!(l.tiers.len(), expect, "{owners:?} {l:?}");
+        assert_eq!(get_verified(&cl, &chain).await, expect);
+        let m = http_get(b.admin, "/metrics").await.1;
+        assert!(
+            labelled(&m, "kvtier_cluster_peer_bad_blocks_total", "peer=\"zz\"") >= 1.0,
+            "{m}"
+        );
+    })
+    .await;
+}
+
+/// Registers member `zz` (signed with the secret, as much capacity as a test server)
+/// whose data endpoint is `l`.
+async fn fake_member(etcd: &Etcd, l: &tokio::net::TcpListener) {
+    let key = "/kvtier/test/members/zz";
+    let record = MemberRecord {
+        v: RECORD_VERSION,
+        node_id: "zz".into(),
+        version: "0".into(),
+        data_endpoint: format!("tcp://{}", l.local_addr().unwrap()),
+        transfer_endpoint: String::new(),
+        admin_endpoint: String::new(),
+        tiers: vec![TierCapacity {
+            kind: "dram".into(),
+            capacity_bytes: 12 << 20,
+        }],
+        registered_unix_ms: 0,
+    };
+    let value = RecordSealer::new(Some(SECRET.as_bytes()), "test").seal(key.as_bytes(), &record);
+    let mut e = etcd_client::Client::connect([etcd.url()], None)
+        .await
+        .unwrap();
+    e.put(key, value, None).await.unwrap();
+}
+
+/// A member that accepts connections and never answers: a lookup on a real member is not
+/// held past the peer timeout; the silent member's runs are misses, counted as timeouts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_owner_is_a_miss_within_the_deadline() {
+    bounded(90, async {
+        let etcd = Etcd::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let secret = secret_file(dir.path(), SECRET);
+        let extra = ["cluster.run_blocks=8", "cluster.peer_timeout_ms=500"];
+        let a = member_with(&etcd, "a", 5, &secret, &extra);
+        let b = member_with(&etcd, "b", 5, &secret, &extra);
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        fake_member(&etcd, &silent).await;
+        // Accepts, holds the connections, never reads or writes.
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = silent.accept().await {
+                held.push(s);
+            }
+        });
+        for s in [&a, &b] {
+            until_view(s, &["a", "b", "zz"], Duration::from_secs(15)).await;
+        }
+        let mut found = None;
+        for seed in 1..100 {
+            let chain = keys(b"silent", 32, seed);
+            let owners = run_owners(&a, &chain).await;
+            if let Some(first) = owners.iter().position(|o| o == "zz")
+                && first > 0
+            {
+                found = Some((chain, owners, first * RUN));
+                break;
+            }
+        }
+        let (chain, owners, expect) = found.expect("a chain with a run of zz's after the first");
+        put_all(&a.client("tcp").await, &chain).await;
+        until_offered(&[("a", &a), ("b", &b)], "a", &chain, &owners).await;
+        let cl = b.client("tcp").await;
+        let t0 = Instant::now();
+        let l = cl.lookup(&chain).await;
+        let took = t0.elapsed();
+        println!(
+            "lookup with a silent owner: {took:?}, {} of {}",
+            l.tiers.len(),
+            chain.len()
+        );
+        assert_eq!(l.tiers.len(), expect, "{owners:?} {l:?}");
+        assert!(
+            took < Duration::from_millis(2 * 500 + 1000),
+            "a silent peer must not hold a lookup past its deadline: {took:?}"
+        );
+        assert_eq!(get_verified(&cl, &chain).await, expect);
+        let m = http_get(b.admin, "/metrics").await.1;
+        assert!(
+            labelled(&m, "kvtier_cluster_peer_timeouts_total", "peer=\"zz\"") >= 1.0,
+            "{m}"
+        );
+    })
+    .await;
+}
+
+/// Offers under back-pressure: with a queue of one block, a long put still stores every
+/// block here at once, and the offers that did not fit are dropped and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offers_beyond_the_queue_are_dropped_and_counted() {
+    bounded(60, async {
+        let etcd = Etcd::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let secret = secret_file(dir.path(), SECRET);
+        let extra = ["cluster.run_blocks=1", "cluster.offer_queue_blocks=1"];
+        let a = member_with(&etcd, "a", 5, &secret, &extra);
+        let b = member_with(&etcd, "b", 5, &secret, &extra);
+        for s in [&a, &b] {
+            until_view(s, &["a", "b"], Duration::from_secs(15)).await;
+        }
+        let chain = keys(b"back-pressure", 512, 4);
+        put_all(&a.client("tcp").await, &chain).await;
+        let d = cluster_doc(&a, "").await;
+        let dropped = d["data_path"]["offers_dropped"]["queue_full"]
+            .as_u64()
+            .unwrap();
+        assert!(dropped > 0, "{d:#}");
+        let m = http_get(a.admin, "/metrics").await.1;
+        assert_eq!(
+            labelled(
+                &m,
+                "kvtier_cluster_offers_dropped_total",
+                "reason=\"queue_full\""
+            ) as u64,
+            dropped
+        );
+    })
+    .await;
+}
+
+/// Speaks just enough of the protocol: hello, "every key present", fetches of wrong bytes
+/// (sums of zero), puts "stored".
+async fn lying_peer(l: tokio::net::TcpListener) {
+    loop {
+        let Ok((mut s, _)) = l.accept().await else {
+            return;
+        };
+        tokio::spawn(async move {
+            let limits = Limits::default();
+            loop {
+                let mut head = [0u8; HEADER_BYTES];
+                if s.read_exact(&mut head).await.is_err() {
+                    return;
+                }
+                let Ok(h) = Header::decode(&head, &limits) else {
+                    return;
+                };
+                let mut meta = vec![0u8; h.meta_len as usize];
+                let mut payload = vec![0u8; h.payload_len as usize];
+                if s.read_exact(&mut meta).await.is_err()
+                    || s.read_exact(&mut payload).await.is_err()
+                {
+                    return;
+                }
+                let Some(op) = h.opcode() else { return };
+                let Ok(req) = Request::decode(op, &meta, h.payload_len, &limits) else {
+                    return;
+                };
+                let (resp, body) = match req {
+                    Request::Hello(_) => (
+                        Response::Hello(HelloReply {
+                            version: 2,
+                            server: "liar".into(),
+                            block_bytes: BLOCK as u64,
+                            layout_fingerprint: 0,
+                            arena_bytes: 0,
+                            staging_bytes: 0,
+                            slot_table_bytes: 0,
+                            max_keys: limits.max_keys,
+                            max_meta_bytes: limits.max_meta_bytes,
+                            max_payload_bytes: limits.max_payload_bytes,
+                            max_lease_ms: 1000,
+                            event_seq: 0,
+                        }),
+                        vec![],
+                    ),
+                    Request::Lookup(k) => (
+                        Response::Lookup {
+                            tiers: vec![1; k.keys.len()],
+                            miss: 0,
+                        },
+                        vec![],
+                    ),
+                    Request::Fetch(k) => (
+                        Response::Fetch(FetchReply {
+                            tiers: vec![1; k.keys.len()],
+                            miss: 0,
+                            sums: vec![0; k.keys.len()],
+                        }),
+                        vec![0xab; k.keys.len() * BLOCK],
+                    ),
+                    Request::Put(e) => (
+                        Response::Put(kvtier_core::protocol::PutReply {
+                            statuses: vec![0; e.len()],
+                        }),
+                        vec![],
+                    ),
+                    _ => (Response::Pong, vec![]),
+                };
+                let (fl, meta) = resp.encode_meta();
+                let out = Header {
+                    version: 2,
+                    opcode: h.opcode,
+                    flags: fl,
+                    request_id: h.request_id,
+                    meta_len: meta.len() as u32,
+                    payload_len: body.len() as u64,
+                };
+                let mut frame = out.encode().to_vec();
+                frame.extend_from_slice(&meta);
+                frame.extend_from_slice(&body);
+                if s.write_all(&frame).await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+}
