@@ -188,6 +188,8 @@ struct ReservationRecord {
     deadline: Instant,
     /// The reserved keys' places in their namespace, held until the record drops.
     _names: Vec<Registration>,
+    /// Every entry's internal key and parent, for the cluster's offers at commit.
+    chain: Vec<(BlockKey, Option<BlockKey>)>,
 }
 
 impl Drop for ReservationRecord {
@@ -1464,6 +1466,13 @@ impl Job {
                             statuses,
                             deadline: Instant::now() + lease,
                             _names: names,
+                            chain: entries
+                                .iter()
+                                .map(|e| {
+                                    let parent = e.parent.map(|p| s.tenants.key(ns, p));
+                                    (s.tenants.key(ns, e.key), parent)
+                                })
+                                .collect(),
                         },
                     );
                     s.metrics.reservations_open.inc();
@@ -1490,7 +1499,7 @@ impl Job {
                         r => r,
                     }
                 };
-                let Some(rec) = rec else {
+                let Some(mut rec) = rec else {
                     return self.error(
                         ErrorCode::NotFound,
                         format!("no reservation {reservation_id} here (expired or committed)"),
@@ -1498,6 +1507,7 @@ impl Job {
                 };
                 s.metrics.reservations_open.dec();
                 let copied = rec.slots.iter().flatten().count() as u64 * s.block_bytes as u64;
+                let chain = std::mem::take(&mut rec.chain);
                 let statuses = if copied > COPY_INLINE_BYTES {
                     match self.blocking(move || commit_staged(rec)).await {
                         Ok(st) => st,
@@ -1508,6 +1518,15 @@ impl Job {
                 };
                 for st in &statuses {
                     count_refusal(&s, self.transport, *st);
+                }
+                // Offered to their owners as a put over the network is (a peer never reserves).
+                if let Some(rm) = s.remote.get().filter(|_| !self.peer) {
+                    for ((key, parent), st) in chain.iter().zip(&statuses) {
+                        let stored = *st == PutStatus::Stored as u8;
+                        if stored || *st == PutStatus::AlreadyPresent as u8 {
+                            rm.offered(&s, *key, *parent, stored);
+                        }
+                    }
                 }
                 let stored = statuses
                     .iter()
