@@ -150,7 +150,13 @@ for mode in islands cluster; do
     echo "== $mode: $nodes nodes x $node_blocks blocks ($block_tokens tokens), route $route" >&2
     "$bench" --json replay --trace "$trace" "${fleet_urls[@]}" --route "$route" \
         --token "$token" --model tiny "${extra[@]}" > "$out/$mode.json"
-    # Stop this fleet's servers (not etcd) before the next one starts.
+    # What each server says of the run (offers, remote hits, peer traffic), then stop this
+    # fleet's servers (not etcd) before the next one starts.
+    for n in $(seq 1 "$nodes"); do
+        admin=$(( port_base + n * 2 + 1 ))
+        curl -sf "http://127.0.0.1:$admin/cluster" > "$out/$mode-n$n.cluster.json" || true
+        curl -sf "http://127.0.0.1:$admin/metrics" > "$out/$mode-n$n.metrics" || true
+    done
     for p in "${pids[@]}"; do
         [ "$p" = "$etcd_pid" ] || { kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; }
     done

@@ -147,11 +147,27 @@ impl ChainIndex {
                 }
             }
         };
+        self.insert(key, place);
+        Some(place)
+    }
+
+    /// Records `chain[position]`, `chain` being a whole chain from its first block (a
+    /// lookup's keys): its place is known from its position alone.
+    pub fn record_at(&mut self, chain: &[BlockKey], position: usize) -> ChainPlace {
+        let run = self.run_blocks as usize;
+        let place = ChainPlace {
+            position: position as u64,
+            anchor: chain[position - position % run],
+        };
+        self.insert(chain[position], place);
+        place
+    }
+
+    fn insert(&mut self, key: BlockKey, place: ChainPlace) {
         if self.new.len() >= self.capacity {
             self.old = std::mem::take(&mut self.new);
         }
         self.new.insert(key, place);
-        Some(place)
     }
 }
 
@@ -263,5 +279,25 @@ mod tests {
         }
         assert_eq!(ix.get(&k(10)), None);
         assert!(ix.get(&k(1007)).is_some());
+    }
+
+    #[test]
+    fn a_lookup_places_the_end_of_its_prefix_so_the_next_put_is_placed() {
+        let mut ix = ChainIndex::new(16, 3);
+        let chain: Vec<BlockKey> = (0..8u128).map(|i| k(50 + i)).collect();
+        // Nothing of the chain was put here: its continuation cannot be placed...
+        assert_eq!(ix.record(k(58), Some(k(57))), None);
+        // ... until a lookup found its first 8 blocks (positions 0-7, anchors 0, 3, 6).
+        let p = ix.record_at(&chain, 7);
+        assert_eq!((p.position, p.anchor), (7, k(56)));
+        let next = ix.record(k(58), Some(k(57))).unwrap();
+        assert_eq!((next.position, next.anchor), (8, k(56)));
+        let after = ix.record(k(59), Some(k(58))).unwrap();
+        assert_eq!(
+            (after.position, after.anchor),
+            (9, k(59)),
+            "a new run starts at 9"
+        );
+        assert_eq!(ix.record_at(&chain, 0).anchor, k(50));
     }
 }

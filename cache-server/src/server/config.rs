@@ -170,7 +170,7 @@ impl Default for ClusterSection {
             lease_ttl_s: 10,
             etcd_timeout_ms: 2000,
             peer_timeout_ms: 250,
-            offer_queue_blocks: 4096,
+            offer_queue_blocks: 16384,
         }
     }
 }

@@ -1258,6 +1258,11 @@ impl Job {
                         }
                     }
                 }
+                if let Some(rm) = s.remote.get() {
+                    // The client's next put continues this prefix: where it is in its chain
+                    // is known now, whichever member stored its blocks.
+                    rm.looked_up(&k.keys, tiers.len());
+                }
                 lock(&self.state).remember_hold(hold, &k.keys);
                 let miss = (tiers.len() < k.keys.len()).then_some(MissReason::NotCached);
                 self.reply(Response::Lookup {

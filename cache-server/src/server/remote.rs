@@ -35,8 +35,9 @@ const CHAIN_INDEX_ENTRIES: usize = 1 << 18;
 const FETCH_BYTES_PER_LOOKUP: u64 = 256 << 20;
 /// The index of this node among the owners a lookup plans with.
 const SELF: usize = 0;
-/// Offers sent to one owner in one put, at most.
-const OFFER_BATCH: usize = 64;
+/// Offers taken from the queue at a time (sent to their owners in parallel, one put per
+/// owner), at most.
+const OFFER_BATCH: usize = 256;
 
 /// A block to offer to an owner.
 struct Offer {
@@ -260,6 +261,16 @@ impl Remote {
         n
     }
 
+    /// A client's lookup of `keys` (a chain from its first block, internal keys) found the
+    /// first `found` here: remembers the last one's place in the chain, so the puts that
+    /// continue it are placed (and offered) even when this node never saw the chain's start
+    /// (its blocks were put on another member, or fetched).
+    pub fn looked_up(&self, keys: &[BlockKey], found: usize) {
+        if let Some(last) = found.checked_sub(1).filter(|&l| l < keys.len()) {
+            lock(&self.chains).record_at(keys, last);
+        }
+    }
+
     /// A client's put of `key` (internal) after `parent` is cached here: remembers its place
     /// in its chain and, if this node is not among its owners, queues it for them. Never
     /// waits: a full queue drops the offer (counted).
@@ -329,7 +340,7 @@ fn key_lists(runs: &[RunAsk], keys: &[BlockKey], peers: usize, end: usize) -> Ve
     lists
 }
 
-/// Sends queued offers: takes what is queued (up to [`OFFER_BATCH`] per owner), reads the
+/// Sends queued offers: takes what is queued (up to [`OFFER_BATCH`] at a time), reads the
 /// blocks from the local store (pinned while sent) and puts them to their owner. Ends with
 /// the server's shutdown.
 async fn offer_loop(s: Arc<Shared>, r: Arc<Remote>, mut rx: mpsc::Receiver<Offer>) {
@@ -357,9 +368,13 @@ async fn offer_loop(s: Arc<Shared>, r: Arc<Remote>, mut rx: mpsc::Receiver<Offer
                 None => by_owner.push((o.owner, vec![e])),
             }
         }
+        // Owners in parallel: one slow owner does not hold up the offers to the others.
+        let mut sends = JoinSet::new();
         for (owner, entries) in by_owner {
-            send_offer(&s, &r, &owner, entries).await;
+            let (s, r) = (s.clone(), r.clone());
+            sends.spawn(async move { send_offer(&s, &r, &owner, entries).await });
         }
+        while sends.join_next().await.is_some() {}
     }
 }
 
