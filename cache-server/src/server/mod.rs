@@ -201,6 +201,8 @@ impl Server {
             store.block_bytes() as u64,
             capacity_blocks,
         )?);
+        // Without a configured tenant share, each namespace's hints get an equal part.
+        store.set_retain_namespaces(tenants.namespaces());
         if tenants.enforced() {
             tracing::info!(
                 tenants = config.tenants.len(),

@@ -38,9 +38,10 @@ macro_rules! wire_enum {
 pub mod message;
 
 pub use message::{
-    BlockEvent, ErrorCode, ErrorReply, EventKind, Events, Hello, HelloReply, KeyList, MissCode,
-    PinReply, PinnedSlot, PutEntry, PutReply, PutStatus, Request, ReserveReply, ReservedSlot,
-    Response, TierCode,
+    BlockEvent, ErrorCode, ErrorReply, EventKind, Events, Hello, HelloReply, KeyList,
+    MAX_RETAIN_PRIORITY, MAX_RETAIN_RETURN_MS, MissCode, PinReply, PinnedSlot, PutEntry, PutReply,
+    PutStatus, Request, ReserveReply, ReservedSlot, Response, RetainHint, RetainReply,
+    RetainStatus, TierCode,
 };
 
 use thiserror::Error;
@@ -95,6 +96,7 @@ wire_enum! {
         Clear = 13,
         Stats = 14,
         Subscribe = 15,
+        Retain = 20,
     }
 }
 
@@ -117,6 +119,7 @@ impl Opcode {
             Opcode::Clear => "clear",
             Opcode::Stats => "stats",
             Opcode::Subscribe => "subscribe",
+            Opcode::Retain => "retain",
         }
     }
 
