@@ -113,6 +113,20 @@ impl Backend for ClientBackend {
         }
         Ok(out)
     }
+
+    async fn retain(
+        &self,
+        session: u64,
+        keys: Vec<BlockKey>,
+        expected_return: Duration,
+    ) -> Result<bool> {
+        // Longer than the protocol allows: clipped (the server refuses it as too far anyway).
+        let ret = expected_return.min(Duration::from_millis(kvtier_client::MAX_RETAIN_RETURN_MS));
+        match self.client.retain(session, &keys, ret, 0).await {
+            Ok(r) => Ok(r.accepted()),
+            Err(e) => bail!("retain: {e}"),
+        }
+    }
 }
 
 /// Connects to `url`; an unreachable server is an error within [`CONNECT_TIMEOUT`].
@@ -275,6 +289,12 @@ pub fn parse_holds(json: &str) -> (u64, u64) {
     let v: serde_json::Value = serde_json::from_str(json).unwrap_or_default();
     let n = |k: &str| v["store"][k].as_u64().unwrap_or(0);
     (n("lookup_holds"), n("lookup_holds_refused"))
+}
+
+/// The retention-hint counters in a server's `stats` JSON (zeros from a server without).
+pub fn parse_retain(json: &str) -> kvtier_server::RetainStats {
+    let v: serde_json::Value = serde_json::from_str(json).unwrap_or_default();
+    serde_json::from_value(v["store"]["retain"].clone()).unwrap_or_default()
 }
 
 /// The per-tier counters in a server's `stats` JSON.
