@@ -55,6 +55,19 @@ pub struct StoreConfig {
     /// Most DRAM blocks all held lookups may pin together; a lookup that would pass it holds
     /// nothing and is counted. Zero means a quarter of the DRAM tier's slots. Default: 0.
     pub lookup_hold_max_blocks: u64,
+    /// Share of the DRAM tier's slots retention hints may protect together; 0 turns hints
+    /// off. Default: 0.25.
+    pub retain_max_fraction: f64,
+    /// Share of the DRAM tier's slots one namespace's hints may protect; 0 means an equal
+    /// part of `retain_max_fraction` per namespace (all of it with one namespace).
+    /// Default: 0.
+    pub retain_namespace_max_fraction: f64,
+    /// Longest a hint protects its prefix; a hint expected back later is refused.
+    /// Default: 300 s.
+    pub retain_max: Duration,
+    /// A hint protects its prefix for its expected return times this (the session may be
+    /// late), at most `retain_max`. Default: 1.5.
+    pub retain_slack: f64,
 }
 
 /// Where and how large the NVMe tier is.
@@ -150,6 +163,10 @@ impl StoreConfig {
             clock: Arc::new(SystemClock::default()),
             lookup_hold: Duration::from_secs(1),
             lookup_hold_max_blocks: 0,
+            retain_max_fraction: 0.25,
+            retain_namespace_max_fraction: 0.0,
+            retain_max: Duration::from_secs(300),
+            retain_slack: 1.5,
         }
     }
 

@@ -34,9 +34,10 @@ pub mod tier;
 
 pub use config::{DeviceMemory, HbmSettings, NvmeSettings, StoreConfig};
 pub use error::StoreError;
-pub use stats::{StoreStats, TierStats};
+pub use stats::{RetainStats, StoreStats, TierStats};
 pub use store::{
     Announcement, EventSink, GetOutcome, Lease, LookupHold, MissReason, OpenReport, PinnedBlock,
-    PinnedRead, PutOutcome, Reservation, SnapshotEntry, StoreEvent, StoreEventKind, TieredStore,
+    PinnedRead, PutOutcome, Reservation, RetainOutcome, RetainRequest, SnapshotEntry, StoreEvent,
+    StoreEventKind, TieredStore,
 };
 pub use tier::TierKind;

@@ -149,6 +149,44 @@ pub struct StoreStats {
     /// Store memory per block of capacity, all tiers and the index together, in bytes
     /// (allocated up front, so this is also the figure for a full store).
     pub metadata_bytes_per_block: u64,
+    /// Retention hints ([`crate::TieredStore::retain`]).
+    pub retain: RetainStats,
+}
+
+/// Retention hints: gauges (now) and counters (since start).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct RetainStats {
+    /// Live hints.
+    pub hints: u64,
+    /// Blocks of the live hints, counted per hint (the budgets' measure).
+    pub hinted_blocks: u64,
+    /// Distinct DRAM blocks eviction skips now.
+    pub protected_blocks: u64,
+    /// The global budget, in blocks (`retain_max_fraction` of the DRAM slots).
+    pub max_blocks: u64,
+    /// One namespace's budget, in blocks.
+    pub namespace_max_blocks: u64,
+    /// Hints accepted.
+    pub accepted: u64,
+    /// Hints refused: their namespace's budget was spent.
+    pub refused_namespace: u64,
+    /// Hints refused: the global budget was spent (nothing of lower priority to displace).
+    pub refused_global: u64,
+    /// Hints refused: expected back later than the longest hold.
+    pub refused_too_far: u64,
+    /// Hints with no block of their prefix in DRAM.
+    pub nothing_cached: u64,
+    /// Blocks accepted hints protected, summed over hints.
+    pub blocks_protected: u64,
+    /// Hints displaced by a hint of higher priority.
+    pub displaced: u64,
+    /// Hints replaced by a newer hint of the same session.
+    pub replaced: u64,
+    /// Hints whose hold ended before the session came back.
+    pub expired: u64,
+    /// Hints whose session came back (a lookup reached the hint's last block) in time.
+    pub honoured: u64,
 }
 
 impl StoreStats {

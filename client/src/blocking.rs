@@ -5,7 +5,8 @@
 use std::time::Duration;
 
 use crate::{
-    BlockKey, Client, ClientConfig, ClientError, Fetch, Lookup, PutEntry, Stored, TierCode,
+    BlockKey, Client, ClientConfig, ClientError, Fetch, Lookup, PutEntry, Retained, Stored,
+    TierCode,
 };
 
 pub struct BlockingClient {
@@ -62,6 +63,16 @@ impl BlockingClient {
     }
     pub fn release(&self, lease_id: u64) -> Result<(), ClientError> {
         self.rt.block_on(self.client.release(lease_id))
+    }
+    pub fn retain(
+        &self,
+        session: u64,
+        keys: &[BlockKey],
+        expected_return: Duration,
+        priority: u8,
+    ) -> Result<Retained, ClientError> {
+        self.rt
+            .block_on(self.client.retain(session, keys, expected_return, priority))
     }
     pub fn remove(&self, keys: &[BlockKey]) -> Result<u64, ClientError> {
         self.rt.block_on(self.client.remove(keys))

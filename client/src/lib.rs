@@ -69,11 +69,31 @@ use std::time::{Duration, Instant};
 pub use conn::recv_with_fds;
 pub use error::ClientError;
 pub use kvtier_core::BlockKey;
-pub use kvtier_core::protocol::{BlockEvent, ErrorCode, EventKind, PutEntry, PutStatus, TierCode};
-use kvtier_core::protocol::{Events, KeyList, MissCode, Request, Response};
+pub use kvtier_core::protocol::{
+    BlockEvent, ErrorCode, EventKind, MAX_RETAIN_PRIORITY, MAX_RETAIN_RETURN_MS, PutEntry,
+    PutStatus, RetainStatus, TierCode,
+};
+use kvtier_core::protocol::{Events, KeyList, MissCode, Request, Response, RetainHint};
 use tokio::sync::mpsc;
 
 use conn::Conn;
+
+/// The server's answer to a retention hint ([`Client::retain`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Retained {
+    /// What became of it (`None`: a status this SDK does not know).
+    pub status: Option<RetainStatus>,
+    /// Blocks of the prefix now protected (those in DRAM; 0 unless accepted).
+    pub blocks: u64,
+    /// How long they are protected (zero unless accepted).
+    pub hold: Duration,
+}
+
+impl Retained {
+    pub fn accepted(&self) -> bool {
+        self.status == Some(RetainStatus::Accepted)
+    }
+}
 
 /// Rounds in a row a multi-round get may make no progress (the server still releasing the
 /// previous round's pins) before it reports the miss.
@@ -1135,6 +1155,59 @@ impl Client {
     pub async fn release(&self, lease_id: u64) -> Result<(), ClientError> {
         match self.call(&Request::Release { lease_id }).await?.1.response {
             Response::Done => Ok(()),
+            r => Err(Self::unexpected(&r)),
+        }
+    }
+
+    /// A retention hint: the session's prefix `keys` (chain keys from its first block) will
+    /// be looked up again in about `expected_return` (an agent waiting on a tool call). The
+    /// server keeps the prefix's DRAM blocks from eviction until the session's next lookup
+    /// reaches the last of `keys`, or for a bounded time, within its budgets; the reply says
+    /// whether it did. `session` (0 = none) lets a newer hint replace the session's older
+    /// one; `priority` (0 to [`MAX_RETAIN_PRIORITY`]) lets a hint displace ones of lower
+    /// priority when the server's budget is spent. A prefix must fit one request (at most
+    /// `max_keys` keys and the metadata limit: 65,534 keys with the defaults); a longer one,
+    /// an empty one, an `expected_return` over a day or a priority over the maximum is
+    /// refused here without a message.
+    pub async fn retain(
+        &self,
+        session: u64,
+        keys: &[BlockKey],
+        expected_return: Duration,
+        priority: u8,
+    ) -> Result<Retained, ClientError> {
+        let return_ms = u64::try_from(expected_return.as_millis()).unwrap_or(u64::MAX);
+        if keys.is_empty() || return_ms > MAX_RETAIN_RETURN_MS || priority > MAX_RETAIN_PRIORITY {
+            return Err(ClientError::Protocol(format!(
+                "a retention hint needs keys (got {}), a return within {MAX_RETAIN_RETURN_MS} ms \
+                 (got {return_ms}) and a priority up to {MAX_RETAIN_PRIORITY} (got {priority})",
+                keys.len()
+            )));
+        }
+        let hint = |keys: Vec<BlockKey>| {
+            Request::Retain(RetainHint {
+                session,
+                keys,
+                return_ms,
+                priority,
+            })
+        };
+        let fits = {
+            let c = self.conn().await?;
+            c.fit(meta_base(&hint(vec![])), keys, usize::MAX, key_bytes)
+        };
+        if fits < keys.len() {
+            return Err(ClientError::Protocol(format!(
+                "a retention hint holds at most {fits} keys on this server, not {}",
+                keys.len()
+            )));
+        }
+        match self.call(&hint(keys.to_vec())).await?.1.response {
+            Response::Retain(r) => Ok(Retained {
+                status: RetainStatus::from_u8(r.status),
+                blocks: r.blocks,
+                hold: Duration::from_millis(r.hold_ms),
+            }),
             r => Err(Self::unexpected(&r)),
         }
     }

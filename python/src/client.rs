@@ -5,13 +5,13 @@
 use std::time::Duration;
 
 use kvtier_client::{
-    BlockKey, ClientConfig, ClientError, ErrorCode, Fetch as SdkFetch, Miss, PutEntry,
+    BlockKey, ClientConfig, ClientError, ErrorCode, Fetch as SdkFetch, Miss, PutEntry, RetainStatus,
 };
 use pyo3::exceptions::{
     PyConnectionError, PyPermissionError, PyRuntimeError, PyTimeoutError, PyValueError,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::buffer::{Access, HeldBuffer, check_disjoint};
 use crate::events::EventStream;
@@ -435,6 +435,45 @@ impl Client {
         let keys = keys_from_py(keys)?;
         self.run(py, self.client.prefetch(&keys))
             .map_err(client_err)
+    }
+
+    /// A retention hint: the session's prefix `keys` (chain keys from its first block) will
+    /// be looked up again in about `expected_return_s` seconds (0 to 86,400). Returns a dict:
+    /// `status` ("accepted", "nothing_cached", "over_namespace_budget", "over_global_budget",
+    /// "too_far", "off"), `blocks` protected and `hold_s`. Raises on a bad argument or a
+    /// failed call (a hint, not a cache call).
+    #[pyo3(signature = (keys, expected_return_s, session=0, priority=0))]
+    fn retain<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        expected_return_s: f64,
+        session: u64,
+        priority: u8,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let keys = keys_from_py(keys)?;
+        let ret = Duration::try_from_secs_f64(expected_return_s).map_err(|_| {
+            PyValueError::new_err(format!(
+                "expected_return_s: {expected_return_s} is not a number of seconds >= 0"
+            ))
+        })?;
+        let r = self
+            .run(py, self.client.retain(session, &keys, ret, priority))
+            .map_err(client_err)?;
+        let status = match r.status {
+            Some(RetainStatus::Accepted) => "accepted",
+            Some(RetainStatus::NothingCached) => "nothing_cached",
+            Some(RetainStatus::OverNamespaceBudget) => "over_namespace_budget",
+            Some(RetainStatus::OverGlobalBudget) => "over_global_budget",
+            Some(RetainStatus::TooFar) => "too_far",
+            Some(RetainStatus::Off) => "off",
+            None => "unknown",
+        };
+        let d = PyDict::new(py);
+        d.set_item("status", status)?;
+        d.set_item("blocks", r.blocks)?;
+        d.set_item("hold_s", r.hold.as_secs_f64())?;
+        Ok(d)
     }
 
     /// Removes blocks; returns how many were cached.

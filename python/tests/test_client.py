@@ -176,6 +176,20 @@ def test_a_miss_is_a_result(transport: str, unix_client, tcp_client) -> None:
     assert orphan.statuses == ["rejected_orphan"] and orphan.cached == 0
 
 
+def test_retain_protects_a_cached_prefix_and_says_why_not(unix_client: kvtier.Client) -> None:
+    keys = fresh_keys(3)
+    assert unix_client.put_chain(keys, blocks(3, 4)).cached == 3
+    r = unix_client.retain(keys, 10.0, session=7)
+    assert r == {"status": "accepted", "blocks": 3, "hold_s": 15.0}
+    assert unix_client.retain(fresh_keys(2), 10.0)["status"] == "nothing_cached"
+    assert unix_client.retain(keys, 301.0)["status"] == "too_far"
+    with pytest.raises(RuntimeError, match="priority up to 7"):
+        unix_client.retain(keys, 1.0, priority=8)
+    with pytest.raises(ValueError, match="expected_return_s"):
+        unix_client.retain(keys, -1.0)
+    assert unix_client.stats()["store"]["retain"]["accepted"] >= 1
+
+
 def test_put_with_explicit_parents(unix_client: kvtier.Client) -> None:
     keys = fresh_keys(2)
     data = blocks(2, 5)

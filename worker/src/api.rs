@@ -24,6 +24,8 @@ pub const DEFAULT_MAX_TOKENS: usize = 16;
 pub const MAX_TEMPERATURE: f64 = 2.0;
 /// Largest accepted request body.
 pub const MAX_BODY_BYTES: usize = 4 << 20;
+/// Longest `kvtier_retain_s` accepted: a day (the protocol's limit on a retention hint).
+pub const MAX_RETAIN_S: f64 = 86_400.0;
 /// Longest accepted `cache_salt`.
 pub const MAX_CACHE_SALT_BYTES: usize = 1024;
 /// Longest accepted `user`.
@@ -118,6 +120,11 @@ pub struct ParsedRequest {
     /// OpenAI's `user`: who the request is for. The worker ignores it; a router may keep a
     /// session on one worker by it.
     pub user: Option<String>,
+    /// `kvtier_retain_s` (a kvtier extension): the client expects to send the conversation's
+    /// next request in about this long (an agent running a tool); after the response the
+    /// worker asks the kvtier server to keep this request's prefix (prompt and answer) until
+    /// then ([`kvtier_client::Client::retain`]).
+    pub retain: Option<std::time::Duration>,
 }
 
 #[derive(Deserialize)]
@@ -143,6 +150,7 @@ struct RawRequest {
     cache_salt: Option<String>,
     user: Option<String>,
     n: Option<i64>,
+    kvtier_retain_s: Option<f64>,
 }
 
 #[derive(Deserialize)]
@@ -221,6 +229,18 @@ pub fn parse(body: &[u8], endpoint: Endpoint, lim: &Limits) -> Result<ParsedRequ
             Some("user"),
         ));
     }
+    let retain = match raw.kvtier_retain_s {
+        None => None,
+        Some(s) if s.is_finite() && (0.0..=MAX_RETAIN_S).contains(&s) => {
+            Some(std::time::Duration::from_secs_f64(s))
+        }
+        Some(s) => {
+            return Err(ApiError::invalid(
+                format!("kvtier_retain_s must be between 0 and {MAX_RETAIN_S} seconds, got {s}"),
+                Some("kvtier_retain_s"),
+            ));
+        }
+    };
     if let Some(s) = &raw.cache_salt
         && s.len() > MAX_CACHE_SALT_BYTES
     {
@@ -320,6 +340,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint, lim: &Limits) -> Result<ParsedRequ
         include_usage: raw.stream_options.is_some_and(|o| o.include_usage),
         cache_salt: raw.cache_salt,
         user: raw.user,
+        retain,
     })
 }
 
@@ -650,6 +671,23 @@ mod tests {
             Err((400, Some("cache_salt"), "longer")),
         );
         check(r#"{"prompt":"x","user":"session-7"}"#, Completions, Ok(()));
+        check(
+            r#"{"prompt":"x","kvtier_retain_s":30.5}"#,
+            Completions,
+            Ok(()),
+        );
+        for bad in ["-1", "86401", "-0.001"] {
+            check(
+                &format!(r#"{{"prompt":"x","kvtier_retain_s":{bad}}}"#),
+                Completions,
+                Err((400, Some("kvtier_retain_s"), "between 0 and 86400")),
+            );
+        }
+        check(
+            r#"{"prompt":"x","kvtier_retain_s":"soon"}"#,
+            Completions,
+            Err((400, None, "invalid type")),
+        );
         check(
             &format!(r#"{{"prompt":"x","user":"{}"}}"#, "u".repeat(2000)),
             Completions,

@@ -104,6 +104,9 @@ pub struct Metrics {
     pub store_failures: IntCounter,
     /// Store jobs the sidecar refused in whole or in part (busy, backlog, no slot, orphan).
     pub stores_refused: IntCounter,
+    /// Retention hints (`kvtier_retain_s`) the sidecar accepted, and refused or failed.
+    pub retain_hints_accepted: IntCounter,
+    pub retain_hints_refused: IntCounter,
     /// Prompt tokens whose KV was found in the worker's own prefix cache (in its pool).
     pub prompt_tokens_local_hit: IntCounter,
     /// Loads skipped because the cost model said recomputing is faster.
@@ -199,6 +202,15 @@ impl Default for Metrics {
                 "kvtier_worker_stores_refused_total",
                 "Store jobs the sidecar refused in whole or in part (busy, backlog, no slot, \
                  orphan): those blocks are not cached.",
+            ),
+            retain_hints_accepted: c(
+                "kvtier_worker_retain_hints_accepted_total",
+                "Retention hints (kvtier_retain_s) the sidecar accepted.",
+            ),
+            retain_hints_refused: c(
+                "kvtier_worker_retain_hints_refused_total",
+                "Retention hints the sidecar refused (a budget, too far, nothing cached) or \
+                 that failed.",
             ),
             prompt_tokens_local_hit: c(
                 "kvtier_worker_prompt_tokens_local_hit_total",

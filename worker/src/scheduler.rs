@@ -679,6 +679,7 @@ impl Loop {
                 keys: p.keys[from..full].to_vec(),
                 parent: from.checked_sub(1).map(|i| p.keys[i]),
                 bytes,
+                retain: None,
             })
         });
     }
@@ -770,6 +771,7 @@ impl Loop {
                 keys: keys[first..].to_vec(),
                 parent: first.checked_sub(1).map(|i| keys[i]),
                 bytes,
+                retain: None,
             })
         });
         if queued {
@@ -783,6 +785,7 @@ impl Loop {
         let bt = engine.cache().block_tokens();
         // A sequence that ended normally (not failed, not cancelled) keeps its generated
         // blocks: stored in kvtier, and entered in the local prefix cache.
+        let mut chain = None;
         if seq.finished.is_some()
             && !seq.req.events.is_closed()
             && let Some(keys) = self.generated_keys(bt, &seq)
@@ -793,6 +796,25 @@ impl Loop {
             if let Some(l) = &mut self.local {
                 let first = seq.req.prefix.keys.len();
                 lock_index(&l.index).insert(&keys[first..], &seq.table.blocks()[first..keys.len()]);
+            }
+            chain = Some(keys);
+        }
+        // `kvtier_retain_s`: after the response (queued behind its stores), a hint for the
+        // conversation so far, prompt and answer.
+        if seq.finished.is_some()
+            && !seq.req.events.is_closed()
+            && let (Some(s), Some(after)) = (&self.sidecar, seq.req.prefix.retain)
+        {
+            let keys = chain.unwrap_or_else(|| seq.req.prefix.keys.clone());
+            if !keys.is_empty() && seq.req.prefix.store {
+                s.queue_store(|| {
+                    Some(StoreJob {
+                        keys: Vec::new(),
+                        parent: None,
+                        bytes: Vec::new(),
+                        retain: Some((keys, after)),
+                    })
+                });
             }
         }
         let released = self.release(&mut engine, &mut seq.table);

@@ -688,6 +688,10 @@ async fn handle_inner(
         },
         (None, None) => Prefix::none(),
     };
+    let prefix = Prefix {
+        retain: req.retain,
+        ..prefix
+    };
     // Role decode: a cached prefix the cost model chose to load is used here (the rest is
     // computed locally); otherwise the prefill worker computes the prompt.
     let (prefilled, budget) = match (&app.disagg, budget) {

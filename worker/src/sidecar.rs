@@ -122,6 +122,9 @@ pub struct Prefix {
     pub store: bool,
     /// The request's `cache_salt` (part of the keys), for keying generated blocks later.
     pub cache_salt: Option<Vec<u8>>,
+    /// The request's `kvtier_retain_s`: after the response, the sidecar is asked to keep the
+    /// prefix until the client's next request.
+    pub retain: Option<Duration>,
 }
 
 impl Prefix {
@@ -135,6 +138,7 @@ impl Prefix {
             fetch_time: Duration::ZERO,
             store: false,
             cache_salt: None,
+            retain: None,
         }
     }
 
@@ -154,6 +158,9 @@ pub struct StoreJob {
     pub keys: Vec<BlockKey>,
     pub parent: Option<BlockKey>,
     pub bytes: Vec<u8>,
+    /// After the store: a retention hint for these keys (a chain from its first block),
+    /// expected back in this long.
+    pub retain: Option<(Vec<BlockKey>, Duration)>,
 }
 
 /// Running averages for the cost model.
@@ -463,6 +470,7 @@ impl Sidecar {
             fetch_time: Duration::ZERO,
             store: true,
             cache_salt: cache_salt.map(<[u8]>::to_vec),
+            retain: None,
         };
         if prefix.keys.is_empty() {
             return prefix;
@@ -650,15 +658,31 @@ async fn store_loop(sidecar: Arc<Sidecar>, mut rx: mpsc::Receiver<StoreJob>) {
             add(&sidecar.metrics.store_failures, 1);
             continue;
         };
-        let bufs: Vec<&[u8]> = job.bytes.chunks_exact(sidecar.block_bytes).collect();
-        let stored = client.put_chain(&job.keys, job.parent, &bufs).await;
-        add(&sidecar.metrics.blocks_stored, stored.cached() as u64);
-        if let Some(why) = refusal(&stored) {
-            add(&sidecar.metrics.stores_refused, 1);
-            log.refused(why, job.keys.len(), job.keys.len() - stored.cached());
-        } else if let Some(why) = stored.failure {
-            tracing::debug!(?why, "store failed");
-            add(&sidecar.metrics.store_failures, 1);
+        if !job.keys.is_empty() {
+            let bufs: Vec<&[u8]> = job.bytes.chunks_exact(sidecar.block_bytes).collect();
+            let stored = client.put_chain(&job.keys, job.parent, &bufs).await;
+            add(&sidecar.metrics.blocks_stored, stored.cached() as u64);
+            if let Some(why) = refusal(&stored) {
+                add(&sidecar.metrics.stores_refused, 1);
+                log.refused(why, job.keys.len(), job.keys.len() - stored.cached());
+            } else if let Some(why) = stored.failure {
+                tracing::debug!(?why, "store failed");
+                add(&sidecar.metrics.store_failures, 1);
+            }
+        }
+        if let Some((keys, after)) = &job.retain {
+            // After the blocks above: the hint protects what they stored.
+            match client.retain(0, keys, *after, 0).await {
+                Ok(r) if r.accepted() => add(&sidecar.metrics.retain_hints_accepted, 1),
+                Ok(r) => {
+                    tracing::debug!(status = ?r.status, "retention hint not taken");
+                    add(&sidecar.metrics.retain_hints_refused, 1);
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "retention hint failed");
+                    add(&sidecar.metrics.retain_hints_refused, 1);
+                }
+            }
         }
     }
 }

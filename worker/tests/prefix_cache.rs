@@ -278,6 +278,7 @@ async fn a_refused_store_is_counted() -> Result<()> {
         keys: vec![BlockKey::from_u128(7), BlockKey::from_u128(8)],
         parent: Some(BlockKey::from_u128(6)),
         bytes: vec![1; 2 * block],
+        retain: None,
     };
     assert!(sc.queue_store(|| Some(orphan)));
     let m = metrics.clone();
@@ -285,14 +286,30 @@ async fn a_refused_store_is_counted() -> Result<()> {
     assert_eq!(metrics.blocks_stored.get(), 0);
     assert_eq!(metrics.store_failures.get(), 0);
     // A chain with its parent stored is taken, and not counted as refused.
+    // With a retention hint (what `kvtier_retain_s` queues): sent after the store, so it
+    // finds the block in DRAM and is accepted.
     let good = StoreJob {
         keys: vec![BlockKey::from_u128(6)],
         parent: None,
         bytes: vec![2; block],
+        retain: Some((vec![BlockKey::from_u128(6)], Duration::from_secs(30))),
     };
     assert!(sc.queue_store(|| Some(good)));
     let m = metrics.clone();
     wait_for(LIMIT, || m.blocks_stored.get() == 1).await?;
+    let m = metrics.clone();
+    wait_for(LIMIT, || m.retain_hints_accepted.get() == 1).await?;
+    assert_eq!(metrics.retain_hints_refused.get(), 0);
+    // A hint for blocks the server does not hold is refused (nothing cached) and counted.
+    let hint_only = StoreJob {
+        keys: Vec::new(),
+        parent: None,
+        bytes: Vec::new(),
+        retain: Some((vec![BlockKey::from_u128(99)], Duration::from_secs(30))),
+    };
+    assert!(sc.queue_store(|| Some(hint_only)));
+    let m = metrics.clone();
+    wait_for(LIMIT, || m.retain_hints_refused.get() == 1).await?;
     assert_eq!(metrics.stores_refused.get(), 1);
     assert!(
         metrics

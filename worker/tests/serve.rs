@@ -139,6 +139,38 @@ async fn prefix_over_tcp_equals_recompute() -> Result<()> {
     Ok(())
 }
 
+/// `kvtier_retain_s` on a request: after the response the worker sends the sidecar a
+/// retention hint for the conversation so far, which the server accepts and counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvtier_retain_s_sends_a_retention_hint_after_the_response() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cfg = kvtier_config(dir.path(), "8MiB", 4)?;
+    let (server, unix, _tcp) = start_kvtier(&cfg).await?;
+    let w = start_sidecar_worker(unix).await?;
+    let r = post(
+        w.addr(),
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "kvtier_retain_s": 30}),
+    )
+    .await?;
+    ensure!(r.status == 200, "status {}: {}", r.status, r.body);
+    let m = w.metrics().clone();
+    wait_for(LIMIT, || m.retain_hints_accepted.get() == 1).await?;
+    assert_eq!(w.metrics().retain_hints_refused.get(), 0);
+    // Without the field, no hint.
+    complete(
+        &w,
+        "another prompt, long enough for a block or two of tokens",
+        4,
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(w.metrics().retain_hints_accepted.get(), 1);
+    w.shutdown().await;
+    server.shutdown().await;
+    Ok(())
+}
+
 /// A full-prompt hit (the prompt is whole blocks) still computes the last token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_prompt_hit_recomputes_the_last_token() -> Result<()> {

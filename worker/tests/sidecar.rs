@@ -63,6 +63,7 @@ async fn check_round_trip(
             keys: keys.clone(),
             parent: None,
             bytes,
+            retain: None,
         })
     });
     ensure!(queued);

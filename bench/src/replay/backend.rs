@@ -83,18 +83,20 @@ impl Fleet {
 
     /// The member that serves a request for `keys`.
     pub fn pick(&self, keys: &[BlockKey]) -> usize {
-        let n = self.members.len();
         match self.route {
-            Route::RoundRobin => self.next.fetch_add(1, Ordering::Relaxed) % n,
-            Route::Session => {
-                // Block keys are cryptographic hashes already: their bytes are uniform.
-                let x = keys.iter().take(2).fold(0u64, |x, k| {
-                    let b: [u8; 8] = k.as_bytes()[..8].try_into().expect("8 of 16 bytes");
-                    x.rotate_left(29) ^ u64::from_le_bytes(b)
-                });
-                (x % n as u64) as usize
-            }
+            Route::RoundRobin => self.next.fetch_add(1, Ordering::Relaxed) % self.members.len(),
+            Route::Session => self.session_member(keys),
         }
+    }
+
+    /// The member a session's requests go to, by a hash of their first two block keys.
+    fn session_member(&self, keys: &[BlockKey]) -> usize {
+        // Block keys are cryptographic hashes already: their bytes are uniform.
+        let x = keys.iter().take(2).fold(0u64, |x, k| {
+            let b: [u8; 8] = k.as_bytes()[..8].try_into().expect("8 of 16 bytes");
+            x.rotate_left(29) ^ u64::from_le_bytes(b)
+        });
+        (x % self.members.len() as u64) as usize
     }
 }
 
@@ -102,6 +104,27 @@ impl Backend for Fleet {
     async fn serve(&self, keys: Vec<BlockKey>, blocks_to_store: usize) -> Result<Served> {
         let i = self.pick(&keys);
         self.members[i].serve(keys, blocks_to_store).await
+    }
+
+    /// To the session's member; under round robin, where the next request goes is not
+    /// known: to every member (those not holding the prefix answer "nothing cached").
+    async fn retain(
+        &self,
+        session: u64,
+        keys: Vec<BlockKey>,
+        expected_return: Duration,
+    ) -> Result<bool> {
+        let members: Vec<usize> = match self.route {
+            Route::Session => vec![self.session_member(&keys)],
+            Route::RoundRobin => (0..self.members.len()).collect(),
+        };
+        let mut accepted = false;
+        for i in members {
+            accepted |= self.members[i]
+                .retain(session, keys.clone(), expected_return)
+                .await?;
+        }
+        Ok(accepted)
     }
 }
 
@@ -203,6 +226,20 @@ impl Backend for ClientBackend {
             out.store_s = t.elapsed().as_secs_f64();
         }
         Ok(out)
+    }
+
+    async fn retain(
+        &self,
+        session: u64,
+        keys: Vec<BlockKey>,
+        expected_return: Duration,
+    ) -> Result<bool> {
+        // Longer than the protocol allows: clipped (the server refuses it as too far anyway).
+        let ret = expected_return.min(Duration::from_millis(kvtier_client::MAX_RETAIN_RETURN_MS));
+        match self.client.retain(session, &keys, ret, 0).await {
+            Ok(r) => Ok(r.accepted()),
+            Err(e) => bail!("retain: {e}"),
+        }
     }
 }
 
@@ -366,6 +403,23 @@ pub fn parse_holds(json: &str) -> (u64, u64) {
     let v: serde_json::Value = serde_json::from_str(json).unwrap_or_default();
     let n = |k: &str| v["store"][k].as_u64().unwrap_or(0);
     (n("lookup_holds"), n("lookup_holds_refused"))
+}
+
+/// The retention-hint counters in a server's `stats` JSON (zeros from a server without).
+/// Over a fleet, each counter is the sum of the servers' (budgets too).
+pub fn parse_retain(jsons: &[String]) -> kvtier_server::RetainStats {
+    let mut sum = serde_json::Map::new();
+    for json in jsons {
+        let v: serde_json::Value = serde_json::from_str(json).unwrap_or_default();
+        if let Some(o) = v["store"]["retain"].as_object() {
+            for (k, x) in o {
+                let add = x.as_u64().unwrap_or(0);
+                let e = sum.entry(k.clone()).or_insert(serde_json::json!(0u64));
+                *e = serde_json::json!(e.as_u64().unwrap_or(0).saturating_add(add));
+            }
+        }
+    }
+    serde_json::from_value(serde_json::Value::Object(sum)).unwrap_or_default()
 }
 
 /// The per-tier counters in a server's `stats` JSON.

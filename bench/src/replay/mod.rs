@@ -147,6 +147,11 @@ pub struct ReplayArgs {
     /// global by scope, every block stored), for `kvtier-bench policy --trace FILE`.
     #[arg(long, value_name = "FILE")]
     pub order_out: Option<PathBuf>,
+    /// Retention hints after each call of a Claude Code session: none, oracle (the trace's
+    /// think time before the chain's next call) or predict (the longest of the chain's last
+    /// three think times). Scaled by the speedup; none are sent to Mooncake requests.
+    #[arg(long, value_enum, default_value = "none")]
+    pub hints: schedule::HintSource,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -313,6 +318,14 @@ pub struct Overall {
     /// (its hold budget spent), from the server's statistics.
     pub lookup_holds: u64,
     pub lookup_holds_refused: u64,
+    /// Where retention hints came from (`--hints`), and the server's counts of them:
+    /// accepted, refused (a budget, or too far), honoured (the session came back while
+    /// protected), expired (its hold ended first).
+    pub hints: String,
+    pub hints_accepted: u64,
+    pub hints_refused: u64,
+    pub hints_honoured: u64,
+    pub hints_expired: u64,
     pub busy_answers: u64,
     pub bytes_loaded: u64,
     pub bytes_stored: u64,
@@ -574,6 +587,7 @@ async fn replay_against(
         block_tokens: bt,
         worker,
         seed,
+        hints: a.hints,
     };
     let backend = Arc::new(Fleet::new(
         clients
@@ -626,6 +640,10 @@ async fn replay_against(
     };
     let (h0, r0) = holds(&before_json);
     let (h1, r1) = holds(&after_json);
+    let (k0, k1) = (
+        backend::parse_retain(&before_json),
+        backend::parse_retain(&after_json),
+    );
     let server_tiers: Vec<TierCounters> = after
         .iter()
         .map(|t| match before.iter().find(|b| b.tier == t.tier) {
@@ -640,6 +658,12 @@ async fn replay_against(
         wall_s,
         lookup_holds: h1.saturating_sub(h0),
         lookup_holds_refused: r1.saturating_sub(r0),
+        hints: format!("{:?}", a.hints).to_lowercase(),
+        hints_accepted: k1.accepted.saturating_sub(k0.accepted),
+        hints_refused: (k1.refused_namespace + k1.refused_global + k1.refused_too_far)
+            .saturating_sub(k0.refused_namespace + k0.refused_global + k0.refused_too_far),
+        hints_honoured: k1.honoured.saturating_sub(k0.honoured),
+        hints_expired: k1.expired.saturating_sub(k0.expired),
         ..Overall::default()
     };
     let mut tier_hits = [0u64; 3];
@@ -942,6 +966,13 @@ impl Report for ReplayReport {
             (
                 "lookups held / refused a hold",
                 format!("{} / {}", o.lookup_holds, o.lookup_holds_refused),
+            ),
+            (
+                "hints (source): accepted / refused / honoured / expired",
+                format!(
+                    "({}) {} / {} / {} / {}",
+                    o.hints, o.hints_accepted, o.hints_refused, o.hints_honoured, o.hints_expired
+                ),
             ),
             ("busy answers", o.busy_answers.to_string()),
             (

@@ -54,6 +54,24 @@ pub struct Served {
     pub store_s: f64,
 }
 
+/// Where retention hints come from (Claude Code sessions; Mooncake requests carry no
+/// session, so none are sent there).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum HintSource {
+    /// No hints.
+    #[default]
+    None,
+    /// The trace's own think time before the chain's next call (what a client that knew the
+    /// future would say).
+    Oracle,
+    /// The longest of the chain's last [`PREDICT_GAPS`] think times (none before the chain's
+    /// first gap): only the session's past, what a real client can know.
+    Predict,
+}
+
+/// Past gaps the predictor looks at.
+pub const PREDICT_GAPS: usize = 3;
+
 /// Serves requests: a real server through the client, or a fake in tests.
 pub trait Backend: Send + Sync + 'static {
     /// Serves one request: `keys` in chain order, of which the first `blocks_to_store`
@@ -63,6 +81,18 @@ pub trait Backend: Send + Sync + 'static {
         keys: Vec<BlockKey>,
         blocks_to_store: usize,
     ) -> impl Future<Output = Result<Served>> + Send;
+
+    /// Tells the server that `keys` (a chain's prompt) will be looked up again in about
+    /// `expected_return` (already divided by the speedup); returns whether it was accepted.
+    fn retain(
+        &self,
+        session: u64,
+        keys: Vec<BlockKey>,
+        expected_return: Duration,
+    ) -> impl Future<Output = Result<bool>> + Send {
+        let _ = (session, keys, expected_return);
+        async { Ok(false) }
+    }
 }
 
 /// The worker's speed: what a call's model time is made of.
@@ -91,6 +121,8 @@ pub struct ScheduleConfig {
     pub worker: WorkerProfile,
     /// Seed of the block keys.
     pub seed: u64,
+    /// Retention hints after each call of a session.
+    pub hints: HintSource,
 }
 
 /// One request as it was served.
@@ -130,6 +162,7 @@ struct Engine<B> {
     abort: AtomicBool,
     first_error: Mutex<Option<anyhow::Error>>,
     progress: Option<ProgressBar>,
+    next_chain: AtomicU64,
 }
 
 /// A request ready to be served.
@@ -155,6 +188,7 @@ impl<B: Backend> Engine<B> {
             abort: AtomicBool::new(false),
             first_error: Mutex::new(None),
             progress,
+            next_chain: AtomicU64::new(1),
         })
     }
 
@@ -234,6 +268,20 @@ impl<B: Backend> Engine<B> {
             pb.inc(1);
         }
         Ok((served, finish))
+    }
+
+    /// Sends a hint for `ids` (in `scope`) expected back in `model_s` trace seconds.
+    async fn hint(&self, session: u64, scope: u32, ids: &[u64], model_s: f64) -> Result<()> {
+        let keys = ids
+            .iter()
+            .map(|&id| block_key(self.cfg.seed, scope, id))
+            .collect();
+        // In real time, as every wait of the replay: the same requests fall in the hold at
+        // any speed. Without waits (speedup max) a hint covers nothing.
+        self.backend
+            .retain(session, keys, self.scaled(model_s))
+            .await?;
+        Ok(())
     }
 
     fn finish(self: Arc<Self>) -> Result<Vec<Record>> {
@@ -358,7 +406,10 @@ fn run_chain<B: Backend>(
         // (real finish, model finish, recorded end) of the previous call.
         let mut prev: Option<(Instant, f64, f64)> = None;
         let mut model_end = model_start;
-        for item in &chain.items {
+        let session = e.next_chain.fetch_add(1, Ordering::Relaxed);
+        // Think times seen so far (the predictor's only input).
+        let mut gaps: Vec<f64> = Vec::new();
+        for (i, item) in chain.items.iter().enumerate() {
             if e.aborted() {
                 break;
             }
@@ -366,7 +417,10 @@ fn run_chain<B: Backend>(
                 ChainItem::Call(c) => {
                     let (due, model_due_s) = match prev {
                         None => (start + e.scaled(c.t_s), model_start + c.t_s),
-                        Some((f, mf, _)) => (f + e.scaled(c.think_time_s), mf + c.think_time_s),
+                        Some((f, mf, _)) => {
+                            gaps.push(c.think_time_s);
+                            (f + e.scaled(c.think_time_s), mf + c.think_time_s)
+                        }
                     };
                     let job = Job {
                         scope,
@@ -384,6 +438,24 @@ fn run_chain<B: Backend>(
                     let model_finish =
                         model_due_s + e.cfg.worker.service_s(missed, c.output_tokens);
                     sleep_until(finish).await;
+                    // After the response: the prefix will be wanted again at the next call.
+                    let next_call = chain.items[i + 1..].iter().find_map(|it| match it {
+                        ChainItem::Call(n) => Some(n),
+                        ChainItem::Subagent(_) => None,
+                    });
+                    let expected = match (e.cfg.hints, next_call) {
+                        (HintSource::None, _) | (_, None) => None,
+                        (HintSource::Oracle, Some(n)) => Some(n.think_time_s),
+                        (HintSource::Predict, Some(_)) => gaps
+                            .iter()
+                            .rev()
+                            .take(PREDICT_GAPS)
+                            .copied()
+                            .reduce(f64::max),
+                    };
+                    if let Some(s) = expected {
+                        e.hint(session, scope, &c.hash_ids, s.max(0.0)).await?;
+                    }
                     model_end = model_end.max(model_finish);
                     prev = Some((finish, model_finish, c.t_s + c.api_time_s.unwrap_or(0.0)));
                 }
@@ -452,6 +524,7 @@ mod tests {
                 decode_tok_s: 10.0,
             },
             seed: 1,
+            hints: HintSource::None,
         }
     }
 
@@ -528,6 +601,64 @@ mod tests {
             .unwrap();
         assert!(r.iter().all(|x| x.start == Duration::ZERO));
         assert_eq!(r.len(), 3);
+    }
+
+    /// Serves instantly and records the hints: (session, blocks, expected return in s).
+    #[derive(Default)]
+    struct Hints(Mutex<Vec<(u64, usize, f64)>>);
+
+    impl Backend for Hints {
+        async fn serve(&self, keys: Vec<BlockKey>, n: usize) -> Result<Served> {
+            Instant0.serve(keys, n).await
+        }
+
+        async fn retain(&self, session: u64, keys: Vec<BlockKey>, ret: Duration) -> Result<bool> {
+            let mut g = self.0.lock().unwrap();
+            g.push((session, keys.len(), ret.as_secs_f64()));
+            Ok(true)
+        }
+    }
+
+    /// Think times 0, 4, 10, 1 before calls A, B, C, D; at speedup 2. The oracle hints after
+    /// A, B and C the next call's think time (halved); the predictor the longest of the
+    /// gaps seen so far (none after A, which has none); neither after the last call.
+    #[tokio::test(start_paused = true)]
+    async fn hints_carry_the_oracle_or_the_predicted_return() {
+        let session = Session {
+            path: "s.json".into(),
+            id: "s".into(),
+            block_tokens: 64,
+            harness_tokens: 0,
+            chain: Chain {
+                items: vec![
+                    call(0.0, 64, 1, &[0], 1.0, 0.0),
+                    call(5.0, 128, 1, &[0, 1], 1.0, 4.0),
+                    call(16.0, 192, 1, &[0, 1, 2], 1.0, 10.0),
+                    call(18.0, 256, 1, &[0, 1, 2, 3], 1.0, 1.0),
+                ],
+            },
+        };
+        let run = |hints: HintSource| {
+            let session = session.clone();
+            async move {
+                let b = Arc::new(Hints::default());
+                let c = ScheduleConfig {
+                    hints,
+                    ..cfg(Some(2.0))
+                };
+                run_sessions(b.clone(), &[session], 1, c, None)
+                    .await
+                    .unwrap();
+                let g = b.0.lock().unwrap();
+                g.iter().map(|&(_, n, s)| (n, s)).collect::<Vec<_>>()
+            }
+        };
+        assert_eq!(run(HintSource::None).await, vec![]);
+        assert_eq!(
+            run(HintSource::Oracle).await,
+            vec![(1, 2.0), (2, 5.0), (3, 0.5)]
+        );
+        assert_eq!(run(HintSource::Predict).await, vec![(2, 2.0), (3, 5.0)]);
     }
 
     struct Failing;

@@ -403,6 +403,12 @@ enum Op {
         from_seq: Option<u64>,
         snapshot: bool,
     },
+    Retain {
+        session: u64,
+        keys: Keys,
+        return_ms: u64,
+        priority: u8,
+    },
     /// A header with any fields and any bytes after it.
     RawHeader {
         version: u16,
@@ -524,6 +530,21 @@ fn build(op: &Op, ids: &[u64]) -> Option<(Request, Vec<u8>, Option<u64>)> {
                 from_seq: *from_seq,
                 snapshot: *snapshot,
             },
+            vec![],
+            None,
+        ),
+        Op::Retain {
+            session,
+            keys,
+            return_ms,
+            priority,
+        } => (
+            Request::Retain(kvtier_core::protocol::RetainHint {
+                session: *session,
+                keys: kl(keys).keys,
+                return_ms: *return_ms,
+                priority: *priority,
+            }),
             vec![],
             None,
         ),

@@ -333,6 +333,18 @@ pub struct StoreSection {
     /// Most DRAM blocks all held lookups may pin together (past it a lookup holds nothing,
     /// counted); 0 = a quarter of the DRAM tier. Default: 0.
     pub lookup_hold_max_blocks: u64,
+    /// Share of the DRAM tier retention hints may protect together (0 to 1); 0 turns hints
+    /// off. Default: 0.25.
+    pub retain_max_fraction: f64,
+    /// Share of the DRAM tier one tenant's hints may protect (0 to 1); 0 = an equal part of
+    /// `retain_max_fraction` per namespace. Default: 0.
+    pub retain_tenant_max_fraction: f64,
+    /// Longest a hint protects its prefix, in seconds (at most 86,400); a hint expected
+    /// back later is refused. Default: 300.
+    pub retain_max_s: u64,
+    /// A hint protects its prefix for its expected return times this (1 to 100), at most
+    /// `retain_max_s`. Default: 1.5.
+    pub retain_slack: f64,
 }
 
 /// The KV layout of the blocks this server holds (its size sets the slot size).
@@ -434,6 +446,10 @@ impl Default for StoreSection {
             io_threads: 4,
             lookup_hold_ms: 1_000,
             lookup_hold_max_blocks: 0,
+            retain_max_fraction: 0.25,
+            retain_tenant_max_fraction: 0.0,
+            retain_max_s: 300,
+            retain_slack: 1.5,
         }
     }
 }
@@ -616,6 +632,7 @@ fn scalar(s: &str) -> toml::Value {
         Ok(mut t) => match t.remove("v") {
             Some(
                 v @ (toml::Value::Integer(_)
+                | toml::Value::Float(_)
                 | toml::Value::Boolean(_)
                 | toml::Value::String(_)
                 | toml::Value::Array(_)
@@ -1126,6 +1143,33 @@ impl ServerConfig {
         c.max_lease = self.max_lease();
         c.lookup_hold = Duration::from_millis(self.store.lookup_hold_ms);
         c.lookup_hold_max_blocks = self.store.lookup_hold_max_blocks;
+        for (setting, v) in [
+            ("store.retain_max_fraction", self.store.retain_max_fraction),
+            (
+                "store.retain_tenant_max_fraction",
+                self.store.retain_tenant_max_fraction,
+            ),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(cerr(setting, format!("{v}: give a share from 0 to 1")));
+            }
+        }
+        if !(1.0..=100.0).contains(&self.store.retain_slack) {
+            return Err(cerr(
+                "store.retain_slack",
+                format!("{}: give a factor from 1 to 100", self.store.retain_slack),
+            ));
+        }
+        if self.store.retain_max_s > 86_400 {
+            return Err(cerr(
+                "store.retain_max_s",
+                format!("{}: at most 86400 (a day)", self.store.retain_max_s),
+            ));
+        }
+        c.retain_max_fraction = self.store.retain_max_fraction;
+        c.retain_namespace_max_fraction = self.store.retain_tenant_max_fraction;
+        c.retain_max = Duration::from_secs(self.store.retain_max_s);
+        c.retain_slack = self.store.retain_slack;
         c.tiers = self.tiers()?;
         if c.tiers.contains(&TierKind::Hbm) {
             let Size::Bytes(bytes) = self.store.hbm_bytes else {
@@ -1282,6 +1326,42 @@ mod tests {
             .build()
             .unwrap();
         assert_eq!(c.cluster.node_id, "n7");
+    }
+
+    /// Retention settings reach the store; each bad one is named (fractions and the slack
+    /// are TOML floats, also from `--set`).
+    #[test]
+    fn retain_settings_are_checked() {
+        let build = |sets: &[&str]| {
+            let mut l = ConfigLoader::new();
+            for a in sets {
+                l = l.set(a)?;
+            }
+            l.build()?.store_config()
+        };
+        let c = build(&[
+            "store.retain_max_fraction=0.05",
+            "store.retain_tenant_max_fraction=0.01",
+            "store.retain_max_s=60",
+            "store.retain_slack=2",
+        ])
+        .unwrap();
+        assert_eq!(c.retain_max_fraction, 0.05);
+        assert_eq!(c.retain_namespace_max_fraction, 0.01);
+        assert_eq!(c.retain_max, Duration::from_secs(60));
+        assert_eq!(c.retain_slack, 2.0);
+        for (set, setting) in [
+            ("store.retain_max_fraction=1.5", "store.retain_max_fraction"),
+            (
+                "store.retain_tenant_max_fraction=-0.1",
+                "store.retain_tenant_max_fraction",
+            ),
+            ("store.retain_slack=0.5", "store.retain_slack"),
+            ("store.retain_max_s=86401", "store.retain_max_s"),
+        ] {
+            let e = build(&[set]).unwrap_err();
+            assert_eq!(e.setting, setting, "{set}: {e}");
+        }
     }
 
     #[test]

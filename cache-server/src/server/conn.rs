@@ -17,7 +17,7 @@ use kvtier_core::BlockKey;
 use kvtier_core::protocol::{
     ErrorCode, ErrorReply, Events, FetchReply, FrameError, HEADER_BYTES, Header, Hello, HelloReply,
     MIN_VERSION, MissCode, Opcode, PinReply, PinnedSlot, PutEntry, PutReply, PutStatus, Request,
-    ReserveReply, ReservedSlot, Response, VERSION, block_sum, flags,
+    ReserveReply, ReservedSlot, Response, RetainReply, RetainStatus, VERSION, block_sum, flags,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
@@ -30,7 +30,10 @@ use super::metrics::{Metrics, Transport};
 use super::staging::Staging;
 use super::tenants::{Admit, Identity, Registration};
 use crate::policy::admission::RejectReason;
-use crate::{LookupHold, MissReason, PinnedRead, PutOutcome, Reservation, StoreError};
+use crate::{
+    LookupHold, MissReason, PinnedRead, PutOutcome, Reservation, RetainOutcome, RetainRequest,
+    StoreError,
+};
 
 /// Responses queued for the writer of one connection.
 const OUT_QUEUE: usize = 256;
@@ -1223,6 +1226,10 @@ impl Job {
                     keys: s.tenants.keys(ns, &keys),
                     lease_ms,
                 },
+                Request::Retain(mut h) if s.tenants.enforced() => {
+                    h.keys = s.tenants.keys(ns, &h.keys);
+                    Request::Retain(h)
+                }
                 r => r,
             }
         };
@@ -1582,6 +1589,37 @@ impl Job {
                 Err(o) => o,
             },
             Request::Stats => self.reply(Response::Stats(s.stats_json())),
+            Request::Retain(h) => {
+                // CPU only: a walk of the index over at most max_keys keys, no I/O.
+                let outcome = store.retain(RetainRequest {
+                    namespace: ns,
+                    session: h.session,
+                    keys: &h.keys,
+                    expected_return: Duration::from_millis(h.return_ms),
+                    priority: h.priority,
+                });
+                let (status, blocks, hold) = match outcome {
+                    RetainOutcome::Accepted { blocks, hold } => {
+                        (RetainStatus::Accepted, blocks as u64, hold)
+                    }
+                    RetainOutcome::NothingCached => {
+                        (RetainStatus::NothingCached, 0, Duration::ZERO)
+                    }
+                    RetainOutcome::OverNamespaceBudget => {
+                        (RetainStatus::OverNamespaceBudget, 0, Duration::ZERO)
+                    }
+                    RetainOutcome::OverGlobalBudget => {
+                        (RetainStatus::OverGlobalBudget, 0, Duration::ZERO)
+                    }
+                    RetainOutcome::TooFar => (RetainStatus::TooFar, 0, Duration::ZERO),
+                    RetainOutcome::Off => (RetainStatus::Off, 0, Duration::ZERO),
+                };
+                self.reply(Response::Retain(RetainReply {
+                    status: status as u8,
+                    blocks,
+                    hold_ms: hold.as_millis() as u64,
+                }))
+            }
             // Handled by the reader.
             Request::Hello(_) | Request::Put(_) | Request::Subscribe { .. } => {
                 self.error(ErrorCode::Internal, "misrouted request")

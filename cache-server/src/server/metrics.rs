@@ -14,7 +14,7 @@ use prometheus::{
 
 use crate::cluster::ClusterMetrics;
 use crate::policy::admission::RejectReason;
-use crate::{StoreStats, TierStats};
+use crate::{RetainStats, StoreStats, TierStats};
 
 /// A refused put is logged at most once per this interval (with the count since the last).
 pub const REFUSED_PUT_LOG_INTERVAL: Duration = Duration::from_secs(10);
@@ -112,8 +112,10 @@ pub struct Metrics {
     store: Mutex<StoreMetrics>,
 }
 
+/// The opcode's place in `Opcode::ALL` (codes are not contiguous: retain is 20).
 fn op_idx(op: Opcode) -> usize {
-    op as usize - 1
+    // Every opcode is in ALL by construction of the wire enum.
+    Opcode::ALL.iter().position(|&o| o == op).unwrap_or(0)
 }
 
 /// Registers `m` in `r`. Only fails for a name or label that is invalid or registered twice,
@@ -206,7 +208,7 @@ impl Metrics {
             )
             .expect("valid histogram"),
         );
-        // Index `op as usize - 1` (op_idx): Opcode::ALL lists every opcode in code order.
+        // Indexed by op_idx: the opcode's place in Opcode::ALL.
         let requests = Opcode::ALL
             .iter()
             .map(|op| requests.with_label_values(&[op.name()]))
@@ -402,7 +404,27 @@ struct StoreMetrics {
     counters: Vec<(IntCounterVec, Field)>,
     gauges: Vec<(IntGaugeVec, Field)>,
     blocks: IntGauge,
+    /// Retention hints by outcome (label `outcome`), the blocks they protected, and now.
+    retain_hints: IntCounterVec,
+    retain_blocks: IntCounter,
+    retain_live: IntGauge,
+    retain_protected: IntGauge,
 }
+
+type RetainField = fn(&RetainStats) -> u64;
+
+/// The outcomes of `kvtier_retain_hints_total`.
+const RETAIN_OUTCOMES: [(&str, RetainField); 9] = [
+    ("accepted", |r| r.accepted),
+    ("refused_namespace", |r| r.refused_namespace),
+    ("refused_global", |r| r.refused_global),
+    ("refused_too_far", |r| r.refused_too_far),
+    ("nothing_cached", |r| r.nothing_cached),
+    ("displaced", |r| r.displaced),
+    ("replaced", |r| r.replaced),
+    ("expired", |r| r.expired),
+    ("honoured", |r| r.honoured),
+];
 
 impl StoreMetrics {
     fn new(r: &Registry) -> Self {
@@ -473,6 +495,24 @@ impl StoreMetrics {
                 .map(|(n, h, f)| (gauge_vec(r, n, h, "tier"), f))
                 .collect(),
             blocks: gauge(r, "kvtier_blocks", "Blocks indexed."),
+            retain_hints: counter_vec(
+                r,
+                "kvtier_retain_hints_total",
+                "Retention hints by what became of them (accepted, refused by budget or as \
+                 too far, nothing cached; then displaced, replaced, expired or honoured).",
+                "outcome",
+            ),
+            retain_blocks: counter(
+                r,
+                "kvtier_retain_blocks_protected_total",
+                "DRAM blocks accepted retention hints protected, summed over hints.",
+            ),
+            retain_live: gauge(r, "kvtier_retain_hints", "Retention hints live."),
+            retain_protected: gauge(
+                r,
+                "kvtier_retain_protected_blocks",
+                "Distinct DRAM blocks retention hints protect now.",
+            ),
         }
     }
 
@@ -496,6 +536,18 @@ impl StoreMetrics {
             }
         }
         self.blocks.set(i64::try_from(s.blocks).unwrap_or(i64::MAX));
+        self.retain_hints.reset();
+        for (outcome, f) in RETAIN_OUTCOMES {
+            self.retain_hints
+                .with_label_values(&[outcome])
+                .inc_by(f(&s.retain));
+        }
+        self.retain_blocks.reset();
+        self.retain_blocks.inc_by(s.retain.blocks_protected);
+        self.retain_live
+            .set(i64::try_from(s.retain.hints).unwrap_or(i64::MAX));
+        self.retain_protected
+            .set(i64::try_from(s.retain.protected_blocks).unwrap_or(i64::MAX));
     }
 }
 

@@ -226,6 +226,8 @@ impl Server {
             store.block_bytes() as u64,
             capacity_blocks,
         )?);
+        // Without a configured tenant share, each namespace's hints get an equal part.
+        store.set_retain_namespaces(tenants.namespaces());
         let limits = config.limits()?;
         let budget_units = match config.limits.max_inflight_bytes {
             Size::Bytes(b) => b.div_ceil(conn::BUDGET_UNIT),

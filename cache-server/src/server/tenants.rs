@@ -353,6 +353,11 @@ impl Tenants {
         self.multi.is_some()
     }
 
+    /// How many namespaces there are (1 without tenants).
+    pub fn namespaces(&self) -> usize {
+        self.buses.len()
+    }
+
     /// The event stream of namespace `ns`.
     pub fn bus(&self, ns: Ns) -> &Arc<EventBus> {
         &self.buses[ns.min(self.buses.len() - 1)]

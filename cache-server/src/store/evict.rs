@@ -102,9 +102,17 @@ impl Inner {
     ) -> Option<Evicted> {
         let tier = &self.tiers[t];
         let pins = &tier.pins;
-        let v = st
-            .policy
-            .victim(&mut |s| pins[s as usize].load(Ordering::Acquire) == 0)?;
+        // Retention hints protect host-tier blocks only.
+        let retained = (t == self.host && self.retain.any()).then(|| self.retain.protected());
+        let keys = &st.keys;
+        let v = st.policy.victim(&mut |s| {
+            pins[s as usize].load(Ordering::Acquire) == 0
+                && retained
+                    .as_ref()
+                    .is_none_or(|r| !r.contains(&keys[s as usize]))
+        });
+        drop(retained);
+        let v = v?;
         let vkey = st.keys[v as usize];
         let mut shard = self.shard(&vkey);
         let Some(e) = shard.get_mut(&vkey).filter(|e| e.loc[t] == v) else {

@@ -28,6 +28,7 @@ mod lease;
 mod movement;
 mod pending;
 mod read;
+mod retain;
 mod slots;
 mod warn;
 mod write;
@@ -36,6 +37,7 @@ pub use events::{EventSink, SnapshotEntry, StoreEvent, StoreEventKind};
 pub use handles::{PinnedRead, Reservation};
 pub use lease::{LEASE_REAP_INTERVAL, Lease, LookupHold, PinnedBlock};
 pub use pending::Announcement;
+pub use retain::{RETAIN_TIP_PROBES, RetainOutcome, RetainRequest};
 
 use self::index::Shard;
 use self::index::{Entry, MAX_TIERS};
@@ -118,6 +120,8 @@ struct Inner {
     holds: Holds,
     /// Keys being stored (announced or reserved, not yet committed).
     pending: pending::Pending,
+    /// Retention hints: host-tier blocks eviction skips for a while.
+    retain: retain::Retention,
     events: std::sync::OnceLock<EventSink>,
     config: StoreConfig,
 }
@@ -234,6 +238,14 @@ impl TieredStore {
                 .map(|_| Mutex::new(Shard::with_capacity_and_hasher(per_shard, hashing.clone())))
                 .collect(),
             pending: pending::Pending::new(hashing.clone()),
+            retain: retain::Retention::new(
+                host_slots,
+                config.retain_max_fraction,
+                config.retain_namespace_max_fraction,
+                config.retain_max,
+                config.retain_slack,
+                hashing.clone(),
+            ),
             hashing,
             tiers: tiers.into(),
             host,
@@ -262,6 +274,7 @@ impl TieredStore {
                 {
                     let Some(inner) = weak.upgrade() else { break };
                     inner.reap_leases(Instant::now());
+                    inner.retain.expire(inner.now());
                 }
             })
             .map_err(StoreError::Threads)?;
@@ -458,6 +471,27 @@ impl TieredStore {
     /// Sends every later [`StoreEvent`] to `sink`. Set once; false if a sink was set before.
     pub fn set_event_sink(&self, sink: EventSink) -> bool {
         self.inner.events.set(sink).is_ok()
+    }
+
+    /// A retention hint: protects the DRAM blocks of `req.keys` from eviction until the
+    /// session comes back (a lookup whose served prefix reaches the last of the keys), or
+    /// for `min(expected_return x retain_slack, retain_max)` on the store's clock, within
+    /// the budgets ([`StoreConfig::retain_max_fraction`],
+    /// [`StoreConfig::retain_namespace_max_fraction`]). Never waits; a refusal is counted.
+    pub fn retain(&self, req: RetainRequest<'_>) -> RetainOutcome {
+        self.inner.retain(req)
+    }
+
+    /// How many namespaces share the store (1 unless told): without a configured
+    /// namespace share, each namespace's hints may hold an equal part of the global budget.
+    pub fn set_retain_namespaces(&self, n: usize) {
+        self.inner.retain.set_namespaces(n);
+    }
+
+    /// Forgets retention hints whose hold has ended on the store's clock; returns how many.
+    /// The store also does this on its own every [`LEASE_REAP_INTERVAL`].
+    pub fn expire_retained(&self) -> usize {
+        self.inner.retain.expire(self.inner.now())
     }
 
     /// Releases a lease; false if it was unknown or already expired.

@@ -105,6 +105,8 @@ impl Inner {
             }
             out.push(self.tiers[fastest].kind);
         }
+        // The session of a retention hint is back: its prefix needs no more protection.
+        self.retain.returned(&keys[..out.len()]);
         let held = if hold {
             self.hold(runs[h].clone())
         } else {

@@ -176,6 +176,7 @@ impl Inner {
             lookup_holds_refused: self.holds.refused.load(Ordering::Relaxed),
             held_blocks: self.holds.blocks.load(Ordering::Relaxed),
             io_backlog: self.pool.backlog() as u64,
+            retain: self.retain.stats(),
         }
     }
 }

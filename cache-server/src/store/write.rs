@@ -159,6 +159,7 @@ impl Inner {
         // from here on, including copies still in flight. (A volatile tier's slots are
         // retired below; clearing them now would fail readers that hold pins.)
         self.clear_persistent()?;
+        self.retain.clear();
         for shard in self.shards.iter() {
             let entries: Vec<Entry> = {
                 let mut g = lock(shard);

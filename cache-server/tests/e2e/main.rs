@@ -14,6 +14,7 @@ mod long_prefix;
 mod malformed;
 mod pending;
 mod places;
+mod retain;
 mod sdk;
 mod tenants;
 mod tls;

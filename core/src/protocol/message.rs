@@ -14,6 +14,10 @@ pub const MAX_NAME_BYTES: usize = 256;
 pub const MAX_TOKEN_BYTES: usize = 1024;
 /// Longest error message or stats document a client accepts.
 pub const MAX_TEXT_BYTES: usize = 1 << 20;
+/// Latest expected return a retention hint may announce: one day, in milliseconds.
+pub const MAX_RETAIN_RETURN_MS: u64 = 86_400_000;
+/// Highest priority of a retention hint (0 is the lowest).
+pub const MAX_RETAIN_PRIORITY: u8 = 7;
 
 wire_enum! {
     /// A tier on the wire.
@@ -173,6 +177,22 @@ struct SubscribeMeta {
     snapshot: bool,
 }
 
+/// A retention hint: the session's prefix will be looked up again in about `return_ms`.
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct RetainHint {
+    /// The client's name for the session (0 = none). A later hint of the same session (in
+    /// the same namespace) replaces the earlier one.
+    pub session: u64,
+    /// The prefix's chain keys, from its first block (at least 1, at most `max_keys`).
+    pub keys: Vec<BlockKey>,
+    /// When the session is expected back, in milliseconds from now (at most
+    /// [`MAX_RETAIN_RETURN_MS`]).
+    pub return_ms: u64,
+    /// 0 (lowest) to [`MAX_RETAIN_PRIORITY`]: over the global budget, a hint displaces hints
+    /// of lower priority.
+    pub priority: u8,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
 struct Empty {}
 
@@ -221,6 +241,8 @@ pub enum Request {
         from_seq: Option<u64>,
         snapshot: bool,
     },
+    /// Asks the server to keep a session's prefix in DRAM until the session comes back.
+    Retain(RetainHint),
 }
 
 fn bad(what: &'static str, e: impl std::fmt::Display) -> FrameError {
@@ -288,6 +310,7 @@ impl Request {
             Request::Clear => Opcode::Clear,
             Request::Stats => Opcode::Stats,
             Request::Subscribe { .. } => Opcode::Subscribe,
+            Request::Retain(_) => Opcode::Retain,
         }
     }
 
@@ -319,6 +342,7 @@ impl Request {
                 from_seq: *from_seq,
                 snapshot: *snapshot,
             }),
+            Request::Retain(h) => enc(h),
         }
     }
 
@@ -396,6 +420,29 @@ impl Request {
                 let SubscribeMeta { from_seq, snapshot } = dec(what, meta)?;
                 Request::Subscribe { from_seq, snapshot }
             }
+            Opcode::Retain => {
+                let h: RetainHint = dec(what, meta)?;
+                check_keys(what, h.keys.len(), limits)?;
+                if h.keys.is_empty() {
+                    return Err(bad(what, "no keys"));
+                }
+                if h.return_ms > MAX_RETAIN_RETURN_MS {
+                    return Err(bad(
+                        what,
+                        format!(
+                            "return_ms {} is over {MAX_RETAIN_RETURN_MS} (one day)",
+                            h.return_ms
+                        ),
+                    ));
+                }
+                if h.priority > MAX_RETAIN_PRIORITY {
+                    return Err(bad(
+                        what,
+                        format!("priority {} is over {MAX_RETAIN_PRIORITY}", h.priority),
+                    ));
+                }
+                Request::Retain(h)
+            }
         };
         Ok(r)
     }
@@ -439,6 +486,37 @@ pub struct ReserveReply {
 pub struct PutReply {
     /// One [`PutStatus`] per entry, in order.
     pub statuses: Vec<u8>,
+}
+
+wire_enum! {
+    /// What became of a retention hint ([`Request::Retain`]).
+    pub enum RetainStatus: u8, from_u8 {
+        /// Accepted: `blocks` of the prefix held in DRAM are protected for `hold_ms`.
+        Accepted = 0,
+        /// No block of the prefix is in DRAM: nothing to protect (a miss, not an error).
+        NothingCached = 1,
+        /// Refused: the caller's namespace already holds its share of protected blocks.
+        OverNamespaceBudget = 2,
+        /// Refused: hints already protect the store's share of DRAM (with no hint of a
+        /// lower priority to displace).
+        OverGlobalBudget = 3,
+        /// Refused: the expected return is later than the longest protection the server
+        /// grants (`store.retain_max_s`); holding DRAM that long would not pay.
+        TooFar = 4,
+        /// The server does not keep hints (`store.retain_max_fraction` = 0).
+        Off = 5,
+    }
+}
+
+/// The answer to a retention hint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct RetainReply {
+    /// [`RetainStatus`].
+    pub status: u8,
+    /// Blocks of the prefix now protected (0 unless accepted).
+    pub blocks: u64,
+    /// How long they are protected, in milliseconds from the reply (0 unless accepted).
+    pub hold_ms: u64,
 }
 
 wire_enum! {
@@ -553,6 +631,7 @@ pub enum Response {
         next_seq: u64,
     },
     Events(Events),
+    Retain(RetainReply),
     Error(ErrorReply),
 }
 
@@ -577,6 +656,7 @@ impl Response {
             | Response::Subscribed { next_seq: n } => (r, enc(&CountMeta { count: *n })),
             Response::Pin(p) => (r, enc(p)),
             Response::Reserve(p) => (r, enc(p)),
+            Response::Retain(p) => (r, enc(p)),
             Response::Stats(s) => (r, enc(&TextMeta { text: s.clone() })),
             Response::Events(e) => (r | flags::EVENT, enc(e)),
             Response::Error(e) => (r | flags::ERROR, enc(e)),
@@ -668,6 +748,7 @@ impl Response {
                 check_text("stats", &text, MAX_TEXT_BYTES)?;
                 Response::Stats(text)
             }
+            Opcode::Retain => Response::Retain(dec(what, meta)?),
         };
         Ok(r)
     }

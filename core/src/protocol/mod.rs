@@ -39,8 +39,9 @@ pub mod message;
 
 pub use message::{
     BlockEvent, ErrorCode, ErrorReply, EventKind, Events, FetchReply, Hello, HelloReply, KeyList,
-    MissCode, PinReply, PinnedSlot, PutEntry, PutReply, PutStatus, Request, ReserveReply,
-    ReservedSlot, Response, TierCode, block_sum,
+    MAX_RETAIN_PRIORITY, MAX_RETAIN_RETURN_MS, MissCode, PinReply, PinnedSlot, PutEntry, PutReply,
+    PutStatus, Request, ReserveReply, ReservedSlot, Response, RetainHint, RetainReply,
+    RetainStatus, TierCode, block_sum,
 };
 
 use thiserror::Error;
@@ -97,6 +98,7 @@ wire_enum! {
         Subscribe = 15,
         /// Cluster peers only: a get whose reply carries a checksum per block.
         Fetch = 16,
+        Retain = 20,
     }
 }
 
@@ -120,6 +122,7 @@ impl Opcode {
             Opcode::Stats => "stats",
             Opcode::Subscribe => "subscribe",
             Opcode::Fetch => "fetch",
+            Opcode::Retain => "retain",
         }
     }
 

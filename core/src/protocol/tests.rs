@@ -157,6 +157,12 @@ fn all_requests() -> Vec<Request> {
             from_seq: None,
             snapshot: false,
         },
+        Request::Retain(RetainHint {
+            session: 9,
+            keys: vec![k(1), k(2)],
+            return_ms: 30_000,
+            priority: 2,
+        }),
     ]
 }
 
@@ -260,6 +266,14 @@ fn every_response_round_trips() {
         (Opcode::Remove, Response::Remove { removed: 2 }),
         (Opcode::Stats, Response::Stats("{}".into())),
         (Opcode::Subscribe, Response::Subscribed { next_seq: 77 }),
+        (
+            Opcode::Retain,
+            Response::Retain(RetainReply {
+                status: RetainStatus::Accepted as u8,
+                blocks: 12,
+                hold_ms: 45_000,
+            }),
+        ),
         (
             Opcode::Subscribe,
             Response::Events(Events {
@@ -461,6 +475,75 @@ fn metadata_is_decoded_strictly() {
         &subscribe(2, &some),
         false,
     );
+}
+
+/// A retention hint: session u64, keys (u64 count + 16 bytes each), return_ms u64,
+/// priority u8; at least one key, `return_ms` at most a day, priority at most 7, each refused
+/// as a delimited bad request (too many keys: too large).
+#[test]
+fn retain_hint_is_decoded_strictly() {
+    let hint = |n: u64, return_ms: u64, priority: u8| {
+        let mut m = Vec::new();
+        m.extend_from_slice(&5u64.to_le_bytes());
+        m.extend_from_slice(&n.to_le_bytes());
+        for i in 0..n {
+            m.extend_from_slice(&k(u128::from(i) + 1).as_bytes()[..]);
+        }
+        m.extend_from_slice(&return_ms.to_le_bytes());
+        m.push(priority);
+        m
+    };
+    // The golden layout is what the encoder writes.
+    let r = Request::Retain(RetainHint {
+        session: 5,
+        keys: vec![k(1), k(2)],
+        return_ms: 1500,
+        priority: 3,
+    });
+    assert_eq!(r.encode_meta(), hint(2, 1500, 3));
+    let limits = Limits {
+        max_keys: 4,
+        ..Limits::default()
+    };
+    let check = |what: &str, meta: &[u8], want: Result<(), ErrorCode>| {
+        let b = frame(Header::request(Opcode::Retain, 1, meta.len(), 0), meta, &[]);
+        let r = decode_frame(&b, &limits);
+        match (&r, want) {
+            (Ok(_), Ok(())) => {}
+            (Err(e), Err(code)) => {
+                assert!(!e.is_fatal(), "{what}: delimited");
+                assert_eq!(e.code(), code, "{what}: {e}");
+            }
+            _ => panic!("{what}: {r:?}, wanted {want:?}"),
+        }
+    };
+    check("as the SDK sends it", &hint(2, 1500, 3), Ok(()));
+    check(
+        "the limits themselves",
+        &hint(4, MAX_RETAIN_RETURN_MS, 7),
+        Ok(()),
+    );
+    check("no keys", &hint(0, 1500, 3), Err(ErrorCode::BadRequest));
+    check("too many keys", &hint(5, 1500, 3), Err(ErrorCode::TooLarge));
+    check(
+        "return over a day",
+        &hint(1, MAX_RETAIN_RETURN_MS + 1, 0),
+        Err(ErrorCode::BadRequest),
+    );
+    check("priority 8", &hint(1, 1500, 8), Err(ErrorCode::BadRequest));
+    let mut trailing = hint(1, 1500, 0);
+    trailing.push(0);
+    check("a trailing byte", &trailing, Err(ErrorCode::BadRequest));
+    let short = hint(1, 1500, 0);
+    check(
+        "no priority byte",
+        &short[..short.len() - 1],
+        Err(ErrorCode::BadRequest),
+    );
+    // A payload on a retain is refused too.
+    let m = hint(1, 1500, 0);
+    let b = frame(Header::request(Opcode::Retain, 1, m.len(), 4), &m, &[0; 4]);
+    assert!(decode_frame(&b, &limits).is_err());
 }
 
 /// `max_keys` and `max_meta_bytes` both bound a request: with the defaults (65,536 keys,
