@@ -19,7 +19,8 @@ use super::etcd::Etcd;
 use super::{cluster_doc, member_with, metric, secret_file, until_view};
 
 const SECRET: &str = "the data path's secret, 32 bytes";
-const RUN: usize = 8;
+/// `cluster.run_blocks` of these tests (and of `partition.rs`'s).
+pub(super) const RUN: usize = 8;
 
 fn token() -> String {
     peer_token(SECRET.as_bytes(), "test")
@@ -32,7 +33,7 @@ async fn peer(s: &ServerProc) -> Client {
 }
 
 /// The owner of each run of `chain` (runs of [`RUN`]), as `s` names them.
-async fn run_owners(s: &ServerProc, chain: &[BlockKey]) -> Vec<String> {
+pub(super) async fn run_owners(s: &ServerProc, chain: &[BlockKey]) -> Vec<String> {
     let mut out = Vec::new();
     for i in (0..chain.len()).step_by(RUN) {
         let d = cluster_doc(s, &format!("?key={}", chain[i])).await;
@@ -40,6 +41,26 @@ async fn run_owners(s: &ServerProc, chain: &[BlockKey]) -> Vec<String> {
         out.push(o);
     }
     out
+}
+
+/// A chain of `blocks` blocks (runs of [`RUN`]) whose first run owned by `owner` (as `s`
+/// places it) is not run 0: the chain, its runs' owners, and where that run starts.
+async fn chain_with_a_later_run_of(
+    s: &ServerProc,
+    owner: &str,
+    salt: &[u8],
+    blocks: usize,
+) -> (Vec<BlockKey>, Vec<String>, usize) {
+    for seed in 1..100 {
+        let chain = keys(salt, blocks, seed);
+        let owners = run_owners(s, &chain).await;
+        if let Some(first) = owners.iter().position(|o| o == owner)
+            && first > 0
+        {
+            return (chain, owners, first * RUN);
+        }
+    }
+    panic!("no chain with a run of {owner}'s after the first in 99 seeds");
 }
 
 /// Waits (at most 10 s) until each run owned by one of `members` (other than `putter`) is
@@ -198,18 +219,7 @@ async fn a_killed_owners_blocks_are_misses_within_the_deadline() {
             until_view(s, &["a", "b", "c"], Duration::from_secs(15)).await;
         }
         // A chain whose first run c owns is not run 0.
-        let mut found = None;
-        for seed in 1..100 {
-            let chain = keys(b"killed", 48, seed);
-            let owners = run_owners(&a, &chain).await;
-            if let Some(first) = owners.iter().position(|o| o == "c")
-                && first > 0
-            {
-                found = Some((chain, owners, first * RUN));
-                break;
-            }
-        }
-        let (chain, owners, expect) = found.expect("a chain with a run of c's after the first");
+        let (chain, owners, expect) = chain_with_a_later_run_of(&a, "c", b"killed", 48).await;
         put_all(&a.client("tcp").await, &chain).await;
         until_offered(&[("a", &a), ("b", &b), ("c", &c)], "a", &chain, &owners).await;
         drop(c); // SIGKILL
@@ -298,18 +308,7 @@ async fn an_owner_sending_wrong_bytes_is_a_miss() {
         for s in [&a, &b] {
             until_view(s, &["a", "b", "zz"], Duration::from_secs(15)).await;
         }
-        let mut found = None;
-        for seed in 1..100 {
-            let chain = keys(b"liar", 32, seed);
-            let owners = run_owners(&a, &chain).await;
-            if let Some(first) = owners.iter().position(|o| o == "zz")
-                && first > 0
-            {
-                found = Some((chain, owners, first * RUN));
-                break;
-            }
-        }
-        let (chain, owners, expect) = found.expect("a chain with a run of zz's after the first");
+        let (chain, owners, expect) = chain_with_a_later_run_of(&a, "zz", b"liar", 32).await;
         put_all(&a.client("tcp").await, &chain).await;
         until_offered(&[("a", &a), ("b", &b)], "a", &chain, &owners).await;
         let cl = b.client("tcp").await;
@@ -372,18 +371,7 @@ async fn a_silent_owner_is_a_miss_within_the_deadline() {
         for s in [&a, &b] {
             until_view(s, &["a", "b", "zz"], Duration::from_secs(15)).await;
         }
-        let mut found = None;
-        for seed in 1..100 {
-            let chain = keys(b"silent", 32, seed);
-            let owners = run_owners(&a, &chain).await;
-            if let Some(first) = owners.iter().position(|o| o == "zz")
-                && first > 0
-            {
-                found = Some((chain, owners, first * RUN));
-                break;
-            }
-        }
-        let (chain, owners, expect) = found.expect("a chain with a run of zz's after the first");
+        let (chain, owners, expect) = chain_with_a_later_run_of(&a, "zz", b"silent", 32).await;
         put_all(&a.client("tcp").await, &chain).await;
         until_offered(&[("a", &a), ("b", &b)], "a", &chain, &owners).await;
         let cl = b.client("tcp").await;

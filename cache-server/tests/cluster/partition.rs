@@ -8,9 +8,10 @@ use kvtier_core::BlockKey;
 use kvtier_server::cluster::record::peer_token;
 
 use super::common::{ServerProc, bounded, get_verified, keys, put_all};
+use super::data_path::{RUN, run_owners};
 use super::etcd::Etcd;
 use super::netns::{Net, as_root};
-use super::{cluster_doc, secret_file, until_view};
+use super::{secret_file, until_view};
 
 /// A member on host `i` of `net`, its listeners on that host's address; `extra` are more
 /// settings.
@@ -118,7 +119,6 @@ fn a_partitioned_owner_is_a_miss_within_the_deadline_and_found_again_when_healed
     ) {
         return;
     }
-    const RUN: usize = 8;
     let net = Net::new(3);
     in_hub(&net, async {
         bounded(150, async {
@@ -126,7 +126,8 @@ fn a_partitioned_owner_is_a_miss_within_the_deadline_and_found_again_when_healed
             let dir = tempfile::tempdir().unwrap();
             const SECRET: &str = "the partitioned data path secret";
             let secret = secret_file(dir.path(), SECRET);
-            let extra = ["cluster.run_blocks=8", "cluster.peer_timeout_ms=500"];
+            let runs = format!("cluster.run_blocks={RUN}");
+            let extra = [runs.as_str(), "cluster.peer_timeout_ms=500"];
             let m: Vec<ServerProc> = (0..3)
                 .map(|i| member_on(&net, i, &etcd, 3, &secret, &extra))
                 .collect();
@@ -136,7 +137,7 @@ fn a_partitioned_owner_is_a_miss_within_the_deadline_and_found_again_when_healed
             }
             let chain = keys(b"partitioned", 96, 1);
             put_all(&m[0].client("unix").await, &chain).await;
-            let owners = run_owners(&m[0], &chain, RUN).await;
+            let owners = run_owners(&m[0], &chain).await;
             // The first run another member owns decides who is cut off; the third member
             // looks the chain up.
             let Some(first) = owners.iter().position(|o| o != "h0") else {
@@ -183,16 +184,6 @@ fn a_partitioned_owner_is_a_miss_within_the_deadline_and_found_again_when_healed
         })
         .await
     });
-}
-
-/// The owner of each run of `chain` (runs of `run` blocks), as `s` names them.
-async fn run_owners(s: &ServerProc, chain: &[BlockKey], run: usize) -> Vec<String> {
-    let mut out = Vec::new();
-    for i in (0..chain.len()).step_by(run) {
-        let d = cluster_doc(s, &format!("?key={}", chain[i])).await;
-        out.push(d["key"]["owners"][0].as_str().unwrap().to_string());
-    }
-    out
 }
 
 /// Waits (at most 10 s) until `s` holds `run` (an offer arrived), asked as a peer (a
