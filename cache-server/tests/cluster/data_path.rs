@@ -63,6 +63,33 @@ async fn chain_with_a_later_run_of(
     panic!("no chain with a run of {owner}'s after the first in 99 seeds");
 }
 
+/// A lookup of `chain` on `s` whose owner of the run at `expect` is `what` (dead, silent):
+/// it returns the `expect` blocks before that run within twice the peer timeout (500 ms)
+/// plus a second, and they read back byte-exact.
+async fn lookup_stops_in_time(
+    s: &ServerProc,
+    chain: &[BlockKey],
+    owners: &[String],
+    expect: usize,
+    what: &str,
+) {
+    let cl = s.client("tcp").await;
+    let t0 = Instant::now();
+    let l = cl.lookup(chain).await;
+    let took = t0.elapsed();
+    println!(
+        "lookup with a {what} owner: {took:?}, {} of {}",
+        l.tiers.len(),
+        chain.len()
+    );
+    assert_eq!(l.tiers.len(), expect, "{owners:?} {l:?}");
+    assert!(
+        took < Duration::from_millis(2 * 500 + 1000),
+        "a {what} peer must not hold a lookup past its deadline: {took:?}"
+    );
+    assert_eq!(get_verified(&cl, chain).await, expect);
+}
+
 /// Waits (at most 10 s) until each run owned by one of `members` (other than `putter`) is
 /// held by its owner: the offers arrived. Asked over peer connections (local-only lookups).
 async fn until_offered(
@@ -223,21 +250,7 @@ async fn a_killed_owners_blocks_are_misses_within_the_deadline() {
         put_all(&a.client("tcp").await, &chain).await;
         until_offered(&[("a", &a), ("b", &b), ("c", &c)], "a", &chain, &owners).await;
         drop(c); // SIGKILL
-        let cl = b.client("tcp").await;
-        let t0 = Instant::now();
-        let l = cl.lookup(&chain).await;
-        let took = t0.elapsed();
-        println!(
-            "lookup with a dead owner: {took:?}, {} of {}",
-            l.tiers.len(),
-            chain.len()
-        );
-        assert_eq!(l.tiers.len(), expect, "{owners:?} {l:?}");
-        assert!(
-            took < Duration::from_millis(2 * 500 + 1000),
-            "a dead peer must not hold a lookup past its deadline: {took:?}"
-        );
-        assert_eq!(get_verified(&cl, &chain).await, expect);
+        lookup_stops_in_time(&b, &chain, &owners, expect, "dead").await;
         let m = http_get(b.admin, "/metrics").await.1;
         let failed = labelled(&m, "kvtier_cluster_peer_errors_total", "peer=\"c\"")
             + labelled(&m, "kvtier_cluster_peer_timeouts_total", "peer=\"c\"");
@@ -374,21 +387,7 @@ async fn a_silent_owner_is_a_miss_within_the_deadline() {
         let (chain, owners, expect) = chain_with_a_later_run_of(&a, "zz", b"silent", 32).await;
         put_all(&a.client("tcp").await, &chain).await;
         until_offered(&[("a", &a), ("b", &b)], "a", &chain, &owners).await;
-        let cl = b.client("tcp").await;
-        let t0 = Instant::now();
-        let l = cl.lookup(&chain).await;
-        let took = t0.elapsed();
-        println!(
-            "lookup with a silent owner: {took:?}, {} of {}",
-            l.tiers.len(),
-            chain.len()
-        );
-        assert_eq!(l.tiers.len(), expect, "{owners:?} {l:?}");
-        assert!(
-            took < Duration::from_millis(2 * 500 + 1000),
-            "a silent peer must not hold a lookup past its deadline: {took:?}"
-        );
-        assert_eq!(get_verified(&cl, &chain).await, expect);
+        lookup_stops_in_time(&b, &chain, &owners, expect, "silent").await;
         let m = http_get(b.admin, "/metrics").await.1;
         assert!(
             labelled(&m, "kvtier_cluster_peer_timeouts_total", "peer=\"zz\"") >= 1.0,
