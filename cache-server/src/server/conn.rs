@@ -191,7 +191,8 @@ struct ReservationRecord {
     deadline: Instant,
     /// The reserved keys' places in their namespace, held until the record drops.
     _names: Vec<Registration>,
-    /// Every entry's internal key and parent, for the cluster's offers at commit.
+    /// Every entry's internal key and parent, for the cluster's offers at commit (empty
+    /// without a cluster data path: nothing to offer).
     chain: Vec<(BlockKey, Option<BlockKey>)>,
 }
 
@@ -1478,13 +1479,18 @@ impl Job {
                             statuses,
                             deadline: Instant::now() + lease,
                             _names: names,
-                            chain: entries
-                                .iter()
-                                .map(|e| {
-                                    let parent = e.parent.map(|p| s.tenants.key(ns, p));
-                                    (s.tenants.key(ns, e.key), parent)
-                                })
-                                .collect(),
+                            // Only a cluster member with a data path offers what it stores.
+                            chain: if s.remote.get().is_some() {
+                                entries
+                                    .iter()
+                                    .map(|e| {
+                                        let parent = e.parent.map(|p| s.tenants.key(ns, p));
+                                        (s.tenants.key(ns, e.key), parent)
+                                    })
+                                    .collect()
+                            } else {
+                                Vec::new()
+                            },
                         },
                     );
                     s.metrics.reservations_open.inc();
