@@ -1,6 +1,8 @@
 //! Members on separate hosts ([`Net`]: network namespaces the test makes), partitioned and
 //! healed.
 
+use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_client::{Client, ClientConfig};
@@ -48,15 +50,28 @@ fn member_on(
     )
 }
 
-/// Runs `f` on a runtime whose threads live in `net`'s hub namespace.
-fn in_hub<F: std::future::Future>(net: &Net, f: F) -> F::Output {
+/// Runs test `name` (its full path, for [`as_root`]) on `hosts` hosts: the body gets them
+/// and an etcd at the hub, on a runtime whose threads live in the hub namespace, bounded to
+/// 150 s.
+fn on_hosts<F: Future<Output = ()>>(
+    name: &str,
+    hosts: usize,
+    body: impl FnOnce(Arc<Net>, Etcd) -> F,
+) {
+    if !as_root(name) {
+        return;
+    }
+    let net = Arc::new(Net::new(hosts));
     net.enter_hub();
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap()
-        .block_on(f)
+        .block_on(bounded(150, async {
+            let etcd = Etcd::start_on(Net::HUB).await;
+            body(net.clone(), etcd).await
+        }));
 }
 
 /// A member cut off from its peers and etcd: the others drop it within its lease TTL + 3 s;
@@ -64,13 +79,10 @@ fn in_hub<F: std::future::Future>(net: &Net, f: F) -> F::Output {
 /// registers again and every view has all three members.
 #[test]
 fn a_partitioned_member_leaves_the_views_keeps_serving_and_rejoins() {
-    if !as_root("partition::a_partitioned_member_leaves_the_views_keeps_serving_and_rejoins") {
-        return;
-    }
-    let net = Net::new(3);
-    in_hub(&net, async {
-        bounded(150, async {
-            let etcd = Etcd::start_on(Net::HUB).await;
+    on_hosts(
+        "partition::a_partitioned_member_leaves_the_views_keeps_serving_and_rejoins",
+        3,
+        |net, etcd| async move {
             let dir = tempfile::tempdir().unwrap();
             let secret = secret_file(dir.path(), "a secret for partitioned members");
             let ttl = 3;
@@ -103,9 +115,8 @@ fn a_partitioned_member_leaves_the_views_keeps_serving_and_rejoins() {
                 until_view(s, &all, Duration::from_secs(20)).await;
             }
             println!("healed member back in every view after {:?}", t0.elapsed());
-        })
-        .await
-    });
+        },
+    );
 }
 
 /// The data path across a partition: a chain put on h0 reaches its owners by offers; with
@@ -114,15 +125,10 @@ fn a_partitioned_member_leaves_the_views_keeps_serving_and_rejoins() {
 /// it serves is right; healed, the same lookup finds the whole chain again.
 #[test]
 fn a_partitioned_owner_is_a_miss_within_the_deadline_and_found_again_when_healed() {
-    if !as_root(
+    on_hosts(
         "partition::a_partitioned_owner_is_a_miss_within_the_deadline_and_found_again_when_healed",
-    ) {
-        return;
-    }
-    let net = Net::new(3);
-    in_hub(&net, async {
-        bounded(150, async {
-            let etcd = Etcd::start_on(Net::HUB).await;
+        3,
+        |net, etcd| async move {
             let dir = tempfile::tempdir().unwrap();
             const SECRET: &str = "the partitioned data path secret";
             let secret = secret_file(dir.path(), SECRET);
@@ -181,9 +187,8 @@ fn a_partitioned_owner_is_a_miss_within_the_deadline_and_found_again_when_healed
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
             assert_eq!(get_verified(&local, &chain).await, chain.len());
-        })
-        .await
-    });
+        },
+    );
 }
 
 /// Waits (at most 10 s) until `s` holds `run` (an offer arrived), asked as a peer (a
