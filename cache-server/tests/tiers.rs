@@ -265,3 +265,39 @@ fn hbm_without_a_device_is_refused_clearly() {
         }
     }
 }
+
+#[test]
+fn the_store_keeps_as_many_blocks_as_the_largest_tier_every_block_reaches() {
+    use kvtier_server::policy::DemotionPolicy;
+    let dir = tempfile::tempdir().unwrap();
+    for (tiers, demotion, kept) in [
+        (Tiers::Dram, DemotionPolicy::WriteThrough, 8),
+        (Tiers::DramNvme, DemotionPolicy::WriteThrough, 32),
+        (Tiers::DramNvme, DemotionPolicy::WriteBack, 32),
+        (Tiers::HbmDramNvme, DemotionPolicy::WriteThrough, 32),
+        // Blocks may leave DRAM without a copy below: only DRAM's are kept.
+        (
+            Tiers::DramNvme,
+            DemotionPolicy::SelectiveWriteThrough { after_hits: 2 },
+            8,
+        ),
+    ] {
+        let sub = dir.path().join(format!("{tiers:?}-{demotion:?}"));
+        let mut c = config_tiers(tiers, 8, (&sub, 32), 2);
+        c.demotion = demotion;
+        let (s, _) = TieredStore::open(c).unwrap();
+        assert_eq!(s.kept_blocks(), kept, "{tiers:?} {demotion:?}");
+        // That many distinct blocks are all still there after the last one is stored.
+        for i in 0..kept {
+            s.put(key(i), None, &data(key(i))).unwrap();
+            s.flush();
+        }
+        for i in 0..kept {
+            assert!(
+                matches!(get(&s, key(i)), GetOutcome::Hit(_)),
+                "{tiers:?} {demotion:?}: lost block {i} of {kept}"
+            );
+        }
+        s.check_consistency().unwrap();
+    }
+}

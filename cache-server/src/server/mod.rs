@@ -201,7 +201,7 @@ impl Server {
             // Each tenant presents its own token; there is no server-wide one.
             (String::new(), None)
         };
-        let capacity_blocks: u64 = store.stats().tiers.iter().map(|t| t.capacity_slots).sum();
+        let kept_blocks = store.kept_blocks();
         let secret = if config.tenants.is_empty() {
             [0; key_secret::KEY_SECRET_BYTES]
         } else {
@@ -224,7 +224,7 @@ impl Server {
             &config,
             &secret,
             store.block_bytes() as u64,
-            capacity_blocks,
+            kept_blocks,
         )?);
         // Without a configured tenant share, each namespace's hints get an equal part.
         store.set_retain_namespaces(tenants.namespaces());

@@ -17,7 +17,10 @@
 //! events and snapshots back into the client's keys, delivered only to subscribers of the
 //! block's namespace, each namespace numbering its events in its own sequence. It also counts
 //! each namespace's blocks for its quota: a put past the quota first removes the namespace's
-//! own oldest blocks (first stored, first removed), never another's.
+//! own oldest blocks (first stored, first removed), never another's; and for its share of a
+//! full store ([`Tenants::admit`]): once the namespaces hold all the store keeps, a new block
+//! displaces one of the namespace furthest over its share, so none within its share is
+//! flushed by another's puts.
 //!
 //! With a stable secret (a configured one, or the NVMe tier's), a namespace's internal keys
 //! are the same after a restart, so a tenant reads the blocks it stored on NVMe before. What
@@ -74,6 +77,9 @@ struct Space {
     prefix: digest::Context,
     /// Most blocks the namespace holds; `None`: no quota.
     quota: Option<u64>,
+    /// Blocks the namespace keeps whatever the others store: its quota, or an equal part of
+    /// what the quotas leave of the store ([`Tenants::new`]).
+    share: u64,
 }
 
 /// What the server knows of one internal key a tenant stored.
@@ -89,14 +95,24 @@ struct Name {
 #[derive(Default)]
 struct Names {
     map: HashMap<BlockKey, Name>,
-    /// Per namespace with a quota, internal keys in the order they were first stored (stale
-    /// ones are skipped when met, and dropped when they outnumber the live ones).
+    /// Per namespace, internal keys in the order they were first stored (stale ones are
+    /// skipped when met, and dropped when they outnumber the live ones).
     fifo: Vec<VecDeque<BlockKey>>,
     /// Per namespace, entries of `map` (blocks held or being stored).
     count: Vec<u64>,
 }
 
 impl Names {
+    /// Takes the oldest block of `ns` still held off its order of storing.
+    fn oldest(&mut self, ns: Ns) -> Option<BlockKey> {
+        while let Some(v) = self.fifo[ns].pop_front() {
+            if self.map.get(&v).is_some_and(|n| n.ns == ns && n.tiers != 0) {
+                return Some(v);
+            }
+        }
+        None
+    }
+
     /// Appends a block of `ns` to its order of storing; drops the order's stale entries
     /// (blocks gone, or stored again later) when they outnumber the live ones, so the order
     /// stays within about twice the namespace's blocks.
@@ -130,6 +146,9 @@ struct Multi {
     /// of the tenant in `tenants`.
     by_cert: HashMap<[u8; 32], usize>,
     spaces: Vec<Space>,
+    /// Distinct blocks the store keeps without its own eviction dropping any
+    /// ([`crate::TieredStore::kept_blocks`]): what the namespaces' shares divide.
+    kept: u64,
     names: Mutex<Names>,
 }
 
@@ -142,7 +161,8 @@ pub(crate) struct Tenants {
 
 /// Why a block cannot be admitted to its namespace now.
 pub(crate) enum Admit {
-    /// Remove this block of the same namespace (its oldest), then try again.
+    /// Remove this block, then try again: the namespace's own oldest (over its quota, or at
+    /// its share of a full store), or the oldest of the namespace most over its share.
     Evict(BlockKey),
     /// Over quota with nothing of its own to remove (all being stored), or an internal key
     /// that belongs to another namespace.
@@ -190,14 +210,18 @@ fn tenant_token(name: &str, t: &TenantSection) -> Result<Option<String>, TenantE
 }
 
 impl Tenants {
-    /// The tenants of `c` (already validated), for blocks of `block_bytes` in a store holding
-    /// at most `capacity_blocks` blocks (its tiers' slots together). Reads token files.
-    /// `secret` maps keys (unused without tenants).
+    /// The tenants of `c` (already validated), for blocks of `block_bytes` in a store that
+    /// keeps `kept_blocks` distinct blocks ([`crate::TieredStore::kept_blocks`]). Reads token
+    /// files. `secret` maps keys (unused without tenants).
+    ///
+    /// Each namespace gets a **share** of the store: its quota, or, without one, an equal part
+    /// of what the quotas leave. Quotas that add up to more than the store keeps are an error:
+    /// they could not all be held at once.
     pub fn new(
         c: &ServerConfig,
         secret: &[u8; 32],
         block_bytes: u64,
-        capacity_blocks: u64,
+        kept_blocks: u64,
     ) -> Result<Tenants, TenantError> {
         if c.tenants.is_empty() {
             return Ok(Tenants {
@@ -231,12 +255,12 @@ impl Tenants {
                             format!("{b} bytes is less than one block ({block_bytes} bytes)"),
                         ));
                     }
-                    if blocks > capacity_blocks {
+                    if blocks > kept_blocks {
                         return Err(terr(
                             setting,
                             format!(
-                                "{blocks} blocks is more than the store holds ({capacity_blocks} \
-                                 blocks in all its tiers)"
+                                "{blocks} blocks is more than the store holds ({kept_blocks} \
+                                 blocks kept by its tiers)"
                             ),
                         ));
                     }
@@ -259,6 +283,17 @@ impl Tenants {
                 }
                 None => {
                     let ns = quotas.len();
+                    let promised: u64 = quotas.iter().flatten().sum::<u64>() + quota.unwrap_or(0);
+                    if promised > kept_blocks {
+                        return Err(terr(
+                            format!("tenants.{name}.quota"),
+                            format!(
+                                "the quotas add up to {promised} blocks, more than the store \
+                                 holds ({kept_blocks} blocks kept by its tiers): they could not \
+                                 all be held at once"
+                            ),
+                        ));
+                    }
                     quotas.push(quota);
                     space_names.push(space.clone());
                     space_of.insert(space, ns);
@@ -312,6 +347,10 @@ impl Tenants {
                 local_arena: false,
             }
         });
+        // Namespaces without a quota share equally what the quotas leave.
+        let promised: u64 = quotas.iter().flatten().sum();
+        let unbounded = quotas.iter().filter(|q| q.is_none()).count() as u64;
+        let equal = (kept_blocks - promised) / unbounded.max(1);
         let spaces = quotas
             .iter()
             .enumerate()
@@ -326,6 +365,7 @@ impl Tenants {
                     name: space_names[ns].clone(),
                     prefix,
                     quota: *q,
+                    share: q.unwrap_or(equal),
                 }
             })
             .collect::<Vec<_>>();
@@ -338,6 +378,7 @@ impl Tenants {
                 by_uid,
                 by_cert,
                 spaces,
+                kept: kept_blocks,
                 names: Mutex::new(Names {
                     map: HashMap::new(),
                     fifo: vec![VecDeque::new(); n],
@@ -435,7 +476,14 @@ impl Tenants {
     }
 
     /// Registers a put of `key` (the client's; `internal`, its internal key) in `ns`, within
-    /// the namespace's quota. Keep the returned guard until the put is committed or dropped.
+    /// the namespace's quota and, when the store is full, its share. Keep the returned guard
+    /// until the put is committed or dropped.
+    ///
+    /// A new block of a namespace at its quota displaces the namespace's own oldest. When
+    /// the namespaces together hold all the store keeps, it displaces the oldest block of the
+    /// namespace furthest over its share (its own when it is at or over its own share), so
+    /// the store's eviction never has to choose, and no namespace within its share loses a
+    /// block to another's puts.
     pub fn admit(
         self: &Arc<Self>,
         ns: Ns,
@@ -459,16 +507,26 @@ impl Tenants {
             if let Some(q) = m.spaces[ns].quota
                 && names.count[ns] >= q
             {
-                while let Some(v) = names.fifo[ns].pop_front() {
-                    if names
-                        .map
-                        .get(&v)
-                        .is_some_and(|n| n.ns == ns && n.tiers != 0)
-                    {
-                        return Err(Admit::Evict(v));
-                    }
+                return match names.oldest(ns) {
+                    Some(v) => Err(Admit::Evict(v)),
+                    None => Err(Admit::Refuse),
+                };
+            }
+            if names.count.iter().sum::<u64>() >= m.kept {
+                let over = |v: Ns| names.count[v].saturating_sub(m.spaces[v].share);
+                let from = if names.count[ns] >= m.spaces[ns].share {
+                    Some(ns)
+                } else {
+                    (0..m.spaces.len())
+                        .filter(|&v| over(v) > 0)
+                        .max_by_key(|&v| over(v))
+                };
+                if let Some(from) = from
+                    && let Some(v) = names.oldest(from)
+                {
+                    return Err(Admit::Evict(v));
                 }
-                return Err(Admit::Refuse);
+                // Nothing to displace (all being stored): the store's own eviction decides.
             }
             names.map.insert(
                 internal,
@@ -514,6 +572,7 @@ impl Tenants {
                         "namespace": sp.name,
                         "blocks": g.count[ns],
                         "quota_blocks": sp.quota,
+                        "share_blocks": sp.share,
                         "event_seq": self.buses[ns].next_seq(),
                     })
                 })
@@ -559,7 +618,7 @@ impl Tenants {
                 let first = n.tiers == 0;
                 n.tiers |= tier_bit(e.tier);
                 let (ns, key) = (n.ns, n.key);
-                if first && m.spaces[ns].quota.is_some() {
+                if first {
                     names.push_stored(ns, e.key);
                 }
                 self.buses[ns].publish(StoreEvent { key, ..e });
@@ -791,8 +850,9 @@ mod tests {
         }
         let m = t.multi.as_ref().unwrap();
         let g = lock(&m.names);
-        assert!(g.fifo[0].len() <= 66, "{}", g.fifo[0].len());
-        assert!(g.fifo[1].is_empty(), "no quota, no order");
+        for ns in [0, 1] {
+            assert!(g.fifo[ns].len() <= 66, "{}", g.fifo[ns].len());
+        }
         assert!(g.map.is_empty());
     }
 
@@ -819,5 +879,86 @@ mod tests {
         let mut a = tenant("ta");
         a.quota = Size::Bytes(100);
         assert!(err(cfg(&[("a", a)])).contains("less than one block"));
+        // Each quota fits, together they do not.
+        let (mut a, mut b) = (tenant("ta"), tenant("tb"));
+        a.quota = Size::Bytes(6 * 4096);
+        b.quota = Size::Bytes(5 * 4096);
+        let e = err(cfg(&[("a", a), ("b", b)]));
+        assert!(
+            e.contains("tenants.b.quota") && e.contains("add up to 11 blocks"),
+            "{e}"
+        );
+    }
+
+    /// Stores `n` blocks of namespace `ns` (keys from `from`), displacing what `admit` says.
+    fn fill(t: &Arc<Tenants>, ns: Ns, from: u128, n: u128) -> Vec<BlockKey> {
+        let mut displaced = Vec::new();
+        for i in from..from + n {
+            let ik = t.key(ns, k(i));
+            let r = loop {
+                match t.admit(ns, ik, k(i)) {
+                    Ok(r) => break r,
+                    Err(Admit::Evict(v)) => {
+                        displaced.push(v);
+                        t.observe(StoreEvent {
+                            kind: StoreEventKind::Removed,
+                            ..stored(v)
+                        });
+                    }
+                    Err(Admit::Refuse) => panic!("refused"),
+                }
+            };
+            t.observe(stored(ik));
+            drop(r);
+        }
+        displaced
+    }
+
+    #[test]
+    fn shares_divide_what_the_quotas_leave() {
+        let mut q = tenant("tq");
+        q.quota = Size::Bytes(4 * 4096);
+        let t = with_secret(&cfg(&[("a", tenant("ta")), ("q", q)]), 4096, 10).unwrap();
+        let st = t.stats().unwrap();
+        let share = |name: &str| {
+            st.as_array()
+                .unwrap()
+                .iter()
+                .find(|n| n["namespace"] == name)
+                .unwrap()["share_blocks"]
+                .clone()
+        };
+        // 10 kept, 4 promised to q: a and the Unix socket's own namespace get 3 each.
+        assert_eq!(share("tenant:q"), 4);
+        assert_eq!(share("tenant:a"), 3);
+        assert_eq!(share("unix"), 3);
+    }
+
+    #[test]
+    fn a_full_store_takes_from_the_namespace_over_its_share_never_from_one_within_it() {
+        // 10 blocks kept; a, b and the Unix namespace (2): a share of 3 each.
+        let c = cfg(&[("a", tenant("ta")), ("b", tenant("tb"))]);
+        let t = Arc::new(with_secret(&c, 4096, 10).unwrap());
+        let of =
+            |ns: Ns, keys: std::ops::Range<u128>| keys.map(|i| t.key(ns, k(i))).collect::<Vec<_>>();
+        // While there is room, a namespace may hold more than its share.
+        assert!(fill(&t, 0, 0, 8).is_empty());
+        assert!(fill(&t, 1, 100, 2).is_empty());
+        // The store is full: b, below its share, takes a's oldest; at its share, its own.
+        let taken = fill(&t, 1, 102, 5);
+        let mut want = of(0, 0..1);
+        want.extend(of(1, 100..104));
+        assert_eq!(taken, want);
+        assert_eq!((t.blocks(0), t.blocks(1)), (Some(7), Some(3)));
+        // The Unix namespace, idle so far, takes its share from a, the one over its share.
+        assert_eq!(fill(&t, 2, 300, 3), of(0, 1..4));
+        // a, over its share, pays with its own; b and the Unix namespace keep theirs.
+        let mut want = of(0, 4..8);
+        want.extend(of(0, 50..51));
+        assert_eq!(fill(&t, 0, 50, 5), want);
+        assert_eq!(
+            (t.blocks(0), t.blocks(1), t.blocks(2)),
+            (Some(4), Some(3), Some(3))
+        );
     }
 }

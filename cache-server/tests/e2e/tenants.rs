@@ -461,6 +461,59 @@ async fn a_tenant_filling_its_quota_gives_up_its_own_blocks_not_anothers() {
     .await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_without_a_quota_cannot_flush_another_out_of_a_full_store() {
+    // DRAM only, 16 blocks, no quotas: a, b and the Unix socket's namespace share it, 5 each.
+    let srv = ServerProc::start(&[
+        "server.token=\"\"",
+        "store.dram_bytes=\"64KiB\"",
+        "store.nvme_dir=\"\"",
+        "tenants.a={token=\"tok-a\"}",
+        "tenants.b={token=\"tok-b\"}",
+    ]);
+    bounded(60, async {
+        let (a, b) = (
+            as_tenant(&srv, "tok-a").await,
+            as_tenant(&srv, "tok-b").await,
+        );
+        let ka = keys(b"a", 3, 0);
+        put_all(&a, &ka).await;
+        // b stores 40 blocks, far past the store: it fills the free room, then pays with its
+        // own oldest, never with a's.
+        let kb = keys(b"b", 40, 0);
+        for chunk in kb.chunks(4) {
+            let first = kb.iter().position(|k| *k == chunk[0]).unwrap();
+            let parent = first.checked_sub(1).map(|p| kb[p]);
+            let d: Vec<Vec<u8>> = chunk.iter().map(|k| block_data(*k)).collect();
+            let bufs: Vec<&[u8]> = d.iter().map(|x| x.as_slice()).collect();
+            let s = b.put_chain(chunk, parent, &bufs).await;
+            assert_eq!(s.cached(), chunk.len(), "{:?}", s.statuses);
+        }
+        assert_eq!(get_verified(&a, &ka).await, ka.len(), "A keeps every block");
+        assert_eq!(get_verified(&b, &kb[27..]).await, 13, "B keeps the rest");
+        let st = srv.stats().await;
+        let ns = |name: &str| {
+            st["namespaces"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|n| n["namespace"] == name)
+                .cloned()
+                .unwrap()
+        };
+        assert_eq!(ns("tenant:a")["share_blocks"], 5);
+        assert_eq!(ns("tenant:b")["blocks"], 13);
+        // Below its share, a takes room from b, the one over its share (b's oldest).
+        let ka2 = keys(b"a2", 2, 0);
+        put_all(&a, &ka2).await;
+        assert_eq!(get_verified(&a, &ka).await, 3);
+        assert_eq!(get_verified(&a, &ka2).await, 2);
+        assert_eq!(get_verified(&b, &kb[29..]).await, 11);
+        assert_eq!(b.lookup(&kb[28..]).await.tiers.len(), 0);
+    })
+    .await;
+}
+
 #[test]
 fn tenant_configuration_errors_stop_the_server_naming_the_setting() {
     let tmp = tempfile::tempdir().unwrap();
