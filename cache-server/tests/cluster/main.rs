@@ -8,6 +8,7 @@
 mod common;
 mod data_path;
 mod etcd;
+mod faults;
 mod netns;
 mod partition;
 

@@ -222,6 +222,30 @@ impl ServerProc {
         p
     }
 
+    /// SIGKILL (no shutdown at all), then starts again on the same directory: a crash and a
+    /// supervisor's restart.
+    pub fn kill_and_start_again(mut self) -> ServerProc {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let extra: Vec<String> = self.args.clone();
+        let tmp = self._tmp.take();
+        let mut p = ServerProc::start_in(
+            &self.dir,
+            &extra.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+        );
+        p._tmp = tmp;
+        p
+    }
+
+    /// Sends `signal` to the server (SIGSTOP: it hangs, answering no one; SIGCONT: it goes on).
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) with a pid we spawned and still own (not yet waited for); no memory
+        // is touched.
+        unsafe { libc::kill(self.pid() as i32, signal) };
+    }
+
     /// SIGTERM, and the exit status (SIGKILL after 15 s).
     pub fn stop(&mut self) -> std::process::ExitStatus {
         let mut child = self.child.take().expect("running");
