@@ -90,7 +90,10 @@ async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
 }
 
 async fn stats(State(s): State<Arc<Shared>>) -> impl IntoResponse {
-    ([(header::CONTENT_TYPE, "application/json")], s.stats_json())
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        s.stats_json(None),
+    )
 }
 
 /// 200 while the process answers; with `[cluster]`, a second line on the etcd link (an

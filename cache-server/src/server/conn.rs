@@ -1594,7 +1594,10 @@ impl Job {
                 Ok(Err(e)) => self.error(ErrorCode::Internal, format!("clear failed: {e}")),
                 Err(o) => o,
             },
-            Request::Stats => self.reply(Response::Stats(s.stats_json())),
+            Request::Stats => {
+                let only = (!self.who.admin).then_some(ns);
+                self.reply(Response::Stats(s.stats_json(only)))
+            }
             Request::Retain(h) => {
                 // CPU only: a walk of the index over at most max_keys keys, no I/O.
                 let outcome = store.retain(RetainRequest {

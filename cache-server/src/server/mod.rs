@@ -106,7 +106,10 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub fn stats_json(&self) -> String {
+    /// `/stats` and the `stats` request: every namespace for the admin port and admins
+    /// (`only: None`); a tenant's client sees only its own namespace (`Some(ns)`), never
+    /// another tenant's name, blocks or event sequence.
+    pub fn stats_json(&self, only: Option<tenants::Ns>) -> String {
         let m = &self.metrics;
         serde_json::json!({
             "server": self.config.server.name,
@@ -124,9 +127,9 @@ impl Shared {
             "reservations_open": m.reservations_open.get(),
             "bytes_sent": m.bytes_sent.get(),
             "bytes_received": m.bytes_received.get(),
-            "event_seq": self.tenants.bus(0).next_seq(),
+            "event_seq": self.tenants.bus(only.unwrap_or(0)).next_seq(),
             "store": self.store.stats(),
-            "namespaces": self.tenants.stats(),
+            "namespaces": self.tenants.stats(only),
         })
         .to_string()
     }

@@ -559,14 +559,16 @@ impl Tenants {
         }
     }
 
-    /// Each namespace's blocks and quota, for `/stats` (`None` without tenants).
-    pub fn stats(&self) -> Option<serde_json::Value> {
+    /// Each namespace's blocks, quota and share, for `/stats` (`None` without tenants);
+    /// `only`: that namespace alone.
+    pub fn stats(&self, only: Option<Ns>) -> Option<serde_json::Value> {
         let m = self.multi.as_ref()?;
         let g = lock(&m.names);
         Some(
             m.spaces
                 .iter()
                 .enumerate()
+                .filter(|(ns, _)| only.is_none_or(|o| o == *ns))
                 .map(|(ns, sp)| {
                     serde_json::json!({
                         "namespace": sp.name,
@@ -919,7 +921,7 @@ mod tests {
         let mut q = tenant("tq");
         q.quota = Size::Bytes(4 * 4096);
         let t = with_secret(&cfg(&[("a", tenant("ta")), ("q", q)]), 4096, 10).unwrap();
-        let st = t.stats().unwrap();
+        let st = t.stats(None).unwrap();
         let share = |name: &str| {
             st.as_array()
                 .unwrap()

@@ -103,6 +103,23 @@ async fn another_tenant_cannot_see_read_replace_remove_or_clear_blocks() {
             "B removed only its own"
         );
 
+        // B's stats name only B's namespace (not A's name, blocks or event sequence); an
+        // admin's name every namespace.
+        let names = |c: &Client| {
+            let c = c.clone();
+            async move {
+                let st: serde_json::Value =
+                    serde_json::from_str(&c.stats().await.unwrap()).unwrap();
+                let ns = st["namespaces"].as_array().unwrap().clone();
+                ns.iter()
+                    .map(|n| n["namespace"].as_str().unwrap().to_string())
+                    .collect::<Vec<_>>()
+            }
+        };
+        assert_eq!(names(&b).await, ["tenant:b"]);
+        let root = as_tenant(&srv, "tok-root").await;
+        assert!(names(&root).await.contains(&"tenant:a".to_string()));
+
         // Clear needs an admin.
         let e = b.clear().await.expect_err("a tenant may not clear");
         assert!(
@@ -143,7 +160,6 @@ async fn another_tenant_cannot_see_read_replace_remove_or_clear_blocks() {
         }
 
         // An admin clears every namespace; A is told.
-        let root = as_tenant(&srv, "tok-root").await;
         let mut a_events = a.events(None, false).await.unwrap();
         root.clear().await.unwrap();
         assert_eq!(a.lookup(&ka).await.tiers.len(), 0);
