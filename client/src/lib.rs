@@ -1235,7 +1235,8 @@ impl Client {
         }
     }
 
-    /// The server's statistics (JSON, as its admin port's `/stats`).
+    /// The server's statistics (JSON, as its admin port's `/stats`; with tenants, a
+    /// tenant's lists only its own namespace).
     pub async fn stats(&self) -> Result<String, ClientError> {
         match self.call(&Request::Stats).await?.1.response {
             Response::Stats(s) => Ok(s),
@@ -1244,13 +1245,19 @@ impl Client {
     }
 
     /// Subscribes to block events from `from_seq` (None: from now). With `snapshot`, every
-    /// cached block first arrives as a `Stored` event with sequence 0.
+    /// cached block first arrives as a `Stored` event with sequence 0. Each stream has a
+    /// connection of its own: dropping the stream ends the subscription on the server.
     pub async fn events(
         &self,
         from_seq: Option<u64>,
         snapshot: bool,
     ) -> Result<EventStream, ClientError> {
-        let c = self.conn().await?;
+        // A connection of its own (no arena): a subscription lasts as long as the connection
+        // that made it, so dropping the stream ends it on the server too.
+        let cfg = self.inner.config.clone().zero_copy(false);
+        let c = tokio::time::timeout(cfg.connect_timeout, Conn::open(&self.inner.endpoint, &cfg))
+            .await
+            .unwrap_or_else(|_| Err(ClientError::Connect("connect timed out".into())))?;
         let (tx, rx) = mpsc::channel(64);
         let r = c
             .subscribe(

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use kvtier_client::{Client, EventItem, EventKind, Miss, PutStatus, TierCode};
+use kvtier_core::protocol::{Request, Response};
 
 use crate::common::*;
 
@@ -124,17 +125,41 @@ async fn events_report_stores_and_removals_with_sequence_numbers() {
         let mut again = c.events(Some(start), false).await.unwrap();
         let b = again.next_batch().await.unwrap();
         assert!(matches!(b[0], EventItem::Event(e) if e.seq == start));
-        // Subscriptions per connection are bounded.
-        let _more = (
-            c.events(None, false).await.unwrap(),
-            c.events(None, false).await.unwrap(),
-        );
-        let e = c
-            .events(None, false)
-            .await
-            .err()
-            .expect("a fifth subscription");
-        assert!(e.to_string().contains("subscriptions"), "{e}");
+        // Each stream has a connection of its own, which ends with it: one client subscribes
+        // as often as it likes (a router resyncing after gaps), and the server lets go.
+        drop((ev, again));
+        let connections = || async { srv.stats().await["connections"].as_u64().unwrap() };
+        let before = connections().await;
+        for _ in 0..8 {
+            let s = c.events(None, true).await.unwrap();
+            drop(s);
+        }
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while connections().await > before {
+            assert!(std::time::Instant::now() < until, "subscriptions outlive their streams");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // The server bounds subscriptions per connection: four, then busy.
+        let mut raw = Raw::new(tokio::net::TcpStream::connect(srv.tcp).await.unwrap());
+        assert!(matches!(raw.hello(TOKEN).await, Response::Hello(_)));
+        let sub = Request::Subscribe {
+            from_seq: None,
+            snapshot: false,
+        };
+        for _ in 0..4 {
+            raw.send(&sub, &[]).await;
+            let (_, r, _) = raw.recv().await.unwrap();
+            assert!(matches!(r, Response::Subscribed { .. }), "{r:?}");
+        }
+        raw.send(&sub, &[]).await;
+        let (_, r, _) = raw.recv().await.unwrap();
+        match r {
+            Response::Error(e) => {
+                assert_eq!(e.code, kvtier_core::protocol::ErrorCode::Busy as u16);
+                assert!(e.message.contains("subscriptions"), "{e:?}");
+            }
+            r => panic!("a fifth subscription got {r:?}"),
+        }
     })
     .await;
 }
