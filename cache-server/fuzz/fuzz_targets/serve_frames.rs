@@ -1,12 +1,15 @@
-//! Feeds the server's request handling: one in-process server (tiny DRAM tier, tenants, every
-//! limit small) started once, and per input a fresh connection (Unix socket or TCP, as the
-//! input picks) that says hello and then sends a sequence of frames built from the input:
+//! Feeds the server's request handling: two in-process servers (tiny DRAM tier, every limit
+//! small; one with tenants, whose Unix socket clients are the tenant trusted with the arena,
+//! and one without, whose local clients are also passed the published slot table) started
+//! once, and per input a fresh connection (Unix socket or TCP, to either server, as the input
+//! picks) that says hello and then sends a sequence of frames built from the input:
 //! requests of every opcode with arbitrary keys, counts, leases, ids and flags (NO_REPLY),
 //! payloads whose length lies, and raw or bit-flipped frames.
 //!
 //! After each input:
 //! - the server answers a ping on a fresh connection within a bound;
-//! - a block another tenant stored before the campaign still reads back byte for byte (the
+//! - with tenants, a block another tenant stored before the campaign still reads back byte for
+//!   byte (the
 //!   fuzzed tenants have quotas far below the tier, so nothing they do may evict or touch it;
 //!   only the admin tenant's `clear` may remove it, and then it must be a clean miss);
 //! - once the fuzzed connection is closed, no lease or reservation stays open;
@@ -40,9 +43,15 @@ const MAX_OPS: usize = 32;
 
 struct Fixture {
     rt: tokio::runtime::Runtime,
+    /// With tenants.
     server: Server,
+    /// Without tenants (one tenant, every client an admin, keys as sent).
+    plain: Server,
     _dir: tempfile::TempDir,
 }
+
+/// The server without tenants' token.
+const PLAIN_TOKEN: &str = "fuzz-plain-token";
 
 fn ref_block() -> Vec<u8> {
     (0..BLOCK).map(|i| (i * 7 + 3) as u8).collect()
@@ -59,53 +68,74 @@ fn fixture() -> &'static Fixture {
             std::process::abort();
         }));
         let dir = tempfile::tempdir().expect("tempdir");
-        let run = dir.path().join("run");
-        let sets = [
-            format!("server.runtime_dir={:?}", run.display().to_string()),
-            "server.tcp=\"127.0.0.1:0\"".into(),
-            "server.quic=\"off\"".into(),
-            "server.tls=\"off\"".into(),
-            "server.admin=\"off\"".into(),
-            "store.tiers=[\"dram\"]".into(),
-            "store.dram_bytes=\"4MiB\"".into(),
-            "store.dram_prefault=false".into(),
-            "store.nvme_dir=\"\"".into(),
-            "store.io_threads=1".into(),
-            "layout.layers=1".into(),
-            "layout.kv_heads=4".into(),
-            "layout.head_dim=16".into(),
-            "layout.dtype=\"f16\"".into(),
-            "layout.block_tokens=16".into(),
-            "limits.max_keys=64".into(),
-            "limits.max_meta_bytes=\"8KiB\"".into(),
-            "limits.max_payload_bytes=\"256KiB\"".into(),
-            "limits.max_lease_ms=2000".into(),
-            "limits.max_inflight_per_connection=8".into(),
-            "limits.frame_timeout_ms=1000".into(),
-            "limits.hello_timeout_ms=1000".into(),
-            "limits.drain_timeout_ms=1000".into(),
-            // Inputs send wrong tokens on purpose: the loopback peer must not be throttled.
-            "limits.auth_failures_burst=1000000".into(),
-            "limits.auth_failures_per_minute=1000000".into(),
-            // The Unix socket's clients are the fuzzed tenant: quota 64 blocks of 1024.
-            format!("tenants.fuzz={{token={FUZZ_TOKEN:?}, quota=\"256KiB\", unix=true}}"),
+        let common = |run: &str| -> Vec<String> {
+            vec![
+                format!(
+                    "server.runtime_dir={:?}",
+                    dir.path().join(run).display().to_string()
+                ),
+                "server.tcp=\"127.0.0.1:0\"".into(),
+                "server.quic=\"off\"".into(),
+                "server.tls=\"off\"".into(),
+                "server.admin=\"off\"".into(),
+                "store.tiers=[\"dram\"]".into(),
+                "store.dram_bytes=\"4MiB\"".into(),
+                "store.dram_prefault=false".into(),
+                "store.nvme_dir=\"\"".into(),
+                "store.io_threads=1".into(),
+                "layout.layers=1".into(),
+                "layout.kv_heads=4".into(),
+                "layout.head_dim=16".into(),
+                "layout.dtype=\"f16\"".into(),
+                "layout.block_tokens=16".into(),
+                "limits.max_keys=64".into(),
+                "limits.max_meta_bytes=\"8KiB\"".into(),
+                "limits.max_payload_bytes=\"256KiB\"".into(),
+                "limits.max_lease_ms=2000".into(),
+                "limits.max_inflight_per_connection=8".into(),
+                "limits.frame_timeout_ms=1000".into(),
+                "limits.hello_timeout_ms=1000".into(),
+                "limits.drain_timeout_ms=1000".into(),
+                // Inputs send wrong tokens on purpose: the loopback peer must not be throttled.
+                "limits.auth_failures_burst=1000000".into(),
+                "limits.auth_failures_per_minute=1000000".into(),
+            ]
+        };
+        let mut tenants = common("run");
+        tenants.extend([
+            // The Unix socket's clients are the fuzzed tenant, trusted with the arena (so
+            // reserve, commit and arena pins are fuzzed): quota 64 blocks of 1024.
+            format!(
+                "tenants.fuzz={{token={FUZZ_TOKEN:?}, quota=\"256KiB\", unix=true, \
+                 local_arena=true}}"
+            ),
             format!("tenants.boss={{token={ADMIN_TOKEN:?}, quota=\"256KiB\", role=\"admin\"}}"),
             format!("tenants.reference={{token={REF_TOKEN:?}}}"),
-        ];
-        let mut loader = ConfigLoader::new();
-        for s in &sets {
-            loader = loader.set(s).unwrap_or_else(|e| panic!("{s}: {e}"));
-        }
-        let config = loader.build().expect("config");
+        ]);
+        let mut plain = common("run-plain");
+        plain.push(format!("server.token={PLAIN_TOKEN:?}"));
+        let config = |sets: &[String]| {
+            let mut loader = ConfigLoader::new();
+            for s in sets {
+                loader = loader.set(s).unwrap_or_else(|e| panic!("{s}: {e}"));
+            }
+            loader.build().expect("config")
+        };
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .expect("runtime");
-        let server = rt.block_on(Server::start(config)).expect("server start");
+        let server = rt
+            .block_on(Server::start(config(&tenants)))
+            .expect("server start");
+        let plain = rt
+            .block_on(Server::start(config(&plain)))
+            .expect("server start");
         let f = Fixture {
             rt,
             server,
+            plain,
             _dir: dir,
         };
         f.rt.block_on(bounded("storing the reference block", put_reference(&f)));
@@ -197,20 +227,29 @@ fn hello(token: &str, block_bytes: u64, want_arena: bool) -> Request {
 }
 
 async fn tcp(f: &Fixture) -> tokio::net::TcpStream {
-    let addr = f.server.endpoints().tcp.expect("tcp endpoint");
+    tcp_to(&f.server).await
+}
+
+async fn tcp_to(server: &Server) -> tokio::net::TcpStream {
+    let addr = server.endpoints().tcp.expect("tcp endpoint");
     tokio::net::TcpStream::connect(addr)
         .await
         .expect("invariant: the server accepts a TCP connection")
 }
 
-/// A connection of the reference tenant, after its hello.
-async fn reference_conn(f: &Fixture) -> tokio::net::TcpStream {
-    let mut s = tcp(f).await;
-    match call(&mut s, &hello(REF_TOKEN, BLOCK as u64, false), &[]).await {
+/// A connection to `server` with `token`, after its hello.
+async fn conn_to(server: &Server, token: &str) -> tokio::net::TcpStream {
+    let mut s = tcp_to(server).await;
+    match call(&mut s, &hello(token, BLOCK as u64, false), &[]).await {
         (Response::Hello(h), _) => assert_eq!(h.block_bytes, BLOCK as u64),
-        (other, _) => panic!("invariant: the reference hello got {other:?}"),
+        (other, _) => panic!("invariant: a checker's hello got {other:?}"),
     }
     s
+}
+
+/// A connection of the reference tenant, after its hello.
+async fn reference_conn(f: &Fixture) -> tokio::net::TcpStream {
+    conn_to(&f.server, REF_TOKEN).await
 }
 
 async fn put_reference(f: &Fixture) {
@@ -225,8 +264,17 @@ async fn put_reference(f: &Fixture) {
     }
 }
 
-/// The checks after each input.
-async fn check(f: &Fixture, cleared: bool) {
+/// The checks after each input: to the server with tenants, the reference block too; to the
+/// one without, a ping and no lease or reservation left.
+async fn check(f: &Fixture, plain: bool, cleared: bool) {
+    if plain {
+        let mut s = conn_to(&f.plain, PLAIN_TOKEN).await;
+        match call(&mut s, &Request::Ping, &[]).await {
+            (Response::Pong, _) => {}
+            (other, _) => panic!("invariant: ping got {other:?}"),
+        }
+        return nothing_left_open(&mut s).await;
+    }
     let mut s = reference_conn(f).await;
     match call(&mut s, &Request::Ping, &[]).await {
         (Response::Pong, _) => {}
@@ -248,10 +296,14 @@ async fn check(f: &Fixture, cleared: bool) {
         }
         (other, _) => panic!("invariant: the reference block is gone: {other:?}"),
     }
-    // Leases and reservations die with their connection (which the caller saw closed).
+    nothing_left_open(&mut s).await
+}
+
+/// Leases and reservations die with their connection (which the caller saw closed).
+async fn nothing_left_open(s: &mut tokio::net::TcpStream) {
     let deadline = Instant::now() + BOUND;
     loop {
-        let stats = match call(&mut s, &Request::Stats, &[]).await {
+        let stats = match call(s, &Request::Stats, &[]).await {
             (Response::Stats(text), _) => text,
             (other, _) => panic!("invariant: stats got {other:?}"),
         };
@@ -270,7 +322,8 @@ async fn check(f: &Fixture, cleared: bool) {
 
 #[derive(Arbitrary, Debug)]
 enum Transport {
-    /// The fuzzed tenant (`unix = true`): every request, reserve/commit included.
+    /// The fuzzed tenant (`unix = true`, `local_arena = true`): every request, reserve/commit
+    /// included.
     Unix,
     /// The fuzzed tenant over TCP.
     Tcp,
@@ -278,6 +331,10 @@ enum Transport {
     TcpAdmin,
     /// TCP with a wrong token (or none).
     TcpWrongToken(String),
+    /// The server without tenants, over its Unix socket (arena and slot table passed).
+    PlainUnix,
+    /// The server without tenants, over TCP.
+    PlainTcp,
 }
 
 #[derive(Arbitrary, Debug)]
@@ -734,7 +791,16 @@ fuzz_target!(|data: &[u8]| {
                 };
                 drive(tcp(f).await, &input, t).await
             }
+            Transport::PlainUnix => {
+                let path = f.plain.endpoints().unix.clone().expect("unix endpoint");
+                let s = tokio::net::UnixStream::connect(path)
+                    .await
+                    .expect("invariant: the server accepts a Unix connection");
+                drive(s, &input, "").await
+            }
+            Transport::PlainTcp => drive(tcp_to(&f.plain).await, &input, PLAIN_TOKEN).await,
         };
-        check(f, cleared).await;
+        let plain = matches!(input.transport, Transport::PlainUnix | Transport::PlainTcp);
+        check(f, plain, cleared).await;
     });
 });
