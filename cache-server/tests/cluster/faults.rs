@@ -11,18 +11,20 @@ use std::time::{Duration, Instant};
 use kvtier_client::{Client, ClientConfig, Miss};
 use kvtier_core::BlockKey;
 
-use super::common::{BLOCK, ServerProc, TOKEN, block_data, bounded, keys};
+use super::common::{BLOCK, ServerProc, TOKEN, block_data, bounded, http_get, keys};
 use super::data_path::RUN;
 use super::etcd::Etcd;
-use super::{member_with, secret_file, until_view};
+use super::{member_with, metric, secret_file, until_view};
 
 const SECRET: &str = "the fault test's secret, 32 byte";
 const IDS: [&str; 3] = ["a", "b", "c"];
 /// How long faults are injected.
 const FAULTS_FOR: Duration = Duration::from_secs(24);
 /// Sessions, and the blocks each grows to.
-const SESSIONS: usize = 9;
-const CHAIN: usize = 6 * RUN;
+const SESSIONS: usize = 16;
+const CHAIN: usize = 8 * RUN;
+/// Between requests (a paced client, so the faults meet traffic of every kind).
+const PACE: Duration = Duration::from_millis(5);
 /// The most any call may take (the client's own deadline is 5 s; a peer's, 300 ms).
 const CALL_BOUND: Duration = Duration::from_secs(4);
 
@@ -95,7 +97,7 @@ async fn call<T>(n: &mut Counts, f: impl std::future::Future<Output = T>) -> T {
     out
 }
 
-/// Reads `chain`'s first `found` blocks on `cl`; counts hits and wrong bytes.
+/// Reads `chain` (blocks a lookup found) on `cl`; counts hits and wrong bytes.
 async fn read(n: &mut Counts, cl: &Client, chain: &[BlockKey]) -> usize {
     let mut bufs: Vec<Vec<u8>> = chain.iter().map(|_| vec![0u8; BLOCK]).collect();
     let mut dst: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
@@ -106,15 +108,16 @@ async fn read(n: &mut Counts, cl: &Client, chain: &[BlockKey]) -> usize {
         }
     }
     n.hits += f.blocks as u64;
-    n.misses += (chain.len() - f.blocks) as u64;
     f.blocks
 }
 
-/// One request of a session on `cl`: look up its chain so far plus one more run, read what
-/// is found, store the rest (as an engine stores what it computed).
-async fn request(n: &mut Counts, cl: &Client, chain: &[BlockKey]) {
+/// One request of a session on `cl`: look up its chain (`known` blocks stored before, then
+/// new ones), read what is found, store the rest (as an engine stores what it computed).
+/// Known blocks not found count as misses.
+async fn request(n: &mut Counts, cl: &Client, chain: &[BlockKey], known: usize) {
     let l = call(n, cl.lookup(chain)).await;
     let found = read(n, cl, &chain[..l.tiers.len()]).await;
+    n.misses += known.saturating_sub(found) as u64;
     if found < l.tiers.len() || !matches!(l.miss, None | Some(Miss::NotCached)) {
         n.failed_calls += 1;
     }
@@ -142,7 +145,10 @@ async fn random_kills_hangs_and_etcd_restarts_never_serve_a_wrong_byte() {
         .unwrap_or(0x6b76_7469_6572);
     println!("KVTIER_FAULT_SEED={seed}");
     bounded(150, async move {
+        // The faults draw from their own stream, so how many requests run between them (which
+        // depends on the machine's speed) does not change which faults come.
         let mut rng = Rng(seed);
+        let mut faults = Rng(seed ^ 0x5eed);
         let mut etcd = Etcd::start().await;
         let dir = tempfile::tempdir().unwrap();
         let secret = secret_file(dir.path(), SECRET);
@@ -163,6 +169,7 @@ async fn random_kills_hangs_and_etcd_restarts_never_serve_a_wrong_byte() {
         let mut progress = vec![0usize; SESSIONS];
         let mut n = Counts::default();
         let mut fault: Option<(Fault, Instant)> = None;
+        let mut kinds = [0, 1, 2];
         let mut next_fault = Instant::now() + Duration::from_secs(1);
         let t0 = Instant::now();
         while t0.elapsed() < FAULTS_FOR {
@@ -183,12 +190,19 @@ async fn random_kills_hangs_and_etcd_restarts_never_serve_a_wrong_byte() {
                         Fault::Etcd => etcd.restart().await,
                     }
                     fault = None;
-                    next_fault = Instant::now() + rng.millis(500, 1500);
+                    next_fault = Instant::now() + faults.millis(500, 1500);
                 }
                 None if Instant::now() >= next_fault => {
-                    let f = match rng.below(3) {
-                        0 => Fault::Kill(rng.below(IDS.len())),
-                        1 => Fault::Hang(rng.below(IDS.len())),
+                    // Each round of three has one fault of each kind, in a random order.
+                    let round = n.faults.len() % 3;
+                    if round == 0 {
+                        kinds.swap(0, faults.below(3));
+                        kinds.swap(1, 1 + faults.below(2));
+                    }
+                    let node = faults.below(IDS.len());
+                    let f = match kinds[round] {
+                        0 => Fault::Kill(node),
+                        1 => Fault::Hang(node),
                         _ => Fault::Etcd,
                     };
                     match f {
@@ -205,7 +219,7 @@ async fn random_kills_hangs_and_etcd_restarts_never_serve_a_wrong_byte() {
                         Fault::Etcd => etcd.kill(),
                     }
                     n.faults.push(f);
-                    fault = Some((f, Instant::now() + rng.millis(1000, 4000)));
+                    fault = Some((f, Instant::now() + faults.millis(1000, 4000)));
                 }
                 _ => {}
             }
@@ -222,8 +236,10 @@ async fn random_kills_hangs_and_etcd_restarts_never_serve_a_wrong_byte() {
                 continue;
             };
             let s = rng.below(SESSIONS);
+            let known = progress[s];
             progress[s] = (progress[s] + 1 + rng.below(RUN)).min(CHAIN);
-            request(&mut n, cl, &chains[s][..progress[s]]).await;
+            request(&mut n, cl, &chains[s][..progress[s]], known).await;
+            tokio::time::sleep(PACE).await;
         }
         // Heal: end the last fault, then every member sees every other again.
         if let Some((f, _)) = fault {
@@ -245,13 +261,20 @@ async fn random_kills_hangs_and_etcd_restarts_never_serve_a_wrong_byte() {
             let cl = connect(node.proc.as_ref().unwrap()).await.unwrap();
             for (s, chain) in chains.iter().enumerate() {
                 let l = call(&mut n, cl.lookup(&chain[..progress[s]])).await;
-                read(&mut n, &cl, &chain[..l.tiers.len()]).await;
+                let found = read(&mut n, &cl, &chain[..l.tiers.len()]).await;
+                n.misses += (progress[s] - found) as u64;
             }
         }
+        let mut remote = 0.0;
+        for node in &nodes {
+            let m = http_get(node.proc.as_ref().unwrap().admin, "/metrics").await.1;
+            remote += metric(&m, "kvtier_cluster_remote_hits_total");
+        }
         println!(
-            "{n:?}; during the faults {} hits, {} misses",
+            "{n:?}; during the faults {} hits, {} misses; remote hits since the last starts {remote}",
             during.0, during.1
         );
+        assert!(remote > 0.0, "the members never read from each other");
         assert_eq!(n.wrong, 0, "wrong bytes served: {n:?}");
         for kind in [Fault::Kill(0), Fault::Hang(0), Fault::Etcd] {
             assert!(
