@@ -16,17 +16,33 @@ use kvtier_core::BlockKey;
 use kvtier_core::protocol::{PutEntry, PutStatus};
 
 use super::metrics::PeerMetrics;
+use super::record::{MemberRecord, unhex};
 use super::view::Member;
 
 /// First pause after a failed connect; doubled per failure up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
-/// A member to talk to: its id and its advertised data endpoint.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A member to talk to: its id, its advertised data endpoint and the certificate to pin
+/// there (the record's: hex DER and the name it carries; "" over plain TCP).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PeerAddr {
     pub id: String,
     pub endpoint: String,
+    pub cert_der: String,
+    pub cert_name: String,
+}
+
+impl PeerAddr {
+    /// Member `id` as its record advertises it.
+    pub fn of(id: &str, record: &MemberRecord) -> PeerAddr {
+        PeerAddr {
+            id: id.to_string(),
+            endpoint: record.data_endpoint.clone(),
+            cert_der: record.data_cert_der.clone(),
+            cert_name: record.data_cert_name.clone(),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -122,6 +138,16 @@ impl PeerPool {
         // The caller's bound (`bounded`) cuts a connect that hangs, counted as a timeout.
         cfg.connect_timeout = self.timeout * 2;
         cfg.name = "kvtier-cluster-peer".into();
+        if !peer.endpoint.starts_with("tcp://") {
+            // TLS or QUIC: pin exactly the certificate its (authenticated) record carries.
+            let Some(der) = unhex(&peer.cert_der).filter(|d| !d.is_empty()) else {
+                return Err(PeerFailure::Failed(format!(
+                    "{} needs a certificate and its record carries none",
+                    peer.endpoint
+                )));
+            };
+            cfg = cfg.server_cert_der(der).server_name(peer.cert_name.clone());
+        }
         let r = Client::connect(&peer.endpoint, cfg).await;
         let mut g = lock(&self.slots);
         let slot = g.entry(peer.id.clone()).or_default();

@@ -30,8 +30,17 @@ pub struct MemberRecord {
     pub node_id: String,
     /// kvtier-server's version.
     pub version: String,
-    /// Where clients and peers reach its protocol (`tcp://HOST:PORT`), "" if not advertised.
+    /// Where clients and peers reach its protocol (`tls://HOST:PORT` or `tcp://HOST:PORT`),
+    /// "" if not advertised.
     pub data_endpoint: String,
+    /// Hex of the certificate (DER) its TLS and QUIC listeners present: peers pin exactly
+    /// this one on a `tls://` or `quic://` data endpoint (the record's MAC vouches for it).
+    /// "" when neither listener is on.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub data_cert_der: String,
+    /// The name peers check that certificate against (`localhost` for the generated one).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub data_cert_name: String,
     /// Its kvtier-transfer endpoint, "" if not advertised (the data path is not built yet).
     pub transfer_endpoint: String,
     /// Its admin port (`http://HOST:PORT`), "" if not advertised.
@@ -172,11 +181,13 @@ pub fn peer_token(secret: &[u8], cluster: &str) -> String {
     hex(hmac::sign(&root, label.as_bytes()).as_ref())
 }
 
-fn hex(b: &[u8]) -> String {
+/// Lower-case hex of `b`.
+pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-fn unhex(s: &str) -> Option<Vec<u8>> {
+/// The bytes of lower- or upper-case hex `s` (`None`: not hex).
+pub fn unhex(s: &str) -> Option<Vec<u8>> {
     if !s.len().is_multiple_of(2) || !s.is_ascii() {
         return None;
     }
@@ -196,6 +207,8 @@ pub(crate) mod tests {
             node_id: id.into(),
             version: "0.1.0".into(),
             data_endpoint: "tcp://127.0.0.1:1".into(),
+            data_cert_der: String::new(),
+            data_cert_name: String::new(),
             transfer_endpoint: String::new(),
             admin_endpoint: String::new(),
             tiers: vec![TierCapacity {

@@ -123,8 +123,9 @@ pub struct ClusterSection {
     /// This member's id, unique in the cluster (letters, digits, `.`, `_`, `-`; at most 128
     /// bytes); "" is the host name. Default: "".
     pub node_id: String,
-    /// The protocol endpoint peers and clients are told (`tcp://HOST:PORT`); "" is the TCP
-    /// listener's address when it is bound to a specific address. Default: "".
+    /// The protocol endpoint peers and clients are told (`tls://HOST:PORT` or
+    /// `tcp://HOST:PORT`); "" is the TLS listener's address when it is bound to a specific
+    /// address, else the TCP listener's when that is. Default: "".
     pub advertise_data: String,
     /// The kvtier-transfer endpoint peers are told; "" is none (nothing uses it yet: the
     /// data path goes over the protocol, `advertise_data`).

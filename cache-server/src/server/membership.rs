@@ -46,11 +46,25 @@ pub(crate) fn node(
             _ => String::new(),
         }
     };
+    // Peers talk over TLS when its listener is bound to an address they can reach, pinning
+    // the certificate this record carries; over plain TCP otherwise.
+    let data_endpoint = match advertised("", "tls", endpoints.tls) {
+        tls if s.advertise_data.is_empty() && !tls.is_empty() => tls,
+        _ => advertised(&s.advertise_data, "tcp", endpoints.tcp),
+    };
+    // The generated certificate names `localhost`; a configured one, the advertised host.
+    let data_cert_name = if c.server.tls_cert.is_empty() {
+        "localhost".to_string()
+    } else {
+        url_host(&data_endpoint)
+    };
     let record = MemberRecord {
         v: RECORD_VERSION,
         node_id: node_id.clone(),
         version: env!("CARGO_PKG_VERSION").into(),
-        data_endpoint: advertised(&s.advertise_data, "tcp", endpoints.tcp),
+        data_cert_der: crate::cluster::record::hex(&endpoints.quic_cert_der),
+        data_cert_name,
+        data_endpoint,
         transfer_endpoint: s.advertise_transfer.clone(),
         admin_endpoint: advertised(&s.advertise_admin, "http", endpoints.admin),
         tiers: stats
@@ -78,6 +92,15 @@ pub(crate) fn node(
         offer_queue_blocks: s.offer_queue_blocks,
     };
     Ok(Some(Arc::new(ClusterNode::new(settings, record, metrics))))
+}
+
+/// The host of `scheme://HOST:PORT` (brackets of an IPv6 address dropped).
+fn url_host(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let host = rest.rsplit_once(':').map_or(rest, |(h, _)| h);
+    host.trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string()
 }
 
 /// The cluster secret: the bytes of `cluster.secret_file` (private, trailing newline dropped,

@@ -119,7 +119,7 @@ impl Remote {
         let (runs, peers) = self.node.with_view(|v| {
             let mut peers = vec![PeerAddr {
                 id: me.clone(),
-                endpoint: String::new(),
+                ..PeerAddr::default()
             }];
             let runs = chain::plan(keys.len(), local, run_blocks, |anchor| {
                 let owners = v.placement().owners(&keys[anchor]);
@@ -130,11 +130,7 @@ impl Remote {
                 if let Some(i) = peers.iter().position(|p| p.id == id) {
                     return Some(i);
                 }
-                let endpoint = v.members().get(id)?.record.data_endpoint.clone();
-                peers.push(PeerAddr {
-                    id: id.to_string(),
-                    endpoint,
-                });
+                peers.push(PeerAddr::of(id, &v.members().get(id)?.record));
                 Some(peers.len() - 1)
             });
             (runs, peers)
@@ -296,12 +292,7 @@ impl Remote {
                 .owners(&place.anchor)
                 .into_iter()
                 .filter(|o| *o != me.as_str())
-                .filter_map(|o| {
-                    Some(PeerAddr {
-                        id: o.to_string(),
-                        endpoint: v.members().get(o)?.record.data_endpoint.clone(),
-                    })
-                })
+                .filter_map(|o| Some(PeerAddr::of(o, &v.members().get(o)?.record)))
                 .collect()
         });
         let run = self.node.settings.run_blocks.max(1) as u64;

@@ -193,6 +193,20 @@ async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
             );
         }
 
+        // Members advertise their TLS listener and peers reach each other over it, pinning
+        // the certificate in the (authenticated) record; this test's own clients use TCP.
+        let d = cluster_doc(&a, "").await;
+        for m in d["members"].as_array().unwrap() {
+            let ep = m["data_endpoint"].as_str().unwrap();
+            assert!(ep.starts_with("tls://"), "{d:#}");
+        }
+        let mut tls = 0.0;
+        for (_, s) in &members {
+            let m = http_get(s.admin, "/metrics").await.1;
+            tls += labelled(&m, "kvtier_connections_total", "transport=\"tls\"");
+        }
+        assert!(tls >= 1.0, "no peer connected over TLS");
+
         // A peer's lookup is local-only: it asks nobody.
         let chain2 = keys(b"local-only", 16, 2);
         put_all(&a.client("tcp").await, &chain2).await;
@@ -346,6 +360,8 @@ async fn fake_member(etcd: &Etcd, l: &tokio::net::TcpListener) {
         node_id: "zz".into(),
         version: "0".into(),
         data_endpoint: format!("tcp://{}", l.local_addr().unwrap()),
+        data_cert_der: String::new(),
+        data_cert_name: String::new(),
         transfer_endpoint: String::new(),
         admin_endpoint: String::new(),
         tiers: vec![TierCapacity {

@@ -166,7 +166,7 @@ async fn random_kills_hangs_and_etcd_restarts_never_serve_a_wrong_byte() {
         let chains: Vec<Vec<BlockKey>> = (0..SESSIONS)
             .map(|i| keys(format!("fault-{i}").as_bytes(), CHAIN, i as u32))
             .collect();
-        let mut progress = vec![0usize; SESSIONS];
+        let mut progress = [0usize; SESSIONS];
         let mut n = Counts::default();
         let mut fault: Option<(Fault, Instant)> = None;
         let mut kinds = [0, 1, 2];

@@ -141,7 +141,7 @@ async fn members_join_see_each_other_and_leave() {
             .filter(|m| m["self"] == true)
             .collect();
         assert_eq!(me.len(), 1);
-        assert_eq!(me[0]["data_endpoint"], format!("tcp://{}", a.tcp));
+        assert_eq!(me[0]["data_endpoint"], format!("tls://{}", a.tls));
         assert!(me[0]["tiers"].as_array().unwrap().len() == 2, "{d:#}");
         assert!(me[0]["weight"].as_f64().unwrap() > 0.0);
         let (s, _) = http_get(a.admin, "/cluster?key=xyz").await;

@@ -224,6 +224,7 @@ impl ServerProc {
 
     /// SIGKILL (no shutdown at all), then starts again on the same directory: a crash and a
     /// supervisor's restart.
+    #[allow(dead_code)] // used by the cluster tests
     pub fn kill_and_start_again(mut self) -> ServerProc {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
@@ -240,6 +241,7 @@ impl ServerProc {
     }
 
     /// Sends `signal` to the server (SIGSTOP: it hangs, answering no one; SIGCONT: it goes on).
+    #[allow(dead_code)] // used by the cluster tests
     pub fn signal(&self, signal: i32) {
         // SAFETY: kill(2) with a pid we spawned and still own (not yet waited for); no memory
         // is touched.

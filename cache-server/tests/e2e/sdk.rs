@@ -136,7 +136,10 @@ async fn events_report_stores_and_removals_with_sequence_numbers() {
         }
         let until = std::time::Instant::now() + Duration::from_secs(5);
         while connections().await > before {
-            assert!(std::time::Instant::now() < until, "subscriptions outlive their streams");
+            assert!(
+                std::time::Instant::now() < until,
+                "subscriptions outlive their streams"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         // The server bounds subscriptions per connection: four, then busy.
