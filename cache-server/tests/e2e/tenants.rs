@@ -10,6 +10,7 @@ use kvtier_client::{
     BlockEvent, Client, ClientConfig, ClientError, ErrorCode, EventItem, EventKind, EventStream,
 };
 use kvtier_core::BlockKey;
+use kvtier_core::protocol::{FrameBody, Hello, Limits, Request, Response, decode_frame};
 
 use crate::common::*;
 
@@ -307,6 +308,98 @@ async fn a_unix_clients_uid_names_its_tenant() {
             ),
             "{e}"
         );
+    })
+    .await;
+}
+
+/// A Unix socket client running as a uid no tenant lists is refused at hello (error 4,
+/// counted): the socket's group lets it connect, the mapping does not let it in. The client
+/// is a small Python program run as uid 65534 (as root directly, else through `sudo -n`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_client_whose_uid_no_tenant_lists_is_refused_at_hello() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    // SAFETY: geteuid and getegid have no preconditions and cannot fail.
+    let (me, my_gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    let u = format!("tenants.u={{token=\"tok-u\", unix_uids=[{me}]}}");
+    let group = format!("server.unix_group=\"{my_gid}\"");
+    let mut args = TENANTS.to_vec();
+    args.extend([u.as_str(), group.as_str()]);
+    let srv = ServerProc::start(&args);
+    // Let the group through the socket's directories (the socket itself is 0660).
+    for d in [srv.dir.as_path(), srv.unix.parent().unwrap()] {
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o710)).unwrap();
+    }
+    let hello = Raw::<tokio::net::UnixStream>::frame(
+        &Request::Hello(Hello {
+            min_version: 2,
+            max_version: 2,
+            client: "stranger".into(),
+            token: String::new(),
+            block_bytes: 0,
+            want_arena: false,
+        }),
+        1,
+        0,
+    );
+    let hex: String = hello.iter().map(|b| format!("{b:02x}")).collect();
+    let script = "import socket,sys\n\
+        s=socket.socket(socket.AF_UNIX)\n\
+        s.settimeout(10)\n\
+        s.connect(sys.argv[1])\n\
+        s.sendall(bytes.fromhex(sys.argv[2]))\n\
+        b=b''\n\
+        while True:\n\
+        \x20   c=s.recv(65536)\n\
+        \x20   if not c: break\n\
+        \x20   b+=c\n\
+        print(b.hex())\n";
+    let path = srv.unix.display().to_string();
+    let mut cmd = if me == 0 {
+        let mut c = std::process::Command::new("python3");
+        c.uid(65534).gid(my_gid);
+        c
+    } else {
+        let mut c = std::process::Command::new("sudo");
+        c.args(["-n", "-u", "#65534", "-g", &format!("#{my_gid}"), "python3"]);
+        c
+    };
+    let out = cmd
+        .args(["-c", script, &path, &hex])
+        .output()
+        .expect("python3 runs (as root, or through sudo -n)");
+    assert!(
+        out.status.success(),
+        "the client as uid 65534 failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let bytes: Vec<u8> = (0..text.trim().len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text.trim()[i..i + 2], 16).unwrap())
+        .collect();
+    let limits = Limits {
+        max_meta_bytes: 1 << 20,
+        max_keys: 1 << 16,
+        max_payload_bytes: 1 << 20,
+    };
+    let ((_, body, _), _) = decode_frame(&bytes, &limits).expect("one reply frame");
+    match body {
+        FrameBody::Response(Response::Error(e)) => {
+            assert_eq!(e.code, ErrorCode::Unauthorized as u16, "{e:?}");
+            assert!(e.message.contains("uid 65534"), "{e:?}");
+        }
+        other => panic!("a stranger's hello got {other:?}"),
+    }
+    bounded(30, async {
+        let m = http_get(srv.admin, "/metrics").await.1;
+        assert!(
+            m.lines().any(|l| l == "kvtier_auth_failures_total 1"),
+            "the refusal is counted"
+        );
+        // The uid the configuration maps still gets in.
+        let unix = srv.client("unix").await;
+        unix.ping().await.unwrap();
     })
     .await;
 }
