@@ -212,14 +212,7 @@ impl ServerProc {
     pub fn restart(mut self) -> ServerProc {
         let status = self.stop();
         assert!(status.success(), "server exited with {status}");
-        let extra: Vec<String> = self.args.clone();
-        let tmp = self._tmp.take();
-        let mut p = ServerProc::start_in(
-            &self.dir,
-            &extra.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
-        );
-        p._tmp = tmp;
-        p
+        self.start_again()
     }
 
     /// SIGKILL (no shutdown at all), then starts again on the same directory: a crash and a
@@ -230,6 +223,11 @@ impl ServerProc {
             let _ = c.kill();
             let _ = c.wait();
         }
+        self.start_again()
+    }
+
+    /// A server on this one's directory and arguments (this one already stopped).
+    fn start_again(mut self) -> ServerProc {
         let extra: Vec<String> = self.args.clone();
         let tmp = self._tmp.take();
         let mut p = ServerProc::start_in(

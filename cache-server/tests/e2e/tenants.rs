@@ -520,6 +520,28 @@ async fn required_client_certificates_refuse_a_handshake_without_one() {
     .await;
 }
 
+/// Puts chain `keys` on `c` four blocks a request; every block must be stored.
+async fn put_in_fours(c: &Client, keys: &[BlockKey]) {
+    for (i, chunk) in keys.chunks(4).enumerate() {
+        let parent = (i * 4).checked_sub(1).map(|p| keys[p]);
+        let d: Vec<Vec<u8>> = chunk.iter().map(|k| block_data(*k)).collect();
+        let bufs: Vec<&[u8]> = d.iter().map(|x| x.as_slice()).collect();
+        let s = c.put_chain(chunk, parent, &bufs).await;
+        assert_eq!(s.cached(), chunk.len(), "{:?}", s.statuses);
+    }
+}
+
+/// Namespace `name`'s entry in a `/stats` document.
+fn namespace(stats: &serde_json::Value, name: &str) -> serde_json::Value {
+    stats["namespaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["namespace"] == name)
+        .cloned()
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_filling_its_quota_gives_up_its_own_blocks_not_anothers() {
     // DRAM only, 16 blocks: without the quota, B's 40 blocks would push A's out.
@@ -538,29 +560,14 @@ async fn a_tenant_filling_its_quota_gives_up_its_own_blocks_not_anothers() {
         let ka = keys(b"a", 6, 0);
         put_all(&a, &ka).await;
         let kb = keys(b"b", 40, 0);
-        for chunk in kb.chunks(4) {
-            let first = kb.iter().position(|k| *k == chunk[0]).unwrap();
-            let parent = first.checked_sub(1).map(|p| kb[p]);
-            let d: Vec<Vec<u8>> = chunk.iter().map(|k| block_data(*k)).collect();
-            let bufs: Vec<&[u8]> = d.iter().map(|x| x.as_slice()).collect();
-            let s = b.put_chain(chunk, parent, &bufs).await;
-            assert_eq!(s.cached(), chunk.len(), "{:?}", s.statuses);
-        }
+        put_in_fours(&b, &kb).await;
         assert_eq!(get_verified(&a, &ka).await, ka.len(), "A keeps every block");
         // B holds its newest 8 (32 KiB), its older ones removed first.
         assert_eq!(get_verified(&b, &kb[32..]).await, 8);
         assert_eq!(b.lookup(&kb[31..]).await.tiers.len(), 0);
         // /stats counts each namespace's blocks against its quota.
         let st = srv.stats().await;
-        let ns = |name: &str| {
-            st["namespaces"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|n| n["namespace"] == name)
-                .cloned()
-                .unwrap()
-        };
+        let ns = |name: &str| namespace(&st, name);
         assert_eq!(ns("tenant:a")["blocks"], 6);
         assert_eq!(ns("tenant:a")["quota_blocks"], serde_json::Value::Null);
         assert_eq!(ns("tenant:b")["blocks"], 8);
@@ -590,26 +597,11 @@ async fn a_tenant_without_a_quota_cannot_flush_another_out_of_a_full_store() {
         // b stores 40 blocks, far past the store: it fills the free room, then pays with its
         // own oldest, never with a's.
         let kb = keys(b"b", 40, 0);
-        for chunk in kb.chunks(4) {
-            let first = kb.iter().position(|k| *k == chunk[0]).unwrap();
-            let parent = first.checked_sub(1).map(|p| kb[p]);
-            let d: Vec<Vec<u8>> = chunk.iter().map(|k| block_data(*k)).collect();
-            let bufs: Vec<&[u8]> = d.iter().map(|x| x.as_slice()).collect();
-            let s = b.put_chain(chunk, parent, &bufs).await;
-            assert_eq!(s.cached(), chunk.len(), "{:?}", s.statuses);
-        }
+        put_in_fours(&b, &kb).await;
         assert_eq!(get_verified(&a, &ka).await, ka.len(), "A keeps every block");
         assert_eq!(get_verified(&b, &kb[27..]).await, 13, "B keeps the rest");
         let st = srv.stats().await;
-        let ns = |name: &str| {
-            st["namespaces"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|n| n["namespace"] == name)
-                .cloned()
-                .unwrap()
-        };
+        let ns = |name: &str| namespace(&st, name);
         assert_eq!(ns("tenant:a")["share_blocks"], 5);
         assert_eq!(ns("tenant:b")["blocks"], 13);
         // Below its share, a takes room from b, the one over its share (b's oldest).
