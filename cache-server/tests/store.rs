@@ -704,3 +704,30 @@ fn held_lookups_are_bounded_and_expire() {
     }
     s.check_consistency().unwrap();
 }
+
+#[test]
+fn a_removal_by_policy_leaves_pinned_and_held_blocks_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, _) = TieredStore::open(config(8, Some((dir.path(), 16)))).unwrap();
+    let (held, pinned, free) = (key(1), key(2), key(3));
+    for k in [held, pinned, free] {
+        s.put(k, None, &data(k)).unwrap();
+    }
+    s.flush();
+    let (found, hold) = s.lookup_held(&[held]);
+    assert_eq!(found.len(), 1);
+    let kvtier_server::LookupHold::Held { lease_id, .. } = hold else {
+        panic!("the lookup holds its block");
+    };
+    let read = s.pin_read(&[pinned]);
+    assert!(!s.remove_unpinned(&held), "a held lookup's block");
+    assert!(!s.remove_unpinned(&pinned), "a reader's block");
+    assert!(s.remove_unpinned(&free));
+    assert!(!s.remove_unpinned(&free), "already gone");
+    assert!(s.contains(&held) && s.contains(&pinned) && !s.contains(&free));
+    // Once let go, they may be removed.
+    drop(read);
+    assert!(s.release(lease_id));
+    assert!(s.remove_unpinned(&held) && s.remove_unpinned(&pinned));
+    s.check_consistency().unwrap();
+}

@@ -1815,9 +1815,10 @@ fn internal(
     }
 }
 
-/// Makes room for one more block of namespace `ns` within its quota, removing the
-/// namespace's own oldest blocks (never another's), and registers the put. `None`: over
-/// quota with nothing of its own to remove.
+/// Makes room for one more block of namespace `ns` within its quota and, in a full store,
+/// its share ([`super::tenants::Tenants::admit`]), and registers the put. A block chosen to
+/// make room that is pinned (a request is loading it) is not removed but sent to the back of
+/// the order. `None`: over quota with nothing of its own to remove.
 pub(super) fn admit(
     s: &Shared,
     ns: super::tenants::Ns,
@@ -1829,7 +1830,9 @@ pub(super) fn admit(
         match s.tenants.admit(ns, internal, key) {
             Ok(name) => return Some(name),
             Err(Admit::Evict(victim)) => {
-                s.store.remove(&victim);
+                if !s.store.remove_unpinned(&victim) {
+                    s.tenants.requeue(victim);
+                }
             }
             Err(Admit::Refuse) => return None,
         }

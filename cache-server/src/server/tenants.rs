@@ -545,6 +545,17 @@ impl Tenants {
         })
     }
 
+    /// Puts `internal` back at the end of its namespace's order of storing: a block chosen
+    /// to make room that could not be removed (pinned: a request is reading it) goes to the
+    /// back, as if stored again.
+    pub fn requeue(&self, internal: BlockKey) {
+        let Some(m) = &self.multi else { return };
+        let mut g = lock(&m.names);
+        if let Some(ns) = g.map.get(&internal).filter(|n| n.tiers != 0).map(|n| n.ns) {
+            g.push_stored(ns, internal);
+        }
+    }
+
     fn settle(&self, internal: BlockKey) {
         let Some(m) = &self.multi else { return };
         let mut g = lock(&m.names);
@@ -811,6 +822,26 @@ mod tests {
             ..stored(ia)
         });
         assert_eq!(t.blocks(a), Some(0));
+    }
+
+    #[test]
+    fn a_block_that_could_not_be_removed_goes_to_the_back_of_the_order() {
+        let mut a = tenant("ta");
+        a.quota = Size::Bytes(3 * 4096);
+        let t = Arc::new(with_secret(&cfg(&[("a", a)]), 4096, 10).unwrap());
+        assert!(fill(&t, 0, 0, 3).is_empty());
+        let victim = |i: u128| match t.admit(0, t.key(0, k(i)), k(i)) {
+            Err(Admit::Evict(v)) => v,
+            _ => panic!("expected a victim"),
+        };
+        // The oldest is pinned: back it goes; the next oldest is chosen, then it again.
+        assert_eq!(victim(9), t.key(0, k(0)));
+        t.requeue(t.key(0, k(0)));
+        assert_eq!(victim(9), t.key(0, k(1)));
+        t.requeue(t.key(0, k(1)));
+        assert_eq!(victim(9), t.key(0, k(2)));
+        t.requeue(t.key(0, k(2)));
+        assert_eq!(victim(9), t.key(0, k(0)));
     }
 
     #[test]

@@ -533,6 +533,13 @@ impl TieredStore {
         self.inner.remove(*key)
     }
 
+    /// Removes `key` unless a copy of it is pinned (a reader's pin, a held lookup, a copy in
+    /// flight): what a removal chosen by policy (a tenant's quota or share) uses, so it never
+    /// takes a block a request is about to load. `false`: pinned, or not here.
+    pub fn remove_unpinned(&self, key: &BlockKey) -> bool {
+        self.inner.remove_if(*key, true)
+    }
+
     /// Forgets every block in every tier (NVMe included, across restarts).
     pub fn clear(&self) -> Result<(), StoreError> {
         self.inner.clear()

@@ -140,8 +140,24 @@ impl Inner {
     }
 
     pub(super) fn remove(self: &Arc<Self>, key: BlockKey) -> bool {
+        self.remove_if(key, false)
+    }
+
+    /// [`Self::remove`]; with `unpinned_only`, not when a copy is pinned (pins are taken
+    /// under the shard lock held here, so the check cannot race one).
+    pub(super) fn remove_if(self: &Arc<Self>, key: BlockKey, unpinned_only: bool) -> bool {
         let e = {
             let mut shard = self.shard(&key);
+            if unpinned_only
+                && shard.get(&key).is_some_and(|e| {
+                    e.held().any(|(t, s)| {
+                        self.tiers[t].pins[s as usize].load(std::sync::atomic::Ordering::Acquire)
+                            != 0
+                    })
+                })
+            {
+                return false;
+            }
             let Some(e) = self.take_entry(&mut shard, &key) else {
                 return false;
             };
