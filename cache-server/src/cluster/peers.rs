@@ -4,8 +4,10 @@
 //! not answer in time is a miss, counted, and never waited on past the bound.
 //!
 //! A peer whose connect fails is not tried again before a back-off (100 ms, doubling to at
-//! most 5 s, reset by a success); once connected, the SDK reconnects by itself. A peer that
-//! left the view is dropped with its metric series ([`PeerPool::retain`]).
+//! most 5 s, reset by a success); once connected, the SDK reconnects by itself. A peer whose
+//! request failed or timed out is *suspect* for [`SUSPECT_FOR`]: with replicas, callers ask
+//! another owner meanwhile ([`PeerPool::usable`]). A peer that left the view is dropped with
+//! its metric series ([`PeerPool::retain`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -22,6 +24,8 @@ use super::view::Member;
 /// First pause after a failed connect; doubled per failure up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// How long a peer whose request failed or timed out is passed over for another owner.
+pub const SUSPECT_FOR: Duration = Duration::from_secs(1);
 
 /// A member to talk to: its id, its advertised data endpoint and the certificate to pin
 /// there (the record's: hex DER and the name it carries; "" over plain TCP).
@@ -51,6 +55,8 @@ struct Slot {
     client: Option<Client>,
     retry_at: Option<Instant>,
     backoff: Duration,
+    /// Passed over for another owner until then (a request failed or timed out).
+    suspect_until: Option<Instant>,
 }
 
 /// Why a request to a peer got no answer.
@@ -104,6 +110,15 @@ impl PeerPool {
             g.remove(&id);
             self.metrics.forget(&id);
         }
+    }
+
+    /// Whether `id` is worth asking first: not backing off after a failed connect, and no
+    /// request of it failed or timed out in the last [`SUSPECT_FOR`].
+    pub fn usable(&self, id: &str) -> bool {
+        let now = Instant::now();
+        lock(&self.slots).get(id).is_none_or(|s| {
+            s.retry_at.is_none_or(|t| now >= t) && s.suspect_until.is_none_or(|t| now >= t)
+        })
     }
 
     /// A connected client for `peer`, connecting if needed (the caller bounds the time).
@@ -186,6 +201,9 @@ impl PeerPool {
         })
         .await
         .unwrap_or(Err(PeerFailure::Timeout));
+        if let Some(slot) = lock(&self.slots).get_mut(&peer.id) {
+            slot.suspect_until = r.is_err().then(|| Instant::now() + SUSPECT_FOR);
+        }
         match &r {
             Ok(_) => m
                 .latency

@@ -126,7 +126,12 @@ impl Remote {
                 if owners.contains(&me.as_str()) {
                     return Some(SELF);
                 }
-                let id = *owners.first()?;
+                // The best owner the pool has not seen fail lately (with replicas, a dead
+                // or hung owner's runs go to the next one); all suspect: the best.
+                let id = *owners
+                    .iter()
+                    .find(|o| self.pool.usable(o))
+                    .or(owners.first())?;
                 if let Some(i) = peers.iter().position(|p| p.id == id) {
                     return Some(i);
                 }

@@ -535,3 +535,95 @@ async fn lying_peer(l: tokio::net::TcpListener) {
         });
     }
 }
+
+/// Every owner of each run of `chain` (runs of [`RUN`]), as `s` names them.
+async fn all_owners(s: &ServerProc, chain: &[BlockKey]) -> Vec<Vec<String>> {
+    let mut all = Vec::new();
+    for r in chain.chunks(RUN) {
+        let d = cluster_doc(s, &format!("?key={}", r[0])).await;
+        let o: Vec<String> = d["key"]["owners"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(o.len(), 2, "{d:#}");
+        all.push(o);
+    }
+    all
+}
+
+/// With two owners a block, a hung owner (SIGSTOP: registered, silent) costs one lookup a
+/// timed-out run; the lookups after it ask the other owner and find the whole chain,
+/// byte-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_two_replicas_a_hung_owners_runs_come_from_the_other() {
+    bounded(120, async {
+        let etcd = Etcd::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let secret = secret_file(dir.path(), SECRET);
+        let extra = [
+            "cluster.run_blocks=8",
+            "cluster.peer_timeout_ms=300",
+            "cluster.replicas=2",
+        ];
+        // A long lease: the hung member stays in the view.
+        let a = member_with(&etcd, "a", 30, &secret, &extra);
+        let b = member_with(&etcd, "b", 30, &secret, &extra);
+        let c = member_with(&etcd, "c", 30, &secret, &extra);
+        let members = [("a", &a), ("b", &b), ("c", &c)];
+        for s in [&a, &b, &c] {
+            until_view(s, &["a", "b", "c"], Duration::from_secs(15)).await;
+        }
+        // A chain with a run b does not own (read on b, from the others).
+        let mut found = None;
+        for seed in 1..50 {
+            let chain = keys(b"replicas", 48, seed);
+            let owners = all_owners(&a, &chain).await;
+            if owners.iter().any(|o| !o.contains(&"b".to_string())) {
+                found = Some((chain, owners));
+                break;
+            }
+        }
+        let (chain, owners) = found.expect("a chain with a run b does not own");
+        put_all(&a.client("tcp").await, &chain).await;
+        // Every owner holds its runs (a put them; offers reach the others).
+        let t0 = Instant::now();
+        for (r, run) in chain.chunks(RUN).enumerate() {
+            for o in owners[r].iter().filter(|o| *o != "a") {
+                let (_, s) = members.iter().find(|(id, _)| id == o).unwrap();
+                let p = peer(s).await;
+                while p.lookup(run).await.tiers.len() < run.len() {
+                    assert!(t0.elapsed() < Duration::from_secs(10), "run {r} not at {o}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+        // Hang the first owner of the first run b does not own.
+        let r = owners
+            .iter()
+            .position(|o| !o.contains(&"b".to_string()))
+            .unwrap();
+        let hung = owners[r][0].clone();
+        let (_, x) = members.iter().find(|(id, _)| *id == hung).unwrap();
+        x.signal(libc::SIGSTOP);
+        let cl = b.client("tcp").await;
+        let mut lookups = Vec::new();
+        for _ in 0..5 {
+            let l = cl.lookup(&chain).await;
+            lookups.push(l.tiers.len());
+            if l.tiers.len() == chain.len() {
+                break;
+            }
+        }
+        x.signal(libc::SIGCONT);
+        println!("hung {hung}, owners {owners:?}: lookups found {lookups:?}");
+        assert_eq!(*lookups.last().unwrap(), chain.len(), "{lookups:?}");
+        assert!(
+            lookups.len() <= 2,
+            "the second lookup asks the other owner: {lookups:?}"
+        );
+        assert_eq!(get_verified(&cl, &chain).await, chain.len());
+    })
+    .await;
+}
