@@ -94,7 +94,9 @@ fn fixture() -> &'static Fixture {
                 "limits.max_lease_ms=2000".into(),
                 "limits.max_inflight_per_connection=8".into(),
                 "limits.frame_timeout_ms=1000".into(),
-                "limits.hello_timeout_ms=1000".into(),
+                // Generous: the checks' own hellos must not be cut by a machine that stalls (a
+                // campaign under load once lost a checker's hello to a 1 s bound).
+                "limits.hello_timeout_ms=5000".into(),
                 "limits.drain_timeout_ms=1000".into(),
                 // Inputs send wrong tokens on purpose: the loopback peer must not be throttled.
                 "limits.auth_failures_burst=1000000".into(),
@@ -205,10 +207,15 @@ async fn call<S: AsyncRead + AsyncWrite + Unpin>(
     s.write_all(&request(r, 1, payload))
         .await
         .expect("invariant: writing to the server");
+    let sent = Instant::now();
     loop {
-        let (h, resp, payload) = read_frame(s)
-            .await
-            .expect("invariant: the server closed a healthy connection");
+        let Some((h, resp, payload)) = read_frame(s).await else {
+            panic!(
+                "invariant: the server closed a healthy connection ({:?} after {:?})",
+                sent.elapsed(),
+                r.opcode()
+            );
+        };
         if !h.is(flags::EVENT) {
             return (resp, payload);
         }
