@@ -392,6 +392,15 @@ pub struct LimitsSection {
     pub max_inflight_per_connection: usize,
     /// Block bytes being sent to clients at once, all connections together. Default: 1 GiB.
     pub max_inflight_bytes: Size,
+    /// With tenants, block bytes being sent to one namespace's connections at once;
+    /// `"auto"`: half of `max_inflight_bytes`. Default: "auto".
+    pub max_inflight_bytes_per_tenant: Size,
+    /// DRAM blocks one connection's pins may hold at once (a pin past it is cut short, miss
+    /// "busy"); 0: a quarter of the DRAM tier's slots. Default: 0.
+    pub max_pinned_blocks_per_connection: u64,
+    /// With tenants, DRAM blocks one namespace's pins may hold at once, all its connections
+    /// together; 0: half of the DRAM tier's slots. Default: 0.
+    pub max_pinned_blocks_per_tenant: u64,
     /// Keys in one request. Default: 65,536.
     pub max_keys: u32,
     /// Metadata bytes in one frame. Default: 1 MiB.
@@ -484,6 +493,9 @@ impl Default for LimitsSection {
             admin_timeout_ms: 10_000,
             max_inflight_per_connection: 64,
             max_inflight_bytes: Size::Bytes(1 << 30),
+            max_inflight_bytes_per_tenant: Size::Auto,
+            max_pinned_blocks_per_connection: 0,
+            max_pinned_blocks_per_tenant: 0,
             max_keys: l.max_keys,
             max_meta_bytes: Size::Bytes(u64::from(l.max_meta_bytes)),
             max_payload_bytes: Size::Bytes(l.max_payload_bytes),
@@ -743,6 +755,12 @@ impl ServerConfig {
             return Err(cerr(
                 "limits.max_inflight_bytes",
                 "must be a size of at least one block",
+            ));
+        }
+        if self.limits.max_inflight_bytes_per_tenant == Size::Bytes(0) {
+            return Err(cerr(
+                "limits.max_inflight_bytes_per_tenant",
+                "must be a size of at least one block, or \"auto\"",
             ));
         }
         if self.server.tls_cert.is_empty() != self.server.tls_key.is_empty() {

@@ -27,6 +27,7 @@ use super::Shared;
 use super::brakes::{AuthGate, PreHelloSlot, token_matches};
 use super::events::tier_code;
 use super::metrics::{Metrics, Transport};
+use super::shares::{Charge, Share, ShareKind};
 use super::staging::Staging;
 use super::tenants::{Admit, Identity, Registration};
 use crate::policy::admission::RejectReason;
@@ -78,6 +79,8 @@ pub(crate) struct Out {
     fds: Vec<OwnedFd>,
     /// In-flight byte budget held until the payload is written.
     _budget: Option<OwnedSemaphorePermit>,
+    /// Its namespace's part of that budget, held as long.
+    _budget_share: Option<Charge>,
     /// This connection's queued-bytes budget, held until the frame is written.
     _queued: Option<OwnedSemaphorePermit>,
 }
@@ -99,6 +102,7 @@ impl Out {
             pinned: None,
             fds: Vec::new(),
             _budget: None,
+            _budget_share: None,
             _queued: None,
         }
     }
@@ -204,10 +208,19 @@ impl Drop for ReservationRecord {
     }
 }
 
+/// A pin lease of a connection: its deadline, and the DRAM blocks it holds charged to the
+/// connection's share and its namespace's (given back when the lease is forgotten).
+struct HeldLease {
+    deadline: Instant,
+    _charges: (Charge, Charge),
+}
+
 /// Pins and reservations held by one connection; all released on drop.
 struct ConnState {
     shared: Arc<Shared>,
-    leases: HashMap<u64, Instant>,
+    leases: HashMap<u64, HeldLease>,
+    /// DRAM blocks the leases hold (`limits.max_pinned_blocks_per_connection`).
+    pins: Arc<Share>,
     /// Held lookups not yet loaded: (lease id, blocks held, last held key), oldest first.
     holds: std::collections::VecDeque<(u64, usize, BlockKey)>,
     reservations: HashMap<u64, ReservationRecord>,
@@ -269,7 +282,7 @@ impl ConnState {
         self.shared.metrics.reservations_open.sub(gone as i64);
         // The store releases expired leases on its own; forget ours.
         let before = self.leases.len();
-        self.leases.retain(|_, d| *d > now);
+        self.leases.retain(|_, l| l.deadline > now);
         let gone = before - self.leases.len();
         self.shared.metrics.leases_open.sub(gone as i64);
     }
@@ -381,6 +394,7 @@ pub(crate) async fn serve_until<R, W>(
     let state = Arc::new(Mutex::new(ConnState {
         shared: shared.clone(),
         leases: HashMap::new(),
+        pins: Share::new(shared.shares.pins_per_connection),
         holds: std::collections::VecDeque::new(),
         reservations: HashMap::new(),
         next_reservation: 1,
@@ -1307,7 +1321,25 @@ impl Job {
                          (limits.max_queued_bytes_per_connection): read them, then retry",
                     );
                 };
-                let units = bytes.div_ceil(BUDGET_UNIT).min(u64::from(u32::MAX)) as u32;
+                // The server's budget is charged what the connection's share was (a get
+                // larger than the share takes all of it, no more): a few connections that do
+                // not read cannot hold it all. With tenants, a namespace holds at most its
+                // part of it (`limits.max_inflight_bytes_per_tenant`); a cluster peer's
+                // fetches are charged to none.
+                let units = self.out.units(bytes);
+                let share = if self.peer {
+                    None
+                } else {
+                    let Some(c) = s.shares.send(ns).try_take(u64::from(units)) else {
+                        s.metrics.share_refused(ShareKind::SendTenant);
+                        return self.error(
+                            ErrorCode::Busy,
+                            "this tenant's share of the send budget is spent \
+                             (limits.max_inflight_bytes_per_tenant); retry",
+                        );
+                    };
+                    Some(c)
+                };
                 let Ok(budget) = s.inflight_bytes.clone().try_acquire_many_owned(units) else {
                     return self.error(ErrorCode::Busy, "server send budget is spent; retry");
                 };
@@ -1357,30 +1389,66 @@ impl Job {
                 let mut o = Out::new(self.id, self.op, &r, len);
                 o.pinned = Some(pinned);
                 o._budget = Some(budget);
+                o._budget_share = share;
                 o._queued = Some(queued);
                 Some(o)
             }
             Request::Pin { keys, lease_ms } => {
                 let lease = self.lease(lease_ms);
                 await_pending(&s, &keys).await;
-                let l = match store.try_pin(&keys, lease) {
-                    Some(l) => l,
-                    None => match self
-                        .blocking({
-                            let keys = keys.clone();
-                            move || store.pin(&keys, lease)
-                        })
-                        .await
-                    {
-                        Ok(l) => l,
-                        Err(o) => return o,
-                    },
+                // What this connection's and its namespace's shares of pinned DRAM blocks
+                // leave: a pin past either stops there with miss "busy", as one longer than
+                // DRAM does, so no client can pin the slots others' puts need.
+                let want = keys.len() as u64;
+                let mut mine = lock(&self.state).pins.take_up_to(want);
+                let mut ours = s.shares.pins(ns).take_up_to(mine.amount());
+                let short = if ours.amount() < mine.amount() {
+                    Some(ShareKind::PinsTenant)
+                } else {
+                    (mine.amount() < want).then_some(ShareKind::PinsConnection)
                 };
+                let allowed = ours.amount() as usize;
+                let mut l = if allowed == 0 {
+                    crate::Lease {
+                        id: 0,
+                        deadline: Instant::now(),
+                        blocks: Vec::new(),
+                        miss: None,
+                    }
+                } else {
+                    match store.try_pin(&keys[..allowed], lease) {
+                        Some(l) => l,
+                        None => match self
+                            .blocking({
+                                let keys = keys[..allowed].to_vec();
+                                move || store.pin(&keys, lease)
+                            })
+                            .await
+                        {
+                            Ok(l) => l,
+                            Err(o) => return o,
+                        },
+                    }
+                };
+                mine.shrink(l.blocks.len() as u64);
+                ours.shrink(l.blocks.len() as u64);
+                if let Some(kind) = short
+                    && l.miss.is_none()
+                {
+                    s.metrics.share_refused(kind);
+                    l.miss = Some(MissReason::Busy);
+                }
                 {
                     let mut st = lock(&self.state);
                     st.loaded(&keys);
                     if !l.blocks.is_empty() {
-                        st.leases.insert(l.id, l.deadline);
+                        st.leases.insert(
+                            l.id,
+                            HeldLease {
+                                deadline: l.deadline,
+                                _charges: (mine, ours),
+                            },
+                        );
                         s.metrics.leases_open.inc();
                     }
                 }

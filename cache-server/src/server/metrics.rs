@@ -78,6 +78,8 @@ pub struct Metrics {
     connections_total: [IntCounter; 4],
     pub connections_refused: IntCounter,
     refusals: [IntCounter; 4],
+    /// Requests cut short or refused at a per-connection or per-tenant share.
+    share_refusals: [IntCounter; 3],
     pub auth_failures: IntCounter,
     pub auth_throttled: IntCounter,
     /// TLS handshakes on the `server.tls` port that failed or timed out.
@@ -167,6 +169,11 @@ impl Metrics {
         self.refusals[why as usize].inc();
     }
 
+    /// Counts a request cut short or refused at a share.
+    pub(crate) fn share_refused(&self, kind: super::shares::ShareKind) {
+        self.share_refusals[kind as usize].inc();
+    }
+
     pub fn new() -> Self {
         let r = Registry::new();
         let ready = gauge(&r, "kvtier_ready", "1 when the server accepts requests.");
@@ -233,9 +240,20 @@ impl Metrics {
             "reason",
         );
         let refusals = super::Refusal::ALL.map(|w| refusals.with_label_values(&[w.name()]));
+        let shares = counter_vec(
+            &r,
+            "kvtier_share_refusals_total",
+            "Requests cut short or refused for passing a share, by share (pins_connection, \
+             pins_tenant: DRAM blocks a connection's or a tenant's pins hold; send_tenant: a \
+             tenant's part of the send budget).",
+            "share",
+        );
+        let share_refusals =
+            super::shares::ShareKind::ALL.map(|k| shares.with_label_values(&[k.name()]));
         let store = StoreMetrics::new(&r);
         Self {
             refusals,
+            share_refusals,
             pre_hello: gauge(
                 &r,
                 "kvtier_connections_pre_hello",

@@ -13,6 +13,7 @@ mod membership;
 pub mod metrics;
 mod places;
 mod remote;
+mod shares;
 mod staging;
 mod tenants;
 mod tls;
@@ -90,6 +91,8 @@ pub(crate) struct Shared {
     pub logs: Logs,
     /// Block bytes being sent, in [`conn::BUDGET_UNIT`]s.
     pub inflight_bytes: Arc<Semaphore>,
+    /// Each namespace's shares of pinned DRAM blocks and of the send budget.
+    pub shares: shares::NamespaceShares,
     pub shutdown: CancellationToken,
     pub block_bytes: usize,
     pub layout_fingerprint: u64,
@@ -237,6 +240,7 @@ impl Server {
             Size::Auto => 1 << 18,
         }
         .min(Semaphore::MAX_PERMITS as u64) as usize;
+        let shares = namespace_shares(&config, &tenants, &store, budget_units as u64);
         let shared = Arc::new(Shared {
             block_bytes: store.block_bytes(),
             layout_fingerprint: layout.fingerprint(),
@@ -252,6 +256,7 @@ impl Server {
             pre_hello: brakes::PreHello::new(config.limits.max_pre_hello_connections),
             logs: Logs::default(),
             inflight_bytes: Arc::new(Semaphore::new(budget_units)),
+            shares,
             shutdown: CancellationToken::new(),
             ready: AtomicBool::new(false),
             cluster: std::sync::OnceLock::new(),
@@ -482,6 +487,39 @@ impl Server {
             connections_cut: cut,
         }
     }
+}
+
+/// The shares of `limits.max_pinned_blocks_per_connection`, `max_pinned_blocks_per_tenant`
+/// and `max_inflight_bytes_per_tenant` (of a send budget of `budget_units`); without tenants
+/// the one namespace is the whole server, unbounded but for the server's own budgets.
+fn namespace_shares(
+    c: &ServerConfig,
+    tenants: &Tenants,
+    store: &TieredStore,
+    budget_units: u64,
+) -> shares::NamespaceShares {
+    use crate::tier::Tier;
+    let l = &c.limits;
+    let dram_slots = u64::from(store.dram().slot_count()).max(1);
+    let or = |n: u64, auto: u64| if n == 0 { auto.max(1) } else { n };
+    let (pins, send) = if tenants.enforced() {
+        let send = match l.max_inflight_bytes_per_tenant {
+            Size::Bytes(b) => b.div_ceil(conn::BUDGET_UNIT),
+            Size::Auto => budget_units / 2,
+        };
+        (
+            or(l.max_pinned_blocks_per_tenant, dram_slots / 2),
+            send.max(1),
+        )
+    } else {
+        (u64::MAX, u64::MAX)
+    };
+    shares::NamespaceShares::new(
+        tenants.namespaces(),
+        or(l.max_pinned_blocks_per_connection, dram_slots / 4),
+        pins,
+        send,
+    )
 }
 
 /// Refuses to start where another user could replace the socket, the token or the data

@@ -12,7 +12,7 @@ use tokio::net::{TcpStream, UnixStream};
 use crate::common::*;
 
 /// A counter of the server's /metrics (the first series whose line starts with `series`).
-async fn metric(srv: &ServerProc, series: &str) -> u64 {
+pub(crate) async fn metric(srv: &ServerProc, series: &str) -> u64 {
     let body = http_get(srv.admin, "/metrics").await.1;
     let line = body
         .lines()

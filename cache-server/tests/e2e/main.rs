@@ -3,6 +3,7 @@
 
 mod arena;
 mod brakes;
+mod brakes_shares;
 mod common;
 mod expiry;
 mod fastget;
