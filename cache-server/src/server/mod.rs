@@ -993,44 +993,96 @@ async fn accept_quic(shared: Arc<Shared>, ep: quinn::Endpoint) {
             _ = shared.shutdown.cancelled() => return,
             i = ep.accept() => match i { Some(i) => i, None => return },
         };
-        if shared.open.load(Ordering::Acquire) >= shared.config.max_network_connections() {
-            refused(&shared, Refusal::MaxConnections);
-            incoming.refuse();
-            continue;
-        }
-        let s = shared.clone();
-        tokio::spawn(async move {
-            let Ok(conn) = incoming.await else { return };
-            let ip = conn.remote_address().ip();
-            let cert_sha256 = conn
-                .peer_identity()
-                .and_then(|id| {
-                    id.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
-                        .ok()
-                })
-                .and_then(|chain| tls::peer_cert_sha256(Some(&chain)));
-            loop {
-                let (send, recv) = tokio::select! {
-                    _ = s.shutdown.cancelled() => return,
-                    r = conn.accept_bi() => match r { Ok(b) => b, Err(_) => return },
-                };
-                let pre_hello = match admit(&s, Transport::Quic) {
-                    Ok(p) => p,
-                    Err(_) => {
-                        conn.close(1u32.into(), b"too many connections");
-                        return;
-                    }
-                };
-                let s2 = s.clone();
-                let peer = conn::Peer {
-                    transport: Transport::Quic,
-                    ip: Some(ip),
-                    pre_hello,
-                    uid: None,
-                    cert_sha256,
-                };
-                spawn_conn(&s, conn::serve(s2, peer, recv, send, None));
+        // A connection is before its hello from its first packet: its handshake and its
+        // first stream take a place of max_pre_hello_connections and its deadline.
+        match admit(&shared, Transport::Quic) {
+            Ok(pre_hello) => {
+                tokio::spawn(serve_quic(shared.clone(), incoming, pre_hello));
             }
+            Err(_) => incoming.refuse(),
+        }
+    }
+}
+
+/// Serves one QUIC connection, each bidirectional stream a client connection of its own.
+/// While it has no stream (from its accept, its handshake included, and again whenever its
+/// streams have all ended) it counts as a connection before hello: it holds a place of
+/// `limits.max_pre_hello_connections`, and a stream must arrive and say hello within
+/// `limits.hello_timeout_ms`, else the connection is closed (counted in `timeouts`).
+async fn serve_quic(
+    s: Arc<Shared>,
+    incoming: quinn::Incoming,
+    mut pre_hello: Option<brakes::PreHelloSlot>,
+) {
+    let mut hello_by = tokio::time::Instant::now() + s.config.hello_timeout();
+    let handshake = std::future::IntoFuture::into_future(incoming);
+    let conn = tokio::select! {
+        _ = s.shutdown.cancelled() => return,
+        r = tokio::time::timeout_at(hello_by, handshake) => match r {
+            Ok(Ok(c)) => c,
+            Ok(Err(_)) => return,
+            // Dropping the handshake closes the connection.
+            Err(_) => return Metrics::inc(&s.metrics.timeouts),
+        },
+    };
+    let ip = conn.remote_address().ip();
+    let cert_sha256 = conn
+        .peer_identity()
+        .and_then(|id| {
+            id.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
+                .ok()
+        })
+        .and_then(|chain| tls::peer_cert_sha256(Some(&chain)));
+    // Each stream's task holds a clone and says when it ends.
+    let live = Arc::new(());
+    let ended = Arc::new(Notify::new());
+    loop {
+        let idle = Arc::strong_count(&live) == 1;
+        if idle && pre_hello.is_none() {
+            // Its streams have all ended: it waits as a connection before hello again.
+            match admit(&s, Transport::Quic) {
+                Ok(p) => pre_hello = p,
+                Err(_) => {
+                    conn.close(1u32.into(), b"too many connections");
+                    return;
+                }
+            }
+            hello_by = tokio::time::Instant::now() + s.config.hello_timeout();
+        }
+        let (send, recv) = tokio::select! {
+            _ = s.shutdown.cancelled() => return,
+            _ = tokio::time::sleep_until(hello_by), if idle => {
+                Metrics::inc(&s.metrics.timeouts);
+                conn.close(2u32.into(), b"no hello within limits.hello_timeout_ms");
+                return;
+            }
+            _ = ended.notified(), if !idle => continue,
+            r = conn.accept_bi() => match r { Ok(b) => b, Err(_) => return },
+        };
+        // The connection's place and deadline pass to its first stream; a stream opened
+        // beside a live one takes a place of its own.
+        let (pre, by) = match pre_hello.take() {
+            Some(p) => (Some(p), hello_by),
+            None => match admit(&s, Transport::Quic) {
+                Ok(p) => (p, tokio::time::Instant::now() + s.config.hello_timeout()),
+                Err(_) => {
+                    conn.close(1u32.into(), b"too many connections");
+                    return;
+                }
+            },
+        };
+        let peer = conn::Peer {
+            transport: Transport::Quic,
+            ip: Some(ip),
+            pre_hello: pre,
+            uid: None,
+            cert_sha256,
+        };
+        let (s2, held, ended) = (s.clone(), live.clone(), ended.clone());
+        spawn_conn(&s, async move {
+            conn::serve_until(s2, peer, recv, send, None, by).await;
+            drop(held);
+            ended.notify_one();
         });
     }
 }

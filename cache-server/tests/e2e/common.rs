@@ -398,6 +398,20 @@ pub async fn get_verified(c: &Client, keys: &[BlockKey]) -> usize {
     f.blocks
 }
 
+/// A QUIC connection to `srv`, handshaken (the server's certificate pinned), with no stream
+/// yet. The endpoint must outlive the connection.
+pub async fn quic_handshake(srv: &ServerProc) -> (quinn::Endpoint, quinn::Connection) {
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls::pki_types::CertificateDer::from(srv.cert()))
+        .unwrap();
+    let cc = quinn::ClientConfig::with_root_certificates(std::sync::Arc::new(roots)).unwrap();
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(cc);
+    let conn = ep.connect(srv.quic, "localhost").unwrap().await.unwrap();
+    (ep, conn)
+}
+
 /// A raw protocol connection, for sending what the SDK never would.
 pub struct Raw<S> {
     pub s: S,

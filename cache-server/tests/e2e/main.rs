@@ -3,6 +3,7 @@
 
 mod arena;
 mod brakes;
+mod brakes_quic;
 mod brakes_shares;
 mod common;
 mod expiry;

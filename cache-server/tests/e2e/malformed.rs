@@ -202,14 +202,7 @@ async fn quic_raw(
     quinn::Endpoint,
     quinn::Connection,
 ) {
-    let mut roots = rustls::RootCertStore::empty();
-    roots
-        .add(rustls::pki_types::CertificateDer::from(srv.cert()))
-        .unwrap();
-    let cc = quinn::ClientConfig::with_root_certificates(std::sync::Arc::new(roots)).unwrap();
-    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    ep.set_default_client_config(cc);
-    let conn = ep.connect(srv.quic, "localhost").unwrap().await.unwrap();
+    let (ep, conn) = quic_handshake(srv).await;
     let (send, recv) = conn.open_bi().await.unwrap();
     (Raw::new(tokio::io::join(recv, send)), ep, conn)
 }
