@@ -401,6 +401,14 @@ pub struct LimitsSection {
     /// With tenants, DRAM blocks one namespace's pins may hold at once, all its connections
     /// together; 0: half of the DRAM tier's slots. Default: 0.
     pub max_pinned_blocks_per_tenant: u64,
+    /// With tenants, connections one namespace's clients hold at once, every transport
+    /// together (a hello past it is refused "busy"); 0: half of `max_connections`.
+    /// Default: 0.
+    pub max_connections_per_tenant: usize,
+    /// With `server.unix_group`, Unix socket connections one uid other than the server's
+    /// may hold at once (more are refused "busy" at accept); 0: half of
+    /// `unix_reserved_connections`. Default: 0.
+    pub max_unix_connections_per_uid: usize,
     /// Keys in one request. Default: 65,536.
     pub max_keys: u32,
     /// Metadata bytes in one frame. Default: 1 MiB.
@@ -496,6 +504,8 @@ impl Default for LimitsSection {
             max_inflight_bytes_per_tenant: Size::Auto,
             max_pinned_blocks_per_connection: 0,
             max_pinned_blocks_per_tenant: 0,
+            max_connections_per_tenant: 0,
+            max_unix_connections_per_uid: 0,
             max_keys: l.max_keys,
             max_meta_bytes: Size::Bytes(u64::from(l.max_meta_bytes)),
             max_payload_bytes: Size::Bytes(l.max_payload_bytes),

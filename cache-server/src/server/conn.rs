@@ -221,6 +221,8 @@ struct ConnState {
     leases: HashMap<u64, HeldLease>,
     /// DRAM blocks the leases hold (`limits.max_pinned_blocks_per_connection`).
     pins: Arc<Share>,
+    /// Its place among its namespace's connections (`limits.max_connections_per_tenant`).
+    place: Option<Charge>,
     /// Held lookups not yet loaded: (lease id, blocks held, last held key), oldest first.
     holds: std::collections::VecDeque<(u64, usize, BlockKey)>,
     reservations: HashMap<u64, ReservationRecord>,
@@ -395,6 +397,7 @@ pub(crate) async fn serve_until<R, W>(
         shared: shared.clone(),
         leases: HashMap::new(),
         pins: Share::new(shared.shares.pins_per_connection),
+        place: None,
         holds: std::collections::VecDeque::new(),
         reservations: HashMap::new(),
         next_reservation: 1,
@@ -808,6 +811,23 @@ impl Conn {
             ))
             .await;
             return false;
+        }
+        // With tenants, one namespace's connections hold at most their share of the places.
+        if s.tenants.enforced() && !self.peer {
+            match s.shares.conns(self.who.ns).try_take(1) {
+                Some(c) => lock(&self.state).place = Some(c),
+                None => {
+                    s.metrics.share_refused(ShareKind::ConnectionsTenant);
+                    self.send(fail(
+                        ErrorCode::Busy,
+                        "this tenant holds as many connections as it may \
+                         (limits.max_connections_per_tenant): close one, or retry later"
+                            .into(),
+                    ))
+                    .await;
+                    return false;
+                }
+            }
         }
         // The arena holds every namespace's blocks: only for a tenant trusted with it.
         let local = if h.want_arena && self.transport == Transport::Unix && self.who.local_arena {

@@ -79,7 +79,7 @@ pub struct Metrics {
     pub connections_refused: IntCounter,
     refusals: [IntCounter; 4],
     /// Requests cut short or refused at a per-connection or per-tenant share.
-    share_refusals: [IntCounter; 3],
+    share_refusals: [IntCounter; 5],
     pub auth_failures: IntCounter,
     pub auth_throttled: IntCounter,
     /// TLS handshakes on the `server.tls` port that failed or timed out.
@@ -245,7 +245,8 @@ impl Metrics {
             "kvtier_share_refusals_total",
             "Requests cut short or refused for passing a share, by share (pins_connection, \
              pins_tenant: DRAM blocks a connection's or a tenant's pins hold; send_tenant: a \
-             tenant's part of the send budget).",
+             tenant's part of the send budget; connections_tenant: a tenant's connections; \
+             connections_uid: a Unix socket uid's connections).",
             "share",
         );
         let share_refusals =

@@ -91,8 +91,10 @@ pub(crate) struct Shared {
     pub logs: Logs,
     /// Block bytes being sent, in [`conn::BUDGET_UNIT`]s.
     pub inflight_bytes: Arc<Semaphore>,
-    /// Each namespace's shares of pinned DRAM blocks and of the send budget.
+    /// Each namespace's shares of pinned DRAM blocks, of the send budget and of connections.
     pub shares: shares::NamespaceShares,
+    /// Unix socket connections per uid (`server.unix_group`).
+    pub unix_uids: shares::UidShares,
     pub shutdown: CancellationToken,
     pub block_bytes: usize,
     pub layout_fingerprint: u64,
@@ -241,6 +243,15 @@ impl Server {
         }
         .min(Semaphore::MAX_PERMITS as u64) as usize;
         let shares = namespace_shares(&config, &tenants, &store, budget_units as u64);
+        let unix_uids = shares::UidShares::new(
+            (!config.server.unix_group.is_empty()).then(|| {
+                match config.limits.max_unix_connections_per_uid {
+                    0 => (config.limits.unix_reserved_connections as u64 / 2).max(1),
+                    n => n as u64,
+                }
+            }),
+            places::euid(),
+        );
         let shared = Arc::new(Shared {
             block_bytes: store.block_bytes(),
             layout_fingerprint: layout.fingerprint(),
@@ -257,6 +268,7 @@ impl Server {
             logs: Logs::default(),
             inflight_bytes: Arc::new(Semaphore::new(budget_units)),
             shares,
+            unix_uids,
             shutdown: CancellationToken::new(),
             ready: AtomicBool::new(false),
             cluster: std::sync::OnceLock::new(),
@@ -489,9 +501,10 @@ impl Server {
     }
 }
 
-/// The shares of `limits.max_pinned_blocks_per_connection`, `max_pinned_blocks_per_tenant`
-/// and `max_inflight_bytes_per_tenant` (of a send budget of `budget_units`); without tenants
-/// the one namespace is the whole server, unbounded but for the server's own budgets.
+/// The shares of `limits.max_pinned_blocks_per_connection`, `max_pinned_blocks_per_tenant`,
+/// `max_inflight_bytes_per_tenant` (of a send budget of `budget_units`) and
+/// `max_connections_per_tenant`; without tenants the one namespace is the whole server,
+/// unbounded but for the server's own budgets.
 fn namespace_shares(
     c: &ServerConfig,
     tenants: &Tenants,
@@ -502,7 +515,7 @@ fn namespace_shares(
     let l = &c.limits;
     let dram_slots = u64::from(store.dram().slot_count()).max(1);
     let or = |n: u64, auto: u64| if n == 0 { auto.max(1) } else { n };
-    let (pins, send) = if tenants.enforced() {
+    let (pins, send, conns) = if tenants.enforced() {
         let send = match l.max_inflight_bytes_per_tenant {
             Size::Bytes(b) => b.div_ceil(conn::BUDGET_UNIT),
             Size::Auto => budget_units / 2,
@@ -510,15 +523,20 @@ fn namespace_shares(
         (
             or(l.max_pinned_blocks_per_tenant, dram_slots / 2),
             send.max(1),
+            or(
+                l.max_connections_per_tenant as u64,
+                l.max_connections as u64 / 2,
+            ),
         )
     } else {
-        (u64::MAX, u64::MAX)
+        (u64::MAX, u64::MAX, u64::MAX)
     };
     shares::NamespaceShares::new(
         tenants.namespaces(),
         or(l.max_pinned_blocks_per_connection, dram_slots / 4),
         pins,
         send,
+        conns,
     )
 }
 
@@ -815,6 +833,21 @@ async fn accept_unix(shared: Arc<Shared>, l: tokio::net::UnixListener) {
         let fd = stream.as_raw_fd();
         // SO_PEERCRED: the uid the peer had when it connected (the kernel's word for it).
         let uid = stream.peer_cred().ok().map(|c| c.uid());
+        // A group member (`server.unix_group`) holds at most its share of the places.
+        let place = match shared.unix_uids.admit(uid) {
+            Ok(p) => p,
+            Err(()) => {
+                shared
+                    .metrics
+                    .share_refused(shares::ShareKind::ConnectionsUid);
+                tokio::spawn(refuse_busy(
+                    stream,
+                    "too many connections from this uid \
+                     (limits.max_unix_connections_per_uid)",
+                ));
+                continue;
+            }
+        };
         let (r, w) = stream.into_split();
         let s = shared.clone();
         let peer = conn::Peer {
@@ -824,7 +857,10 @@ async fn accept_unix(shared: Arc<Shared>, l: tokio::net::UnixListener) {
             uid,
             cert_sha256: None,
         };
-        spawn_conn(&shared, conn::serve(s, peer, r, w, Some(fd)));
+        spawn_conn(&shared, async move {
+            let _place = place;
+            conn::serve(s, peer, r, w, Some(fd)).await;
+        });
     }
 }
 

@@ -1,6 +1,7 @@
 //! Shares of what every client draws on, each an attack that must fail against the real
 //! binary: one connection (or one tenant's connections) pinning every DRAM slot so that others'
-//! puts find none; connections that never read their large gets holding the whole send budget.
+//! puts find none; connections that never read their large gets holding the whole send budget;
+//! one tenant's token, or one Unix group member, taking every connection place.
 
 use std::time::{Duration, Instant};
 
@@ -182,6 +183,145 @@ async fn one_tenants_readers_cannot_take_the_send_budget() {
         let _stuck = stuck_readers(&srv, "tok-a", 4, &big).await;
         served_throughout(&b, &small).await;
         assert!(metric(&srv, "kvtier_share_refusals_total{share=\"send_tenant\"}").await >= 1);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenant_cannot_take_every_connection() {
+    let srv = ServerProc::start(&[
+        "limits.max_connections_per_tenant=3",
+        "server.token=\"\"",
+        "tenants.a={token=\"tok-a\"}",
+        "tenants.b={token=\"tok-b\"}",
+    ]);
+    bounded(60, async {
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            held.push(tcp_as(&srv, "tok-a").await);
+        }
+        // A fourth of tenant a is refused, over any transport...
+        for (url, config) in [
+            (srv.tcp_url(), ClientConfig::default().token("tok-a")),
+            (
+                srv.quic_url(),
+                ClientConfig::default()
+                    .token("tok-a")
+                    .quic_cert_der(srv.cert()),
+            ),
+        ] {
+            let e = Client::connect(&url, config)
+                .await
+                .err()
+                .expect("a fourth connection of one tenant was let in");
+            assert!(e.to_string().contains("max_connections_per_tenant"), "{e}");
+        }
+        // ...while another tenant gets in, and a closed connection gives its place back.
+        tcp_as(&srv, "tok-b").await.ping().await.unwrap();
+        held.pop();
+        let until = Instant::now() + Duration::from_secs(5);
+        loop {
+            match Client::connect(&srv.tcp_url(), ClientConfig::default().token("tok-a")).await {
+                Ok(c) => {
+                    c.ping().await.unwrap();
+                    break;
+                }
+                Err(e) => assert!(Instant::now() < until, "no place came back: {e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for c in &held {
+            c.ping().await.unwrap();
+        }
+        assert!(
+            metric(
+                &srv,
+                "kvtier_share_refusals_total{share=\"connections_tenant\"}"
+            )
+            .await
+                >= 2
+        );
+    })
+    .await;
+}
+
+/// A Unix socket client running as uid 65534, a member of the socket's group
+/// (`server.unix_group`), opens four connections at once: three are kept, the fourth is
+/// refused "busy" at accept. The client is a small Python program run as uid 65534 (as root
+/// directly, else through `sudo -n`), as in the tenants tests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_group_member_cannot_take_the_local_workers_places() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    // SAFETY: geteuid and getegid have no preconditions and cannot fail.
+    let (me, my_gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    let group = format!("server.unix_group=\"{my_gid}\"");
+    let srv = ServerProc::start(&[
+        &group,
+        "limits.max_connections=16",
+        "limits.unix_reserved_connections=8",
+        "limits.max_unix_connections_per_uid=3",
+    ]);
+    // Let the group through the socket's directories (the socket itself is 0660).
+    for d in [srv.dir.as_path(), srv.unix.parent().unwrap()] {
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o710)).unwrap();
+    }
+    // Each connection waits up to a second for the unsolicited refusal; all stay open.
+    let script = [
+        "import socket,sys",
+        "said=[]",
+        "held=[]",
+        "for _ in range(4):",
+        "    s=socket.socket(socket.AF_UNIX)",
+        "    s.connect(sys.argv[1])",
+        "    s.settimeout(1.0)",
+        "    try:",
+        "        said.append('refused' if s.recv(64) else 'closed')",
+        "    except socket.timeout:",
+        "        said.append('kept')",
+        "    held.append(s)",
+        "print(' '.join(said))",
+    ]
+    .join("\n");
+    let path = srv.unix.display().to_string();
+    let mut cmd = if me == 0 {
+        let mut c = std::process::Command::new("python3");
+        c.uid(65534).gid(my_gid);
+        c
+    } else {
+        let mut c = std::process::Command::new("sudo");
+        c.args(["-n", "-u", "#65534", "-g", &format!("#{my_gid}"), "python3"]);
+        c
+    };
+    let out = cmd
+        .args(["-c", &script, &path])
+        .output()
+        .expect("python3 runs (as root, or through sudo -n)");
+    assert!(
+        out.status.success(),
+        "the client as uid 65534 failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "kept kept kept refused"
+    );
+    bounded(60, async {
+        // The server's own user is not capped: the local worker takes more places than that.
+        let mut local = Vec::new();
+        for _ in 0..8 {
+            let c = srv.client("unix").await;
+            c.ping().await.unwrap();
+            local.push(c);
+        }
+        assert!(
+            metric(
+                &srv,
+                "kvtier_share_refusals_total{share=\"connections_uid\"}"
+            )
+            .await
+                >= 1
+        );
     })
     .await;
 }
