@@ -1418,10 +1418,17 @@ impl Job {
                 await_pending(&s, &keys).await;
                 // What this connection's and its namespace's shares of pinned DRAM blocks
                 // leave: a pin past either stops there with miss "busy", as one longer than
-                // DRAM does, so no client can pin the slots others' puts need.
+                // DRAM does, so no client can pin the slots others' puts need. A Unix client
+                // passed the arena (the local engine, trusted with every block) is bounded by
+                // DRAM alone: the SDK pins up to the arena's blocks at once for it.
                 let want = keys.len() as u64;
-                let mut mine = lock(&self.state).pins.take_up_to(want);
-                let mut ours = s.shares.pins(ns).take_up_to(mine.amount());
+                let (conn_pins, ns_pins) = if self.local_arena {
+                    (s.shares.unbounded().clone(), s.shares.unbounded().clone())
+                } else {
+                    (lock(&self.state).pins.clone(), s.shares.pins(ns).clone())
+                };
+                let mut mine = conn_pins.take_up_to(want);
+                let mut ours = ns_pins.take_up_to(mine.amount());
                 let short = if ours.amount() < mine.amount() {
                     Some(ShareKind::PinsTenant)
                 } else {

@@ -133,6 +133,8 @@ pub(crate) struct NamespaceShares {
     conns: Vec<Arc<Share>>,
     /// DRAM blocks one connection's pins may hold.
     pub pins_per_connection: u64,
+    /// A share without a bound, for what no share limits.
+    unbounded: Arc<Share>,
 }
 
 impl NamespaceShares {
@@ -150,7 +152,13 @@ impl NamespaceShares {
             send: (0..namespaces).map(|_| Share::new(send)).collect(),
             conns: (0..namespaces).map(|_| Share::new(conns)).collect(),
             pins_per_connection,
+            unbounded: Share::new(u64::MAX),
         }
+    }
+
+    /// A share without a bound.
+    pub fn unbounded(&self) -> &Arc<Share> {
+        &self.unbounded
     }
 
     /// The connection share of namespace `ns`.

@@ -40,6 +40,18 @@ async fn one_connection_cannot_pin_the_slots_others_need() {
         let owner = srv.client("tcp").await;
         let k = keys(b"pinned", 600, 0);
         put_all(&owner, &k).await;
+        // The local engine, passed the arena (trusted with every block), pins whole
+        // prefixes: DRAM alone bounds it.
+        let local = srv.client("unix").await;
+        assert!(local.is_local());
+        let p = local.get_pinned(&k, Duration::from_secs(5)).await.unwrap();
+        assert_eq!(p.len(), 600);
+        drop(p); // released in the background
+        let until = Instant::now() + Duration::from_secs(5);
+        while srv.stats().await["leases_open"] != 0 {
+            assert!(Instant::now() < until, "the local lease was never released");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         // The attacker pins all it can, over TCP, with the longest lease, twice.
         let hog = srv.client("tcp").await;
         let (lease, tiers) = hog.pin(&k, Duration::from_secs(30)).await.unwrap();
