@@ -223,7 +223,8 @@ impl ServerProc {
     }
 
     /// SIGKILL (no shutdown at all), then starts again on the same directory: a crash and a
-    /// supervisor's restart.
+    /// supervisor's restart. (Used by the cluster tests, which share this file.)
+    #[allow(dead_code)]
     pub fn kill_and_start_again(mut self) -> ServerProc {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
@@ -240,6 +241,8 @@ impl ServerProc {
     }
 
     /// Sends `signal` to the server (SIGSTOP: it hangs, answering no one; SIGCONT: it goes on).
+    /// (Used by the cluster tests, which share this file.)
+    #[allow(dead_code)]
     pub fn signal(&self, signal: i32) {
         // SAFETY: kill(2) with a pid we spawned and still own (not yet waited for); no memory
         // is touched.
@@ -430,8 +433,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Raw<S> {
     pub async fn hello(&mut self, token: &str) -> Response {
         self.send(
             &Request::Hello(kvtier_core::protocol::Hello {
-                min_version: 2,
-                max_version: 2,
+                min_version: kvtier_core::protocol::VERSION,
+                max_version: kvtier_core::protocol::VERSION,
                 client: "raw".into(),
                 token: token.into(),
                 block_bytes: 0,
