@@ -25,8 +25,8 @@ pub(crate) async fn local_hello(path: &Path) -> (Raw<UnixStream>, HelloReply, Ve
     let mut raw = Raw::new(s);
     raw.send(
         &Request::Hello(Hello {
-            min_version: 2,
-            max_version: 2,
+            min_version: kvtier_core::protocol::VERSION,
+            max_version: kvtier_core::protocol::VERSION,
             client: "hostile".into(),
             token: String::new(),
             block_bytes: 0,
