@@ -108,14 +108,17 @@ impl Arena {
     }
 }
 
-/// The server's published slot table (local connections, no tenants), mapped read-only:
-/// a DRAM hit is read from the arena with no message (see `kvtier_core::slot_table` and
+/// The server's published slot table (local connections), mapped read-only: a DRAM hit is
+/// read from the arena with no message (see `kvtier_core::slot_table` and
 /// `docs/protocol.md`, "Local gets without a message").
 pub(crate) struct SlotView {
     map: memmap2::MmapRaw,
     slots: u32,
     buckets: u32,
     slot_bytes: u64,
+    /// With tenants, the table holds internal keys: this connection's namespace's mapping
+    /// (from the hello reply). Only the table probe uses it; requests carry the caller's keys.
+    keys: Option<kvtier_core::KeyMap>,
 }
 
 /// Tries per slot when the slot changes under a copy, before the caller falls back to a pin.
@@ -146,6 +149,7 @@ impl SlotView {
         if dst.len() as u64 > self.slot_bytes {
             return false;
         }
+        let key = self.keys.as_ref().map_or(key, |m| m.internal(key));
         let k = key.to_u128();
         let bucket = (bucket_of(key) & u64::from(self.buckets - 1)) as usize;
         let base = HEADER_BYTES + RECORD_BYTES * self.slots as usize + 4 * WAYS * bucket;
@@ -233,8 +237,8 @@ pub(crate) struct Conn {
     pub hello: HelloReply,
     pub arena: Option<Arena>,
     pub staging: Option<Staging>,
-    /// The published slot table: DRAM hits read with no message (None with tenants, or when
-    /// [`ClientConfig::fast_local_gets`] is off).
+    /// The published slot table: DRAM hits read with no message (None without the arena, or
+    /// when [`ClientConfig::fast_local_gets`] is off).
     pub slot_table: Option<SlotView>,
     /// Local puts one at a time: they share the one staging region.
     pub put_lock: tokio::sync::Mutex<()>,
@@ -334,6 +338,11 @@ impl Conn {
                 )));
             }
         };
+        if hello.namespace_key.is_some() && hello.slot_table_bytes == 0 {
+            return Err(ClientError::Protocol(
+                "the hello reply carries a namespace key but no slot table".into(),
+            ));
+        }
         let (arena, staging, slot_table) = if hello.arena_bytes > 0 {
             let want = if hello.slot_table_bytes > 0 { 3 } else { 2 };
             if fds.len() != want {
@@ -349,6 +358,7 @@ impl Conn {
                     t,
                     hello.slot_table_bytes,
                     hello.arena_bytes,
+                    hello.namespace_key.map(kvtier_core::KeyMap::from_bytes),
                 )?),
                 _ => None,
             };
@@ -742,8 +752,14 @@ fn map_arena(fd: OwnedFd, bytes: u64) -> Result<Arena, ClientError> {
     Ok(Arena { map })
 }
 
-/// Maps the published slot table and checks its header against the arena it describes.
-fn map_slot_table(fd: OwnedFd, bytes: u64, arena_bytes: u64) -> Result<SlotView, ClientError> {
+/// Maps the published slot table and checks its header against the arena it describes;
+/// `keys`: the namespace's key mapping, with tenants.
+fn map_slot_table(
+    fd: OwnedFd,
+    bytes: u64,
+    arena_bytes: u64,
+    keys: Option<kvtier_core::KeyMap>,
+) -> Result<SlotView, ClientError> {
     use kvtier_core::slot_table::{MAGIC, WAYS, buckets_for, table_bytes};
     let f = std::fs::File::from(fd);
     let len = f.metadata().map_err(ClientError::Io)?.len();
@@ -781,6 +797,7 @@ fn map_slot_table(fd: OwnedFd, bytes: u64, arena_bytes: u64) -> Result<SlotView,
         slots,
         buckets,
         slot_bytes,
+        keys,
     })
 }
 
@@ -854,9 +871,14 @@ mod tests {
         // Index: bucket 0 (the only one), way 0 names slot 0.
         at(HEADER_BYTES + 32).store(1, Ordering::Relaxed);
         at(HEADER_BYTES).store(1, Ordering::Relaxed);
-        let bad = map_slot_table(tf.try_clone().unwrap(), tbytes as u64, SLOT as u64 - 4096);
+        let bad = map_slot_table(
+            tf.try_clone().unwrap(),
+            tbytes as u64,
+            SLOT as u64 - 4096,
+            None,
+        );
         assert!(bad.is_err(), "a table describing more than the arena");
-        let view = map_slot_table(tf, tbytes as u64, SLOT as u64).unwrap();
+        let view = map_slot_table(tf, tbytes as u64, SLOT as u64, None).unwrap();
         let arena = map_arena(af, SLOT as u64).unwrap();
         let keys = [BlockKey::from_u128(11), BlockKey::from_u128(22)];
         let stop = AtomicBool::new(false);
@@ -910,6 +932,60 @@ mod tests {
         assert!(
             !view.read(&arena, keys[0], &mut dst),
             "a key the slot no longer holds"
+        );
+    }
+
+    /// With tenants the table holds internal keys: a view given the namespace's key mapping
+    /// finds the caller's key; the internal key sent as if it were a client's key, or the
+    /// caller's key without the mapping (or with another namespace's), is a miss.
+    #[test]
+    fn with_a_namespace_key_the_table_is_probed_by_internal_key() {
+        use kvtier_core::slot_table::{HEADER_BYTES, MAGIC, WAYS, buckets_for, table_bytes};
+        use kvtier_core::{BlockKey, KeyMap};
+        const SLOT: usize = 4096;
+        let tbytes = table_bytes(1);
+        let (tf, af) = (tempfile_fd(tbytes as u64), tempfile_fd(SLOT as u64));
+        let tmap =
+            memmap2::MmapRaw::map_raw(&std::fs::File::from(tf.try_clone().unwrap())).unwrap();
+        let amap =
+            memmap2::MmapRaw::map_raw(&std::fs::File::from(af.try_clone().unwrap())).unwrap();
+        let at = |off: usize| -> &AtomicU64 {
+            assert!(off.is_multiple_of(8) && off + 8 <= tmap.len());
+            // SAFETY: in bounds and aligned (asserted; the mapping is page aligned) and it
+            // outlives every use.
+            unsafe { &*(tmap.as_mut_ptr().add(off) as *const AtomicU64) }
+        };
+        let mine = KeyMap::derive(&[5; 32], "tenant:w");
+        let key = BlockKey::from_u128(77);
+        let internal = mine.internal(key);
+        at(0).store(MAGIC, Ordering::Relaxed);
+        at(8).store(u64::from(WAYS as u32) << 32 | 1, Ordering::Relaxed);
+        at(16).store(u64::from(buckets_for(1)), Ordering::Relaxed);
+        at(32).store(SLOT as u64, Ordering::Relaxed);
+        at(HEADER_BYTES + 32).store(1, Ordering::Relaxed);
+        at(HEADER_BYTES + 8).store(internal.to_u128() as u64, Ordering::Relaxed);
+        at(HEADER_BYTES + 16).store((internal.to_u128() >> 64) as u64, Ordering::Relaxed);
+        at(HEADER_BYTES).store(2, Ordering::Release);
+        // SAFETY: the arena mapping is SLOT bytes; nothing else touches it.
+        unsafe { std::ptr::write_bytes(amap.as_mut_ptr(), 9, SLOT) };
+        let arena = map_arena(af, SLOT as u64).unwrap();
+        let view = |keys| map_slot_table(tf.try_clone().unwrap(), tbytes as u64, SLOT as u64, keys);
+        let mut dst = vec![0u8; SLOT];
+        let given = view(Some(KeyMap::from_bytes(*mine.bytes()))).unwrap();
+        assert!(given.read(&arena, key, &mut dst));
+        assert!(dst.iter().all(|b| *b == 9));
+        assert!(
+            !given.read(&arena, internal, &mut dst),
+            "an internal key as sent"
+        );
+        let other = view(Some(KeyMap::derive(&[5; 32], "tenant:x"))).unwrap();
+        assert!(
+            !other.read(&arena, key, &mut dst),
+            "another namespace's mapping"
+        );
+        assert!(
+            !view(None).unwrap().read(&arena, key, &mut dst),
+            "no mapping"
         );
     }
 

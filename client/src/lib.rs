@@ -39,8 +39,9 @@
 //! Addresses: `unix:///path/to/kvtier.sock` (local; with [`ClientConfig::zero_copy`] the
 //! client maps the server's DRAM arena read-only and reads blocks from it in place, and
 //! writes the blocks it puts into a staging region of its own that the server copies from;
-//! without tenants on the server, [`Client::get_into`] reads DRAM hits through the server's
-//! published slot table with no message at all, see [`ClientConfig::fast_local_gets`]),
+//! [`Client::get_into`] reads DRAM hits through the server's published slot table with no
+//! message at all (with tenants, for the tenant trusted with the arena, its keys mapped by
+//! the namespace key the hello passes), see [`ClientConfig::fast_local_gets`]),
 //! `tcp://host:port` (plain text: for loopback, or a network the operator trusts),
 //! `tls://host:port` (TLS over TCP) and `quic://host:port`. The network transports need
 //! [`ClientConfig::token`]; the encrypted ones (TLS, QUIC) also the server's certificate,

@@ -6,6 +6,7 @@
 
 mod error;
 pub mod key;
+pub mod key_map;
 pub mod layout;
 pub mod protocol;
 pub mod rng;
@@ -13,5 +14,6 @@ pub mod slot_table;
 
 pub use error::CoreError;
 pub use key::{BlockKey, HashScheme, HashSecret, Namespace, NamespaceBuilder, PrefixHasher};
+pub use key_map::KeyMap;
 pub use layout::{Dtype, KvKind, KvLayout, KvTensor};
 pub use rng::SplitMix64;

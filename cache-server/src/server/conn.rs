@@ -861,17 +861,26 @@ impl Conn {
                 0
             },
             staging_bytes,
-            slot_table_bytes: local.as_ref().map_or(0, |l| l.table_bytes),
+            slot_table_bytes: if local.is_some() {
+                s.store.dram().published().bytes()
+            } else {
+                0
+            },
             max_keys: s.limits.max_keys,
             max_meta_bytes: s.limits.max_meta_bytes,
             max_payload_bytes: s.limits.max_payload_bytes,
             max_lease_ms: s.config.limits.max_lease_ms,
             event_seq: s.tenants.bus(self.who.ns).next_seq(),
+            // With tenants the table holds internal keys: the client gets its own namespace's
+            // key to map its keys for the table (and nothing that maps another's).
+            namespace_key: local
+                .as_ref()
+                .and(s.tenants.key_map(self.who.ns))
+                .map(|m| *m.bytes()),
         });
         let mut out = Out::new(id, op, &reply, 0);
         if let Some(l) = local {
-            out.fds = vec![l.arena, l.staging_fd];
-            out.fds.extend(l.table);
+            out.fds = vec![l.arena, l.staging_fd, l.table];
             lock(&self.state).staging = Some(l.staging);
         }
         self.send(out).await;
@@ -1732,15 +1741,14 @@ impl Job {
     }
 }
 
-/// What a local client is passed at hello: the arena read-only and its own staging region.
+/// What a local client is passed at hello: the arena and the published slot table read-only,
+/// and its own staging region. With tenants, the hello reply adds the client's namespace key
+/// (the table holds internal keys).
 struct LocalFds {
     arena: OwnedFd,
     staging_fd: OwnedFd,
     staging: Arc<Staging>,
-    /// The published slot table (no tenants only: with tenants, the keys in it are internal
-    /// keys a client cannot compute, so it is not sent).
-    table: Option<OwnedFd>,
-    table_bytes: u64,
+    table: OwnedFd,
 }
 
 fn local_fds(s: &Shared) -> std::io::Result<LocalFds> {
@@ -1752,20 +1760,11 @@ fn local_fds(s: &Shared) -> std::io::Result<LocalFds> {
     );
     let staging = Arc::new(Staging::create(places, s.block_bytes)?);
     let staging_fd = staging.fd().try_clone_to_owned()?;
-    let table = if s.tenants.keys_as_sent() {
-        Some(dram.published().client_fd().try_clone_to_owned()?)
-    } else {
-        None
-    };
+    let table = dram.published().client_fd().try_clone_to_owned()?;
     Ok(LocalFds {
         arena,
         staging_fd,
         staging,
-        table_bytes: if table.is_some() {
-            dram.published().bytes()
-        } else {
-            0
-        },
         table,
     })
 }

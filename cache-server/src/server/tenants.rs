@@ -7,10 +7,14 @@
 //! With tenants, the credential that authenticated a connection (a tenant's token over TCP,
 //! TLS and QUIC; the tenant marked `unix = true`, else an implicit admin, on the Unix socket)
 //! names a tenant, and the tenant a **namespace**: its own, or its sharing group's. Every key
-//! a client sends is mapped to an internal key `SHA-256(secret, namespace name, key)[..16]`
-//! (the secret: [`super::key_secret`]), so namespaces never meet in the store and no client
-//! can name an internal key of another namespace (it never sees one, and cannot compute one).
-//! The store, its tiers and the NVMe files work on internal keys unchanged.
+//! a client sends is mapped to an internal key in two steps ([`kvtier_core::key_map`]): the
+//! namespace key `SHA-256("kvtier tenant namespace v3", secret, namespace name)` (the secret:
+//! [`super::key_secret`]), then `HMAC-SHA256(namespace key, key)[..16]`. So namespaces never
+//! meet in the store and no client can name an internal key of another namespace: it cannot
+//! compute one without that namespace's key, which only the local engine trusted with the
+//! arena is given, for its own namespace (to read DRAM hits through the published slot table).
+//! Whatever keys a client sends, the server maps them. The store, its tiers and the NVMe
+//! files work on internal keys unchanged.
 //!
 //! The server remembers, for each internal key a tenant stored, its namespace and the
 //! client's key ([`Names`]), kept current by the store's events: that is what turns store
@@ -32,8 +36,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kvtier_core::BlockKey;
-use ring::digest;
+use kvtier_core::{BlockKey, KeyMap};
 
 use super::brakes::{token_digest, token_matches};
 use super::config::{ServerConfig, Size, TenantSection};
@@ -50,7 +53,8 @@ pub(crate) struct Identity {
     pub admin: bool,
     /// The namespace its keys live in.
     pub ns: Ns,
-    /// May be passed the DRAM arena on the Unix socket (it reads every namespace's blocks).
+    /// May be passed the DRAM arena on the Unix socket (it reads every namespace's blocks),
+    /// and with it the published slot table and its namespace's key.
     pub local_arena: bool,
 }
 
@@ -73,8 +77,8 @@ struct Tenant {
 struct Space {
     /// `tenant:NAME`, `group:NAME`, or `unix` (the Unix socket's own).
     name: String,
-    /// SHA-256 state after the secret and the namespace's number.
-    prefix: digest::Context,
+    /// Maps the namespace's client keys to internal keys.
+    map: KeyMap,
     /// Most blocks the namespace holds; `None`: no quota.
     quota: Option<u64>,
     /// Blocks the namespace keeps whatever the others store: its quota, or an equal part of
@@ -355,15 +359,10 @@ impl Tenants {
             .iter()
             .enumerate()
             .map(|(ns, q)| {
-                let mut prefix = digest::Context::new(&digest::SHA256);
-                // By name, not number: a namespace keeps its keys when others are added.
-                prefix.update(b"kvtier tenant namespace v2");
-                prefix.update(secret);
-                prefix.update(&(space_names[ns].len() as u64).to_le_bytes());
-                prefix.update(space_names[ns].as_bytes());
                 Space {
                     name: space_names[ns].clone(),
-                    prefix,
+                    // By name, not number: a namespace keeps its keys when others are added.
+                    map: KeyMap::derive(secret, &space_names[ns]),
                     quota: *q,
                     share: q.unwrap_or(equal),
                 }
@@ -456,15 +455,16 @@ impl Tenants {
 
     /// The internal key of a client's `key` in namespace `ns`.
     pub fn key(&self, ns: Ns, key: BlockKey) -> BlockKey {
-        let Some(m) = &self.multi else {
-            return key;
-        };
-        let mut c = m.spaces[ns].prefix.clone();
-        c.update(key.as_bytes());
-        let d = c.finish();
-        let mut b = [0u8; 16];
-        b.copy_from_slice(&d.as_ref()[..16]);
-        BlockKey::from_bytes(b)
+        match &self.multi {
+            Some(m) => m.spaces[ns].map.internal(key),
+            None => key,
+        }
+    }
+
+    /// The key mapping of namespace `ns`, for a local client trusted with the arena to read
+    /// the published slot table; `None` without tenants (keys are used as sent).
+    pub fn key_map(&self, ns: Ns) -> Option<&KeyMap> {
+        self.multi.as_ref().map(|m| &m.spaces[ns].map)
     }
 
     /// The internal keys of a client's keys.
@@ -757,6 +757,32 @@ mod tests {
         assert_ne!(t.key(a.ns, k(1)), t.key(b.ns, k(1)));
         assert_ne!(t.key(a.ns, k(1)), k(1));
         assert_eq!(t.key(c.ns, k(1)), t.key(d.ns, k(1)));
+        // A client given its namespace key (at hello) maps exactly as the server does, and
+        // with it cannot reach another namespace's internal key.
+        let given = KeyMap::from_bytes(*t.key_map(a.ns).unwrap().bytes());
+        for i in 0..64 {
+            assert_eq!(given.internal(k(i)), t.key(a.ns, k(i)));
+            assert_ne!(given.internal(k(i)), t.key(b.ns, k(i)));
+        }
+        assert_eq!(
+            t.key(a.ns, k(1)),
+            KeyMap::derive(&SECRET, "tenant:a").internal(k(1)),
+            "keyed by the namespace's name"
+        );
+        // By name: adding a tenant changes no other namespace's keys.
+        let more = with_secret(
+            &cfg(&[
+                ("0", tenant("t0")),
+                ("a", tenant("ta")),
+                ("b", tenant("tb")),
+            ]),
+            4096,
+            10,
+        )
+        .unwrap();
+        let a2 = more.by_token(b"ta").unwrap().unwrap().0;
+        assert_ne!(a2.ns, a.ns, "tenant 0 sorts first and takes namespace 0");
+        assert_eq!(more.key(a2.ns, k(1)), t.key(a.ns, k(1)));
         let me = Some(crate::server::places::euid());
         assert!(t.unix_identity(me).unwrap().admin);
         assert_ne!(t.unix_identity(me).unwrap().ns, a.ns);

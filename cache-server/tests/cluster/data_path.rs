@@ -478,7 +478,7 @@ async fn lying_peer(l: tokio::net::TcpListener) {
                 let (resp, body) = match req {
                     Request::Hello(_) => (
                         Response::Hello(HelloReply {
-                            version: 2,
+                            version: kvtier_core::protocol::VERSION,
                             server: "liar".into(),
                             block_bytes: BLOCK as u64,
                             layout_fingerprint: 0,
@@ -490,6 +490,7 @@ async fn lying_peer(l: tokio::net::TcpListener) {
                             max_payload_bytes: limits.max_payload_bytes,
                             max_lease_ms: 1000,
                             event_seq: 0,
+                            namespace_key: None,
                         }),
                         vec![],
                     ),
@@ -518,7 +519,7 @@ async fn lying_peer(l: tokio::net::TcpListener) {
                 };
                 let (fl, meta) = resp.encode_meta();
                 let out = Header {
-                    version: 2,
+                    version: kvtier_core::protocol::VERSION,
                     opcode: h.opcode,
                     flags: fl,
                     request_id: h.request_id,

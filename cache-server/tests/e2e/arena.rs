@@ -1,6 +1,7 @@
-//! The local path against a hostile local client: the arena it is given cannot be written,
-//! hole-punched, resized or re-sealed through any route, so another client's blocks stay
-//! exact and the server stays up; misuse of its own staging region costs only its own puts.
+//! The local path against a hostile local client: the arena and the slot table it is given
+//! cannot be written, hole-punched, resized or re-sealed through any route, so another
+//! client's blocks stay exact and the server stays up; misuse of its own staging region costs
+//! only its own puts.
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -24,8 +25,8 @@ pub(crate) async fn local_hello(path: &Path) -> (Raw<UnixStream>, HelloReply, Ve
     let mut raw = Raw::new(s);
     raw.send(
         &Request::Hello(Hello {
-            min_version: 2,
-            max_version: 2,
+            min_version: kvtier_core::protocol::VERSION,
+            max_version: kvtier_core::protocol::VERSION,
             client: "hostile".into(),
             token: String::new(),
             block_bytes: 0,
@@ -73,6 +74,53 @@ fn punch(f: &File, offset: u64, len: u64) -> i32 {
     }
 }
 
+/// Asserts that `f` (a descriptor passed at hello, of `bytes` bytes) can be neither written
+/// (at `off`), hole-punched, resized nor re-sealed, through the descriptor itself or the
+/// memfd reopened read-write through /proc, and that a read-only shared mapping of it works
+/// and cannot be made writable. Returns that mapping (the caller unmaps it).
+fn assert_read_only(name: &str, f: &File, bytes: u64, off: u64) -> *mut libc::c_void {
+    let reopened = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(format!("/proc/self/fd/{}", f.as_raw_fd()))
+        .unwrap();
+    for (what, f) in [("passed fd", f), ("reopened read-write", &reopened)] {
+        assert!(
+            memmap2::MmapOptions::new()
+                .len(bytes as usize)
+                .map_raw(f)
+                .is_err(),
+            "{name}, {what}: mapped writable"
+        );
+        assert!(
+            f.write_at(&[0xAA; 64], off).is_err(),
+            "{name}, {what}: written"
+        );
+        assert_ne!(punch(f, off, 4096), 0, "{name}, {what}: hole punched");
+        assert!(f.set_len(0).is_err(), "{name}, {what}: truncated to 0");
+        assert!(f.set_len(bytes * 2).is_err(), "{name}, {what}: grown");
+        // SAFETY: fcntl with an integer argument; expected to fail (sealed).
+        let seal = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE) };
+        assert!(seal < 0, "{name}, {what}: sealed");
+    }
+    // SAFETY: a fresh shared read-only mapping of the whole file; the caller unmaps it.
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bytes as usize,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(addr, libc::MAP_FAILED, "{name}: no read-only mapping");
+    // SAFETY: the range is the mapping just made.
+    let up = unsafe { libc::mprotect(addr, bytes as usize, libc::PROT_READ | libc::PROT_WRITE) };
+    assert_ne!(up, 0, "{name}: a read-only mapping was made writable");
+    addr
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_client_cannot_write_punch_or_resize_the_arena() {
     let srv = ServerProc::start(&[]);
@@ -87,7 +135,7 @@ async fn a_local_client_cannot_write_punch_or_resize_the_arena() {
             hello.arena_bytes > 0 && hello.staging_bytes > 0,
             "{hello:?}"
         );
-        let [arena, _staging, _table]: [OwnedFd; 3] = fds.try_into().expect("three descriptors");
+        let [arena, _staging, table]: [OwnedFd; 3] = fds.try_into().expect("three descriptors");
         let arena = File::from(arena);
         // The attacker learns where the victim's first block lives.
         raw.send(
@@ -104,44 +152,21 @@ async fn a_local_client_cannot_write_punch_or_resize_the_arena() {
         assert_eq!(p.blocks.len(), ks.len());
         let off = p.blocks[0].offset;
 
-        // Every route to writing that slot: the passed fd, and the memfd reopened
-        // read-write through /proc.
-        let reopened = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(format!("/proc/self/fd/{}", arena.as_raw_fd()))
-            .unwrap();
-        for (what, f) in [("passed fd", &arena), ("reopened read-write", &reopened)] {
-            let len = hello.arena_bytes as usize;
-            assert!(
-                memmap2::MmapOptions::new().len(len).map_raw(f).is_err(),
-                "{what}: mapped writable"
-            );
-            assert!(f.write_at(&[0xAA; 64], off).is_err(), "{what}: written");
-            assert_ne!(punch(f, off, BLOCK as u64), 0, "{what}: hole punched");
-            assert!(f.set_len(0).is_err(), "{what}: truncated to 0");
-            assert!(f.set_len(hello.arena_bytes * 2).is_err(), "{what}: grown");
-            // SAFETY: fcntl with an integer argument; expected to fail (the arena is sealed).
-            let seal = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE) };
-            assert!(seal < 0, "{what}: sealed");
-        }
-        // A read-only mapping works, and cannot be turned writable.
+        // Every route to writing that slot fails, and so does every route to writing,
+        // punching or resizing the published slot table (which says what each slot holds).
         let len = hello.arena_bytes as usize;
-        // SAFETY: a fresh shared read-only mapping of the arena; unmapped below.
-        let addr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                arena.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(addr, libc::MAP_FAILED);
-        // SAFETY: the range is the mapping just made.
-        let up = unsafe { libc::mprotect(addr, len, libc::PROT_READ | libc::PROT_WRITE) };
-        assert_ne!(up, 0, "a read-only mapping was made writable");
+        let addr = assert_read_only("arena", &arena, hello.arena_bytes, off);
+        assert!(hello.slot_table_bytes > 0, "{hello:?}");
+        let table = File::from(table);
+        let tmap = assert_read_only("slot table", &table, hello.slot_table_bytes, 0);
+        // What it maps is the table the server publishes: its magic, and the victim's blocks
+        // still read with no message below.
+        // SAFETY: the first 8 bytes of a mapping of at least 4,096; the server only writes
+        // the header before any client is given the table.
+        let magic = unsafe { std::ptr::read_volatile(tmap as *const u64) };
+        assert_eq!(magic, kvtier_core::slot_table::MAGIC);
+        // SAFETY: unmapping the mapping made by `assert_read_only`; nothing refers to it.
+        unsafe { libc::munmap(tmap, hello.slot_table_bytes as usize) };
         let mut seen = vec![0u8; BLOCK];
         // SAFETY: [off, off + BLOCK) lies in the mapping (the server named it), the slot is
         // pinned, and the copy forms no reference into the shared memory.
@@ -156,8 +181,13 @@ async fn a_local_client_cannot_write_punch_or_resize_the_arena() {
         // SAFETY: unmapping the mapping made above; nothing refers to it any more.
         unsafe { libc::munmap(addr, len) };
 
-        // The server is up, and the victim still reads exactly its bytes.
+        // The server is up, and the victim still reads exactly its bytes, in place.
+        let before = victim.fast_hits();
         assert_eq!(get_verified(&victim, &ks).await, ks.len());
+        assert!(
+            victim.fast_hits() > before,
+            "no read through the slot table"
+        );
         let (code, _) = http_get(srv.admin, "/health").await;
         assert_eq!(code, 200);
     })

@@ -444,8 +444,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Raw<S> {
     pub async fn hello(&mut self, token: &str) -> Response {
         self.send(
             &Request::Hello(kvtier_core::protocol::Hello {
-                min_version: 2,
-                max_version: 2,
+                min_version: kvtier_core::protocol::VERSION,
+                max_version: kvtier_core::protocol::VERSION,
                 client: "raw".into(),
                 token: token.into(),
                 block_bytes: 0,

@@ -16,8 +16,8 @@ async fn an_expired_reservation_is_refused_and_its_slots_freed() {
         let mut r = Raw::new(tokio::net::UnixStream::connect(&srv.unix).await.unwrap());
         r.send(
             &Request::Hello(Hello {
-                min_version: 2,
-                max_version: 2,
+                min_version: kvtier_core::protocol::VERSION,
+                max_version: kvtier_core::protocol::VERSION,
                 client: "late".into(),
                 token: String::new(),
                 block_bytes: 0,

@@ -1,7 +1,9 @@
 //! Local gets with no message: a DRAM hit is read through the server's published slot table
 //! (a seqlock per slot). These tests check that a hit is always exactly the block put under
 //! its key, while other clients' puts evict, reuse, promote and remove the very slots being
-//! read, and that removal, clear and tenants are honoured.
+//! read, and that removal and clear are honoured; and, with tenants, that the local engine
+//! trusted with the arena reads its own namespace's hits with no message and never another
+//! namespace's blocks.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -23,8 +25,34 @@ async fn get_exact(c: &Client, keys: &[kvtier_core::BlockKey]) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fast_hits_are_exact_while_puts_evict_the_keys_being_read() {
+    stress(&[], None).await;
+}
+
+/// The same with tenants: the local clients are the tenant trusted with the arena (its keys
+/// mapped through its namespace key for the table), and another tenant keeps putting the very
+/// same client keys with other bytes over TCP, so the table holds both namespaces' blocks
+/// under those keys, evicting each other: a local hit must still be exactly the local
+/// tenant's block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fast_hits_are_exact_with_tenants_while_another_tenant_puts_the_same_keys() {
+    stress(
+        &[
+            "server.token=\"\"",
+            "tenants.w={unix=true, local_arena=true}",
+            "tenants.b={token=\"tok-b\"}",
+        ],
+        Some("tok-b"),
+    )
+    .await;
+}
+
+/// Two local writers and two local readers over 64 chains for 6 s; with `other` (a tenant's
+/// token), a third writer puts the same keys as that tenant, every byte 0xEE.
+async fn stress(tenants: &[&str], other: Option<&'static str>) {
     // 64 DRAM slots, NVMe below: puts evict (and demote) continuously, prefetches promote.
-    let srv = Arc::new(ServerProc::start(&["store.dram_bytes=\"256KiB\""]));
+    let mut args = vec!["store.dram_bytes=\"256KiB\""];
+    args.extend_from_slice(tenants);
+    let srv = Arc::new(ServerProc::start(&args));
     bounded(120, async {
         let chains: Arc<Vec<Vec<kvtier_core::BlockKey>>> =
             Arc::new((0..64u32).map(|i| keys(b"stress", 4, i)).collect());
@@ -52,6 +80,23 @@ async fn fast_hits_are_exact_while_puts_evict_the_keys_being_read() {
                         _ => {}
                     }
                     i += 3;
+                }
+            }));
+        }
+        if let Some(token) = other {
+            let srv = srv.clone();
+            let (chains, stop) = (chains.clone(), stop.clone());
+            writers.push(tokio::spawn(async move {
+                let c = Client::connect(&srv.tcp_url(), ClientConfig::default().token(token))
+                    .await
+                    .unwrap();
+                let data = vec![vec![0xEEu8; BLOCK]; 4];
+                let bufs: Vec<&[u8]> = data.iter().map(|d| d.as_slice()).collect();
+                let mut i = 1usize;
+                while !stop.load(Ordering::Relaxed) {
+                    let ks = &chains[i % chains.len()];
+                    let _ = c.put_chain(ks, None, &bufs).await;
+                    i += 5;
                 }
             }));
         }
@@ -90,6 +135,96 @@ async fn fast_hits_are_exact_while_puts_evict_the_keys_being_read() {
             blocks > fast,
             "every block read in place: the pin path went untested"
         );
+    })
+    .await;
+}
+
+/// Requests the server has answered, all operations together (`/metrics`).
+async fn requests(srv: &ServerProc) -> u64 {
+    let (code, text) = http_get(srv.admin, "/metrics").await;
+    assert_eq!(code, 200);
+    text.lines()
+        .filter(|l| l.starts_with("kvtier_requests_total{"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap() as u64)
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_tenants_the_trusted_engine_reads_its_hits_with_no_message_and_no_one_elses() {
+    let srv = ServerProc::start(&[
+        "server.token=\"\"",
+        "tenants.w={unix=true, local_arena=true}",
+        "tenants.b={token=\"tok-b\"}",
+    ]);
+    bounded(60, async {
+        let w = srv.client("unix").await;
+        assert!(w.is_local() && w.has_fast_gets().await, "no slot table");
+        let b = Client::connect(&srv.tcp_url(), ClientConfig::default().token("tok-b"))
+            .await
+            .unwrap();
+        let kw = keys(b"worker", 4, 0);
+        put_all(&w, &kw).await;
+        // Hits with no message: the SDK read them through the table and the server answered
+        // nothing meanwhile.
+        let before = requests(&srv).await;
+        assert_eq!(get_exact(&w, &kw).await, 4);
+        assert_eq!(w.fast_hits(), 4, "a DRAM hit should take no message");
+        assert_eq!(requests(&srv).await, before, "a fast get sent a request");
+
+        // B's blocks are in DRAM and in the table, under B's internal keys: the local
+        // tenant's get of B's keys misses, through the table and through the server.
+        let kb = keys(b"tenant-b", 4, 0);
+        put_all(&b, &kb).await;
+        assert_eq!(get_verified(&b, &kb).await, 4);
+        assert_eq!(
+            get_exact(&w, &kb).await,
+            0,
+            "read another namespace's block"
+        );
+        assert_eq!(w.fast_hits(), 4);
+        // B stores its own blocks under the worker's very keys: the worker still reads its
+        // own bytes in place, B its own.
+        let data = vec![vec![0xEEu8; BLOCK]; 4];
+        let bufs: Vec<&[u8]> = data.iter().map(|d| d.as_slice()).collect();
+        assert_eq!(b.put_chain(&kw, None, &bufs).await.cached(), 4);
+        assert_eq!(get_exact(&w, &kw).await, 4);
+        assert_eq!(w.fast_hits(), 8);
+        let mut got = vec![0u8; BLOCK];
+        assert_eq!(b.get_into(&kw[..1], &mut [&mut got[..]]).await.blocks, 1);
+        assert_eq!(got, data[0]);
+
+        // What the hello passed: three descriptors and the namespace key, which maps the
+        // worker's keys to the table's and is not the other namespace's mapping. The table
+        // indeed holds all twelve blocks.
+        let (_raw, hello, fds) = crate::arena::local_hello(&srv.unix).await;
+        assert_eq!(fds.len(), 3);
+        let nk = hello.namespace_key.expect("no namespace key with tenants");
+        let table = std::fs::File::from(fds.into_iter().nth(2).unwrap());
+        let map = memmap2::MmapOptions::new()
+            .len(hello.slot_table_bytes as usize)
+            .map_raw_read_only(&table)
+            .unwrap();
+        let word = |off: usize| {
+            // SAFETY: 8-aligned offsets inside the mapping (the table's layout; the mapping
+            // is page aligned), read once each; the server writes these words atomically.
+            unsafe { std::ptr::read_volatile(map.as_ptr().add(off) as *const u64) }
+        };
+        use kvtier_core::slot_table::{HEADER_BYTES, RECORD_BYTES};
+        let slots = (word(8) & 0xffff_ffff) as usize;
+        let held: Vec<u128> = (0..slots)
+            .map(|s| HEADER_BYTES + RECORD_BYTES * s)
+            .filter(|r| word(*r) % 2 == 0)
+            .map(|r| u128::from(word(r + 8)) | u128::from(word(r + 16)) << 64)
+            .collect();
+        assert_eq!(held.len(), 12, "blocks in the table");
+        let mine = kvtier_core::KeyMap::from_bytes(nk);
+        for k in &kw {
+            assert!(held.contains(&mine.internal(*k).to_u128()));
+            assert!(!held.contains(&k.to_u128()), "a client key in the table");
+        }
+        for k in &kb {
+            assert!(!held.contains(&mine.internal(*k).to_u128()));
+        }
     })
     .await;
 }

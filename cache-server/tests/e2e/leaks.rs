@@ -25,8 +25,8 @@ async fn misbehaving_child() {
         "put" => {
             let mut r = Raw::new(tokio::net::UnixStream::connect(&addr).await.unwrap());
             let hello = Request::Hello(Hello {
-                min_version: 2,
-                max_version: 2,
+                min_version: kvtier_core::protocol::VERSION,
+                max_version: kvtier_core::protocol::VERSION,
                 client: "doomed".into(),
                 token: String::new(),
                 block_bytes: 0,

@@ -240,16 +240,20 @@ async fn only_a_tenant_trusted_with_the_arena_is_passed_it() {
                     hello.arena_bytes > 0 && hello.staging_bytes > 0,
                     "{hello:?}"
                 );
-                // The arena and the staging region; no slot table with tenants.
-                assert_eq!((fds.len(), hello.slot_table_bytes), (2, 0));
+                // The arena, the staging region and the slot table, with the namespace key
+                // that maps the worker's keys to the table's.
+                assert!(hello.slot_table_bytes > 0, "{hello:?}");
+                assert_eq!(fds.len(), 3);
+                assert!(hello.namespace_key.is_some());
             } else {
                 assert_eq!(
                     (
                         hello.arena_bytes,
                         hello.staging_bytes,
-                        hello.slot_table_bytes
+                        hello.slot_table_bytes,
+                        hello.namespace_key
                     ),
-                    (0, 0, 0)
+                    (0, 0, 0, None)
                 );
                 assert!(fds.is_empty(), "{} descriptors", fds.len());
             }
@@ -257,6 +261,7 @@ async fn only_a_tenant_trusted_with_the_arena_is_passed_it() {
             // place, or copies over the socket.
             let u = srv.client("unix").await;
             assert_eq!(u.is_local(), trusted);
+            assert_eq!(u.has_fast_gets().await, trusted);
             let c = as_tenant(&srv, "tok-c").await;
             let kw = keys(b"worker", 3, 0);
             put_all(&u, &kw).await;
@@ -264,6 +269,8 @@ async fn only_a_tenant_trusted_with_the_arena_is_passed_it() {
             let kc = keys(b"member", 3, 0);
             put_all(&c, &kc).await;
             assert_eq!(get_verified(&u, &kc).await, kc.len(), "trusted: {trusted}");
+            // A group member's blocks are the worker's namespace's: read in place when trusted.
+            assert_eq!(u.fast_hits(), if trusted { 3 } else { 0 });
         })
         .await;
     }

@@ -132,9 +132,12 @@ pub struct HelloReply {
     pub event_seq: u64,
     /// Bytes of the published slot table, whose read-only fd rides third (after the arena's
     /// and the staging region's): local gets read DRAM hits through it with no message
-    /// (`docs/protocol.md`, "Local gets without a message"). 0 = none sent (no arena, or the
-    /// server maps keys per tenant).
+    /// (`docs/protocol.md`, "Local gets without a message"). 0 = none sent (no arena).
     pub slot_table_bytes: u64,
+    /// With tenants, sent with the slot table: the connection's namespace key
+    /// ([`crate::key_map`]), which maps the client's keys to the internal keys the table
+    /// holds. `None` without tenants (keys as sent) or without a slot table.
+    pub namespace_key: Option<[u8; crate::key_map::NAMESPACE_KEY_BYTES]>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, SchemaWrite, SchemaRead)]

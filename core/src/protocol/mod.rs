@@ -50,9 +50,9 @@ use thiserror::Error;
 pub const MAGIC: u32 = u32::from_le_bytes(*b"KVT1");
 /// The protocol version this build speaks. A hello names the range a client speaks; the
 /// server answers with the highest version both know.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// Oldest protocol version this build still speaks.
-pub const MIN_VERSION: u16 = 2;
+pub const MIN_VERSION: u16 = 3;
 /// QUIC flow-control window (per stream and per connection) of kvtier's QUIC peers: a couple
 /// of 2 MiB blocks in flight, and no more, because quinn buffers what is in flight in its own
 /// memory, so the window bounds a server's memory per QUIC connection.

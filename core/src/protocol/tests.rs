@@ -31,7 +31,7 @@ fn response_frame(op: Opcode, r: &Response) -> Vec<u8> {
 #[test]
 fn header_golden_bytes() {
     let h = Header {
-        version: 2,
+        version: 3,
         opcode: Opcode::Get as u8,
         flags: flags::RESPONSE,
         request_id: 0x0102_0304_0506_0708,
@@ -43,7 +43,7 @@ fn header_golden_bytes() {
         b,
         [
             b'K', b'V', b'T', b'1', // magic
-            2, 0, // version
+            3, 0, // version
             4, // opcode: get
             1, // flags: response
             8, 7, 6, 5, 4, 3, 2, 1, // request id
@@ -106,6 +106,76 @@ fn metadata_golden_bytes() {
             1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 8, 7, 6, 5, 4, 3, 2, 1
         ]
     );
+
+    // A hello reply, field by field as `docs/protocol.md` lays it out; the namespace key is
+    // an `Option` of 32 raw bytes (no length prefix).
+    let reply = |namespace_key| HelloReply {
+        version: 3,
+        server: "kv".into(),
+        block_bytes: 4096,
+        layout_fingerprint: 0x0102,
+        arena_bytes: 1 << 20,
+        staging_bytes: 1 << 18,
+        max_keys: 65536,
+        max_meta_bytes: 1 << 20,
+        max_payload_bytes: 1 << 28,
+        max_lease_ms: 30_000,
+        event_seq: 5,
+        slot_table_bytes: 8192,
+        namespace_key,
+    };
+    let mut want = Vec::new();
+    want.extend_from_slice(&3u16.to_le_bytes());
+    want.extend_from_slice(&2u64.to_le_bytes());
+    want.extend_from_slice(b"kv");
+    for v in [4096u64, 0x0102, 1 << 20, 1 << 18] {
+        want.extend_from_slice(&v.to_le_bytes());
+    }
+    want.extend_from_slice(&65536u32.to_le_bytes());
+    want.extend_from_slice(&(1u32 << 20).to_le_bytes());
+    for v in [1u64 << 28, 30_000, 5, 8192] {
+        want.extend_from_slice(&v.to_le_bytes());
+    }
+    let mut none = want.clone();
+    none.push(0);
+    assert_eq!(
+        Response::Hello(reply(None)).encode_meta(),
+        (flags::RESPONSE, none)
+    );
+    want.push(1);
+    want.extend_from_slice(&[0xA5; 32]);
+    assert_eq!(
+        Response::Hello(reply(Some([0xA5; 32]))).encode_meta(),
+        (flags::RESPONSE, want.clone())
+    );
+    // Decoded strictly: a tag other than 0 or 1, a short key, a trailing byte.
+    let h = Header {
+        version: 3,
+        opcode: Opcode::Hello as u8,
+        flags: flags::RESPONSE,
+        request_id: 0,
+        meta_len: want.len() as u32,
+        payload_len: 0,
+    };
+    let limits = Limits::default();
+    assert_eq!(
+        Response::decode(&h, &want, &limits).unwrap(),
+        Response::Hello(reply(Some([0xA5; 32])))
+    );
+    let tag = want.len() - 33;
+    let mut bad = want.clone();
+    bad[tag] = 2;
+    assert!(Response::decode(&h, &bad, &limits).is_err(), "option tag 2");
+    assert!(
+        Response::decode(&h, &want[..want.len() - 1], &limits).is_err(),
+        "a short key"
+    );
+    let mut long = want;
+    long.push(0);
+    assert!(
+        Response::decode(&h, &long, &limits).is_err(),
+        "a trailing byte"
+    );
 }
 
 fn all_requests() -> Vec<Request> {
@@ -122,8 +192,8 @@ fn all_requests() -> Vec<Request> {
     ];
     vec![
         Request::Hello(Hello {
-            min_version: 2,
-            max_version: 2,
+            min_version: 3,
+            max_version: 3,
             client: "worker-0".into(),
             token: "secret".into(),
             block_bytes: 2 << 20,
@@ -191,7 +261,7 @@ fn every_response_round_trips() {
         (
             Opcode::Hello,
             Response::Hello(HelloReply {
-                version: 2,
+                version: 3,
                 server: "kvtier".into(),
                 block_bytes: 4096,
                 layout_fingerprint: 0xabc,
@@ -203,6 +273,7 @@ fn every_response_round_trips() {
                 max_payload_bytes: 1 << 28,
                 max_lease_ms: 30_000,
                 event_seq: 5,
+                namespace_key: Some([9; 32]),
             }),
         ),
         (Opcode::Ping, Response::Pong),
