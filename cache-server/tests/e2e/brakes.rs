@@ -234,18 +234,30 @@ async fn a_client_that_never_reads_is_cut_off_and_starves_no_one() {
         let c = srv.client("tcp").await;
         let k = keys(b"slow", 64, 0); // 256 KiB a get
         put_all(&c, &k).await;
-        // The stuck client pipelines 200 gets (50 MiB) and never reads a byte.
-        let mut stuck = authed_tcp(&srv).await;
+        // The stuck client pipelines gets (256 KiB each) and never reads a byte: 200 at
+        // once, then more every 10 ms, so that what the server does send (what fits its
+        // per-connection queue; the rest is answered busy) surely outgrows the sockets'
+        // buffers, however fast the server drains into them, and its writer stalls.
+        let stuck = authed_tcp(&srv).await;
+        let (mut stuck_rd, mut stuck_wr) = stuck.s.into_split();
         let get = Raw::<TcpStream>::frame(
             &Request::Get(kvtier_core::protocol::KeyList { keys: k.clone() }),
             0,
             0,
         );
         for _ in 0..200 {
-            if stuck.s.write_all(&get).await.is_err() {
+            if stuck_wr.write_all(&get).await.is_err() {
                 break;
             }
         }
+        let pusher = tokio::spawn(async move {
+            for _ in 0..2000 {
+                if stuck_wr.write_all(&get).await.is_err() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        });
         let stalled = Instant::now();
         // Meanwhile another client's gets are served, not answered busy (the server's send
         // budget is 4 MiB: without a per-connection bound the stuck client would hold it).
@@ -268,7 +280,8 @@ async fn a_client_that_never_reads_is_cut_off_and_starves_no_one() {
         .await;
         let mut sink = Vec::new();
         let drained =
-            tokio::time::timeout(Duration::from_secs(10), stuck.s.read_to_end(&mut sink)).await;
+            tokio::time::timeout(Duration::from_secs(10), stuck_rd.read_to_end(&mut sink)).await;
+        pusher.abort();
         assert!(
             drained.is_ok(),
             "the server kept a client that did not read for longer than the write timeout"

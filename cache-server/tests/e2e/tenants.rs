@@ -339,8 +339,8 @@ async fn a_unix_client_whose_uid_no_tenant_lists_is_refused_at_hello() {
     }
     let hello = Raw::<tokio::net::UnixStream>::frame(
         &Request::Hello(Hello {
-            min_version: 2,
-            max_version: 2,
+            min_version: kvtier_core::protocol::VERSION,
+            max_version: kvtier_core::protocol::VERSION,
             client: "stranger".into(),
             token: String::new(),
             block_bytes: 0,
