@@ -3,18 +3,22 @@
 KV space is smaller than the workload's working set (as on a busy server); docs/benchmarks.md.
 
     "$(scripts/vllm-env.sh)/bin/python" scripts/bench-vllm-agentic.py \\
-        [--blocks 64] [--bench target/release/kvtier-bench] [-- agentic args...]
+        [--blocks 64] [--max-model-len 4096] [--bench target/release/kvtier-bench] \\
+        [-- agentic args...]
 
 Two ``vllm serve`` processes (SmolLM2-135M, bfloat16, vLLM's prefix cache on in both, KV space
-capped at ``--blocks`` 128-token blocks with ``--num-gpu-blocks-override``): ``vllm`` alone and
-``vllm+kvtier`` (the connector, over a kvtier-server's Unix socket). Both are up for the whole
-run; ``kvtier-bench agentic`` drives the same seeded workload against one after the other and
-prints them side by side (arguments after ``--`` go to it).
+capped at ``--blocks`` 128-token blocks with ``--num-gpu-blocks-override``, contexts of at most
+``--max-model-len`` tokens): ``vllm`` alone and ``vllm+kvtier`` (the connector, over a
+kvtier-server's Unix socket). Both are up for the whole run; ``kvtier-bench agentic`` drives the
+same seeded workload against one after the other and prints them side by side (arguments after
+``--`` go to it; ``--max-context`` is set to ``--max-model-len`` unless given there). The load
+average is printed before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +44,9 @@ DEFAULT_AGENTIC = [
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=64, help="vLLM's KV blocks (128 tokens each)")
+    ap.add_argument(
+        "--max-model-len", type=int, default=4096, help="vLLM's context (SmolLM2: up to 8,192)"
+    )
     ap.add_argument("--bench", default=str(REPO / "target" / "release" / "kvtier-bench"))
     ap.add_argument("agentic", nargs="*", help="kvtier-bench agentic arguments (after --)")
     args = ap.parse_args()
@@ -59,17 +66,23 @@ def main() -> int:
         kv = connector_config(srv.url, {"stats_file": str(work / "serve")})
         cap = ["--max-num-seqs", "8", "--num-gpu-blocks-override", str(args.blocks)]
         for config in (None, kv):
-            servers.append(ApiServer(model, cap, config))
+            servers.append(ApiServer(model, cap, config, max_model_len=args.max_model_len))
             servers[-1].wait_healthy()
         off, on = servers
+        agentic = args.agentic or DEFAULT_AGENTIC
+        if "--max-context" not in agentic:
+            # A session ends where its next prompt would not fit vLLM's context.
+            agentic = [*agentic, "--max-context", str(args.max_model_len)]
         cmd = [
             args.bench, "agentic", "--model", "smollm2",
             "--target", f"vllm={off.base}",
             "--target", f"vllm+kvtier={on.base}",
-            *(args.agentic or DEFAULT_AGENTIC),
+            *agentic,
         ]  # fmt: skip
         print("$", " ".join(cmd), flush=True)
+        print("load average before:", " ".join(f"{x:.2f}" for x in os.getloadavg()), flush=True)
         code = subprocess.run(cmd, check=False).returncode
+        print("load average after:", " ".join(f"{x:.2f}" for x in os.getloadavg()), flush=True)
         for side in ("scheduler", "worker"):
             stats = work / f"serve.{side}.json"
             if stats.exists():
