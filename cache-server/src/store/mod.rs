@@ -114,6 +114,8 @@ struct Inner {
     bounce: BufferPool,
     /// NVMe (and other tier) write and erase errors: logged at most every 10 s.
     write_errors_log: warn::WarnEvery,
+    /// Failed and corrupt reads: logged at most every 10 s (a failing disk fails every block).
+    read_errors_log: warn::WarnEvery,
     leases: Mutex<HashMap<u64, LeaseRecord>>,
     next_lease: AtomicU64,
     /// The budget and counts of held lookups (leases taken by a lookup).
@@ -254,6 +256,7 @@ impl TieredStore {
             pool,
             bounce: BufferPool::new(slot_bytes, config.io_threads),
             write_errors_log: warn::WarnEvery::new(warn::IO_ERROR_LOG_INTERVAL),
+            read_errors_log: warn::WarnEvery::new(warn::IO_ERROR_LOG_INTERVAL),
             leases: Mutex::new(HashMap::new()),
             next_lease: AtomicU64::new(1),
             holds: Holds::new(match config.lookup_hold_max_blocks {

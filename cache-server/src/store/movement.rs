@@ -220,7 +220,12 @@ impl Inner {
         let reason = match e {
             TierError::Corrupt { .. } => {
                 TierCounters::inc(&c.corrupt_dropped);
-                tracing::warn!(%key, slot, tier = %tier.kind, "dropping corrupt block: {e}");
+                if let Some(n) = self.read_errors_log.note(std::time::Instant::now()) {
+                    tracing::warn!(
+                        %key, slot, tier = %tier.kind, errors_since_last_warning = n,
+                        "dropping corrupt block: {e} (see kvtier_tier_corrupt_dropped_total)"
+                    );
+                }
                 MissReason::Corrupt
             }
             TierError::Mismatch { .. } => {
@@ -230,7 +235,12 @@ impl Inner {
             }
             _ => {
                 TierCounters::inc(&c.io_errors);
-                tracing::warn!(%key, slot, tier = %tier.kind, "read failed: {e}");
+                if let Some(n) = self.read_errors_log.note(std::time::Instant::now()) {
+                    tracing::warn!(
+                        %key, slot, tier = %tier.kind, errors_since_last_warning = n,
+                        "tier read failed: {e} (see kvtier_tier_io_errors_total)"
+                    );
+                }
                 MissReason::IoError
             }
         };
