@@ -296,15 +296,17 @@ impl TieredStore {
     }
 
     /// How many distinct blocks the store keeps without its own eviction dropping any: the
-    /// largest of the host tier and the tiers below it when every block the host tier evicts
-    /// reaches the next one (write-back, write-through); the host tier alone when blocks can
-    /// leave it without a copy below (selective write-through). Moves between tiers do not
-    /// count: a block pushed from DRAM to NVMe is still kept. (Tenants' shares divide this.)
+    /// largest of the host tier and the tiers below it under write-through (every block is
+    /// copied below as it is stored); the host tier alone otherwise: under selective
+    /// write-through a block can leave DRAM without a copy below, and under write-back too
+    /// (an eviction that finds its write-backs backed up evicts without one, which a test of
+    /// this very bound found). Moves between tiers do not count: a block pushed from DRAM to
+    /// NVMe is still kept. (Tenants' shares divide this.)
     pub fn kept_blocks(&self) -> u64 {
         let i = &self.inner;
         let slots = |t: &Slots| u64::from(t.tier.slot_count());
         let host = slots(&i.tiers[i.host]);
-        if i.config.demotion.on_put() || i.config.demotion.on_evict() {
+        if i.config.demotion.on_put() {
             i.tiers[i.host..].iter().map(slots).max().unwrap_or(host)
         } else {
             host
