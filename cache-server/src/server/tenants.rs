@@ -259,15 +259,7 @@ impl Tenants {
                             format!("{b} bytes is less than one block ({block_bytes} bytes)"),
                         ));
                     }
-                    if blocks > kept_blocks {
-                        return Err(terr(
-                            setting,
-                            format!(
-                                "{blocks} blocks is more than the store holds ({kept_blocks} \
-                                 blocks kept by its tiers)"
-                            ),
-                        ));
-                    }
+                    // (More than the store keeps: refused below, with the other quotas.)
                     Some(blocks)
                 }
             };
