@@ -847,30 +847,70 @@ mod tests {
     /// protocol (seq odd, fill, key, seq even). Blocks are 1 MiB so copies overlap rewrites
     /// often: an accepted copy must be exactly one key's block, and a header that does not
     /// describe the arena is refused.
+    /// A published slot table of one slot (its header written, its one index entry naming
+    /// slot 0, the slot unpublished) over an arena of one `SLOT`-byte slot: both memfds, and
+    /// both mapped here as the server maps them.
+    struct OneSlot<const SLOT: usize> {
+        tf: OwnedFd,
+        af: OwnedFd,
+        tbytes: usize,
+        tmap: memmap2::MmapRaw,
+        amap: memmap2::MmapRaw,
+    }
+
+    impl<const SLOT: usize> OneSlot<SLOT> {
+        fn new() -> Self {
+            use kvtier_core::slot_table::{HEADER_BYTES, MAGIC, WAYS, buckets_for, table_bytes};
+            let tbytes = table_bytes(1);
+            let (tf, af) = (tempfile_fd(tbytes as u64), tempfile_fd(SLOT as u64));
+            let map = |fd: &OwnedFd| {
+                memmap2::MmapRaw::map_raw(&std::fs::File::from(fd.try_clone().unwrap())).unwrap()
+            };
+            let t = Self {
+                tmap: map(&tf),
+                amap: map(&af),
+                tf,
+                af,
+                tbytes,
+            };
+            t.word(0).store(MAGIC, Ordering::Relaxed);
+            t.word(8)
+                .store(u64::from(WAYS as u32) << 32 | 1, Ordering::Relaxed);
+            t.word(16)
+                .store(u64::from(buckets_for(1)), Ordering::Relaxed);
+            t.word(32).store(SLOT as u64, Ordering::Relaxed);
+            // Index: bucket 0 (the only one), way 0 names slot 0.
+            t.word(HEADER_BYTES + 32).store(1, Ordering::Relaxed);
+            t.word(HEADER_BYTES).store(1, Ordering::Relaxed);
+            t
+        }
+
+        /// The table's 8-byte word at `off`.
+        fn word(&self, off: usize) -> &AtomicU64 {
+            assert!(off.is_multiple_of(8) && off + 8 <= self.tmap.len());
+            // SAFETY: in bounds and aligned (asserted; the mapping is page aligned); the
+            // mapping lives as long as `self`, which the returned reference borrows.
+            unsafe { &*(self.tmap.as_mut_ptr().add(off) as *const AtomicU64) }
+        }
+
+        /// Slot 0's key words set to `k` (its seqlock word is the caller's).
+        fn set_key(&self, k: kvtier_core::BlockKey) {
+            use kvtier_core::slot_table::HEADER_BYTES;
+            self.word(HEADER_BYTES + 8)
+                .store(k.to_u128() as u64, Ordering::Relaxed);
+            self.word(HEADER_BYTES + 16)
+                .store((k.to_u128() >> 64) as u64, Ordering::Relaxed);
+        }
+    }
+
     #[test]
     fn slot_table_reads_are_never_torn_while_the_slot_is_rewritten() {
         use kvtier_core::BlockKey;
-        use kvtier_core::slot_table::{HEADER_BYTES, MAGIC, WAYS, buckets_for, table_bytes};
+        use kvtier_core::slot_table::HEADER_BYTES;
         const SLOT: usize = 1 << 20;
-        let tbytes = table_bytes(1);
-        let (tf, af) = (tempfile_fd(tbytes as u64), tempfile_fd(SLOT as u64));
-        let tmap =
-            memmap2::MmapRaw::map_raw(&std::fs::File::from(tf.try_clone().unwrap())).unwrap();
-        let amap =
-            memmap2::MmapRaw::map_raw(&std::fs::File::from(af.try_clone().unwrap())).unwrap();
-        let at = |off: usize| -> &AtomicU64 {
-            assert!(off.is_multiple_of(8) && off + 8 <= tmap.len());
-            // SAFETY: in bounds and aligned (asserted; the mapping is page aligned); the
-            // mapping outlives every use (the writer thread is joined before it drops).
-            unsafe { &*(tmap.as_mut_ptr().add(off) as *const AtomicU64) }
-        };
-        at(0).store(MAGIC, Ordering::Relaxed);
-        at(8).store(u64::from(WAYS as u32) << 32 | 1, Ordering::Relaxed);
-        at(16).store(u64::from(buckets_for(1)), Ordering::Relaxed);
-        at(32).store(SLOT as u64, Ordering::Relaxed);
-        // Index: bucket 0 (the only one), way 0 names slot 0.
-        at(HEADER_BYTES + 32).store(1, Ordering::Relaxed);
-        at(HEADER_BYTES).store(1, Ordering::Relaxed);
+        let t = OneSlot::<SLOT>::new();
+        let (tf, af, tbytes, amap) = (&t.tf, &t.af, t.tbytes, &t.amap);
+        let at = |off| t.word(off);
         let bad = map_slot_table(
             tf.try_clone().unwrap(),
             tbytes as u64,
@@ -878,8 +918,9 @@ mod tests {
             None,
         );
         assert!(bad.is_err(), "a table describing more than the arena");
-        let view = map_slot_table(tf, tbytes as u64, SLOT as u64, None).unwrap();
-        let arena = map_arena(af, SLOT as u64).unwrap();
+        let view =
+            map_slot_table(tf.try_clone().unwrap(), tbytes as u64, SLOT as u64, None).unwrap();
+        let arena = map_arena(af.try_clone().unwrap(), SLOT as u64).unwrap();
         let keys = [BlockKey::from_u128(11), BlockKey::from_u128(22)];
         let stop = AtomicBool::new(false);
         let (mut hits, mut misses) = (0u64, 0u64);
@@ -897,8 +938,7 @@ mod tests {
                     // SAFETY: the arena mapping is SLOT bytes and outlives this thread; the
                     // reader only copies from it (racy by design, checked by seq).
                     unsafe { std::ptr::write_bytes(amap.as_mut_ptr(), (i % 2) as u8 + 1, SLOT) };
-                    at(HEADER_BYTES + 8).store(k.to_u128() as u64, Ordering::Relaxed);
-                    at(HEADER_BYTES + 16).store((k.to_u128() >> 64) as u64, Ordering::Relaxed);
+                    t.set_key(k);
                     seq += 1;
                     at(HEADER_BYTES).store(seq, Ordering::Release);
                     // Mostly back to back (copies race the rewrites), sometimes a pause long
@@ -940,35 +980,19 @@ mod tests {
     /// caller's key without the mapping (or with another namespace's), is a miss.
     #[test]
     fn with_a_namespace_key_the_table_is_probed_by_internal_key() {
-        use kvtier_core::slot_table::{HEADER_BYTES, MAGIC, WAYS, buckets_for, table_bytes};
+        use kvtier_core::slot_table::HEADER_BYTES;
         use kvtier_core::{BlockKey, KeyMap};
         const SLOT: usize = 4096;
-        let tbytes = table_bytes(1);
-        let (tf, af) = (tempfile_fd(tbytes as u64), tempfile_fd(SLOT as u64));
-        let tmap =
-            memmap2::MmapRaw::map_raw(&std::fs::File::from(tf.try_clone().unwrap())).unwrap();
-        let amap =
-            memmap2::MmapRaw::map_raw(&std::fs::File::from(af.try_clone().unwrap())).unwrap();
-        let at = |off: usize| -> &AtomicU64 {
-            assert!(off.is_multiple_of(8) && off + 8 <= tmap.len());
-            // SAFETY: in bounds and aligned (asserted; the mapping is page aligned) and it
-            // outlives every use.
-            unsafe { &*(tmap.as_mut_ptr().add(off) as *const AtomicU64) }
-        };
+        let t = OneSlot::<SLOT>::new();
+        let (tf, tbytes, amap) = (&t.tf, t.tbytes, &t.amap);
         let mine = KeyMap::derive(&[5; 32], "tenant:w");
         let key = BlockKey::from_u128(77);
         let internal = mine.internal(key);
-        at(0).store(MAGIC, Ordering::Relaxed);
-        at(8).store(u64::from(WAYS as u32) << 32 | 1, Ordering::Relaxed);
-        at(16).store(u64::from(buckets_for(1)), Ordering::Relaxed);
-        at(32).store(SLOT as u64, Ordering::Relaxed);
-        at(HEADER_BYTES + 32).store(1, Ordering::Relaxed);
-        at(HEADER_BYTES + 8).store(internal.to_u128() as u64, Ordering::Relaxed);
-        at(HEADER_BYTES + 16).store((internal.to_u128() >> 64) as u64, Ordering::Relaxed);
-        at(HEADER_BYTES).store(2, Ordering::Release);
+        t.set_key(internal);
+        t.word(HEADER_BYTES).store(2, Ordering::Release);
         // SAFETY: the arena mapping is SLOT bytes; nothing else touches it.
         unsafe { std::ptr::write_bytes(amap.as_mut_ptr(), 9, SLOT) };
-        let arena = map_arena(af, SLOT as u64).unwrap();
+        let arena = map_arena(t.af.try_clone().unwrap(), SLOT as u64).unwrap();
         let view = |keys| map_slot_table(tf.try_clone().unwrap(), tbytes as u64, SLOT as u64, keys);
         let mut dst = vec![0u8; SLOT];
         let given = view(Some(KeyMap::from_bytes(*mine.bytes()))).unwrap();

@@ -26,12 +26,6 @@ async fn pinned(c: &Client, keys: &[BlockKey]) -> usize {
     c.pin(keys, Duration::from_secs(30)).await.unwrap().1.len()
 }
 
-async fn tcp_as(srv: &ServerProc, token: &str) -> Client {
-    Client::connect(&srv.tcp_url(), ClientConfig::default().token(token))
-        .await
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_connection_cannot_pin_the_slots_others_need() {
     // DRAM only: 1,024 slots of 4 KiB; a connection's pins hold at most a quarter of them.
@@ -86,14 +80,14 @@ async fn one_tenants_connections_cannot_pin_every_slot_together() {
         "tenants.b={token=\"tok-b\"}",
     ]);
     bounded(60, async {
-        let a = tcp_as(&srv, "tok-a").await;
+        let a = as_tenant(&srv, "tok-a").await;
         let k = keys(b"tenant-a", 800, 0);
         assert_eq!(stored(&a, &k).await, 800);
         // Three connections of tenant a pin the 800 blocks between them.
         let (a1, a2, a3) = (
-            tcp_as(&srv, "tok-a").await,
-            tcp_as(&srv, "tok-a").await,
-            tcp_as(&srv, "tok-a").await,
+            as_tenant(&srv, "tok-a").await,
+            as_tenant(&srv, "tok-a").await,
+            as_tenant(&srv, "tok-a").await,
         );
         assert_eq!(pinned(&a1, &k[288..]).await, 256);
         assert_eq!(pinned(&a2, &k[544..]).await, 256);
@@ -103,7 +97,7 @@ async fn one_tenants_connections_cannot_pin_every_slot_together() {
             "the tenant's share is spent"
         );
         // Tenant b still stores: 512 slots are not pinned.
-        let b = tcp_as(&srv, "tok-b").await;
+        let b = as_tenant(&srv, "tok-b").await;
         assert_eq!(stored(&b, &keys(b"tenant-b", 500, 1)).await, 500);
         assert!(metric(&srv, "kvtier_share_refusals_total{share=\"pins_tenant\"}").await >= 1);
         // Its own pins draw on its own share.
@@ -185,10 +179,10 @@ async fn one_tenants_readers_cannot_take_the_send_budget() {
         "tenants.b={token=\"tok-b\"}",
     ]);
     bounded(60, async {
-        let a = tcp_as(&srv, "tok-a").await;
+        let a = as_tenant(&srv, "tok-a").await;
         let big = keys(b"big", 256, 0);
         put_all(&a, &big).await;
-        let b = tcp_as(&srv, "tok-b").await;
+        let b = as_tenant(&srv, "tok-b").await;
         let small = keys(b"small", 64, 1);
         put_all(&b, &small).await;
         // Four of tenant a's connections never read (1 MiB of the budget each, at most).
@@ -210,7 +204,7 @@ async fn one_tenant_cannot_take_every_connection() {
     bounded(60, async {
         let mut held = Vec::new();
         for _ in 0..3 {
-            held.push(tcp_as(&srv, "tok-a").await);
+            held.push(as_tenant(&srv, "tok-a").await);
         }
         // A fourth of tenant a is refused, over any transport...
         for (url, config) in [
@@ -229,7 +223,7 @@ async fn one_tenant_cannot_take_every_connection() {
             assert!(e.to_string().contains("max_connections_per_tenant"), "{e}");
         }
         // ...while another tenant gets in, and a closed connection gives its place back.
-        tcp_as(&srv, "tok-b").await.ping().await.unwrap();
+        as_tenant(&srv, "tok-b").await.ping().await.unwrap();
         held.pop();
         let until = Instant::now() + Duration::from_secs(5);
         loop {
@@ -263,10 +257,7 @@ async fn one_tenant_cannot_take_every_connection() {
 /// directly, else through `sudo -n`), as in the tenants tests.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_unix_group_member_cannot_take_the_local_workers_places() {
-    use std::os::unix::fs::PermissionsExt;
-    use std::os::unix::process::CommandExt;
-    // SAFETY: geteuid and getegid have no preconditions and cannot fail.
-    let (me, my_gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    let (_, my_gid) = my_ids();
     let group = format!("server.unix_group=\"{my_gid}\"");
     let srv = ServerProc::start(&[
         &group,
@@ -274,10 +265,7 @@ async fn a_unix_group_member_cannot_take_the_local_workers_places() {
         "limits.unix_reserved_connections=8",
         "limits.max_unix_connections_per_uid=3",
     ]);
-    // Let the group through the socket's directories (the socket itself is 0660).
-    for d in [srv.dir.as_path(), srv.unix.parent().unwrap()] {
-        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o710)).unwrap();
-    }
+    srv.open_to_group();
     // Each connection waits up to a second for the unsolicited refusal; all stay open.
     let script = [
         "import socket,sys",
@@ -296,26 +284,8 @@ async fn a_unix_group_member_cannot_take_the_local_workers_places() {
     ]
     .join("\n");
     let path = srv.unix.display().to_string();
-    let mut cmd = if me == 0 {
-        let mut c = std::process::Command::new("python3");
-        c.uid(65534).gid(my_gid);
-        c
-    } else {
-        let mut c = std::process::Command::new("sudo");
-        c.args(["-n", "-u", "#65534", "-g", &format!("#{my_gid}"), "python3"]);
-        c
-    };
-    let out = cmd
-        .args(["-c", &script, &path])
-        .output()
-        .expect("python3 runs (as root, or through sudo -n)");
-    assert!(
-        out.status.success(),
-        "the client as uid 65534 failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     assert_eq!(
-        String::from_utf8_lossy(&out.stdout).trim(),
+        python_as_another_user(&script, &[&path]).trim(),
         "kept kept kept refused"
     );
     bounded(60, async {

@@ -238,6 +238,16 @@ impl ServerProc {
         p
     }
 
+    /// Lets this process's group through the socket's directories (mode 0710; the socket
+    /// itself is 0660 with `server.unix_group`).
+    #[allow(dead_code)] // the e2e tests'; the cluster tests share this file
+    pub fn open_to_group(&self) {
+        use std::os::unix::fs::PermissionsExt;
+        for d in [self.dir.as_path(), self.unix.parent().unwrap()] {
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o710)).unwrap();
+        }
+    }
+
     /// Sends `signal` to the server (SIGSTOP: it hangs, answering no one; SIGCONT: it goes on).
     #[allow(dead_code)] // used by the cluster tests
     pub fn signal(&self, signal: i32) {
@@ -341,6 +351,52 @@ impl Drop for ServerProc {
             let _ = c.wait();
         }
     }
+}
+
+/// A TCP client presenting `token` (a tenant's, with `[tenants]`).
+#[allow(dead_code)] // the e2e tests'; the cluster tests share this file
+pub async fn as_tenant(srv: &ServerProc, token: &str) -> Client {
+    Client::connect(&srv.tcp_url(), ClientConfig::default().token(token))
+        .await
+        .unwrap()
+}
+
+/// The effective uid and gid of this test process.
+#[allow(dead_code)] // the e2e tests'; the cluster tests share this file
+pub fn my_ids() -> (u32, u32) {
+    // SAFETY: geteuid and getegid have no preconditions and cannot fail.
+    unsafe { (libc::geteuid(), libc::getegid()) }
+}
+
+/// Runs `python3 -c script args...` as uid 65534 in this process's group (directly as
+/// root, else through `sudo -n`): a client of another user, for the Unix socket's
+/// `server.unix_group` tests. Fails the test when it cannot run or fails; returns its
+/// standard output.
+#[allow(dead_code)] // the e2e tests'; the cluster tests share this file
+pub fn python_as_another_user(script: &str, args: &[&str]) -> String {
+    use std::os::unix::process::CommandExt;
+    let (me, my_gid) = my_ids();
+    let mut cmd = if me == 0 {
+        let mut c = Command::new("python3");
+        c.uid(65534).gid(my_gid);
+        c
+    } else {
+        let mut c = Command::new("sudo");
+        c.args(["-n", "-u", "#65534", "-g", &format!("#{my_gid}"), "python3"]);
+        c
+    };
+    let out = cmd
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("python3 runs (as root, or through sudo -n)");
+    assert!(
+        out.status.success(),
+        "the client as uid 65534 failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
 }
 
 /// (status code, body) of an HTTP GET.

@@ -24,12 +24,6 @@ const TENANTS: &[&str] = &[
     "tenants.root={token=\"tok-root\", role=\"admin\"}",
 ];
 
-async fn as_tenant(srv: &ServerProc, token: &str) -> Client {
-    Client::connect(&srv.tcp_url(), ClientConfig::default().token(token))
-        .await
-        .unwrap()
-}
-
 /// Every event that arrives until the stream has been quiet for 300 ms.
 async fn drain(s: &mut EventStream) -> Vec<BlockEvent> {
     let mut out = Vec::new();
@@ -324,19 +318,13 @@ async fn a_unix_clients_uid_names_its_tenant() {
 /// is a small Python program run as uid 65534 (as root directly, else through `sudo -n`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_unix_client_whose_uid_no_tenant_lists_is_refused_at_hello() {
-    use std::os::unix::fs::PermissionsExt;
-    use std::os::unix::process::CommandExt;
-    // SAFETY: geteuid and getegid have no preconditions and cannot fail.
-    let (me, my_gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    let (me, my_gid) = my_ids();
     let u = format!("tenants.u={{token=\"tok-u\", unix_uids=[{me}]}}");
     let group = format!("server.unix_group=\"{my_gid}\"");
     let mut args = TENANTS.to_vec();
     args.extend([u.as_str(), group.as_str()]);
     let srv = ServerProc::start(&args);
-    // Let the group through the socket's directories (the socket itself is 0660).
-    for d in [srv.dir.as_path(), srv.unix.parent().unwrap()] {
-        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o710)).unwrap();
-    }
+    srv.open_to_group();
     let hello = Raw::<tokio::net::UnixStream>::frame(
         &Request::Hello(Hello {
             min_version: kvtier_core::protocol::VERSION,
@@ -362,25 +350,7 @@ async fn a_unix_client_whose_uid_no_tenant_lists_is_refused_at_hello() {
         \x20   b+=c\n\
         print(b.hex())\n";
     let path = srv.unix.display().to_string();
-    let mut cmd = if me == 0 {
-        let mut c = std::process::Command::new("python3");
-        c.uid(65534).gid(my_gid);
-        c
-    } else {
-        let mut c = std::process::Command::new("sudo");
-        c.args(["-n", "-u", "#65534", "-g", &format!("#{my_gid}"), "python3"]);
-        c
-    };
-    let out = cmd
-        .args(["-c", script, &path, &hex])
-        .output()
-        .expect("python3 runs (as root, or through sudo -n)");
-    assert!(
-        out.status.success(),
-        "the client as uid 65534 failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = python_as_another_user(script, &[&path, &hex]);
     let bytes: Vec<u8> = (0..text.trim().len())
         .step_by(2)
         .map(|i| u8::from_str_radix(&text.trim()[i..i + 2], 16).unwrap())
@@ -527,6 +497,23 @@ async fn required_client_certificates_refuse_a_handshake_without_one() {
     .await;
 }
 
+/// A server with 16 blocks of DRAM and no NVMe, tenant a (token `tok-a`, no quota) and
+/// tenant b as `b` configures it.
+fn small_store(b: &str) -> ServerProc {
+    ServerProc::start(&[
+        "server.token=\"\"",
+        "store.dram_bytes=\"64KiB\"",
+        "store.nvme_dir=\"\"",
+        "tenants.a={token=\"tok-a\"}",
+        b,
+    ])
+}
+
+/// A client of tenant a and one of tenant b (tokens `tok-a`, `tok-b`).
+async fn a_and_b(srv: &ServerProc) -> (Client, Client) {
+    (as_tenant(srv, "tok-a").await, as_tenant(srv, "tok-b").await)
+}
+
 /// Puts chain `keys` on `c` four blocks a request; every block must be stored.
 async fn put_in_fours(c: &Client, keys: &[BlockKey]) {
     for (i, chunk) in keys.chunks(4).enumerate() {
@@ -552,18 +539,9 @@ fn namespace(stats: &serde_json::Value, name: &str) -> serde_json::Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_filling_its_quota_gives_up_its_own_blocks_not_anothers() {
     // DRAM only, 16 blocks: without the quota, B's 40 blocks would push A's out.
-    let srv = ServerProc::start(&[
-        "server.token=\"\"",
-        "store.dram_bytes=\"64KiB\"",
-        "store.nvme_dir=\"\"",
-        "tenants.a={token=\"tok-a\"}",
-        "tenants.b={token=\"tok-b\", quota=\"32KiB\"}",
-    ]);
+    let srv = small_store("tenants.b={token=\"tok-b\", quota=\"32KiB\"}");
     bounded(60, async {
-        let (a, b) = (
-            as_tenant(&srv, "tok-a").await,
-            as_tenant(&srv, "tok-b").await,
-        );
+        let (a, b) = a_and_b(&srv).await;
         let ka = keys(b"a", 6, 0);
         put_all(&a, &ka).await;
         let kb = keys(b"b", 40, 0);
@@ -587,18 +565,9 @@ async fn a_tenant_filling_its_quota_gives_up_its_own_blocks_not_anothers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_without_a_quota_cannot_flush_another_out_of_a_full_store() {
     // DRAM only, 16 blocks, no quotas: a, b and the Unix socket's namespace share it, 5 each.
-    let srv = ServerProc::start(&[
-        "server.token=\"\"",
-        "store.dram_bytes=\"64KiB\"",
-        "store.nvme_dir=\"\"",
-        "tenants.a={token=\"tok-a\"}",
-        "tenants.b={token=\"tok-b\"}",
-    ]);
+    let srv = small_store("tenants.b={token=\"tok-b\"}");
     bounded(60, async {
-        let (a, b) = (
-            as_tenant(&srv, "tok-a").await,
-            as_tenant(&srv, "tok-b").await,
-        );
+        let (a, b) = a_and_b(&srv).await;
         let ka = keys(b"a", 3, 0);
         put_all(&a, &ka).await;
         // b stores 40 blocks, far past the store: it fills the free room, then pays with its
