@@ -21,6 +21,15 @@ async fn stored(c: &Client, keys: &[BlockKey]) -> usize {
     c.put_chain(keys, None, &bufs).await.cached()
 }
 
+/// Requests refused for want of share `share` (`kvtier_share_refusals_total{share}`).
+async fn refusals(srv: &ServerProc, share: &str) -> u64 {
+    metric(
+        srv,
+        &format!("kvtier_share_refusals_total{{share=\"{share}\"}}"),
+    )
+    .await
+}
+
 /// Blocks pinned by a pin of `keys` for the longest lease.
 async fn pinned(c: &Client, keys: &[BlockKey]) -> usize {
     c.pin(keys, Duration::from_secs(30)).await.unwrap().1.len()
@@ -54,14 +63,7 @@ async fn one_connection_cannot_pin_the_slots_others_need() {
         // Another client's puts still find slots: 768 are not pinned.
         let other = srv.client("tcp").await;
         assert_eq!(stored(&other, &keys(b"victim", 700, 1)).await, 700);
-        assert!(
-            metric(
-                &srv,
-                "kvtier_share_refusals_total{share=\"pins_connection\"}"
-            )
-            .await
-                >= 2
-        );
+        assert!(refusals(&srv, "pins_connection").await >= 2);
         // A released lease gives its share back.
         hog.release(lease).await.unwrap();
         assert_eq!(pinned(&hog, &k[..200]).await, 200);
@@ -99,7 +101,7 @@ async fn one_tenants_connections_cannot_pin_every_slot_together() {
         // Tenant b still stores: 512 slots are not pinned.
         let b = as_tenant(&srv, "tok-b").await;
         assert_eq!(stored(&b, &keys(b"tenant-b", 500, 1)).await, 500);
-        assert!(metric(&srv, "kvtier_share_refusals_total{share=\"pins_tenant\"}").await >= 1);
+        assert!(refusals(&srv, "pins_tenant").await >= 1);
         // Its own pins draw on its own share.
         let kb = keys(b"tenant-b", 50, 2);
         assert_eq!(stored(&b, &kb).await, 50);
@@ -188,7 +190,7 @@ async fn one_tenants_readers_cannot_take_the_send_budget() {
         // Four of tenant a's connections never read (1 MiB of the budget each, at most).
         let _stuck = stuck_readers(&srv, "tok-a", 4, &big).await;
         served_throughout(&b, &small).await;
-        assert!(metric(&srv, "kvtier_share_refusals_total{share=\"send_tenant\"}").await >= 1);
+        assert!(refusals(&srv, "send_tenant").await >= 1);
     })
     .await;
 }
@@ -239,14 +241,7 @@ async fn one_tenant_cannot_take_every_connection() {
         for c in &held {
             c.ping().await.unwrap();
         }
-        assert!(
-            metric(
-                &srv,
-                "kvtier_share_refusals_total{share=\"connections_tenant\"}"
-            )
-            .await
-                >= 2
-        );
+        assert!(refusals(&srv, "connections_tenant").await >= 2);
     })
     .await;
 }
@@ -296,14 +291,7 @@ async fn a_unix_group_member_cannot_take_the_local_workers_places() {
             c.ping().await.unwrap();
             local.push(c);
         }
-        assert!(
-            metric(
-                &srv,
-                "kvtier_share_refusals_total{share=\"connections_uid\"}"
-            )
-            .await
-                >= 1
-        );
+        assert!(refusals(&srv, "connections_uid").await >= 1);
     })
     .await;
 }
