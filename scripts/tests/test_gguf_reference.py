@@ -64,6 +64,31 @@ PROMPTS = [
     "Here is a short Python function that reads a CSV file, skips the header line, and returns "
     "the sum of the values in its third column as a float:\n\nimport csv\n\ndef "
     "third_column_sum(path):\n",
+    # A long prompt (about 700 tokens): past a 512-token prefill chunk, so the attention runs
+    # over many blocks of cached keys as well as the chunk's own.
+    " ".join(
+        f"Chapter {n}. The harbour town of {town} grew around its fish market, its rope walk and "
+        f"a customs house built of {stone}. Ships brought {cargo} from the south, and in winter "
+        f"the merchants met in the long room above the market to settle their accounts."
+        for n, (town, stone, cargo) in enumerate(
+            [
+                ("Arlen", "grey granite", "salt and wine"),
+                ("Bressay", "red sandstone", "timber and tar"),
+                ("Calder", "yellow limestone", "wool and hides"),
+                ("Dunmore", "black basalt", "copper and tin"),
+                ("Elgin", "white marble", "spices and silk"),
+                ("Fenwick", "brown brick", "grain and flour"),
+                ("Garth", "blue slate", "coal and iron"),
+                ("Hollin", "pale chalk", "oil and soap"),
+                ("Islay", "green serpentine", "tea and sugar"),
+                ("Jura", "pink granite", "cotton and dye"),
+                ("Kelso", "grey flint", "glass and lead"),
+                ("Lerwick", "old oak", "herring and barrels"),
+            ],
+            start=1,
+        )
+    )
+    + " In the last chapter the historian asks which of these towns",
 ]
 
 

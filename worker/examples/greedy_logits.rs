@@ -10,13 +10,16 @@
 //! special tokens its configuration asks for). For prompt `i` the example writes
 //! `OUT_DIR/i.f32` (MAX_TOKENS rows of `vocab_size` little-endian f32 logits: row `s` is the
 //! distribution step `s` chose from) and prints `{"prompt": ids, "tokens": generated ids}`.
-//! Generation does not stop at EOS, so both sides compare the same number of steps.
+//! Generation does not stop at EOS, so both sides compare the same number of steps. A prompt
+//! is prefilled in the scheduler's chunks of `PREFILL_CHUNK_TOKENS`, as `serve` does, so a long
+//! one also checks a chunk's attention over the chunks before it.
 
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use kvtier_worker::model::argmax;
+use kvtier_worker::scheduler::PREFILL_CHUNK_TOKENS;
 use kvtier_worker::{BlockTable, Engine, load_pretrained};
 
 fn main() -> anyhow::Result<()> {
@@ -33,7 +36,11 @@ fn main() -> anyhow::Result<()> {
         let text: String = serde_json::from_str(&line?).context("a JSON string")?;
         let prompt = tok.encode(&text, true)?;
         let mut table = BlockTable::new();
-        let mut logits = engine.prefill(&prompt, 0, &mut table)?;
+        let mut logits = Vec::new();
+        for start in (0..prompt.len()).step_by(PREFILL_CHUNK_TOKENS) {
+            let end = (start + PREFILL_CHUNK_TOKENS).min(prompt.len());
+            logits = engine.prefill(&prompt[..end], start, &mut table)?;
+        }
         let mut tokens = Vec::with_capacity(max_tokens);
         let mut rows = Vec::with_capacity(max_tokens * logits.len() * 4);
         for step in 0..max_tokens {
