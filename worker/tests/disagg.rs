@@ -20,9 +20,12 @@ use tokio::task::JoinHandle;
 
 const SEED: u64 = 7;
 const POOL_BLOCKS: usize = 64;
-/// Logits of the decode worker's last-token step against a single worker's full prefill:
-/// same kernels, only the split of the prompt differs (as in prefix reuse).
-const TOL: f32 = 1e-4;
+/// Logits of the decode worker's last-token step against a single worker's full prefill. The
+/// split of the prompt differs, and with it the attention kernel of the last position: a
+/// decode step's f32 attention on one side, the prefill kernel on the other, which rounds to
+/// 13-14 bits where the CPU has AVX-512 VNNI (docs/worker.md; measured up to 1.5e-4 here, 1e-6
+/// with the f32 kernel). A wrong or misplaced block of KV moves the logits by far more.
+const TOL: f32 = 2e-3;
 /// Every test finishes well inside this.
 const DEADLINE: Duration = Duration::from_secs(60);
 

@@ -15,8 +15,12 @@ use kvtier_worker::{BlockId, BlockTable, Engine, Model, ModelConfig, Sampling, W
 /// Logits of the default random model are O(1); the two forwards differ only in summation
 /// order (matmul shapes, softmax and norm kernels), which costs ~1e-6 relative in f32.
 const REF_TOL: f32 = 1e-4;
-/// Prefix reuse vs full recomputation: same kernels, only the prefill split differs.
-const REUSE_TOL: f32 = 1e-4;
+/// Prefix reuse vs full recomputation: only the prefill split differs. The same kernels,
+/// except where every position is cached and the last one is recomputed alone: a decode step's
+/// f32 attention against the prefill kernel's, which rounds to 13-14 bits where the CPU has
+/// AVX-512 VNNI (docs/worker.md; up to about 2e-4 on this model, 1e-6 with the f32 kernel). The
+/// control runs below check that a wrong prefix moves the logits by over 100 times this.
+const REUSE_TOL: f32 = 2e-3;
 
 fn cfg() -> ModelConfig {
     ModelConfig::default()
@@ -229,7 +233,8 @@ fn a_full_prompt_hit_recomputes_only_the_last_token() -> Result<()> {
     let got = e.prefill(&tokens, tokens.len(), &mut table)?;
     assert!(max_abs_diff(&got, &want) <= REUSE_TOL);
     assert_eq!(e.cache().free_blocks(), free_before, "no block allocated");
-    // The recomputed last row matches the loaded one to float precision.
+    // The recomputed last row matches the loaded one (to float precision with the f32
+    // attention; within the integer prefill kernel's rounding with it, as the logits).
     let layout = cfg().kv_layout()?;
     let (a, b) = (e.cache().block_bytes(table.blocks()[1])?, &blocks[1]);
     let floats = |x: &[u8]| -> Vec<f32> {
@@ -237,7 +242,7 @@ fn a_full_prompt_hit_recomputes_only_the_last_token() -> Result<()> {
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect()
     };
-    assert!(max_abs_diff(&floats(a), &floats(b)) <= 1e-5);
+    assert!(max_abs_diff(&floats(a), &floats(b)) <= REUSE_TOL);
     assert_eq!(a.len() as u64, layout.block_bytes());
     // Past the end is the same as a full hit.
     let again = e.prefill(&tokens, tokens.len() + 7, &mut table)?;
