@@ -73,6 +73,12 @@ pub struct RouterConfig {
     pub recent_route_ttl_ms: u64,
     /// Most such blocks remembered per worker (about 60 bytes each). Default: 65,536.
     pub max_recent_blocks_per_worker: usize,
+    /// How long the worker that answered a session's last request stays the session's home
+    /// (`kv` policy: `score::kv_order`; 0 turns session affinity off). Default: 3,600,000 ms.
+    pub session_ttl_ms: u64,
+    /// Most sessions remembered (about 100 bytes plus twice the id each; 0 turns session
+    /// affinity off). Default: 65,536.
+    pub max_sessions: usize,
     /// The workers' kvtier servers are members of one kvtier cluster (`docs/cluster.md`):
     /// a block any of them holds counts, for every worker, as loadable after its own prefix,
     /// at `costs.cluster_bytes_per_s` (its server fetches it from the owner). Default: false.
@@ -99,6 +105,8 @@ impl Default for RouterConfig {
             mismatch_min_tokens: 32,
             recent_route_ttl_ms: 20_000,
             max_recent_blocks_per_worker: 1 << 16,
+            session_ttl_ms: 3_600_000,
+            max_sessions: 1 << 16,
             cluster: false,
         }
     }

@@ -6,6 +6,8 @@
 //! * [`events`]: the subscriber task per server (snapshot, stream, resync).
 //! * [`prompt`]: a request rendered, tokenized and hashed exactly as the workers do.
 //! * [`recent`]: blocks the router sent each worker, until its server's events show them.
+//! * [`load`]: each worker's prefill rate and decode step, measured from its answers.
+//! * [`sessions`]: each session's home worker, for session affinity.
 //! * [`score`]: expected time to first token per worker, and the ranking (sans-IO).
 //! * [`mismatch`]: predicted against reported cached tokens (sans-IO).
 //! * [`server`]: the HTTP front, forwarding, retries, health checks.
@@ -14,12 +16,14 @@ pub mod config;
 mod error;
 pub mod events;
 pub mod index;
+pub mod load;
 pub mod metrics;
 pub mod mismatch;
 pub mod prompt;
 pub mod recent;
 pub mod score;
 pub mod server;
+pub mod sessions;
 
 pub use config::{RouterConfig, WorkerConfig};
 pub use error::RouterError;

@@ -57,6 +57,17 @@ struct Args {
     /// show it, ms (kv policy; 0: off). Default 20000.
     #[arg(long)]
     recent_route_ttl_ms: Option<u64>,
+    /// How long a session's home is remembered after its last request, ms (kv policy; 0:
+    /// no session affinity). Default 3600000.
+    #[arg(long)]
+    session_ttl_ms: Option<u64>,
+    /// A session leaves its home only for a worker expected to answer in less than the
+    /// home's time divided by this (at least 1). Default 2.
+    #[arg(long)]
+    affinity_ratio: Option<f64>,
+    /// Use only the configured rates, not those measured from the workers' answers.
+    #[arg(long)]
+    no_measured_rates: bool,
     /// The workers' kvtier servers are one kvtier cluster: a block any of them holds counts
     /// for every worker, fetched at cluster_bytes_per_s.
     #[arg(long)]
@@ -103,6 +114,15 @@ fn config(a: Args) -> anyhow::Result<RouterConfig> {
     }
     if let Some(v) = a.recent_route_ttl_ms {
         c.recent_route_ttl_ms = v;
+    }
+    if let Some(v) = a.session_ttl_ms {
+        c.session_ttl_ms = v;
+    }
+    if let Some(v) = a.affinity_ratio {
+        c.costs.affinity_ratio = v;
+    }
+    if a.no_measured_rates {
+        c.costs.measured = false;
     }
     c.cluster |= a.cluster;
     c.check()?;

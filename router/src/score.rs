@@ -4,17 +4,29 @@
 //! `total_s = prefill_s + load_s + queue_s`, where
 //! * `prefill_s = uncached_tokens / prefill_tokens_per_s` (the worker computes what it cannot
 //!   load; it always recomputes the prompt's last token, so at most `(prompt - 1) /
-//!   block_tokens` leading blocks count as cached);
+//!   block_tokens` leading blocks count as cached). The rate is the worker's measured one
+//!   (`load.rs`) once it has samples, else the configured one;
 //! * `load_s` = the cached blocks' bytes over each tier's bandwidth (HBM, DRAM, NVMe), and,
 //!   when the workers' servers form one kvtier cluster, the blocks after the worker's own
 //!   prefix that another server holds, over the cluster's bandwidth (its server fetches them
 //!   from their owner: `docs/cluster.md`);
-//! * `queue_s = outstanding_prefill_tokens / prefill_tokens_per_s + outstanding_requests x
-//!   per_request_s`: what the router has sent the worker and not seen start answering (prefill
-//!   tokens), or not seen finish (requests).
+//! * `queue_s = queue_prefill_s + queue_decode_s + outstanding_requests x per_request_s`:
+//!   `queue_prefill_s = outstanding_prefill_tokens / prefill_tokens_per_s`, the prompts the
+//!   router sent the worker that have not started answering; `queue_decode_s =
+//!   decoding_requests x rounds x decode_step_s`, the requests answering there, each of which
+//!   takes one decode step per round of the new prompt's prefill (the worker runs its
+//!   sequences a step in turn, a step being one token or one `prefill_chunk_tokens` chunk:
+//!   `rounds = ceil(uncached_tokens / prefill_chunk_tokens)`, at least 1).
 //!
 //! Workers within `tie_s` of the best are a tie: the one with the fewest outstanding requests
 //! goes first, then the order rotates (`rotation`) so cold prompts spread.
+//!
+//! Under the `kv` policy a request's session adds affinity ([`kv_order`]): a session stays on
+//! its home (the worker that answered its last request) while that worker holds the longest
+//! prefix of the prompt (and some of it), unless another is expected to answer in less than `1 /
+//! affinity_ratio` of the home's time and at least `affinity_min_s` sooner; a session the
+//! router has not seen is placed by load alone (`queue_s`), so a prefix every session shares
+//! (an agent harness) does not draw every new session to the first worker that held it.
 
 use kvtier_core::protocol::TierCode;
 use serde::Serialize;
@@ -35,8 +47,22 @@ pub struct Costs {
     /// Bytes per second a worker's server fetches a block from another member of its kvtier
     /// cluster (`cluster = true`). Default: 0.5e9.
     pub cluster_bytes_per_s: f64,
-    /// Queueing cost of each request the worker is still answering. Default: 0.005.
+    /// Fixed cost of each request the worker is still answering. Default: 0.005.
     pub per_request_s: f64,
+    /// Seconds of one decode step of one sequence until a worker's own is measured.
+    /// Default: 0.01.
+    pub decode_step_s: f64,
+    /// Prompt tokens a worker computes in one step (kvtier-worker's
+    /// `scheduler::PREFILL_CHUNK_TOKENS`). Default: 512.
+    pub prefill_chunk_tokens: f64,
+    /// Use the rates measured from the workers' answers (`load.rs`) once they have samples:
+    /// the prefill rate and the decode step. Default: true.
+    pub measured: bool,
+    /// A session leaves its home only for a worker expected to answer in less than the
+    /// home's time divided by this (at least 1). Default: 2.
+    pub affinity_ratio: f64,
+    /// ... and at least this much sooner. Default: 0.1.
+    pub affinity_min_s: f64,
     /// Scores this close to the best are a tie. Default: 0.001.
     pub tie_s: f64,
 }
@@ -50,6 +76,11 @@ impl Default for Costs {
             nvme_bytes_per_s: 1e9,
             cluster_bytes_per_s: 0.5e9,
             per_request_s: 0.005,
+            decode_step_s: 0.01,
+            prefill_chunk_tokens: 512.0,
+            measured: true,
+            affinity_ratio: 2.0,
+            affinity_min_s: 0.1,
             tie_s: 0.001,
         }
     }
@@ -64,15 +95,27 @@ impl Costs {
             ("dram_bytes_per_s", self.dram_bytes_per_s),
             ("nvme_bytes_per_s", self.nvme_bytes_per_s),
             ("cluster_bytes_per_s", self.cluster_bytes_per_s),
+            ("decode_step_s", self.decode_step_s),
+            ("prefill_chunk_tokens", self.prefill_chunk_tokens),
         ] {
             if !(v.is_finite() && v > 0.0) {
                 return Err(format!("{name} must be a positive number, got {v}"));
             }
         }
-        for (name, v) in [("per_request_s", self.per_request_s), ("tie_s", self.tie_s)] {
+        for (name, v) in [
+            ("per_request_s", self.per_request_s),
+            ("affinity_min_s", self.affinity_min_s),
+            ("tie_s", self.tie_s),
+        ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(format!("{name} must be zero or more, got {v}"));
             }
+        }
+        if !(self.affinity_ratio.is_finite() && self.affinity_ratio >= 1.0) {
+            return Err(format!(
+                "affinity_ratio must be 1 or more, got {}",
+                self.affinity_ratio
+            ));
         }
         Ok(())
     }
@@ -104,8 +147,12 @@ pub struct Candidate {
     pub block_bytes: u64,
     pub outstanding_requests: u64,
     pub outstanding_prefill_tokens: u64,
-    /// This worker's prefill rate, when configured for it.
+    /// Of the outstanding requests, those whose answer has started (decoding).
+    pub decoding_requests: u64,
+    /// This worker's prefill rate (measured, or configured for it), when known.
     pub prefill_tokens_per_s: Option<f64>,
+    /// This worker's measured decode step, when known.
+    pub decode_step_s: Option<f64>,
 }
 
 /// One worker's expected time to first token, and its parts.
@@ -126,9 +173,17 @@ pub struct Score {
     pub prefill_s: f64,
     pub load_s: f64,
     pub queue_s: f64,
+    /// Of `queue_s`: the outstanding prompts' prefill...
+    pub queue_prefill_s: f64,
+    /// ... and the decoding requests' steps during this prompt's prefill.
+    pub queue_decode_s: f64,
     pub total_s: f64,
     pub outstanding_requests: u64,
     pub outstanding_prefill_tokens: u64,
+    pub decoding_requests: u64,
+    /// The rates used.
+    pub prefill_tokens_per_s: f64,
+    pub decode_step_s: f64,
 }
 
 /// Scores every candidate for a prompt of `prompt_tokens` tokens in blocks of `block_tokens`.
@@ -146,9 +201,15 @@ pub fn score(prompt_tokens: usize, block_tokens: usize, c: &Candidate, costs: &C
     let cached_tokens = cached_blocks * block_tokens;
     let uncached = prompt_tokens - cached_tokens;
     let rate = c.prefill_tokens_per_s.unwrap_or(costs.prefill_tokens_per_s);
+    let step = c.decode_step_s.unwrap_or(costs.decode_step_s);
     let prefill_s = uncached as f64 / rate;
-    let queue_s = c.outstanding_prefill_tokens as f64 / rate
-        + c.outstanding_requests as f64 * costs.per_request_s;
+    let rounds = (uncached as f64 / costs.prefill_chunk_tokens)
+        .ceil()
+        .max(1.0);
+    let queue_prefill_s = c.outstanding_prefill_tokens as f64 / rate;
+    let queue_decode_s = c.decoding_requests as f64 * rounds * step;
+    let queue_s =
+        queue_prefill_s + queue_decode_s + c.outstanding_requests as f64 * costs.per_request_s;
     Score {
         worker: c.worker,
         healthy: c.healthy,
@@ -165,9 +226,14 @@ pub fn score(prompt_tokens: usize, block_tokens: usize, c: &Candidate, costs: &C
         prefill_s,
         load_s,
         queue_s,
+        queue_prefill_s,
+        queue_decode_s,
         total_s: prefill_s + load_s + queue_s,
         outstanding_requests: c.outstanding_requests,
         outstanding_prefill_tokens: c.outstanding_prefill_tokens,
+        decoding_requests: c.decoding_requests,
+        prefill_tokens_per_s: rate,
+        decode_step_s: step,
     }
 }
 
@@ -214,6 +280,35 @@ pub struct Turn<'a> {
     pub random: u64,
     /// The request's session ([`Policy::SessionSticky`]).
     pub session: Option<&'a str>,
+    /// Where the request's session was last answered ([`Policy::Kv`]).
+    pub home: Home,
+}
+
+/// A request's session as the `kv` policy sees it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Home {
+    /// The request names no session.
+    #[default]
+    None,
+    /// A session the router has not answered (or has forgotten).
+    New,
+    /// The worker that answered the session's last request.
+    At(usize),
+}
+
+/// Why the `kv` policy put its first worker first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    /// No session, or the session's home no longer holds the longest prefix: by expected
+    /// time to first token.
+    ExpectedTtft,
+    /// The session stays on its home.
+    Home,
+    /// The session leaves its home: another worker is expected to answer much sooner.
+    LeftHome,
+    /// A session not seen before: by load (`queue_s`) alone.
+    NewSession,
 }
 
 /// SplitMix64's output function: a well-mixed 64-bit value of `x`.
@@ -236,12 +331,12 @@ fn affinity(session: &str, worker: usize) -> u64 {
 
 /// The order to try the workers in under `policy`: healthy ones first, then the unhealthy
 /// ones in the same order.
-pub fn order(policy: Policy, scores: &[Score], tie_s: f64, turn: Turn<'_>) -> Vec<usize> {
+pub fn order(policy: Policy, scores: &[Score], costs: &Costs, turn: Turn<'_>) -> Vec<usize> {
     let n = scores.len().max(1);
     let rotated = |w: usize| (w + n - turn.rotation % n) % n;
     let mut v: Vec<&Score> = scores.iter().collect();
     match policy {
-        Policy::Kv => return rank(scores, tie_s, turn.rotation),
+        Policy::Kv => return kv_order(scores, costs, turn).0,
         Policy::RoundRobin => v.sort_by_key(|s| rotated(s.worker)),
         Policy::LeastLoaded => v.sort_by_key(|s| (s.outstanding_requests, rotated(s.worker))),
         Policy::Random => v.sort_by_key(|s| mix64(turn.random ^ mix64(s.worker as u64))),
@@ -254,6 +349,57 @@ pub fn order(policy: Policy, scores: &[Score], tie_s: f64, turn: Turn<'_>) -> Ve
     // Stable: healthy first, each group in the policy's order.
     out.sort_by_key(|w| !scores.iter().any(|s| s.worker == *w && s.healthy));
     out
+}
+
+/// The `kv` policy's order and why its first worker is first: [`rank`] by expected TTFT, with
+/// the session affinity the module describes.
+pub fn kv_order(scores: &[Score], costs: &Costs, turn: Turn<'_>) -> (Vec<usize>, Placement) {
+    let by_ttft = rank(scores, costs.tie_s, turn.rotation);
+    match turn.home {
+        Home::None => (by_ttft, Placement::ExpectedTtft),
+        Home::New => {
+            // By load: the queue alone decides, ties as usual.
+            let by_load: Vec<Score> = scores
+                .iter()
+                .map(|s| Score {
+                    total_s: s.queue_s,
+                    ..s.clone()
+                })
+                .collect();
+            (
+                rank(&by_load, costs.tie_s, turn.rotation),
+                Placement::NewSession,
+            )
+        }
+        Home::At(h) => {
+            let Some(home) = scores.iter().find(|s| s.worker == h && s.healthy) else {
+                return (by_ttft, Placement::ExpectedTtft);
+            };
+            let longest = scores
+                .iter()
+                .filter(|s| s.healthy)
+                .map(|s| s.cached_blocks)
+                .max()
+                .unwrap_or(0);
+            // Affinity is for a prefix the home holds: nothing cached, nothing to keep.
+            if home.cached_blocks == 0 || home.cached_blocks < longest {
+                return (by_ttft, Placement::ExpectedTtft);
+            }
+            // The home is healthy, so the best is a healthy worker.
+            let Some(best) = scores.iter().find(|s| s.worker == by_ttft[0]) else {
+                return (by_ttft, Placement::ExpectedTtft);
+            };
+            if best.worker != h
+                && best.total_s * costs.affinity_ratio < home.total_s
+                && home.total_s - best.total_s >= costs.affinity_min_s
+            {
+                return (by_ttft, Placement::LeftHome);
+            }
+            let mut out = vec![h];
+            out.extend(by_ttft.into_iter().filter(|w| *w != h));
+            (out, Placement::Home)
+        }
+    }
 }
 
 /// The order to try the workers in: healthy ones by expected TTFT (ties as the module says),
@@ -299,7 +445,9 @@ mod tests {
             block_bytes: 32 << 10,
             outstanding_requests: reqs,
             outstanding_prefill_tokens: prefill,
+            decoding_requests: 0,
             prefill_tokens_per_s: None,
+            decode_step_s: None,
         }
     }
 
@@ -464,11 +612,7 @@ mod tests {
                 rotation,
                 ..Turn::default()
             };
-            assert_eq!(
-                order(p, &scores, costs.tie_s, turn),
-                want,
-                "{p:?} {rotation}"
-            );
+            assert_eq!(order(p, &scores, &costs, turn), want, "{p:?} {rotation}");
         };
         check(Policy::Kv, 0, &[0, 1, 3, 2]);
         check(Policy::RoundRobin, 0, &[0, 1, 3, 2]);
@@ -503,7 +647,7 @@ mod tests {
                 random: mix64(r),
                 ..Turn::default()
             };
-            let o = order(Policy::Random, &scores, 0.001, turn);
+            let o = order(Policy::Random, &scores, &Costs::default(), turn);
             let mut sorted = o.clone();
             sorted.sort_unstable();
             assert_eq!(sorted, vec![0, 1, 2, 3]);
@@ -526,8 +670,9 @@ mod tests {
                 rotation: 17,
                 random: 99,
                 session: Some(id),
+                home: Home::None,
             };
-            order(Policy::SessionSticky, scores, 0.001, turn)[0]
+            order(Policy::SessionSticky, scores, &Costs::default(), turn)[0]
         };
         let ids: Vec<String> = (0..400).map(|i| format!("session-{i}")).collect();
         let before: Vec<usize> = ids.iter().map(|id| pick(&all, id)).collect();
@@ -551,7 +696,10 @@ mod tests {
         }
         // No session: the least loaded.
         let turn = Turn::default();
-        assert_eq!(order(Policy::SessionSticky, &all, 0.001, turn)[0], 1);
+        assert_eq!(
+            order(Policy::SessionSticky, &all, &Costs::default(), turn)[0],
+            1
+        );
     }
 
     #[test]
@@ -571,6 +719,152 @@ mod tests {
             },
             Costs {
                 tie_s: -1.0,
+                ..Costs::default()
+            },
+        ] {
+            assert!(bad.check().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn decoding_requests_cost_a_step_per_round_of_the_new_prompts_prefill() {
+        let costs = Costs::default();
+        // 1200 uncached tokens: 3 chunks of 512, so 3 rounds; 4 requests decoding at 10 ms a
+        // step (the default until measured): 120 ms.
+        let mut c = cand(0, vec![], 4, 0);
+        c.decoding_requests = 4;
+        let s = score(1200, 16, &c, &costs);
+        assert!((s.queue_decode_s - 0.12).abs() < 1e-12, "{s:?}");
+        assert!((s.queue_s - (0.12 + 4.0 * 0.005)).abs() < 1e-12, "{s:?}");
+        // A measured step replaces the default; a cached prompt still takes one round.
+        c.decode_step_s = Some(0.002);
+        c.cached = vec![Dram; 74];
+        let s = score(1200, 16, &c, &costs);
+        assert_eq!(s.uncached_tokens, 16);
+        assert!((s.queue_decode_s - 4.0 * 0.002).abs() < 1e-12, "{s:?}");
+        assert_eq!(s.decode_step_s, 0.002);
+        // Six decoding requests against two: 4 rounds of a cold 2000-token prompt, 160 ms more
+        // (by `per_request_s` alone it would be 20 ms).
+        let mut busy = cand(0, vec![], 6, 0);
+        busy.decoding_requests = 6;
+        let mut light = cand(1, vec![], 2, 0);
+        light.decoding_requests = 2;
+        let a = score(2000, 16, &busy, &costs);
+        let b = score(2000, 16, &light, &costs);
+        assert!(a.queue_decode_s - b.queue_decode_s > 0.1, "{a:?} {b:?}");
+    }
+
+    /// Three workers for a 2000-token prompt: `cached[w]` DRAM blocks, `reqs[w]` outstanding
+    /// requests all decoding, `prefill[w]` prompt tokens queued.
+    fn three(cached: [usize; 3], reqs: [u64; 3], prefill: [u64; 3]) -> Vec<Score> {
+        let costs = Costs::default();
+        (0..3)
+            .map(|w| {
+                let mut c = cand(w, vec![Dram; cached[w]], reqs[w], prefill[w]);
+                c.decoding_requests = reqs[w];
+                score(2000, 16, &c, &costs)
+            })
+            .collect()
+    }
+
+    fn kv(scores: &[Score], home: Home) -> (Vec<usize>, Placement) {
+        let turn = Turn {
+            home,
+            ..Turn::default()
+        };
+        kv_order(scores, &Costs::default(), turn)
+    }
+
+    #[test]
+    fn a_session_stays_home_unless_another_worker_is_much_sooner() {
+        // The home (0) holds 100 of the prompt's 124 blocks and has one more request queued
+        // than worker 1, which holds 90: by expected TTFT alone worker 1 is a little sooner
+        // (the queue difference outweighs 10 blocks), but not twice as soon: the session
+        // stays.
+        let s = three([100, 90, 0], [3, 2, 2], [600, 0, 0]);
+        assert_eq!(rank(&s, 0.001, 0)[0], 1, "{s:#?}");
+        assert_eq!(kv(&s, Home::At(0)), (vec![0, 1, 2], Placement::Home));
+        // Without a session the expected TTFT decides.
+        assert_eq!(kv(&s, Home::None), (vec![1, 0, 2], Placement::ExpectedTtft));
+        // The home buried under 9000 queued tokens (3 s): worker 1 is more than twice as soon
+        // and more than 100 ms sooner: the session leaves.
+        let s = three([100, 90, 0], [3, 2, 2], [9000, 0, 0]);
+        assert_eq!(kv(&s, Home::At(0)).1, Placement::LeftHome);
+        assert_eq!(kv(&s, Home::At(0)).0[0], 1);
+        // A ratio met but not the minimum: the tiny absolute difference keeps it home.
+        let tiny = Costs {
+            affinity_min_s: 10.0,
+            ..Costs::default()
+        };
+        let turn = Turn {
+            home: Home::At(0),
+            ..Turn::default()
+        };
+        assert_eq!(kv_order(&s, &tiny, turn).1, Placement::Home);
+    }
+
+    #[test]
+    fn a_home_that_lost_the_prefix_or_its_health_is_no_home() {
+        // Worker 2 holds more of the prompt than the home: by expected TTFT.
+        let s = three([40, 0, 100], [0, 0, 0], [0, 0, 0]);
+        assert_eq!(
+            kv(&s, Home::At(0)),
+            (vec![2, 0, 1], Placement::ExpectedTtft)
+        );
+        // The home unhealthy: by expected TTFT, the home last.
+        let mut s = three([100, 0, 0], [0, 0, 0], [0, 0, 0]);
+        s[0].healthy = false;
+        let (o, p) = kv(&s, Home::At(0));
+        assert_eq!((o[2], p), (0, Placement::ExpectedTtft));
+        // The home holding nothing of the prompt (evicted, or another prompt of the session):
+        // by expected TTFT, here the idle workers before the busy home.
+        let s = three([0, 0, 0], [2, 0, 0], [0, 0, 0]);
+        assert_eq!(
+            kv(&s, Home::At(0)),
+            (vec![1, 2, 0], Placement::ExpectedTtft)
+        );
+    }
+
+    #[test]
+    fn a_new_session_is_placed_by_load_not_by_a_shared_prefix() {
+        // Worker 0 holds the 64-block harness every session starts with and has two requests
+        // decoding; the others hold nothing and are idle. By expected TTFT the holder wins
+        // (1024 tokens saved, 341 ms); a new session goes by load.
+        let s = three([64, 0, 0], [2, 0, 0], [0, 0, 0]);
+        assert_eq!(kv(&s, Home::None).0[0], 0, "{s:#?}");
+        let (o, p) = kv(&s, Home::New);
+        assert_eq!(p, Placement::NewSession);
+        assert_eq!(o, vec![1, 2, 0]);
+        // Equal load: ties rotate as usual.
+        let s = three([64, 0, 0], [0, 0, 0], [0, 0, 0]);
+        let turn = |rotation| Turn {
+            rotation,
+            home: Home::New,
+            ..Turn::default()
+        };
+        let firsts: Vec<usize> = (0..3)
+            .map(|r| kv_order(&s, &Costs::default(), turn(r)).0[0])
+            .collect();
+        assert_eq!(firsts, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn bad_affinity_settings_are_refused() {
+        for bad in [
+            Costs {
+                affinity_ratio: 0.5,
+                ..Costs::default()
+            },
+            Costs {
+                affinity_min_s: -1.0,
+                ..Costs::default()
+            },
+            Costs {
+                prefill_chunk_tokens: 0.0,
+                ..Costs::default()
+            },
+            Costs {
+                decode_step_s: f64::INFINITY,
                 ..Costs::default()
             },
         ] {

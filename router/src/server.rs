@@ -28,11 +28,13 @@ use tokio_util::sync::CancellationToken;
 use crate::config::RouterConfig;
 use crate::error::RouterError;
 use crate::events::{self, ServerView};
+use crate::load::Measured;
 use crate::metrics::Metrics;
 use crate::mismatch::{self, Streak, Verdict};
 use crate::prompt::{Analysed, PromptModel};
 use crate::recent::RecentRoutes;
-use crate::score::{self, Candidate, Policy, Score};
+use crate::score::{self, Candidate, Home, Placement, Policy, Score};
+use crate::sessions::SessionHomes;
 use kvtier_core::BlockKey;
 use kvtier_core::protocol::TierCode;
 
@@ -53,6 +55,10 @@ pub struct WorkerState {
     pub healthy: AtomicBool,
     pub outstanding_requests: AtomicU64,
     pub outstanding_prefill_tokens: AtomicU64,
+    /// Of the outstanding requests, those whose answer has started.
+    pub decoding: AtomicU64,
+    /// Its prefill rate and decode step, measured from its answers.
+    measured: Mutex<Measured>,
     streak: Mutex<Streak>,
     /// Blocks recently routed here, held until the server's events show them.
     recent: Mutex<RecentRoutes>,
@@ -65,6 +71,8 @@ struct AppInner {
     http: HttpClient,
     metrics: Arc<Metrics>,
     rotation: AtomicUsize,
+    /// Each session's home (`kv` policy).
+    sessions: Mutex<SessionHomes>,
     /// Seeds the random policy's draws (one per router process).
     random_seed: u64,
 }
@@ -144,6 +152,8 @@ impl Router {
                 healthy: AtomicBool::new(true),
                 outstanding_requests: AtomicU64::new(0),
                 outstanding_prefill_tokens: AtomicU64::new(0),
+                decoding: AtomicU64::new(0),
+                measured: Mutex::new(Measured::default()),
                 streak: Mutex::new(Streak::default()),
                 recent: Mutex::new(RecentRoutes::new(
                     Duration::from_millis(config.recent_route_ttl_ms),
@@ -190,6 +200,10 @@ impl Router {
         tracing::info!(%addr, workers = workers.len(), servers = views.len(),
             model = %config.model_name, block_tokens = config.block_tokens,
             policy = ?config.policy, "kvtier-router serving");
+        let sessions = Mutex::new(SessionHomes::new(
+            Duration::from_millis(config.session_ttl_ms),
+            config.max_sessions,
+        ));
         let app: App = Arc::new(AppInner {
             config,
             prompt,
@@ -197,6 +211,7 @@ impl Router {
             http,
             metrics,
             rotation: AtomicUsize::new(0),
+            sessions,
             random_seed: {
                 use std::hash::{BuildHasher, Hasher};
                 std::collections::hash_map::RandomState::new()
@@ -277,6 +292,9 @@ struct Decision {
     analysed: Analysed,
     scores: Vec<Score>,
     order: Vec<usize>,
+    /// Under `kv`: the session's home and why the first worker is first.
+    home: Home,
+    placement: Option<Placement>,
 }
 
 fn decide(app: &AppInner, analysed: Analysed, rotation: usize) -> Decision {
@@ -314,6 +332,8 @@ fn decide(app: &AppInner, analysed: Analysed, rotation: usize) -> Decision {
                 Some(b) if b > 0 => b,
                 _ => app.prompt.block_bytes(),
             };
+            let measured = *w.measured.lock().unwrap_or_else(|e| e.into_inner());
+            let use_measured = costs.measured;
             let c = Candidate {
                 worker: i,
                 healthy: w.healthy.load(Ordering::Relaxed),
@@ -323,21 +343,45 @@ fn decide(app: &AppInner, analysed: Analysed, rotation: usize) -> Decision {
                 block_bytes,
                 outstanding_requests: w.outstanding_requests.load(Ordering::Relaxed),
                 outstanding_prefill_tokens: w.outstanding_prefill_tokens.load(Ordering::Relaxed),
-                prefill_tokens_per_s: w.prefill_tokens_per_s,
+                decoding_requests: w.decoding.load(Ordering::Relaxed),
+                prefill_tokens_per_s: measured
+                    .prefill_tokens_per_s
+                    .get()
+                    .filter(|_| use_measured)
+                    .or(w.prefill_tokens_per_s),
+                decode_step_s: measured.decode_step_s.get().filter(|_| use_measured),
             };
             score::score(analysed.prompt_tokens, bt, &c, costs)
         })
         .collect();
+    let affinity = app.config.session_ttl_ms > 0 && app.config.max_sessions > 0;
+    let home = match (&analysed.session, app.config.policy) {
+        (Some(id), Policy::Kv) if affinity => app
+            .sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id, now)
+            .map_or(Home::New, Home::At),
+        _ => Home::None,
+    };
     let turn = score::Turn {
         rotation,
         random: score::mix64(app.random_seed ^ rotation as u64),
         session: analysed.session.as_deref(),
+        home,
     };
-    let order = score::order(app.config.policy, &scores, costs.tie_s, turn);
+    let (order, placement) = if app.config.policy == Policy::Kv {
+        let (o, p) = score::kv_order(&scores, costs, turn);
+        (o, Some(p))
+    } else {
+        (score::order(app.config.policy, &scores, costs, turn), None)
+    };
     Decision {
         analysed,
         scores,
         order,
+        home,
+        placement,
     }
 }
 
@@ -377,6 +421,16 @@ fn explain(app: &AppInner, d: &Decision) -> Value {
             let mut v = serde_json::to_value(s).unwrap_or(Value::Null);
             if let Value::Object(o) = &mut v {
                 o.insert("url".into(), json!(w.url));
+                let m = *w.measured.lock().unwrap_or_else(|e| e.into_inner());
+                o.insert(
+                    "measured".into(),
+                    json!({
+                        "prefill_tokens_per_s": m.prefill_tokens_per_s.get(),
+                        "prefill_samples": m.prefill_tokens_per_s.samples,
+                        "decode_step_s": m.decode_step_s.get(),
+                        "decode_samples": m.decode_step_s.samples,
+                    }),
+                );
                 o.insert(
                     "kvtier".into(),
                     match &w.view {
@@ -398,6 +452,12 @@ fn explain(app: &AppInner, d: &Decision) -> Value {
         "prompt_blocks": d.analysed.keys.len(),
         "policy": format!("{:?}", app.config.policy),
         "session": d.analysed.session,
+        "home": match d.home {
+            Home::None => Value::Null,
+            Home::New => json!("new"),
+            Home::At(i) => json!(app.workers[i].url),
+        },
+        "placement": d.placement,
         "order": d.order.iter().map(|&i| app.workers[i].url.clone()).collect::<Vec<_>>(),
         "workers": workers,
     })
@@ -499,18 +559,20 @@ async fn handle(
         .decision_seconds
         .observe(t.elapsed().as_secs_f64());
     tracing::debug!(prompt_tokens = d.analysed.prompt_tokens, blocks = d.analysed.keys.len(),
-        ranking = %short(&d, &app), "route");
+        placement = ?d.placement, ranking = %short(&d, &app), "route");
     let (resp, o) = forward(&app, &d, bytes, path).await;
     outcome(o);
     resp
 }
 
 /// What the router has sent a worker and not seen answered: incremented when a request is
-/// sent, the prefill tokens released at the answer's first byte, the request at its end.
+/// sent, the prefill tokens released (and the request counted as decoding) at the answer's
+/// first byte, the request at its end.
 struct Outstanding {
     worker: Arc<WorkerState>,
     metrics: Arc<Metrics>,
     prefill: u64,
+    decoding: bool,
 }
 
 impl Outstanding {
@@ -523,17 +585,22 @@ impl Outstanding {
             worker,
             metrics,
             prefill,
+            decoding: false,
         };
         o.publish();
         o
     }
 
-    fn started(&mut self) {
+    /// The answer started; returns the requests now decoding there, this one included.
+    fn started(&mut self) -> u64 {
         self.worker
             .outstanding_prefill_tokens
             .fetch_sub(self.prefill, Ordering::Relaxed);
         self.prefill = 0;
+        self.decoding = true;
+        let n = self.worker.decoding.fetch_add(1, Ordering::Relaxed) + 1;
         self.publish();
+        n
     }
 
     fn publish(&self) {
@@ -557,6 +624,9 @@ impl Drop for Outstanding {
         self.worker
             .outstanding_requests
             .fetch_sub(1, Ordering::Relaxed);
+        if self.decoding {
+            self.worker.decoding.fetch_sub(1, Ordering::Relaxed);
+        }
         self.publish();
     }
 }
@@ -575,6 +645,16 @@ struct Observer {
     evidence: bool,
     tail: Vec<u8>,
     complete: bool,
+    /// For the worker's measured rates (`load.rs`): the request's prompt tokens, when it was
+    /// sent and when its first byte came, whether no other prompt was in prefill there when
+    /// it was sent, the requests decoding there at its first byte, and whether the answer is a
+    /// 200 stream (a whole JSON answer's first byte is its end).
+    prompt_tokens: u64,
+    sent: Instant,
+    first_byte: Instant,
+    alone_in_prefill: bool,
+    decoding_at_start: u64,
+    ok_stream: bool,
 }
 
 impl Observer {
@@ -588,8 +668,17 @@ impl Observer {
 
 /// The last `"cached_tokens":N` in `tail`.
 fn cached_tokens(tail: &[u8]) -> Option<u64> {
-    const NEEDLE: &[u8] = b"\"cached_tokens\":";
-    let at = tail.windows(NEEDLE.len()).rposition(|w| w == NEEDLE)? + NEEDLE.len();
+    last_number(tail, b"\"cached_tokens\":")
+}
+
+/// The last `"completion_tokens":N` in `tail`.
+fn completion_tokens(tail: &[u8]) -> Option<u64> {
+    last_number(tail, b"\"completion_tokens\":")
+}
+
+/// The number after the last `needle` in `tail`.
+fn last_number(tail: &[u8], needle: &[u8]) -> Option<u64> {
+    let at = tail.windows(needle.len()).rposition(|w| w == needle)? + needle.len();
     let rest = &tail[at..];
     let rest = &rest[rest.iter().take_while(|b| b.is_ascii_whitespace()).count()..];
     let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
@@ -605,6 +694,18 @@ impl Drop for Observer {
             return;
         };
         let w = &self.app.workers[self.worker];
+        if self.ok_stream {
+            let mut m = w.measured.lock().unwrap_or_else(|e| e.into_inner());
+            if self.alone_in_prefill {
+                m.prefill_sample(
+                    self.prompt_tokens.saturating_sub(reported),
+                    self.first_byte - self.sent,
+                );
+            }
+            if let Some(tokens) = completion_tokens(&self.tail) {
+                m.decode_sample(self.first_byte.elapsed(), tokens, self.decoding_at_start);
+            }
+        }
         let m = &self.app.metrics;
         m.reported_cached_tokens
             .with_label_values(&[&w.url])
@@ -652,6 +753,8 @@ async fn forward(app: &App, d: &Decision, body: Bytes, path: &str) -> (Response,
     for &i in &d.order {
         let w = &app.workers[i];
         let s = &d.scores[i];
+        let alone_in_prefill = w.outstanding_prefill_tokens.load(Ordering::Relaxed) == 0;
+        let sent = Instant::now();
         let mut outstanding =
             Outstanding::new(w.clone(), app.metrics.clone(), s.uncached_tokens as u64);
         let retry = |reason: &str| {
@@ -710,13 +813,20 @@ async fn forward(app: &App, d: &Decision, body: Bytes, path: &str) -> (Response,
                 continue;
             }
         };
-        outstanding.started();
+        let first_byte = Instant::now();
+        let decoding_at_start = outstanding.started();
         // Only the kv policy reads them.
         if stream.status == 200 && app.config.policy == Policy::Kv {
             w.recent
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .record(&d.analysed.keys, Instant::now());
+                .record(&d.analysed.keys, first_byte);
+            if let Some(id) = &d.analysed.session {
+                app.sessions
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .set(id, i, first_byte);
+            }
         }
         let m = &app.metrics;
         m.routed.with_label_values(&[&w.url]).inc();
@@ -743,6 +853,16 @@ async fn forward(app: &App, d: &Decision, body: Bytes, path: &str) -> (Response,
             evidence: evidence && stream.status == 200,
             tail: Vec::new(),
             complete: false,
+            prompt_tokens: d.analysed.prompt_tokens as u64,
+            sent,
+            first_byte,
+            alone_in_prefill,
+            decoding_at_start,
+            ok_stream: stream.status == 200
+                && stream
+                    .content_type
+                    .as_deref()
+                    .is_some_and(|c| c.starts_with("text/event-stream")),
         };
         let status = StatusCode::from_u16(stream.status).unwrap_or(StatusCode::BAD_GATEWAY);
         let content_type = stream.content_type.clone();

@@ -1,0 +1,131 @@
+//! Each session's home: the worker that answered its last request (`kv` policy). The next
+//! turn of a session stays there while that worker holds the longest prefix of it, unless
+//! another is expected to answer much sooner (`score::kv_order`); a session the router has
+//! not seen is placed by load. Free of I/O and of the clock (callers pass `now`).
+//!
+//! **Memory.** At most `cap` sessions, each for `ttl` after its last request (the oldest go
+//! first): a map entry (the id's bytes, a worker index and an instant) and a queue entry (the
+//! id again and an instant), about 100 bytes plus twice the id, so 65,536 sessions with
+//! 16-byte ids are about 8 MiB.
+//!
+//! **Invariant** (as in `recent.rs`): every session in the map has a queue entry with the
+//! map's expiry, so dropping queue entries from the front bounds the map too.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+#[derive(Debug)]
+pub struct SessionHomes {
+    ttl: Duration,
+    cap: usize,
+    /// Session -> (worker, expiry, the number of its newest queue entry).
+    home: HashMap<String, (usize, Instant, u64)>,
+    /// (session, expiry, entry number), oldest first.
+    queue: VecDeque<(String, Instant, u64)>,
+    next: u64,
+}
+
+impl SessionHomes {
+    /// Remembers a session for `ttl` after its last request, at most `cap` sessions (0:
+    /// remembers none).
+    pub fn new(ttl: Duration, cap: usize) -> Self {
+        Self {
+            ttl,
+            cap,
+            home: HashMap::new(),
+            queue: VecDeque::new(),
+            next: 0,
+        }
+    }
+
+    /// `worker` answered a request of `session` at `now`.
+    pub fn set(&mut self, session: &str, worker: usize, now: Instant) {
+        if self.cap == 0 || self.ttl.is_zero() {
+            return;
+        }
+        let until = now + self.ttl;
+        let n = self.next;
+        self.next += 1;
+        self.home.insert(session.to_owned(), (worker, until, n));
+        self.queue.push_back((session.to_owned(), until, n));
+        self.trim(now);
+    }
+
+    /// The worker that answered the session's last request within `ttl`.
+    pub fn get(&self, session: &str, now: Instant) -> Option<usize> {
+        self.home
+            .get(session)
+            .and_then(|&(w, until, _)| (until > now).then_some(w))
+    }
+
+    /// Sessions remembered.
+    pub fn len(&self) -> usize {
+        self.home.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.home.is_empty()
+    }
+
+    fn trim(&mut self, now: Instant) {
+        while let Some((id, until, n)) = self.queue.front() {
+            if *until > now && self.home.len() <= self.cap && self.queue.len() <= 2 * self.cap {
+                break;
+            }
+            // A later request of the same session keeps it (a newer entry).
+            if self.home.get(id).is_some_and(|(_, _, m)| m == n) {
+                self.home.remove(id);
+            }
+            self.queue.pop_front();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_is_at_its_last_worker_until_it_expires() {
+        let t0 = Instant::now();
+        let s = |n: u64| t0 + Duration::from_secs(n);
+        let mut h = SessionHomes::new(Duration::from_secs(10), 100);
+        h.set("a", 2, t0);
+        assert_eq!(h.get("a", s(9)), Some(2));
+        assert_eq!(h.get("b", t0), None);
+        assert_eq!(h.get("a", s(10)), None);
+        // Moved, later: the new worker, for 10 s from then, whatever the old entry's expiry.
+        h.set("a", 1, s(5));
+        h.set("c", 0, s(11));
+        assert_eq!(h.get("a", s(14)), Some(1));
+        assert_eq!(h.len(), 2);
+        h.set("c", 0, s(16));
+        assert_eq!(h.get("a", s(16)), None);
+        assert_eq!(h.len(), 1, "the expired session is gone");
+    }
+
+    #[test]
+    fn the_cap_keeps_the_most_recent_sessions() {
+        let t0 = Instant::now();
+        let mut h = SessionHomes::new(Duration::from_secs(60), 3);
+        for (i, id) in ["a", "b", "c", "d"].iter().enumerate() {
+            h.set(id, i, t0);
+        }
+        assert_eq!(h.len(), 3);
+        assert_eq!(h.get("a", t0), None);
+        assert_eq!(h.get("d", t0), Some(3));
+        // One session asked again and again keeps the queue bounded too.
+        for _ in 0..100 {
+            h.set("d", 3, t0);
+        }
+        assert!(h.queue.len() <= 6, "{}", h.queue.len());
+        assert_eq!(h.get("d", t0), Some(3));
+        for mut off in [
+            SessionHomes::new(Duration::from_secs(60), 0),
+            SessionHomes::new(Duration::ZERO, 10),
+        ] {
+            off.set("a", 1, t0);
+            assert!(off.is_empty() && off.get("a", t0).is_none());
+        }
+    }
+}
