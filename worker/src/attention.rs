@@ -86,7 +86,6 @@ fn run<const HD: usize>(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f32> {
 fn run_f32<const HD: usize>(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f32> {
     let total = s.start_pos + s.queries;
     let blocks = total.div_ceil(KB);
-    let rep = s.heads / s.kv_heads;
     // K per kv head, transposed per block of keys: kt[g][b][d][j] = k[b * KB + j][g][d]
     // (zeros past the last key).
     let kt: Vec<Vec<f32>> = (0..s.kv_heads)
@@ -110,14 +109,9 @@ fn run_f32<const HD: usize>(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f3
     let outs: Vec<Vec<TileOut<HD>>> = (0..s.kv_heads * groups)
         .into_par_iter()
         .map(|item| {
-            let (g, group) = (item / groups, item % groups);
-            let mut tiles = Vec::new();
-            for h in g * rep..(g + 1) * rep {
-                for t in 0..TILES_PER_GROUP {
-                    let first = (group * TILES_PER_GROUP + t) * QT;
-                    if first >= s.queries {
-                        break;
-                    }
+            let g = item / groups;
+            let tiles: Vec<Tile<HD>> = item_tiles(s, item, groups)
+                .map(|(h, first)| {
                     // Scaled queries; rows past the chunk repeat the last one (their output is
                     // dropped).
                     let q: [[f32; HD]; QT] = std::array::from_fn(|r| {
@@ -127,9 +121,9 @@ fn run_f32<const HD: usize>(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f3
                     });
                     let last =
                         std::array::from_fn(|r| s.start_pos + (first + r).min(s.queries - 1));
-                    tiles.push(Tile { h, first, q, last });
-                }
-            }
+                    Tile { h, first, q, last }
+                })
+                .collect();
             let vg = VHead {
                 v,
                 kv_heads: s.kv_heads,
@@ -147,6 +141,20 @@ fn run_f32<const HD: usize>(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f3
         })
         .collect();
     scatter_rows::<HD>(&outs, s)
+}
+
+/// The tiles of work item `item` (of `groups` per K/V head) as (query head, first row): one
+/// item per (K/V head, group of `TILES_PER_GROUP * QT` queries) takes the tiles of every query
+/// head on that K/V head, which read each block of K and V while it is in L1.
+fn item_tiles(s: Shape, item: usize, groups: usize) -> impl Iterator<Item = (usize, usize)> {
+    let (g, group) = (item / groups, item % groups);
+    let rep = s.heads / s.kv_heads;
+    (g * rep..(g + 1) * rep).flat_map(move |h| {
+        (0..TILES_PER_GROUP)
+            .map(move |t| (group * TILES_PER_GROUP + t) * QT)
+            .take_while(move |&first| first < s.queries)
+            .map(move |first| (h, first))
+    })
 }
 
 /// The tiles' output rows in `[queries][heads * HD]` (rows past the chunk dropped).
@@ -417,7 +425,7 @@ fn exp_lanes(x: &[f32; 16]) -> [f32; 16] {
 mod vnni {
     use rayon::prelude::*;
 
-    use super::{QT, Shape, TILES_PER_GROUP, TileOut, scatter_rows};
+    use super::{QT, Shape, TILES_PER_GROUP, TileOut, item_tiles, scatter_rows};
 
     /// Keys per step: twice the f32 kernel's, so that the softmax's per-row work (a maximum
     /// across lanes, the rescaling factor, the weights' scale) is shared by 64 keys.
@@ -460,7 +468,6 @@ mod vnni {
 
     pub(super) fn run<const HD: usize>(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Vec<f32> {
         let total = s.start_pos + s.queries;
-        let rep = s.heads / s.kv_heads;
         let heads: Vec<KvHead> = (0..s.kv_heads)
             .into_par_iter()
             // SAFETY: `causal` reaches this module only where `qgemm::available()`: the CPU has
@@ -472,24 +479,19 @@ mod vnni {
         let outs: Vec<Vec<TileOut<HD>>> = (0..s.kv_heads * groups)
             .into_par_iter()
             .map(|item| {
-                let (g, group) = (item / groups, item % groups);
-                let mut tiles = Vec::new();
-                for h in g * rep..(g + 1) * rep {
-                    for t in 0..TILES_PER_GROUP {
-                        let first = (group * TILES_PER_GROUP + t) * QT;
-                        if first >= s.queries {
-                            break;
-                        }
+                let g = item / groups;
+                let tiles: Vec<Tile> = item_tiles(s, item, groups)
+                    .map(|(h, first)| {
                         let rows = std::array::from_fn(|r| (first + r).min(s.queries - 1));
                         let last = rows.map(|i| s.start_pos + i);
-                        tiles.push(Tile {
+                        Tile {
                             h,
                             first,
                             rows,
                             last,
-                        });
-                    }
-                }
+                        }
+                    })
+                    .collect();
                 // SAFETY: as above.
                 let out = unsafe { tiles_vnni::<HD>(&tiles, q, s.queries, &heads[g]) };
                 tiles
