@@ -4,25 +4,30 @@
 //! not seen is placed by load. Free of I/O and of the clock (callers pass `now`).
 //!
 //! **Memory.** At most `cap` sessions, each for `ttl` after its last request (the oldest go
-//! first): a map entry (the id's bytes, a worker index and an instant) and a queue entry (the
-//! id again and an instant), about 100 bytes plus twice the id, so 65,536 sessions with
-//! 16-byte ids are about 8 MiB.
+//! first), kept by a 64-bit keyed hash of the id (SipHash with keys drawn per process), so an
+//! entry's size does not depend on what a client sends as its id: a map entry and at most two
+//! queue entries, about 100 bytes, so 65,536 sessions are about 6.5 MiB. Two ids with one hash
+//! (about one pair in 2^64 / sessions^2) share a home: a routing preference, never data.
 //!
 //! **Invariant** (as in `recent.rs`): every session in the map has a queue entry with the
 //! map's expiry, so dropping queue entries from the front bounds the map too.
 
+use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
+use std::hash::BuildHasher;
 use std::time::{Duration, Instant};
 
 #[derive(Debug)]
 pub struct SessionHomes {
     ttl: Duration,
     cap: usize,
-    /// Session -> (worker, expiry, the number of its newest queue entry).
-    home: HashMap<String, (usize, Instant, u64)>,
-    /// (session, expiry, entry number), oldest first.
-    queue: VecDeque<(String, Instant, u64)>,
+    /// The session id's hash -> (worker, expiry, the number of its newest queue entry).
+    home: HashMap<u64, (usize, Instant, u64)>,
+    /// (the session id's hash, expiry, entry number), oldest first.
+    queue: VecDeque<(u64, Instant, u64)>,
     next: u64,
+    /// The keys of the ids' hash.
+    keys: RandomState,
 }
 
 impl SessionHomes {
@@ -35,7 +40,12 @@ impl SessionHomes {
             home: HashMap::new(),
             queue: VecDeque::new(),
             next: 0,
+            keys: RandomState::new(),
         }
+    }
+
+    fn id(&self, session: &str) -> u64 {
+        self.keys.hash_one(session)
     }
 
     /// `worker` answered a request of `session` at `now`.
@@ -46,15 +56,16 @@ impl SessionHomes {
         let until = now + self.ttl;
         let n = self.next;
         self.next += 1;
-        self.home.insert(session.to_owned(), (worker, until, n));
-        self.queue.push_back((session.to_owned(), until, n));
+        let id = self.id(session);
+        self.home.insert(id, (worker, until, n));
+        self.queue.push_back((id, until, n));
         self.trim(now);
     }
 
     /// The worker that answered the session's last request within `ttl`.
     pub fn get(&self, session: &str, now: Instant) -> Option<usize> {
         self.home
-            .get(session)
+            .get(&self.id(session))
             .and_then(|&(w, until, _)| (until > now).then_some(w))
     }
 
