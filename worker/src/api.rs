@@ -471,12 +471,23 @@ pub fn finish_reason(f: FinishReason) -> &'static str {
     }
 }
 
+/// The answer's `usage`: OpenAI's fields, and `kvtier` (where the cached tokens came from and
+/// the time loading them took, for a router to learn the load bandwidth per tier:
+/// `docs/worker.md`).
 pub fn usage_json(u: &Usage) -> Value {
+    let l = &u.load;
+    let by_tier = |v: [u64; 3]| json!({"hbm": v[0], "dram": v[1], "nvme": v[2]});
     json!({
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "kvtier": {
+            "local_tokens": l.local_tokens,
+            "loaded_tokens": by_tier(l.loaded_tokens.map(|t| t as u64)),
+            "loaded_bytes": by_tier(l.loaded_bytes),
+            "load_s": l.load_time.as_secs_f64(),
+        },
     })
 }
 
@@ -790,5 +801,32 @@ mod tests {
         assert_eq!(s.push(0xff), "\u{FFFD}");
         assert_eq!(s.push(0xC3), "");
         assert_eq!(s.finish(), "\u{FFFD}");
+    }
+
+    #[test]
+    fn usage_tells_where_the_cached_tokens_came_from() {
+        let u = Usage {
+            finish: FinishReason::MaxTokens,
+            prompt_tokens: 700,
+            completion_tokens: 4,
+            cached_tokens: 688,
+            load: crate::scheduler::LoadReport {
+                local_tokens: 160,
+                loaded_tokens: [0, 400, 128],
+                loaded_bytes: [0, 25 << 15, 8 << 15],
+                load_time: std::time::Duration::from_micros(1500),
+            },
+        };
+        let v = usage_json(&u);
+        assert_eq!(v["prompt_tokens_details"]["cached_tokens"], 688);
+        assert_eq!(
+            v["kvtier"],
+            json!({
+                "local_tokens": 160,
+                "loaded_tokens": {"hbm": 0, "dram": 400, "nvme": 128},
+                "loaded_bytes": {"hbm": 0, "dram": 819200, "nvme": 262144},
+                "load_s": 0.0015,
+            })
+        );
     }
 }

@@ -113,6 +113,26 @@ pub struct Usage {
     /// Prompt tokens whose KV was not recomputed: loaded from kvtier or found in the
     /// worker's own prefix cache.
     pub cached_tokens: usize,
+    /// Where they came from and what loading them took (`usage.kvtier` in the answer).
+    pub load: LoadReport,
+}
+
+/// Where a request's cached prompt blocks came from, and the time loading them took: what a
+/// router needs to learn this worker's load bandwidth per tier (`docs/worker.md`,
+/// `usage.kvtier`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    /// Prompt tokens of the leading blocks found in the worker's own prefix cache (used in
+    /// place: nothing loaded).
+    pub local_tokens: usize,
+    /// Prompt tokens of the blocks copied in from the sidecar, by the tier its server said
+    /// held them (index: `TierCode` as `usize`, HBM, DRAM, NVMe).
+    pub loaded_tokens: [usize; 3],
+    /// Bytes of those blocks, by tier.
+    pub loaded_bytes: [u64; 3],
+    /// Time of the sidecar calls for the prompt (lookup, pin or get) and of the copy into
+    /// the pool; zero when nothing was loaded.
+    pub load_time: Duration,
 }
 
 /// Why a request could not be queued.
@@ -249,6 +269,8 @@ struct Seq {
     cached_tokens: usize,
     /// Leading blocks taken from the local prefix cache.
     local_blocks: usize,
+    /// What was loaded, for the answer's usage.
+    load: LoadReport,
     /// Positions whose K and V are in `table` (prompt and fed generated tokens).
     kv_tokens: usize,
     last_token_at: Option<Instant>,
@@ -442,6 +464,10 @@ impl Loop {
                 out: Vec::new(),
                 cached_tokens: 0,
                 local_blocks: hit,
+                load: LoadReport {
+                    local_tokens: hit * bt,
+                    ..LoadReport::default()
+                },
                 kv_tokens: 0,
                 last_token_at: None,
                 finished: None,
@@ -498,6 +524,7 @@ impl Loop {
         }
         let t = Instant::now();
         let mut engine = lock(&self.engine);
+        let mut by_tier = [0usize; 3];
         for i in from..n {
             let id = seq.table.blocks()[i];
             if let Err(e) = engine.cache_mut().write_block(id, source.block(i - first)) {
@@ -506,6 +533,11 @@ impl Loop {
                 seq.req.prefix.store_from = 0;
                 return;
             }
+            // A block the server gave no tier for counts as DRAM (where a sidecar serves from).
+            let tier = source
+                .tier(i - first)
+                .unwrap_or(kvtier_client::TierCode::Dram);
+            by_tier[tier as usize] += 1;
         }
         let any_nvme = match &source {
             PrefixSource::Pinned(p) => p
@@ -519,6 +551,10 @@ impl Loop {
         let bt = engine.cache().block_tokens();
         drop(engine);
         let took = seq.req.prefix.fetch_time + t.elapsed();
+        let block_bytes = (bytes / (n - from)) as u64;
+        seq.load.loaded_tokens = by_tier.map(|b| b * bt);
+        seq.load.loaded_bytes = by_tier.map(|b| b as u64 * block_bytes);
+        seq.load.load_time = took;
         if let Some(s) = &self.sidecar {
             s.observe_load(bytes, took, any_nvme);
         }
@@ -841,6 +877,7 @@ impl Loop {
             prompt_tokens: seq.req.tokens.len(),
             completion_tokens: seq.out.len(),
             cached_tokens: seq.cached_tokens,
+            load: seq.load,
         }));
     }
 }

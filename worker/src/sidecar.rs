@@ -67,11 +67,13 @@ pub enum PrefixSource {
     None,
     /// Blocks pinned in the local sidecar's DRAM arena, read in place (zero-copy path).
     Pinned(PinnedBlocks),
-    /// Blocks read into memory (remote sidecar): `blocks` blocks back to back.
+    /// Blocks read into memory (remote sidecar): `blocks` blocks back to back, and the tier
+    /// the server's lookup said held each.
     Staged {
         bytes: Vec<u8>,
         blocks: usize,
         block_bytes: usize,
+        tiers: Vec<TierCode>,
     },
 }
 
@@ -92,6 +94,15 @@ impl PrefixSource {
             PrefixSource::Staged {
                 bytes, block_bytes, ..
             } => &bytes[i * block_bytes..(i + 1) * block_bytes],
+        }
+    }
+
+    /// The tier that held block `i` (`i < blocks()`), as the server reported it.
+    pub fn tier(&self, i: usize) -> Option<TierCode> {
+        match self {
+            PrefixSource::None => None,
+            PrefixSource::Pinned(p) => p.tiers().get(i).copied(),
+            PrefixSource::Staged { tiers, .. } => tiers.get(i).copied(),
         }
     }
 
@@ -546,6 +557,7 @@ impl Sidecar {
                     bytes,
                     blocks: got.blocks,
                     block_bytes: self.block_bytes,
+                    tiers: lookup.tiers[skip..(skip + got.blocks).min(cached)].to_vec(),
                 };
             }
         }
