@@ -6,7 +6,9 @@
 //! * [`events`]: the subscriber task per server (snapshot, stream, resync).
 //! * [`prompt`]: a request rendered, tokenized and hashed exactly as the workers do.
 //! * [`recent`]: blocks the router sent each worker, until its server's events show them.
-//! * [`load`]: each worker's prefill rate and decode step, measured from its answers.
+//! * [`load`]: each worker's prefill rate, decode step and load bandwidth per tier, measured
+//!   from its answers.
+//! * [`usage`]: what the router reads from the end of an answer (cached tokens, load report).
 //! * [`sessions`]: each session's home worker, for session affinity.
 //! * [`score`]: expected time to first token per worker, and the ranking (sans-IO).
 //! * [`mismatch`]: predicted against reported cached tokens (sans-IO).
@@ -24,6 +26,7 @@ pub mod recent;
 pub mod score;
 pub mod server;
 pub mod sessions;
+pub mod usage;
 
 pub use config::{RouterConfig, WorkerConfig};
 pub use error::RouterError;

@@ -22,6 +22,10 @@ pub struct Metrics {
     /// `worker`: 1 while a run of disagreements says the router's keys differ from the
     /// worker's.
     pub key_mismatch_suspected: IntGaugeVec,
+    /// `worker`, `outcome`: what became of each 200 answer's `usage.kvtier` load report: a
+    /// sample of a tier (hbm, dram, nvme), nothing_loaded, mixed_tiers, small, bad, malformed,
+    /// absent.
+    pub load_reports: IntCounterVec,
     pub worker_healthy: IntGaugeVec,
     pub outstanding_requests: IntGaugeVec,
     pub outstanding_prefill_tokens: IntGaugeVec,
@@ -114,6 +118,12 @@ impl Metrics {
                 "kvtier_router_key_mismatch_suspected",
                 "1 while the router's block keys seem to differ from the worker's (tokenizer, template, model name, salt or secret)",
                 &["worker"],
+            )?,
+            load_reports: counter(
+                &r,
+                "kvtier_router_load_reports_total",
+                "Workers' usage.kvtier load reports by outcome: a bandwidth sample of a tier (hbm, dram, nvme) or why not",
+                &["worker", "outcome"],
             )?,
             worker_healthy: gauge(
                 &r,

@@ -6,10 +6,11 @@
 //!   load; it always recomputes the prompt's last token, so at most `(prompt - 1) /
 //!   block_tokens` leading blocks count as cached). The rate is the worker's measured one
 //!   (`load.rs`) once it has samples, else the configured one;
-//! * `load_s` = the cached blocks' bytes over each tier's bandwidth (HBM, DRAM, NVMe), and,
+//! * `load_s` = the cached blocks' bytes over each tier's bandwidth (HBM, DRAM, NVMe: the
+//!   worker's measured one, `load.rs`, once it has samples, else the configured one), and,
 //!   when the workers' servers form one kvtier cluster, the blocks after the worker's own
-//!   prefix that another server holds, over the cluster's bandwidth (its server fetches them
-//!   from their owner: `docs/cluster.md`);
+//!   prefix that another server holds, over the cluster's configured bandwidth (its server
+//!   fetches them from their owner: `docs/cluster.md`);
 //! * `queue_s = queue_prefill_s + queue_decode_s + outstanding_requests x per_request_s`:
 //!   `queue_prefill_s = outstanding_prefill_tokens / prefill_tokens_per_s`, the prompts the
 //!   router sent the worker that have not started answering; `queue_decode_s =
@@ -56,7 +57,7 @@ pub struct Costs {
     /// `scheduler::PREFILL_CHUNK_TOKENS`). Default: 512.
     pub prefill_chunk_tokens: f64,
     /// Use the rates measured from the workers' answers (`load.rs`) once they have samples:
-    /// the prefill rate and the decode step. Default: true.
+    /// the prefill rate, the decode step and the load bandwidth per tier. Default: true.
     pub measured: bool,
     /// A session leaves its home only for a worker expected to answer in less than the
     /// home's time divided by this (at least 1). Default: 2.
@@ -153,6 +154,9 @@ pub struct Candidate {
     pub prefill_tokens_per_s: Option<f64>,
     /// This worker's measured decode step, when known.
     pub decode_step_s: Option<f64>,
+    /// This worker's measured load bandwidth from each tier (index: `TierCode as usize`),
+    /// when known.
+    pub load_bytes_per_s: [Option<f64>; 3],
 }
 
 /// One worker's expected time to first token, and its parts.
@@ -184,6 +188,8 @@ pub struct Score {
     /// The rates used.
     pub prefill_tokens_per_s: f64,
     pub decode_step_s: f64,
+    /// Bytes per second from HBM, DRAM, NVMe.
+    pub load_bytes_per_s: [f64; 3],
 }
 
 /// Scores every candidate for a prompt of `prompt_tokens` tokens in blocks of `block_tokens`.
@@ -192,10 +198,14 @@ pub fn score(prompt_tokens: usize, block_tokens: usize, c: &Candidate, costs: &C
     let cached = &c.cached[..c.cached.len().min(usable)];
     let cluster = c.cluster_blocks.min(usable - cached.len());
     let mut by_tier = [0usize; 3];
+    let bandwidth = [TierCode::Hbm, TierCode::Dram, TierCode::Nvme]
+        .map(|t| c.load_bytes_per_s[t as usize].unwrap_or(costs.bytes_per_s(t)));
     let mut load_s = cluster as f64 * c.block_bytes as f64 / costs.cluster_bytes_per_s;
     for t in cached {
         by_tier[*t as usize] += 1;
-        load_s += c.block_bytes as f64 / costs.bytes_per_s(*t);
+    }
+    for (blocks, bw) in by_tier.iter().zip(bandwidth) {
+        load_s += *blocks as f64 * c.block_bytes as f64 / bw;
     }
     let cached_blocks = cached.len() + cluster;
     let cached_tokens = cached_blocks * block_tokens;
@@ -234,6 +244,7 @@ pub fn score(prompt_tokens: usize, block_tokens: usize, c: &Candidate, costs: &C
         decoding_requests: c.decoding_requests,
         prefill_tokens_per_s: rate,
         decode_step_s: step,
+        load_bytes_per_s: bandwidth,
     }
 }
 
@@ -448,6 +459,7 @@ mod tests {
             decoding_requests: 0,
             prefill_tokens_per_s: None,
             decode_step_s: None,
+            load_bytes_per_s: [None; 3],
         }
     }
 
@@ -540,6 +552,30 @@ mod tests {
         let b = score(1000, 16, &cand(1, vec![Dram; 50], 0, 0), &costs);
         assert!(a.total_s > b.total_s, "{a:?} {b:?}");
         assert_eq!(rank(&[a, b], costs.tie_s, 0), vec![1, 0]);
+    }
+
+    #[test]
+    fn a_measured_load_bandwidth_replaces_the_configured_one() {
+        let costs = Costs::default();
+        // 40 DRAM blocks of 32 KiB: 0.66 ms at the configured 2 GB/s; at a measured 4 MB/s,
+        // 328 ms, more than computing their 640 tokens (213 ms): the holder now loses to a
+        // cold worker.
+        let mut slow = cand(0, vec![Dram; 40], 0, 0);
+        slow.load_bytes_per_s[Dram as usize] = Some(4e6);
+        let s = score(1000, 16, &slow, &costs);
+        assert!((s.load_s - 40.0 * 32768.0 / 4e6).abs() < 1e-12, "{s:?}");
+        assert_eq!(s.load_bytes_per_s, [20e9, 4e6, 1e9]);
+        check(1000, &[slow.clone(), cand(1, vec![], 0, 0)], 0, &[1, 0]);
+        check(
+            1000,
+            &[cand(0, vec![Dram; 40], 0, 0), cand(1, vec![], 0, 0)],
+            0,
+            &[0, 1],
+        );
+        // Only the measured tier changes: NVMe blocks still load at the configured rate.
+        slow.cached = vec![Nvme; 40];
+        let s = score(1000, 16, &slow, &costs);
+        assert!((s.load_s - 40.0 * 32768.0 / 1e9).abs() < 1e-12, "{s:?}");
     }
 
     #[test]

@@ -35,6 +35,7 @@ use crate::prompt::{Analysed, PromptModel};
 use crate::recent::RecentRoutes;
 use crate::score::{self, Candidate, Home, Placement, Policy, Score};
 use crate::sessions::SessionHomes;
+use crate::usage::{self, Report};
 use kvtier_core::BlockKey;
 use kvtier_core::protocol::TierCode;
 
@@ -57,7 +58,7 @@ pub struct WorkerState {
     pub outstanding_prefill_tokens: AtomicU64,
     /// Of the outstanding requests, those whose answer has started.
     pub decoding: AtomicU64,
-    /// Its prefill rate and decode step, measured from its answers.
+    /// Its prefill rate, decode step and load bandwidths, measured from its answers.
     measured: Mutex<Measured>,
     streak: Mutex<Streak>,
     /// Blocks recently routed here, held until the server's events show them.
@@ -350,6 +351,9 @@ fn decide(app: &AppInner, analysed: Analysed, rotation: usize) -> Decision {
                     .filter(|_| use_measured)
                     .or(w.prefill_tokens_per_s),
                 decode_step_s: measured.decode_step_s.get().filter(|_| use_measured),
+                load_bytes_per_s: measured
+                    .load_bytes_per_s
+                    .map(|e| e.get().filter(|_| use_measured)),
             };
             score::score(analysed.prompt_tokens, bt, &c, costs)
         })
@@ -422,6 +426,28 @@ fn explain(app: &AppInner, d: &Decision) -> Value {
             if let Value::Object(o) = &mut v {
                 o.insert("url".into(), json!(w.url));
                 let m = *w.measured.lock().unwrap_or_else(|e| e.into_inner());
+                let costs = &app.config.costs;
+                let configured = [
+                    costs.hbm_bytes_per_s,
+                    costs.dram_bytes_per_s,
+                    costs.nvme_bytes_per_s,
+                ];
+                let mut load = serde_json::Map::new();
+                for t in [TierCode::Hbm, TierCode::Dram, TierCode::Nvme] {
+                    let e = m.load_bytes_per_s[t as usize];
+                    load.insert(
+                        t.name().into(),
+                        json!({
+                            "measured": e.get(),
+                            "configured": configured[t as usize],
+                            "samples": e.samples,
+                        }),
+                    );
+                }
+                load.insert(
+                    "cluster".into(),
+                    json!({"measured": null, "configured": costs.cluster_bytes_per_s, "samples": 0}),
+                );
                 o.insert(
                     "measured".into(),
                     json!({
@@ -429,6 +455,7 @@ fn explain(app: &AppInner, d: &Decision) -> Value {
                         "prefill_samples": m.prefill_tokens_per_s.samples,
                         "decode_step_s": m.decode_step_s.get(),
                         "decode_samples": m.decode_step_s.samples,
+                        "load_bytes_per_s": load,
                     }),
                 );
                 o.insert(
@@ -655,6 +682,8 @@ struct Observer {
     alone_in_prefill: bool,
     decoding_at_start: u64,
     ok_stream: bool,
+    /// The answer is a 200 (its load report is about this request's prompt).
+    ok: bool,
 }
 
 impl Observer {
@@ -666,44 +695,50 @@ impl Observer {
     }
 }
 
-/// The last `"cached_tokens":N` in `tail`.
-fn cached_tokens(tail: &[u8]) -> Option<u64> {
-    last_number(tail, b"\"cached_tokens\":")
-}
-
-/// The last `"completion_tokens":N` in `tail`.
-fn completion_tokens(tail: &[u8]) -> Option<u64> {
-    last_number(tail, b"\"completion_tokens\":")
-}
-
-/// The number after the last `needle` in `tail`.
-fn last_number(tail: &[u8], needle: &[u8]) -> Option<u64> {
-    let at = tail.windows(needle.len()).rposition(|w| w == needle)? + needle.len();
-    let rest = &tail[at..];
-    let rest = &rest[rest.iter().take_while(|b| b.is_ascii_whitespace()).count()..];
-    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
-    std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
-}
-
 impl Drop for Observer {
     fn drop(&mut self) {
-        if !self.complete {
+        if !self.complete || !self.ok {
             return;
         }
-        let Some(reported) = cached_tokens(&self.tail) else {
+        let w = &self.app.workers[self.worker];
+        let m = &self.app.metrics;
+        // The worker's load report (kvtier-worker's `usage.kvtier`): a load-bandwidth sample,
+        // and the part of the wait for the first byte that was not prefill.
+        let load = match usage::load_report(&self.tail) {
+            Report::Absent => {
+                m.load_reports.with_label_values(&[&w.url, "absent"]).inc();
+                None
+            }
+            Report::Malformed => {
+                m.load_reports
+                    .with_label_values(&[&w.url, "malformed"])
+                    .inc();
+                None
+            }
+            Report::Load(r) => {
+                let o = w
+                    .measured
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .load_sample(&r);
+                m.load_reports.with_label_values(&[&w.url, o.label()]).inc();
+                Some(r)
+            }
+        };
+        let Some(reported) = usage::cached_tokens(&self.tail) else {
             return;
         };
-        let w = &self.app.workers[self.worker];
         if self.ok_stream {
-            let mut m = w.measured.lock().unwrap_or_else(|e| e.into_inner());
+            let mut measured = w.measured.lock().unwrap_or_else(|e| e.into_inner());
             if self.alone_in_prefill {
-                m.prefill_sample(
+                measured.prefill_sample(
                     self.prompt_tokens.saturating_sub(reported),
                     self.first_byte - self.sent,
+                    load.as_ref(),
                 );
             }
-            if let Some(tokens) = completion_tokens(&self.tail) {
-                m.decode_sample(self.first_byte.elapsed(), tokens, self.decoding_at_start);
+            if let Some(tokens) = usage::completion_tokens(&self.tail) {
+                measured.decode_sample(self.first_byte.elapsed(), tokens, self.decoding_at_start);
             }
         }
         let m = &self.app.metrics;
@@ -858,6 +893,7 @@ async fn forward(app: &App, d: &Decision, body: Bytes, path: &str) -> (Response,
             first_byte,
             alone_in_prefill,
             decoding_at_start,
+            ok: stream.status == 200,
             ok_stream: stream.status == 200
                 && stream
                     .content_type
@@ -1023,19 +1059,4 @@ async fn not_found() -> Response {
     ApiError::invalid("no such endpoint", None)
         .with_status(StatusCode::NOT_FOUND)
         .into_response()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::cached_tokens;
-
-    #[test]
-    fn cached_tokens_are_read_from_either_answer_shape() {
-        let json = br#"{"choices":[],"usage":{"completion_tokens":4,"prompt_tokens":40,"prompt_tokens_details":{"cached_tokens":32},"total_tokens":44}}"#;
-        assert_eq!(cached_tokens(json), Some(32));
-        let sse = b"data: {\"choices\":[{\"text\":\"x\"}]}\n\ndata: {\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\": 7}}}\n\ndata: [DONE]\n\n";
-        assert_eq!(cached_tokens(sse), Some(7));
-        assert_eq!(cached_tokens(b"data: [DONE]\n\n"), None);
-        assert_eq!(cached_tokens(b"\"cached_tokens\":x"), None);
-    }
 }
