@@ -7,6 +7,8 @@
 //! kvtier-server -p kvtier-worker` puts them), or at `KVTIER_SERVER_BIN` / `KVTIER_WORKER_BIN`.
 #![allow(dead_code)]
 
+pub mod stub;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
