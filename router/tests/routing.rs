@@ -123,6 +123,12 @@ async fn a_repeated_prompt_goes_to_the_worker_holding_its_prefix() -> Result<()>
         assert!(metric(&m, "kvtier_router_predicted_cached_tokens_total", &[("worker", &holder)]) >= 3.0 * 688.0);
         assert_eq!(metric(&m, "kvtier_router_requests_total", &[("outcome", "ok")]), 7.0, "{m}");
         assert_eq!(metric(&m, "kvtier_router_index_synced", &[]), 3.0, "{m}");
+        // kvtier-worker's usage.kvtier load report is read from every answer: none absent,
+        // unreadable or impossible.
+        assert_eq!(metric(&m, "kvtier_router_load_reports_total", &[]), 7.0, "{m}");
+        for o in ["absent", "malformed", "bad"] {
+            assert_eq!(metric(&m, "kvtier_router_load_reports_total", &[("outcome", o)]), 0.0, "{o}: {m}");
+        }
         // The rest of the front.
         let models = json(&get(&format!("{}/v1/models", f.url)).await?);
         assert_eq!(models["data"][0]["id"], "kvtier-tiny");
@@ -784,6 +790,96 @@ async fn in_a_cluster_every_worker_counts_the_blocks_another_server_holds() -> R
         assert!(o["load_s"].as_f64() > h["load_s"].as_f64(), "{v}");
         assert_eq!(o["cached_blocks_by_tier"], json!([0, 0, 0]), "{v}");
         drop(f.router);
+        Ok(())
+    })
+    .await
+}
+
+/// Two kvtier-workers sharing one kvtier server: a prompt one computed and stored, the other
+/// loads from the server's DRAM, and its answer's `usage.kvtier` is what the router learns
+/// that worker's DRAM bandwidth from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_learns_a_workers_load_bandwidth_from_its_answers() -> Result<()> {
+    bounded(240, async {
+        let dir = tempfile::tempdir()?;
+        let s = KvServer::start(&dir.path().join("s"))?;
+        let mut workers = Vec::new();
+        let mut args: Vec<String> = vec!["--health-interval-ms".into(), "200".into()];
+        for _ in 0..2 {
+            let w = worker("127.0.0.1:0", &s.url(), &[])?;
+            args.extend(["--worker".into(), format!("{},kvtier={}", w.1, s.url())]);
+            workers.push(w);
+        }
+        let (_r, url) = router(&args)?;
+        let (w0, w1) = (workers[0].1.clone(), workers[1].1.clone());
+        let dram = |v: &Value, w: &str| entry(v, w)["measured"]["load_bytes_per_s"]["dram"].clone();
+        for i in 0..3 {
+            // 1000 tokens: 62 blocks, 2 MiB. Cold: both workers equal, taken in turn (the
+            // first request of each pair is an even one): worker 0 computes and stores it.
+            let body = completion(&text(900 + i, 1000), 2, false);
+            let r = post(&format!("{url}/v1/completions"), &body).await?;
+            assert_eq!(
+                (r.status, answered_by(&r)),
+                (200, w0.clone()),
+                "{}",
+                r.text()
+            );
+            wait_until(
+                Duration::from_secs(60),
+                "the prompt's blocks in the index",
+                || async {
+                    let v = route(&url, &body).await?;
+                    Ok(entry(&v, &w1)["cached_tokens"].as_u64() == Some(992))
+                },
+            )
+            .await?;
+            // Both hold it through the shared server, equally: the repeat goes to worker 1
+            // in turn, which loads the 62 blocks from the server's DRAM.
+            let r = post(&format!("{url}/v1/completions"), &body).await?;
+            assert_eq!(
+                (r.status, answered_by(&r)),
+                (200, w1.clone()),
+                "{}",
+                r.text()
+            );
+            let a = json(&r);
+            assert_eq!(a["usage"]["kvtier"]["loaded_tokens"]["dram"], 992, "{a}");
+            assert_eq!(
+                a["usage"]["kvtier"]["loaded_bytes"]["dram"],
+                62 << 15,
+                "{a}"
+            );
+            assert!(a["usage"]["kvtier"]["load_s"].as_f64() > Some(0.0), "{a}");
+        }
+        let v = route(&url, &completion(&text(999, 1000), 2, false)).await?;
+        let d1 = dram(&v, &w1);
+        assert_eq!(
+            (d1["samples"].as_u64(), d1["configured"].as_f64()),
+            (Some(3), Some(2e9)),
+            "{v}"
+        );
+        let bw = d1["measured"].as_f64().unwrap_or(0.0);
+        assert!(bw > 0.0, "{v}");
+        assert_eq!(
+            entry(&v, &w1)["load_bytes_per_s"][1].as_f64(),
+            Some(bw),
+            "{v}"
+        );
+        assert_eq!(dram(&v, &w0)["samples"], 0, "{v}");
+        let m = get(&format!("{url}/metrics")).await?.text();
+        let reports = |w: &str, o: &str| {
+            metric(
+                &m,
+                "kvtier_router_load_reports_total",
+                &[("worker", w), ("outcome", o)],
+            )
+        };
+        assert_eq!(
+            (reports(&w1, "dram"), reports(&w0, "nothing_loaded")),
+            (3.0, 3.0),
+            "{m}"
+        );
+        eprintln!("worker 1's DRAM load bandwidth as measured by the router: {bw:.0} B/s");
         Ok(())
     })
     .await
