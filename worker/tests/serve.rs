@@ -87,6 +87,18 @@ async fn prefix_from_dram_nvme_and_after_restart_equals_recompute() -> Result<()
     assert_eq!(warm, want, "output with the prefix loaded from DRAM");
     assert_eq!(cached(&u), full_blocks * 16);
     assert_eq!(u["prompt_tokens"], PROMPT.len() + 1);
+    // usage.kvtier: every cached block loaded from DRAM, none from the local pool (off).
+    let k = &u["kvtier"];
+    assert_eq!(
+        (&k["local_tokens"], &k["loaded_tokens"]),
+        (
+            &json!(0),
+            &json!({"hbm": 0, "dram": full_blocks * 16, "nvme": 0})
+        ),
+        "{u}"
+    );
+    assert!(k["loaded_bytes"]["dram"].as_u64() > Some(0), "{u}");
+    assert!(k["load_s"].as_f64() > Some(0.0), "{u}");
     let dram_hits = server
         .store()
         .stats()
@@ -104,6 +116,14 @@ async fn prefix_from_dram_nvme_and_after_restart_equals_recompute() -> Result<()
         let (after, u) = complete(&w, PROMPT, 12).await?;
         assert_eq!(after, want, "output after a restart");
         if cached(&u) == full_blocks * 16 {
+            // ... from NVMe, as usage.kvtier says.
+            let k = &u["kvtier"];
+            assert_eq!(
+                k["loaded_tokens"],
+                json!({"hbm": 0, "dram": 0, "nvme": full_blocks * 16}),
+                "{u}"
+            );
+            assert_eq!(k["loaded_bytes"]["dram"], 0, "{u}");
             hit = true;
             break;
         }
@@ -134,6 +154,12 @@ async fn prefix_over_tcp_equals_recompute() -> Result<()> {
     let (warm, u) = complete(&w, prompt, 10).await?;
     assert_eq!(warm, want);
     assert_eq!(cached(&u), blocks * 16);
+    // Blocks copied out with get_into (a remote sidecar) are reported too.
+    assert_eq!(
+        u["kvtier"]["loaded_tokens"],
+        json!({"hbm": 0, "dram": blocks * 16, "nvme": 0}),
+        "{u}"
+    );
     w.shutdown().await;
     server.shutdown().await;
     Ok(())
