@@ -741,7 +741,6 @@ impl Drop for Observer {
                 measured.decode_sample(self.first_byte.elapsed(), tokens, self.decoding_at_start);
             }
         }
-        let m = &self.app.metrics;
         m.reported_cached_tokens
             .with_label_values(&[&w.url])
             .inc_by(reported);
