@@ -75,6 +75,16 @@ impl Inner {
                     _ => {}
                 }
             }
+            if t == self.host {
+                // Every hold counted on a slot is one the budget counts, and the other way.
+                let held: u64 = st.held.iter().map(|&n| u64::from(n)).sum();
+                let budget = self.holds.blocks.load(Ordering::Acquire);
+                if held != budget {
+                    return Err(format!(
+                        "{kind}: {held} slot holds counted but {budget} in the hold budget"
+                    ));
+                }
+            }
         }
         Ok(())
     }

@@ -105,8 +105,10 @@ impl Inner {
         // Retention hints protect host-tier blocks only.
         let retained = (t == self.host && self.retain.any()).then(|| self.retain.protected());
         let keys = &st.keys;
+        let held = &st.held;
         let v = st.policy.victim(&mut |s| {
             pins[s as usize].load(Ordering::Acquire) == 0
+                && held.get(s as usize).is_none_or(|&n| n == 0)
                 && retained
                     .as_ref()
                     .is_none_or(|r| !r.contains(&keys[s as usize]))

@@ -41,7 +41,8 @@ pub struct PinnedBlock {
 pub(super) struct LeaseRecord {
     pub(super) deadline: Instant,
     pub(super) slots: Vec<u32>,
-    /// Taken by a held lookup: its blocks count against the hold budget.
+    /// Taken by a held lookup: its slots are held (counted in the tier's `held`, not
+    /// pinned) and count against the hold budget.
     pub(super) hold: bool,
 }
 
@@ -117,19 +118,10 @@ impl Inner {
         })
     }
 
-    /// Files the pins a held lookup took on `slots` of the host tier as a lease; past the
-    /// hold budget, unpins them instead.
-    pub(super) fn hold(self: &Arc<Self>, slots: Vec<u32>) -> LookupHold {
-        if slots.is_empty() {
-            return LookupHold::Nothing;
-        }
+    /// Files a held lookup's hold on `slots` of the host tier as a lease. The lookup has
+    /// taken the budget and counted the hold on each slot already.
+    pub(super) fn file_hold(self: &Arc<Self>, slots: Vec<u32>) -> LookupHold {
         let blocks = slots.len();
-        if !self.holds.try_take(blocks as u64) {
-            for s in slots {
-                self.unpin(self.host, s);
-            }
-            return LookupHold::OverBudget;
-        }
         let id = self.next_lease.fetch_add(1, Ordering::Relaxed);
         let deadline = Instant::now() + self.config.lookup_hold;
         lock(&self.leases).insert(
@@ -148,9 +140,16 @@ impl Inner {
 
     fn unpin_lease(self: &Arc<Self>, rec: &LeaseRecord) {
         if rec.hold {
+            // A hold counts on the slots under the tier's lock, and gives its budget back.
+            let mut st = lock(&self.tiers[self.host].state);
+            for &s in &rec.slots {
+                st.held[s as usize] -= 1;
+            }
+            drop(st);
             self.holds
                 .blocks
                 .fetch_sub(rec.slots.len() as u64, Ordering::AcqRel);
+            return;
         }
         for &s in &rec.slots {
             self.unpin(self.host, s);

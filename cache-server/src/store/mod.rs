@@ -233,6 +233,7 @@ impl TieredStore {
             .sum::<u64>()
             .div_ceil(shards as u64) as usize;
         let host_slots = u64::from(tiers[host].tier.slot_count());
+        lock(&tiers[host].state).held = vec![0; host_slots as usize].into();
         let inner = Arc::new(Inner {
             block_bytes,
             shard_mask: shards as u64 - 1,

@@ -10,10 +10,15 @@ use crate::policy::{LookupContext, PromotionPolicy};
 use crate::stats::TierCounters;
 use crate::tier::{SlotId, TierKind};
 
+use super::index::Entry;
 use super::lease::{LookupHold, PinnedBlock};
 use super::movement::CopyFor;
 use super::slots::NONE;
 use super::{GetOutcome, Inner, MissReason, lock};
+
+/// Keys a lookup probes per round (see [`Inner::probe_prefix`]); also bounds the per-round
+/// arrays, which live on the stack.
+const LOOKUP_ROUND: usize = 512;
 
 impl Inner {
     /// Pins the fastest copy of `key` (the host tier's, when `prefer_host` and it holds
@@ -72,48 +77,91 @@ impl Inner {
         }
     }
 
+    /// The index entries of the longest cached prefix of `keys`. Keys are probed in rounds of
+    /// [`LOOKUP_ROUND`], grouped by shard so each shard's lock is taken once a round rather
+    /// than once a key (an uncontended lock and unlock cost more than the probe itself); a
+    /// prefix that ends stops after the round it ends in. Entries are copies: a slot read
+    /// here may be reused before the caller looks at it, so callers check slots under the
+    /// tier's lock.
+    pub(super) fn probe_prefix(&self, keys: &[BlockKey]) -> Vec<Entry> {
+        let shards = self.shards.len();
+        let mut out: Vec<Entry> = Vec::with_capacity(keys.len().min(LOOKUP_ROUND));
+        // Per round: each key's shard, the keys' positions sorted by shard, and where each
+        // shard's run of positions starts (a counting sort).
+        let mut shard_of = [0u32; LOOKUP_ROUND];
+        let mut order = [0u16; LOOKUP_ROUND];
+        let mut starts = vec![0u32; shards + 1];
+        let mut found: Vec<Option<Entry>> = Vec::with_capacity(LOOKUP_ROUND);
+        for round in keys.chunks(LOOKUP_ROUND) {
+            starts.fill(0);
+            for (i, k) in round.iter().enumerate() {
+                let s = self.shard_index(k);
+                shard_of[i] = s as u32;
+                starts[s + 1] += 1;
+            }
+            for s in 0..shards {
+                starts[s + 1] += starts[s];
+            }
+            let mut next = starts.clone();
+            for (i, &s) in shard_of[..round.len()].iter().enumerate() {
+                let s = s as usize;
+                order[next[s] as usize] = i as u16;
+                next[s] += 1;
+            }
+            found.clear();
+            found.resize(round.len(), None);
+            for s in 0..shards {
+                let (a, b) = (starts[s] as usize, starts[s + 1] as usize);
+                if a == b {
+                    continue;
+                }
+                let shard = lock(&self.shards[s]);
+                for &i in &order[a..b] {
+                    let i = usize::from(i);
+                    found[i] = shard.get(&round[i]).copied().filter(|e| !e.is_empty());
+                }
+            }
+            let run = found.iter().take_while(|e| e.is_some()).count();
+            out.extend(found[..run].iter().flatten());
+            if run < round.len() {
+                break;
+            }
+        }
+        out
+    }
+
     /// The longest cached prefix of `keys`, with each tier's policy told about the request;
-    /// with `hold`, the leading run of it in the host tier stays pinned (see
+    /// with `hold`, the leading run of it in the host tier is held (see
     /// [`super::TieredStore::lookup_held`]).
+    ///
+    /// A hold is a count per host slot, kept under the tier's lock that the policy update
+    /// takes anyway, which eviction honours: no atomic per block. It is taken on the run
+    /// whose slots still hold these keys under that lock, so it protects exactly what the
+    /// reply reports from the host tier.
     pub(super) fn lookup(
         self: &Arc<Self>,
         keys: &[BlockKey],
         hold: bool,
     ) -> (Vec<TierKind>, LookupHold) {
-        let n = self.tiers.len();
         let h = self.host;
         let hold = hold && !self.config.lookup_hold.is_zero();
-        let mut out = Vec::new();
-        // Per tier: the slots of the leading run of keys it holds.
-        let mut runs: Vec<Vec<u32>> = vec![Vec::new(); n];
-        let mut open = vec![true; n];
-        for k in keys {
-            let shard = self.shard(k);
-            let Some((e, (fastest, _))) = shard.get(k).and_then(|e| Some((e, e.fastest()?))) else {
-                break;
-            };
-            for t in 0..n {
-                open[t] &= e.loc[t] != NONE;
-                if open[t] {
-                    runs[t].push(e.loc[t]);
-                    if hold && t == h {
-                        // Pinned under the shard lock while the entry references the slot,
-                        // as `pin_location` does: a remover cannot free it under us.
-                        self.pin_slot(h, e.loc[t]);
-                    }
-                }
-            }
-            out.push(self.tiers[fastest].kind);
-        }
+        let entries = self.probe_prefix(keys);
+        let out: Vec<TierKind> = entries
+            .iter()
+            .map(|e| {
+                let (fastest, _) = e.fastest().expect("probe_prefix keeps non-empty entries");
+                self.tiers[fastest].kind
+            })
+            .collect();
         // The session of a retention hint is back: its prefix needs no more protection.
         self.retain.returned(&keys[..out.len()]);
-        let held = if hold {
-            self.hold(runs[h].clone())
-        } else {
-            LookupHold::Nothing
-        };
         let now = self.now();
-        for (tier, hits) in self.tiers.iter().zip(&mut runs) {
+        let mut held = LookupHold::Nothing;
+        let mut hits: Vec<u32> = Vec::with_capacity(entries.len());
+        for (t, tier) in self.tiers.iter().enumerate() {
+            // The slots of the leading run of keys this tier holds.
+            hits.clear();
+            hits.extend(entries.iter().map(|e| e.loc[t]).take_while(|&s| s != NONE));
             let mut st = lock(&tier.state);
             // A slot may have been reused since it was read under the shard lock: keep only
             // the prefix whose slots still hold these keys.
@@ -123,11 +171,28 @@ impl Inner {
                 .take_while(|(s, k)| st.keys[**s as usize] == **k)
                 .count();
             hits.truncate(valid);
+            if hold && t == h && !hits.is_empty() {
+                held = if self.holds.try_take(hits.len() as u64) {
+                    for &s in &hits {
+                        st.held[s as usize] += 1;
+                    }
+                    LookupHold::Held {
+                        lease_id: 0,
+                        blocks: hits.len(),
+                    }
+                } else {
+                    LookupHold::OverBudget
+                };
+            }
             st.policy.on_lookup(LookupContext {
-                hits,
+                hits: &hits,
                 rest: &keys[hits.len()..],
                 now_ms: now,
             });
+            if t == h && matches!(held, LookupHold::Held { .. }) {
+                drop(st);
+                held = self.file_hold(hits.clone());
+            }
         }
         (out, held)
     }

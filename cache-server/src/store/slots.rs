@@ -26,6 +26,9 @@ pub(super) struct TierState {
     pub(super) free: Vec<u32>,
     pub(super) keys: Box<[BlockKey]>,
     pub(super) policy: Box<dyn EvictionPolicy>,
+    /// Held lookups holding each slot (host tier only; empty elsewhere): eviction skips a
+    /// held slot. Counted under this lock, which the lookup's policy update takes anyway.
+    pub(super) held: Box<[u32]>,
 }
 
 /// One tier of the store's list and the store's bookkeeping of its slots.
@@ -47,6 +50,7 @@ pub(super) fn slots_for(tier: Arc<dyn Tier>, eviction: EvictionKind) -> Slots {
             free: (0..n).rev().collect(),
             keys: vec![BlockKey::default(); n as usize].into(),
             policy: eviction.build(n),
+            held: Box::default(),
         }),
         pins: (0..n).map(|_| AtomicU32::new(0)).collect(),
         counters: TierCounters::default(),
@@ -61,13 +65,15 @@ pub(super) fn tier_stats(slots: &Slots) -> TierStats {
     s.slot_bytes = slots.tier.slot_bytes() as u64;
     let st = lock(&slots.state);
     s.used_slots = s.capacity_slots.saturating_sub(st.free.len() as u64);
-    // Slot key, pin word and free-list entry, the policy's arrays, and the tier's own
+    // Slot key, pin word and free-list entry, the hold count (host tier), the policy's
+    // arrays, and the tier's own
     // per-slot table (key/length/lock for memory tiers, a lock for NVMe).
     let tier_table = match slots.kind {
         TierKind::Nvme => 4,
         _ => 32,
     };
-    s.metadata_bytes_per_slot = (16 + 4 + 4 + st.policy.bytes_per_slot() + tier_table) as u64;
+    s.metadata_bytes_per_slot =
+        (16 + 4 + 4 + 4 * st.held.len().min(1) + st.policy.bytes_per_slot() + tier_table) as u64;
     drop(st);
     s.pins_outstanding = slots
         .pins

@@ -143,16 +143,19 @@ impl Inner {
         self.remove_if(key, false)
     }
 
-    /// [`Self::remove`]; with `unpinned_only`, not when a copy is pinned (pins are taken
-    /// under the shard lock held here, so the check cannot race one).
+    /// [`Self::remove`]; with `unpinned_only`, not when a copy is pinned or held by a lookup
+    /// (pins are taken under the shard lock held here, holds under the host tier's lock,
+    /// taken first as eviction does, so the check cannot race either).
     pub(super) fn remove_if(self: &Arc<Self>, key: BlockKey, unpinned_only: bool) -> bool {
         let e = {
+            let host = unpinned_only.then(|| lock(&self.tiers[self.host].state));
             let mut shard = self.shard(&key);
-            if unpinned_only
+            if let Some(host) = &host
                 && shard.get(&key).is_some_and(|e| {
                     e.held().any(|(t, s)| {
                         self.tiers[t].pins[s as usize].load(std::sync::atomic::Ordering::Acquire)
                             != 0
+                            || (t == self.host && host.held[s as usize] != 0)
                     })
                 })
             {
