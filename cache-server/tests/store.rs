@@ -731,3 +731,36 @@ fn a_removal_by_policy_leaves_pinned_and_held_blocks_alone() {
     assert!(s.remove_unpinned(&held) && s.remove_unpinned(&pinned));
     s.check_consistency().unwrap();
 }
+
+/// A lookup probes in rounds that grow (256 keys, then 1,024, then 4,096): the prefix it
+/// reports ends at the first missing key wherever that falls, at a round's first or last key
+/// or past every round, and a held lookup holds exactly that prefix.
+#[test]
+fn a_lookup_ends_at_the_first_missing_key_across_its_rounds() {
+    let n = 6000u64;
+    let mut c = config(n + 16, None);
+    c.lookup_hold_max_blocks = 4 * n;
+    let (s, _) = TieredStore::open(c).unwrap();
+    let chain: Vec<BlockKey> = (0..n).map(|i| key(10_000 + i)).collect();
+    put_chain(&s, None, &chain);
+    assert_eq!(s.lookup(&chain).len(), n as usize);
+    let mut asked = chain.clone();
+    for hole in [0usize, 1, 255, 256, 257, 1279, 1280, 1281, 5375, 5376, 5999] {
+        asked[hole] = key(999_999);
+        assert_eq!(s.lookup(&asked).len(), hole, "missing key at {hole}");
+        let (tiers, hold) = s.lookup_held(&asked);
+        assert_eq!(tiers.len(), hole);
+        match hold {
+            kvtier_server::LookupHold::Held { lease_id, blocks } => {
+                assert_eq!(blocks, hole);
+                assert_eq!(s.stats().held_blocks, hole as u64);
+                assert!(s.release(lease_id));
+            }
+            kvtier_server::LookupHold::Nothing => assert_eq!(hole, 0),
+            other => panic!("hole at {hole}: {other:?}"),
+        }
+        asked[hole] = chain[hole];
+    }
+    assert_eq!(s.stats().held_blocks, 0);
+    s.check_consistency().unwrap();
+}

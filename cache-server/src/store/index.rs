@@ -1,7 +1,6 @@
 //! The sharded index: key -> [`Entry`] (the block's slot in each tier of the list), and
 //! taking entries out of it.
 
-use std::collections::HashMap;
 use std::sync::MutexGuard;
 
 use kvtier_core::BlockKey;
@@ -55,11 +54,101 @@ impl Entry {
     }
 }
 
-pub(super) type Shard = HashMap<BlockKey, Entry, KeyHashing>;
+/// One shard of the index: key -> [`Entry`], hashed with the store's [`KeyHashing`]. A
+/// hashbrown table rather than a `HashMap`, so a caller that has a key's hash already (the
+/// lookup computes it to pick the shard) probes with it instead of hashing the key again.
+pub(super) struct Shard {
+    table: hashbrown::HashTable<(BlockKey, Entry)>,
+    hashing: KeyHashing,
+}
+
+impl Shard {
+    pub(super) fn with_capacity_and_hasher(capacity: usize, hashing: KeyHashing) -> Self {
+        Self {
+            table: hashbrown::HashTable::with_capacity(capacity),
+            hashing,
+        }
+    }
+
+    /// `key`'s entry, given `hash` = `KeyHashing::hash(key)`.
+    pub(super) fn get_hashed(&self, hash: u64, key: &BlockKey) -> Option<&Entry> {
+        self.table.find(hash, |(k, _)| k == key).map(|(_, e)| e)
+    }
+
+    pub(super) fn get(&self, key: &BlockKey) -> Option<&Entry> {
+        self.get_hashed(self.hashing.hash(key), key)
+    }
+
+    pub(super) fn get_mut(&mut self, key: &BlockKey) -> Option<&mut Entry> {
+        let hash = self.hashing.hash(key);
+        self.table.find_mut(hash, |(k, _)| k == key).map(|(_, e)| e)
+    }
+
+    pub(super) fn contains_key(&self, key: &BlockKey) -> bool {
+        self.get(key).is_some()
+    }
+
+    /// Sets `key`'s entry; the one it replaces, if any.
+    pub(super) fn insert(&mut self, key: BlockKey, entry: Entry) -> Option<Entry> {
+        let hashing = &self.hashing;
+        let hash = hashing.hash(&key);
+        match self
+            .table
+            .entry(hash, |(k, _)| *k == key, |(k, _)| hashing.hash(k))
+        {
+            hashbrown::hash_table::Entry::Occupied(mut o) => {
+                Some(std::mem::replace(&mut o.get_mut().1, entry))
+            }
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                v.insert((key, entry));
+                None
+            }
+        }
+    }
+
+    /// `key`'s entry, inserting `entry` first if it has none.
+    pub(super) fn get_or_insert(&mut self, key: BlockKey, entry: Entry) -> &mut Entry {
+        let hashing = &self.hashing;
+        let hash = hashing.hash(&key);
+        &mut self
+            .table
+            .entry(hash, |(k, _)| *k == key, |(k, _)| hashing.hash(k))
+            .or_insert((key, entry))
+            .into_mut()
+            .1
+    }
+
+    pub(super) fn remove(&mut self, key: &BlockKey) -> Option<Entry> {
+        let hash = self.hashing.hash(key);
+        let found = self.table.find_entry(hash, |(k, _)| k == key).ok()?;
+        Some(found.remove().0.1)
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = (&BlockKey, &Entry)> {
+        self.table.iter().map(|(k, e)| (k, e))
+    }
+
+    pub(super) fn keys(&self) -> impl Iterator<Item = &BlockKey> {
+        self.table.iter().map(|(k, _)| k)
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    pub(super) fn capacity(&self) -> usize {
+        self.table.capacity()
+    }
+}
 
 impl Inner {
     pub(super) fn shard_index(&self, key: &BlockKey) -> usize {
-        ((self.hashing.hash(key) >> 40) & self.shard_mask) as usize
+        self.shard_of_hash(self.hashing.hash(key))
+    }
+
+    /// The shard of a key whose [`KeyHashing::hash`] is `hash`.
+    pub(super) fn shard_of_hash(&self, hash: u64) -> usize {
+        ((hash >> 40) & self.shard_mask) as usize
     }
 
     pub(super) fn shard(&self, key: &BlockKey) -> MutexGuard<'_, Shard> {

@@ -610,8 +610,7 @@ impl Inner {
                 st.policy.on_insert(r.slot.0, r.key, self.ctx(parent));
                 slot_of.insert(r.key, r.slot.0);
                 self.shard(&r.key)
-                    .entry(r.key)
-                    .or_insert(Entry::at(t, NONE))
+                    .get_or_insert(r.key, Entry::at(t, NONE))
                     .loc[t] = r.slot.0;
             }
             st.free.retain(|s| !used[*s as usize]);

@@ -10,15 +10,16 @@ use crate::policy::{LookupContext, PromotionPolicy};
 use crate::stats::TierCounters;
 use crate::tier::{SlotId, TierKind};
 
-use super::index::Entry;
+use super::index::{Entry, MAX_TIERS};
 use super::lease::{LookupHold, PinnedBlock};
 use super::movement::CopyFor;
 use super::slots::NONE;
 use super::{GetOutcome, Inner, MissReason, lock};
 
-/// Keys a lookup probes per round (see [`Inner::probe_prefix`]); also bounds the per-round
-/// arrays, which live on the stack.
-const LOOKUP_ROUND: usize = 512;
+/// Keys a lookup probes in its first round (see [`Inner::probe_prefix`]).
+const LOOKUP_FIRST_ROUND: usize = 256;
+/// Most keys a lookup probes in one round (at most `u16::MAX`: positions in a round are u16).
+const LOOKUP_MAX_ROUND: usize = 4096;
 
 impl Inner {
     /// Pins the fastest copy of `key` (the host tier's, when `prefer_host` and it holds
@@ -77,39 +78,53 @@ impl Inner {
         }
     }
 
-    /// The index entries of the longest cached prefix of `keys`. Keys are probed in rounds of
-    /// [`LOOKUP_ROUND`], grouped by shard so each shard's lock is taken once a round rather
-    /// than once a key (an uncontended lock and unlock cost more than the probe itself); a
-    /// prefix that ends stops after the round it ends in. Entries are copies: a slot read
-    /// here may be reused before the caller looks at it, so callers check slots under the
-    /// tier's lock.
+    /// The index entries of the longest cached prefix of `keys`. Keys are probed in rounds
+    /// ([`LOOKUP_FIRST_ROUND`] keys, then four times as many each round up to
+    /// [`LOOKUP_MAX_ROUND`]), grouped by shard so each shard's lock is taken once a round
+    /// rather than once a key (an uncontended lock and unlock cost more than the probe
+    /// itself); a prefix that ends stops after the round it ends in, so a short prefix costs
+    /// a short round. Entries are copies: a slot read here may be reused before the caller
+    /// looks at it, so callers check slots under the tier's lock.
     pub(super) fn probe_prefix(&self, keys: &[BlockKey]) -> Vec<Entry> {
         let shards = self.shards.len();
-        let mut out: Vec<Entry> = Vec::with_capacity(keys.len().min(LOOKUP_ROUND));
-        // Per round: each key's shard, the keys' positions sorted by shard, and where each
-        // shard's run of positions starts (a counting sort).
-        let mut shard_of = [0u32; LOOKUP_ROUND];
-        let mut order = [0u16; LOOKUP_ROUND];
+        let missing = Entry {
+            loc: [NONE; MAX_TIERS],
+            hits: 0,
+        };
+        let mut out: Vec<Entry> = Vec::new();
+        // Per round: each key's hash (it picks the shard and the bucket), the keys' positions
+        // sorted by shard, and where each shard's run of positions starts (a counting sort).
+        let mut hashes: Vec<u64> = Vec::new();
+        let mut order: Vec<u16> = Vec::new();
         let mut starts = vec![0u32; shards + 1];
-        let mut found: Vec<Option<Entry>> = Vec::with_capacity(LOOKUP_ROUND);
-        for round in keys.chunks(LOOKUP_ROUND) {
+        let mut next = vec![0u32; shards + 1];
+        let mut rest = keys;
+        let mut round_len = LOOKUP_FIRST_ROUND;
+        while !rest.is_empty() {
+            let (round, after) = rest.split_at(round_len.min(rest.len()));
+            rest = after;
+            round_len = (round_len * 4).min(LOOKUP_MAX_ROUND);
             starts.fill(0);
-            for (i, k) in round.iter().enumerate() {
-                let s = self.shard_index(k);
-                shard_of[i] = s as u32;
-                starts[s + 1] += 1;
+            hashes.clear();
+            for k in round {
+                let h = self.hashing.hash(k);
+                hashes.push(h);
+                starts[self.shard_of_hash(h) + 1] += 1;
             }
             for s in 0..shards {
                 starts[s + 1] += starts[s];
             }
-            let mut next = starts.clone();
-            for (i, &s) in shard_of[..round.len()].iter().enumerate() {
-                let s = s as usize;
+            next.copy_from_slice(&starts);
+            order.clear();
+            order.resize(round.len(), 0);
+            for (i, &h) in hashes.iter().enumerate() {
+                let s = self.shard_of_hash(h);
                 order[next[s] as usize] = i as u16;
                 next[s] += 1;
             }
-            found.clear();
-            found.resize(round.len(), None);
+            let base = out.len();
+            out.resize(base + round.len(), missing);
+            let found = &mut out[base..];
             for s in 0..shards {
                 let (a, b) = (starts[s] as usize, starts[s + 1] as usize);
                 if a == b {
@@ -118,11 +133,13 @@ impl Inner {
                 let shard = lock(&self.shards[s]);
                 for &i in &order[a..b] {
                     let i = usize::from(i);
-                    found[i] = shard.get(&round[i]).copied().filter(|e| !e.is_empty());
+                    if let Some(e) = shard.get_hashed(hashes[i], &round[i]) {
+                        found[i] = *e;
+                    }
                 }
             }
-            let run = found.iter().take_while(|e| e.is_some()).count();
-            out.extend(found[..run].iter().flatten());
+            let run = found.iter().take_while(|e| !e.is_empty()).count();
+            out.truncate(base + run);
             if run < round.len() {
                 break;
             }
