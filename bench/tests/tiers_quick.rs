@@ -111,10 +111,25 @@ fn tiers_quick_runs_every_path_and_says_redis_was_skipped() {
     for c in comparisons {
         assert!(c["ratio"].as_f64().unwrap() > 0.0, "{c}");
     }
-    assert!(
-        doc["result"]["server"]["lookup"]["latency_us_p99"]
-            .as_f64()
-            .unwrap()
-            > 0.0
+    // The lookup: in process, over the Unix socket with 1 client and with 4.
+    let lookup = &doc["result"]["server"]["lookup"];
+    assert!(lookup["ping_us_p50"].as_f64().unwrap() > 0.0, "{lookup}");
+    let cases = lookup["cases"].as_array().unwrap();
+    let shape: Vec<(&str, u64)> = cases
+        .iter()
+        .map(|c| (c["path"].as_str().unwrap(), c["clients"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        shape,
+        [("in process", 1), ("unix socket", 1), ("unix socket", 4)],
+        "{lookup}"
     );
+    for c in cases {
+        let (p50, p99) = (
+            c["latency_us_p50"].as_f64().unwrap(),
+            c["latency_us_p99"].as_f64().unwrap(),
+        );
+        assert!(c["lookups"].as_u64().unwrap() >= 10, "{c}");
+        assert!(p50 > 0.0 && p99 >= p50, "{c}");
+    }
 }
