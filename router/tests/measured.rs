@@ -40,13 +40,6 @@ async fn send(url: &str, body: &Value, session: Option<&str>) -> Result<String> 
     Ok(answered_by(&r))
 }
 
-fn entry<'a>(v: &'a Value, w: &str) -> &'a Value {
-    v["workers"]
-        .as_array()
-        .and_then(|a| a.iter().find(|e| e["url"] == w))
-        .unwrap_or_else(|| panic!("{w} not in {v}"))
-}
-
 fn f(v: &Value) -> f64 {
     v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"))
 }

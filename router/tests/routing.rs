@@ -54,14 +54,6 @@ async fn route(url: &str, body: &Value) -> Result<Value> {
     Ok(json(&r))
 }
 
-/// The entry of worker `w` in a `/debug/route` answer.
-fn entry<'a>(v: &'a Value, w: &str) -> &'a Value {
-    v["workers"]
-        .as_array()
-        .and_then(|a| a.iter().find(|e| e["url"] == w))
-        .unwrap_or_else(|| panic!("{w} not in {v}"))
-}
-
 fn cached(r: &Value) -> u64 {
     r["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()

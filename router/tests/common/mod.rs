@@ -22,6 +22,14 @@ use serde_json::Value;
 pub const HTTP_TIMEOUT: Duration = Duration::from_secs(60);
 const STARTUP: Duration = Duration::from_secs(60);
 
+/// The entry of worker `w` in a `/debug/route` answer.
+pub fn entry<'a>(v: &'a Value, w: &str) -> &'a Value {
+    v["workers"]
+        .as_array()
+        .and_then(|a| a.iter().find(|e| e["url"] == w))
+        .unwrap_or_else(|| panic!("{w} not in {v}"))
+}
+
 /// Runs `f` with a deadline: a hung test fails instead of hanging CI.
 pub async fn bounded<F: std::future::Future>(secs: u64, f: F) -> F::Output {
     tokio::time::timeout(Duration::from_secs(secs), f)
