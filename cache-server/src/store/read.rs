@@ -163,7 +163,7 @@ impl Inner {
         let h = self.host;
         let hold = hold && !self.config.lookup_hold.is_zero();
         let entries = self.probe_prefix(keys);
-        let out: Vec<TierKind> = entries
+        let mut out: Vec<TierKind> = entries
             .iter()
             .map(|e| {
                 let (fastest, _) = e.fastest().expect("probe_prefix keeps non-empty entries");
@@ -174,6 +174,9 @@ impl Inner {
         self.retain.returned(&keys[..out.len()]);
         let now = self.now();
         let mut held = LookupHold::Nothing;
+        // The prefix the reply reports: cut where a host-tier slot was reused since the
+        // probe, so the hold covers every DRAM block the reply names.
+        let mut reported = out.len();
         let mut hits: Vec<u32> = Vec::with_capacity(entries.len());
         for (t, tier) in self.tiers.iter().enumerate() {
             // The slots of the leading run of keys this tier holds.
@@ -187,6 +190,9 @@ impl Inner {
                 .zip(keys)
                 .take_while(|(s, k)| st.keys[**s as usize] == **k)
                 .count();
+            if t == h && valid < hits.len() {
+                reported = reported.min(valid);
+            }
             hits.truncate(valid);
             if hold && t == h && !hits.is_empty() {
                 held = if self.holds.try_take(hits.len() as u64) {
@@ -211,6 +217,7 @@ impl Inner {
                 held = self.file_hold(hits.clone());
             }
         }
+        out.truncate(reported);
         (out, held)
     }
 
