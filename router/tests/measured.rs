@@ -44,6 +44,15 @@ fn f(v: &Value) -> f64 {
     v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"))
 }
 
+/// A stand-in's speed: its prefill rate and decode step, loading at 3 MB/s.
+fn speed(prefill_tokens_per_s: f64, decode_step_s: f64) -> Speed {
+    Speed {
+        prefill_tokens_per_s,
+        decode_step_s,
+        load_bytes_per_s: 3e6,
+    }
+}
+
 /// `x` within a factor `k` of `want`.
 fn near(x: f64, want: f64, k: f64) -> bool {
     x >= want / k && x <= want * k
@@ -57,18 +66,8 @@ fn near(x: f64, want: f64, k: f64) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn measured_rates_and_session_affinity_through_the_router() -> Result<()> {
     bounded(180, async {
-        let a = stub::start(Speed {
-            prefill_tokens_per_s: 350.0,
-            decode_step_s: 0.01,
-            load_bytes_per_s: 3e6,
-        })
-        .await?;
-        let b = stub::start(Speed {
-            prefill_tokens_per_s: 3000.0,
-            decode_step_s: 0.02,
-            load_bytes_per_s: 3e6,
-        })
-        .await?;
+        let a = stub::start(speed(350.0, 0.01)).await?;
+        let b = stub::start(speed(3000.0, 0.02)).await?;
         let (_router, url) = router(&[
             "--worker".into(),
             a.url.clone(),
@@ -197,13 +196,7 @@ async fn measured_rates_and_session_affinity_through_the_router() -> Result<()> 
         // Every answer's report was read: samples from A's loads, nothing loaded elsewhere,
         // none bad or unreadable.
         let m = get(&format!("{url}/metrics")).await?.text();
-        let reports = |w: &str, o: &str| {
-            metric(
-                &m,
-                "kvtier_router_load_reports_total",
-                &[("worker", w), ("outcome", o)],
-            )
-        };
+        let reports = |w: &str, o: &str| load_reports(&m, w, o);
         assert_eq!(reports(&a.url, "dram"), 3.0, "{m}");
         assert!(reports(&b.url, "nothing_loaded") >= 3.0, "{m}");
         for o in ["bad", "malformed", "absent", "mixed_tiers"] {
@@ -245,18 +238,8 @@ async fn open(url: &str, body: &Value) -> Result<(kvtier_client::http::HttpStrea
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_measured_decode_step_moves_the_decision() -> Result<()> {
     bounded(120, async {
-        let b = stub::start(Speed {
-            prefill_tokens_per_s: 3000.0,
-            decode_step_s: 0.02,
-            load_bytes_per_s: 3e6,
-        })
-        .await?;
-        let c = stub::start(Speed {
-            prefill_tokens_per_s: 3300.0,
-            decode_step_s: 0.1,
-            load_bytes_per_s: 3e6,
-        })
-        .await?;
+        let b = stub::start(speed(3000.0, 0.02)).await?;
+        let c = stub::start(speed(3300.0, 0.1)).await?;
         let (_router, url) = router(&[
             "--worker".into(),
             b.url.clone(),

@@ -859,13 +859,7 @@ async fn the_router_learns_a_workers_load_bandwidth_from_its_answers() -> Result
         );
         assert_eq!(dram(&v, &w0)["samples"], 0, "{v}");
         let m = get(&format!("{url}/metrics")).await?.text();
-        let reports = |w: &str, o: &str| {
-            metric(
-                &m,
-                "kvtier_router_load_reports_total",
-                &[("worker", w), ("outcome", o)],
-            )
-        };
+        let reports = |w: &str, o: &str| load_reports(&m, w, o);
         assert_eq!(
             (reports(&w1, "dram"), reports(&w0, "nothing_loaded")),
             (3.0, 3.0),

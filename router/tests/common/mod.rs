@@ -286,6 +286,15 @@ pub fn answered_by(r: &HttpResponse) -> String {
 
 /// Sum of the samples of metric `name` whose labels contain every `labels` pair, in a
 /// Prometheus text exposition.
+/// `kvtier_router_load_reports_total{worker=w, outcome=o}` in a `/metrics` text.
+pub fn load_reports(text: &str, w: &str, o: &str) -> f64 {
+    metric(
+        text,
+        "kvtier_router_load_reports_total",
+        &[("worker", w), ("outcome", o)],
+    )
+}
+
 pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
     text.lines()
         .filter(|l| !l.starts_with('#'))
