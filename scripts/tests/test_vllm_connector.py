@@ -204,7 +204,7 @@ def workdir() -> Path:
 
 @pytest.fixture(scope="module")
 def server(workdir: Path) -> KvtierServer:
-    srv = KvtierServer(workdir / "server", dram="1GiB", nvme="4GiB", dtype=DTYPE)
+    srv = KvtierServer(workdir / "server", dram="1GiB", nvme="512MiB", dtype=DTYPE)
     srv.start()
     yield srv
     srv.kill()
@@ -428,7 +428,7 @@ def test_an_engine_started_before_its_server(
     """vLLM started while its kvtier server is not up yet (start-up order is not guaranteed
     on a node): it starts and serves, computing; once the server comes up, the connector
     connects by itself after its back-off, stores, and a later request loads."""
-    late = KvtierServer(workdir / "late", dram="1GiB", nvme="4GiB", dtype=DTYPE)
+    late = KvtierServer(workdir / "late", dram="1GiB", nvme="512MiB", dtype=DTYPE)
     eng = Engine(model_dir, late.url, connector_extra(workdir, "late"), dtype=DTYPE)
     try:
         out = eng.ask([prompts["long"]], MAX_TOKENS)["outputs"][0]

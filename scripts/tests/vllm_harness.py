@@ -53,7 +53,7 @@ class KvtierServer:
 
     dir: Path
     dram: str = "256MiB"
-    nvme: str = "2GiB"
+    nvme: str = "512MiB"
     dtype: str = "bfloat16"
     proc: subprocess.Popen | None = None
     endpoints: dict[str, str] = field(default_factory=dict)
