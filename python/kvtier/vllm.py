@@ -26,19 +26,24 @@ What it does (docs/vllm.md has the whole story, the settings and the byte map):
   ``kv_load_failure_policy="recompute"`` vLLM recomputes those tokens. After a failure the
   connector leaves kvtier alone for ``backoff_s`` seconds, so a dead or stuck server costs at
   most one timeout per ``backoff_s``.
+* **Retention hints.** A request whose ``kv_transfer_params`` carry ``kvtier_retain_s`` (the
+  client expects to send the conversation again after that many seconds: an agent waiting
+  on a tool) asks the server, once the request is finished and its blocks are stored, to
+  keep the prompt's blocks in DRAM until then (kvtier's ``retain``).
 
 This module imports vLLM and torch; ``import kvtier`` does not import it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,14 +69,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtier.vllm")
 
 __all__ = [
+    "MAX_RETAIN_S",
     "KvtierConnector",
     "KvtierConnectorStats",
     "KvtierSettings",
+    "RetainHint",
     "gather_blocks",
     "kvtier_block_view",
     "layout_from_spec",
     "scatter_blocks",
 ]
+
+# The longest `kvtier_retain_s` a request may give: a day (the protocol's limit on a hint).
+MAX_RETAIN_S = 86_400.0
 
 _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _TIERS = ("hbm", "dram", "nvme")
@@ -158,6 +168,55 @@ class KvtierSettings:
         if s.prefill_tokens_per_s is not None and not s.prefill_tokens_per_s > 0:
             raise ValueError("kvtier connector: prefill_tokens_per_s must be > 0")
         return s
+
+
+@dataclass(frozen=True)
+class RetainHint:
+    """A request's retention hint, from its ``kv_transfer_params`` (``RetainHint.of``)."""
+
+    return_s: float
+    session: int = 0
+    priority: int = 0
+
+    @classmethod
+    def of(cls, params: Any) -> RetainHint | None:
+        """The hint in a request's ``kv_transfer_params``, ``None`` when it gives none;
+        ``ValueError`` naming the field when a value is not what it may be:
+
+        * ``kvtier_retain_s``: seconds until the client expects to send the conversation
+          again, a number from 0 to ``MAX_RETAIN_S``;
+        * ``kvtier_session``: the conversation's id (an integer from 0 to 2**64 - 1, or a
+          string, hashed to one): a newer hint of the same session replaces the older;
+          0 (the default) is no session;
+        * ``kvtier_retain_priority``: 0 (the default) to 7; over the server's budget a hint
+          displaces hints of lower priority.
+        """
+        if params is None:
+            return None
+        if not isinstance(params, dict):
+            raise ValueError(f"kv_transfer_params must be an object, got {type(params).__name__}")
+        secs = params.get("kvtier_retain_s")
+        if secs is None:
+            return None
+        if isinstance(secs, bool) or not isinstance(secs, (int, float)):
+            raise ValueError(f"kvtier_retain_s must be a number of seconds, got {secs!r}")
+        if not 0 <= secs <= MAX_RETAIN_S:  # also refuses NaN
+            raise ValueError(
+                f"kvtier_retain_s must be between 0 and {MAX_RETAIN_S:.0f}, got {secs}"
+            )
+        session = params.get("kvtier_session", 0)
+        if isinstance(session, str):
+            digest = hashlib.blake2b(session.encode(), digest_size=8).digest()
+            session = int.from_bytes(digest, "little") or 1
+        elif isinstance(session, bool) or not isinstance(session, int) or not 0 <= session < 2**64:
+            raise ValueError(
+                "kvtier_session must be a string or an integer from 0 to 2**64 - 1, "
+                f"got {session!r}"
+            )
+        prio = params.get("kvtier_retain_priority", 0)
+        if isinstance(prio, bool) or not isinstance(prio, int) or not 0 <= prio <= 7:
+            raise ValueError(f"kvtier_retain_priority must be an integer from 0 to 7, got {prio!r}")
+        return cls(float(secs), session, prio)
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,9 +341,21 @@ class BlockRun:
 
 
 @dataclass
+class RetainRun:
+    """A finished request's retention hint: its prompt's first ``len(tokens) // block``
+    blocks (those stored or found in kvtier)."""
+
+    tokens: list[int]
+    cache_salt: str | None
+    hint: RetainHint
+
+
+@dataclass
 class KvtierMetadata(KVConnectorMetadata):
     loads: list[BlockRun] = field(default_factory=list)
     saves: list[BlockRun] = field(default_factory=list)
+    # Hints of requests finished since the last step, sent after this step's saves.
+    retains: list[RetainRun] = field(default_factory=list)
     step_tokens: int = 0
 
 
@@ -308,6 +379,10 @@ _COUNTERS = (
     "save_failed_blocks",
     "compute_tokens",
     "compute_seconds",
+    "retain_hints_invalid",
+    "retain_hints_accepted",
+    "retain_hints_refused",
+    "retain_hints_failed",
 )
 
 
@@ -562,6 +637,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._link.check()
         # Scheduler side.
         self._reqs: dict[str, _Req] = {}
+        self._retains: list[RetainRun] = []
         self._load_bps = float(self._s.load_bytes_per_s)
         self._prefill_tps = self._s.prefill_tokens_per_s
         # Worker side.
@@ -682,6 +758,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvtierMetadata(step_tokens=scheduler_output.total_num_scheduled_tokens)
+        meta.retains, self._retains = self._retains, []
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -726,7 +803,23 @@ class KvtierConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._reqs.pop(request.request_id, None)
+        st = self._reqs.pop(request.request_id, None)
+        try:
+            hint = RetainHint.of(getattr(request, "kv_transfer_params", None))
+        except ValueError as e:
+            # The request is served all the same: a bad hint is the client's error, logged
+            # and counted, never a failed request.
+            logger.warning("kvtier connector: request %s: %s", request.request_id, e)
+            self._counters.add(retain_hints_invalid=1)
+            hint = None
+        status = getattr(getattr(request, "status", None), "name", "")
+        if hint is not None and st is not None and status != "FINISHED_ABORTED":
+            blocks = max(st.saved_upto, st.in_kvtier)
+            if blocks > 0:
+                # Sent by the workers after the next step's saves: the same saver queue that
+                # stores the prompt's blocks, so the hint finds them stored.
+                tokens = st.tokens[: blocks * self._block_size]
+                self._retains.append(RetainRun(tokens, st.cache_salt, hint))
         return False, None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -857,6 +950,8 @@ class KvtierConnector(KVConnectorBase_V1):
                 gather_blocks(self._views, run.block_ids, staging)
             parent = keys[run.first - 1] if run.first > 0 else None
             self._saver.submit(keys[run.first : run.first + n], parent, staging, nbytes)
+        for r in meta.retains:
+            self._saver.retain(self.block_keys(r.tokens, r.cache_salt), r.hint)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
@@ -880,7 +975,8 @@ def _layer_index(name: str) -> int:
 
 
 class _Saver:
-    """One thread storing copied-out blocks as chains; the queue is bounded in bytes."""
+    """One thread storing copied-out blocks as chains, and sending retention hints after the
+    stores queued before them; the queue of blocks is bounded in bytes."""
 
     def __init__(self, link: _Link, counters: _Counters, max_bytes: int) -> None:
         self._link = link
@@ -888,9 +984,8 @@ class _Saver:
         self._max = max_bytes
         self._pending = 0
         self._lock = threading.Lock()
-        self._q: queue.Queue[tuple[list[bytes], bytes | None, torch.Tensor, int] | None] = (
-            queue.Queue()
-        )
+        # (store, bytes it holds): a call the thread makes, in order.
+        self._q: queue.Queue[tuple[Callable[[], None], int] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kvtier-saver", daemon=True)
         self._thread.start()
 
@@ -902,16 +997,21 @@ class _Saver:
             return True
 
     def submit(self, keys: list[bytes], parent: bytes | None, buf: torch.Tensor, n: int) -> None:
-        self._q.put((keys, parent, buf, n))
+        """Stores ``keys`` from ``buf`` (``n`` bytes, admitted by ``admit``)."""
+        self._q.put((lambda: self._store(keys, parent, buf), n))
+
+    def retain(self, keys: list[bytes], hint: RetainHint) -> None:
+        """Sends a retention hint for ``keys`` once the stores queued before it are done."""
+        self._q.put((lambda: self._retain(keys, hint), 0))
 
     def _run(self) -> None:
         while True:
             item = self._q.get()
             if item is None:
                 return
-            keys, parent, buf, nbytes = item
+            job, nbytes = item
             try:
-                self._store(keys, parent, buf)
+                job()
             finally:
                 with self._lock:
                     self._pending -= nbytes
@@ -934,6 +1034,23 @@ class _Saver:
             saved_bytes=ok * buf[0].numel() * buf.element_size(),
             save_failed_blocks=len(keys) - ok,
         )
+
+    def _retain(self, keys: list[bytes], hint: RetainHint) -> None:
+        client = self._link.get()
+        if client is None:
+            self._counters.add(retain_hints_failed=1)
+            return
+        try:
+            r = client.retain(keys, hint.return_s, session=hint.session, priority=hint.priority)
+        except Exception as e:  # noqa: BLE001 - a failed call: the breaker, as for a put
+            self._link.failed(f"retain: {e}")
+            self._counters.add(retain_hints_failed=1)
+            return
+        if r["status"] == "accepted":
+            self._counters.add(retain_hints_accepted=1)
+        else:
+            # Refused by the server (its budgets, nothing cached, too far, hints off).
+            self._counters.add(retain_hints_refused=1)
 
     def close(self, timeout: float) -> None:
         self._q.put(None)

@@ -31,6 +31,7 @@ import torch
 from kvtier.vllm import (
     KvtierConnectorStats,
     KvtierSettings,
+    RetainHint,
     gather_blocks,
     kvtier_block_view,
     kvtier_pages,
@@ -85,6 +86,34 @@ def test_settings_are_checked() -> None:
     ]:
         with pytest.raises(ValueError, match=word):
             KvtierSettings.from_extra(bad)
+
+
+def test_retention_hints_are_read_from_kv_transfer_params() -> None:
+    assert RetainHint.of(None) is None
+    assert RetainHint.of({"other": 1}) is None
+    assert RetainHint.of({"kvtier_retain_s": 30}) == RetainHint(30.0, 0, 0)
+    h = RetainHint.of({"kvtier_retain_s": 2.5, "kvtier_session": 9, "kvtier_retain_priority": 7})
+    assert h == RetainHint(2.5, 9, 7)
+    # A string session is hashed: the same string, the same id; another string, another.
+    a = RetainHint.of({"kvtier_retain_s": 1, "kvtier_session": "agent-1"})
+    b = RetainHint.of({"kvtier_retain_s": 1, "kvtier_session": "agent-1"})
+    c = RetainHint.of({"kvtier_retain_s": 1, "kvtier_session": "agent-2"})
+    assert a.session == b.session != c.session and a.session > 0
+    for bad, word in [
+        ("x", "must be an object"),
+        ({"kvtier_retain_s": "soon"}, "kvtier_retain_s"),
+        ({"kvtier_retain_s": True}, "kvtier_retain_s"),
+        ({"kvtier_retain_s": -1}, "kvtier_retain_s"),
+        ({"kvtier_retain_s": float("nan")}, "kvtier_retain_s"),
+        ({"kvtier_retain_s": 86_401}, "kvtier_retain_s"),
+        ({"kvtier_retain_s": 1, "kvtier_session": -1}, "kvtier_session"),
+        ({"kvtier_retain_s": 1, "kvtier_session": 2**64}, "kvtier_session"),
+        ({"kvtier_retain_s": 1, "kvtier_session": 1.5}, "kvtier_session"),
+        ({"kvtier_retain_s": 1, "kvtier_retain_priority": 8}, "kvtier_retain_priority"),
+        ({"kvtier_retain_s": 1, "kvtier_retain_priority": "high"}, "kvtier_retain_priority"),
+    ]:
+        with pytest.raises(ValueError, match=word):
+            RetainHint.of(bad)
 
 
 def test_cpu_page_maps_to_kvtier_block_order() -> None:

@@ -15,6 +15,7 @@ from vllm_harness import (
     read_stats,
     remove,
     text_tokens,
+    wait_until,
 )
 
 pytestmark = pytest.mark.timeout(900)
@@ -47,11 +48,22 @@ def long_context(model_dir: Path) -> str:
     return tok.decode(ids)
 
 
-def chat(base: str, messages: list, salt: str | None = None, stream: bool = False) -> str:
+def chat(
+    base: str,
+    messages: list,
+    salt: str | None = None,
+    stream: bool = False,
+    kv_params: dict | None = None,
+) -> str:
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=300)
-    extra = {"cache_salt": salt} if salt else None
+    extra = {}
+    if salt:
+        extra["cache_salt"] = salt
+    if kv_params is not None:
+        extra["kv_transfer_params"] = kv_params
+    extra = extra or None
     kw = {"model": "smollm2", "messages": messages, "temperature": 0, "max_tokens": 24}
     if not stream:
         r = client.chat.completions.create(**kw, extra_body=extra)
@@ -114,3 +126,49 @@ def test_cache_salt_through_the_api(stack: dict, long_context: str) -> None:
     assert after > mid2, "tenant-a's repeat loads its own blocks"
     assert a1 == b1, "computed alike, the two tenants' answers are the same"
     assert a2
+
+
+def test_retention_hint_from_kv_transfer_params(stack: dict, long_context: str) -> None:
+    """An agent about to wait on a tool call sends ``kv_transfer_params.kvtier_retain_s``:
+    once the request is done and its prompt stored, the connector asks the server to keep
+    the prompt's blocks. The session's next request replaces its hint rather than adding
+    one; a malformed hint is logged and counted, and its request is served."""
+    srv, stats = stack["server"], stack["stats"]
+
+    def retain() -> dict:
+        return srv.stats()["store"]["retain"]
+
+    def worker(key: str) -> int:
+        return read_stats(stats, "worker").get(key, 0)
+
+    msgs = [
+        {"role": "system", "content": "Agent session.\n" + long_context[1000:5000]},
+        {"role": "user", "content": "Run the tests."},
+    ]
+    hint = {"kvtier_retain_s": 60, "kvtier_session": "agent-7"}
+    r0, saved0 = retain(), worker("saved_blocks")
+    assert chat(stack["base"], msgs, kv_params=hint)
+    # The hint goes after the prompt's stores, on the worker's saver thread.
+    assert wait_until(lambda: retain()["accepted"] == r0["accepted"] + 1, timeout=30), retain()
+    r1, saved = retain(), worker("saved_blocks") - saved0
+    # A fresh prompt: every block it stored is protected (none was cached before it).
+    assert saved >= 5, saved
+    assert r1["blocks_protected"] - r0["blocks_protected"] == saved, (r0, r1, saved)
+    assert r1["hints"] == r0["hints"] + 1 and r1["protected_blocks"] >= saved
+    assert wait_until(lambda: worker("retain_hints_accepted") >= 1, timeout=10)
+
+    # The session is back with a longer conversation and waits on a tool again.
+    msgs2 = [*msgs, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Next."}]
+    assert chat(stack["base"], msgs2, kv_params=hint)
+    assert wait_until(lambda: retain()["accepted"] == r0["accepted"] + 2, timeout=30), retain()
+    r2 = retain()
+    assert r2["hints"] == r1["hints"], "the session's newer hint replaces its older one"
+    assert r2["replaced"] + r2["honoured"] > r1["replaced"] + r1["honoured"], (r1, r2)
+
+    invalid = read_stats(stats, "scheduler").get("retain_hints_invalid", 0)
+    assert chat(stack["base"], msgs, kv_params={"kvtier_retain_s": "soon"})
+    assert wait_until(
+        lambda: read_stats(stats, "scheduler").get("retain_hints_invalid", 0) == invalid + 1,
+        timeout=30,
+    )
+    assert retain()["accepted"] == r2["accepted"]
