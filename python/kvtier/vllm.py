@@ -984,7 +984,7 @@ class _Saver:
         self._max = max_bytes
         self._pending = 0
         self._lock = threading.Lock()
-        # (store, bytes it holds): a call the thread makes, in order.
+        # (job, bytes of blocks it holds): the calls the thread makes, in order.
         self._q: queue.Queue[tuple[Callable[[], None], int] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kvtier-saver", daemon=True)
         self._thread.start()
