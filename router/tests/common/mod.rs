@@ -284,8 +284,6 @@ pub fn answered_by(r: &HttpResponse) -> String {
         .to_owned()
 }
 
-/// Sum of the samples of metric `name` whose labels contain every `labels` pair, in a
-/// Prometheus text exposition.
 /// `kvtier_router_load_reports_total{worker=w, outcome=o}` in a `/metrics` text.
 pub fn load_reports(text: &str, w: &str, o: &str) -> f64 {
     metric(
@@ -295,6 +293,8 @@ pub fn load_reports(text: &str, w: &str, o: &str) -> f64 {
     )
 }
 
+/// Sum of the samples of metric `name` whose labels contain every `labels` pair, in a
+/// Prometheus text exposition.
 pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
     text.lines()
         .filter(|l| !l.starts_with('#'))
