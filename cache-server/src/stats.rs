@@ -18,6 +18,8 @@ pub struct TierCounters {
     pub admissions_refused: AtomicU64,
     pub corrupt_dropped: AtomicU64,
     pub io_errors: AtomicU64,
+    /// Guest copies (blocks another cluster member owns) evicted ahead of the policy.
+    pub guest_evictions: AtomicU64,
 }
 
 impl TierCounters {
@@ -47,6 +49,8 @@ pub struct TierStats {
     pub admissions_refused: u64,
     pub corrupt_dropped: u64,
     pub io_errors: u64,
+    /// Of `evictions`, guest copies (blocks another cluster member owns), evicted first.
+    pub guest_evictions: u64,
     /// Slots holding a block.
     pub used_slots: u64,
     pub capacity_slots: u64,
@@ -55,6 +59,8 @@ pub struct TierStats {
     pub pins_outstanding: u64,
     /// Memory the store keeps per slot of this tier (excluding the index), in bytes.
     pub metadata_bytes_per_slot: u64,
+    /// Slots holding a guest copy (a block another cluster member owns).
+    pub guest_slots: u64,
 }
 
 impl TierStats {
@@ -73,6 +79,7 @@ impl TierStats {
             admissions_refused: l(&c.admissions_refused),
             corrupt_dropped: l(&c.corrupt_dropped),
             io_errors: l(&c.io_errors),
+            guest_evictions: l(&c.guest_evictions),
             ..Self::default()
         }
     }
@@ -90,6 +97,7 @@ impl TierStats {
         sum.used_slots = self.used_slots.saturating_add(other.used_slots);
         sum.capacity_slots = self.capacity_slots.saturating_add(other.capacity_slots);
         sum.pins_outstanding = self.pins_outstanding.saturating_add(other.pins_outstanding);
+        sum.guest_slots = self.guest_slots.saturating_add(other.guest_slots);
         sum.slot_bytes = self.slot_bytes.max(other.slot_bytes);
         sum.metadata_bytes_per_slot = self
             .metadata_bytes_per_slot
@@ -111,6 +119,7 @@ impl TierStats {
             admissions_refused: f(self.admissions_refused, other.admissions_refused),
             corrupt_dropped: f(self.corrupt_dropped, other.corrupt_dropped),
             io_errors: f(self.io_errors, other.io_errors),
+            guest_evictions: f(self.guest_evictions, other.guest_evictions),
             ..self.clone()
         }
     }

@@ -764,3 +764,76 @@ fn a_lookup_ends_at_the_first_missing_key_across_its_rounds() {
     assert_eq!(s.stats().held_blocks, 0);
     s.check_consistency().unwrap();
 }
+
+/// Guest copies (blocks another cluster member owns) are evicted before the blocks the
+/// policy ranks, whatever the policy and however recently they were read; a pinned guest is
+/// passed over; a slot given to a new block is no longer a guest.
+#[test]
+fn guests_are_evicted_before_owned_blocks() {
+    for eviction in kvtier_server::policy::EvictionKind::ALL {
+        let name = eviction.name();
+        let mut c = config(8, None);
+        c.eviction = eviction;
+        let (s, _) = TieredStore::open(c).unwrap();
+        let owned: Vec<BlockKey> = (1..=4).map(key).collect();
+        let guests: Vec<BlockKey> = (11..=14).map(key).collect();
+        put_chain(&s, None, &owned);
+        put_chain(&s, None, &guests);
+        assert_eq!(s.mark_guests(&guests), 4, "{name}");
+        assert_eq!(s.mark_guests(&guests), 0, "{name}: marked twice");
+        assert_eq!(s.mark_guests(&[key(99)]), 0, "{name}: an absent key");
+        // The guests are the most recently used: a policy alone would evict the owned ones.
+        for _ in 0..3 {
+            assert_eq!(s.lookup(&guests).len(), 4);
+            for &k in &guests {
+                assert_eq!(get(&s, k), GetOutcome::Hit(TierKind::Dram));
+            }
+        }
+        let d = s.stats();
+        assert_eq!(d.tier(TierKind::Dram).unwrap().guest_slots, 4, "{name}");
+        let newer: Vec<BlockKey> = (21..=24).map(key).collect();
+        put_chain(&s, None, &newer);
+        assert_eq!(
+            s.lookup(&owned).len(),
+            4,
+            "{name}: an owned block was evicted"
+        );
+        assert_eq!(s.lookup(&newer).len(), 4, "{name}");
+        assert!(
+            guests.iter().all(|k| !s.contains(k)),
+            "{name}: a guest survived"
+        );
+        let d = s.stats();
+        let d = d.tier(TierKind::Dram).unwrap();
+        assert_eq!((d.guest_evictions, d.guest_slots), (4, 0), "{name}");
+
+        s.check_consistency().unwrap();
+
+        // A pinned guest is passed over; the unpinned one goes first (a fresh store: 6 owned
+        // blocks and 2 guests fill it).
+        let mut c = config(8, None);
+        c.eviction = eviction;
+        let (s, _) = TieredStore::open(c).unwrap();
+        put_chain(&s, None, &(1..=6).map(key).collect::<Vec<_>>());
+        let (g1, g2) = (key(31), key(32));
+        put_chain(&s, None, &[g1, g2]);
+        assert_eq!(s.mark_guests(&[g1, g2]), 2, "{name}");
+        let lease = s.pin(&[g1], Duration::from_secs(5));
+        s.put(key(41), None, &data(key(41))).unwrap();
+        assert!(s.contains(&g1) && !s.contains(&g2), "{name}");
+        // No evictable guest left: the policy's victim, and the pinned guest stays.
+        s.put(key(42), None, &data(key(42))).unwrap();
+        assert!(s.contains(&g1), "{name}: a pinned guest was evicted");
+        assert_eq!(s.stats().tier(TierKind::Dram).unwrap().guest_slots, 1);
+        assert!(s.release(lease.id));
+        s.put(key(43), None, &data(key(43))).unwrap();
+        assert!(
+            !s.contains(&g1),
+            "{name}: the released guest is evicted first"
+        );
+        let d = s.stats();
+        let d = d.tier(TierKind::Dram).unwrap();
+        assert_eq!((d.guest_evictions, d.guest_slots), (2, 0), "{name}");
+        s.check_consistency().unwrap();
+    }
+}

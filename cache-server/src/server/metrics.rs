@@ -447,7 +447,7 @@ const RETAIN_OUTCOMES: [(&str, RetainField); 9] = [
 
 impl StoreMetrics {
     fn new(r: &Registry) -> Self {
-        let counters: [(&str, &str, Field); 11] = [
+        let counters: [(&str, &str, Field); 12] = [
             ("kvtier_tier_hits_total", "Block hits.", |t| t.hits),
             ("kvtier_tier_misses_total", "Block misses.", |t| t.misses),
             (
@@ -491,8 +491,13 @@ impl StoreMetrics {
             ("kvtier_tier_io_errors_total", "I/O errors.", |t| {
                 t.io_errors
             }),
+            (
+                "kvtier_tier_guest_evictions_total",
+                "Guest copies (blocks another cluster member owns) evicted first.",
+                |t| t.guest_evictions,
+            ),
         ];
-        let gauges: [(&str, &str, Field); 4] = [
+        let gauges: [(&str, &str, Field); 5] = [
             ("kvtier_tier_pins", "Pins outstanding.", |t| {
                 t.pins_outstanding
             }),
@@ -503,6 +508,11 @@ impl StoreMetrics {
                 t.capacity_slots
             }),
             ("kvtier_tier_slot_bytes", "Bytes a slot.", |t| t.slot_bytes),
+            (
+                "kvtier_tier_guest_slots",
+                "Slots holding a guest copy (a block another cluster member owns).",
+                |t| t.guest_slots,
+            ),
         ];
         Self {
             counters: counters

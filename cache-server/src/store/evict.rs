@@ -70,6 +70,7 @@ impl Inner {
         };
         tier.pins[slot as usize].store(1, Ordering::Release);
         st.keys[slot as usize] = key;
+        st.guests.clear(slot);
         st.policy.on_insert(slot, key, ctx);
         if writeback {
             let reserve = (st.keys.len() / WRITEBACK_RESERVE_DIVISOR).max(1);
@@ -88,6 +89,30 @@ impl Inner {
         Some(slot)
     }
 
+    /// See [`super::TieredStore::mark_guests`].
+    pub(super) fn mark_guests(&self, keys: &[BlockKey]) -> usize {
+        let h = self.host;
+        // The slots under the shard locks, then the tier lock (eviction takes the tier lock
+        // first, then a shard's: never both here). A slot given to another block meanwhile
+        // is told apart by its key.
+        let slots: Vec<(u32, BlockKey)> = keys
+            .iter()
+            .filter_map(|k| {
+                let s = self.shard(k).get(k).map(|e| e.loc[h])?;
+                (s != NONE).then_some((s, *k))
+            })
+            .collect();
+        if slots.is_empty() {
+            return 0;
+        }
+        let mut st = lock(&self.tiers[h].state);
+        let st = &mut *st;
+        slots
+            .into_iter()
+            .filter(|&(s, k)| st.keys[s as usize] == k && st.guests.mark(s))
+            .count()
+    }
+
     /// Whether tier `t`'s victims are written back to the tier below it.
     pub(super) fn writeback_mode(&self, t: usize) -> bool {
         t + 1 < self.tiers.len() && self.config.demotion.on_evict()
@@ -104,15 +129,18 @@ impl Inner {
         let pins = &tier.pins;
         // Retention hints protect host-tier blocks only.
         let retained = (t == self.host && self.retain.any()).then(|| self.retain.protected());
-        let keys = &st.keys;
-        let held = &st.held;
-        let v = st.policy.victim(&mut |s| {
+        let (keys, held) = (&st.keys, &st.held);
+        let mut evictable = |s: u32| {
             pins[s as usize].load(Ordering::Acquire) == 0
                 && held.get(s as usize).is_none_or(|&n| n == 0)
                 && retained
                     .as_ref()
                     .is_none_or(|r| !r.contains(&keys[s as usize]))
-        });
+        };
+        // Guest copies (blocks another cluster member owns) go first: when room is short the
+        // cluster keeps one copy of a block, its owner's.
+        let guest = st.guests.victim(&mut evictable);
+        let v = guest.or_else(|| st.policy.victim(&mut evictable));
         drop(retained);
         let v = v?;
         let vkey = st.keys[v as usize];
@@ -125,10 +153,14 @@ impl Inner {
             return Some(Evicted::Retry);
         };
         if pins[v as usize].load(Ordering::Acquire) != 0 {
+            if guest.is_some() {
+                st.guests.mark(v); // still a guest: back in the queue
+            }
             return Some(Evicted::Retry); // pinned after the policy looked
         }
         let copy_below = e.loc[t + 1..].iter().any(|&s| s != NONE);
-        if allow_writeback && !copy_below {
+        // A guest is not written back: its owner holds the cluster's copy.
+        if allow_writeback && !copy_below && guest.is_none() {
             // Stays referenced and readable here while it is copied down; the copy job
             // removes the reference and retires it (only a remover retires a slot).
             pins[v as usize].store(1, Ordering::Release);
@@ -184,6 +216,9 @@ impl Inner {
         drop(shard);
         st.policy.on_remove(v, self.now());
         TierCounters::inc(&tier.counters.evictions);
+        if guest.is_some() {
+            TierCounters::inc(&tier.counters.guest_evictions);
+        }
         Some(Evicted::Freed(v))
     }
 }

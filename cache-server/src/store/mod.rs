@@ -233,7 +233,11 @@ impl TieredStore {
             .sum::<u64>()
             .div_ceil(shards as u64) as usize;
         let host_slots = u64::from(tiers[host].tier.slot_count());
-        lock(&tiers[host].state).held = vec![0; host_slots as usize].into();
+        {
+            let mut st = lock(&tiers[host].state);
+            st.held = vec![0; host_slots as usize].into();
+            st.guests = slots::Guests::new(host_slots as usize);
+        }
         let inner = Arc::new(Inner {
             block_bytes,
             shard_mask: shards as u64 - 1,
@@ -514,6 +518,15 @@ impl TieredStore {
     /// The store also does this on its own every [`LEASE_REAP_INTERVAL`].
     pub fn expire_retained(&self) -> usize {
         self.inner.retain.expire(self.inner.now())
+    }
+
+    /// Marks the DRAM copies of `keys` as guests: blocks another cluster member owns (fetched
+    /// from it, or put here and now held by it). The DRAM tier evicts guests before the
+    /// blocks its policy ranks, oldest mark first (pinned and held ones are passed over), and
+    /// never writes a guest back to a tier below. A guest stays one until it is evicted or
+    /// removed. Keys not in DRAM are ignored. Returns how many were newly marked.
+    pub fn mark_guests(&self, keys: &[BlockKey]) -> usize {
+        self.inner.mark_guests(keys)
     }
 
     /// Releases a lease; false if it was unknown or already expired.

@@ -3,6 +3,7 @@
 //!
 //! Tiers are named by their position in the store's list (fastest first), not by kind.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -29,6 +30,94 @@ pub(super) struct TierState {
     /// Held lookups holding each slot (host tier only; empty elsewhere): eviction skips a
     /// held slot. Counted under this lock, which the lookup's policy update takes anyway.
     pub(super) held: Box<[u32]>,
+    /// Guest copies (host tier only; empty elsewhere): evicted before the blocks the
+    /// policy ranks.
+    pub(super) guests: Guests,
+}
+
+/// Guest slots a victim search looks at (and passes over, when pinned or held) at most.
+const GUEST_SCAN: usize = 64;
+
+/// The guest copies of a tier: blocks another cluster member owns (fetched from it, or put
+/// here and handed to it), which this tier evicts first, so that when room is short the
+/// cluster keeps one copy of a block, its owner's. A slot's flag is set by
+/// [`super::TieredStore::mark_guests`] and cleared when the slot is given a new block.
+#[derive(Default)]
+pub(super) struct Guests {
+    flag: Box<[bool]>,
+    /// Slots marked, oldest first; an entry whose flag was cleared since is stale and
+    /// skipped. At most one live entry per slot.
+    queue: VecDeque<u32>,
+    live: usize,
+}
+
+impl Guests {
+    pub(super) fn new(slots: usize) -> Self {
+        Self {
+            flag: vec![false; slots].into(),
+            queue: VecDeque::new(),
+            live: 0,
+        }
+    }
+
+    /// The oldest guest slot that `evictable` accepts, unmarked; guests passed over (pinned,
+    /// held) go to the back. `None`: no guest to evict, ask the policy.
+    pub(super) fn victim(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+        for _ in 0..GUEST_SCAN.min(self.queue.len()) {
+            let s = self.queue.pop_front()?;
+            if !self.flag.get(s as usize).copied().unwrap_or(false) {
+                continue; // stale: the slot was given another block since
+            }
+            if evictable(s) {
+                self.clear(s);
+                return Some(s);
+            }
+            self.queue.push_back(s);
+        }
+        None
+    }
+
+    /// Marks slot `s` as a guest (queued once). Returns whether it was not one before.
+    pub(super) fn mark(&mut self, s: u32) -> bool {
+        match self.flag.get_mut(s as usize) {
+            Some(g) if !*g => {
+                *g = true;
+                self.live += 1;
+                self.queue.push_back(s);
+                if self.queue.len() > 2 * self.flag.len() {
+                    self.compact();
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Slot `s` is not a guest (given a new block, or chosen as a victim).
+    pub(super) fn clear(&mut self, s: u32) {
+        if let Some(g) = self.flag.get_mut(s as usize)
+            && *g
+        {
+            *g = false;
+            self.live -= 1;
+        }
+    }
+
+    /// Drops stale and repeated entries (slots cleared and marked again without being
+    /// evicted leave them), keeping the queue's order; so it holds at most one entry a slot
+    /// plus what accrues before the next compaction.
+    fn compact(&mut self) {
+        let mut seen = vec![false; self.flag.len()];
+        self.queue.retain(|&s| {
+            let keep = self.flag[s as usize] && !seen[s as usize];
+            seen[s as usize] = true;
+            keep
+        });
+    }
+
+    pub(super) fn live(&self) -> usize {
+        self.live
+    }
 }
 
 /// One tier of the store's list and the store's bookkeeping of its slots.
@@ -51,6 +140,7 @@ pub(super) fn slots_for(tier: Arc<dyn Tier>, eviction: EvictionKind) -> Slots {
             keys: vec![BlockKey::default(); n as usize].into(),
             policy: eviction.build(n),
             held: Box::default(),
+            guests: Guests::default(),
         }),
         pins: (0..n).map(|_| AtomicU32::new(0)).collect(),
         counters: TierCounters::default(),
@@ -72,8 +162,11 @@ pub(super) fn tier_stats(slots: &Slots) -> TierStats {
         TierKind::Nvme => 4,
         _ => 32,
     };
+    // The host tier's hold count (4) and guest flag and queue entry (1 + 4).
+    let host_only = 9 * st.held.len().min(1);
     s.metadata_bytes_per_slot =
-        (16 + 4 + 4 + 4 * st.held.len().min(1) + st.policy.bytes_per_slot() + tier_table) as u64;
+        (16 + 4 + 4 + host_only + st.policy.bytes_per_slot() + tier_table) as u64;
+    s.guest_slots = st.guests.live() as u64;
     drop(st);
     s.pins_outstanding = slots
         .pins
