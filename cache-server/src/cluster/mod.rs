@@ -62,6 +62,8 @@ pub struct ClusterSettings {
     pub peer_timeout: Duration,
     /// Put blocks queued for offers, at most.
     pub offer_queue_blocks: usize,
+    /// Copies of blocks other members own are marked as guests (evicted first).
+    pub guests_first: bool,
 }
 
 impl ClusterSettings {
@@ -237,6 +239,7 @@ impl ClusterNode {
                         "enabled": true,
                         "peer_timeout_ms": s.peer_timeout.as_millis() as u64,
                         "offer_queue_blocks": s.offer_queue_blocks,
+                        "guests_first": s.guests_first,
                         "remote_hits": self.metrics.remote_hits.get(),
                         "offers_dropped": {
                             "queue_full": dropped(&self.metrics, "queue_full"),

@@ -271,14 +271,14 @@ impl PeerPool {
         r
     }
 
-    /// Offers blocks to `peer` (a put; the entries are in chain order). Returns how many it
-    /// now holds.
+    /// Offers blocks to `peer` (a put; the entries are in chain order). Returns, for each
+    /// entry, whether the peer now holds it.
     pub async fn offer(
         &self,
         peer: &PeerAddr,
         entries: &[PutEntry],
         bufs: &[&[u8]],
-    ) -> Result<usize, PeerFailure> {
+    ) -> Result<Vec<bool>, PeerFailure> {
         let r = self
             .bounded(peer, "offer", |c| async move {
                 let s = c.put(entries, bufs).await;
@@ -290,16 +290,16 @@ impl PeerPool {
                     _ => Ok(s
                         .statuses
                         .iter()
-                        .filter(|s| matches!(s, PutStatus::Stored | PutStatus::AlreadyPresent))
-                        .count()),
+                        .map(|s| matches!(s, PutStatus::Stored | PutStatus::AlreadyPresent))
+                        .collect::<Vec<bool>>()),
                 }
             })
             .await;
-        if let Ok(n) = &r {
+        if let Ok(held) = &r {
             self.metrics
                 .offered_blocks
                 .with_label_values(&[&peer.id])
-                .inc_by(*n as u64);
+                .inc_by(held.iter().filter(|&&h| h).count() as u64);
         }
         r
     }

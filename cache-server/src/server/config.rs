@@ -154,6 +154,10 @@ pub struct ClusterSection {
     /// Put blocks waiting to be offered to their owners, at most; more are dropped and
     /// counted. Default: 4096.
     pub offer_queue_blocks: usize,
+    /// Copies here of blocks another member owns (fetched, or handed to their owner) are
+    /// guests, evicted before other blocks, so the cluster keeps one copy of a block when
+    /// room is short (`docs/cluster.md`, "Guests"). Default: true.
+    pub guests_first: bool,
 }
 
 impl Default for ClusterSection {
@@ -172,6 +176,7 @@ impl Default for ClusterSection {
             etcd_timeout_ms: 2000,
             peer_timeout_ms: 250,
             offer_queue_blocks: 16384,
+            guests_first: true,
         }
     }
 }

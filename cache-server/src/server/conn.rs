@@ -1299,7 +1299,8 @@ impl Job {
                     && let Some(rm) = s.remote.get()
                 {
                     let client = client_keys.as_deref().unwrap_or(&k.keys);
-                    if rm.extend_lookup(&s, ns, client, &k.keys, tiers.len()).await > 0 {
+                    let fetched = rm.extend_lookup(&s, ns, client, &k.keys, tiers.len()).await;
+                    if !fetched.is_empty() {
                         // The local prefix stayed held meanwhile (its blocks are the
                         // fetched ones' parents); the new hold covers it, so let it go.
                         let first = hold;
@@ -1307,6 +1308,9 @@ impl Job {
                         if let LookupHold::Held { lease_id, .. } = first {
                             store.release(lease_id);
                         }
+                        // Their owners keep the cluster's copies: evicted first here, once
+                        // this request has loaded them (the hold protects them until then).
+                        rm.guests(&s, &fetched);
                     }
                 }
                 if let Some(rm) = s.remote.get() {

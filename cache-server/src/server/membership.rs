@@ -90,6 +90,7 @@ pub(crate) fn node(
         secret,
         peer_timeout: Duration::from_millis(s.peer_timeout_ms),
         offer_queue_blocks: s.offer_queue_blocks,
+        guests_first: s.guests_first,
     };
     Ok(Some(Arc::new(ClusterNode::new(settings, record, metrics))))
 }

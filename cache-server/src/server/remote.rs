@@ -10,6 +10,10 @@
 //!   the lookup's answer, and the get that follows, are local.
 //! * **Offers.** A block a client put here is offered to its owners (if this node is not
 //!   one) through a bounded queue and a task: the local put never waits for it.
+//! * **Guests.** A copy here of a block this node does not own (fetched from its owner, or
+//!   put here and accepted by its owner) is marked a guest in the store, which evicts guests
+//!   first: when room is short the cluster keeps one copy of a block, its owner's, and the
+//!   members' capacities add up to one cache instead of holding up to N copies.
 //!
 //! Requests from peers never come here: a peer's lookup is local-only and a peer's put is
 //! never offered on, so no request loops between members.
@@ -45,6 +49,9 @@ struct Offer {
     /// `None` for the first block of a run (the owner need not hold the run before it).
     parent: Option<BlockKey>,
     owner: PeerAddr,
+    /// This node is not among the block's owners: once an owner holds it, the copy here is
+    /// a guest (evicted first).
+    guest: bool,
 }
 
 /// The data path of one server. See the module doc.
@@ -97,8 +104,9 @@ impl Remote {
 
     /// Extends a lookup of `keys` (internal keys; `client_keys` as the client sent them, in
     /// namespace `ns`) whose first `local` blocks are here: asks the owners of the rest,
-    /// fetches what they hold, verifies it and stores it here in chain order. Returns how
-    /// many blocks it stored (the prefix is now `local` + that, unless evicted meanwhile).
+    /// fetches what they hold, verifies it and stores it here in chain order. Returns the
+    /// keys of the blocks it stored (the prefix is now `local` + that many, unless evicted
+    /// meanwhile): guests, which the caller marks once its lookup holds them.
     /// Bounded: two rounds of requests, each within `cluster.peer_timeout_ms`.
     pub async fn extend_lookup(
         &self,
@@ -107,9 +115,9 @@ impl Remote {
         client_keys: &[BlockKey],
         keys: &[BlockKey],
         local: usize,
-    ) -> usize {
+    ) -> Vec<BlockKey> {
         if local >= keys.len() {
-            return 0;
+            return Vec::new();
         }
         self.prune();
         let me = self.node.record.node_id.clone();
@@ -141,7 +149,7 @@ impl Remote {
             (runs, peers)
         });
         if peers.len() == 1 {
-            return 0; // every run is this node's own
+            return Vec::new(); // every run is this node's own
         }
         // Round 1: each owner looks up its runs' keys (one list, chain order); this node
         // looks at its own store.
@@ -170,7 +178,7 @@ impl Remote {
         let cap = (FETCH_BYTES_PER_LOOKUP / s.block_bytes.max(1) as u64).max(1) as usize;
         let found = chain::combine(&runs, &present).min(cap);
         if found == 0 {
-            return 0;
+            return Vec::new();
         }
         // Round 2: fetch the found blocks from their owners, in parallel.
         let end = local + found;
@@ -215,7 +223,7 @@ impl Remote {
     }
 
     /// Stores fetched blocks here in chain order, from the first run's start to `end`;
-    /// stops at the first block missing or refused. Returns how many it stored.
+    /// stops at the first block missing or refused. Returns the keys it stored.
     #[allow(clippy::too_many_arguments)]
     async fn store(
         &self,
@@ -226,8 +234,8 @@ impl Remote {
         runs: &[RunAsk],
         fetched: &[Vec<Vec<u8>>],
         end: usize,
-    ) -> usize {
-        let mut stored = 0;
+    ) -> Vec<BlockKey> {
+        let mut stored = Vec::new();
         let until = Instant::now() + self.pool.timeout();
         for r in runs {
             let Some(o) = r.owner else { break };
@@ -248,7 +256,7 @@ impl Remote {
                 slot.bytes_mut().copy_from_slice(bytes);
                 match slot.commit() {
                     Ok(crate::PutOutcome::Stored(_) | crate::PutOutcome::AlreadyPresent) => {
-                        stored += 1
+                        stored.push(keys[p])
                     }
                     _ => return self.stored(stored),
                 }
@@ -257,9 +265,17 @@ impl Remote {
         self.stored(stored)
     }
 
-    fn stored(&self, n: usize) -> usize {
-        self.node.metrics.remote_hits.inc_by(n as u64);
-        n
+    /// Marks this node's copies of `keys` (blocks other members own) as guests in the
+    /// store, unless `cluster.guests_first` is off.
+    pub fn guests(&self, s: &Shared, keys: &[BlockKey]) {
+        if self.node.settings.guests_first && !keys.is_empty() {
+            s.store.mark_guests(keys);
+        }
+    }
+
+    fn stored(&self, keys: Vec<BlockKey>) -> Vec<BlockKey> {
+        self.node.metrics.remote_hits.inc_by(keys.len() as u64);
+        keys
     }
 
     /// A client's lookup of `keys` (a chain from its first block, internal keys) found the
@@ -292,13 +308,15 @@ impl Remote {
             return;
         };
         let me = &self.node.record.node_id;
-        let owners: Vec<PeerAddr> = self.node.with_view(|v| {
-            v.placement()
-                .owners(&place.anchor)
+        let (owners, guest): (Vec<PeerAddr>, bool) = self.node.with_view(|v| {
+            let all = v.placement().owners(&place.anchor);
+            let guest = !all.contains(&me.as_str());
+            let others = all
                 .into_iter()
                 .filter(|o| *o != me.as_str())
                 .filter_map(|o| Some(PeerAddr::of(o, &v.members().get(o)?.record)))
-                .collect()
+                .collect();
+            (others, guest)
         });
         let run = self.node.settings.run_blocks.max(1) as u64;
         let parent = if place.position.is_multiple_of(run) {
@@ -307,7 +325,13 @@ impl Remote {
             parent
         };
         for owner in owners {
-            if self.offers.try_send(Offer { key, parent, owner }).is_err() {
+            let offer = Offer {
+                key,
+                parent,
+                owner,
+                guest,
+            };
+            if self.offers.try_send(offer).is_err() {
                 self.drop_offer("queue_full", 1);
             }
         }
@@ -352,29 +376,38 @@ async fn offer_loop(s: Arc<Shared>, r: Arc<Remote>, mut rx: mpsc::Receiver<Offer
                 Err(_) => break,
             }
         }
-        // Per owner, in queue order.
-        let mut by_owner: Vec<(PeerAddr, Vec<PutEntry>)> = Vec::new();
+        // Per owner, in queue order, with whether each block is a guest here.
+        let mut by_owner: Vec<(PeerAddr, Vec<PutEntry>, Vec<bool>)> = Vec::new();
         for o in batch {
             let e = PutEntry {
                 key: o.key,
                 parent: o.parent,
             };
-            match by_owner.iter_mut().find(|(p, _)| *p == o.owner) {
-                Some((_, v)) => v.push(e),
-                None => by_owner.push((o.owner, vec![e])),
+            match by_owner.iter_mut().find(|(p, _, _)| *p == o.owner) {
+                Some((_, v, g)) => {
+                    v.push(e);
+                    g.push(o.guest);
+                }
+                None => by_owner.push((o.owner, vec![e], vec![o.guest])),
             }
         }
         // Owners in parallel: one slow owner does not hold up the offers to the others.
         let mut sends = JoinSet::new();
-        for (owner, entries) in by_owner {
+        for (owner, entries, guests) in by_owner {
             let (s, r) = (s.clone(), r.clone());
-            sends.spawn(async move { send_offer(&s, &r, &owner, entries).await });
+            sends.spawn(async move { send_offer(&s, &r, &owner, entries, guests).await });
         }
         while sends.join_next().await.is_some() {}
     }
 }
 
-async fn send_offer(s: &Arc<Shared>, r: &Remote, owner: &PeerAddr, entries: Vec<PutEntry>) {
+async fn send_offer(
+    s: &Arc<Shared>,
+    r: &Remote,
+    owner: &PeerAddr,
+    entries: Vec<PutEntry>,
+    guests: Vec<bool>,
+) {
     let keys: Vec<BlockKey> = entries.iter().map(|e| e.key).collect();
     let store = s.store.clone();
     // The blocks stay pinned (not evicted, not rewritten) until sent.
@@ -389,7 +422,20 @@ async fn send_offer(s: &Arc<Shared>, r: &Remote, owner: &PeerAddr, entries: Vec<
         return;
     }
     let bufs: Vec<&[u8]> = (0..n).map(|i| pinned.bytes(i)).collect();
-    if let Err(e) = r.pool.offer(owner, &entries[..n], &bufs).await {
-        tracing::debug!(peer = %owner.id, "an offer of {n} blocks failed: {e:?}");
+    match r.pool.offer(owner, &entries[..n], &bufs).await {
+        Ok(held) => {
+            // The owner holds these now: the copies here are guests.
+            let handed: Vec<BlockKey> = entries
+                .iter()
+                .zip(&guests)
+                .zip(&held)
+                .filter(|((_, g), h)| **g && **h)
+                .map(|((e, _), _)| e.key)
+                .collect();
+            drop(bufs);
+            drop(pinned);
+            r.guests(s, &handed);
+        }
+        Err(e) => tracing::debug!(peer = %owner.id, "an offer of {n} blocks failed: {e:?}"),
     }
 }

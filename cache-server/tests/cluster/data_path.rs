@@ -152,6 +152,16 @@ async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
         let sent = labelled(&m, "kvtier_cluster_peer_offered_blocks_total", "peer=\"b\"")
             + labelled(&m, "kvtier_cluster_peer_offered_blocks_total", "peer=\"c\"");
         assert_eq!(sent as usize, offered, "{owners:?}");
+        // The putter's copies of what its owners now hold are guests (evicted first there).
+        let guests = |m: &str| labelled(m, "kvtier_tier_guest_slots", "tier=\"dram\"") as usize;
+        let t0 = Instant::now();
+        while guests(&http_get(a.admin, "/metrics").await.1) != offered {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "a's guests != {offered}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
 
         for (id, s) in [("b", &b), ("c", &c)] {
             let cl = s.client("tcp").await;
@@ -173,6 +183,8 @@ async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
                 remote,
                 "{id}: {owners:?}"
             );
+            // What it fetched is a guest here; what it was offered as an owner is not.
+            assert_eq!(guests(&m), remote, "{id}: {owners:?}");
             super::common::promtool_check(&m);
             let d = cluster_doc(s, "").await;
             assert_eq!(d["data_path"]["enabled"], true, "{d:#}");
