@@ -2,7 +2,8 @@
 # Per-node caches against one cluster, same total capacity, same requests (issue 13 item 7).
 #
 #   scripts/bench-cluster.sh [--nodes N] [--trace PATH] [--total-tokens T] [--route R]
-#                            [--out DIR] [-- extra kvtier-bench replay flags]
+#                            [--out DIR] [--cluster-set KEY=VALUE ...]
+#                            [-- extra kvtier-bench replay flags]
 #
 # Starts an etcd on loopback, then twice N kvtier-servers (release build, feature `cluster`)
 # on loopback TCP, each with a DRAM tier of T/N tokens of the replay's `tiny` model:
@@ -12,6 +13,7 @@
 # and replays the trace against each fleet with `kvtier-bench replay --server ... --route R`
 # (every request served whole by one node). Prints both hit rates and their ratio, and leaves
 # the two JSON reports and the servers' logs in DIR. Every process it starts, it stops.
+# --cluster-set passes a setting to the cluster's members only (e.g. cluster.guests_first=false).
 #
 # Defaults: 3 nodes, the Claude Code samples, 1m tokens in all, round robin.
 set -euo pipefail
@@ -23,6 +25,7 @@ total=1m
 route=round-robin
 out=""
 extra=()
+cluster_sets=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --nodes) nodes=$2; shift 2 ;;
@@ -30,8 +33,9 @@ while [ $# -gt 0 ]; do
         --total-tokens) total=$2; shift 2 ;;
         --route) route=$2; shift 2 ;;
         --out) out=$2; shift 2 ;;
+        --cluster-set) cluster_sets+=(--set "$2"); shift 2 ;;
         --) shift; extra=("$@"); break ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         *) echo "bench-cluster: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -110,6 +114,7 @@ start_fleet() { # $1: islands | cluster
                 --set "cluster.etcd_endpoints=\"http://127.0.0.1:$etcd_port\""
                 --set "cluster.node_id=\"n$n\"" --set "cluster.secret_file=\"$work/secret\""
                 --set "cluster.lease_ttl_s=5"
+                "${cluster_sets[@]}"
             )
         fi
         "$server" "${sets[@]}" > "$out/$mode-n$n.log" 2>&1 &
