@@ -152,7 +152,7 @@ pub struct ClusterSection {
     /// Default: 250.
     pub peer_timeout_ms: u64,
     /// Put blocks waiting to be offered to their owners, at most; more are dropped and
-    /// counted. Default: 4096.
+    /// counted. Default: 16384.
     pub offer_queue_blocks: usize,
     /// Copies here of blocks another member owns (fetched, or handed to their owner) are
     /// guests, evicted before other blocks, so the cluster keeps one copy of a block when
