@@ -2,8 +2,8 @@
 # Per-node caches against one cluster, same total capacity, same requests (issue 13 item 7).
 #
 #   scripts/bench-cluster.sh [--nodes N] [--trace PATH] [--total-tokens T] [--route R]
-#                            [--out DIR] [--cluster-set KEY=VALUE ...]
-#                            [-- extra kvtier-bench replay flags]
+#                            [--out DIR] [--cluster-set KEY=VALUE ...] [--lookup-blocks B]
+#                            [-- extra kvtier-bench replay (or lookup) flags]
 #
 # Starts an etcd on loopback, then twice N kvtier-servers (release build, feature `cluster`)
 # on loopback TCP, each with a DRAM tier of T/N tokens of the replay's `tiny` model:
@@ -14,6 +14,8 @@
 # (every request served whole by one node). Prints both hit rates and their ratio, and leaves
 # the two JSON reports and the servers' logs in DIR. Every process it starts, it stops.
 # --cluster-set passes a setting to the cluster's members only (e.g. cluster.guests_first=false).
+# --lookup-blocks B: no replay; on the cluster fleet only, `kvtier-bench lookup --server ...`
+# times lookups of B-block chains put on one member, from the others (docs/benchmarks.md).
 #
 # Defaults: 3 nodes, the Claude Code samples, 1m tokens in all, round robin.
 set -euo pipefail
@@ -26,6 +28,7 @@ route=round-robin
 out=""
 extra=()
 cluster_sets=()
+lookup_blocks=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --nodes) nodes=$2; shift 2 ;;
@@ -34,8 +37,9 @@ while [ $# -gt 0 ]; do
         --route) route=$2; shift 2 ;;
         --out) out=$2; shift 2 ;;
         --cluster-set) cluster_sets+=(--set "$2"); shift 2 ;;
+        --lookup-blocks) lookup_blocks=$2; shift 2 ;;
         --) shift; extra=("$@"); break ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
         *) echo "bench-cluster: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -150,8 +154,19 @@ start_fleet() { # $1: islands | cluster
 pids+=($!)
 etcd_pid=$!
 
-for mode in islands cluster; do
+modes="islands cluster"
+if [ -n "$lookup_blocks" ]; then
+    case "$lookup_blocks" in *[!0-9]*) echo "bench-cluster: --lookup-blocks must be a number" >&2; exit 2 ;; esac
+    modes=cluster
+fi
+for mode in $modes; do
     start_fleet "$mode"
+    if [ -n "$lookup_blocks" ]; then
+        echo "== lookups: $nodes members x $node_blocks blocks, chains of $lookup_blocks" >&2
+        "$bench" lookup "${fleet_urls[@]}" --token "$token" --blocks "$lookup_blocks" \
+            "${extra[@]}" | tee "$out/lookup.txt"
+        continue
+    fi
     echo "== $mode: $nodes nodes x $node_blocks blocks ($block_tokens tokens), route $route" >&2
     "$bench" --json replay --trace "$trace" "${fleet_urls[@]}" --route "$route" \
         --token "$token" --model tiny "${extra[@]}" > "$out/$mode.json"
@@ -167,6 +182,7 @@ for mode in islands cluster; do
     done
     pids=("$etcd_pid")
 done
+[ -z "$lookup_blocks" ] || exit 0
 
 python3 - "$out" <<'EOF'
 import json, sys

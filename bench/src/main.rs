@@ -221,6 +221,9 @@ fn main() -> Result<()> {
             "tiers",
             tiers::run(a, &[tiers::Part::Store, tiers::Part::Server], ctx.seed)?,
         ),
+        Command::Lookup(a) if !a.servers.is_empty() => {
+            ctx.emit("cluster-lookup", lookup::run_cluster(a, ctx.seed)?)
+        }
         Command::Lookup(a) => ctx.emit("lookup", lookup::run(a, ctx.seed)?),
         Command::ServeChild { set } => tiers::server::serve_child(set),
         Command::Server(a) => ctx.emit("server", tiers::run(a, &[tiers::Part::Server], ctx.seed)?),
