@@ -55,6 +55,11 @@ pub struct StoreConfig {
     /// Most DRAM blocks all held lookups may pin together; a lookup that would pass it holds
     /// nothing and is counted. Zero means a quarter of the DRAM tier's slots. Default: 0.
     pub lookup_hold_max_blocks: u64,
+    /// Store a block whose parent is not cached here (by default refused as an orphan, since
+    /// no local lookup can reach it). A cluster member sets it: the parent may be held by its
+    /// owner, or have been a guest copy evicted first, and the block is then reachable
+    /// through the cluster. Default: false.
+    pub admit_orphans: bool,
     /// Share of the DRAM tier's slots retention hints may protect together; 0 turns hints
     /// off. Default: 0.25.
     pub retain_max_fraction: f64,
@@ -163,6 +168,7 @@ impl StoreConfig {
             clock: Arc::new(SystemClock::default()),
             lookup_hold: Duration::from_secs(1),
             lookup_hold_max_blocks: 0,
+            admit_orphans: false,
             retain_max_fraction: 0.25,
             retain_namespace_max_fraction: 0.0,
             retain_max: Duration::from_secs(300),

@@ -837,3 +837,23 @@ fn guests_are_evicted_before_owned_blocks() {
         s.check_consistency().unwrap();
     }
 }
+
+/// A block whose parent is not cached is refused as an orphan, unless the store admits
+/// orphans (a cluster member: the parent may be held by another member).
+#[test]
+fn orphans_are_refused_unless_admitted() {
+    for admit in [false, true] {
+        let mut c = config(8, None);
+        c.admit_orphans = admit;
+        let (s, _) = TieredStore::open(c).unwrap();
+        let out = s.put(key(2), Some(key(1)), &data(key(2))).unwrap();
+        if admit {
+            assert_eq!(out, PutOutcome::Stored(TierKind::Dram));
+            assert!(s.contains(&key(2)));
+        } else {
+            assert_eq!(out, PutOutcome::Rejected(RejectReason::OrphanBlock));
+            assert!(!s.contains(&key(2)));
+        }
+        s.check_consistency().unwrap();
+    }
+}

@@ -1177,6 +1177,9 @@ impl ServerConfig {
         c.max_lease = self.max_lease();
         c.lookup_hold = Duration::from_millis(self.store.lookup_hold_ms);
         c.lookup_hold_max_blocks = self.store.lookup_hold_max_blocks;
+        // A cluster member's blocks may continue chains whose parents other members hold.
+        c.admit_orphans =
+            !self.cluster.etcd_endpoints.is_empty() && !self.cluster.secret_file.is_empty();
         for (setting, v) in [
             ("store.retain_max_fraction", self.store.retain_max_fraction),
             (

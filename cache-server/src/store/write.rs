@@ -55,6 +55,7 @@ impl Inner {
             Some(p) => match self.shard(&p).get(&p) {
                 Some(e) => (e.loc[h] != NONE).then_some(e.loc[h]),
                 None if pending_parent_slot.is_some() => pending_parent_slot,
+                None if self.config.admit_orphans => None,
                 None => {
                     TierCounters::inc(&c.admissions_refused);
                     return Err(PutOutcome::Rejected(RejectReason::OrphanBlock));
@@ -104,7 +105,8 @@ impl Inner {
             return Err(e.into());
         }
         // Making room may have evicted the parent: then this block is unreachable.
-        let orphaned = parent.is_some_and(|p| !self.shard(&p).contains_key(&p));
+        let orphaned =
+            !self.config.admit_orphans && parent.is_some_and(|p| !self.shard(&p).contains_key(&p));
         {
             let mut shard = self.shard(&key);
             let present = shard.contains_key(&key);
