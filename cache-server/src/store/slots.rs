@@ -46,7 +46,9 @@ const GUEST_SCAN: usize = 64;
 pub(super) struct Guests {
     flag: Box<[bool]>,
     /// Slots marked, oldest first; an entry whose flag was cleared since is stale and
-    /// skipped. At most one live entry per slot.
+    /// skipped. A slot cleared and marked again before its old entry was popped has two
+    /// entries, and the older one counts (its place is early, never lost); compaction drops
+    /// such repeats.
     queue: VecDeque<u32>,
     live: usize,
 }
@@ -103,9 +105,8 @@ impl Guests {
         }
     }
 
-    /// Drops stale and repeated entries (slots cleared and marked again without being
-    /// evicted leave them), keeping the queue's order; so it holds at most one entry a slot
-    /// plus what accrues before the next compaction.
+    /// Drops stale and repeated entries, keeping the queue's order: after it the queue holds
+    /// one entry per marked slot, and it runs again before the queue passes twice the slots.
     fn compact(&mut self) {
         let mut seen = vec![false; self.flag.len()];
         self.queue.retain(|&s| {
