@@ -166,8 +166,9 @@ pub struct ClusterLookupReport {
     pub remote_us_p99: f64,
     pub local_us_p50: f64,
     pub local_us_p99: f64,
-    /// Bytes the first lookups brought over from the owners (the chain's share not owned by
-    /// the asking member is fetched), per second of those lookups.
+    /// Bytes the first lookups brought over from the owners, per second of those lookups: an
+    /// estimate, (members - 1) / members of the blocks found (what the asking member does
+    /// not own when placement is even), not a count of the bytes fetched.
     pub remote_bytes_per_s: f64,
 }
 
