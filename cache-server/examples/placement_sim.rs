@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use kvtier_core::BlockKey;
 use kvtier_core::rng::SplitMix64;
-use kvtier_server::cluster::placement::{Candidate, Placement, runs};
+use kvtier_server::cluster::placement::{Candidate, Placement, Runs};
 
 fn key(rng: &mut SplitMix64) -> BlockKey {
     BlockKey::from_u128(((rng.next_u64() as u128) << 64) | rng.next_u64() as u128)
@@ -151,19 +151,21 @@ fn main() {
     println!();
     println!("## owners a 4,096-block chain touches, by run size (mean of 50 chains, 1 replica)");
     println!();
-    println!("| nodes | run 1 | run 16 | run 64 | run 256 |");
-    println!("|---|---|---|---|---|");
+    println!("| nodes | run 1 | run 16 | run 64 | run 256 | head 64, run 64 |");
+    println!("|---|---|---|---|---|---|");
     let chains: Vec<Vec<BlockKey>> = (0..50)
         .map(|_| (0..4096).map(|_| key(&mut rng)).collect())
         .collect();
     for n in [4usize, 10, 100, 1000] {
         let p = Placement::new(nodes(n, false), 1);
         let mut row = format!("| {n} |");
-        for run in [1usize, 16, 64, 256] {
+        for (head, run) in [(0, 1), (0, 16), (0, 64), (0, 256), (64, 64)] {
             let mut sum = 0usize;
             for c in &chains {
-                let owners: HashSet<&str> =
-                    runs(c, run).filter_map(|(_, a)| p.primary(&a)).collect();
+                let owners: HashSet<&str> = Runs::new(head, run)
+                    .runs(c)
+                    .filter_map(|(_, a)| p.primary(&a))
+                    .collect();
                 sum += owners.len();
             }
             row += &format!(" {:.1} |", sum as f64 / chains.len() as f64);
@@ -190,7 +192,7 @@ fn main() {
             let per_key = t.elapsed().as_nanos() as f64 / sample.len() as f64;
             let t = Instant::now();
             for c in &chains {
-                for (_, a) in runs(c, 64) {
+                for (_, a) in Runs::new(0, 64).runs(c) {
                     p.owners_into(&a, &mut out);
                     sink += out[0];
                 }

@@ -11,6 +11,8 @@ use std::collections::HashMap;
 use kvtier_core::BlockKey;
 use kvtier_core::protocol::block_sum;
 
+use super::placement::Runs;
+
 /// One run of a chain to ask for: positions `start..start + len`, asked of owner `owner`
 /// (an index into the caller's list of owners), at `offset` in the key list sent to that
 /// owner. `owner` is `None` when no peer can be asked (this node is the run's only owner,
@@ -23,23 +25,22 @@ pub struct RunAsk {
     pub offset: usize,
 }
 
-/// The runs of a `chain_len`-block chain from position `from` (inclusive) on, each with the
-/// owner to ask: `owner_of(anchor position)` returns the index of the peer to ask for the
+/// The runs (cut by `cut`) of a `chain_len`-block chain from position `from` (inclusive) on,
+/// each with the owner to ask: `owner_of(anchor position)` returns the index of the peer to ask for the
 /// run anchored there, or `None`. A run is cut at `from` when `from` falls inside it. Each
 /// owner's key list is its runs' keys in chain order; `offset` is a run's place in it.
 pub fn plan(
     chain_len: usize,
     from: usize,
-    run_blocks: usize,
+    cut: Runs,
     mut owner_of: impl FnMut(usize) -> Option<usize>,
 ) -> Vec<RunAsk> {
-    let run = run_blocks.max(1);
     let mut out = Vec::new();
     let mut next_offset: HashMap<usize, usize> = HashMap::new();
     let mut start = from;
     while start < chain_len {
-        let anchor = start - start % run;
-        let end = (anchor + run).min(chain_len);
+        let anchor = cut.anchor_of(start);
+        let end = cut.run_end(anchor).min(chain_len);
         let owner = owner_of(anchor);
         let offset = match owner {
             Some(o) => {
@@ -107,16 +108,16 @@ pub struct ChainPlace {
 #[derive(Debug)]
 pub struct ChainIndex {
     capacity: usize,
-    run_blocks: u64,
+    cut: Runs,
     new: HashMap<BlockKey, ChainPlace>,
     old: HashMap<BlockKey, ChainPlace>,
 }
 
 impl ChainIndex {
-    pub fn new(capacity: usize, run_blocks: usize) -> Self {
+    pub fn new(capacity: usize, cut: Runs) -> Self {
         Self {
             capacity: capacity.max(1),
-            run_blocks: run_blocks.max(1) as u64,
+            cut,
             new: HashMap::new(),
             old: HashMap::new(),
         }
@@ -139,7 +140,7 @@ impl ChainIndex {
                 let position = pp.position + 1;
                 ChainPlace {
                     position,
-                    anchor: if position.is_multiple_of(self.run_blocks) {
+                    anchor: if self.cut.starts_run(position as usize) {
                         key
                     } else {
                         pp.anchor
@@ -154,10 +155,9 @@ impl ChainIndex {
     /// Records `chain[position]`, `chain` being a whole chain from its first block (a
     /// lookup's keys): its place is known from its position alone.
     pub fn record_at(&mut self, chain: &[BlockKey], position: usize) -> ChainPlace {
-        let run = self.run_blocks as usize;
         let place = ChainPlace {
             position: position as u64,
-            anchor: chain[position - position % run],
+            anchor: self.cut.anchor(chain, position),
         };
         self.insert(chain[position], place);
         place
@@ -179,6 +179,11 @@ mod tests {
         BlockKey::from_u128(n)
     }
 
+    /// Runs of `run` blocks from position 0 (no head).
+    fn runs_of(run: usize) -> Runs {
+        Runs::new(0, run)
+    }
+
     /// Owners by anchor position for a 10-block chain in runs of 3 (anchors 0, 3, 6, 9):
     /// anchor 0 -> peer 0, 3 -> peer 1, 6 -> peer 0, 9 -> nobody asked.
     fn owners(anchor: usize) -> Option<usize> {
@@ -191,7 +196,7 @@ mod tests {
 
     #[test]
     fn plan_cuts_runs_and_gives_each_owner_its_offsets() {
-        let p = plan(10, 2, 3, owners);
+        let p = plan(10, 2, runs_of(3), owners);
         let got: Vec<(usize, usize, Option<usize>, usize)> = p
             .iter()
             .map(|r| (r.start, r.len, r.owner, r.offset))
@@ -205,9 +210,15 @@ mod tests {
                 (9, 1, None, 0)
             ]
         );
-        assert!(plan(10, 10, 3, owners).is_empty());
+        assert!(plan(10, 10, runs_of(3), owners).is_empty());
         // run_blocks 0 is runs of 1.
-        assert_eq!(plan(2, 0, 0, |_| Some(0)).len(), 2);
+        assert_eq!(plan(2, 0, runs_of(0), |_| Some(0)).len(), 2);
+        // A head of 2: positions 0 and 1 alone, then runs of 3 from 2 (anchors 2, 5, 8).
+        let starts: Vec<(usize, usize)> = plan(10, 1, Runs::new(2, 3), Some)
+            .iter()
+            .map(|r| (r.start, r.len))
+            .collect();
+        assert_eq!(starts, vec![(1, 1), (2, 3), (5, 3), (8, 2)]);
     }
 
     /// Table: the owners' answers (leading keys present in the list each was sent) -> the
@@ -215,7 +226,7 @@ mod tests {
     /// 8; peer 1 positions 3, 4, 5).
     #[test]
     fn combine_in_chain_order() {
-        let runs = plan(10, 2, 3, owners);
+        let runs = plan(10, 2, runs_of(3), owners);
         let check = |present: &[Option<usize>], want: usize| {
             assert_eq!(combine(&runs, present), want, "{present:?}");
         };
@@ -228,7 +239,7 @@ mod tests {
         check(&[None, Some(3)], 0); // peer 0 timed out
         check(&[Some(4), None], 1); // peer 1 failed
         check(&[], 0);
-        let whole = plan(6, 0, 3, |a| Some(a / 3));
+        let whole = plan(6, 0, runs_of(3), |a| Some(a / 3));
         assert_eq!(combine(&whole, &[Some(3), Some(3)]), 6);
         assert_eq!(combine(&whole, &[Some(3), Some(0)]), 3);
     }
@@ -262,7 +273,7 @@ mod tests {
 
     #[test]
     fn chain_index_places_children_and_forgets_old_generations() {
-        let mut ix = ChainIndex::new(4, 3);
+        let mut ix = ChainIndex::new(4, runs_of(3));
         let a0 = ix.record(k(10), None).unwrap();
         assert_eq!((a0.position, a0.anchor), (0, k(10)));
         let mut prev = k(10);
@@ -283,7 +294,7 @@ mod tests {
 
     #[test]
     fn a_lookup_places_the_end_of_its_prefix_so_the_next_put_is_placed() {
-        let mut ix = ChainIndex::new(16, 3);
+        let mut ix = ChainIndex::new(16, runs_of(3));
         let chain: Vec<BlockKey> = (0..8u128).map(|i| k(50 + i)).collect();
         // Nothing of the chain was put here: its continuation cannot be placed...
         assert_eq!(ix.record(k(58), Some(k(57))), None);
@@ -299,5 +310,23 @@ mod tests {
             "a new run starts at 9"
         );
         assert_eq!(ix.record_at(&chain, 0).anchor, k(50));
+    }
+
+    /// With a head of 2, the first two puts anchor themselves and runs start at 2, 5, ...
+    #[test]
+    fn chain_index_places_the_head_per_block() {
+        let mut ix = ChainIndex::new(16, Runs::new(2, 3));
+        let mut parent = None;
+        let mut anchors = Vec::new();
+        for i in 0..7u128 {
+            anchors.push(ix.record(k(70 + i), parent).unwrap().anchor);
+            parent = Some(k(70 + i));
+        }
+        let want: Vec<BlockKey> = [70, 71, 72, 72, 72, 75, 75].map(k).to_vec();
+        assert_eq!(anchors, want);
+        let chain: Vec<BlockKey> = (0..7u128).map(|i| k(70 + i)).collect();
+        for (i, a) in want.iter().enumerate() {
+            assert_eq!(ix.record_at(&chain, i).anchor, *a, "{i}");
+        }
     }
 }

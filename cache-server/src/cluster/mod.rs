@@ -54,6 +54,8 @@ pub struct ClusterSettings {
     pub node_id: String,
     pub replicas: usize,
     pub run_blocks: usize,
+    /// Blocks at a chain's head placed each by its own key.
+    pub head_blocks: usize,
     pub lease_ttl: Duration,
     pub etcd_timeout: Duration,
     /// The cluster secret, if configured.
@@ -70,6 +72,11 @@ impl ClusterSettings {
     /// The etcd prefix of member keys: `/kvtier/<name>/members/`.
     pub fn members_prefix(&self) -> String {
         format!("/kvtier/{}/members/", self.name)
+    }
+
+    /// How chains are cut for placement (`head_blocks`, `run_blocks`).
+    pub fn runs(&self) -> placement::Runs {
+        placement::Runs::new(self.head_blocks, self.run_blocks)
     }
 }
 
@@ -141,7 +148,7 @@ impl ClusterNode {
         self.lease_id.store(id, Ordering::Relaxed);
     }
 
-    /// The owners of `key` (as a run's anchor: the first key of a run of `run_blocks`), best
+    /// The owners of `key` (as a run's anchor: a head block, or the first key of a run), best
     /// first, in the current view.
     pub fn owners(&self, key: &BlockKey) -> Vec<String> {
         self.with_view(|v| {
@@ -231,6 +238,7 @@ impl ClusterNode {
                 "view_changes": v.changes(),
                 "replicas": s.replicas,
                 "run_blocks": s.run_blocks,
+                "head_blocks": s.head_blocks,
                 "records_signed": self.sealer.signs(),
                 "records_rejected": v.rejected(),
                 "members": members,

@@ -11,18 +11,86 @@
 //! top `r`, so only the blocks of the member that came or went move (a property test checks
 //! it).
 //!
-//! **Chains in runs.** The block at position `i` of a prefix chain is placed by the key at
-//! position `i - i % run_blocks` (its run's *anchor*): a run of `run_blocks` consecutive
-//! blocks lives on the same owners. Two chains that share a prefix share its anchors, so
-//! they agree on owners. A lookup of an `n`-block prefix asks at most `ceil(n /
-//! run_blocks)` owners (one parallel round), and a get still pulls from several nodes at
-//! once. Why 64 is the default: `docs/cluster.md`, "How a chain is spread".
+//! **Chains in runs** ([`Runs`]). The first `head_blocks` blocks of a prefix chain are placed
+//! each by its own key; after them, the block at position `i` is placed by the key that
+//! starts its run of `run_blocks` (counted from `head_blocks`): its run's *anchor*. A run
+//! lives on the same owners. Two chains that share a prefix share its anchors, so they agree
+//! on owners. A lookup of an `n`-block prefix asks at most `min(n, head_blocks) + ceil((n -
+//! head_blocks) / run_blocks)` owners (one parallel round), and a get still pulls from
+//! several nodes at once. The head is placed per block because chains that share a first
+//! block (a system prompt) would otherwise share the owners of their whole first run, past
+//! the point where they diverge. Why these defaults: `docs/cluster.md`, "How a chain is
+//! spread".
 
 use kvtier_core::BlockKey;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 /// Blocks per run of a chain, by default (`cluster.run_blocks`).
 pub const DEFAULT_RUN_BLOCKS: usize = 64;
+
+/// Blocks at the head of a chain placed each by its own key, by default
+/// (`cluster.head_blocks`).
+pub const DEFAULT_HEAD_BLOCKS: usize = 64;
+
+/// How a chain is cut for placement: positions below `head` are each their own run; from
+/// `head` on, runs of `run` blocks. Every member must use the same cut.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Runs {
+    head: usize,
+    run: usize,
+}
+
+impl Runs {
+    /// `run_blocks` 0 is treated as 1 (every block placed by its own key).
+    pub fn new(head_blocks: usize, run_blocks: usize) -> Self {
+        Self {
+            head: head_blocks,
+            run: run_blocks.max(1),
+        }
+    }
+
+    /// The position of the key that places the block at `position`: its run's anchor.
+    pub fn anchor_of(&self, position: usize) -> usize {
+        if position < self.head {
+            position
+        } else {
+            position - (position - self.head) % self.run
+        }
+    }
+
+    /// Whether the block at `position` starts a run (is its own anchor).
+    pub fn starts_run(&self, position: usize) -> bool {
+        self.anchor_of(position) == position
+    }
+
+    /// One past the last position of the run that `anchor` starts.
+    pub fn run_end(&self, anchor: usize) -> usize {
+        if anchor < self.head {
+            anchor + 1
+        } else {
+            anchor + self.run
+        }
+    }
+
+    /// The key that places the block at position `index` of `chain`.
+    ///
+    /// Panics if `index` is out of `chain`'s bounds (a caller's bug, not input).
+    pub fn anchor(&self, chain: &[BlockKey], index: usize) -> BlockKey {
+        chain[self.anchor_of(index)]
+    }
+
+    /// The runs of `chain`: `(first position, anchor key)` per run.
+    pub fn runs<'a>(&self, chain: &'a [BlockKey]) -> impl Iterator<Item = (usize, BlockKey)> + 'a {
+        let cut = *self;
+        let mut at = 0;
+        std::iter::from_fn(move || {
+            let here = at;
+            let key = *chain.get(here)?;
+            at = cut.run_end(here);
+            Some((here, key))
+        })
+    }
+}
 
 /// A member as placement sees it: its id and weight (capacity; only ratios matter).
 #[derive(Clone, Debug, PartialEq)]
@@ -123,21 +191,6 @@ impl Placement {
     }
 }
 
-/// The key that places the block at position `index` of a chain: the first key of its run.
-/// `run_blocks` 0 is treated as 1 (every block placed by its own key).
-///
-/// Panics if `index` is out of `chain`'s bounds (a caller's bug, not input).
-pub fn anchor(chain: &[BlockKey], index: usize, run_blocks: usize) -> BlockKey {
-    let run = run_blocks.max(1);
-    chain[index - index % run]
-}
-
-/// The runs of `chain`: `(first position, anchor key)` per run of `run_blocks` blocks.
-pub fn runs(chain: &[BlockKey], run_blocks: usize) -> impl Iterator<Item = (usize, BlockKey)> {
-    let run = run_blocks.max(1);
-    (0..chain.len()).step_by(run).map(move |i| (i, chain[i]))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -229,16 +282,56 @@ mod tests {
     #[test]
     fn runs_and_anchors() {
         let chain: Vec<BlockKey> = (0..10).map(key).collect();
-        let r: Vec<usize> = runs(&chain, 4).map(|(i, _)| i).collect();
+        let plain = Runs::new(0, 4);
+        let r: Vec<usize> = plain.runs(&chain).map(|(i, _)| i).collect();
         assert_eq!(r, vec![0, 4, 8]);
         for (i, expect) in [(0, 0), (3, 0), (4, 4), (7, 4), (9, 8)] {
-            assert_eq!(anchor(&chain, i, 4), chain[expect]);
+            assert_eq!(plain.anchor(&chain, i), chain[expect]);
         }
-        assert_eq!(anchor(&chain, 5, 0), chain[5]);
-        assert_eq!(runs(&chain, 1).count(), 10);
+        assert_eq!(Runs::new(0, 0).anchor(&chain, 5), chain[5]);
+        assert_eq!(Runs::new(0, 1).runs(&chain).count(), 10);
+        assert!(Runs::new(0, 4).runs(&[]).next().is_none());
+    }
+
+    /// A head of 3 blocks, then runs of 4 counted from position 3: anchors 0, 1, 2, 3, 7.
+    #[test]
+    fn the_head_is_placed_per_block() {
+        let chain: Vec<BlockKey> = (0..10).map(key).collect();
+        let cut = Runs::new(3, 4);
+        let r: Vec<usize> = cut.runs(&chain).map(|(i, _)| i).collect();
+        assert_eq!(r, vec![0, 1, 2, 3, 7]);
+        for (i, expect) in [(0, 0), (1, 1), (2, 2), (3, 3), (6, 3), (7, 7), (9, 7)] {
+            assert_eq!(cut.anchor_of(i), expect, "{i}");
+            assert_eq!(cut.anchor(&chain, i), chain[expect]);
+            assert_eq!(cut.starts_run(i), i == expect);
+        }
+        assert_eq!((cut.run_end(2), cut.run_end(3), cut.run_end(7)), (3, 7, 11));
+        // A head longer than the chain: every block its own run.
+        assert_eq!(Runs::new(64, 64).runs(&chain).count(), 10);
     }
 
     proptest! {
+        /// The runs cut a chain into consecutive pieces, each placed by its first key, and
+        /// every position's anchor is the start of the run holding it.
+        #[test]
+        fn runs_partition_the_chain(head in 0usize..40, run in 0usize..20, len in 0usize..200) {
+            let chain: Vec<BlockKey> = (0..len as u64).map(key).collect();
+            let cut = Runs::new(head, run);
+            let starts: Vec<usize> = cut.runs(&chain).map(|(i, _)| i).collect();
+            let mut next = 0;
+            for (n, &s) in starts.iter().enumerate() {
+                prop_assert_eq!(s, next);
+                prop_assert!(cut.starts_run(s));
+                let end = cut.run_end(s).min(len);
+                for p in s..end {
+                    prop_assert_eq!(cut.anchor_of(p), s);
+                }
+                prop_assert!(end > s, "run {} is empty", n);
+                next = end;
+            }
+            prop_assert_eq!(next, len);
+        }
+
         /// A member joining takes keys only for itself: every key's new owners are its old
         /// owners with at most one replaced by the newcomer.
         #[test]

@@ -142,6 +142,9 @@ pub struct ClusterSection {
     pub replicas: usize,
     /// Blocks of a prefix chain placed together (a run; `docs/cluster.md`). Default: 64.
     pub run_blocks: usize,
+    /// Blocks at the head of a chain placed each by its own key, before the runs begin
+    /// (0..=65536; 0: runs from the first block). Default: 64.
+    pub head_blocks: usize,
     /// The registration lease's time to live, in seconds: a member that stops renewing is
     /// gone from every view this long after its last renewal. Default: 10.
     pub lease_ttl_s: u64,
@@ -172,6 +175,7 @@ impl Default for ClusterSection {
             secret_file: String::new(),
             replicas: 1,
             run_blocks: crate::cluster::placement::DEFAULT_RUN_BLOCKS,
+            head_blocks: crate::cluster::placement::DEFAULT_HEAD_BLOCKS,
             lease_ttl_s: 10,
             etcd_timeout_ms: 2000,
             peer_timeout_ms: 250,
@@ -531,6 +535,9 @@ pub struct ConfigError {
     pub reason: String,
 }
 
+/// The longest head of a chain placed per block (`cluster.head_blocks`).
+const MAX_HEAD_BLOCKS: usize = 65_536;
+
 fn cerr(setting: impl Into<String>, reason: impl std::fmt::Display) -> ConfigError {
     ConfigError {
         setting: setting.into(),
@@ -838,6 +845,12 @@ impl ServerConfig {
             if v == 0 {
                 return Err(cerr(name, "must be at least 1"));
             }
+        }
+        if c.head_blocks > MAX_HEAD_BLOCKS {
+            return Err(cerr(
+                "cluster.head_blocks",
+                format!("must be at most {MAX_HEAD_BLOCKS} (each head block is placed alone)"),
+            ));
         }
         if !(2..=3600).contains(&c.lease_ttl_s) {
             return Err(cerr(
@@ -1348,6 +1361,7 @@ mod tests {
             ("cluster.node_id=\"x y\"", "cluster.node_id"),
             ("cluster.replicas=0", "cluster.replicas"),
             ("cluster.run_blocks=0", "cluster.run_blocks"),
+            ("cluster.head_blocks=65537", "cluster.head_blocks"),
             ("cluster.lease_ttl_s=1", "cluster.lease_ttl_s"),
             ("cluster.etcd_timeout_ms=0", "cluster.etcd_timeout_ms"),
             ("cluster.peer_timeout_ms=0", "cluster.peer_timeout_ms"),

@@ -85,6 +85,7 @@ pub(crate) fn node(
         node_id,
         replicas: s.replicas,
         run_blocks: s.run_blocks,
+        head_blocks: s.head_blocks,
         lease_ttl: Duration::from_secs(s.lease_ttl_s),
         etcd_timeout: Duration::from_millis(s.etcd_timeout_ms),
         secret,

@@ -80,12 +80,12 @@ impl Remote {
             node.metrics.peer.clone(),
         ));
         let (tx, rx) = mpsc::channel(node.settings.offer_queue_blocks.max(1));
-        let run_blocks = node.settings.run_blocks;
+        let cut = node.settings.runs();
         let r = Arc::new(Self {
             node,
             pool,
             offers: tx,
-            chains: Mutex::new(ChainIndex::new(CHAIN_INDEX_ENTRIES, run_blocks)),
+            chains: Mutex::new(ChainIndex::new(CHAIN_INDEX_ENTRIES, cut)),
             pruned_at: Mutex::new(u64::MAX),
         });
         tokio::spawn(offer_loop(shared.clone(), r.clone(), rx));
@@ -121,7 +121,7 @@ impl Remote {
         }
         self.prune();
         let me = self.node.record.node_id.clone();
-        let run_blocks = self.node.settings.run_blocks;
+        let cut = self.node.settings.runs();
         // Plan under the view's lock: one owner per run, by index into `peers`; index 0 is
         // this node, for the runs it owns (they are here or nowhere: it is not asked).
         let (runs, peers) = self.node.with_view(|v| {
@@ -129,7 +129,7 @@ impl Remote {
                 id: me.clone(),
                 ..PeerAddr::default()
             }];
-            let runs = chain::plan(keys.len(), local, run_blocks, |anchor| {
+            let runs = chain::plan(keys.len(), local, cut, |anchor| {
                 let owners = v.placement().owners(&keys[anchor]);
                 if owners.contains(&me.as_str()) {
                     return Some(SELF);
@@ -318,8 +318,12 @@ impl Remote {
                 .collect();
             (others, guest)
         });
-        let run = self.node.settings.run_blocks.max(1) as u64;
-        let parent = if place.position.is_multiple_of(run) {
+        let parent = if self
+            .node
+            .settings
+            .runs()
+            .starts_run(place.position as usize)
+        {
             None
         } else {
             parent

@@ -135,7 +135,11 @@ async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
         let etcd = Etcd::start().await;
         let dir = tempfile::tempdir().unwrap();
         let secret = secret_file(dir.path(), SECRET);
-        let extra = ["cluster.run_blocks=8", "cluster.peer_timeout_ms=1000"];
+        let extra = [
+            "cluster.run_blocks=8",
+            "cluster.head_blocks=0",
+            "cluster.peer_timeout_ms=1000",
+        ];
         let a = member_with(&etcd, "a", 5, &secret, &extra);
         let b = member_with(&etcd, "b", 5, &secret, &extra);
         let c = member_with(&etcd, "c", 5, &secret, &extra);
@@ -255,6 +259,100 @@ async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
     .await;
 }
 
+/// Chains that share their first block (a system prompt) and diverge after it. With the
+/// head of a chain placed per block (`cluster.head_blocks`), each head block goes to its own
+/// key's owner, so the chains spread over the members instead of all following the shared
+/// block's owner; blocks past the head go in runs again. Each owner holds what it owns, and a
+/// lookup on another member finds and reads every whole chain, fetching exactly what others
+/// own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chains_sharing_a_first_block_spread_over_the_members() {
+    const HEAD: usize = 8;
+    const LEN: usize = HEAD + RUN / 2;
+    bounded(120, async {
+        let etcd = Etcd::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let secret = secret_file(dir.path(), SECRET);
+        let head = format!("cluster.head_blocks={HEAD}");
+        let extra = [
+            "cluster.run_blocks=8",
+            head.as_str(),
+            "cluster.peer_timeout_ms=1000",
+        ];
+        let a = member_with(&etcd, "a", 5, &secret, &extra);
+        let b = member_with(&etcd, "b", 5, &secret, &extra);
+        let c = member_with(&etcd, "c", 5, &secret, &extra);
+        for s in [&a, &b, &c] {
+            until_view(s, &["a", "b", "c"], Duration::from_secs(15)).await;
+        }
+        let members = [("a", &a), ("b", &b), ("c", &c)];
+        let shared = keys(b"system prompt", 1, 1)[0];
+        let chains: Vec<Vec<BlockKey>> = (1..=6)
+            .map(|j| {
+                let mut ch = keys(b"spread", LEN, j);
+                ch[0] = shared;
+                ch
+            })
+            .collect();
+        let put = a.client("tcp").await;
+        let mut owner_of = Vec::new(); // per chain, per position
+        for ch in &chains {
+            put_all(&put, ch).await;
+            let mut owners = Vec::new();
+            for i in 0..LEN {
+                // Head blocks place themselves; the rest by the run's first key.
+                let anchor = if i < HEAD { ch[i] } else { ch[HEAD] };
+                let d = cluster_doc(&a, &format!("?key={anchor}")).await;
+                owners.push(d["key"]["owners"][0].as_str().unwrap().to_string());
+            }
+            owner_of.push(owners);
+        }
+        // The blocks after the shared one are spread: every member owns some.
+        for (id, _) in &members {
+            let owned = owner_of
+                .iter()
+                .flat_map(|o| &o[1..HEAD])
+                .filter(|o| o == id);
+            assert!(owned.count() > 0, "{id} owns no head block: {owner_of:?}");
+        }
+        // Each owner holds its blocks (offered by a).
+        let t0 = Instant::now();
+        for (ch, owners) in chains.iter().zip(&owner_of) {
+            for (k, o) in ch.iter().zip(owners) {
+                let (_, s) = members.iter().find(|(id, _)| id == o).unwrap();
+                let p = peer(s).await;
+                while p.lookup(&[*k]).await.tiers.len() != 1 {
+                    assert!(
+                        t0.elapsed() < Duration::from_secs(10),
+                        "{k} never reached its owner {o}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+        let cl = b.client("tcp").await;
+        let mut fetched = std::collections::HashSet::new();
+        for (ch, owners) in chains.iter().zip(&owner_of) {
+            let l = cl.lookup(ch).await;
+            assert_eq!(l.tiers.len(), LEN, "{owners:?} {l:?}");
+            assert_eq!(get_verified(&cl, ch).await, LEN);
+            fetched.extend(
+                ch.iter()
+                    .zip(owners)
+                    .filter(|(_, o)| *o != "b")
+                    .map(|(k, _)| *k),
+            );
+        }
+        let m = http_get(b.admin, "/metrics").await.1;
+        assert_eq!(
+            metric(&m, "kvtier_cluster_remote_hits_total") as usize,
+            fetched.len(),
+            "{owner_of:?}"
+        );
+    })
+    .await;
+}
+
 /// Blocks owned by a member that is then killed are misses, answered within the deadline;
 /// the prefix before them is served, byte-exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -263,7 +361,11 @@ async fn a_killed_owners_blocks_are_misses_within_the_deadline() {
         let etcd = Etcd::start().await;
         let dir = tempfile::tempdir().unwrap();
         let secret = secret_file(dir.path(), SECRET);
-        let extra = ["cluster.run_blocks=8", "cluster.peer_timeout_ms=500"];
+        let extra = [
+            "cluster.run_blocks=8",
+            "cluster.head_blocks=0",
+            "cluster.peer_timeout_ms=500",
+        ];
         // A long lease: the dead member stays in the view while we look.
         let a = member_with(&etcd, "a", 30, &secret, &extra);
         let b = member_with(&etcd, "b", 30, &secret, &extra);
@@ -336,7 +438,11 @@ async fn an_owner_sending_wrong_bytes_is_a_miss() {
         let etcd = Etcd::start().await;
         let dir = tempfile::tempdir().unwrap();
         let secret = secret_file(dir.path(), SECRET);
-        let extra = ["cluster.run_blocks=8", "cluster.peer_timeout_ms=1000"];
+        let extra = [
+            "cluster.run_blocks=8",
+            "cluster.head_blocks=0",
+            "cluster.peer_timeout_ms=1000",
+        ];
         let a = member_with(&etcd, "a", 5, &secret, &extra);
         let b = member_with(&etcd, "b", 5, &secret, &extra);
         let liar = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -397,7 +503,11 @@ async fn a_silent_owner_is_a_miss_within_the_deadline() {
         let etcd = Etcd::start().await;
         let dir = tempfile::tempdir().unwrap();
         let secret = secret_file(dir.path(), SECRET);
-        let extra = ["cluster.run_blocks=8", "cluster.peer_timeout_ms=500"];
+        let extra = [
+            "cluster.run_blocks=8",
+            "cluster.head_blocks=0",
+            "cluster.peer_timeout_ms=500",
+        ];
         let a = member_with(&etcd, "a", 5, &secret, &extra);
         let b = member_with(&etcd, "b", 5, &secret, &extra);
         let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -577,6 +687,7 @@ async fn with_two_replicas_a_hung_owners_runs_come_from_the_other() {
         let secret = secret_file(dir.path(), SECRET);
         let extra = [
             "cluster.run_blocks=8",
+            "cluster.head_blocks=0",
             "cluster.peer_timeout_ms=300",
             "cluster.replicas=2",
         ];

@@ -80,6 +80,7 @@ struct Counts {
 fn member(etcd: &Etcd, id: &str, secret: &str) -> ServerProc {
     let extra = [
         "cluster.run_blocks=8",
+        "cluster.head_blocks=0",
         "cluster.peer_timeout_ms=300",
         "store.dram_bytes=\"2MiB\"",
     ];

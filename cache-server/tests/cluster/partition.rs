@@ -133,7 +133,11 @@ fn a_partitioned_owner_is_a_miss_within_the_deadline_and_found_again_when_healed
             const SECRET: &str = "the partitioned data path secret";
             let secret = secret_file(dir.path(), SECRET);
             let runs = format!("cluster.run_blocks={RUN}");
-            let extra = [runs.as_str(), "cluster.peer_timeout_ms=500"];
+            let extra = [
+                runs.as_str(),
+                "cluster.head_blocks=0",
+                "cluster.peer_timeout_ms=500",
+            ];
             let m: Vec<ServerProc> = (0..3)
                 .map(|i| member_on(&net, i, &etcd, 3, &secret, &extra))
                 .collect();
