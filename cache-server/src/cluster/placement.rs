@@ -11,16 +11,17 @@
 //! top `r`, so only the blocks of the member that came or went move (a property test checks
 //! it).
 //!
-//! **Chains in runs** ([`Runs`]). The first `head_blocks` blocks of a prefix chain are placed
-//! each by its own key; after them, the block at position `i` is placed by the key that
-//! starts its run of `run_blocks` (counted from `head_blocks`): its run's *anchor*. A run
-//! lives on the same owners. Two chains that share a prefix share its anchors, so they agree
-//! on owners. A lookup of an `n`-block prefix asks at most `min(n, head_blocks) + ceil((n -
-//! head_blocks) / run_blocks)` owners (one parallel round), and a get still pulls from
-//! several nodes at once. The head is placed per block because chains that share a first
-//! block (a system prompt) would otherwise share the owners of their whole first run, past
-//! the point where they diverge. Why these defaults: `docs/cluster.md`, "How a chain is
-//! spread".
+//! **Chains in runs** ([`Runs`]). The first `head_blocks` blocks of a prefix chain (none by
+//! default) are placed each by its own key; after them, the block at position `i` is placed
+//! by the key that starts its run of `run_blocks` (counted from `head_blocks`): its run's
+//! *anchor*. A run lives on the same owners. Two chains that share a prefix share its
+//! anchors, so they agree on owners. A lookup of an `n`-block prefix asks at most `min(n,
+//! head_blocks) + ceil((n - head_blocks) / run_blocks)` owners (one parallel round), and a
+//! get still pulls from several nodes at once. The head exists for deployments whose
+//! requests share a system prompt: with `head_blocks` set to its length, the first run
+//! starts at the first block where chains diverge, instead of every chain's first run
+//! following the shared prompt's owner. Why these defaults: `docs/cluster.md`, "How a chain
+//! is spread".
 
 use kvtier_core::BlockKey;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
@@ -29,8 +30,8 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 pub const DEFAULT_RUN_BLOCKS: usize = 64;
 
 /// Blocks at the head of a chain placed each by its own key, by default
-/// (`cluster.head_blocks`).
-pub const DEFAULT_HEAD_BLOCKS: usize = 64;
+/// (`cluster.head_blocks`): none, runs from the first block.
+pub const DEFAULT_HEAD_BLOCKS: usize = 0;
 
 /// How a chain is cut for placement: positions below `head` are each their own run; from
 /// `head` on, runs of `run` blocks. Every member must use the same cut.

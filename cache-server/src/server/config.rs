@@ -143,7 +143,8 @@ pub struct ClusterSection {
     /// Blocks of a prefix chain placed together (a run; `docs/cluster.md`). Default: 64.
     pub run_blocks: usize,
     /// Blocks at the head of a chain placed each by its own key, before the runs begin
-    /// (0..=65536; 0: runs from the first block). Default: 64.
+    /// (0..=65536; 0: runs from the first block): the length, in blocks, of a system prompt
+    /// every request shares (`docs/cluster.md`, "How a chain is spread"). Default: 0.
     pub head_blocks: usize,
     /// The registration lease's time to live, in seconds: a member that stops renewing is
     /// gone from every view this long after its last renewal. Default: 10.
