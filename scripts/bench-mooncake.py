@@ -571,6 +571,7 @@ def kvtier_remote_cases(
         dst = np.zeros((max(batches), size), dtype=np.uint8)
         out = []
         asked = 0
+        short: dict[str, int] = {}
         for path, client in (
             # A worker beside member b (its Unix socket; b serves the fetched blocks zero-copy).
             ("kvtier remote", kvtier.Client(b.unix_url, timeout=30.0)),
@@ -589,14 +590,21 @@ def kvtier_remote_cases(
                 ) -> None:
                     nonlocal asked
                     ks = keys[first : first + batch]
-                    found = len(c.lookup(ks).tiers)
-                    got = c.get_into(ks, view)
-                    asked += batch
-                    if found != batch or got.blocks != batch:
-                        raise RuntimeError(
-                            f"{path}: lookup {found}, get {got.blocks} of {batch} "
-                            f"({got.miss_detail}); logs in {workdir}"
-                        )
+                    # A lookup can come back short (see docs/benchmarks.md, "Against
+                    # Mooncake Store"): then the call looks up the rest again, within its
+                    # time, at most 3 tries; each short answer is counted.
+                    done = 0
+                    for _ in range(3):
+                        found = len(c.lookup(ks[done:]).tiers)
+                        got = c.get_into(ks[done:], view[done:])
+                        asked += batch - done
+                        done += min(found, got.blocks)
+                        if done == batch:
+                            return
+                        short[path] = short.get(path, 0) + 1
+                    raise RuntimeError(
+                        f"{path}: {done} of {batch} after 3 lookups; logs in {workdir}"
+                    )
 
                 dst[:] = 0
                 out.append(measure(path, size, batch, count, args.seconds, get, dst, vals))
@@ -611,7 +619,7 @@ def kvtier_remote_cases(
         )
         print(
             f"  {human(size):>7} kvtier remote: member b fetched {remote:.0f} blocks from a "
-            f"of the {asked} its clients asked for",
+            f"of the {asked} its clients asked for; short lookups (asked again): {short or 0}",
             flush=True,
         )
         return out

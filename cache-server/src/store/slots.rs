@@ -63,9 +63,14 @@ impl Guests {
     }
 
     /// The oldest guest slot that `evictable` accepts, unmarked; guests passed over (pinned,
-    /// held) go to the back. `None`: no guest to evict, ask the policy.
+    /// held) go to the back, and at most [`GUEST_SCAN`] are passed over. Stale entries are
+    /// dropped on the way and not counted: each is popped once, so they cost nothing over
+    /// time, whereas counting them let a run of them hide every guest (the policy then
+    /// chose the victim, possibly a block just stored for the request in progress).
+    /// `None`: no guest to evict, ask the policy.
     pub(super) fn victim(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
-        for _ in 0..GUEST_SCAN.min(self.queue.len()) {
+        let mut passed = 0;
+        while passed < GUEST_SCAN.min(self.live) {
             let s = self.queue.pop_front()?;
             if !self.flag.get(s as usize).copied().unwrap_or(false) {
                 continue; // stale: the slot was given another block since
@@ -75,6 +80,7 @@ impl Guests {
                 return Some(s);
             }
             self.queue.push_back(s);
+            passed += 1;
         }
         None
     }
@@ -278,5 +284,41 @@ impl Inner {
             io_backlog: self.pool.backlog() as u64,
             retain: self.retain.stats(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A long run of stale entries (slots marked, then given new blocks) does not hide the
+    /// live guest behind it.
+    #[test]
+    fn stale_entries_do_not_hide_a_guest() {
+        let mut g = Guests::new(1000);
+        for s in 0..500 {
+            assert!(g.mark(s));
+            g.clear(s); // the slot took another block
+        }
+        assert!(g.mark(700));
+        assert_eq!(g.live(), 1);
+        assert_eq!(g.victim(&mut |_| true), Some(700));
+        assert_eq!(g.live(), 0);
+        assert_eq!(g.victim(&mut |_| true), None);
+        // Unevictable guests are passed over, at most GUEST_SCAN of them, and stay queued.
+        for s in 0..100 {
+            g.mark(s);
+        }
+        let mut looked = 0;
+        assert_eq!(
+            g.victim(&mut |_| {
+                looked += 1;
+                false
+            }),
+            None
+        );
+        assert_eq!(looked, GUEST_SCAN);
+        assert_eq!(g.victim(&mut |s| s == 99), Some(99));
+        assert_eq!(g.live(), 99);
     }
 }
