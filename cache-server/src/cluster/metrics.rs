@@ -13,6 +13,8 @@ pub struct ClusterMetrics {
     pub enabled: IntGauge,
     /// Members in this node's view (itself included once registered).
     pub members: IntGauge,
+    /// Members whose record states a placement rule other than this node's.
+    pub placement_mismatch: IntGauge,
     /// 1 while this node is registered and watching etcd.
     pub etcd_connected: IntGauge,
     /// Lease renewals etcd answered.
@@ -195,6 +197,12 @@ impl ClusterMetrics {
             offers_dropped,
             enabled: gauge(r, "kvtier_cluster_enabled", "1 when [cluster] is on.")?,
             members: gauge(r, "kvtier_cluster_members", "Members in this node's view.")?,
+            placement_mismatch: gauge(
+                r,
+                "kvtier_cluster_placement_mismatch_members",
+                "Members whose placement rule (replicas, run_blocks, head_blocks) differs from \
+                 this node's: their lookups and this node's name different owners.",
+            )?,
             etcd_connected: gauge(
                 r,
                 "kvtier_cluster_etcd_connected",

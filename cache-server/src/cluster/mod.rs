@@ -29,7 +29,7 @@ pub mod record;
 pub mod view;
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvtier_core::BlockKey;
@@ -89,6 +89,9 @@ pub struct ClusterNode {
     view: Mutex<MembershipView>,
     /// The lease this node's key lives under now (0: not registered).
     lease_id: AtomicI64,
+    /// The view change at which members' placement rules were last compared with this
+    /// node's (`u64::MAX`: never).
+    placement_checked: AtomicU64,
     pub metrics: ClusterMetrics,
     /// The token peers present (`record::peer_token`); `None` without a secret: then no
     /// peer is trusted and the data path is off.
@@ -112,8 +115,23 @@ impl ClusterNode {
             sealer,
             view: Mutex::new(view),
             lease_id: AtomicI64::new(0),
+            placement_checked: AtomicU64::new(u64::MAX),
             metrics,
         }
+    }
+
+    /// The members whose record states a placement rule other than this node's (a record
+    /// without one, from an older server, is not counted).
+    fn placement_mismatch(&self, v: &MembershipView) -> Vec<String> {
+        v.members()
+            .values()
+            .filter(|m| {
+                m.record
+                    .placement
+                    .is_some_and(|p| Some(p) != self.record.placement)
+            })
+            .map(|m| m.record.node_id.clone())
+            .collect()
     }
 
     /// This node's etcd key.
@@ -133,6 +151,20 @@ impl ClusterNode {
         let mut v = self.view.lock().unwrap_or_else(|p| p.into_inner());
         let out = f(&mut v);
         self.metrics.members.set(v.members().len() as i64);
+        if self.placement_checked.swap(v.changes(), Ordering::Relaxed) != v.changes() {
+            let odd = self.placement_mismatch(&v);
+            let before = self.metrics.placement_mismatch.get();
+            self.metrics.placement_mismatch.set(odd.len() as i64);
+            if !odd.is_empty() && before != odd.len() as i64 {
+                tracing::warn!(
+                    members = ?odd,
+                    own = ?self.record.placement,
+                    "cluster: members place blocks by another rule (cluster.replicas, \
+                     run_blocks, head_blocks): lookups across them miss; set the same on \
+                     every member"
+                );
+            }
+        }
         self.metrics
             .etcd_connected
             .set(matches!(v.link(), EtcdLink::Connected { .. }) as i64);
@@ -219,6 +251,7 @@ impl ClusterNode {
                         "tiers": m.record.tiers,
                         "weight": m.record.weight(),
                         "registered_unix_ms": m.record.registered_unix_ms,
+                        "placement": m.record.placement,
                     })
                 })
                 .collect();
@@ -239,6 +272,7 @@ impl ClusterNode {
                 "replicas": s.replicas,
                 "run_blocks": s.run_blocks,
                 "head_blocks": s.head_blocks,
+                "placement_mismatch": self.placement_mismatch(v),
                 "records_signed": self.sealer.signs(),
                 "records_rejected": v.rejected(),
                 "members": members,

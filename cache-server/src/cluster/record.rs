@@ -23,6 +23,16 @@ pub struct TierCapacity {
     pub capacity_bytes: u64,
 }
 
+/// How a member places blocks: `cluster.replicas`, `run_blocks` and `head_blocks`. Members
+/// whose rules differ name different owners for the same block, so their lookups miss what
+/// the others stored (never wrong data: fetched blocks are verified).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlacementRule {
+    pub replicas: usize,
+    pub run_blocks: usize,
+    pub head_blocks: usize,
+}
+
 /// What a member says about itself.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemberRecord {
@@ -48,6 +58,10 @@ pub struct MemberRecord {
     pub tiers: Vec<TierCapacity>,
     /// Set when it registered (informational; never used for ordering).
     pub registered_unix_ms: u64,
+    /// Its placement rule; absent in records of servers older than the field (their rule
+    /// is then unknown, not assumed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<PlacementRule>,
 }
 
 impl MemberRecord {
@@ -216,6 +230,7 @@ pub(crate) mod tests {
                 capacity_bytes: 1 << 30,
             }],
             registered_unix_ms: 1,
+            placement: None,
         }
     }
 

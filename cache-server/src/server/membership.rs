@@ -78,6 +78,11 @@ pub(crate) fn node(
         registered_unix_ms: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64),
+        placement: Some(crate::cluster::record::PlacementRule {
+            replicas: s.replicas,
+            run_blocks: s.run_blocks,
+            head_blocks: s.head_blocks,
+        }),
     };
     let settings = ClusterSettings {
         etcd_endpoints: c.etcd_endpoints(),

@@ -349,6 +349,29 @@ async fn chains_sharing_a_first_block_spread_over_the_members() {
             fetched.len(),
             "{owner_of:?}"
         );
+
+        // Every member states its placement rule, and they agree ...
+        let d = cluster_doc(&a, "").await;
+        assert_eq!(d["placement_mismatch"], serde_json::json!([]), "{d:#}");
+        for m in d["members"].as_array().unwrap() {
+            let rule = serde_json::json!({"replicas": 1, "run_blocks": 8, "head_blocks": HEAD});
+            assert_eq!(m["placement"], rule, "{d:#}");
+        }
+        // ... until a member with another rule joins: each side names the other.
+        let odd = ["cluster.run_blocks=8", "cluster.peer_timeout_ms=1000"];
+        let x = member_with(&etcd, "x", 5, &secret, &odd);
+        until_view(&a, &["a", "b", "c", "x"], Duration::from_secs(15)).await;
+        until_view(&x, &["a", "b", "c", "x"], Duration::from_secs(15)).await;
+        let d = cluster_doc(&a, "").await;
+        assert_eq!(d["placement_mismatch"], serde_json::json!(["x"]), "{d:#}");
+        let m = http_get(a.admin, "/metrics").await.1;
+        assert_eq!(metric(&m, "kvtier_cluster_placement_mismatch_members"), 1.0);
+        let d = cluster_doc(&x, "").await;
+        assert_eq!(
+            d["placement_mismatch"],
+            serde_json::json!(["a", "b", "c"]),
+            "{d:#}"
+        );
     })
     .await;
 }
@@ -487,6 +510,7 @@ async fn fake_member(etcd: &Etcd, l: &tokio::net::TcpListener) {
             capacity_bytes: 12 << 20,
         }],
         registered_unix_ms: 0,
+        placement: None,
     };
     let value = RecordSealer::new(Some(SECRET.as_bytes()), "test").seal(key.as_bytes(), &record);
     let mut e = etcd_client::Client::connect([etcd.url()], None)
