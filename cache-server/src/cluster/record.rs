@@ -284,6 +284,24 @@ pub(crate) mod tests {
         );
     }
 
+    /// A record without a placement rule (an older server's) is read, with no rule; one
+    /// with a rule round-trips it.
+    #[test]
+    fn the_placement_rule_is_optional() {
+        let old = r#"{"v":1,"node_id":"a","version":"0","data_endpoint":"","transfer_endpoint":"",
+            "admin_endpoint":"","tiers":[],"registered_unix_ms":0}"#;
+        let r: MemberRecord = serde_json::from_str(old).unwrap();
+        assert_eq!(r.placement, None);
+        let mut r = record("a");
+        r.placement = Some(PlacementRule {
+            replicas: 2,
+            run_blocks: 64,
+            head_blocks: 3,
+        });
+        let back: MemberRecord = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(back, r);
+    }
+
     #[test]
     fn weight_is_capacity_in_gib() {
         let mut r = record("a");
