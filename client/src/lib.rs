@@ -328,6 +328,18 @@ pub struct Fetched {
     pub miss: Option<Miss>,
 }
 
+/// The result of [`Client::fetch_into`]: the first `blocks` buffers hold the blocks of
+/// `keys[..blocks]`, each with the sum the server stated for it (not yet verified).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FetchedInto {
+    /// How many keys were asked (as many as fit one reply).
+    pub asked: usize,
+    pub blocks: usize,
+    pub sums: Vec<u64>,
+    /// Why it stopped before `asked` (None: every key asked was returned).
+    pub miss: Option<Miss>,
+}
+
 /// The result of a put: one status per block sent, and why the rest were not sent.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Stored {
@@ -813,12 +825,40 @@ impl Client {
     /// ([`kvtier_core::protocol::block_sum`]). The caller verifies them; this call checks
     /// only the counts and the payload length. Servers answer it only to a connection that
     /// said hello with the cluster's peer token (`docs/cluster.md`); applications use
-    /// [`Client::get_into`].
+    /// [`Client::get_into`]. [`Client::fetch_into`] reads into buffers the caller owns.
     pub async fn fetch(&self, keys: &[BlockKey]) -> Result<Fetched, ClientError> {
+        let n = self.fetch_fit(keys).await?;
+        let mut blocks: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; self.block_bytes]).collect();
+        let mut bufs: Vec<&mut [u8]> = blocks.iter_mut().map(|b| b.as_mut_slice()).collect();
+        let f = self.fetch_into(&keys[..n], &mut bufs).await?;
+        blocks.truncate(f.blocks);
+        Ok(Fetched {
+            asked: f.asked,
+            blocks,
+            sums: f.sums,
+            miss: f.miss,
+        })
+    }
+
+    /// How many of `keys` one fetch reply may carry.
+    async fn fetch_fit(&self, keys: &[BlockKey]) -> Result<usize, ClientError> {
         let c = self.conn().await?;
         let per = (c.max_payload() / self.block_bytes.max(1) as u64).max(1) as usize;
         let base = meta_base(&Request::Fetch(KeyList::default()));
-        let n = c.fit(base, keys, per, key_bytes);
+        Ok(c.fit(base, keys, per, key_bytes))
+    }
+
+    /// [`Client::fetch`] straight into `bufs` (one block-sized buffer per key): the payload
+    /// is read from the connection into them, with no copy of its own. Asks as many keys as
+    /// one reply may carry (`asked`); the first `blocks` buffers are filled.
+    pub async fn fetch_into(
+        &self,
+        keys: &[BlockKey],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<FetchedInto, ClientError> {
+        self.check_bufs(keys.len(), bufs.iter().map(|b| b.len()))?;
+        let n = self.fetch_fit(keys).await?;
+        let c = self.conn().await?;
         let req = Request::Fetch(KeyList {
             keys: keys[..n].to_vec(),
         });
@@ -832,18 +872,16 @@ impl Client {
         let want = m as u64 * self.block_bytes as u64;
         let mut payload = r.payload;
         let have = payload.as_ref().map_or(0, |p| p.remaining());
-        if have != want || m > n {
+        if have != want || m > n || f.sums.len() != m {
             return Err(ClientError::Protocol(format!(
-                "fetch of {n} keys answered {m} blocks in {have} bytes"
+                "fetch of {n} keys answered {m} blocks ({} sums) in {have} bytes",
+                f.sums.len()
             )));
         }
-        let mut blocks = Vec::with_capacity(m);
         let read = async {
             if let Some(p) = payload.as_mut() {
-                for _ in 0..m {
-                    let mut b = vec![0u8; self.block_bytes];
-                    p.read_exact(&mut b).await?;
-                    blocks.push(b);
+                for b in bufs.iter_mut().take(m) {
+                    p.read_exact(b).await?;
                 }
             }
             Ok::<(), ClientError>(())
@@ -852,9 +890,9 @@ impl Client {
             .await
             .map_err(|_| ClientError::Timeout)??;
         let miss = Miss::from_code(f.miss).or((m < n).then_some(Miss::NotCached));
-        Ok(Fetched {
+        Ok(FetchedInto {
             asked: n,
-            blocks,
+            blocks: m,
             sums: f.sums,
             miss,
         })

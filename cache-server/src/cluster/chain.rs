@@ -85,11 +85,19 @@ pub fn combine(runs: &[RunAsk], present: &[Option<usize>]) -> usize {
 /// How many leading blocks of a fetch reply check out: block `i` has exactly `block_bytes`
 /// bytes and its stated sum is [`block_sum`] of `keys[i]` and its bytes. Stops at the first
 /// that does not (a wrong block is never stored, and nothing after it either).
-pub fn verified(keys: &[BlockKey], blocks: &[Vec<u8>], sums: &[u64], block_bytes: usize) -> usize {
+pub fn verified<B: AsRef<[u8]>>(
+    keys: &[BlockKey],
+    blocks: &[B],
+    sums: &[u64],
+    block_bytes: usize,
+) -> usize {
     keys.iter()
         .zip(blocks)
         .zip(sums)
-        .take_while(|((k, b), s)| b.len() == block_bytes && block_sum(k, b) == **s)
+        .take_while(|((k, b), s)| {
+            let b = b.as_ref();
+            b.len() == block_bytes && block_sum(k, b) == **s
+        })
         .count()
 }
 

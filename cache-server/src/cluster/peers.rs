@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use kvtier_client::{Client, ClientConfig, Fetched, Miss};
+use kvtier_client::{Client, ClientConfig, FetchedInto, Miss};
 use kvtier_core::BlockKey;
 use kvtier_core::protocol::{PutEntry, PutStatus};
 
@@ -231,27 +231,34 @@ impl PeerPool {
         .await
     }
 
-    /// The blocks of the leading `keys` `peer` holds, with the sums it states (unverified:
-    /// the caller verifies), asked in as many requests as replies need.
-    pub async fn fetch(&self, peer: &PeerAddr, keys: &[BlockKey]) -> Result<Fetched, PeerFailure> {
+    /// The blocks of the leading `keys` `peer` holds, read straight into `bufs` (one
+    /// block-sized buffer a key), with the sums it states (unverified: the caller verifies),
+    /// asked in as many requests as replies need.
+    pub async fn fetch_into(
+        &self,
+        peer: &PeerAddr,
+        keys: &[BlockKey],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<FetchedInto, PeerFailure> {
         let r = self
             .bounded(peer, "fetch", |c| async move {
-                let mut all = Fetched {
+                let mut all = FetchedInto {
                     asked: keys.len(),
-                    blocks: Vec::new(),
+                    blocks: 0,
                     sums: Vec::new(),
                     miss: None,
                 };
-                while all.blocks.len() < keys.len() {
-                    let f =
-                        c.fetch(&keys[all.blocks.len()..]).await.map_err(
-                            |e| match Miss::from_error(&e) {
-                                Miss::Timeout => PeerFailure::Timeout,
-                                _ => PeerFailure::Failed(format!("fetch: {e}")),
-                            },
-                        )?;
-                    let short = f.blocks.len() < f.asked || f.blocks.is_empty();
-                    all.blocks.extend(f.blocks);
+                while all.blocks < keys.len() {
+                    let at = all.blocks;
+                    let f = c
+                        .fetch_into(&keys[at..], &mut bufs[at..])
+                        .await
+                        .map_err(|e| match Miss::from_error(&e) {
+                            Miss::Timeout => PeerFailure::Timeout,
+                            _ => PeerFailure::Failed(format!("fetch: {e}")),
+                        })?;
+                    let short = f.blocks < f.asked || f.blocks == 0;
+                    all.blocks += f.blocks;
                     all.sums.extend(f.sums);
                     if short {
                         all.miss = f.miss.or(Some(Miss::NotCached));
@@ -262,11 +269,10 @@ impl PeerPool {
             })
             .await;
         if let Ok(f) = &r {
-            let bytes: u64 = f.blocks.iter().map(|b| b.len() as u64).sum();
             self.metrics
                 .fetched_bytes
                 .with_label_values(&[&peer.id])
-                .inc_by(bytes);
+                .inc_by(f.blocks as u64 * self.block_bytes);
         }
         r
     }

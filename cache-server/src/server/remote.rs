@@ -4,10 +4,11 @@
 //! * **Lookup.** A client's lookup whose local prefix is shorter than its keys asks the
 //!   owners of the rest (its own runs it looks up in its own store), one batched lookup per
 //!   owner, in parallel; combines
-//!   their answers in chain order ([`chain::combine`]); fetches those blocks from their
-//!   owners (in parallel), verifies each ([`chain::verified`]: length and the checksum the
-//!   owner states over key and bytes), and stores them in the local store in chain order, so
-//!   the lookup's answer, and the get that follows, are local.
+//!   their answers in chain order ([`chain::combine`]); reserves slots for those blocks in
+//!   the local store (chain order), fetches them from their owners (in parallel) straight
+//!   into the reserved slots, verifies each in place ([`chain::verified`]: length and the
+//!   checksum the owner states over key and bytes), and commits them in chain order, so the
+//!   lookup's answer, and the get that follows, are local.
 //! * **Offers.** A block a client put here is offered to its owners (if this node is not
 //!   one) through a bounded queue and a task: the local put never waits for it.
 //! * **Guests.** A copy here of a block this node does not own (fetched from its owner, or
@@ -32,6 +33,7 @@ use super::tenants::Ns;
 use crate::cluster::ClusterNode;
 use crate::cluster::chain::{self, ChainIndex, RunAsk};
 use crate::cluster::peers::{PeerAddr, PeerPool};
+use crate::store::Reservation;
 
 /// Puts remembered for placing their children (two generations of this many).
 const CHAIN_INDEX_ENTRIES: usize = 1 << 18;
@@ -180,89 +182,146 @@ impl Remote {
         if found == 0 {
             return Vec::new();
         }
-        // Round 2: fetch the found blocks from their owners, in parallel.
+        // Round 2: reserve slots here for the found blocks, in chain order; fetch each
+        // owner's blocks straight into its slots, all owners in parallel; verify; commit in
+        // chain order.
         let end = local + found;
-        let lists = key_lists(&runs, keys, peers.len(), end);
+        let until = Instant::now() + self.pool.timeout();
+        let (mut slots, end) = self
+            .reserve(s, ns, client_keys, keys, &runs, local..end, until)
+            .await;
+        // Per owner: the positions it is asked for (chain order) and their reservations,
+        // moved into its fetch task and back.
+        let mut asks: Vec<Vec<(usize, Reservation)>> =
+            (0..peers.len()).map(|_| Vec::new()).collect();
+        for r in &runs {
+            let Some(o) = r.owner.filter(|&o| o != SELF) else {
+                continue;
+            };
+            for p in r.start..(r.start + r.len).min(end) {
+                if let Some(Slot::Reserved(res)) = slots[p - local].take() {
+                    asks[o].push((p, res));
+                }
+            }
+        }
         let mut set = JoinSet::new();
-        for (i, (peer, list)) in peers.iter().zip(lists).enumerate() {
-            if i == SELF || list.is_empty() {
+        for (i, mut ask) in asks.into_iter().enumerate() {
+            if ask.is_empty() {
                 continue;
             }
-            let (pool, peer) = (self.pool.clone(), peer.clone());
+            let (pool, peer) = (self.pool.clone(), peers[i].clone());
+            let list: Vec<BlockKey> = ask.iter().map(|(p, _)| keys[*p]).collect();
             let bb = s.block_bytes;
             set.spawn(async move {
-                let Ok(f) = pool.fetch(&peer, &list).await else {
-                    return (i, Vec::new());
+                let mut bufs: Vec<&mut [u8]> = ask.iter_mut().map(|(_, r)| r.bytes_mut()).collect();
+                let ok = match pool.fetch_into(&peer, &list, &mut bufs).await {
+                    Ok(f) => {
+                        let n = f.blocks.min(bufs.len());
+                        let ok = chain::verified(&list[..n], &bufs[..n], &f.sums, bb);
+                        if ok < n {
+                            pool.metrics()
+                                .bad_blocks
+                                .with_label_values(&[&peer.id])
+                                .inc();
+                            tracing::warn!(
+                                peer = %peer.id,
+                                "a block fetched from a peer failed verification (length or \
+                                 checksum); dropped, not served"
+                            );
+                        }
+                        pool.metrics()
+                            .fetched_blocks
+                            .with_label_values(&[&peer.id])
+                            .inc_by(ok as u64);
+                        ok
+                    }
+                    Err(_) => 0,
                 };
-                let ok = chain::verified(&list, &f.blocks, &f.sums, bb);
-                let m = pool.metrics();
-                m.fetched_blocks
-                    .with_label_values(&[&peer.id])
-                    .inc_by(ok as u64);
-                if ok < f.blocks.len() {
-                    m.bad_blocks.with_label_values(&[&peer.id]).inc();
-                    tracing::warn!(
-                        peer = %peer.id,
-                        "a block fetched from a peer failed verification (length or \
-                         checksum); dropped, not served"
-                    );
-                }
-                let mut blocks = f.blocks;
-                blocks.truncate(ok);
-                (i, blocks)
+                drop(bufs);
+                (ask, ok)
             });
         }
-        let mut fetched: Vec<Vec<Vec<u8>>> = vec![Vec::new(); peers.len()];
         while let Some(r) = set.join_next().await {
-            if let Ok((i, b)) = r {
-                fetched[i] = b;
+            if let Ok((ask, ok)) = r {
+                for (n, (p, res)) in ask.into_iter().enumerate() {
+                    slots[p - local] = Some(if n < ok {
+                        Slot::Filled(res)
+                    } else {
+                        Slot::Reserved(res)
+                    });
+                }
             }
         }
-        self.store(s, ns, client_keys, keys, &runs, &fetched, end)
-            .await
+        // Commit in chain order up to the first block that did not come (or check out); the
+        // reservations after it are dropped, which frees their slots.
+        let mut stored = Vec::new();
+        for (p, slot) in (local..end).zip(slots) {
+            match slot {
+                Some(Slot::Own) => continue, // here already
+                Some(Slot::Present) => stored.push(keys[p]),
+                Some(Slot::Filled(res)) => match res.commit() {
+                    Ok(crate::PutOutcome::Stored(_) | crate::PutOutcome::AlreadyPresent) => {
+                        stored.push(keys[p])
+                    }
+                    _ => break,
+                },
+                // Not fetched, not verified, or its fetch task failed.
+                Some(Slot::Reserved(_)) | None => break,
+            }
+        }
+        self.stored(stored)
     }
 
-    /// Stores fetched blocks here in chain order, from the first run's start to `end`;
-    /// stops at the first block missing or refused. Returns the keys it stored.
+    /// Reserves this node's slots for the blocks in `span` (`local..end`) that other members own,
+    /// in chain order (each after its parent's reservation when that is the block before),
+    /// stopping at the first block refused (admission, quota, no slot within `until`).
+    /// Returns a slot per position from `local` and the end it reached.
     #[allow(clippy::too_many_arguments)]
-    async fn store(
+    async fn reserve(
         &self,
         s: &Arc<Shared>,
         ns: Ns,
         client_keys: &[BlockKey],
         keys: &[BlockKey],
         runs: &[RunAsk],
-        fetched: &[Vec<Vec<u8>>],
-        end: usize,
-    ) -> Vec<BlockKey> {
-        let mut stored = Vec::new();
-        let until = Instant::now() + self.pool.timeout();
+        span: std::ops::Range<usize>,
+        until: Instant,
+    ) -> (Vec<Option<Slot>>, usize) {
+        let (local, end) = (span.start, span.end);
+        let mut slots: Vec<Option<Slot>> = (local..end).map(|_| None).collect();
         for r in runs {
-            let Some(o) = r.owner else { break };
+            let Some(o) = r.owner else {
+                return (slots, r.start.min(end));
+            };
             if o == SELF {
-                continue; // here already (its blocks were counted by a local lookup)
+                // Here already (its blocks were counted by a local lookup).
+                for p in r.start..(r.start + r.len).min(end) {
+                    slots[p - local] = Some(Slot::Own);
+                }
+                continue;
             }
             for p in r.start..(r.start + r.len).min(end) {
-                let Some(bytes) = fetched[o].get(r.offset + p - r.start) else {
-                    return self.stored(stored);
-                };
                 let parent = p.checked_sub(1).map(|q| keys[q]);
-                let Some(_name) = admit(s, ns, keys[p], client_keys[p]) else {
-                    return self.stored(stored);
+                let after = match p.checked_sub(1).filter(|&q| q >= local) {
+                    Some(q) => match &slots[q - local] {
+                        Some(Slot::Reserved(prev)) => Some(prev),
+                        _ => None,
+                    },
+                    None => None,
                 };
-                let Ok(mut slot) = reserve_waiting(s, keys[p], parent, None, until).await else {
-                    return self.stored(stored);
-                };
-                slot.bytes_mut().copy_from_slice(bytes);
-                match slot.commit() {
-                    Ok(crate::PutOutcome::Stored(_) | crate::PutOutcome::AlreadyPresent) => {
-                        stored.push(keys[p])
-                    }
-                    _ => return self.stored(stored),
+                if admit(s, ns, keys[p], client_keys[p]).is_none() {
+                    return (slots, p);
                 }
+                slots[p - local] = Some(
+                    match reserve_waiting(s, keys[p], parent, after, until).await {
+                        Ok(res) => Slot::Reserved(res),
+                        Err(crate::PutOutcome::AlreadyPresent) => Slot::Present,
+                        Err(_) => return (slots, p),
+                    },
+                );
             }
         }
-        self.stored(stored)
+        (slots, end)
     }
 
     /// Marks this node's copies of `keys` (blocks other members own) as guests in the
@@ -351,6 +410,18 @@ impl Remote {
 }
 
 /// The keys each peer is asked for: its runs' keys up to position `end`, in chain order.
+/// A fetched block's place in this node's store during a remote lookup.
+enum Slot {
+    /// Reserved, waiting for its bytes.
+    Reserved(Reservation),
+    /// Its bytes came and checked out: to commit.
+    Filled(Reservation),
+    /// Here already (stored meanwhile): nothing to fetch.
+    Present,
+    /// In a run this node owns: here already, never fetched.
+    Own,
+}
+
 fn key_lists(runs: &[RunAsk], keys: &[BlockKey], peers: usize, end: usize) -> Vec<Vec<BlockKey>> {
     let mut lists = vec![Vec::new(); peers];
     for r in runs {
