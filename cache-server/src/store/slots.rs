@@ -37,6 +37,9 @@ pub(super) struct TierState {
 
 /// Guest slots a victim search looks at (and passes over, when pinned or held) at most.
 const GUEST_SCAN: usize = 64;
+/// Stale queue entries a victim search drops at most (a bound on the time it holds the
+/// tier's lock; what is left is dropped by the searches after it, or by compaction).
+const GUEST_STALE_DROP: usize = 4096;
 
 /// The guest copies of a tier: blocks another cluster member owns (fetched from it, or put
 /// here and handed to it), which this tier evicts first, so that when room is short the
@@ -64,16 +67,17 @@ impl Guests {
 
     /// The oldest guest slot that `evictable` accepts, unmarked; guests passed over (pinned,
     /// held) go to the back, and at most [`GUEST_SCAN`] are passed over. Stale entries are
-    /// dropped on the way and not counted: each is popped once, so they cost nothing over
-    /// time, whereas counting them let a run of them hide every guest (the policy then
-    /// chose the victim, possibly a block just stored for the request in progress).
-    /// `None`: no guest to evict, ask the policy.
+    /// dropped on the way, up to [`GUEST_STALE_DROP`], and not counted against the scan:
+    /// each is popped once, so they cost little over time, whereas counting them let a run
+    /// of them hide every guest (the policy then chose the victim, possibly a block just
+    /// stored for the request in progress). `None`: no guest to evict, ask the policy.
     pub(super) fn victim(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
-        let mut passed = 0;
-        while passed < GUEST_SCAN.min(self.live) {
+        let (mut passed, mut dropped) = (0, 0);
+        while passed < GUEST_SCAN.min(self.live) && dropped < GUEST_STALE_DROP {
             let s = self.queue.pop_front()?;
             if !self.flag.get(s as usize).copied().unwrap_or(false) {
-                continue; // stale: the slot was given another block since
+                dropped += 1; // stale: the slot was given another block since
+                continue;
             }
             if evictable(s) {
                 self.clear(s);
@@ -320,5 +324,20 @@ mod tests {
         assert_eq!(looked, GUEST_SCAN);
         assert_eq!(g.victim(&mut |s| s == 99), Some(99));
         assert_eq!(g.live(), 99);
+    }
+
+    /// One search drops at most GUEST_STALE_DROP stale entries (a bound on its time under
+    /// the lock); the next one goes on from there.
+    #[test]
+    fn a_search_drops_a_bounded_number_of_stale_entries() {
+        let n = GUEST_STALE_DROP as u32 + 10;
+        let mut g = Guests::new(n as usize + 1);
+        for s in 0..n {
+            g.mark(s);
+            g.clear(s);
+        }
+        g.mark(n);
+        assert_eq!(g.victim(&mut |_| true), None, "still behind stale entries");
+        assert_eq!(g.victim(&mut |_| true), Some(n));
     }
 }
