@@ -347,6 +347,7 @@ def test_server_paused_then_killed_then_restarted_warm(
     path = workdir / "second"
     # A server that answers nothing (stopped): requests complete, computed; counted.
     sched0 = read_stats(path, "scheduler")
+    work0 = read_stats(path, "worker")
     server.pause()
     try:
         t = time.perf_counter()
@@ -355,9 +356,16 @@ def test_server_paused_then_killed_then_restarted_warm(
     finally:
         server.resume()
     assert out[0]["tokens"] == baseline["long"]["tokens"]
-    assert out[0]["cached"] == 0
     sched1 = read_stats(path, "scheduler")
+    work1 = read_stats(path, "worker")
     assert sched1["lookup_failures"] > sched0.get("lookup_failures", 0)
+    # Nothing came from kvtier. vLLM reports 0 cached tokens, or (a CI run saw it once: the
+    # lookup was answered, the load was not) the planned tokens with every one of their blocks
+    # a load error it recovered from by computing them: vLLM's num_cached_tokens keeps the
+    # count of the request's first scheduling.
+    assert work1.get("loaded_blocks", 0) == work0.get("loaded_blocks", 0)
+    failed = work1.get("load_error_blocks", 0) - work0.get("load_error_blocks", 0)
+    assert out[0]["cached"] in (0, failed * BLOCK), (out[0]["cached"], failed)
     print(f"server paused: 2 requests computed in {took:.2f} s")
 
     # Killed (kill -9): every request succeeds, computed.
