@@ -32,7 +32,11 @@ call). Paths:
 Latency is the timed call alone (perf_counter_ns around it); GB/s is bytes over the summed call
 times. Batches (`--batches 1,16`) get that many values a call (`batch_get_into` for Mooncake,
 one `get_into` of that many keys for kvtier). With `--kvtier-bench BIN` the Rust SDK's figure
-(`kvtier-bench tiers`, unix and tcp gets, 1 client) runs in the same script, after the rest.
+(`kvtier-bench tiers`, unix and tcp gets, 1 client) runs in the same script, after the rest,
+and so does kvtier-transfer's TCP backend (`kvtier-bench transfer`, READ): the reference for
+the cluster's peer fetch, whose own figures (member b's fetches from a during the "kvtier
+remote" cases: count, mean time, bytes over summed time, from b's metrics) are printed in a
+last table.
 
 Run it from the venv that scripts/mooncake-env.sh makes:
 
@@ -46,6 +50,7 @@ import argparse
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -111,6 +116,8 @@ class Result:
     ops: int
     lat_ns: list[int]
     wrong: int
+    # The cluster's paths: member b's requests to its peer during the case (see peer_delta).
+    peer: dict | None = None
 
     @property
     def gbps(self) -> float:
@@ -129,6 +136,7 @@ class Result:
             "p50_us": self.pct_us(50),
             "p99_us": self.pct_us(99),
             "wrong": self.wrong,
+            **({"peer": self.peer} if self.peer is not None else {}),
         }
 
 
@@ -513,6 +521,48 @@ class Etcd:
         self.log.close()
 
 
+def peer_metrics(admin: str) -> dict[str, float]:
+    """Member `admin`'s counters of its requests to peer "a": fetch and lookup counts and
+    their summed seconds (kvtier_cluster_peer_request_seconds), and the block bytes fetched."""
+    text = urllib.request.urlopen(f"http://{admin}/metrics", timeout=10).read().decode()
+    want = {
+        ("kvtier_cluster_peer_request_seconds_sum", "fetch"): "fetch_s",
+        ("kvtier_cluster_peer_request_seconds_count", "fetch"): "fetches",
+        ("kvtier_cluster_peer_request_seconds_sum", "lookup"): "lookup_s",
+        ("kvtier_cluster_peer_request_seconds_count", "lookup"): "lookups",
+        ("kvtier_cluster_peer_fetched_bytes_total", None): "bytes",
+        ("kvtier_cluster_remote_hits_total", None): "remote_hits",
+    }
+    out = dict.fromkeys(want.values(), 0.0)
+    for line in text.splitlines():
+        m = re.fullmatch(r"(\w+)(?:\{(.*)\})? (\S+)", line)
+        if m is None:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if labels.get("peer", "a") != "a":
+            continue
+        key = want.get((m.group(1), labels.get("op")))
+        if key is not None:
+            out[key] = float(m.group(3))
+    return out
+
+
+def peer_delta(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What member b's peer requests did between two `peer_metrics`: the fetches (count,
+    bytes, mean time, and bytes over their summed time: the peer fetch's own GB/s, one fetch
+    at a time as a lookup makes them) and the owners' lookups before them."""
+    d = {k: after[k] - before[k] for k in before}
+    return {
+        "fetches": int(d["fetches"]),
+        "fetched_bytes": int(d["bytes"]),
+        "fetch_gbps": d["bytes"] / d["fetch_s"] / 1e9 if d["fetch_s"] > 0 else 0.0,
+        "fetch_mean_us": d["fetch_s"] / d["fetches"] * 1e6 if d["fetches"] else 0.0,
+        "lookups": int(d["lookups"]),
+        "lookup_mean_us": d["lookup_s"] / d["lookups"] * 1e6 if d["lookups"] else 0.0,
+        "remote_hits": int(d["remote_hits"]),
+    }
+
+
 def kvtier_remote_cases(
     binary: Path,
     etcd: Etcd,
@@ -607,16 +657,11 @@ def kvtier_remote_cases(
                     )
 
                 dst[:] = 0
-                out.append(measure(path, size, batch, count, args.seconds, get, dst, vals))
-        metrics = urllib.request.urlopen(f"http://{b.admin}/metrics", timeout=10).read().decode()
-        remote = next(
-            (
-                float(line.split()[-1])
-                for line in metrics.splitlines()
-                if line.startswith("kvtier_cluster_remote_hits_total ")
-            ),
-            0.0,
-        )
+                before = peer_metrics(b.admin)
+                r = measure(path, size, batch, count, args.seconds, get, dst, vals)
+                r.peer = peer_delta(before, peer_metrics(b.admin))
+                out.append(r)
+        remote = peer_metrics(b.admin)["remote_hits"]
         print(
             f"  {human(size):>7} kvtier remote: member b fetched {remote:.0f} blocks from a "
             f"of the {asked} its clients asked for; short lookups (asked again): {short or 0}",
@@ -672,6 +717,68 @@ def rust_figures(binary: str, sizes: list[int], seconds: float) -> str:
     print(f"\n== kvtier-bench (Rust SDK, same run): {' '.join(argv)}", flush=True)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     return done.stdout + (done.stderr[-3000:] if done.returncode else "")
+
+
+def transfer_figures(
+    binary: str, sizes: list[int], batches: list[int], seconds: float
+) -> list[dict]:
+    """kvtier-transfer's TCP backend (READ, its defaults: 4 connections a peer) and the raw
+    loopback TCP reference it measures with it, at the same sizes and batches: the reference
+    for the cluster's peer fetch (issue 13 item 7)."""
+    argv = [
+        binary,
+        "--json",
+        "transfer",
+        "--backends",
+        "tcp",
+        "--ops",
+        "read",
+        "--sizes",
+        ",".join(f"{s >> 10}k" for s in sizes),
+        "--batches",
+        ",".join(str(b) for b in batches),
+        "--seconds-per-case",
+        str(seconds),
+    ]
+    print(f"\n== kvtier-transfer (same run): {' '.join(argv)}", flush=True)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    if done.returncode:
+        raise RuntimeError(f"kvtier-bench transfer failed: {done.stderr[-3000:]}")
+    return json.loads(done.stdout)["result"]["cases"]
+
+
+def peer_report(results: list[dict], transfer: list[dict]) -> None:
+    """The cluster's peer fetch (member b's fetches from a during the "kvtier remote" cases)
+    against kvtier-transfer's TCP backend and raw TCP (target >= 0.8x the backend)."""
+    ref = {(c["block_bytes"], c["batch"]): c for c in transfer}
+    print(
+        "\n| size | batch | peer fetches | blocks a fetch | fetch mean us | owner lookup mean us "
+        "| peer fetch GB/s | kvtier-transfer tcp READ GB/s | raw TCP GB/s "
+        "| peer fetch / transfer backend (target >= 0.8x) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        p = r.get("peer")
+        if r["path"] != "kvtier remote" or not p or not p["fetches"]:
+            continue
+        c = ref.get((r["size"], r["batch"]))
+        blocks = p["fetched_bytes"] / r["size"] / p["fetches"]
+        cells = (
+            [f"{c['gb_per_s']:.2f}", f"{c['reference_gb_per_s']:.2f}"]
+            if c
+            else ["not run", "not run"]
+        )
+        ratio = p["fetch_gbps"] / c["gb_per_s"] if c and c["gb_per_s"] > 0 else None
+        verdict = (
+            "not run"
+            if ratio is None
+            else f"{ratio:.2f}x" + (": met" if ratio >= 0.8 else ": missed")
+        )
+        print(
+            f"| {human(r['size'])} | {r['batch']} | {p['fetches']:,} | {blocks:.1f} "
+            f"| {p['fetch_mean_us']:,.1f} | {p['lookup_mean_us']:,.1f} | {p['fetch_gbps']:.2f} "
+            f"| {' | '.join(cells)} | {verdict} |"
+        )
 
 
 def main() -> None:
@@ -757,13 +864,23 @@ def main() -> None:
     report(results, sizes, batches)
     wrong = sum(r["wrong"] for r in results)
     print(f"\nwrong values: {wrong}; load average at start {start_load}, at end {end_load}")
+    transfer: list[dict] = []
     if args.kvtier_bench:
         print(rust_figures(args.kvtier_bench, sizes, args.seconds))
+        transfer = transfer_figures(args.kvtier_bench, sizes, batches, args.seconds)
         print(f"load average after kvtier-bench: {loadavg()}")
+    if etcd is not None:
+        peer_report(results, transfer)
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"start_load": start_load, "end_load": end_load, "results": results}, indent=1
+                {
+                    "start_load": start_load,
+                    "end_load": end_load,
+                    "results": results,
+                    "transfer": transfer,
+                },
+                indent=1,
             )
         )
     if args.keep_logs:
