@@ -47,6 +47,9 @@ const RESERVATION_REAP: Duration = Duration::from_millis(100);
 /// A commit copying more than this many bytes out of the staging region runs on the
 /// blocking pool, not on a runtime worker.
 const COPY_INLINE_BYTES: u64 = 4 << 20;
+/// A peer's fetch of at most this many block bytes has its sums hashed on the runtime
+/// worker (XXH3: tens of µs), not on the blocking pool, whose hand-off costs as much.
+const INLINE_SUM_BYTES: usize = 512 << 10;
 /// How long a put (or a reservation) waits, at most, for a DRAM slot while every slot is
 /// pinned and background copies (write-through to NVMe, which pin their DRAM slot until
 /// written) are running: those copies free slots as they finish, so a chain longer than
@@ -1397,20 +1400,31 @@ impl Job {
                     .collect();
                 let miss = miss_code(pinned.miss());
                 let (pinned, r) = if fetch {
-                    // Each block's sum over its key and bytes (the peer verifies on arrival),
-                    // hashed on the blocking pool: a reply may be hundreds of MiB.
-                    let summed = self.blocking(move || {
-                        let sums: Vec<u64> = pinned
-                            .blocks()
+                    // Each block's sum over its key and bytes (the peer verifies on arrival).
+                    // A small reply is hashed here (tens of µs); a larger one on the blocking
+                    // pool, since a reply may be hundreds of MiB.
+                    let sum = |p: &PinnedRead| -> Vec<u64> {
+                        p.blocks()
                             .iter()
                             .enumerate()
-                            .map(|(i, b)| block_sum(&b.key, pinned.bytes(i)))
-                            .collect();
+                            .map(|(i, b)| block_sum(&b.key, p.bytes(i)))
+                            .collect()
+                    };
+                    let bytes = pinned.blocks().len() * s.block_bytes;
+                    let (pinned, sums) = if bytes <= INLINE_SUM_BYTES {
+                        let sums = sum(&pinned);
                         (pinned, sums)
-                    });
-                    let (pinned, sums) = match summed.await {
-                        Ok(x) => x,
-                        Err(o) => return o,
+                    } else {
+                        match self
+                            .blocking(move || {
+                                let sums = sum(&pinned);
+                                (pinned, sums)
+                            })
+                            .await
+                        {
+                            Ok(x) => x,
+                            Err(o) => return o,
+                        }
                     };
                     (pinned, Response::Fetch(FetchReply { tiers, miss, sums }))
                 } else {

@@ -255,6 +255,22 @@ async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
         let l = x.client("tcp").await.lookup(&chain2).await;
         assert_eq!(l.tiers.len(), chain2.len(), "{l:?}");
         assert!(asked(&http_get(x.admin, "/metrics").await.1) > before);
+
+        // A long chain: each owner's fetch is over 512 KiB, whose sums the owner hashes on
+        // its blocking pool (smaller ones, above, on its runtime worker).
+        let chain3 = keys(b"long fetch", 600, 3);
+        put_all(&a.client("tcp").await, &chain3).await;
+        let owners3 = run_owners(&a, &chain3).await;
+        until_offered(&members, "a", &chain3, &owners3).await;
+        let share = |id: &str| owners3.iter().filter(|o| *o == id).count() * RUN * BLOCK;
+        let (yid, y) = members[1..]
+            .iter()
+            .find(|(id, _)| members.iter().any(|(o, _)| o != id && share(o) > 512 << 10))
+            .expect("another member owns over 512 KiB of the chain");
+        let cl = y.client("tcp").await;
+        let l = cl.lookup(&chain3).await;
+        assert_eq!(l.tiers.len(), chain3.len(), "{yid}: {l:?}");
+        assert_eq!(get_verified(&cl, &chain3).await, chain3.len(), "{yid}");
     })
     .await;
 }
