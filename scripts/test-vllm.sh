@@ -15,20 +15,21 @@ cd "$(dirname "$0")/.."
 start_s=$SECONDS
 venv="$(scripts/vllm-env.sh)"
 "$venv/bin/python" scripts/fetch-model.py --print-dir >/dev/null
-# The kvtier wheel, from this checkout, into the vLLM venv (maturin builds incrementally in the
-# workspace's target directory; the wheel is abi3, so the venv's Python takes it as is).
 # What the tests add to the venv (small; vllm-env.sh's stamp does not cover them).
-extras="maturin==1.16.0 pytest-timeout==2.4.0"
+extras="pytest-timeout==2.4.0"
 if [ "$(cat "$venv/.kvtier-test-extras" 2>/dev/null)" != "$extras" ]; then
   # shellcheck disable=SC2086
   "$venv/bin/python" -m pip install --quiet $extras
   echo "$extras" >"$venv/.kvtier-test-extras"
 fi
-wheels="$(mktemp -d -t kvtier-wheel.XXXXXX)"
-"$venv/bin/python" -m maturin build --quiet --release -m python/Cargo.toml \
-  --interpreter "$venv/bin/python" --out "$wheels"
-"$venv/bin/python" -m pip install --quiet --force-reinstall --no-deps "$wheels"/kvtier-*.whl
-rm -rf "$wheels"
+# The kvtier package, from this checkout, into the vLLM venv with the command docs/python.md
+# gives users, `pip install ./python` (pip runs maturin, the build backend pyproject.toml names,
+# in an isolated build environment: the release profile, an abi3 wheel). The workspace's target
+# directory keeps the build incremental.
+target_dir="$(cargo metadata --format-version 1 --no-deps |
+  "$venv/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
+CARGO_TARGET_DIR="$target_dir" "$venv/bin/python" -m pip install --quiet --force-reinstall \
+  --no-deps ./python
 export KVTIER_CARGO_ARGS="${KVTIER_CARGO_ARGS:---release}"
 log="$(mktemp -t kvtier-test-vllm.XXXXXX)"
 trap 'rm -f "$log"' EXIT
@@ -37,8 +38,7 @@ status=0
 # The Python package's torch tests need torch, which only this venv has (python/run-tests.sh's
 # venv skips them): run them here, against the release server the harness built.
 if [ "$status" = 0 ]; then
-  KVTIER_REQUIRE_TORCH=1 KVTIER_PY_SERVER_BIN="$(cargo metadata --format-version 1 --no-deps |
-    "$venv/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/release/kvtier-server" \
+  KVTIER_REQUIRE_TORCH=1 KVTIER_PY_SERVER_BIN="$target_dir/release/kvtier-server" \
     "$venv/bin/python" -m pytest python/tests/test_torch.py -q -p no:cacheprovider --timeout 60 \
     --rootdir python 2>&1 | tee -a "$log" || status=$?
 fi
