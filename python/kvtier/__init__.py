@@ -19,6 +19,7 @@ from ._kvtier import (
     KvPages,
     Lookup,
     NamespaceBuilder,
+    PagesLoad,
     PrefixHasher,
     Stored,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "KvPages",
     "Lookup",
     "NamespaceBuilder",
+    "PagesLoad",
     "PrefixHasher",
     "Stored",
 ]

@@ -43,6 +43,7 @@ __all__ = [
     "KvPages",
     "Lookup",
     "NamespaceBuilder",
+    "PagesLoad",
     "PrefixHasher",
     "Stored",
 ]
@@ -164,6 +165,13 @@ class Fetch:
     def miss_detail(self) -> str | None: ...
 
 @final
+class PagesLoad:
+    @property
+    def fetch(self) -> Fetch: ...
+    def copy_range(self, pages: KvPages, lo: int, hi: int) -> bool: ...
+    def release(self) -> None: ...
+
+@final
 class Stored:
     @property
     def statuses(self) -> list[_PutStatusName]: ...
@@ -245,6 +253,9 @@ class Client:
         bufs: _BufferLike | Sequence[_BufferLike],
     ) -> Stored: ...
     def get_pages(self, keys: Iterable[_Key], page_ids: Sequence[int], pages: KvPages) -> Fetch: ...
+    def load_pages(
+        self, keys: Iterable[_Key], page_ids: Sequence[int], pages: KvPages
+    ) -> PagesLoad: ...
     def put_pages(
         self,
         keys: Iterable[_Key],

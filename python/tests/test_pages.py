@@ -90,3 +90,35 @@ def test_pages_misuse_raises(unix_client) -> None:
         kvtier.KvPages([(bytes(BLOCK), 0, BLOCK, BLOCK)])
     with pytest.raises(ValueError, match="region 0: expected"):
         kvtier.KvPages([(t[0], -1, CHUNK, CHUNK)])
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_a_load_fills_the_pages_range_by_range(transport, unix_client, tcp_client) -> None:
+    """`load_pages` fetches (pins, over the Unix socket) and writes nothing; each
+    `copy_range` writes that byte range of every fetched block (a layer, or any cut that
+    splits a region), so the ranges together give what `get_pages` gives. After `release`
+    nothing more is copied."""
+    c = unix_client if transport == "unix" else tcp_client
+    a = engine(seed=33)
+    keys = fresh_keys(3)
+    assert c.put_pages(keys[:2], [2, 7], pages_of(a)).cached == 2
+    b = engine(seed=None)
+    pb = pages_of(b)
+    load = c.load_pages(keys, [1, 4, 6], pb)
+    assert (load.fetch.blocks, load.fetch.miss) == (2, "not_cached")
+    assert not any(x.any() for x in b), "nothing is written before copy_range"
+    layer_bytes = BLOCK // LAYERS
+    # Layer 1 first, then layer 0 in two cuts, one inside a region (its K).
+    assert load.copy_range(pb, layer_bytes, BLOCK)
+    assert not b[0].any() and b[1][:, 1].any()
+    assert load.copy_range(pb, 0, CHUNK // 2) and load.copy_range(pb, CHUNK // 2, layer_bytes)
+    for layer in range(LAYERS):
+        np.testing.assert_array_equal(b[layer][:, 1], a[layer][:, 2])
+        np.testing.assert_array_equal(b[layer][:, 4], a[layer][:, 7])
+        assert not b[layer][:, 6].any(), "the missed block's page stays untouched"
+    load.release()
+    b[0][:] = 0
+    assert not load.copy_range(pb, 0, BLOCK), "released: nothing copied"
+    assert not b[0].any()
+    with pytest.raises(ValueError, match="not inside a block"):
+        load.copy_range(pb, 0, BLOCK + 1)
