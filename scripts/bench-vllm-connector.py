@@ -149,28 +149,23 @@ def main() -> int:
 
         srv = KvtierServer(work / "kvtier", dram="1GiB", nvme="4GiB")
         srv.start()
+
+        def kvtier_engine(name: str, stats: str, extra: dict | None = None) -> dict:
+            """A vLLM process with kvtier's connector: every prompt once; its worker's
+            counters."""
+            eng = Engine(md, srv.url, {"stats_file": str(work / stats), **(extra or {})})
+            ttft(eng, warm)
+            for (s, _), p in prompts.items():
+                record(name, s, ttft(eng, p))
+            eng.close()
+            return json.loads((work / f"{stats}.worker.json").read_text())
+
         try:
-            eng = Engine(md, srv.url, {"stats_file": str(work / "kv1")})
-            ttft(eng, warm)
-            for (s, _), p in prompts.items():
-                record("kvtier-first (stores)", s, ttft(eng, p))
-            eng.close()
-            eng = Engine(md, srv.url, {"stats_file": str(work / "kv2")})
-            ttft(eng, warm)
-            for (s, _), p in prompts.items():
-                record("kvtier", s, ttft(eng, p))
-            eng.close()
-            stats = json.loads((work / "kv2.worker.json").read_text())
-            print("kvtier second process:", stats, flush=True)
+            kvtier_engine("kvtier-first (stores)", "kv1")
+            print("kvtier second process:", kvtier_engine("kvtier", "kv2"), flush=True)
             if args.layerwise:
-                extra = {"stats_file": str(work / "kv3"), "load_layerwise": True}
-                eng = Engine(md, srv.url, extra)
-                ttft(eng, warm)
-                for (s, _), p in prompts.items():
-                    record("kvtier-layerwise", s, ttft(eng, p))
-                eng.close()
-                stats = json.loads((work / "kv3.worker.json").read_text())
-                print("kvtier layer-wise process:", stats, flush=True)
+                st = kvtier_engine("kvtier-layerwise", "kv3", {"load_layerwise": True})
+                print("kvtier layer-wise process:", st, flush=True)
         finally:
             srv.kill()
 
