@@ -391,6 +391,7 @@ class KvtierMetadata(KVConnectorMetadata):
 _COUNTER_DOCS = {
     "lookups": "Lookups the scheduler sent to kvtier.",
     "lookup_failures": "Lookups that failed (server absent, slow or erroring): recomputed.",
+    "lookup_timeouts": "Of the failed lookups, those that timed out.",
     "lookup_hit_tokens": "Tokens the lookups found in kvtier past vLLM's own prefix cache.",
     "loads_declined": "Hits not loaded because the cost model judged recomputing cheaper.",
     "load_requests": "Requests whose blocks the workers loaded from kvtier.",
@@ -399,6 +400,8 @@ _COUNTER_DOCS = {
     "layerwise_loaded_blocks": "Of the loaded blocks, those copied layer by layer.",
     "load_seconds": "Seconds the workers spent loading from kvtier.",
     "load_error_blocks": "Blocks planned for loading that did not arrive: recomputed by vLLM.",
+    "load_timeouts": "Loads whose get timed out (their missing blocks are load errors).",
+    "load_corrupt": "Loads cut short by a block the server found corrupt (and dropped).",
     "saved_blocks": "Blocks stored in kvtier (or found there already).",
     "saved_bytes": "Bytes stored in kvtier.",
     "save_dropped_blocks": "Blocks not saved because the save queue was full (back-pressure).",
@@ -780,7 +783,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._counters.add(lookups=1)
             if found.miss in _FAILED:
                 self._link.failed(f"lookup: {found.miss} ({found.miss_detail})")
-                self._counters.add(lookup_failures=1)
+                self._counters.add(lookup_failures=1, lookup_timeouts=found.miss == "timeout")
                 return 0, False
             n = 0
             for tier in found.tiers:
@@ -965,6 +968,14 @@ class KvtierConnector(KVConnectorBase_V1):
                 self._load_run(run)
         self._step_load_s += time.perf_counter() - t0
 
+    def _count_load_miss(self, fetch: kvtier.Fetch) -> None:
+        """Why a load stopped short, counted by kind; a failed call opens the breaker."""
+        if fetch.miss in _FAILED:
+            self._link.failed(f"get: {fetch.miss} ({fetch.miss_detail})")
+        self._counters.add(
+            load_timeouts=fetch.miss == "timeout", load_corrupt=fetch.miss == "corrupt"
+        )
+
     def _start_layer_loads(self, runs: list[BlockRun]) -> None:
         """Fetches (pins) every run's blocks now, and copies them into the pages layer by
         layer on a thread while the forward runs (``wait_for_layer_load``)."""
@@ -978,8 +989,7 @@ class KvtierConnector(KVConnectorBase_V1):
             if client is not None and len(keys) == n:
                 ld = client.load_pages(keys, run.block_ids, self._pages)
                 got = ld.fetch.blocks
-                if ld.fetch.miss in _FAILED:
-                    self._link.failed(f"get: {ld.fetch.miss} ({ld.fetch.miss_detail})")
+                self._count_load_miss(ld.fetch)
                 if got:
                     loads.append((ld, run.block_ids[:got]))
                 else:
@@ -1022,8 +1032,7 @@ class KvtierConnector(KVConnectorBase_V1):
             else:
                 fetch = load_staged(client, keys, self._views, run.block_ids, self._staging(n))
             got = fetch.blocks
-            if fetch.miss in _FAILED:
-                self._link.failed(f"get: {fetch.miss} ({fetch.miss_detail})")
+            self._count_load_miss(fetch)
         failed = run.block_ids[got:]
         self._load_errors.update(failed)
         self._counters.add(

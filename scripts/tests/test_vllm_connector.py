@@ -10,12 +10,18 @@ share them in a fixed order, module-scoped:
 
 * ``baseline``: vLLM alone;
 * ``first``: vLLM with the connector and an empty kvtier: it computes and stores;
-* ``second``: a new vLLM process with the connector: it loads what ``first`` stored.
+* ``second``: a new vLLM process with the connector: it loads what ``first`` stored;
+
+and, for the failure tests at the end, ``proxied`` (the connector reaching the server through a
+proxy that delays the server's answers, vllm_harness.DelayProxy) and ``frugal`` (a cost model
+that declines every load, a save queue of 3 blocks). Those tests read the connector's counters
+(its ``stats_file``) as well as vLLM's outputs, so a failure the connector swallowed without
+counting it fails them.
 
 They run the model in **float32**: in bfloat16, vLLM's greedy output can change when a prompt's
 last tokens are computed against a cached prefix instead of in one forward with it (the
 attention's rounding differs; vLLM's own prefix cache does the same), so "identical to vLLM
-alone" is a float32 property. ``test_vllm_serve.py`` loads in bfloat16.
+alone" is a float32 property.
 """
 
 from __future__ import annotations
@@ -40,9 +46,13 @@ from kvtier.vllm import (
 from vllm_harness import (
     BLOCK,
     BLOCK_BYTES,
+    NVME_HEADER_BYTES,
+    DelayProxy,
     Engine,
     KvtierServer,
+    flip_bytes,
     free_dir,
+    nvme_slots_of,
     prompts_of,
     read_stats,
     remove,
@@ -56,6 +66,8 @@ LENGTHS = [
     511, 512, 513, 700, 1000, 1023, 1024, 1025, 1536, 1700,
 ]  # fmt: skip
 LONG = 2300
+# Prompts of the failure tests at the end, one test each (nothing else stores them): lengths.
+EXTRA = {"late": 700, "corrupt": 1100, "warm": 260, "declined": 300, "dropped": 900}
 MAX_TOKENS = 16
 DTYPE = "float32"
 F32_BLOCK_BYTES = 2 * BLOCK_BYTES
@@ -242,8 +254,9 @@ def server(workdir: Path) -> KvtierServer:
 @pytest.fixture(scope="module")
 def prompts(model_dir: Path) -> dict:
     stream = text_tokens(model_dir)
-    ps = prompts_of(stream, [*LENGTHS, LONG])
-    return {"short": ps[:-1], "long": ps[-1]}
+    ps = prompts_of(stream, [*LENGTHS, LONG, *EXTRA.values()])
+    n = len(LENGTHS)
+    return {"short": ps[:n], "long": ps[n], "extra": dict(zip(EXTRA, ps[n + 1 :]))}
 
 
 def connector_extra(workdir: Path, name: str) -> dict:
@@ -255,11 +268,13 @@ def baseline(model_dir: Path, prompts: dict) -> dict:
     """Greedy outputs of vLLM alone."""
     eng = Engine(model_dir, None, dtype=DTYPE)
     try:
-        out = eng.ask_each([*prompts["short"], prompts["long"]], MAX_TOKENS)
+        extra = list(prompts["extra"].values())
+        out = eng.ask_each([*prompts["short"], prompts["long"], *extra], MAX_TOKENS)
     finally:
         eng.close()
     assert all(o["cached"] == 0 for o in out)
-    return {"short": out[:-1], "long": out[-1]}
+    n = len(prompts["short"])
+    return {"short": out[:n], "long": out[n], "extra": dict(zip(prompts["extra"], out[n + 1 :]))}
 
 
 @pytest.fixture(scope="module")
@@ -368,13 +383,27 @@ def test_server_paused_then_killed_then_restarted_warm(
     assert out[0]["cached"] in (0, failed * BLOCK), (out[0]["cached"], failed)
     print(f"server paused: 2 requests computed in {took:.2f} s")
 
-    # Killed (kill -9): every request succeeds, computed.
+    # Killed (kill -9): every request succeeds, computed; counted: the scheduler's lookup
+    # failed, nothing was loaded, and the worker's store of the computed blocks failed.
     server.kill()
     time.sleep(1.2)  # past the breaker's back-off
+    sched1, work1 = read_stats(path, "scheduler"), read_stats(path, "worker")
     out = second.ask([prompts["long"]], MAX_TOKENS)["outputs"][0]
     assert out["tokens"] == baseline["long"]["tokens"] and out["cached"] == 0
+    sched2 = read_stats(path, "scheduler")
+    assert sched2["lookup_failures"] > sched1["lookup_failures"], (sched1, sched2)
+    assert read_stats(path, "worker")["loaded_blocks"] == work1["loaded_blocks"]
+    # (Saves of the paused part may still be failing: at least this request's 17 blocks.)
+    assert wait_until(
+        lambda: (
+            read_stats(path, "worker")["save_failed_blocks"] - work1["save_failed_blocks"]
+            >= LONG // BLOCK
+        ),
+        timeout=20,
+    ), (work1, read_stats(path, "worker"))
 
     # Restarted on the same socket and NVMe directory: warm from NVMe.
+    work2 = read_stats(path, "worker")
     server.start()
     time.sleep(1.2)
     ok = wait_until(
@@ -386,6 +415,8 @@ def test_server_paused_then_killed_then_restarted_warm(
         step=1.0,
     )
     assert ok, "after a restart the long prompt must load again (from NVMe)"
+    work3 = read_stats(path, "worker")
+    assert work3["loaded_blocks"] - work2["loaded_blocks"] >= LONG // BLOCK, (work2, work3)
 
 
 def test_server_killed_mid_run(
@@ -394,6 +425,8 @@ def test_server_killed_mid_run(
     """The server dies while requests load and store: every request completes with vLLM's
     own output; blocks that did not arrive are recomputed."""
     batch = [prompts["long"], *prompts["short"][-6:]]
+    path = workdir / "second"
+    sched0 = read_stats(path, "scheduler")
     killer = threading.Timer(0.3, server.kill)
     killer.start()
     try:
@@ -405,10 +438,15 @@ def test_server_killed_mid_run(
     assert [o["tokens"] for o in out] == want
     assert server.proc is not None and server.proc.poll() is not None, "the server was killed"
     server.start()
+    # Counted, not swallowed: the requests after the kill (the last one surely: the six
+    # before it take seconds) failed their lookup and were computed.
+    sched1 = read_stats(path, "scheduler")
+    assert sched1["lookup_failures"] > sched0["lookup_failures"], (sched0, sched1)
+    assert out[-1]["cached"] == 0, out[-1]
 
 
 def test_slow_server_costs_at_most_the_timeout(
-    second: Engine, server: KvtierServer, prompts: dict, baseline: dict
+    second: Engine, server: KvtierServer, prompts: dict, baseline: dict, workdir: Path
 ) -> None:
     """A server that stops answering between requests: the first request waits at most the
     lookup timeout, then the breaker keeps kvtier out of the way."""
@@ -417,6 +455,7 @@ def test_slow_server_costs_at_most_the_timeout(
     t = time.perf_counter()
     second.ask([fresh(prompts, 9)], 4)
     reference = time.perf_counter() - t
+    sched0 = read_stats(workdir / "second", "scheduler")
     server.pause()
     try:
         times = []
@@ -435,6 +474,9 @@ def test_slow_server_costs_at_most_the_timeout(
     # prompt (load on a shared machine varies, hence the factor): a request stuck on the
     # stopped server would wait for the engine's 600 s.
     assert max(times) < 2 * reference + 5, (times, reference)
+    # Each of the three was a failed lookup (timed out, or the breaker open), counted.
+    sched1 = read_stats(workdir / "second", "scheduler")
+    assert sched1["lookup_failures"] - sched0["lookup_failures"] >= len(times), (sched0, sched1)
 
 
 def test_loaded_kv_is_vllm_kv(server: KvtierServer, prompts: dict, model_dir: Path) -> None:
@@ -467,9 +509,19 @@ def test_an_engine_started_before_its_server(
     connects by itself after its back-off, stores, and a later request loads."""
     late = KvtierServer(workdir / "late", dram="1GiB", nvme="512MiB", dtype=DTYPE)
     eng = Engine(model_dir, late.url, connector_extra(workdir, "late"), dtype=DTYPE)
+    path = workdir / "late"
     try:
         out = eng.ask([prompts["long"]], MAX_TOKENS)["outputs"][0]
         assert out["tokens"] == baseline["long"]["tokens"] and out["cached"] == 0
+        # No server: the lookup counted as failed, nothing loaded, the prompt's 17 blocks
+        # counted as failed saves (the saver thread is asynchronous: waited for).
+        assert read_stats(path, "scheduler")["lookup_failures"] >= 1
+        assert wait_until(
+            lambda: read_stats(path, "worker").get("save_failed_blocks") == LONG // BLOCK,
+            timeout=20,
+        ), read_stats(path, "worker")
+        st = read_stats(path, "worker")
+        assert st["loaded_blocks"] == 0 and st["saved_blocks"] == 0, st
         late.start()
         try:
             time.sleep(1.2)  # past the breaker's back-off
@@ -483,7 +535,321 @@ def test_an_engine_started_before_its_server(
             )
             # vLLM's own prefix cache is off: every cached token was loaded by the connector.
             assert ok, "the connector never used the server that came up after vLLM"
+            # (Not saved_blocks: a put the server completed after the client's timeout, on a
+            # loaded machine, counts as failed; the server's own count says what it holds.)
+            assert read_stats(path, "worker")["loaded_blocks"] >= LONG // BLOCK
+            assert late.stats()["store"]["blocks"] >= LONG // BLOCK
         finally:
             late.kill()
     finally:
         eng.close()
+
+
+# ------------------------------------------------------------------------------------------
+# Real vLLM: a corrupt block, late answers, the cost model's decline, saves under back-pressure
+# ------------------------------------------------------------------------------------------
+
+
+def kvtier_keys(model_dir: Path, tokens: list[int]) -> list[bytes]:
+    """The connector's keys of a prompt's full blocks (no salt; the float32 layout)."""
+    from kvtier.vllm import layout_from_spec
+
+    lay = layout_from_spec(30, 3, 64, torch.float32, BLOCK)
+    ns = kvtier.NamespaceBuilder(str(model_dir), lay)
+    return kvtier.PrefixHasher(kvtier.HashSecret.development(), ns, BLOCK).prompt_keys(tokens)
+
+
+def blocks_held(server: KvtierServer, keys: list[bytes]) -> int:
+    """How long a prefix of ``keys`` the server holds (asked directly, not through vLLM)."""
+    found = kvtier.Client(server.url, timeout=10.0).lookup(keys)
+    assert found.miss in (None, "not_cached"), (found.miss, found.miss_detail)
+    return len(found.tiers)
+
+
+def nvme_counter(server: KvtierServer, name: str) -> int:
+    tiers = server.stats()["store"]["tiers"]
+    return sum(t.get(name, 0) for t in tiers if str(t.get("tier")).lower() == "nvme")
+
+
+def ask_one(eng: Engine, prompt: list[int], salt: str | None = None) -> tuple[dict, float]:
+    """One request (bounded: 120 s), its output and its wall time."""
+    t = time.perf_counter()
+    out = eng.ask([prompt], MAX_TOKENS, cache_salt=salt, timeout=120)["outputs"][0]
+    return out, time.perf_counter() - t
+
+
+def delta(after: dict, before: dict, key: str) -> float:
+    return after.get(key, 0) - before.get(key, 0)
+
+
+def test_corrupt_nvme_block_is_recomputed(
+    second: Engine,
+    server: KvtierServer,
+    workdir: Path,
+    prompts: dict,
+    baseline: dict,
+    model_dir: Path,
+) -> None:
+    """A block whose bytes changed on the server's disk (its NVMe tier; the server restarted, so
+    DRAM is empty and loads read NVMe): the server's checksum drops it, the connector loads the
+    blocks before it and reports the rest as load errors, vLLM recomputes them: vLLM alone's
+    output. The next request loads the intact prefix and stores the rest again; the one after
+    loads it all."""
+    p, want = prompts["extra"]["corrupt"], baseline["extra"]["corrupt"]["tokens"]
+    n = expected_cached(len(p)) // BLOCK  # 8 blocks
+    bad = 3  # the damaged one: blocks 0-2 load, 3-7 are recomputed
+    path = workdir / "second"
+    keys = kvtier_keys(model_dir, p)
+    assert len(keys) == n
+
+    out, _ = ask_one(second, p)
+    assert out["tokens"] == want and out["cached"] == 0, out
+    # Stored (the saver thread is asynchronous), and written through to NVMe (the server's
+    # background writes done).
+    assert wait_until(
+        lambda: blocks_held(server, keys) == n and server.stats()["store"]["io_backlog"] == 0,
+        timeout=20,
+    )
+    server.stop()
+    try:
+        slots = nvme_slots_of(server.dir / "nvme", keys[bad])
+        assert slots, "block 3 of the prompt is not in the NVMe tier's slot files"
+        for f, off, plen in slots:
+            assert plen == F32_BLOCK_BYTES, plen
+            flip_bytes(f, off + NVME_HEADER_BYTES + plen // 2)
+    finally:
+        server.start()
+    # The engine's connections to the old server are gone: it reconnects (a prompt that is
+    # stored, then loaded, shows both the scheduler's and the worker's are back).
+    warm = prompts["extra"]["warm"]
+    time.sleep(1.2)
+    assert wait_until(
+        lambda: ask_one(second, warm)[0]["cached"] == expected_cached(len(warm)),
+        timeout=40,
+        step=0.5,
+    ), "the connector did not reconnect to the restarted server"
+    assert blocks_held(server, keys) == n, "the restarted server must index all 8 blocks"
+
+    s1, w1 = read_stats(path, "scheduler"), read_stats(path, "worker")
+    out, _ = ask_one(second, p)
+    assert out["tokens"] == want
+    s2, w2 = read_stats(path, "scheduler"), read_stats(path, "worker")
+    assert delta(s2, s1, "lookup_failures") == 0, (s1, s2)
+    got = (delta(w2, w1, "loaded_blocks"), delta(w2, w1, "load_error_blocks"))
+    assert got == (bad, n - bad), f"(loaded, load errors) {got}"
+    assert delta(w2, w1, "load_corrupt") == 1, "the load is counted as cut short by a corrupt block"
+    assert nvme_counter(server, "corrupt_dropped") >= 1, server.stats()["store"]
+    # The server dropped the damaged block and the rest of the chain after it.
+    assert blocks_held(server, keys) == bad
+
+    out, _ = ask_one(second, p)
+    assert out["tokens"] == want and out["cached"] == bad * BLOCK, out
+    assert wait_until(lambda: blocks_held(server, keys) == n, timeout=20), "not stored again"
+    out, _ = ask_one(second, p)
+    assert out["tokens"] == want and out["cached"] == n * BLOCK, out
+
+
+# Through DelayProxy: the engine's timeouts, and the proxy's connection kinds.
+IO_TIMEOUT_S = 1.0
+LOOKUP_TIMEOUT_S = 1.0
+SCHED, WORKER = "vllm-scheduler", "vllm-worker"
+
+
+@pytest.fixture(scope="module")
+def proxied(model_dir: Path, server: KvtierServer, workdir: Path, prompts: dict, baseline: dict):
+    """vLLM with the connector reaching ``server`` through a DelayProxy (holding nothing yet),
+    once it computed and stored the "late" prompt; ``ref_s``: the time of the same prompt
+    computed in full again (under another salt: nothing cached), the engine warmed up."""
+    proxy = DelayProxy(server.socket, workdir / "proxy.sock")
+    try:
+        extra = {
+            **connector_extra(workdir, "proxied"),
+            "lookup_timeout_s": LOOKUP_TIMEOUT_S,
+            "io_timeout_s": IO_TIMEOUT_S,
+        }
+        eng = Engine(model_dir, proxy.url, extra, dtype=DTYPE)
+        try:
+            p, want = prompts["extra"]["late"], baseline["extra"]["late"]["tokens"]
+            out, _ = ask_one(eng, p)
+            assert out["tokens"] == want and out["cached"] == 0, out
+            out, ref_s = ask_one(eng, p, salt="proxied-reference")
+            assert out["tokens"] == want and out["cached"] == 0, out
+            path = workdir / "proxied"
+            keys = kvtier_keys(model_dir, p)
+            assert wait_until(lambda: blocks_held(server, keys) == len(keys), timeout=20), (
+                read_stats(path, "worker")
+            )
+            yield {"engine": eng, "proxy": proxy, "path": path, "ref_s": ref_s}
+        finally:
+            eng.close()
+    finally:
+        proxy.close()
+
+
+def test_late_answers_within_the_timeout_still_load(
+    proxied: dict, prompts: dict, baseline: dict
+) -> None:
+    """Every answer of the server held 0.2 s (lookup timeout and io timeout 1 s): the lookup
+    and the load still succeed: all 5 blocks loaded, vLLM alone's output, nothing counted as
+    failed."""
+    eng, proxy, path = proxied["engine"], proxied["proxy"], proxied["path"]
+    p, want = prompts["extra"]["late"], baseline["extra"]["late"]["tokens"]
+    n = expected_cached(len(p)) // BLOCK
+    s0, w0 = read_stats(path, "scheduler"), read_stats(path, "worker")
+    held0 = {k: proxy.held_count(k) for k in (SCHED, WORKER)}
+    proxy.delays = {SCHED: 0.2, WORKER: 0.2}
+    try:
+        out, took = ask_one(eng, p)
+    finally:
+        proxy.delays = {}
+    s1, w1 = read_stats(path, "scheduler"), read_stats(path, "worker")
+    assert out["tokens"] == want and out["cached"] == n * BLOCK, out
+    assert delta(w1, w0, "loaded_blocks") == n and delta(w1, w0, "load_error_blocks") == 0
+    assert delta(s1, s0, "lookup_failures") == 0, (s0, s1)
+    # The answers were late, on the request's path: the lookup's, then the load's (a pin).
+    assert proxy.held_count(SCHED) > held0[SCHED] and proxy.held_count(WORKER) > held0[WORKER]
+    assert took >= 0.4, took
+    print(f"answers 0.2 s late: {n} blocks loaded, request {took:.2f} s")
+
+
+def test_answers_later_than_the_timeout_are_recomputed(
+    proxied: dict, prompts: dict, baseline: dict
+) -> None:
+    """The server answers, but later than the connector waits: the worker's load (the lookup
+    answered at once), then the scheduler's lookup. Each request gives vLLM alone's output,
+    computed, the late answer counted (load errors; a lookup failure), and takes about its
+    computing time plus one timeout, not the answer's delay. Once the late answers have
+    arrived (and been ignored), the same connections load again."""
+    eng, proxy, path = proxied["engine"], proxied["proxy"], proxied["path"]
+    p, want = prompts["extra"]["late"], baseline["extra"]["late"]["tokens"]
+    n = expected_cached(len(p)) // BLOCK
+    ref_s = proxied["ref_s"]  # the same prompt computed in full
+    # The bound on a request: its computing time (twice, for a shared machine's noise) plus
+    # a timeout; waiting for the late answer would take longer than it.
+    bound_s = 2 * ref_s + max(IO_TIMEOUT_S, LOOKUP_TIMEOUT_S) + 5.0
+    late_s = bound_s + 5.0
+    time.sleep(1.2)  # past any back-off of the test before
+
+    s0, w0 = read_stats(path, "scheduler"), read_stats(path, "worker")
+    proxy.delays = {WORKER: late_s}
+    try:
+        out, took_load = ask_one(eng, p)
+    finally:
+        proxy.delays = {}
+    s1, w1 = read_stats(path, "scheduler"), read_stats(path, "worker")
+    assert out["tokens"] == want
+    assert delta(s1, s0, "lookup_failures") == 0, (s0, s1)
+    assert delta(w1, w0, "loaded_blocks") == 0, (w0, w1)
+    assert delta(w1, w0, "load_error_blocks") == n, (w0, w1)
+    assert delta(w1, w0, "load_timeouts") == 1 and delta(w1, w0, "load_corrupt") == 0, (w0, w1)
+    assert took_load < bound_s, (took_load, ref_s)
+
+    time.sleep(1.2)  # past the worker's back-off
+    proxy.delays = {SCHED: late_s}
+    try:
+        out, took_lookup = ask_one(eng, p)
+    finally:
+        proxy.delays = {}
+    s2, w2 = read_stats(path, "scheduler"), read_stats(path, "worker")
+    assert out["tokens"] == want and out["cached"] == 0, out
+    assert delta(s2, s1, "lookup_failures") >= 1, (s1, s2)
+    assert delta(s2, s1, "lookup_timeouts") == delta(s2, s1, "lookup_failures"), (s1, s2)
+    assert delta(w2, w1, "loaded_blocks") == 0 and delta(w2, w1, "load_error_blocks") == 0
+    assert took_lookup < bound_s, (took_lookup, ref_s)
+    print(
+        f"answers {late_s:.1f} s late: load timed out, request {took_load:.2f} s; lookup "
+        f"timed out, request {took_lookup:.2f} s (computed in full: {ref_s:.2f} s)"
+    )
+
+    # The late answers arrive (the proxy forwards them) and are dropped: the next requests
+    # on the same connections are answered by their own replies and load.
+    assert wait_until(lambda: proxy.pending() == 0, timeout=late_s + 10)
+    time.sleep(1.2)
+    last: list[dict] = []
+
+    def loads() -> bool:
+        last[:] = [ask_one(eng, p)[0]]
+        return last[0]["cached"] == n * BLOCK
+
+    assert wait_until(loads, timeout=30, step=0.5), last
+    assert last[0]["tokens"] == want
+
+
+# The frugal engine: loading never pays (a fixed 1,000 s a load against 1,000 tokens/s of
+# prefill), and at most 3 blocks wait for the saver thread.
+SAVE_BOUND_BLOCKS = 3
+
+
+@pytest.fixture(scope="module")
+def frugal(model_dir: Path, server: KvtierServer, workdir: Path) -> Engine:
+    extra = {
+        **connector_extra(workdir, "frugal"),
+        "load_overhead_s": 1000.0,
+        "prefill_tokens_per_s": 1000.0,
+        "max_pending_save_bytes": SAVE_BOUND_BLOCKS * F32_BLOCK_BYTES,
+    }
+    eng = Engine(model_dir, server.url, extra, dtype=DTYPE)
+    yield eng
+    eng.close()
+
+
+def test_cost_model_declines_a_load_that_does_not_pay(
+    frugal: Engine,
+    server: KvtierServer,
+    workdir: Path,
+    prompts: dict,
+    baseline: dict,
+    model_dir: Path,
+) -> None:
+    """A prompt kvtier holds, with the cost model set so that computing is cheaper than
+    loading: the hit is declined (counted), nothing is loaded, vLLM computes: vLLM alone's
+    output."""
+    p, want = prompts["extra"]["declined"], baseline["extra"]["declined"]["tokens"]
+    n = expected_cached(len(p)) // BLOCK  # 2 blocks, within the save bound
+    path = workdir / "frugal"
+    out, _ = ask_one(frugal, p)
+    assert out["tokens"] == want and out["cached"] == 0, out
+    # Stored: a save of 2 blocks passes the bound of 3.
+    keys = kvtier_keys(model_dir, p)
+    assert wait_until(lambda: blocks_held(server, keys) == n, timeout=20), read_stats(
+        path, "worker"
+    )
+    assert read_stats(path, "worker")["save_dropped_blocks"] == 0
+    s0, w0 = read_stats(path, "scheduler"), read_stats(path, "worker")
+    assert s0["loads_declined"] == 0, s0  # the first request found nothing to decline
+
+    out, _ = ask_one(frugal, p)
+    s1, w1 = read_stats(path, "scheduler"), read_stats(path, "worker")
+    assert out["tokens"] == want and out["cached"] == 0, out
+    assert delta(s1, s0, "lookups") >= 1 and delta(s1, s0, "lookup_failures") == 0, (s0, s1)
+    assert delta(s1, s0, "loads_declined") >= 1, (s0, s1)
+    assert delta(s1, s0, "lookup_hit_tokens") == 0, (s0, s1)  # nothing reported to vLLM
+    assert delta(w1, w0, "load_requests") == 0 and delta(w1, w0, "loaded_blocks") == 0
+
+
+def test_saves_dropped_under_back_pressure(
+    frugal: Engine,
+    server: KvtierServer,
+    workdir: Path,
+    prompts: dict,
+    baseline: dict,
+    model_dir: Path,
+) -> None:
+    """A prompt of 7 full blocks when at most 3 may wait for the saver: its save is dropped,
+    counted, nothing of it reaches the server, and the request is served as usual (vLLM
+    alone's output). (The test before stored 2 blocks through the same bound.)"""
+    p, want = prompts["extra"]["dropped"], baseline["extra"]["dropped"]["tokens"]
+    full = len(p) // BLOCK
+    assert full > SAVE_BOUND_BLOCKS
+    path = workdir / "frugal"
+    w0 = read_stats(path, "worker")
+    out, _ = ask_one(frugal, p)
+    assert out["tokens"] == want and out["cached"] == 0, out
+    assert wait_until(
+        lambda: delta(read_stats(path, "worker"), w0, "save_dropped_blocks") == full,
+        timeout=20,
+    ), (w0, read_stats(path, "worker"))
+    time.sleep(0.5)  # a save wrongly queued would be stored by now
+    w1 = read_stats(path, "worker")
+    assert delta(w1, w0, "saved_blocks") == 0 and delta(w1, w0, "save_failed_blocks") == 0
+    assert blocks_held(server, kvtier_keys(model_dir, p)) == 0

@@ -325,6 +325,225 @@ class ApiServer:
                 self.proc.wait(timeout=30)
 
 
+class DelayProxy:
+    """A Unix-socket proxy in front of a kvtier-server that makes the server answer late: each
+    chunk the server sends on a connection is forwarded ``delays[kind]`` seconds after it
+    arrived, ``kind`` the first key of ``delays`` found in that connection's hello (the client's
+    name: the connector's are "vllm-scheduler-<rank>" and "vllm-worker-<rank>"); no key, no
+    delay. ``delays`` may be replaced while it runs: it applies to chunks arriving from then on.
+    Chunks keep their order (one held chunk holds back those after it). ``held[kind]`` counts
+    the chunks held; ``pending()`` those received and not yet forwarded.
+
+    A Unix socket, not TCP: over a Unix socket (the connector's usual path) the server hands
+    its DRAM arena, the connection's staging region and its slot table to the client as
+    descriptors riding with the hello reply (SCM_RIGHTS), and a load is a pin answered with
+    offsets into that arena. The proxy forwards descriptors with the bytes they came with, so
+    the client maps the real server's memory and loads and stores take the same path as without
+    it, only answered later. The hello reply itself (what the server sends before the client's
+    next message) is never held: a connect has its own, shorter timeout."""
+
+    def __init__(self, upstream: Path, path: Path) -> None:
+        self.upstream = upstream
+        self.path = path
+        self.delays: dict[str, float] = {}
+        self.held: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._queued = 0
+        self._stop = threading.Event()
+        self._socks: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        path.unlink(missing_ok=True)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(path))
+        self._listener.listen(16)
+        self._listener.settimeout(0.2)
+        self._spawn(self._accept)
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.path}"
+
+    def pending(self) -> int:
+        with self._lock:
+            return self._queued
+
+    def held_count(self, kind: str) -> int:
+        with self._lock:
+            return self.held.get(kind, 0)
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            socks = list(self._socks)
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(timeout=10)
+        for s in [*socks, self._listener]:
+            s.close()
+        self.path.unlink(missing_ok=True)
+
+    def _spawn(self, target, *args) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            client.settimeout(None)
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                server.connect(str(self.upstream))
+            except OSError:
+                client.close()
+                server.close()
+                continue
+            with self._lock:
+                self._socks += [client, server]
+            state = {"hello": b"", "replied": False, "asked_again": False}
+            q: queue.Queue = queue.Queue()
+            self._spawn(self._up, client, server, state)
+            self._spawn(self._down_read, server, client, state, q)
+            self._spawn(self._down_write, client, q)
+
+    @staticmethod
+    def _send(sock: socket.socket, data: bytes, fds: list[int]) -> None:
+        try:
+            if fds:
+                n = socket.send_fds(sock, [data], fds)
+                sock.sendall(data[n:])
+            else:
+                sock.sendall(data)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    @staticmethod
+    def _end(*socks: socket.socket) -> None:
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _up(self, client: socket.socket, server: socket.socket, state: dict) -> None:
+        """Client to server, at once; notes the hello (the connection's kind)."""
+        try:
+            while True:
+                data, fds, _, _ = socket.recv_fds(client, 1 << 20, 16)
+                if not data:
+                    for fd in fds:
+                        os.close(fd)
+                    return
+                if not state["replied"]:
+                    state["hello"] += data
+                else:
+                    state["asked_again"] = True
+                self._send(server, data, fds)
+        except OSError:
+            return
+        finally:
+            self._end(client, server)
+
+    def _down_read(
+        self, server: socket.socket, client: socket.socket, state: dict, q: queue.Queue
+    ) -> None:
+        """Server to client: stamps each chunk with the time it may leave."""
+        try:
+            while True:
+                data, fds, _, _ = socket.recv_fds(server, 1 << 20, 16)
+                if not data:
+                    for fd in fds:
+                        os.close(fd)
+                    return
+                delay = 0.0
+                if state["asked_again"]:
+                    delays = self.delays
+                    kind = next((k for k in delays if k.encode() in state["hello"]), None)
+                    if kind is not None and delays[kind] > 0:
+                        delay = delays[kind]
+                        with self._lock:
+                            self.held[kind] = self.held.get(kind, 0) + 1
+                state["replied"] = True
+                with self._lock:
+                    self._queued += 1
+                q.put((time.monotonic() + delay, data, fds))
+        except OSError:
+            return
+        finally:
+            q.put(None)
+
+    def _down_write(self, client: socket.socket, q: queue.Queue) -> None:
+        """Sends each chunk when it is due; after the client is gone (or ``close``) drops
+        the rest, until the reader's end mark."""
+        broken = False
+        while True:
+            item = q.get()
+            if item is None:
+                break
+            due, data, fds = item
+            try:
+                wait = due - time.monotonic()
+                if not broken and wait > 0 and self._stop.wait(wait):
+                    broken = True
+                if broken:
+                    for fd in fds:
+                        os.close(fd)
+                else:
+                    self._send(client, data, fds)
+            except OSError:
+                broken = True
+            finally:
+                with self._lock:
+                    self._queued -= 1
+        self._end(client)
+
+
+NVME_HEADER_BYTES = 4096
+
+
+def nvme_slots_of(nvme_dir: Path, key: bytes) -> list[tuple[Path, int, int]]:
+    """The slots of an NVMe tier's directory (docs/nvme-format.md; the server stopped) whose
+    header names ``key``: (slot file, byte offset of the slot, payload length) each. The
+    payload starts ``NVME_HEADER_BYTES`` into the slot."""
+    manifest = {}
+    for line in (nvme_dir / "manifest").read_text().splitlines():
+        k, sep, v = line.partition(" = ")
+        if sep:
+            manifest[k] = v
+    stride = NVME_HEADER_BYTES + int(manifest["slot_bytes"])
+    found = []
+    for f in sorted(nvme_dir.glob("slots-*.kvt")):
+        with open(f, "rb") as fh:
+            for off in range(0, f.stat().st_size - stride + 1, stride):
+                fh.seek(off)
+                head = fh.read(96)
+                if head[:8] == b"KVTSLOT1" and head[16:32] == key:
+                    found.append((f, off, int.from_bytes(head[32:40], "little")))
+    return found
+
+
+def flip_bytes(path: Path, offset: int, n: int = 64) -> None:
+    """Inverts ``n`` bytes of a file at ``offset``, on disk (fsynced)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        old = os.pread(fd, n, offset)
+        assert len(old) == n, (path, offset, len(old))
+        os.pwrite(fd, bytes(b ^ 0xFF for b in old), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def read_stats(path: Path, role: str) -> dict:
     """The connector's running totals (its ``stats_file`` setting) for one role."""
     p = Path(f"{path}.{role}.json")
