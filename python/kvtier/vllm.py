@@ -923,9 +923,11 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         lay = self._layout
+        # Layer order: the tensors, their views and the layer index of each attention layer.
+        names = sorted(kv_caches, key=_layer_index)
+        tensors = [kv_caches[name] for name in names]
         views = [
-            kvtier_block_view(t, self._block_size, lay.num_kv_heads, lay.head_dim)
-            for _, t in sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0]))
+            kvtier_block_view(t, self._block_size, lay.num_kv_heads, lay.head_dim) for t in tensors
         ]
         if len(views) != lay.num_layers:
             raise ValueError(
@@ -936,11 +938,9 @@ class KvtierConnector(KVConnectorBase_V1):
             if t.dtype != self._torch_dtype:
                 raise ValueError(f"kvtier connector: {name} is {t.dtype}, not {self._torch_dtype}")
         self._views = views
-        names = sorted(kv_caches, key=_layer_index)
         self._layer_of = {name: i for i, name in enumerate(names)}
-        self._device = next(iter(kv_caches.values())).device
+        self._device = tensors[0].device
         if self._device.type == "cpu":
-            tensors = [t for _, t in sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0]))]
             self._pages = kvtier_pages(tensors, views)
         self._saver = _Saver(self._link, self._counters, self._s.max_pending_save_bytes)
 
@@ -983,8 +983,7 @@ class KvtierConnector(KVConnectorBase_V1):
         loads: list[tuple[kvtier.PagesLoad, list[int]]] = []
         client = self._link.get()
         for run in runs:
-            n = len(run.block_ids)
-            keys = self.block_keys(run.tokens, run.cache_salt)[run.first : run.first + n]
+            n, keys = len(run.block_ids), self._run_keys(run)
             got = 0
             if client is not None and len(keys) == n:
                 ld = client.load_pages(keys, run.block_ids, self._pages)
@@ -1019,9 +1018,14 @@ class KvtierConnector(KVConnectorBase_V1):
             load_error_blocks=len(failed),
         )
 
+    def _run_keys(self, run: BlockRun) -> list[bytes]:
+        """The keys of a run's blocks (its prompt's chain, from block ``run.first``)."""
+        return self.block_keys(run.tokens, run.cache_salt)[
+            run.first : run.first + len(run.block_ids)
+        ]
+
     def _load_run(self, run: BlockRun) -> None:
-        n = len(run.block_ids)
-        keys = self.block_keys(run.tokens, run.cache_salt)[run.first : run.first + n]
+        n, keys = len(run.block_ids), self._run_keys(run)
         client = self._link.get()
         got = 0
         t0 = time.perf_counter()
@@ -1165,11 +1169,15 @@ class _LayerLoads:
             for d in self._done:
                 d.set()
 
+    def _abandon(self) -> None:
+        """Stops the copying; every block of the step counts as not loaded."""
+        self._cancel.set()
+        for _, ids in self._loads:
+            self._fail(ids)
+
     def wait(self, layer: int, timeout: float) -> None:
         if not self._done[layer].wait(timeout):
-            self._cancel.set()
-            for _, ids in self._loads:
-                self._fail(ids)
+            self._abandon()
 
     def finish(self) -> set[int]:
         """Joins the thread (it has copied everything by the end of the forward, or stops at
@@ -1177,9 +1185,7 @@ class _LayerLoads:
         if not self._done[-1].is_set():
             # The forward ended before the last layer was in (a layer vLLM did not wait for):
             # what it read of these blocks may not be them.
-            self._cancel.set()
-            for _, ids in self._loads:
-                self._fail(ids)
+            self._abandon()
         # Not bounded by a timeout: once cancelled the thread stops at its next copy, and a
         # copy is a bounded memory copy (no I/O), so nothing it loads can land in a page after
         # this step.

@@ -83,6 +83,44 @@ impl Client {
         Ok(())
     }
 
+    /// The longest cached prefix of `keys`, for a copy into an engine's pages: pinned in the
+    /// server's arena on a local connection (no copy yet), else received into a scratch
+    /// buffer of the fetched blocks. A failure is a miss in the fetch.
+    fn fetch_source(&self, keys: &[BlockKey]) -> (Source, SdkFetch) {
+        if !self.client.is_local() {
+            let block = self.client.block_bytes();
+            let mut scratch = vec![0u8; keys.len() * block];
+            let mut dst: Vec<&mut [u8]> = scratch.chunks_mut(block.max(1)).collect();
+            let f = self.rt.block_on(self.client.get_into(keys, &mut dst));
+            scratch.truncate(f.blocks.min(keys.len()) * block);
+            return (Source::Scratch(scratch), f);
+        }
+        match self.rt.block_on(self.client.get_pinned(keys, self.lease)) {
+            Ok(p) => {
+                let f = SdkFetch {
+                    blocks: p.len(),
+                    tiers: p.tiers().to_vec(),
+                    miss: p.miss().cloned(),
+                };
+                (Source::Pinned(p), f)
+            }
+            Err(e) => (
+                Source::Scratch(Vec::new()),
+                SdkFetch {
+                    blocks: 0,
+                    tiers: vec![],
+                    miss: Some(Miss::from_error(&e)),
+                },
+            ),
+        }
+    }
+
+    /// Drops a fetched source inside the runtime, so the pins' release goes out at once.
+    fn release_source(&self, src: Source) {
+        let _rt = self.rt.enter();
+        drop(src);
+    }
+
     fn check_count(&self, keys: usize, bufs: usize) -> PyResult<()> {
         if keys != bufs {
             return Err(PyValueError::new_err(format!(
@@ -359,41 +397,27 @@ impl Client {
         pages.check_pages(&page_ids, true)?;
         let block = self.client.block_bytes();
         let f = py.detach(|| {
-            let _held = pages.lock();
-            if self.client.is_local() {
-                self.rt.block_on(async {
-                    let pinned = match self.client.get_pinned(&keys, self.lease).await {
-                        Ok(p) => p,
-                        Err(e) => {
-                            return SdkFetch {
-                                blocks: 0,
-                                tiers: vec![],
-                                miss: Some(Miss::from_error(&e)),
-                            };
+            let (src, f) = self.fetch_source(&keys);
+            let n = f.blocks.min(page_ids.len());
+            {
+                let _held = pages.lock();
+                match &src {
+                    Source::Pinned(p) => {
+                        for i in 0..n {
+                            // SAFETY: `_held` is the pages' lock, the page ids were checked
+                            // for writing, and the server's arena, which Python code never
+                            // sees, cannot overlap the pages' buffers; the pins are held.
+                            unsafe { pages.copy_in(p.block(i), &page_ids[i..=i]) };
                         }
-                    };
-                    for i in 0..pinned.len() {
-                        // SAFETY: `_held` is the pages' lock, the page ids were checked for
-                        // writing, and the server's arena, which Python code never sees, cannot
-                        // overlap the pages' buffers.
-                        unsafe { pages.copy_in(pinned.block(i), &page_ids[i..=i]) };
                     }
-                    // Dropped inside the runtime: the release goes out at once.
-                    SdkFetch {
-                        blocks: pinned.len(),
-                        tiers: pinned.tiers().to_vec(),
-                        miss: pinned.miss().cloned(),
-                    }
-                })
-            } else {
-                let mut scratch = vec![0u8; keys.len() * block];
-                let mut dst: Vec<&mut [u8]> = scratch.chunks_mut(block.max(1)).collect();
-                let f = self.rt.block_on(self.client.get_into(&keys, &mut dst));
-                let n = f.blocks.min(keys.len());
-                // SAFETY: as above; `scratch` is our own allocation.
-                unsafe { pages.copy_in(&scratch[..n * block], &page_ids[..n]) };
-                f
+                    // SAFETY: as above; the scratch buffer is our own allocation.
+                    Source::Scratch(buf) => unsafe {
+                        pages.copy_in(&buf[..n * block], &page_ids[..n])
+                    },
+                }
             }
+            self.release_source(src);
+            f
         });
         Ok(f.into())
     }
@@ -414,36 +438,7 @@ impl Client {
         self.check_pages(keys.len(), &page_ids, pages)?;
         pages.check_pages(&page_ids, true)?;
         let block = self.client.block_bytes();
-        let (src, fetch) = py.detach(|| {
-            if self.client.is_local() {
-                self.rt.block_on(async {
-                    match self.client.get_pinned(&keys, self.lease).await {
-                        Ok(p) => {
-                            let f = SdkFetch {
-                                blocks: p.len(),
-                                tiers: p.tiers().to_vec(),
-                                miss: p.miss().cloned(),
-                            };
-                            (Source::Pinned(p), f)
-                        }
-                        Err(e) => (
-                            Source::Scratch(Vec::new()),
-                            SdkFetch {
-                                blocks: 0,
-                                tiers: vec![],
-                                miss: Some(Miss::from_error(&e)),
-                            },
-                        ),
-                    }
-                })
-            } else {
-                let mut scratch = vec![0u8; keys.len() * block];
-                let mut dst: Vec<&mut [u8]> = scratch.chunks_mut(block.max(1)).collect();
-                let f = self.rt.block_on(self.client.get_into(&keys, &mut dst));
-                scratch.truncate(f.blocks.min(keys.len()) * block);
-                (Source::Scratch(scratch), f)
-            }
-        });
+        let (src, fetch) = py.detach(|| self.fetch_source(&keys));
         let blocks = fetch.blocks.min(page_ids.len());
         Ok(PagesLoad {
             rt: self.rt.clone(),
