@@ -7,8 +7,10 @@
 //! * [`block`]: block payloads that verify themselves (a function of key and length).
 //! * [`tier`]: the conformance suite every kvtier-server `Tier` passes.
 //! * [`promtool`]: `promtool check metrics` over a `/metrics` text (a missing promtool fails).
+//! * [`etcd`]: a real etcd on loopback (or an address of the test's network namespace).
 
 pub mod block;
+pub mod etcd;
 pub mod process;
 pub mod prompt;
 pub mod promtool;

@@ -11,7 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use etcd_client::{
-    Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions, WatchResponse,
+    Client, ConnectOptions, EventType, GetOptions, GetResponse, PutOptions, WatchOptions,
+    WatchResponse,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -157,15 +158,7 @@ async fn session(
         c.get(prefix.clone(), Some(GetOptions::new().with_prefix())),
     )
     .await?;
-    let revision = listing.header().map_or(0, |h| h.revision());
-    let kvs = listing.kvs().iter().map(|kv| {
-        (
-            kv.key().to_vec(),
-            kv.value().to_vec(),
-            kv.lease(),
-            kv.mod_revision(),
-        )
-    });
+    let (revision, kvs) = listed(&listing);
     let refused = node.with_view(|v| v.reset(revision, kvs, Instant::now()));
     for r in refused {
         count(node, &r);
@@ -217,29 +210,61 @@ async fn session(
     }
 }
 
-fn on_watch(node: &ClusterNode, resp: WatchResponse) -> Result<(), SessionError> {
+/// A listing of the member prefix as [`super::MembershipView::reset`] takes it: its revision,
+/// and (key, value, lease, mod revision) per key. Shared with readers of the membership that
+/// do not register (kvtier-router's worker list).
+pub fn listed(listing: &GetResponse) -> (i64, Vec<super::view::ListedKey>) {
+    let revision = listing.header().map_or(0, |h| h.revision());
+    let kvs = listing
+        .kvs()
+        .iter()
+        .map(|kv| {
+            (
+                kv.key().to_vec(),
+                kv.value().to_vec(),
+                kv.lease(),
+                kv.mod_revision(),
+            )
+        })
+        .collect();
+    (revision, kvs)
+}
+
+/// The membership changes in one watch response, in order; an error when etcd cancelled the
+/// watch (a compacted revision: the caller lists again). Shared with readers of the
+/// membership that do not register (kvtier-router's worker list).
+pub fn watch_changes(resp: &WatchResponse) -> Result<Vec<Change>, String> {
     if resp.canceled() {
-        return Err(SessionError::Lost(format!(
+        return Err(format!(
             "watch cancelled by etcd (compacted at {}): {}",
             resp.compact_revision(),
             resp.cancel_reason()
-        )));
+        ));
     }
+    Ok(resp
+        .events()
+        .iter()
+        .filter_map(|ev| {
+            let kv = ev.kv()?;
+            Some(match ev.event_type() {
+                EventType::Put => Change::Put {
+                    key: kv.key().to_vec(),
+                    value: kv.value().to_vec(),
+                    lease_id: kv.lease(),
+                    mod_revision: kv.mod_revision(),
+                },
+                EventType::Delete => Change::Delete {
+                    key: kv.key().to_vec(),
+                    mod_revision: kv.mod_revision(),
+                },
+            })
+        })
+        .collect())
+}
+
+fn on_watch(node: &ClusterNode, resp: WatchResponse) -> Result<(), SessionError> {
     let mut own_gone = false;
-    for ev in resp.events() {
-        let Some(kv) = ev.kv() else { continue };
-        let change = match ev.event_type() {
-            EventType::Put => Change::Put {
-                key: kv.key().to_vec(),
-                value: kv.value().to_vec(),
-                lease_id: kv.lease(),
-                mod_revision: kv.mod_revision(),
-            },
-            EventType::Delete => Change::Delete {
-                key: kv.key().to_vec(),
-                mod_revision: kv.mod_revision(),
-            },
-        };
+    for change in watch_changes(&resp).map_err(SessionError::Lost)? {
         node.metrics.watch_events.inc();
         let applied = node.with_view(|v| v.apply(change));
         match &applied {

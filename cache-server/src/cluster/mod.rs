@@ -22,6 +22,8 @@
 pub mod chain;
 #[cfg(feature = "cluster")]
 mod etcd;
+#[cfg(feature = "cluster")]
+pub use etcd::{listed, watch_changes};
 mod metrics;
 pub mod peers;
 pub mod placement;
@@ -248,6 +250,7 @@ impl ClusterNode {
                         "data_endpoint": m.record.data_endpoint,
                         "transfer_endpoint": m.record.transfer_endpoint,
                         "admin_endpoint": m.record.admin_endpoint,
+                        "worker_endpoint": m.record.worker_endpoint,
                         "tiers": m.record.tiers,
                         "weight": m.record.weight(),
                         "registered_unix_ms": m.record.registered_unix_ms,

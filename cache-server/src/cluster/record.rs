@@ -55,6 +55,11 @@ pub struct MemberRecord {
     pub transfer_endpoint: String,
     /// Its admin port (`http://HOST:PORT`), "" if not advertised.
     pub admin_endpoint: String,
+    /// The inference worker beside it (`http://HOST:PORT`, `cluster.worker_url`), for routers
+    /// that take their worker list from the membership; "" if none (and absent in records of
+    /// servers older than the field).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub worker_endpoint: String,
     pub tiers: Vec<TierCapacity>,
     /// Set when it registered (informational; never used for ordering).
     pub registered_unix_ms: u64,
@@ -225,6 +230,7 @@ pub(crate) mod tests {
             data_cert_name: String::new(),
             transfer_endpoint: String::new(),
             admin_endpoint: String::new(),
+            worker_endpoint: String::new(),
             tiers: vec![TierCapacity {
                 kind: "dram".into(),
                 capacity_bytes: 1 << 30,
@@ -232,6 +238,21 @@ pub(crate) mod tests {
             registered_unix_ms: 1,
             placement: None,
         }
+    }
+
+    /// The worker endpoint travels in the signed record; a record without the field (an
+    /// older server's) reads as none.
+    #[test]
+    fn a_worker_endpoint_is_sealed_and_optional() {
+        let key = b"/kvtier/c/members/a";
+        let s = RecordSealer::new(Some(b"s3cret"), "c");
+        let mut r = record("a");
+        r.worker_endpoint = "http://127.0.0.1:8000".into();
+        assert_eq!(s.open(key, "a", &s.seal(key, &r)).unwrap(), r);
+        let plain = RecordSealer::new(None, "c");
+        let without = plain.seal(key, &record("a"));
+        assert!(!String::from_utf8_lossy(&without).contains("worker_endpoint"));
+        assert_eq!(plain.open(key, "a", &without).unwrap().worker_endpoint, "");
     }
 
     #[test]

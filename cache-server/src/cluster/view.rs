@@ -35,6 +35,9 @@ pub enum EtcdLink {
     Unreachable { since: Instant, error: String },
 }
 
+/// One key of a listing of the member prefix: (key, value, lease, mod revision).
+pub type ListedKey = (Vec<u8>, Vec<u8>, i64, i64);
+
 /// A watch change, as the driver reads it from etcd.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Change {

@@ -134,6 +134,10 @@ pub struct ClusterSection {
     /// The admin endpoint peers are told (`http://HOST:PORT`); "" is the admin listener's
     /// address when it is bound to a specific address. Default: "".
     pub advertise_admin: String,
+    /// The OpenAI-compatible inference worker this server sits beside (`http://HOST:PORT`),
+    /// told to routers that take their worker list from the membership (kvtier-router's
+    /// `cluster_etcd`, `docs/router.md`); "" is none. Default: "".
+    pub worker_url: String,
     /// File holding the cluster secret (its bytes, trailing newline dropped): member records
     /// are signed with a key derived from it, and records not signed with it are refused.
     /// "" is no authentication (a warning at start). Default: "".
@@ -173,6 +177,7 @@ impl Default for ClusterSection {
             advertise_data: String::new(),
             advertise_transfer: String::new(),
             advertise_admin: String::new(),
+            worker_url: String::new(),
             secret_file: String::new(),
             replicas: 1,
             run_blocks: crate::cluster::placement::DEFAULT_RUN_BLOCKS,
@@ -836,6 +841,15 @@ impl ServerConfig {
                 "must be 1-128 letters, digits, '.', '_' or '-' (or \"\" for the host name)",
             ));
         }
+        if !c.worker_url.is_empty() && !is_worker_url(&c.worker_url) {
+            return Err(cerr(
+                "cluster.worker_url",
+                format!(
+                    "{:?} is not a worker URL (http://HOST:PORT or https://HOST:PORT, no path)",
+                    c.worker_url
+                ),
+            ));
+        }
         for (name, v) in [
             ("cluster.replicas", c.replicas as u64),
             ("cluster.run_blocks", c.run_blocks as u64),
@@ -1258,6 +1272,23 @@ impl ServerConfig {
     }
 }
 
+/// A worker's base URL as routers take it: `http://` or `https://`, then `HOST:PORT` (a
+/// bracketed IPv6 address allowed), nothing after.
+pub fn is_worker_url(url: &str) -> bool {
+    let Some(rest) = url
+        .strip_prefix("http://")
+        .or_else(|| url.strip_prefix("https://"))
+    else {
+        return false;
+    };
+    let Some((host, port)) = rest.rsplit_once(':') else {
+        return false;
+    };
+    !host.is_empty()
+        && !host.contains(['/', '?', '#', '@', ' '])
+        && port.parse::<u16>().is_ok_and(|p| p > 0)
+}
+
 /// Whether this build and machine can hold an HBM tier; the reason when not.
 fn hbm_available() -> Result<(), String> {
     #[cfg(feature = "cuda")]
@@ -1360,6 +1391,12 @@ mod tests {
             ("cluster.name=\"a/b\"", "cluster.name"),
             ("cluster.name=\"\"", "cluster.name"),
             ("cluster.node_id=\"x y\"", "cluster.node_id"),
+            (
+                "cluster.worker_url=\"127.0.0.1:8000\"",
+                "cluster.worker_url",
+            ),
+            ("cluster.worker_url=\"http://a:1/v1\"", "cluster.worker_url"),
+            ("cluster.worker_url=\"http://\"", "cluster.worker_url"),
             ("cluster.replicas=0", "cluster.replicas"),
             ("cluster.run_blocks=0", "cluster.run_blocks"),
             ("cluster.head_blocks=65537", "cluster.head_blocks"),

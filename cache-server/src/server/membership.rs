@@ -67,6 +67,7 @@ pub(crate) fn node(
         data_endpoint,
         transfer_endpoint: s.advertise_transfer.clone(),
         admin_endpoint: advertised(&s.advertise_admin, "http", endpoints.admin),
+        worker_endpoint: s.worker_url.clone(),
         tiers: stats
             .tiers
             .iter()

@@ -33,6 +33,9 @@ use tokio_util::sync::CancellationToken;
 pub use brakes::raise_nofile_limit;
 pub use config::{ConfigError, ConfigLoader, ServerConfig, Size, parse_size};
 use metrics::{Metrics, Transport};
+/// A secret file as the server reads one (private to its owner, trailing newline dropped, at
+/// least 16 bytes); kvtier-router reads the cluster secret with it.
+pub use places::read_secret_file;
 use tenants::Tenants;
 
 use crate::{StoreError, TieredStore};

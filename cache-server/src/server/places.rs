@@ -163,7 +163,7 @@ pub(crate) const MIN_SECRET_BYTES: usize = 16;
 
 /// The bytes of a secret file (checked as [`check_secret_file`] does), trailing newline
 /// dropped; at least [`MIN_SECRET_BYTES`].
-pub(crate) fn read_secret_file(setting: &str, file: &Path) -> Result<Vec<u8>, ServerError> {
+pub fn read_secret_file(setting: &str, file: &Path) -> Result<Vec<u8>, ServerError> {
     check_secret_file(setting, file)?;
     let mut b = fs::read(file).map_err(|source| ServerError::Io {
         what: format!("{setting} {}", file.display()),

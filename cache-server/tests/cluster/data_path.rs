@@ -15,8 +15,8 @@ use kvtier_server::cluster::record::{
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::common::{BLOCK, ServerProc, bounded, get_verified, http_get, keys, put_all};
-use super::etcd::Etcd;
 use super::{cluster_doc, member_with, metric, secret_file, until_view};
+use kvtier_testkit::etcd::Etcd;
 
 const SECRET: &str = "the data path's secret, 32 bytes";
 /// `cluster.run_blocks` of these tests (and of `partition.rs`'s).
@@ -521,6 +521,7 @@ async fn fake_member(etcd: &Etcd, l: &tokio::net::TcpListener) {
         data_cert_name: String::new(),
         transfer_endpoint: String::new(),
         admin_endpoint: String::new(),
+        worker_endpoint: String::new(),
         tiers: vec![TierCapacity {
             kind: "dram".into(),
             capacity_bytes: 12 << 20,

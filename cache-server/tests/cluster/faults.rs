@@ -13,8 +13,8 @@ use kvtier_core::BlockKey;
 
 use super::common::{BLOCK, ServerProc, TOKEN, block_data, bounded, http_get, keys};
 use super::data_path::RUN;
-use super::etcd::Etcd;
 use super::{member_with, metric, secret_file, until_view};
+use kvtier_testkit::etcd::Etcd;
 
 const SECRET: &str = "the fault test's secret, 32 byte";
 const IDS: [&str; 3] = ["a", "b", "c"];

@@ -7,31 +7,15 @@
 #[path = "../e2e/common.rs"]
 mod common;
 mod data_path;
-mod etcd;
 mod faults;
 mod netns;
 mod partition;
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::{ServerProc, bounded, get_verified, http_get, keys, put_all};
-use etcd::Etcd;
-use kvtier_client::http::{HttpClient, HttpConfig};
+use kvtier_testkit::etcd::Etcd;
 use serde_json::Value;
-
-/// (status, body) of a GET, or the error (connection refused while a process starts).
-pub async fn try_http_get(addr: SocketAddr, path: &str) -> Result<(u16, String), String> {
-    let cfg = HttpConfig {
-        timeout: Duration::from_secs(2),
-        ..HttpConfig::default()
-    };
-    let r = HttpClient::new(cfg)
-        .get(&format!("http://{addr}{path}"))
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok((r.status, r.text()))
-}
 
 /// A secret file (0600) in `dir`.
 fn secret_file(dir: &std::path::Path, secret: &str) -> String {

@@ -11,9 +11,9 @@ use kvtier_server::cluster::record::peer_token;
 
 use super::common::{ServerProc, bounded, get_verified, keys, put_all};
 use super::data_path::{RUN, run_owners};
-use super::etcd::Etcd;
 use super::netns::{Net, as_root};
 use super::{secret_file, until_view};
+use kvtier_testkit::etcd::Etcd;
 
 /// A member on host `i` of `net`, its listeners on that host's address; `extra` are more
 /// settings.

@@ -1,11 +1,14 @@
-//! A real etcd (Debian's `etcd-server`, `/usr/bin/etcd`) on loopback for the tests: a temp
-//! data dir, free ports, started and checked within a bound, killed on drop. Missing etcd
-//! fails the test, naming `.ci/install-deps`.
+//! A real etcd (Debian's `etcd-server`, `/usr/bin/etcd`) on loopback for the tests (the
+//! server's cluster tests, the router's membership test): a temp data dir, free ports, started
+//! and checked within a bound, killed on drop. Missing etcd fails the test, naming
+//! `.ci/install-deps`.
 
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// etcd's binary: `$KVTIER_ETCD`, else `/usr/bin/etcd`.
 fn binary() -> PathBuf {
@@ -91,9 +94,7 @@ impl Etcd {
             {
                 panic!("etcd exited at start: {status}");
             }
-            if let Ok(Ok((200, body))) =
-                tokio::time::timeout(Duration::from_secs(2), crate::try_http_get(addr, "/health"))
-                    .await
+            if let Ok(Some(body)) = tokio::time::timeout(Duration::from_secs(2), health(addr)).await
                 && body.contains("true")
             {
                 return;
@@ -119,6 +120,19 @@ impl Etcd {
         self.kill();
         self.spawn().await;
     }
+}
+
+/// The body of etcd's `/health` if it answers 200 (HTTP/1.0, so the body ends at close).
+async fn health(addr: std::net::SocketAddr) -> Option<String> {
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(b"GET /health HTTP/1.0\r\nHost: etcd\r\n\r\n")
+        .await
+        .ok()?;
+    let mut out = Vec::new();
+    s.take(64 << 10).read_to_end(&mut out).await.ok()?;
+    let text = String::from_utf8_lossy(&out);
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    (head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200")).then(|| body.to_string())
 }
 
 impl Drop for Etcd {
