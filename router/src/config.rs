@@ -79,10 +79,30 @@ pub struct RouterConfig {
     /// Most sessions remembered (about 100 bytes plus twice the id each; 0 turns session
     /// affinity off). Default: 65,536.
     pub max_sessions: usize,
+    /// How long after its last request a session counts as active at its home: a new
+    /// session goes to the worker the fewest active sessions call home (`kv` policy; 0: new
+    /// sessions by load alone; at most `session_ttl_ms`). Default: 60,000 ms.
+    pub session_active_ms: u64,
     /// The workers' kvtier servers are members of one kvtier cluster (`docs/cluster.md`):
     /// a block any of them holds counts, for every worker, as loadable after its own prefix,
     /// at `costs.cluster_bytes_per_s` (its server fetches it from the owner). Default: false.
     pub cluster: bool,
+    /// Workers from a kvtier cluster's membership: the cluster's etcd client URLs
+    /// (`http://HOST:PORT`, comma-separated; "" is off). Every member whose record names a
+    /// worker (the server's `cluster.worker_url`) is a worker, its kvtier server the member's
+    /// data endpoint; a member that joins is added, one that leaves is no candidate until it
+    /// is back (`docs/router.md`, "Workers from the cluster"). Beside `workers`, or instead.
+    /// Needs the router built with the `cluster` feature. Default: "".
+    pub cluster_etcd: String,
+    /// The cluster's name, as its servers' `cluster.name` (etcd prefix `/kvtier/<name>/`).
+    /// Default: "kvtier".
+    pub cluster_name: String,
+    /// The cluster secret, as its servers' `cluster.secret_file`: member records not signed
+    /// with it are refused. Default: none (only unsigned records are accepted).
+    pub cluster_secret_file: Option<PathBuf>,
+    /// Most workers the membership may add over the router's life (a worker whose member
+    /// left keeps its place). Default: 1024.
+    pub max_cluster_workers: usize,
 }
 
 impl Default for RouterConfig {
@@ -107,7 +127,12 @@ impl Default for RouterConfig {
             max_recent_blocks_per_worker: 1 << 16,
             session_ttl_ms: 3_600_000,
             max_sessions: 1 << 16,
+            session_active_ms: 60_000,
             cluster: false,
+            cluster_etcd: String::new(),
+            cluster_name: "kvtier".into(),
+            cluster_secret_file: None,
+            max_cluster_workers: 1024,
         }
     }
 }
@@ -176,12 +201,14 @@ impl RouterConfig {
 
     /// Checks what can be checked before starting.
     pub fn check(&self) -> Result<(), RouterError> {
-        if self.workers.is_empty() {
+        if self.workers.is_empty() && self.cluster_etcd.is_empty() {
             return Err(bad(
                 "workers",
-                "no worker configured (--worker or [[workers]])",
+                "no worker configured (--worker, [[workers]], or the cluster's membership: \
+                 --cluster-etcd)",
             ));
         }
+        self.check_membership()?;
         for (i, w) in self.workers.iter().enumerate() {
             kvtier_client::http::parse_url(&w.url)
                 .map_err(|e| bad(&format!("workers[{i}].url"), e.to_string()))?;
@@ -221,6 +248,57 @@ impl RouterConfig {
             if v == 0 {
                 return Err(bad(name, "must be at least 1"));
             }
+        }
+        Ok(())
+    }
+
+    /// The etcd client URLs of `cluster_etcd`, blanks dropped.
+    pub fn cluster_etcd_endpoints(&self) -> Vec<String> {
+        self.cluster_etcd
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect()
+    }
+
+    fn check_membership(&self) -> Result<(), RouterError> {
+        if self.cluster_etcd.is_empty() {
+            return Ok(());
+        }
+        if !cfg!(feature = "cluster") {
+            return Err(bad(
+                "cluster_etcd",
+                "this kvtier-router was built without the `cluster` feature (cargo build -p \
+                 kvtier-router --features cluster; it needs protoc)",
+            ));
+        }
+        let endpoints = self.cluster_etcd_endpoints();
+        if endpoints.is_empty() {
+            return Err(bad("cluster_etcd", "no etcd URL"));
+        }
+        for e in &endpoints {
+            kvtier_client::http::parse_url(e).map_err(|_| {
+                bad(
+                    "cluster_etcd",
+                    format!("{e:?} is not an etcd URL (http://HOST:PORT)"),
+                )
+            })?;
+        }
+        let name_ok = !self.cluster_name.is_empty()
+            && self.cluster_name.len() <= 128
+            && self
+                .cluster_name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+        if !name_ok {
+            return Err(bad(
+                "cluster_name",
+                "must be 1-128 letters, digits, '.', '_' or '-' (the servers' cluster.name)",
+            ));
+        }
+        if self.max_cluster_workers == 0 {
+            return Err(bad("max_cluster_workers", "must be at least 1"));
         }
         Ok(())
     }

@@ -13,12 +13,15 @@
 //! * [`score`]: expected time to first token per worker, and the ranking (sans-IO).
 //! * [`mismatch`]: predicted against reported cached tokens (sans-IO).
 //! * [`server`]: the HTTP front, forwarding, retries, health checks.
+//! * `members` (feature `cluster`): workers from a kvtier cluster's membership on etcd.
 
 pub mod config;
 mod error;
 pub mod events;
 pub mod index;
 pub mod load;
+#[cfg(feature = "cluster")]
+pub mod members;
 pub mod metrics;
 pub mod mismatch;
 pub mod prompt;

@@ -61,6 +61,10 @@ struct Args {
     /// no session affinity). Default 3600000.
     #[arg(long)]
     session_ttl_ms: Option<u64>,
+    /// How long after its last request a session counts as active at its home, ms (kv
+    /// policy: new sessions go where the fewest are; 0: by load alone). Default 60000.
+    #[arg(long)]
+    session_active_ms: Option<u64>,
     /// A session leaves its home only for a worker expected to answer in less than the
     /// home's time divided by this (at least 1). Default 2.
     #[arg(long)]
@@ -72,6 +76,17 @@ struct Args {
     /// for every worker, fetched at cluster_bytes_per_s.
     #[arg(long)]
     cluster: bool,
+    /// Workers from the kvtier cluster's membership on these etcd URLs (comma-separated):
+    /// each member whose record names a worker (its cluster.worker_url). Feature `cluster`.
+    #[arg(long)]
+    cluster_etcd: Option<String>,
+    /// The cluster's name (the servers' cluster.name). Default kvtier.
+    #[arg(long)]
+    cluster_name: Option<String>,
+    /// The cluster secret's file (the servers' cluster.secret_file): unsigned or otherwise
+    /// signed member records are refused.
+    #[arg(long)]
+    cluster_secret_file: Option<std::path::PathBuf>,
 }
 
 fn config(a: Args) -> anyhow::Result<RouterConfig> {
@@ -118,6 +133,9 @@ fn config(a: Args) -> anyhow::Result<RouterConfig> {
     if let Some(v) = a.session_ttl_ms {
         c.session_ttl_ms = v;
     }
+    if let Some(v) = a.session_active_ms {
+        c.session_active_ms = v;
+    }
     if let Some(v) = a.affinity_ratio {
         c.costs.affinity_ratio = v;
     }
@@ -125,6 +143,15 @@ fn config(a: Args) -> anyhow::Result<RouterConfig> {
         c.costs.measured = false;
     }
     c.cluster |= a.cluster;
+    if let Some(v) = a.cluster_etcd {
+        c.cluster_etcd = v;
+    }
+    if let Some(v) = a.cluster_name {
+        c.cluster_name = v;
+    }
+    if let Some(v) = a.cluster_secret_file {
+        c.cluster_secret_file = Some(v);
+    }
     c.check()?;
     Ok(c)
 }

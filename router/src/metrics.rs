@@ -36,6 +36,15 @@ pub struct Metrics {
     /// `server`, `reason`: connect, lost, gap, sequence.
     pub index_resyncs: IntCounterVec,
     pub index_synced: IntGaugeVec,
+    /// `state` (present, left): workers taken from the cluster's membership (`cluster_etcd`).
+    pub cluster_workers: IntGaugeVec,
+    /// 1 while the membership's etcd answers (no series without `cluster_etcd`).
+    pub cluster_etcd_connected: IntGaugeVec,
+    /// `reason`: member records refused (another secret, malformed, ...).
+    pub cluster_records_refused: IntCounterVec,
+    /// `placement` (expected_ttft, home, left_home, new_session): why the `kv` policy put its
+    /// first worker first, per routed request.
+    pub placements: IntCounterVec,
     /// Parsing, tokenizing, hashing and scoring one request.
     pub decision_seconds: Histogram,
 }
@@ -172,6 +181,30 @@ impl Metrics {
                 "kvtier_router_index_synced",
                 "1 while subscribed to the server's events",
                 &["server"],
+            )?,
+            cluster_workers: gauge(
+                &r,
+                "kvtier_router_cluster_workers",
+                "Workers taken from the cluster's membership, present or whose member left",
+                &["state"],
+            )?,
+            cluster_etcd_connected: gauge(
+                &r,
+                "kvtier_router_cluster_etcd_connected",
+                "1 while the cluster's etcd answers the router's membership watch",
+                &[],
+            )?,
+            cluster_records_refused: counter(
+                &r,
+                "kvtier_router_cluster_records_refused_total",
+                "Member records the router refused (not signed with its cluster secret, malformed)",
+                &["reason"],
+            )?,
+            placements: counter(
+                &r,
+                "kvtier_router_placements_total",
+                "Requests routed by the kv policy, by why its first worker came first",
+                &["placement"],
             )?,
             decision_seconds,
             registry: r,

@@ -293,6 +293,9 @@ pub struct Turn<'a> {
     pub session: Option<&'a str>,
     /// Where the request's session was last answered ([`Policy::Kv`]).
     pub home: Home,
+    /// Per worker (by index; missing: 0), the active sessions at home there
+    /// (`SessionHomes::homed`): where a new session goes ([`Policy::Kv`]).
+    pub homed: &'a [u32],
 }
 
 /// A request's session as the `kv` policy sees it.
@@ -320,6 +323,18 @@ pub enum Placement {
     LeftHome,
     /// A session not seen before: by load (`queue_s`) alone.
     NewSession,
+}
+
+impl Placement {
+    /// The name in `/debug/route` and in `kvtier_router_placements_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ExpectedTtft => "expected_ttft",
+            Self::Home => "home",
+            Self::LeftHome => "left_home",
+            Self::NewSession => "new_session",
+        }
+    }
 }
 
 /// SplitMix64's output function: a well-mixed 64-bit value of `x`.
@@ -369,11 +384,15 @@ pub fn kv_order(scores: &[Score], costs: &Costs, turn: Turn<'_>) -> (Vec<usize>,
     match turn.home {
         Home::None => (by_ttft, Placement::ExpectedTtft),
         Home::New => {
-            // By load: the queue alone decides, ties as usual.
+            // A session stays where it starts, so where it starts sets the load it brings for
+            // its life: to the worker the fewest active sessions call home, then by load (the
+            // queue), ties as usual. The load of the moment alone misses sessions between
+            // turns. The session count dominates: no queue is a million seconds long.
+            let homed = |w: usize| turn.homed.get(w).copied().unwrap_or(0);
             let by_load: Vec<Score> = scores
                 .iter()
                 .map(|s| Score {
-                    total_s: s.queue_s,
+                    total_s: f64::from(homed(s.worker)) * 1e6 + s.queue_s,
                     ..s.clone()
                 })
                 .collect();
@@ -445,6 +464,18 @@ pub fn rank(scores: &[Score], tie_s: f64, rotation: usize) -> Vec<usize> {
 mod tests {
     use super::*;
     use TierCode::*;
+
+    #[test]
+    fn a_placements_name_is_its_debug_route_name() {
+        for p in [
+            Placement::ExpectedTtft,
+            Placement::Home,
+            Placement::LeftHome,
+            Placement::NewSession,
+        ] {
+            assert_eq!(serde_json::to_value(p).unwrap(), p.as_str());
+        }
+    }
 
     fn cand(worker: usize, cached: Vec<TierCode>, reqs: u64, prefill: u64) -> Candidate {
         Candidate {
@@ -707,6 +738,7 @@ mod tests {
                 random: 99,
                 session: Some(id),
                 home: Home::None,
+                homed: &[],
             };
             order(Policy::SessionSticky, scores, &Costs::default(), turn)[0]
         };
@@ -882,6 +914,34 @@ mod tests {
             .map(|r| kv_order(&s, &Costs::default(), turn(r)).0[0])
             .collect();
         assert_eq!(firsts, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn a_new_session_goes_where_the_fewest_sessions_are_at_home() {
+        // Worker 0 is busier right now, but workers 1 and 2 are home to more active sessions
+        // (between turns, sending nothing): the new session goes to 0.
+        let s = three([0, 0, 0], [2, 0, 0], [900, 0, 0]);
+        let turn = |homed| Turn {
+            home: Home::New,
+            homed,
+            ..Turn::default()
+        };
+        let (o, p) = kv_order(&s, &Costs::default(), turn(&[1, 3, 2]));
+        assert_eq!((o, p), (vec![0, 2, 1], Placement::NewSession));
+        // As many sessions at home everywhere: by load.
+        assert_eq!(
+            kv_order(&s, &Costs::default(), turn(&[2, 2, 2])).0,
+            vec![1, 2, 0]
+        );
+        // A worker the counts do not reach yet has none.
+        assert_eq!(kv_order(&s, &Costs::default(), turn(&[1, 1])).0[0], 2);
+        // Sessions with a home, and requests without a session, ignore the counts.
+        let t = Turn {
+            home: Home::None,
+            homed: &[0, 9, 9],
+            ..Turn::default()
+        };
+        assert_eq!(kv_order(&s, &Costs::default(), t).0[0], 1);
     }
 
     #[test]

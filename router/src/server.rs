@@ -54,6 +54,14 @@ pub struct WorkerState {
     pub view: Option<Arc<ServerView>>,
     pub prefill_tokens_per_s: Option<f64>,
     pub healthy: AtomicBool,
+    /// A candidate at all: always for a configured worker; for one taken from the cluster's
+    /// membership, while its member is in the membership (`members.rs`).
+    pub present: AtomicBool,
+    /// The cluster member that advertised it (None: configured).
+    pub member: Option<String>,
+    /// Stops its server's event subscription (a membership worker's, when its member leaves).
+    #[cfg(feature = "cluster")]
+    pub(crate) follow: Mutex<Option<CancellationToken>>,
     pub outstanding_requests: AtomicU64,
     pub outstanding_prefill_tokens: AtomicU64,
     /// Of the outstanding requests, those whose answer has started.
@@ -65,12 +73,47 @@ pub struct WorkerState {
     recent: Mutex<RecentRoutes>,
 }
 
-struct AppInner {
-    config: RouterConfig,
+/// The workers, in a list that only grows: a worker's index is its identity (decisions,
+/// session homes), so one whose member left stays in place, not present, and comes back in
+/// place. Configured workers first, then those the cluster's membership added.
+#[derive(Default)]
+pub(crate) struct Workers(std::sync::RwLock<Arc<Vec<Arc<WorkerState>>>>);
+
+impl Workers {
+    /// The list as it is now (a request decides on one such snapshot).
+    pub(crate) fn all(&self) -> Arc<Vec<Arc<WorkerState>>> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub(crate) fn get(&self, i: usize) -> Arc<WorkerState> {
+        self.all()[i].clone()
+    }
+
+    /// Appends `w`; its index.
+    pub(crate) fn push(&self, w: Arc<WorkerState>) -> usize {
+        let mut g = self.0.write().unwrap_or_else(|e| e.into_inner());
+        let mut next = Vec::clone(&g);
+        next.push(w);
+        *g = Arc::new(next);
+        g.len() - 1
+    }
+}
+
+pub(crate) struct AppInner {
+    pub(crate) config: RouterConfig,
     prompt: PromptModel,
-    workers: Vec<Arc<WorkerState>>,
+    pub(crate) workers: Workers,
     http: HttpClient,
-    metrics: Arc<Metrics>,
+    /// The client of the workers' `/health` polls (for workers the membership adds).
+    #[cfg(feature = "cluster")]
+    pub(crate) health: HttpClient,
+    pub(crate) metrics: Arc<Metrics>,
+    /// Stops every task the router started (and those the membership starts).
+    #[cfg(feature = "cluster")]
+    pub(crate) cancel: CancellationToken,
+    /// The cluster's membership, when workers come from it.
+    #[cfg(feature = "cluster")]
+    pub(crate) members: Option<Arc<crate::members::Members>>,
     rotation: AtomicUsize,
     /// Each session's home (`kv` policy).
     sessions: Mutex<SessionHomes>,
@@ -78,7 +121,7 @@ struct AppInner {
     random_seed: u64,
 }
 
-type App = Arc<AppInner>;
+pub(crate) type App = Arc<AppInner>;
 
 /// A running router. Stop it with [`Router::shutdown`].
 pub struct Router {
@@ -119,48 +162,35 @@ impl Router {
         let cancel = CancellationToken::new();
         let mut tasks = Vec::new();
         let mut views: Vec<Arc<ServerView>> = Vec::new();
-        let mut workers = Vec::new();
+        let workers = Workers::default();
         for w in &config.workers {
-            let view = match &w.kvtier {
-                None => None,
-                Some(url) => Some(match views.iter().find(|v| &v.url == url) {
+            // Workers sharing a server share its view and subscription.
+            let view = w
+                .kvtier
+                .as_ref()
+                .map(|url| match views.iter().find(|v| &v.url == url) {
                     Some(v) => v.clone(),
                     None => {
-                        let v =
-                            Arc::new(ServerView::new(url.clone(), config.max_blocks_per_server));
                         let mut cc = ClientConfig::default().zero_copy(false);
-                        cc.name = "kvtier-router".into();
                         cc.token = w
                             .kvtier_token
                             .clone()
                             .or_else(|| config.kvtier_token.clone());
-                        tasks.push(tokio::spawn(events::follow(
-                            v.clone(),
-                            cc,
-                            metrics.clone(),
-                            cancel.clone(),
-                        )));
+                        let (v, task) =
+                            subscribe(url, cc, &config, metrics.clone(), cancel.clone());
+                        tasks.push(task);
                         views.push(v.clone());
                         v
                     }
-                }),
-            };
-            metrics.worker_healthy.with_label_values(&[&w.url]).set(1);
-            workers.push(Arc::new(WorkerState {
-                url: w.url.trim_end_matches('/').to_string(),
+                });
+            workers.push(WorkerState::new(
+                &w.url,
                 view,
-                prefill_tokens_per_s: w.prefill_tokens_per_s,
-                healthy: AtomicBool::new(true),
-                outstanding_requests: AtomicU64::new(0),
-                outstanding_prefill_tokens: AtomicU64::new(0),
-                decoding: AtomicU64::new(0),
-                measured: Mutex::new(Measured::default()),
-                streak: Mutex::new(Streak::default()),
-                recent: Mutex::new(RecentRoutes::new(
-                    Duration::from_millis(config.recent_route_ttl_ms),
-                    config.max_recent_blocks_per_worker,
-                )),
-            }));
+                w.prefill_tokens_per_s,
+                None,
+                &config,
+                &metrics,
+            ));
         }
         let connect_timeout = Duration::from_millis(config.connect_timeout_ms);
         let http = HttpClient::new(HttpConfig {
@@ -177,7 +207,7 @@ impl Router {
             max_body_bytes: 64 << 10,
             keep_alive: true,
         });
-        for w in &workers {
+        for w in workers.all().iter() {
             tasks.push(tokio::spawn(health_loop(
                 w.clone(),
                 health.clone(),
@@ -198,19 +228,30 @@ impl Router {
                 addr: config.listen.clone(),
                 source,
             })?;
-        tracing::info!(%addr, workers = workers.len(), servers = views.len(),
+        tracing::info!(%addr, workers = workers.all().len(), servers = views.len(),
             model = %config.model_name, block_tokens = config.block_tokens,
             policy = ?config.policy, "kvtier-router serving");
-        let sessions = Mutex::new(SessionHomes::new(
-            Duration::from_millis(config.session_ttl_ms),
-            config.max_sessions,
-        ));
+        let sessions = Mutex::new(
+            SessionHomes::new(
+                Duration::from_millis(config.session_ttl_ms),
+                config.max_sessions,
+            )
+            .with_active(Duration::from_millis(config.session_active_ms)),
+        );
+        #[cfg(feature = "cluster")]
+        let members = crate::members::Members::from_config(&config)?.map(Arc::new);
         let app: App = Arc::new(AppInner {
             config,
             prompt,
             workers,
             http,
+            #[cfg(feature = "cluster")]
+            health: health.clone(),
             metrics,
+            #[cfg(feature = "cluster")]
+            cancel: cancel.clone(),
+            #[cfg(feature = "cluster")]
+            members: members.clone(),
             rotation: AtomicUsize::new(0),
             sessions,
             random_seed: {
@@ -220,6 +261,10 @@ impl Router {
                     .finish()
             },
         });
+        #[cfg(feature = "cluster")]
+        if let Some(m) = members {
+            tasks.push(tokio::spawn(crate::members::follow(app.clone(), m)));
+        }
         let routes = axum::Router::new()
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat))
@@ -258,7 +303,63 @@ impl Router {
     }
 }
 
-async fn health_loop(
+impl WorkerState {
+    /// A worker, healthy and present until its checks say otherwise; its metrics' series set.
+    pub(crate) fn new(
+        url: &str,
+        view: Option<Arc<ServerView>>,
+        prefill_tokens_per_s: Option<f64>,
+        member: Option<String>,
+        config: &RouterConfig,
+        metrics: &Metrics,
+    ) -> Arc<Self> {
+        let url = url.trim_end_matches('/').to_string();
+        metrics.worker_healthy.with_label_values(&[&url]).set(1);
+        Arc::new(WorkerState {
+            url,
+            view,
+            prefill_tokens_per_s,
+            healthy: AtomicBool::new(true),
+            present: AtomicBool::new(true),
+            member,
+            #[cfg(feature = "cluster")]
+            follow: Mutex::new(None),
+            outstanding_requests: AtomicU64::new(0),
+            outstanding_prefill_tokens: AtomicU64::new(0),
+            decoding: AtomicU64::new(0),
+            measured: Mutex::new(Measured::default()),
+            streak: Mutex::new(Streak::default()),
+            recent: Mutex::new(RecentRoutes::new(
+                Duration::from_millis(config.recent_route_ttl_ms),
+                config.max_recent_blocks_per_worker,
+            )),
+        })
+    }
+
+    /// A candidate: present (its member in the membership) and healthy.
+    fn candidate(&self) -> bool {
+        self.present.load(Ordering::Relaxed) && self.healthy.load(Ordering::Relaxed)
+    }
+}
+
+/// The view of the kvtier server at `url` and its event subscription, stopped by `cancel`.
+pub(crate) fn subscribe(
+    url: &str,
+    mut cc: ClientConfig,
+    config: &RouterConfig,
+    metrics: Arc<Metrics>,
+    cancel: CancellationToken,
+) -> (Arc<ServerView>, tokio::task::JoinHandle<()>) {
+    let v = Arc::new(ServerView::new(
+        url.to_string(),
+        config.max_blocks_per_server,
+    ));
+    cc.name = "kvtier-router".into();
+    let task = tokio::spawn(events::follow(v.clone(), cc, metrics, cancel));
+    (v, task)
+}
+
+pub(crate) async fn health_loop(
     w: Arc<WorkerState>,
     http: HttpClient,
     every: Duration,
@@ -271,12 +372,16 @@ async fn health_loop(
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(every) => {}
         }
+        // A worker whose member left the cluster is not polled (its address may be gone).
+        if !w.present.load(Ordering::Relaxed) {
+            continue;
+        }
         let ok = matches!(http.get(&url).await, Ok(r) if r.status == 200);
         set_health(&w, ok, &m, "health check");
     }
 }
 
-fn set_health(w: &WorkerState, ok: bool, m: &Metrics, why: &str) {
+pub(crate) fn set_health(w: &WorkerState, ok: bool, m: &Metrics, why: &str) {
     let was = w.healthy.swap(ok, Ordering::Relaxed);
     if was != ok {
         m.worker_healthy.with_label_values(&[&w.url]).set(ok as i64);
@@ -290,6 +395,8 @@ fn set_health(w: &WorkerState, ok: bool, m: &Metrics, why: &str) {
 
 /// A routing decision: every worker's score and the order to try them in.
 struct Decision {
+    /// The workers as they were when it was made (indices into it: `scores`, `order`).
+    workers: Arc<Vec<Arc<WorkerState>>>,
     analysed: Analysed,
     scores: Vec<Score>,
     order: Vec<usize>,
@@ -302,9 +409,9 @@ fn decide(app: &AppInner, analysed: Analysed, rotation: usize) -> Decision {
     let costs = &app.config.costs;
     let bt = app.prompt.block_tokens();
     let now = Instant::now();
-    let cluster = cluster_prefix(app, &analysed.keys, now);
-    let scores: Vec<Score> = app
-        .workers
+    let workers = app.workers.all();
+    let cluster = cluster_prefix(app, &workers, &analysed.keys, now);
+    let scores: Vec<Score> = workers
         .iter()
         .enumerate()
         .map(|(i, w)| {
@@ -337,7 +444,7 @@ fn decide(app: &AppInner, analysed: Analysed, rotation: usize) -> Decision {
             let use_measured = costs.measured;
             let c = Candidate {
                 worker: i,
-                healthy: w.healthy.load(Ordering::Relaxed),
+                healthy: w.candidate(),
                 cluster_blocks: cluster.saturating_sub(cached.len()),
                 cached,
                 routed_blocks,
@@ -359,28 +466,33 @@ fn decide(app: &AppInner, analysed: Analysed, rotation: usize) -> Decision {
         })
         .collect();
     let affinity = app.config.session_ttl_ms > 0 && app.config.max_sessions > 0;
-    let home = match (&analysed.session, app.config.policy) {
-        (Some(id), Policy::Kv) if affinity => app
-            .sessions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(id, now)
-            .map_or(Home::New, Home::At),
-        _ => Home::None,
+    let (home, homed) = match (&analysed.session, app.config.policy) {
+        (Some(id), Policy::Kv) if affinity => {
+            let mut s = app.sessions.lock().unwrap_or_else(|e| e.into_inner());
+            match s.get(id, now) {
+                Some(w) => (Home::At(w), Vec::new()),
+                None => (Home::New, s.homed(now).to_vec()),
+            }
+        }
+        _ => (Home::None, Vec::new()),
     };
     let turn = score::Turn {
         rotation,
         random: score::mix64(app.random_seed ^ rotation as u64),
         session: analysed.session.as_deref(),
         home,
+        homed: &homed,
     };
-    let (order, placement) = if app.config.policy == Policy::Kv {
+    let (mut order, placement) = if app.config.policy == Policy::Kv {
         let (o, p) = score::kv_order(&scores, costs, turn);
         (o, Some(p))
     } else {
         (score::order(app.config.policy, &scores, costs, turn), None)
     };
+    // A worker whose member left the cluster is no candidate at all (not even a last resort).
+    order.retain(|&i| workers[i].present.load(Ordering::Relaxed));
     Decision {
+        workers,
         analysed,
         scores,
         order,
@@ -391,18 +503,21 @@ fn decide(app: &AppInner, analysed: Analysed, rotation: usize) -> Decision {
 
 /// With `cluster`, the longest prefix of `keys` the cluster holds: each block held by some
 /// worker's server (or, under `kv`, just routed to some worker). 0 without a cluster.
-fn cluster_prefix(app: &AppInner, keys: &[BlockKey], now: Instant) -> usize {
+fn cluster_prefix(
+    app: &AppInner,
+    workers: &[Arc<WorkerState>],
+    keys: &[BlockKey],
+    now: Instant,
+) -> usize {
     if !app.config.cluster {
         return 0;
     }
-    let indexes: Vec<_> = app
-        .workers
-        .iter()
+    let present = || workers.iter().filter(|w| w.present.load(Ordering::Relaxed));
+    let indexes: Vec<_> = present()
         .filter_map(|w| w.view.as_ref().map(|v| v.read()))
         .collect();
     let recents: Vec<_> = if app.config.policy == Policy::Kv {
-        app.workers
-            .iter()
+        present()
             .map(|w| w.recent.lock().unwrap_or_else(|e| e.into_inner()))
             .collect()
     } else {
@@ -421,7 +536,7 @@ fn explain(app: &AppInner, d: &Decision) -> Value {
         .scores
         .iter()
         .map(|s| {
-            let w = &app.workers[s.worker];
+            let w = &d.workers[s.worker];
             let mut v = serde_json::to_value(s).unwrap_or(Value::Null);
             if let Value::Object(o) = &mut v {
                 o.insert("url".into(), json!(w.url));
@@ -482,22 +597,22 @@ fn explain(app: &AppInner, d: &Decision) -> Value {
         "home": match d.home {
             Home::None => Value::Null,
             Home::New => json!("new"),
-            Home::At(i) => json!(app.workers[i].url),
+            Home::At(i) => json!(d.workers.get(i).map(|w| &w.url)),
         },
         "placement": d.placement,
-        "order": d.order.iter().map(|&i| app.workers[i].url.clone()).collect::<Vec<_>>(),
+        "order": d.order.iter().map(|&i| d.workers[i].url.clone()).collect::<Vec<_>>(),
         "workers": workers,
     })
 }
 
-fn short(d: &Decision, app: &AppInner) -> String {
+fn short(d: &Decision) -> String {
     d.order
         .iter()
         .map(|&i| {
             let s = &d.scores[i];
             format!(
                 "{}[{}cached={} prefill={:.4}s load={:.4}s queue={:.4}s total={:.4}s]",
-                app.workers[i].url,
+                d.workers[i].url,
                 if s.healthy { "" } else { "UNHEALTHY " },
                 s.cached_tokens,
                 s.prefill_s,
@@ -585,8 +700,14 @@ async fn handle(
     app.metrics
         .decision_seconds
         .observe(t.elapsed().as_secs_f64());
+    if let Some(p) = d.placement {
+        app.metrics
+            .placements
+            .with_label_values(&[p.as_str()])
+            .inc();
+    }
     tracing::debug!(prompt_tokens = d.analysed.prompt_tokens, blocks = d.analysed.keys.len(),
-        placement = ?d.placement, ranking = %short(&d, &app), "route");
+        placement = ?d.placement, ranking = %short(&d), "route");
     let (resp, o) = forward(&app, &d, bytes, path).await;
     outcome(o);
     resp
@@ -700,7 +821,7 @@ impl Drop for Observer {
         if !self.complete || !self.ok {
             return;
         }
-        let w = &self.app.workers[self.worker];
+        let w = &self.app.workers.get(self.worker);
         let m = &self.app.metrics;
         // The worker's load report (kvtier-worker's `usage.kvtier`): a load-bandwidth sample,
         // and the part of the wait for the first byte that was not prefill.
@@ -785,7 +906,7 @@ fn fail(status: StatusCode, message: String, code: &'static str) -> Response {
 async fn forward(app: &App, d: &Decision, body: Bytes, path: &str) -> (Response, &'static str) {
     let mut failures = Vec::new();
     for &i in &d.order {
-        let w = &app.workers[i];
+        let w = &d.workers[i];
         let s = &d.scores[i];
         let alone_in_prefill = w.outstanding_prefill_tokens.load(Ordering::Relaxed) == 0;
         let sent = Instant::now();
@@ -970,7 +1091,7 @@ fn passthrough(
                 None
             }
             Err(e) => {
-                tracing::warn!(worker = %obs.app.workers[obs.worker].url, error = %e,
+                tracing::warn!(worker = %obs.app.workers.get(obs.worker).url, error = %e,
                         "the worker's answer broke off after it started");
                 Some((Err(e), None))
             }
@@ -1010,37 +1131,37 @@ async fn models(State(app): State<App>) -> Response {
 }
 
 async fn health_answer(State(app): State<App>) -> Response {
-    let workers: Vec<Value> = app
-        .workers
+    let all = app.workers.all();
+    let workers: Vec<Value> = all
         .iter()
         .map(|w| {
             json!({
                 "url": w.url,
                 "healthy": w.healthy.load(Ordering::Relaxed),
+                "present": w.present.load(Ordering::Relaxed),
+                "member": w.member,
                 "outstanding_requests": w.outstanding_requests.load(Ordering::Relaxed),
                 "kvtier_synced": w.view.as_ref().map(|v| v.synced.load(Ordering::Relaxed)),
             })
         })
         .collect();
-    let healthy = app
-        .workers
-        .iter()
-        .filter(|w| w.healthy.load(Ordering::Relaxed))
-        .count();
+    let healthy = all.iter().filter(|w| w.candidate()).count();
     let status = if healthy > 0 {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    (
-        status,
-        axum::Json(json!({
-            "status": if healthy > 0 { "ok" } else { "no_healthy_worker" },
-            "healthy_workers": healthy,
-            "workers": workers,
-        })),
-    )
-        .into_response()
+    #[allow(unused_mut)]
+    let mut v = json!({
+        "status": if healthy > 0 { "ok" } else { "no_healthy_worker" },
+        "healthy_workers": healthy,
+        "workers": workers,
+    });
+    #[cfg(feature = "cluster")]
+    if let Some(m) = &app.members {
+        v["cluster"] = m.health();
+    }
+    (status, axum::Json(v)).into_response()
 }
 
 async fn metrics_answer(State(app): State<App>) -> Response {

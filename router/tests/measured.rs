@@ -206,6 +206,15 @@ async fn measured_rates_and_session_affinity_through_the_router() -> Result<()> 
                 "{o}: {m}"
             );
         }
+        // Each routed request of the session counted by its placement (/debug/route's are
+        // not routed): its first turn, three at home, the one that left.
+        let placed = |p: &str| metric(&m, "kvtier_router_placements_total", &[("placement", p)]);
+        assert_eq!(
+            [placed("new_session"), placed("home"), placed("left_home")],
+            [1.0, 3.0, 1.0],
+            "{m}"
+        );
+        assert!(placed("expected_ttft") >= 4.0, "{m}");
         Ok(())
     })
     .await

@@ -421,8 +421,8 @@ async fn run_one(w: &Workload, t: &TargetSpec, o: &ComparisonOptions) -> Result<
     Ok(r)
 }
 
-/// What a spawned fleet's router counted: requests per worker, retries, and the cached tokens
-/// it predicted against those the workers reported.
+/// What a spawned fleet's router counted: requests per worker, retries, the cached tokens it
+/// predicted against those the workers reported, and (under `kv`) why it placed each request.
 async fn router_notes(url: &str) -> Vec<String> {
     let client = kvtier_client::http::HttpClient::new(kvtier_client::http::HttpConfig::default());
     let text = match client.get(&format!("{url}/metrics")).await {
@@ -453,7 +453,11 @@ async fn router_notes(url: &str) -> Vec<String> {
         .iter()
         .map(|(l, v)| format!("{v} ({l})"))
         .collect();
-    vec![
+    let placed: Vec<String> = samples("kvtier_router_placements_total")
+        .iter()
+        .map(|(l, v)| format!("{v} ({l})"))
+        .collect();
+    let mut notes = vec![
         format!("router: requests per worker: {}", routed.join(", ")),
         format!(
             "router: retries {}; cached tokens predicted {} / reported by the workers {}",
@@ -461,7 +465,11 @@ async fn router_notes(url: &str) -> Vec<String> {
             sum("kvtier_router_predicted_cached_tokens_total"),
             sum("kvtier_router_reported_cached_tokens_total")
         ),
-    ]
+    ];
+    if !placed.is_empty() {
+        notes.push(format!("router: placements: {}", placed.join(", ")));
+    }
+    notes
 }
 
 /// Percentiles of one metric (milliseconds unless said otherwise).
