@@ -26,8 +26,12 @@
 //! its home (the worker that answered its last request) while that worker holds the longest
 //! prefix of the prompt (and some of it), unless another is expected to answer in less than `1 /
 //! affinity_ratio` of the home's time and at least `affinity_min_s` sooner; a session the
-//! router has not seen is placed by load alone (`queue_s`), so a prefix every session shares
-//! (an agent harness) does not draw every new session to the first worker that held it.
+//! router has not seen goes to the worker fewest active sessions call home, then by load
+//! (`queue_s`), so a prefix every session shares (an agent harness) does not draw every new
+//! session to the first worker that held it; unless the best worker by expected TTFT (its
+//! cache holds more of this prompt: a conversation resumed under a new session, a subagent's
+//! inherited context) is expected in less than `1 / affinity_ratio` of that worker's time, at
+//! least `affinity_min_s` sooner, and is home to at most one active session more.
 
 use kvtier_core::protocol::TierCode;
 use serde::Serialize;
@@ -396,10 +400,20 @@ pub fn kv_order(scores: &[Score], costs: &Costs, turn: Turn<'_>) -> (Vec<usize>,
                     ..s.clone()
                 })
                 .collect();
-            (
-                rank(&by_load, costs.tie_s, turn.rotation),
-                Placement::NewSession,
-            )
+            let balanced = rank(&by_load, costs.tie_s, turn.rotation);
+            // The prompt's own prefix, cached where the balance would not send it, wins when
+            // it saves much and costs the balance at most one session.
+            let find = |w: usize| scores.iter().find(|s| s.worker == w && s.healthy);
+            if let (Some(b), Some(best)) = (find(balanced[0]), find(by_ttft[0]))
+                && best.worker != b.worker
+                && best.cached_blocks > b.cached_blocks
+                && best.total_s * costs.affinity_ratio < b.total_s
+                && b.total_s - best.total_s >= costs.affinity_min_s
+                && homed(best.worker) <= homed(b.worker) + 1
+            {
+                return (by_ttft, Placement::ExpectedTtft);
+            }
+            (balanced, Placement::NewSession)
         }
         Home::At(h) => {
             let Some(home) = scores.iter().find(|s| s.worker == h && s.healthy) else {
@@ -897,14 +911,15 @@ mod tests {
     fn a_new_session_is_placed_by_load_not_by_a_shared_prefix() {
         // Worker 0 holds the 64-block harness every session starts with and has two requests
         // decoding; the others hold nothing and are idle. By expected TTFT the holder wins
-        // (1024 tokens saved, 341 ms); a new session goes by load.
+        // (1024 tokens saved, 341 ms, but not half the time once its queue counts); a new
+        // session goes by load.
         let s = three([64, 0, 0], [2, 0, 0], [0, 0, 0]);
         assert_eq!(kv(&s, Home::None).0[0], 0, "{s:#?}");
         let (o, p) = kv(&s, Home::New);
         assert_eq!(p, Placement::NewSession);
         assert_eq!(o, vec![1, 2, 0]);
-        // Equal load: ties rotate as usual.
-        let s = three([64, 0, 0], [0, 0, 0], [0, 0, 0]);
+        // Nothing cached, equal load: ties rotate as usual.
+        let s = three([0, 0, 0], [0, 0, 0], [0, 0, 0]);
         let turn = |rotation| Turn {
             rotation,
             home: Home::New,
@@ -914,6 +929,51 @@ mod tests {
             .map(|r| kv_order(&s, &Costs::default(), turn(r)).0[0])
             .collect();
         assert_eq!(firsts, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn a_new_session_goes_where_its_own_prefix_is_when_that_saves_much() {
+        // Worker 0 holds 110 of the prompt's 125 blocks (a conversation resumed under a new
+        // session id) and is home to one active session; 1 and 2 hold nothing and are home to
+        // none. Expected 0.14 s there against 0.67 s elsewhere: the prefix wins.
+        let s = three([110, 0, 0], [0, 0, 0], [0, 0, 0]);
+        let turn = |homed| Turn {
+            home: Home::New,
+            homed,
+            ..Turn::default()
+        };
+        assert_eq!(
+            kv_order(&s, &Costs::default(), turn(&[1, 0, 0])),
+            (vec![0, 1, 2], Placement::ExpectedTtft)
+        );
+        // Home to two sessions more than the others: the balance wins.
+        assert_eq!(
+            kv_order(&s, &Costs::default(), turn(&[2, 0, 0])),
+            (vec![1, 2, 0], Placement::NewSession)
+        );
+        // A prefix that saves less than half the time (the 64-block harness of the test
+        // above, with load on its holder): the balance wins even at equal counts.
+        let s = three([64, 0, 0], [2, 0, 0], [0, 0, 0]);
+        assert_eq!(
+            kv_order(&s, &Costs::default(), turn(&[0, 0, 0])).1,
+            Placement::NewSession
+        );
+        // Much sooner for its speed or queue, not for the prompt's prefix: the balance wins.
+        let s = three([0, 0, 0], [0, 4, 4], [0, 9000, 9000]);
+        assert_eq!(
+            kv_order(&s, &Costs::default(), turn(&[1, 0, 0])),
+            (vec![1, 2, 0], Placement::NewSession)
+        );
+        // The saving's floor: twice as soon but less than `affinity_min_s` sooner.
+        let s = three([110, 0, 0], [0, 0, 0], [0, 0, 0]);
+        let floor = Costs {
+            affinity_min_s: 1.0,
+            ..Costs::default()
+        };
+        assert_eq!(
+            kv_order(&s, &floor, turn(&[0, 0, 0])).1,
+            Placement::NewSession
+        );
     }
 
     #[test]

@@ -432,7 +432,8 @@ pub struct LimitsSection {
     pub max_payload_bytes: Size,
     /// Longest pin or reservation lease. Default: 30,000 ms.
     pub max_lease_ms: u64,
-    /// A connection idle this long between frames is closed. Default: 300 s.
+    /// A connection idle this long between frames is closed (not one holding an event
+    /// subscription: a subscriber only listens). Default: 300 s.
     pub idle_timeout_ms: u64,
     /// A frame must arrive whole within this once its first byte came. Default: 10,000 ms.
     pub frame_timeout_ms: u64,

@@ -463,16 +463,30 @@ impl Conn {
         let hello_deadline = self.hello_by;
         loop {
             let mut head = [0u8; HEADER_BYTES];
-            let wait = if authed {
-                tokio::time::Instant::now() + cfg.idle_timeout()
+            // A connection holding a subscription is not idle (the server writes events to
+            // it; a subscriber has nothing to say): no idle timeout, so a router's stream of a
+            // quiet server is not cut every `idle_timeout` (a peer that went away is found by
+            // the next event's write, or at once over a Unix socket).
+            let wait = if !authed {
+                Some(hello_deadline)
+            } else if self.subscriptions > 0 {
+                None
             } else {
-                hello_deadline
+                Some(tokio::time::Instant::now() + cfg.idle_timeout())
             };
-            let first = tokio::select! {
-                biased;
-                _ = self.shared.shutdown.cancelled() => return ReadEnd::Closed,
-                _ = self.out.closing.cancelled() => return ReadEnd::Dropped,
-                r = tokio::time::timeout_at(wait, rd.read(&mut head[..1])) => r,
+            let first = {
+                let read = async {
+                    match wait {
+                        Some(w) => tokio::time::timeout_at(w, rd.read(&mut head[..1])).await,
+                        None => Ok(rd.read(&mut head[..1]).await),
+                    }
+                };
+                tokio::select! {
+                    biased;
+                    _ = self.shared.shutdown.cancelled() => return ReadEnd::Closed,
+                    _ = self.out.closing.cancelled() => return ReadEnd::Dropped,
+                    r = read => r,
+                }
             };
             match first {
                 Ok(Ok(1)) => {}

@@ -231,3 +231,39 @@ async fn a_dead_server_is_a_miss_and_the_client_reconnects() {
     })
     .await;
 }
+
+/// A subscriber has nothing to say: its connection outlives `limits.idle_timeout_ms` and still
+/// gets the events, while a connection that only said hello is closed at the timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscribed_connection_is_not_idle() {
+    let srv = ServerProc::start(&["limits.idle_timeout_ms=300"]);
+    bounded(60, async {
+        let connect = || async {
+            let mut raw = Raw::new(tokio::net::TcpStream::connect(srv.tcp).await.unwrap());
+            assert!(matches!(raw.hello(TOKEN).await, Response::Hello(_)));
+            raw
+        };
+        let mut idle = connect().await;
+        let mut sub = connect().await;
+        sub.send(
+            &Request::Subscribe {
+                from_seq: None,
+                snapshot: false,
+            },
+            &[],
+        )
+        .await;
+        let (_, r, _) = sub.recv().await.unwrap();
+        assert!(matches!(r, Response::Subscribed { .. }), "{r:?}");
+        assert!(idle.closed_within(5).await, "the idle connection is closed");
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let c = srv.client("unix").await;
+        put_all(&c, &keys(b"quiet", 1, 1)).await;
+        let (_, r, _) = tokio::time::timeout(Duration::from_secs(5), sub.recv())
+            .await
+            .expect("an event within 5 s")
+            .expect("the subscribed connection is open");
+        assert!(matches!(r, Response::Events(_)), "{r:?}");
+    })
+    .await;
+}
