@@ -19,65 +19,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))
 
 from vllm_harness import (  # noqa: E402
+    AGENTIC_DEFAULT,
     REPO,
     ApiServer,
     KvtierServer,
     connector_config,
     free_dir,
     remove,
+    vllm_time_spent,
 )
-
-DEFAULT_AGENTIC = [
-    "--sessions", "8", "--concurrency", "4", "--turns-min", "4", "--turns-max", "8",
-    "--harness-tokens", "1024", "--task-tokens", "256", "--tool-tokens", "192",
-    "--output-tokens", "32", "--time-scale", "0.05", "--subagent-prob", "0",
-]  # fmt: skip
-
-
-# vLLM's Prometheus series that say where a side's time went (summed over their labels, except
-# the source of prompt tokens).
-_METRICS = (
-    "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total",
-    "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total",
-    "vllm:external_prefix_cache_hits_total",
-    "vllm:num_preemptions_total",
-    "vllm:request_queue_time_seconds_sum",
-    "vllm:request_prefill_time_seconds_sum",
-    "vllm:request_decode_time_seconds_sum",
-    "vllm:request_inference_time_seconds_sum",
-)
-
-
-def time_spent(base: str) -> dict[str, float]:
-    """A summary of ``base``'s /metrics: token counts by source, preemptions, and the seconds
-    its requests spent queued, in prefill and in decode (sums over requests)."""
-    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^([a-z_:]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
-        if not m:
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
-        if name == "vllm:prompt_tokens_by_source_total":
-            src = re.search(r'source="([^"]+)"', labels)
-            name = f"prompt_tokens[{src.group(1) if src else '?'}]"
-        elif name not in _METRICS:
-            continue
-        key = name.removeprefix("vllm:")
-        out[key] = round(out.get(key, 0.0) + value, 3)
-    return out
 
 
 def main() -> int:
@@ -108,7 +65,7 @@ def main() -> int:
             servers.append(ApiServer(model, cap, config, max_model_len=args.max_model_len))
             servers[-1].wait_healthy()
         off, on = servers
-        agentic = args.agentic or DEFAULT_AGENTIC
+        agentic = args.agentic or AGENTIC_DEFAULT
         if "--max-context" not in agentic:
             # A session ends where its next prompt would not fit vLLM's context.
             agentic = [*agentic, "--max-context", str(args.max_model_len)]
@@ -124,7 +81,7 @@ def main() -> int:
         print("load average after:", " ".join(f"{x:.2f}" for x in os.getloadavg()), flush=True)
         for name, api in (("vllm", off), ("vllm+kvtier", on)):
             try:
-                print(f"vLLM metrics ({name}):", time_spent(api.base), flush=True)
+                print(f"vLLM metrics ({name}):", vllm_time_spent(api.base), flush=True)
             except OSError as e:
                 print(f"vLLM metrics ({name}): unavailable: {e}", flush=True)
         for side in ("scheduler", "worker"):

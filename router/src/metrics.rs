@@ -1,7 +1,9 @@
 //! The router's Prometheus registry (the `prometheus` crate, as the server and the worker),
 //! served at `GET /metrics` in the classic text format.
 
-use prometheus::{Encoder, Histogram, HistogramOpts, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
 
 pub struct Metrics {
     registry: Registry,
@@ -45,6 +47,9 @@ pub struct Metrics {
     /// `placement` (expected_ttft, home, left_home, new_session): why the `kv` policy put its
     /// first worker first, per routed request.
     pub placements: IntCounterVec,
+    /// Requests forwarded to vLLM workers without keys: the router could not analyse them
+    /// (engine "vllm"; routed by load).
+    pub unanalysed: IntCounter,
     /// Parsing, tokenizing, hashing and scoring one request.
     pub decision_seconds: Histogram,
 }
@@ -206,6 +211,15 @@ impl Metrics {
                 "Requests routed by the kv policy, by why its first worker came first",
                 &["placement"],
             )?,
+            unanalysed: {
+                let c = IntCounter::new(
+                    "kvtier_router_unanalysed_total",
+                    "Requests forwarded to vLLM workers that the router could not analyse \
+                     (routed by load)",
+                )?;
+                r.register(Box::new(c.clone()))?;
+                c
+            },
             decision_seconds,
             registry: r,
         })

@@ -25,13 +25,13 @@ use kvtier_worker::api::{self, ApiError, Endpoint};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::RouterConfig;
+use crate::config::{Engine, RouterConfig};
 use crate::error::RouterError;
 use crate::events::{self, ServerView};
 use crate::load::Measured;
 use crate::metrics::Metrics;
 use crate::mismatch::{self, Streak, Verdict};
-use crate::prompt::{Analysed, PromptModel};
+use crate::prompt::{Analysed, KeySpace, PromptModel};
 use crate::recent::RecentRoutes;
 use crate::score::{self, Candidate, Home, Placement, Policy, Score};
 use crate::sessions::SessionHomes;
@@ -157,7 +157,19 @@ impl Router {
                 kvtier_core::HashSecret::development()
             }
         };
-        let prompt = PromptModel::new(model_config, tokenizer, config.model_name.clone(), secret)?;
+        let space = KeySpace {
+            engine: config.engine,
+            model_id: config.kv_model_id().to_owned(),
+            dtype: config.kv_dtype()?,
+            tensor_parallel_size: config.tensor_parallel_size,
+        };
+        let prompt = PromptModel::new(
+            model_config,
+            tokenizer,
+            config.model_name.clone(),
+            secret,
+            space,
+        )?;
         let metrics = Arc::new(Metrics::new()?);
         let cancel = CancellationToken::new();
         let mut tasks = Vec::new();
@@ -589,6 +601,7 @@ fn explain(app: &AppInner, d: &Decision) -> Value {
         })
         .collect();
     json!({
+        "engine": app.prompt.engine().as_str(),
         "prompt_tokens": d.analysed.prompt_tokens,
         "block_tokens": app.prompt.block_tokens(),
         "prompt_blocks": d.analysed.keys.len(),
@@ -685,7 +698,7 @@ async fn handle(
         }
     };
     let t = Instant::now();
-    let mut analysed = match app.prompt.analyse(&bytes, endpoint) {
+    let mut analysed = match analyse(&app, &bytes, endpoint) {
         Ok(a) => a,
         Err(e) => {
             outcome("client_error");
@@ -711,6 +724,21 @@ async fn handle(
     let (resp, o) = forward(&app, &d, bytes, path).await;
     outcome(o);
     resp
+}
+
+/// The request as the workers see it. A request kvtier-worker would refuse is refused here
+/// with its 4xx; one the router cannot analyse for vLLM (another validation, other limits) is
+/// forwarded without keys, routed by load, and vLLM answers it.
+fn analyse(app: &App, bytes: &[u8], endpoint: Endpoint) -> Result<Analysed, ApiError> {
+    match app.prompt.analyse(bytes, endpoint) {
+        Ok(a) => Ok(a),
+        Err(e) if app.prompt.engine() == Engine::Vllm => {
+            app.metrics.unanalysed.inc();
+            tracing::debug!(error = %e.message, "not analysed: forwarded, routed by load");
+            Ok(PromptModel::unanalysed(bytes))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// What the router has sent a worker and not seen answered: incremented when a request is
@@ -1109,7 +1137,7 @@ async fn debug_route(State(app): State<App>, headers: HeaderMap, body: Body) -> 
         Ok(v) if v.get("messages").is_some() => Endpoint::Chat,
         _ => Endpoint::Completions,
     };
-    let mut analysed = match app.prompt.analyse(&bytes, endpoint) {
+    let mut analysed = match analyse(&app, &bytes, endpoint) {
         Ok(a) => a,
         Err(e) => return e.into_response(),
     };

