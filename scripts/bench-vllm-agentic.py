@@ -32,6 +32,7 @@ from vllm_harness import (  # noqa: E402
     KvtierServer,
     connector_config,
     free_dir,
+    model_dir,
     remove,
     vllm_time_spent,
 )
@@ -46,14 +47,7 @@ def main() -> int:
     ap.add_argument("--bench", default=str(REPO / "target" / "release" / "kvtier-bench"))
     ap.add_argument("agentic", nargs="*", help="kvtier-bench agentic arguments (after --)")
     args = ap.parse_args()
-    model = Path(
-        subprocess.run(
-            [sys.executable, str(REPO / "scripts" / "fetch-model.py"), "--print-dir"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    )
+    model = model_dir()
     work = free_dir("kvtier-vllm-agentic-")
     srv = KvtierServer(work / "kvtier", dram="2GiB", nvme="8GiB")
     servers: list[ApiServer] = []

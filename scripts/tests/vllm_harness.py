@@ -50,6 +50,37 @@ def release_binary(package: str, env_var: str) -> Path:
     return target / "release" / package
 
 
+def listening(proc: subprocess.Popen, timeout: float) -> dict[str, str]:
+    """The ``NAME=ADDR`` pairs of the ``listening ...`` line a kvtier binary prints on stdout
+    when ready ({} if it exits or says nothing within ``timeout`` s). A thread keeps reading
+    stdout afterwards, so the process never blocks on a full pipe."""
+    found: dict[str, str] = {}
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("listening ") and not ready.is_set():
+                found.update(kv.split("=", 1) for kv in line.split()[1:])
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    ready.wait(timeout)
+    return found
+
+
+def model_dir() -> Path:
+    """The converted SmolLM2 directory (scripts/fetch-model.py: fetched on first use)."""
+    out = subprocess.run(
+        [sys.executable, str(SCRIPTS / "fetch-model.py"), "--print-dir"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return Path(out.stdout.strip())
+
+
 def server_binary() -> Path:
     """$KVTIER_SERVER_BIN, else the workspace's release kvtier-server (built when missing)."""
     return release_binary("kvtier-server", "KVTIER_SERVER_BIN")
@@ -101,19 +132,8 @@ class KvtierServer:
         self.proc = subprocess.Popen(
             args, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env
         )
-        ready = threading.Event()
-        found: dict[str, str] = {}
-
-        def read() -> None:
-            assert self.proc is not None and self.proc.stdout is not None
-            for line in self.proc.stdout:
-                if line.startswith("listening ") and not ready.is_set():
-                    found.update(kv.split("=", 1) for kv in line.split()[1:])
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(60) or not found:
+        found = listening(self.proc, 60)
+        if not found:
             self.kill()
             raise RuntimeError("kvtier-server did not report its endpoints within 60 s")
         self.endpoints = found
@@ -344,19 +364,8 @@ class Router:
         self.proc = subprocess.Popen(
             cmd + args, stdout=subprocess.PIPE, stderr=sys.stderr, text=True
         )
-        found: dict[str, str] = {}
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                if line.startswith("listening ") and not ready.is_set():
-                    found.update(kv.split("=", 1) for kv in line.split()[1:])
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(60) or "http" not in found:
+        found = listening(self.proc, 60)
+        if "http" not in found:
             self.stop()
             raise RuntimeError("kvtier-router did not report its address within 60 s")
         self.base = f"http://{found['http']}"
