@@ -4,8 +4,6 @@ converted by scripts/fetch-model.py, cached in ~/.cache/kvtier)."""
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -25,14 +23,9 @@ def load_script(file_name: str) -> ModuleType:
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The Hugging Face directory of SmolLM2-135M-Instruct (fetched on first use)."""
-    out = subprocess.run(
-        [sys.executable, str(SCRIPTS / "fetch-model.py"), "--print-dir"],
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, out.stderr
-    return Path(out.stdout.strip())
+    import vllm_harness
+
+    return vllm_harness.model_dir()
 
 
 @pytest.fixture(scope="session")

@@ -74,10 +74,12 @@ def model_dir() -> Path:
     """The converted SmolLM2 directory (scripts/fetch-model.py: fetched on first use)."""
     out = subprocess.run(
         [sys.executable, str(SCRIPTS / "fetch-model.py"), "--print-dir"],
-        check=True,
+        check=False,
         capture_output=True,
         text=True,
     )
+    if out.returncode != 0:
+        raise RuntimeError(f"fetch-model.py failed:\n{out.stderr}")
     return Path(out.stdout.strip())
 
 
