@@ -24,11 +24,13 @@ fn binary() -> PathBuf {
     p
 }
 
-fn free_port(host: &str) -> u16 {
-    TcpListener::bind((host, 0))
-        .and_then(|l| l.local_addr())
-        .expect("a free loopback port")
-        .port()
+/// Two distinct free ports on `host` (both held while chosen, so they differ). Another process
+/// may still take one before etcd binds it: [`Etcd::start_on`] then tries again.
+fn free_ports(host: &str) -> (u16, u16) {
+    let bind = || TcpListener::bind((host, 0)).expect("a free port");
+    let (a, b) = (bind(), bind());
+    let port = |l: &TcpListener| l.local_addr().expect("a bound port").port();
+    (port(&a), port(&b))
 }
 
 pub struct Etcd {
@@ -45,17 +47,26 @@ impl Etcd {
         Self::start_on("127.0.0.1").await
     }
 
-    /// Starts etcd listening on `host` (an address of the caller's network namespace).
+    /// Starts etcd listening on `host` (an address of the caller's network namespace). A port
+    /// taken between its choice and etcd's bind (tests start servers in parallel) makes etcd
+    /// exit at start: up to three tries, each on new ports and a fresh data dir.
     pub async fn start_on(host: &str) -> Etcd {
-        let mut e = Etcd {
-            child: None,
-            host: host.to_owned(),
-            client_port: free_port(host),
-            peer_port: free_port(host),
-            dir: tempfile::tempdir().unwrap(),
-        };
-        e.spawn().await;
-        e
+        let mut last = String::new();
+        for _ in 0..3 {
+            let (client_port, peer_port) = free_ports(host);
+            let mut e = Etcd {
+                child: None,
+                host: host.to_owned(),
+                client_port,
+                peer_port,
+                dir: tempfile::tempdir().unwrap(),
+            };
+            match e.try_spawn().await {
+                Ok(()) => return e,
+                Err(why) => last = why,
+            }
+        }
+        panic!("etcd did not start in three tries: {last}");
     }
 
     /// The client URL (`http://HOST:PORT`).
@@ -64,6 +75,13 @@ impl Etcd {
     }
 
     async fn spawn(&mut self) {
+        if let Err(why) = self.try_spawn().await {
+            panic!("{why}");
+        }
+    }
+
+    /// Starts etcd and waits (at most 20 s) until it is healthy; `Err` if it exited first.
+    async fn try_spawn(&mut self) -> Result<(), String> {
         let client = self.url();
         let peer = format!("http://{}:{}", self.host, self.peer_port);
         let child = Command::new(binary())
@@ -92,12 +110,13 @@ impl Etcd {
             if let Some(c) = self.child.as_mut()
                 && let Ok(Some(status)) = c.try_wait()
             {
-                panic!("etcd exited at start: {status}");
+                self.child = None;
+                return Err(format!("etcd exited at start: {status}"));
             }
             if let Ok(Some(body)) = tokio::time::timeout(Duration::from_secs(2), health(addr)).await
                 && body.contains("true")
             {
-                return;
+                return Ok(());
             }
             assert!(
                 Instant::now() < until,
