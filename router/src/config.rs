@@ -45,11 +45,21 @@ pub enum Engine {
 }
 
 impl Engine {
+    const ALL: [Engine; 2] = [Engine::Kvtier, Engine::Vllm];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Engine::Kvtier => "kvtier",
             Engine::Vllm => "vllm",
         }
+    }
+
+    /// The engine named as in the config file (`--engine`).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|e| e.as_str() == s)
+            .ok_or_else(|| format!("unknown engine {s:?} (kvtier, vllm)"))
     }
 }
 
@@ -486,6 +496,13 @@ mod tests {
         check(&format!("kv_model_id = \"\"\n{w}"), "kv_model_id");
         let e = RouterConfig::from_toml("engine = \"sglang\"").unwrap_err();
         assert!(e.to_string().contains("engine"), "{e}");
+        // The flag's names are the file's.
+        for e in Engine::ALL {
+            let toml = format!("engine = \"{}\"", e.as_str());
+            assert_eq!(RouterConfig::from_toml(&toml).unwrap().engine, e);
+            assert_eq!(Engine::parse(e.as_str()), Ok(e));
+        }
+        assert!(Engine::parse("sglang").is_err());
     }
 
     #[test]

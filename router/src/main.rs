@@ -131,11 +131,8 @@ fn config(a: Args) -> anyhow::Result<RouterConfig> {
         c.block_tokens = v;
     }
     if let Some(v) = a.engine {
-        c.engine = match v.as_str() {
-            "kvtier" => kvtier_router::config::Engine::Kvtier,
-            "vllm" => kvtier_router::config::Engine::Vllm,
-            other => anyhow::bail!("--engine: {other:?} is not kvtier or vllm"),
-        };
+        c.engine = kvtier_router::config::Engine::parse(&v)
+            .map_err(|e| anyhow::anyhow!("--engine: {e}"))?;
     }
     if let Some(v) = a.kv_model_id {
         c.kv_model_id = Some(v);
