@@ -523,7 +523,9 @@ class Etcd:
 
 def peer_metrics(admin: str) -> dict[str, float]:
     """Member `admin`'s counters of its requests to peer "a": fetch and lookup counts and
-    their summed seconds (kvtier_cluster_peer_request_seconds), and the block bytes fetched."""
+    their summed seconds (kvtier_cluster_peer_request_seconds; a "fetch" is one lookup's
+    fetch from "a", all its stripes, verified, and "fetch_stripe" its requests, not read
+    here), and the block bytes fetched."""
     text = urllib.request.urlopen(f"http://{admin}/metrics", timeout=10).read().decode()
     want = {
         ("kvtier_cluster_peer_request_seconds_sum", "fetch"): "fetch_s",

@@ -67,7 +67,8 @@ pub struct ServerSize {
 pub struct LookupLatency {
     pub blocks: usize,
     /// In process, on a store configured as the server child's, then over its Unix socket
-    /// with 1 and with 4 clients at once.
+    /// with 1 and with 4 clients at once, then the same request and reply bytes over a bare
+    /// Unix socket pair (1 and 4 at once: the floor on this machine).
     pub cases: Vec<LookupCase>,
     /// Round trip of a ping over the same socket (the floor under any request).
     pub ping_us_p50: f64,
@@ -1175,6 +1176,8 @@ async fn kvtier_case(
 
 /// The row name of the Unix-socket lookups (the ones the target is for).
 const UNIX_LOOKUP: &str = "unix socket";
+/// The row name of the bare-socket reference (the same bytes, no server).
+const RAW_UNIX: &str = "raw unix socket, same bytes";
 
 /// Hold budget of the lookup cases: room for every hold the clients' connections keep (up to
 /// 64 each), as on a server whose DRAM is large against one prompt; with the default (a
@@ -1236,12 +1239,110 @@ fn lookup_latency(s: &Settings, rt: &tokio::runtime::Runtime) -> Result<LookupLa
         for _ in 0..2000 {
             pings.record(c.ping().await?);
         }
+        // The physical reference: the same request and reply bytes over a bare socket.
+        let (req, reply) = lookup_frame_bytes(&k);
+        for clients in [1, LOOKUP_CLIENTS] {
+            let lat = raw_unix_round_trips(req, reply, clients, s.case_time())?;
+            cases.push(LookupCase {
+                path: RAW_UNIX.into(),
+                clients,
+                lookups: lat.count(),
+                latency_us_p50: lat.quantile_us(0.5),
+                latency_us_p99: lat.quantile_us(0.99),
+            });
+        }
         Ok(LookupLatency {
             blocks: s.lookup_blocks,
             cases,
             ping_us_p50: pings.quantile_us(0.5),
         })
     })
+}
+
+/// Bytes of a lookup of `keys` on the wire (header and metadata) and of its reply when all
+/// are cached (one tier byte a key).
+fn lookup_frame_bytes(keys: &[BlockKey]) -> (usize, usize) {
+    use kvtier_core::protocol::{HEADER_BYTES, KeyList, Request, Response};
+    let req = Request::Lookup(KeyList {
+        keys: keys.to_vec(),
+    })
+    .encode_meta()
+    .len();
+    let reply = Response::Lookup {
+        tiers: vec![TierCode::Dram as u8; keys.len()],
+        miss: 0,
+    }
+    .encode_meta()
+    .1
+    .len();
+    (HEADER_BYTES + req, HEADER_BYTES + reply)
+}
+
+/// Round trips of `req` bytes out and `reply` bytes back over a bare Unix stream socket
+/// pair, `clients` pairs at once, each end a thread blocking in read and write (no runtime,
+/// no frame parsing, no lookup): the floor under a lookup over the Unix socket on this
+/// machine. Threads of one process, which the kernel's socket path treats as it treats two
+/// processes.
+fn raw_unix_round_trips(
+    req: usize,
+    reply: usize,
+    clients: usize,
+    time: Duration,
+) -> Result<Latency> {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+    let mut ends = Vec::new();
+    for _ in 0..clients {
+        let (c, srv) = UnixStream::pair().context("a Unix socket pair")?;
+        for s in [&c, &srv] {
+            s.set_read_timeout(Some(OP_TIMEOUT))?;
+            s.set_write_timeout(Some(OP_TIMEOUT))?;
+        }
+        // The echoing end: reads a request, writes a reply, until the client end closes.
+        let echo = std::thread::spawn(move || -> std::io::Result<()> {
+            let mut srv = srv;
+            let (mut inb, out) = (vec![0u8; req], vec![1u8; reply]);
+            loop {
+                match srv.read_exact(&mut inb) {
+                    Ok(()) => srv.write_all(&out)?,
+                    Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                    Err(e) => return Err(e),
+                }
+            }
+        });
+        ends.push((c, echo));
+    }
+    let mut lat = Latency::new();
+    let clients: Vec<_> = ends
+        .into_iter()
+        .map(|(c, echo)| {
+            let client = std::thread::spawn(move || -> std::io::Result<Latency> {
+                let mut c = c;
+                let (out, mut inb) = (vec![2u8; req], vec![0u8; reply]);
+                let mut lat = Latency::new();
+                let t0 = Instant::now();
+                while t0.elapsed() < time || lat.count() < 10 {
+                    let t = Instant::now();
+                    c.write_all(&out)?;
+                    c.read_exact(&mut inb)?;
+                    lat.record(t.elapsed());
+                }
+                Ok(lat)
+            });
+            (client, echo)
+        })
+        .collect();
+    for (client, echo) in clients {
+        let l = client
+            .join()
+            .map_err(|_| anyhow!("a raw socket client panicked"))?
+            .context("a raw socket round trip")?;
+        lat.add(&l);
+        echo.join()
+            .map_err(|_| anyhow!("a raw socket echo panicked"))?
+            .context("a raw socket echo")?;
+    }
+    Ok(lat)
 }
 
 /// Lookups of all of `keys` on one connection for `time` (and at least 10).

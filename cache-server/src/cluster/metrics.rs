@@ -43,7 +43,8 @@ pub struct ClusterMetrics {
 /// Per-peer traffic of the data path.
 #[derive(Clone, Debug)]
 pub struct PeerMetrics {
-    /// Requests sent to a peer, by op (`lookup`, `fetch`, `offer`).
+    /// Requests sent to a peer, by op (`lookup`, `offer`; `fetch_stripe`: one request on one
+    /// connection; `fetch`: one lookup's fetch from the peer, all its stripes at once).
     pub requests: IntCounterVec,
     /// Blocks fetched from a peer that verified.
     pub fetched_blocks: IntCounterVec,
@@ -57,7 +58,8 @@ pub struct PeerMetrics {
     pub timeouts: IntCounterVec,
     /// Blocks offered to a peer (sent in a put).
     pub offered_blocks: IntCounterVec,
-    /// Latency of answered requests to a peer, by op.
+    /// Latency of answered requests to a peer, by op (a `fetch` only when all its stripes
+    /// came and verified).
     pub latency: HistogramVec,
 }
 
@@ -74,7 +76,7 @@ impl PeerMetrics {
         ] {
             let _ = v.remove_label_values(&[peer]);
         }
-        for op in ["lookup", "fetch", "offer"] {
+        for op in ["lookup", "fetch", "fetch_stripe", "offer"] {
             let _ = self.requests.remove_label_values(&[peer, op]);
             let _ = self.latency.remove_label_values(&[peer, op]);
         }

@@ -13,6 +13,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use futures_util::future::join_all;
 use kvtier_client::{Client, ClientConfig, FetchedInto, Miss};
 use kvtier_core::BlockKey;
 use kvtier_core::protocol::{PutEntry, PutStatus};
@@ -26,6 +27,14 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// How long a peer whose request failed or timed out is passed over for another owner.
 pub const SUSPECT_FOR: Duration = Duration::from_secs(1);
+/// Connections a fetch may stripe over, at most (kvtier-transfer's TCP backend opens as many
+/// a peer by default): a fetch is one request a connection, and one connection reads at
+/// about half the rate of several on loopback, the owner hashing a part's sums before it
+/// sends them and this node verifying them after.
+pub const FETCH_STREAMS: usize = 4;
+/// Block bytes a stripe carries, at least: smaller fetches go whole on one connection (a
+/// second request costs more than it saves).
+pub const STRIPE_MIN_BYTES: u64 = 512 << 10;
 
 /// A member to talk to: its id, its advertised data endpoint and the certificate to pin
 /// there (the record's: hex DER and the name it carries; "" over plain TCP).
@@ -52,7 +61,11 @@ impl PeerAddr {
 #[derive(Default)]
 struct Slot {
     endpoint: String,
-    client: Option<Client>,
+    /// Connections to the peer: the first for every request, more for striped fetches (at
+    /// most [`FETCH_STREAMS`]).
+    clients: Vec<Client>,
+    /// Connections being opened for striped fetches (not in `clients` yet).
+    opening: usize,
     retry_at: Option<Instant>,
     backoff: Duration,
     /// Passed over for another owner until then (a request failed or timed out).
@@ -133,7 +146,7 @@ impl PeerPool {
                     ..Slot::default()
                 };
             }
-            if let Some(c) = &slot.client {
+            if let Some(c) = slot.clients.first() {
                 return Ok(c.clone());
             }
             if slot.retry_at.is_some_and(|t| Instant::now() < t) {
@@ -142,6 +155,28 @@ impl PeerPool {
                 ));
             }
         }
+        let r = self.connect(peer).await;
+        let mut g = lock(&self.slots);
+        let slot = g.entry(peer.id.clone()).or_default();
+        match r {
+            Ok(c) => {
+                if slot.clients.len() < FETCH_STREAMS {
+                    slot.clients.push(c.clone());
+                }
+                slot.retry_at = None;
+                slot.backoff = Duration::ZERO;
+                Ok(c)
+            }
+            Err(e) => {
+                slot.backoff = (slot.backoff * 2).clamp(FIRST_BACKOFF, MAX_BACKOFF);
+                slot.retry_at = Some(Instant::now() + slot.backoff);
+                Err(e)
+            }
+        }
+    }
+
+    /// A new connection to `peer` (no bookkeeping; the caller bounds the time).
+    async fn connect(&self, peer: &PeerAddr) -> Result<Client, PeerFailure> {
         if peer.endpoint.is_empty() {
             return Err(PeerFailure::Failed("no advertised data endpoint".into()));
         }
@@ -163,22 +198,51 @@ impl PeerPool {
             };
             cfg = cfg.server_cert_der(der).server_name(peer.cert_name.clone());
         }
-        let r = Client::connect(&peer.endpoint, cfg).await;
-        let mut g = lock(&self.slots);
-        let slot = g.entry(peer.id.clone()).or_default();
-        match r {
-            Ok(c) => {
-                slot.client = Some(c.clone());
-                slot.retry_at = None;
-                slot.backoff = Duration::ZERO;
-                Ok(c)
+        Client::connect(&peer.endpoint, cfg)
+            .await
+            .map_err(|e| PeerFailure::Failed(e.to_string()))
+    }
+
+    /// Up to `n` connections to `peer` (at least one, or the failure of the first): opens
+    /// the ones missing that no other request is opening, in parallel; one that fails to
+    /// open is done without (the first is what says whether the peer is reachable).
+    async fn clients(&self, peer: &PeerAddr, n: usize) -> Result<Vec<Client>, PeerFailure> {
+        let first = self.client(peer).await?;
+        let n = n.clamp(1, FETCH_STREAMS);
+        let open = {
+            let mut g = lock(&self.slots);
+            match g.get_mut(&peer.id) {
+                Some(slot) => {
+                    let open = n.saturating_sub(slot.clients.len().max(1) + slot.opening);
+                    slot.opening += open;
+                    open
+                }
+                None => 0,
             }
-            Err(e) => {
-                slot.backoff = (slot.backoff * 2).clamp(FIRST_BACKOFF, MAX_BACKOFF);
-                slot.retry_at = Some(Instant::now() + slot.backoff);
-                Err(PeerFailure::Failed(e.to_string()))
+        };
+        if open > 0 {
+            let opened = join_all((0..open).map(|_| self.connect(peer))).await;
+            let mut g = lock(&self.slots);
+            if let Some(slot) = g.get_mut(&peer.id) {
+                slot.opening = slot.opening.saturating_sub(open);
+                if slot.endpoint == peer.endpoint {
+                    for c in opened.into_iter().flatten() {
+                        if slot.clients.len() < FETCH_STREAMS {
+                            slot.clients.push(c);
+                        }
+                    }
+                }
             }
         }
+        let g = lock(&self.slots);
+        let mut all = g
+            .get(&peer.id)
+            .map(|s| s.clients.iter().take(n).cloned().collect::<Vec<_>>())
+            .unwrap_or_default();
+        if all.is_empty() {
+            all.push(first);
+        }
+        Ok(all)
     }
 
     /// Runs `f` on `peer`'s client within the timeout, counting the request, its latency
@@ -192,11 +256,26 @@ impl PeerPool {
     where
         F: std::future::Future<Output = Result<T, PeerFailure>>,
     {
+        self.bounded_on(peer, op, 1, |mut c| f(c.swap_remove(0)))
+            .await
+    }
+
+    /// [`PeerPool::bounded`] with up to `streams` connections to `peer` (at least one).
+    async fn bounded_on<T, F>(
+        &self,
+        peer: &PeerAddr,
+        op: &'static str,
+        streams: usize,
+        f: impl FnOnce(Vec<Client>) -> F,
+    ) -> Result<T, PeerFailure>
+    where
+        F: std::future::Future<Output = Result<T, PeerFailure>>,
+    {
         let m = &self.metrics;
         m.requests.with_label_values(&[&peer.id, op]).inc();
         let t0 = Instant::now();
         let r = tokio::time::timeout(self.timeout, async {
-            let c = self.client(peer).await?;
+            let c = self.clients(peer, streams).await?;
             f(c).await
         })
         .await
@@ -232,40 +311,20 @@ impl PeerPool {
     }
 
     /// The blocks of the leading `keys` `peer` holds, read straight into `bufs` (one
-    /// block-sized buffer a key), with the sums it states (unverified: the caller verifies),
-    /// asked in as many requests as replies need.
+    /// block-sized buffer a key) over connection `stream` (see [`stripes`]; one that is not
+    /// open yet is shared with an open one), with the sums it states (unverified: the caller
+    /// verifies), asked in as many requests as replies need. Counted as a `fetch_stripe`.
     pub async fn fetch_into(
         &self,
         peer: &PeerAddr,
+        stream: usize,
         keys: &[BlockKey],
         bufs: &mut [&mut [u8]],
     ) -> Result<FetchedInto, PeerFailure> {
         let r = self
-            .bounded(peer, "fetch", |c| async move {
-                let mut all = FetchedInto {
-                    asked: keys.len(),
-                    blocks: 0,
-                    sums: Vec::new(),
-                    miss: None,
-                };
-                while all.blocks < keys.len() {
-                    let at = all.blocks;
-                    let f = c
-                        .fetch_into(&keys[at..], &mut bufs[at..])
-                        .await
-                        .map_err(|e| match Miss::from_error(&e) {
-                            Miss::Timeout => PeerFailure::Timeout,
-                            _ => PeerFailure::Failed(format!("fetch: {e}")),
-                        })?;
-                    let short = f.blocks < f.asked || f.blocks == 0;
-                    all.blocks += f.blocks;
-                    all.sums.extend(f.sums);
-                    if short {
-                        all.miss = f.miss.or(Some(Miss::NotCached));
-                        break;
-                    }
-                }
-                Ok(all)
+            .bounded_on(peer, "fetch_stripe", stream + 1, |clients| async move {
+                let c = &clients[stream % clients.len()];
+                fetch_all(c, keys, bufs).await
             })
             .await;
         if let Ok(f) = &r {
@@ -275,6 +334,19 @@ impl PeerPool {
                 .inc_by(f.blocks as u64 * self.block_bytes);
         }
         r
+    }
+
+    /// Counts one round of requests to `peer` made as a whole (a lookup's fetch from one
+    /// owner, all its stripes) as a request `op` taking `took`; its latency only when
+    /// `complete` (its stripes' failures are counted as theirs).
+    pub fn round(&self, op: &'static str, peer: &PeerAddr, took: Duration, complete: bool) {
+        let m = &self.metrics;
+        m.requests.with_label_values(&[&peer.id, op]).inc();
+        if complete {
+            m.latency
+                .with_label_values(&[&peer.id, op])
+                .observe(took.as_secs_f64());
+        }
     }
 
     /// Offers blocks to `peer` (a put; the entries are in chain order). Returns, for each
@@ -308,5 +380,95 @@ impl PeerPool {
                 .inc_by(held.iter().filter(|&&h| h).count() as u64);
         }
         r
+    }
+}
+
+/// The leading `keys` `c`'s server holds, into `bufs`, in as many requests as its replies
+/// need; stops at the first reply that comes back short.
+async fn fetch_all(
+    c: &Client,
+    keys: &[BlockKey],
+    bufs: &mut [&mut [u8]],
+) -> Result<FetchedInto, PeerFailure> {
+    let mut all = FetchedInto {
+        asked: keys.len(),
+        blocks: 0,
+        sums: Vec::new(),
+        miss: None,
+    };
+    while all.blocks < keys.len() {
+        let at = all.blocks;
+        let f = c.fetch_into(&keys[at..], &mut bufs[at..]).await.map_err(
+            |e| match Miss::from_error(&e) {
+                Miss::Timeout => PeerFailure::Timeout,
+                _ => PeerFailure::Failed(format!("fetch: {e}")),
+            },
+        )?;
+        let short = f.blocks < f.asked || f.blocks == 0;
+        all.blocks += f.blocks;
+        all.sums.extend(f.sums);
+        if short {
+            all.miss = f.miss.or(Some(Miss::NotCached));
+            break;
+        }
+    }
+    Ok(all)
+}
+
+/// How a fetch of `n` blocks of `block_bytes` is cut: contiguous ranges in chain order, one
+/// a connection, each of at least [`STRIPE_MIN_BYTES`] (a single block is never split), at
+/// most [`FETCH_STREAMS`] of them.
+pub fn stripes(n: usize, block_bytes: u64) -> Vec<std::ops::Range<usize>> {
+    let bytes = n as u64 * block_bytes;
+    let by_size = (bytes / STRIPE_MIN_BYTES).max(1) as usize;
+    even_cuts(n, by_size.min(FETCH_STREAMS))
+}
+
+/// `0..n` cut into `k` contiguous ranges (at most `n`, at least one) whose lengths differ by
+/// at most one, the longer first.
+fn even_cuts(n: usize, k: usize) -> Vec<std::ops::Range<usize>> {
+    let k = k.clamp(1, n.max(1));
+    let (per, extra) = (n / k, n % k);
+    let mut at = 0;
+    (0..k)
+        .map(|i| {
+            let len = per + usize::from(i < extra);
+            let r = at..at + len;
+            at += len;
+            r
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stripes_cover_the_fetch_in_order_and_never_split_a_block() {
+        const K: u64 = 1 << 10;
+        // (blocks, block bytes) -> stripe lengths
+        for (n, bb, want) in [
+            (0, 2048 * K, vec![0]),
+            (1, 2048 * K, vec![1]),
+            (16, 32 * K, vec![16]),           // 512 KiB: one stripe
+            (17, 32 * K, vec![17]),           // just over: still one (544 KiB / 512)
+            (32, 32 * K, vec![16, 16]),       // 1 MiB: two
+            (16, 256 * K, vec![4, 4, 4, 4]),  // 4 MiB: four
+            (16, 2048 * K, vec![4, 4, 4, 4]), // 32 MiB: at most FETCH_STREAMS
+            (3, 2048 * K, vec![1, 1, 1]),     // never more stripes than blocks
+            (10, 2048 * K, vec![3, 3, 2, 2]), // the longer first
+        ] {
+            let s = stripes(n, bb);
+            let lens: Vec<usize> = s.iter().map(|r| r.len()).collect();
+            assert_eq!(lens, want, "{n} blocks of {bb} bytes");
+            let mut at = 0;
+            for r in &s {
+                assert_eq!(r.start, at, "contiguous");
+                at = r.end;
+            }
+            assert_eq!(at, n, "covers every block");
+            assert!(s.len() <= FETCH_STREAMS);
+        }
     }
 }

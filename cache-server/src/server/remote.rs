@@ -32,7 +32,7 @@ use super::conn::{admit, reserve_waiting};
 use super::tenants::Ns;
 use crate::cluster::ClusterNode;
 use crate::cluster::chain::{self, ChainIndex, RunAsk};
-use crate::cluster::peers::{PeerAddr, PeerPool};
+use crate::cluster::peers::{self, PeerAddr, PeerPool};
 use crate::store::Reservation;
 
 /// Puts remembered for placing their children (two generations of this many).
@@ -205,41 +205,13 @@ impl Remote {
             }
         }
         let mut set = JoinSet::new();
-        for (i, mut ask) in asks.into_iter().enumerate() {
+        for (i, ask) in asks.into_iter().enumerate() {
             if ask.is_empty() {
                 continue;
             }
             let (pool, peer) = (self.pool.clone(), peers[i].clone());
-            let list: Vec<BlockKey> = ask.iter().map(|(p, _)| keys[*p]).collect();
-            let bb = s.block_bytes;
-            set.spawn(async move {
-                let mut bufs: Vec<&mut [u8]> = ask.iter_mut().map(|(_, r)| r.bytes_mut()).collect();
-                let ok = match pool.fetch_into(&peer, &list, &mut bufs).await {
-                    Ok(f) => {
-                        let n = f.blocks.min(bufs.len());
-                        let ok = chain::verified(&list[..n], &bufs[..n], &f.sums, bb);
-                        if ok < n {
-                            pool.metrics()
-                                .bad_blocks
-                                .with_label_values(&[&peer.id])
-                                .inc();
-                            tracing::warn!(
-                                peer = %peer.id,
-                                "a block fetched from a peer failed verification (length or \
-                                 checksum); dropped, not served"
-                            );
-                        }
-                        pool.metrics()
-                            .fetched_blocks
-                            .with_label_values(&[&peer.id])
-                            .inc_by(ok as u64);
-                        ok
-                    }
-                    Err(_) => 0,
-                };
-                drop(bufs);
-                (ask, ok)
-            });
+            let keys: Vec<BlockKey> = ask.iter().map(|(p, _)| keys[*p]).collect();
+            set.spawn(fetch_owner(pool, peer, keys, ask, s.block_bytes));
         }
         while let Some(r) = set.join_next().await {
             if let Ok((ask, ok)) = r {
@@ -409,7 +381,136 @@ impl Remote {
     }
 }
 
-/// The keys each peer is asked for: its runs' keys up to position `end`, in chain order.
+/// Blocks asked of an owner: their positions in the chain and their reservations here.
+type Asked = Vec<(usize, Reservation)>;
+
+/// One owner's part of a remote lookup: its blocks (`keys`, in chain order, with their
+/// reservations here) fetched in stripes over several connections at once
+/// ([`peers::stripes`]), each stripe verified as it lands (on the blocking pool when large,
+/// while the other stripes still arrive). Returns the reservations, in order, and how many
+/// lead the chain filled and verified: the leading blocks up to the first stripe that came
+/// short, failed or did not check out. Counts the whole round as one `fetch` of `peer`.
+async fn fetch_owner(
+    pool: Arc<PeerPool>,
+    peer: PeerAddr,
+    keys: Vec<BlockKey>,
+    mut ask: Vec<(usize, Reservation)>,
+    block_bytes: usize,
+) -> (Vec<(usize, Reservation)>, usize) {
+    let t0 = Instant::now();
+    let cuts = peers::stripes(ask.len(), block_bytes as u64);
+    // Split from the back so each stripe owns its reservations.
+    let mut stripes = Vec::with_capacity(cuts.len());
+    for r in cuts.iter().rev() {
+        stripes.push((r.start, ask.split_off(r.start), keys[r.clone()].to_vec()));
+    }
+    let mut done: Vec<(usize, Asked, Option<usize>)> = Vec::new();
+    if stripes.len() == 1 {
+        // One stripe: fetched right here (a task of its own would cost a hand-off).
+        let (start, part, list) = stripes.pop().expect("one stripe");
+        let (part, ok) = fetch_stripe(&pool, &peer, 0, true, list, part, block_bytes).await;
+        done.push((start, part, ok));
+    } else {
+        let mut set = JoinSet::new();
+        for (stream, (start, part, list)) in stripes.into_iter().rev().enumerate() {
+            let (pool, peer) = (pool.clone(), peer.clone());
+            set.spawn(async move {
+                let (part, ok) =
+                    fetch_stripe(&pool, &peer, stream, false, list, part, block_bytes).await;
+                (start, part, ok)
+            });
+        }
+        while let Some(r) = set.join_next().await {
+            if let Ok(d) = r {
+                done.push(d);
+            }
+        }
+    }
+    done.sort_by_key(|(start, _, _)| *start);
+    let ok = leading_verified(done.iter().map(|(start, part, n)| (*start, part.len(), *n)));
+    let out: Vec<(usize, Reservation)> = done.into_iter().flat_map(|(_, part, _)| part).collect();
+    pool.round("fetch", &peer, t0.elapsed(), ok == keys.len());
+    (out, ok)
+}
+
+/// How many blocks lead a striped fetch filled and verified, from its stripes' (start, length,
+/// verified count or `None` when the fetch failed) sorted by start (a stripe whose task died
+/// is missing): the stripes in order up to the first that is missing, failed or short, and
+/// that one's verified blocks.
+fn leading_verified(done: impl Iterator<Item = (usize, usize, Option<usize>)>) -> usize {
+    let mut ok = 0;
+    for (start, len, n) in done {
+        if start != ok {
+            break; // the stripe before this one is missing
+        }
+        ok += n.unwrap_or(0).min(len);
+        if n != Some(len) {
+            break;
+        }
+    }
+    ok
+}
+
+/// Stripes at most this large are verified on the runtime worker (XXH3 over 512 KiB is tens
+/// of µs, less than a hand-off to the blocking pool); so is the only stripe of a fetch, which
+/// has no other stripe's transfer to overlap with (as before fetches were striped).
+const INLINE_VERIFY_BYTES: usize = 512 << 10;
+
+/// One stripe of [`fetch_owner`] on connection `stream` (`alone`: the fetch's only one):
+/// fetched into its reservations, then verified. `None` when the fetch failed; else how many leading blocks verified.
+async fn fetch_stripe(
+    pool: &PeerPool,
+    peer: &PeerAddr,
+    stream: usize,
+    alone: bool,
+    list: Vec<BlockKey>,
+    mut part: Vec<(usize, Reservation)>,
+    block_bytes: usize,
+) -> (Vec<(usize, Reservation)>, Option<usize>) {
+    let fetched = {
+        let mut bufs: Vec<&mut [u8]> = part.iter_mut().map(|(_, r)| r.bytes_mut()).collect();
+        pool.fetch_into(peer, stream, &list, &mut bufs).await
+    };
+    let Ok(f) = fetched else {
+        return (part, None);
+    };
+    let n = f.blocks.min(part.len());
+    let verify = move |mut part: Vec<(usize, Reservation)>| {
+        let bufs: Vec<&[u8]> = part
+            .iter_mut()
+            .take(n)
+            .map(|(_, r)| &*r.bytes_mut())
+            .collect();
+        let ok = chain::verified(&list[..n], &bufs, &f.sums, block_bytes);
+        (part, ok)
+    };
+    let (part, ok) = if alone || n * block_bytes <= INLINE_VERIFY_BYTES {
+        verify(part)
+    } else {
+        match tokio::task::spawn_blocking(move || verify(part)).await {
+            Ok(r) => r,
+            // The verifying thread panicked: its reservations are gone with it.
+            Err(_) => return (Vec::new(), None),
+        }
+    };
+    if ok < n {
+        pool.metrics()
+            .bad_blocks
+            .with_label_values(&[&peer.id])
+            .inc();
+        tracing::warn!(
+            peer = %peer.id,
+            "a block fetched from a peer failed verification (length or checksum); \
+             dropped, not served"
+        );
+    }
+    pool.metrics()
+        .fetched_blocks
+        .with_label_values(&[&peer.id])
+        .inc_by(ok as u64);
+    (part, Some(ok))
+}
+
 /// A fetched block's place in this node's store during a remote lookup.
 enum Slot {
     /// Reserved, waiting for its bytes.
@@ -422,6 +523,7 @@ enum Slot {
     Own,
 }
 
+/// The keys each peer is asked for: its runs' keys up to position `end`, in chain order.
 fn key_lists(runs: &[RunAsk], keys: &[BlockKey], peers: usize, end: usize) -> Vec<Vec<BlockKey>> {
     let mut lists = vec![Vec::new(); peers];
     for r in runs {
@@ -512,5 +614,35 @@ async fn send_offer(
             r.guests(s, &handed);
         }
         Err(e) => tracing::debug!(peer = %owner.id, "an offer of {n} blocks failed: {e:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::leading_verified;
+
+    #[test]
+    fn a_striped_fetch_counts_up_to_its_first_gap() {
+        let all = |d: &[(usize, usize, Option<usize>)]| leading_verified(d.iter().copied());
+        // Four stripes of 4, all verified.
+        let whole = [
+            (0, 4, Some(4)),
+            (4, 4, Some(4)),
+            (8, 4, Some(4)),
+            (12, 4, Some(4)),
+        ];
+        assert_eq!(all(&whole), 16);
+        // The second came short (2 of 4): the later ones do not count, though verified.
+        assert_eq!(all(&[(0, 4, Some(4)), (4, 4, Some(2)), (8, 4, Some(4))]), 6);
+        // The second failed.
+        assert_eq!(all(&[(0, 4, Some(4)), (4, 4, None), (8, 4, Some(4))]), 4);
+        // The second is missing (its task died): the third starts past the gap.
+        assert_eq!(all(&[(0, 4, Some(4)), (8, 4, Some(4))]), 4);
+        // The first is missing, or failed: nothing.
+        assert_eq!(all(&[(4, 4, Some(4))]), 0);
+        assert_eq!(all(&[(0, 4, None), (4, 4, Some(4))]), 0);
+        // A stripe whose verification panicked comes back empty and failed.
+        assert_eq!(all(&[(0, 4, Some(4)), (4, 0, None)]), 4);
+        assert_eq!(all(&[]), 0);
     }
 }

@@ -275,6 +275,60 @@ async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
     .await;
 }
 
+/// A lookup whose blocks on one owner come to more than 1 MiB fetches them in stripes, each
+/// a request on its own connection to that owner, all at once; every stripe is verified and
+/// the whole prefix is found and read back byte-equal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_fetch_comes_in_verified_stripes() {
+    bounded(90, async {
+        let etcd = Etcd::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let secret = secret_file(dir.path(), SECRET);
+        let extra = [
+            "cluster.run_blocks=8",
+            "cluster.head_blocks=0",
+            "cluster.peer_timeout_ms=2000",
+            "store.dram_bytes=\"16MiB\"",
+        ];
+        let a = member_with(&etcd, "a", 5, &secret, &extra);
+        let b = member_with(&etcd, "b", 5, &secret, &extra);
+        for s in [&a, &b] {
+            until_view(s, &["a", "b"], Duration::from_secs(15)).await;
+        }
+        let members = [("a", &a), ("b", &b)];
+        // 4 MiB of 4 KiB blocks, about half of it in runs a owns.
+        let chain = keys(b"striped", 1024, 5);
+        put_all(&a.client("tcp").await, &chain).await;
+        let owners = run_owners(&a, &chain).await;
+        until_offered(&members, "a", &chain, &owners).await;
+        let on_a = owners.iter().filter(|o| *o == "a").count() * RUN * BLOCK;
+        assert!(on_a > 1 << 20, "a owns {on_a} bytes of the chain");
+        let cl = b.client("tcp").await;
+        let l = cl.lookup(&chain).await;
+        assert_eq!(l.tiers.len(), chain.len(), "{l:?}");
+        assert_eq!(get_verified(&cl, &chain).await, chain.len());
+        let m = http_get(b.admin, "/metrics").await.1;
+        let req = |op: &str| {
+            labelled(
+                &m,
+                "kvtier_cluster_peer_requests_total",
+                &format!("op=\"{op}\",peer=\"a\""),
+            )
+        };
+        assert_eq!(req("fetch"), 1.0, "{m}");
+        assert!(req("fetch_stripe") >= 2.0, "{m}");
+        assert_eq!(
+            labelled(&m, "kvtier_cluster_peer_bad_blocks_total", "peer=\"a\""),
+            0.0
+        );
+        assert_eq!(
+            metric(&m, "kvtier_cluster_remote_hits_total") as usize,
+            on_a / BLOCK
+        );
+    })
+    .await;
+}
+
 /// Chains that share their first block (a system prompt) and diverge after it. With the
 /// head of a chain placed per block (`cluster.head_blocks`), each head block goes to its own
 /// key's owner, so the chains spread over the members instead of all following the shared
