@@ -392,6 +392,41 @@ fn pin_read_lends_pinned_bytes_and_unpins_on_drop() {
     s.check_consistency().unwrap();
 }
 
+/// The sum a cluster peer's fetch is told is kept per DRAM slot once computed, and forgotten
+/// whenever the slot is written again: the same key stored again with other bytes (a put, a
+/// reservation filled in place) is hashed afresh, never answered with the old sum.
+#[test]
+fn a_kept_block_sum_is_forgotten_when_its_slot_is_written() {
+    use kvtier_core::protocol::block_sum;
+    let (s, _) = TieredStore::open(config(1, None)).unwrap();
+    let k = key(1);
+    let first = data(k);
+    s.put(k, None, &first).unwrap();
+    let p = s.pin_read(&[k]);
+    assert_eq!(p.kept_sums(), None, "nothing kept before a first fetch");
+    assert_eq!(p.sums(), vec![block_sum(&k, &first)]);
+    assert_eq!(p.kept_sums(), Some(vec![block_sum(&k, &first)]));
+    drop(p);
+    // Stored again in the one slot, with other bytes, through a put.
+    assert!(s.remove(&k));
+    let second = vec![9u8; first.len()];
+    s.put(k, None, &second).unwrap();
+    let p = s.pin_read(&[k]);
+    assert_eq!(p.kept_sums(), None, "the put forgot the kept sum");
+    assert_eq!(p.sums(), vec![block_sum(&k, &second)]);
+    drop(p);
+    // And through a reservation filled in place.
+    assert!(s.remove(&k));
+    let mut r = s.reserve(k, None).unwrap();
+    r.bytes_mut().fill(5);
+    r.commit().unwrap();
+    let p = s.pin_read(&[k]);
+    assert_eq!(p.kept_sums(), None, "the reservation forgot the kept sum");
+    assert_eq!(p.sums(), vec![block_sum(&k, &vec![5u8; first.len()])]);
+    drop(p);
+    s.check_consistency().unwrap();
+}
+
 #[test]
 fn events_follow_every_change_of_place() {
     use kvtier_server::{StoreEvent, StoreEventKind as K};

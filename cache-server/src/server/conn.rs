@@ -17,7 +17,7 @@ use kvtier_core::BlockKey;
 use kvtier_core::protocol::{
     ErrorCode, ErrorReply, Events, FetchReply, FrameError, HEADER_BYTES, Header, Hello, HelloReply,
     MIN_VERSION, MissCode, Opcode, PinReply, PinnedSlot, PutEntry, PutReply, PutStatus, Request,
-    ReserveReply, ReservedSlot, Response, RetainReply, RetainStatus, VERSION, block_sum, flags,
+    ReserveReply, ReservedSlot, Response, RetainReply, RetainStatus, VERSION, flags,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
@@ -1414,31 +1414,27 @@ impl Job {
                     .collect();
                 let miss = miss_code(pinned.miss());
                 let (pinned, r) = if fetch {
-                    // Each block's sum over its key and bytes (the peer verifies on arrival).
-                    // A small reply is hashed here (tens of µs); a larger one on the blocking
-                    // pool, since a reply may be hundreds of MiB.
-                    let sum = |p: &PinnedRead| -> Vec<u64> {
-                        p.blocks()
-                            .iter()
-                            .enumerate()
-                            .map(|(i, b)| block_sum(&b.key, p.bytes(i)))
-                            .collect()
-                    };
+                    // Each block's sum over its key and bytes (the peer verifies on arrival),
+                    // kept per DRAM slot once computed. What is not kept yet is hashed here
+                    // when small (tens of µs); a larger reply on the blocking pool, since a
+                    // reply may be hundreds of MiB.
                     let bytes = pinned.blocks().len() * s.block_bytes;
-                    let (pinned, sums) = if bytes <= INLINE_SUM_BYTES {
-                        let sums = sum(&pinned);
-                        (pinned, sums)
-                    } else {
-                        match self
+                    let (pinned, sums) = match pinned.kept_sums() {
+                        Some(sums) => (pinned, sums),
+                        None if bytes <= INLINE_SUM_BYTES => {
+                            let sums = pinned.sums();
+                            (pinned, sums)
+                        }
+                        None => match self
                             .blocking(move || {
-                                let sums = sum(&pinned);
+                                let sums = pinned.sums();
                                 (pinned, sums)
                             })
                             .await
                         {
                             Ok(x) => x,
                             Err(o) => return o,
-                        }
+                        },
                     };
                     (pinned, Response::Fetch(FetchReply { tiers, miss, sums }))
                 } else {

@@ -4,6 +4,7 @@
 use crate::error::StoreError;
 use crate::tier::SlotId;
 use kvtier_core::BlockKey;
+use kvtier_core::protocol::block_sum;
 use std::sync::Arc;
 
 use super::Inner;
@@ -26,6 +27,29 @@ impl PinnedRead {
     /// Why the prefix stopped, when it is shorter than the keys asked for.
     pub fn miss(&self) -> Option<MissReason> {
         self.miss
+    }
+
+    /// Each pinned block's sum over its key and bytes (`block_sum`, what a cluster peer's
+    /// fetch is told), reusing the one the DRAM tier kept since the slot was last written and
+    /// keeping the ones it computes.
+    pub fn sums(&self) -> Vec<u64> {
+        let dram = &self.inner.dram;
+        (0..self.blocks.len())
+            .map(|i| {
+                let b = &self.blocks[i];
+                dram.kept_sum(b.slot).unwrap_or_else(|| {
+                    let s = block_sum(&b.key, self.bytes(i));
+                    dram.keep_sum(b.slot, s);
+                    s
+                })
+            })
+            .collect()
+    }
+
+    /// [`PinnedRead::sums`] when every one was kept (nothing to hash), else `None`.
+    pub fn kept_sums(&self) -> Option<Vec<u64>> {
+        let dram = &self.inner.dram;
+        self.blocks.iter().map(|b| dram.kept_sum(b.slot)).collect()
     }
 
     /// The bytes of the `i`-th pinned block, read in place.

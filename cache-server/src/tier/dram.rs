@@ -16,6 +16,7 @@ use kvtier_core::BlockKey;
 use memmap2::MmapRaw;
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, FromRawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use super::published::Published;
 use super::slot_lock::SlotTable;
@@ -66,6 +67,11 @@ pub struct DramTier {
     meta: SlotTable,
     /// The slot table local clients read blocks through without a message.
     published: Published,
+    /// Each slot's block sum (XXH3-64 over key and bytes, what a cluster peer's fetch is
+    /// told), kept once computed and forgotten at the start of every write into the slot and
+    /// at its erase: see [`DramTier::kept_sum`].
+    sums: Box<[AtomicU64]>,
+    sum_kept: Box<[AtomicBool]>,
 }
 
 fn config_err(setting: &'static str, reason: impl Into<String>) -> TierError {
@@ -149,6 +155,8 @@ impl DramTier {
             })?;
         Ok(Self {
             published,
+            sums: (0..slots).map(|_| AtomicU64::new(0)).collect(),
+            sum_kept: (0..slots).map(|_| AtomicBool::new(false)).collect(),
             file,
             read_only,
             map,
@@ -185,6 +193,30 @@ impl DramTier {
         u64::from(slot.0) * self.slot_bytes as u64
     }
 
+    /// The sum kept for the block in `slot`, if one was kept since the slot was last written.
+    /// The caller holds a pin on the committed slot, so no write starts meanwhile: a sum kept
+    /// under an earlier pin of the same committed block is this block's.
+    pub(crate) fn kept_sum(&self, slot: SlotId) -> Option<u64> {
+        let i = slot.0 as usize;
+        self.sum_kept[i]
+            .load(Ordering::Acquire)
+            .then(|| self.sums[i].load(Ordering::Relaxed))
+    }
+
+    /// Keeps `sum` for the block in `slot`, which the caller computed from the slot's bytes
+    /// while holding a pin on it (so before any later write forgets it).
+    pub(crate) fn keep_sum(&self, slot: SlotId, sum: u64) {
+        let i = slot.0 as usize;
+        self.sums[i].store(sum, Ordering::Relaxed);
+        self.sum_kept[i].store(true, Ordering::Release);
+    }
+
+    fn forget_sum(&self, slot: SlotId) {
+        if let Some(k) = self.sum_kept.get(slot.0 as usize) {
+            k.store(false, Ordering::Release);
+        }
+    }
+
     /// Fills `slot` in place: `fill` gets the slot's first `len` bytes (page aligned) and the
     /// block becomes readable as `key` only if it returns `Ok`.
     pub fn write_with<E>(
@@ -196,8 +228,9 @@ impl DramTier {
     ) -> Result<Result<(), E>, TierError> {
         self.check(slot, len)?;
         let w = self.meta.write(slot)?;
-        // A slot being written is never readable in place.
+        // A slot being written is never readable in place, and its kept sum is stale.
         self.published.unpublish(slot);
+        self.forget_sum(slot);
         // SAFETY: the slot's range [offset, offset + len) lies inside the mapping (checked
         // above: slot < slots and len <= slot_bytes), and the write guard makes this the only
         // reference into that range in this process until it is dropped.
@@ -245,6 +278,7 @@ impl DramTier {
     pub(crate) unsafe fn slot_bytes_in_place_mut(&self, slot: SlotId, len: usize) -> &mut [u8] {
         assert!(slot.0 < self.slots && len <= self.slot_bytes, "slot range");
         self.published.unpublish(slot);
+        self.forget_sum(slot);
         // SAFETY: in bounds (asserted); the caller guarantees exclusivity.
         unsafe {
             std::slice::from_raw_parts_mut(
@@ -325,6 +359,7 @@ impl Tier for DramTier {
     fn erase(&self, slot: SlotId) -> Result<(), TierError> {
         self.check(slot, 0)?;
         self.published.unpublish(slot);
+        self.forget_sum(slot);
         self.meta.erase(slot)
     }
 
