@@ -335,10 +335,18 @@ pub struct FetchedInto {
     /// How many keys were asked (as many as fit one reply).
     pub asked: usize,
     pub blocks: usize,
+    /// The sums the server states, one a block returned.
     pub sums: Vec<u64>,
+    /// Each returned block's [`kvtier_core::protocol::block_sum`] over its key and the bytes
+    /// that arrived, computed piece by piece as they were read: the block is what the server
+    /// summed where `arrived[i] == sums[i]`.
+    pub arrived: Vec<u64>,
     /// Why it stopped before `asked` (None: every key asked was returned).
     pub miss: Option<Miss>,
 }
+
+/// Bytes of a fetched block read and summed at a time (see [`Client::fetch_into`]).
+const SUM_PIECE_BYTES: usize = 256 << 10;
 
 /// The result of a put: one status per block sent, and why the rest were not sent.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -849,8 +857,9 @@ impl Client {
     }
 
     /// [`Client::fetch`] straight into `bufs` (one block-sized buffer per key): the payload
-    /// is read from the connection into them, with no copy of its own. Asks as many keys as
-    /// one reply may carry (`asked`); the first `blocks` buffers are filled.
+    /// is read from the connection into them, with no copy of its own, and each block summed
+    /// as it arrives (`arrived`, to compare with the stated `sums`). Asks as many keys as one
+    /// reply may carry (`asked`); the first `blocks` buffers are filled.
     pub async fn fetch_into(
         &self,
         keys: &[BlockKey],
@@ -878,10 +887,18 @@ impl Client {
                 f.sums.len()
             )));
         }
+        // Each block is summed a piece at a time as it is read, while the rest is still on
+        // its way, instead of all of it after the last byte.
+        let mut arrived = Vec::with_capacity(m);
         let read = async {
             if let Some(p) = payload.as_mut() {
-                for b in bufs.iter_mut().take(m) {
-                    p.read_exact(b).await?;
+                for (b, key) in bufs.iter_mut().take(m).zip(keys) {
+                    let mut sum = kvtier_core::protocol::BlockSum::new(key);
+                    for piece in b.chunks_mut(SUM_PIECE_BYTES) {
+                        p.read_exact(piece).await?;
+                        sum.update(piece);
+                    }
+                    arrived.push(sum.digest());
                 }
             }
             Ok::<(), ClientError>(())
@@ -894,6 +911,7 @@ impl Client {
             asked: n,
             blocks: m,
             sums: f.sums,
+            arrived,
             miss,
         })
     }

@@ -4,12 +4,11 @@
 //!
 //! **Invariant:** a remote prefix extends only through blocks every earlier block of which
 //! is present (locally or at its owner): [`combine`] walks the runs in chain order and stops
-//! at the first gap, and [`verified`] stops at the first block that does not check out.
+//! at the first gap, and [`matched`] stops at the first block that does not check out.
 
 use std::collections::HashMap;
 
 use kvtier_core::BlockKey;
-use kvtier_core::protocol::block_sum;
 
 use super::placement::Runs;
 
@@ -82,22 +81,15 @@ pub fn combine(runs: &[RunAsk], present: &[Option<usize>]) -> usize {
     total
 }
 
-/// How many leading blocks of a fetch reply check out: block `i` has exactly `block_bytes`
-/// bytes and its stated sum is [`block_sum`] of `keys[i]` and its bytes. Stops at the first
-/// that does not (a wrong block is never stored, and nothing after it either).
-pub fn verified<B: AsRef<[u8]>>(
-    keys: &[BlockKey],
-    blocks: &[B],
-    sums: &[u64],
-    block_bytes: usize,
-) -> usize {
-    keys.iter()
-        .zip(blocks)
-        .zip(sums)
-        .take_while(|((k, b), s)| {
-            let b = b.as_ref();
-            b.len() == block_bytes && block_sum(k, b) == **s
-        })
+/// How many leading blocks of a fetch reply check out: block `i`'s sum over the key asked
+/// for it and the bytes that arrived (`arrived`, computed by the SDK as they were read, over
+/// exactly a block's length) is the one its owner states (`stated`). Stops at the first that
+/// does not (a wrong block is never stored, and nothing after it either).
+pub fn matched(stated: &[u64], arrived: &[u64]) -> usize {
+    stated
+        .iter()
+        .zip(arrived)
+        .take_while(|(s, a)| s == a)
         .count()
 }
 
@@ -182,6 +174,7 @@ impl ChainIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvtier_core::protocol::block_sum;
 
     fn k(n: u128) -> BlockKey {
         BlockKey::from_u128(n)
@@ -253,30 +246,37 @@ mod tests {
     }
 
     #[test]
-    fn verified_stops_at_the_first_bad_block() {
+    fn matched_stops_at_the_first_bad_block() {
         let keys = [k(1), k(2), k(3)];
         let blocks: Vec<Vec<u8>> = (0..3).map(|i| vec![i as u8; 8]).collect();
+        let sums = |blocks: &[Vec<u8>]| -> Vec<u64> {
+            keys.iter()
+                .zip(blocks)
+                .map(|(k, b)| {
+                    // As the SDK sums a block arriving in pieces.
+                    let mut s = kvtier_core::protocol::BlockSum::new(k);
+                    b.chunks(3).for_each(|p| s.update(p));
+                    s.digest()
+                })
+                .collect()
+        };
         let good: Vec<u64> = keys
             .iter()
             .zip(&blocks)
             .map(|(k, b)| block_sum(k, b))
             .collect();
-        assert_eq!(verified(&keys, &blocks, &good, 8), 3);
+        assert_eq!(sums(&blocks), good, "in pieces, the same sum");
+        assert_eq!(matched(&good, &sums(&blocks)), 3);
         let mut bad = good.clone();
         bad[1] ^= 1;
-        assert_eq!(verified(&keys, &blocks, &bad, 8), 1, "a wrong sum");
+        assert_eq!(matched(&bad, &sums(&blocks)), 1, "a wrong sum");
         let mut swapped = blocks.clone();
         swapped.swap(0, 1);
-        assert_eq!(
-            verified(&keys, &swapped, &good, 8),
-            0,
-            "bytes of another key"
-        );
-        let mut short = blocks.clone();
-        short[2].pop();
-        assert_eq!(verified(&keys, &short, &good, 8), 2, "a short block");
-        assert_eq!(verified(&keys, &blocks, &good, 16), 0, "the wrong length");
-        assert_eq!(verified(&keys, &blocks[..1], &good, 8), 1, "fewer blocks");
+        assert_eq!(matched(&good, &sums(&swapped)), 0, "bytes of another key");
+        let mut changed = blocks.clone();
+        changed[2][7] ^= 0x10;
+        assert_eq!(matched(&good, &sums(&changed)), 2, "a flipped bit");
+        assert_eq!(matched(&good, &sums(&blocks[..1])), 1, "fewer blocks");
     }
 
     #[test]

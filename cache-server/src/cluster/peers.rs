@@ -394,6 +394,7 @@ async fn fetch_all(
         asked: keys.len(),
         blocks: 0,
         sums: Vec::new(),
+        arrived: Vec::new(),
         miss: None,
     };
     while all.blocks < keys.len() {
@@ -407,6 +408,7 @@ async fn fetch_all(
         let short = f.blocks < f.asked || f.blocks == 0;
         all.blocks += f.blocks;
         all.sums.extend(f.sums);
+        all.arrived.extend(f.arrived);
         if short {
             all.miss = f.miss.or(Some(Miss::NotCached));
             break;

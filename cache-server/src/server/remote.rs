@@ -6,8 +6,9 @@
 //!   owner, in parallel; combines
 //!   their answers in chain order ([`chain::combine`]); reserves slots for those blocks in
 //!   the local store (chain order), fetches them from their owners (in parallel) straight
-//!   into the reserved slots, verifies each in place ([`chain::verified`]: length and the
-//!   checksum the owner states over key and bytes), and commits them in chain order, so the
+//!   into the reserved slots (in stripes over several connections when large), verifies
+//!   each ([`chain::matched`]: the checksum over key and bytes that the SDK computed as they
+//!   arrived against the one the owner states), and commits them in chain order, so the
 //!   lookup's answer, and the get that follows, are local.
 //! * **Offers.** A block a client put here is offered to its owners (if this node is not
 //!   one) through a bounded queue and a task: the local put never waits for it.
@@ -386,8 +387,8 @@ type Asked = Vec<(usize, Reservation)>;
 
 /// One owner's part of a remote lookup: its blocks (`keys`, in chain order, with their
 /// reservations here) fetched in stripes over several connections at once
-/// ([`peers::stripes`]), each stripe verified as it lands (on the blocking pool when large,
-/// while the other stripes still arrive). Returns the reservations, in order, and how many
+/// ([`peers::stripes`]), each block summed as it arrives and checked against its owner's
+/// sum. Returns the reservations, in order, and how many
 /// lead the chain filled and verified: the leading blocks up to the first stripe that came
 /// short, failed or did not check out. Counts the whole round as one `fetch` of `peer`.
 async fn fetch_owner(
@@ -408,15 +409,14 @@ async fn fetch_owner(
     if stripes.len() == 1 {
         // One stripe: fetched right here (a task of its own would cost a hand-off).
         let (start, part, list) = stripes.pop().expect("one stripe");
-        let (part, ok) = fetch_stripe(&pool, &peer, 0, true, list, part, block_bytes).await;
+        let (part, ok) = fetch_stripe(&pool, &peer, 0, list, part).await;
         done.push((start, part, ok));
     } else {
         let mut set = JoinSet::new();
         for (stream, (start, part, list)) in stripes.into_iter().rev().enumerate() {
             let (pool, peer) = (pool.clone(), peer.clone());
             set.spawn(async move {
-                let (part, ok) =
-                    fetch_stripe(&pool, &peer, stream, false, list, part, block_bytes).await;
+                let (part, ok) = fetch_stripe(&pool, &peer, stream, list, part).await;
                 (start, part, ok)
             });
         }
@@ -451,22 +451,15 @@ fn leading_verified(done: impl Iterator<Item = (usize, usize, Option<usize>)>) -
     ok
 }
 
-/// Stripes at most this large are verified on the runtime worker (XXH3 over 512 KiB is tens
-/// of µs, less than a hand-off to the blocking pool); so is the only stripe of a fetch, which
-/// has no other stripe's transfer to overlap with (as before fetches were striped).
-const INLINE_VERIFY_BYTES: usize = 512 << 10;
-
-/// One stripe of [`fetch_owner`] on connection `stream` (`alone`: the fetch's only one):
-/// fetched into its reservations, then verified. `None` when the fetch failed; else how many leading blocks verified.
+/// One stripe of [`fetch_owner`] on connection `stream`: fetched into its reservations and
+/// verified. `None` when the fetch failed; else how many leading blocks verified.
 async fn fetch_stripe(
     pool: &PeerPool,
     peer: &PeerAddr,
     stream: usize,
-    alone: bool,
     list: Vec<BlockKey>,
-    mut part: Vec<(usize, Reservation)>,
-    block_bytes: usize,
-) -> (Vec<(usize, Reservation)>, Option<usize>) {
+    mut part: Asked,
+) -> (Asked, Option<usize>) {
     let fetched = {
         let mut bufs: Vec<&mut [u8]> = part.iter_mut().map(|(_, r)| r.bytes_mut()).collect();
         pool.fetch_into(peer, stream, &list, &mut bufs).await
@@ -474,25 +467,9 @@ async fn fetch_stripe(
     let Ok(f) = fetched else {
         return (part, None);
     };
+    // The SDK summed each block as it arrived: checking is a comparison.
     let n = f.blocks.min(part.len());
-    let verify = move |mut part: Vec<(usize, Reservation)>| {
-        let bufs: Vec<&[u8]> = part
-            .iter_mut()
-            .take(n)
-            .map(|(_, r)| &*r.bytes_mut())
-            .collect();
-        let ok = chain::verified(&list[..n], &bufs, &f.sums, block_bytes);
-        (part, ok)
-    };
-    let (part, ok) = if alone || n * block_bytes <= INLINE_VERIFY_BYTES {
-        verify(part)
-    } else {
-        match tokio::task::spawn_blocking(move || verify(part)).await {
-            Ok(r) => r,
-            // The verifying thread panicked: its reservations are gone with it.
-            Err(_) => return (Vec::new(), None),
-        }
-    };
+    let ok = chain::matched(&f.sums[..n.min(f.sums.len())], &f.arrived);
     if ok < n {
         pool.metrics()
             .bad_blocks
@@ -500,8 +477,8 @@ async fn fetch_stripe(
             .inc();
         tracing::warn!(
             peer = %peer.id,
-            "a block fetched from a peer failed verification (length or checksum); \
-             dropped, not served"
+            "a block fetched from a peer failed verification (its checksum); dropped, not \
+             served"
         );
     }
     pool.metrics()
@@ -641,7 +618,7 @@ mod tests {
         // The first is missing, or failed: nothing.
         assert_eq!(all(&[(4, 4, Some(4))]), 0);
         assert_eq!(all(&[(0, 4, None), (4, 4, Some(4))]), 0);
-        // A stripe whose verification panicked comes back empty and failed.
+        // A stripe that came back empty and failed.
         assert_eq!(all(&[(0, 4, Some(4)), (4, 0, None)]), 4);
         assert_eq!(all(&[]), 0);
     }

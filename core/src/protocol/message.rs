@@ -587,10 +587,29 @@ pub struct FetchReply {
 /// The checksum a fetch reply carries for a block: XXH3-64 over the key's 16 bytes, then
 /// the block's bytes. It binds the bytes to the key they are sent for.
 pub fn block_sum(key: &BlockKey, block: &[u8]) -> u64 {
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
-    h.update(key.as_bytes());
+    let mut h = BlockSum::new(key);
     h.update(block);
     h.digest()
+}
+
+/// [`block_sum`] of a block taken in pieces, as it arrives: the same value as over the whole.
+pub struct BlockSum(xxhash_rust::xxh3::Xxh3);
+
+impl BlockSum {
+    pub fn new(key: &BlockKey) -> Self {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(key.as_bytes());
+        Self(h)
+    }
+
+    /// The block's next bytes.
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    pub fn digest(&self) -> u64 {
+        self.0.digest()
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]

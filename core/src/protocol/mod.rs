@@ -38,9 +38,9 @@ macro_rules! wire_enum {
 pub mod message;
 
 pub use message::{
-    BlockEvent, ErrorCode, ErrorReply, EventKind, Events, FetchReply, Hello, HelloReply, KeyList,
-    MAX_RETAIN_PRIORITY, MAX_RETAIN_RETURN_MS, MissCode, PinReply, PinnedSlot, PutEntry, PutReply,
-    PutStatus, Request, ReserveReply, ReservedSlot, Response, RetainHint, RetainReply,
+    BlockEvent, BlockSum, ErrorCode, ErrorReply, EventKind, Events, FetchReply, Hello, HelloReply,
+    KeyList, MAX_RETAIN_PRIORITY, MAX_RETAIN_RETURN_MS, MissCode, PinReply, PinnedSlot, PutEntry,
+    PutReply, PutStatus, Request, ReserveReply, ReservedSlot, Response, RetainHint, RetainReply,
     RetainStatus, TierCode, block_sum,
 };
 
