@@ -111,7 +111,8 @@ fn tiers_quick_runs_every_path_and_says_redis_was_skipped() {
     for c in comparisons {
         assert!(c["ratio"].as_f64().unwrap() > 0.0, "{c}");
     }
-    // The lookup: in process, over the Unix socket with 1 client and with 4.
+    // The lookup: in process, over the Unix socket with 1 client and with 4, and the same
+    // bytes over a bare socket pair, 1 and 4 at once (the floor).
     let lookup = &doc["result"]["server"]["lookup"];
     assert!(lookup["ping_us_p50"].as_f64().unwrap() > 0.0, "{lookup}");
     let cases = lookup["cases"].as_array().unwrap();
@@ -121,7 +122,13 @@ fn tiers_quick_runs_every_path_and_says_redis_was_skipped() {
         .collect();
     assert_eq!(
         shape,
-        [("in process", 1), ("unix socket", 1), ("unix socket", 4)],
+        [
+            ("in process", 1),
+            ("unix socket", 1),
+            ("unix socket", 4),
+            ("raw unix socket, same bytes", 1),
+            ("raw unix socket, same bytes", 4)
+        ],
         "{lookup}"
     );
     for c in cases {
