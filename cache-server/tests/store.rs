@@ -404,8 +404,9 @@ fn a_kept_block_sum_is_forgotten_when_its_slot_is_written() {
     s.put(k, None, &first).unwrap();
     let p = s.pin_read(&[k]);
     assert_eq!(p.kept_sums(), None, "nothing kept before a first fetch");
-    assert_eq!(p.sums(), vec![block_sum(&k, &first)]);
+    assert_eq!(p.sums(), (vec![block_sum(&k, &first)], 1), "hashed");
     assert_eq!(p.kept_sums(), Some(vec![block_sum(&k, &first)]));
+    assert_eq!(p.sums(), (vec![block_sum(&k, &first)], 0), "kept");
     drop(p);
     // Stored again in the one slot, with other bytes, through a put.
     assert!(s.remove(&k));
@@ -413,7 +414,7 @@ fn a_kept_block_sum_is_forgotten_when_its_slot_is_written() {
     s.put(k, None, &second).unwrap();
     let p = s.pin_read(&[k]);
     assert_eq!(p.kept_sums(), None, "the put forgot the kept sum");
-    assert_eq!(p.sums(), vec![block_sum(&k, &second)]);
+    assert_eq!(p.sums(), (vec![block_sum(&k, &second)], 1));
     drop(p);
     // And through a reservation filled in place.
     assert!(s.remove(&k));
@@ -422,7 +423,7 @@ fn a_kept_block_sum_is_forgotten_when_its_slot_is_written() {
     r.commit().unwrap();
     let p = s.pin_read(&[k]);
     assert_eq!(p.kept_sums(), None, "the reservation forgot the kept sum");
-    assert_eq!(p.sums(), vec![block_sum(&k, &vec![5u8; first.len()])]);
+    assert_eq!(p.sums(), (vec![block_sum(&k, &vec![5u8; first.len()])], 1));
     drop(p);
     s.check_consistency().unwrap();
 }

@@ -34,6 +34,9 @@ pub struct ClusterMetrics {
     pub peer: PeerMetrics,
     /// Blocks a lookup found at their owners, fetched, verified and stored here.
     pub remote_hits: IntCounter,
+    /// Block sums this node sent in its fetch replies to peers, by `source`: `kept` (kept
+    /// with the block's DRAM slot since an earlier fetch) or `hashed`.
+    pub fetch_sums: IntCounterVec,
     /// Put blocks this node offered nobody: `queue_full` (back-pressure), `unplaced` (the
     /// block's position in its chain is unknown), `tenants` (offers are off with tenants),
     /// `evicted` (gone from this node before it was sent).
@@ -148,7 +151,8 @@ impl ClusterMetrics {
         let peer = PeerMetrics {
             requests: vec(
                 "kvtier_cluster_peer_requests_total",
-                "Requests sent to a peer, by peer and op (lookup, fetch, offer).",
+                "Requests sent to a peer, by peer and op (lookup, offer, fetch_stripe: a request \
+                 on one connection, fetch: one lookup's fetch from the peer, all its stripes).",
                 &["peer", "op"],
             )?,
             fetched_blocks: vec(
@@ -193,9 +197,16 @@ impl ClusterMetrics {
             "kvtier_cluster_remote_hits_total",
             "Blocks a lookup fetched from their owners, verified and stored here.",
         )?;
+        let fetch_sums = vec(
+            "kvtier_cluster_fetch_sums_total",
+            "Block sums sent in fetch replies to peers, by source (kept: with the block's DRAM \
+             slot since an earlier fetch; hashed).",
+            &["source"],
+        )?;
         Ok(Self {
             peer,
             remote_hits,
+            fetch_sums,
             offers_dropped,
             enabled: gauge(r, "kvtier_cluster_enabled", "1 when [cluster] is on.")?,
             members: gauge(r, "kvtier_cluster_members", "Members in this node's view.")?,

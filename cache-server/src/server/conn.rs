@@ -1419,8 +1419,8 @@ impl Job {
                     // when small (tens of µs); a larger reply on the blocking pool, since a
                     // reply may be hundreds of MiB.
                     let bytes = pinned.blocks().len() * s.block_bytes;
-                    let (pinned, sums) = match pinned.kept_sums() {
-                        Some(sums) => (pinned, sums),
+                    let (pinned, (sums, hashed)) = match pinned.kept_sums() {
+                        Some(sums) => (pinned, (sums, 0)),
                         None if bytes <= INLINE_SUM_BYTES => {
                             let sums = pinned.sums();
                             (pinned, sums)
@@ -1436,6 +1436,12 @@ impl Job {
                             Err(o) => return o,
                         },
                     };
+                    if let Some(c) = s.cluster.get() {
+                        let m = &c.metrics.fetch_sums;
+                        m.with_label_values(&["hashed"]).inc_by(hashed as u64);
+                        m.with_label_values(&["kept"])
+                            .inc_by((sums.len() - hashed) as u64);
+                    }
                     (pinned, Response::Fetch(FetchReply { tiers, miss, sums }))
                 } else {
                     (pinned, Response::Get { tiers, miss })

@@ -395,9 +395,9 @@ async fn fetch_owner(
     pool: Arc<PeerPool>,
     peer: PeerAddr,
     keys: Vec<BlockKey>,
-    mut ask: Vec<(usize, Reservation)>,
+    mut ask: Asked,
     block_bytes: usize,
-) -> (Vec<(usize, Reservation)>, usize) {
+) -> (Asked, usize) {
     let t0 = Instant::now();
     let cuts = peers::stripes(ask.len(), block_bytes as u64);
     // Split from the back so each stripe owns its reservations.
@@ -428,7 +428,7 @@ async fn fetch_owner(
     }
     done.sort_by_key(|(start, _, _)| *start);
     let ok = leading_verified(done.iter().map(|(start, part, n)| (*start, part.len(), *n)));
-    let out: Vec<(usize, Reservation)> = done.into_iter().flat_map(|(_, part, _)| part).collect();
+    let out: Asked = done.into_iter().flat_map(|(_, part, _)| part).collect();
     pool.round("fetch", &peer, t0.elapsed(), ok == keys.len());
     (out, ok)
 }

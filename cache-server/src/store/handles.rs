@@ -31,19 +31,22 @@ impl PinnedRead {
 
     /// Each pinned block's sum over its key and bytes (`block_sum`, what a cluster peer's
     /// fetch is told), reusing the one the DRAM tier kept since the slot was last written and
-    /// keeping the ones it computes.
-    pub fn sums(&self) -> Vec<u64> {
+    /// keeping the ones it computes; with how many it computed.
+    pub fn sums(&self) -> (Vec<u64>, usize) {
         let dram = &self.inner.dram;
-        (0..self.blocks.len())
+        let mut hashed = 0;
+        let sums = (0..self.blocks.len())
             .map(|i| {
                 let b = &self.blocks[i];
                 dram.kept_sum(b.slot).unwrap_or_else(|| {
                     let s = block_sum(&b.key, self.bytes(i));
                     dram.keep_sum(b.slot, s);
+                    hashed += 1;
                     s
                 })
             })
-            .collect()
+            .collect();
+        (sums, hashed)
     }
 
     /// [`PinnedRead::sums`] when every one was kept (nothing to hash), else `None`.

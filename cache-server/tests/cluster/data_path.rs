@@ -22,6 +22,34 @@ const SECRET: &str = "the data path's secret, 32 bytes";
 /// `cluster.run_blocks` of these tests (and of `partition.rs`'s).
 pub(super) const RUN: usize = 8;
 
+/// An etcd, the cluster secret, and members `ids` (leases of `ttl_s`, settings `extra`),
+/// each seeing all of them. Dropped, it stops the members, then etcd.
+struct Fleet {
+    members: Vec<ServerProc>,
+    _etcd: Etcd,
+    _dir: tempfile::TempDir,
+}
+
+impl Fleet {
+    async fn start(ids: &[&str], ttl_s: u64, extra: &[&str]) -> Fleet {
+        let etcd = Etcd::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let secret = secret_file(dir.path(), SECRET);
+        let members: Vec<ServerProc> = ids
+            .iter()
+            .map(|id| member_with(&etcd, id, ttl_s, &secret, extra))
+            .collect();
+        for s in &members {
+            until_view(s, ids, Duration::from_secs(15)).await;
+        }
+        Fleet {
+            members,
+            _etcd: etcd,
+            _dir: dir,
+        }
+    }
+}
+
 fn token() -> String {
     peer_token(SECRET.as_bytes(), "test")
 }
@@ -132,24 +160,19 @@ fn labelled(text: &str, name: &str, label: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
     bounded(120, async {
-        let etcd = Etcd::start().await;
-        let dir = tempfile::tempdir().unwrap();
-        let secret = secret_file(dir.path(), SECRET);
         let extra = [
             "cluster.run_blocks=8",
             "cluster.head_blocks=0",
             "cluster.peer_timeout_ms=1000",
         ];
-        let a = member_with(&etcd, "a", 5, &secret, &extra);
-        let b = member_with(&etcd, "b", 5, &secret, &extra);
-        let c = member_with(&etcd, "c", 5, &secret, &extra);
-        for s in [&a, &b, &c] {
-            until_view(s, &["a", "b", "c"], Duration::from_secs(15)).await;
-        }
-        let members = [("a", &a), ("b", &b), ("c", &c)];
+        let fleet = Fleet::start(&["a", "b", "c"], 5, &extra).await;
+        let [a, b, c] = &fleet.members[..] else {
+            unreachable!()
+        };
+        let members = [("a", a), ("b", b), ("c", c)];
         let chain = keys(b"data-path", 96, 1);
         put_all(&a.client("tcp").await, &chain).await;
-        let owners = run_owners(&a, &chain).await;
+        let owners = run_owners(a, &chain).await;
         until_offered(&members, "a", &chain, &owners).await;
         let m = http_get(a.admin, "/metrics").await.1;
         let offered: usize = owners.iter().filter(|o| *o != "a").map(|_| RUN).sum();
@@ -211,7 +234,7 @@ async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
 
         // Members advertise their TLS listener and peers reach each other over it, pinning
         // the certificate in the (authenticated) record; this test's own clients use TCP.
-        let d = cluster_doc(&a, "").await;
+        let d = cluster_doc(a, "").await;
         for m in d["members"].as_array().unwrap() {
             let ep = m["data_endpoint"].as_str().unwrap();
             assert!(ep.starts_with("tls://"), "{d:#}");
@@ -226,7 +249,7 @@ async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
         // A peer's lookup is local-only: it asks nobody.
         let chain2 = keys(b"local-only", 16, 2);
         put_all(&a.client("tcp").await, &chain2).await;
-        let owners2 = run_owners(&a, &chain2).await;
+        let owners2 = run_owners(a, &chain2).await;
         until_offered(&members, "a", &chain2, &owners2).await;
         let (xid, x) = members[1..]
             .iter()
@@ -260,7 +283,7 @@ async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
         // its blocking pool (smaller ones, above, on its runtime worker).
         let chain3 = keys(b"long fetch", 600, 3);
         put_all(&a.client("tcp").await, &chain3).await;
-        let owners3 = run_owners(&a, &chain3).await;
+        let owners3 = run_owners(a, &chain3).await;
         until_offered(&members, "a", &chain3, &owners3).await;
         let share = |id: &str| owners3.iter().filter(|o| *o == id).count() * RUN * BLOCK;
         let (yid, y) = members[1..]
@@ -281,25 +304,21 @@ async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_fetch_comes_in_verified_stripes() {
     bounded(90, async {
-        let etcd = Etcd::start().await;
-        let dir = tempfile::tempdir().unwrap();
-        let secret = secret_file(dir.path(), SECRET);
         let extra = [
             "cluster.run_blocks=8",
             "cluster.head_blocks=0",
             "cluster.peer_timeout_ms=2000",
             "store.dram_bytes=\"16MiB\"",
         ];
-        let a = member_with(&etcd, "a", 5, &secret, &extra);
-        let b = member_with(&etcd, "b", 5, &secret, &extra);
-        for s in [&a, &b] {
-            until_view(s, &["a", "b"], Duration::from_secs(15)).await;
-        }
-        let members = [("a", &a), ("b", &b)];
+        let fleet = Fleet::start(&["a", "b"], 5, &extra).await;
+        let [a, b] = &fleet.members[..] else {
+            unreachable!()
+        };
+        let members = [("a", a), ("b", b)];
         // 4 MiB of 4 KiB blocks, about half of it in runs a owns.
         let chain = keys(b"striped", 1024, 5);
         put_all(&a.client("tcp").await, &chain).await;
-        let owners = run_owners(&a, &chain).await;
+        let owners = run_owners(a, &chain).await;
         until_offered(&members, "a", &chain, &owners).await;
         let on_a = owners.iter().filter(|o| *o == "a").count() * RUN * BLOCK;
         assert!(on_a > 1 << 20, "a owns {on_a} bytes of the chain");
@@ -325,6 +344,17 @@ async fn a_large_fetch_comes_in_verified_stripes() {
             metric(&m, "kvtier_cluster_remote_hits_total") as usize,
             on_a / BLOCK
         );
+        // The owner hashed each block it sent once, and kept the sums.
+        let m = http_get(a.admin, "/metrics").await.1;
+        let sums = |source: &str| {
+            labelled(
+                &m,
+                "kvtier_cluster_fetch_sums_total",
+                &format!("source=\"{source}\""),
+            )
+        };
+        assert_eq!(sums("hashed") as usize, on_a / BLOCK, "{m}");
+        assert_eq!(sums("kept"), 0.0, "{m}");
     })
     .await;
 }
@@ -635,18 +665,14 @@ async fn a_silent_owner_is_a_miss_within_the_deadline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn offers_beyond_the_queue_are_dropped_and_counted() {
     bounded(60, async {
-        let etcd = Etcd::start().await;
-        let dir = tempfile::tempdir().unwrap();
-        let secret = secret_file(dir.path(), SECRET);
         let extra = ["cluster.run_blocks=1", "cluster.offer_queue_blocks=1"];
-        let a = member_with(&etcd, "a", 5, &secret, &extra);
-        let b = member_with(&etcd, "b", 5, &secret, &extra);
-        for s in [&a, &b] {
-            until_view(s, &["a", "b"], Duration::from_secs(15)).await;
-        }
+        let fleet = Fleet::start(&["a", "b"], 5, &extra).await;
+        let [a, _b] = &fleet.members[..] else {
+            unreachable!()
+        };
         let chain = keys(b"back-pressure", 512, 4);
         put_all(&a.client("tcp").await, &chain).await;
-        let d = cluster_doc(&a, "").await;
+        let d = cluster_doc(a, "").await;
         let dropped = d["data_path"]["offers_dropped"]["queue_full"]
             .as_u64()
             .unwrap();
@@ -777,9 +803,6 @@ async fn all_owners(s: &ServerProc, chain: &[BlockKey]) -> Vec<Vec<String>> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_two_replicas_a_hung_owners_runs_come_from_the_other() {
     bounded(120, async {
-        let etcd = Etcd::start().await;
-        let dir = tempfile::tempdir().unwrap();
-        let secret = secret_file(dir.path(), SECRET);
         let extra = [
             "cluster.run_blocks=8",
             "cluster.head_blocks=0",
@@ -787,18 +810,16 @@ async fn with_two_replicas_a_hung_owners_runs_come_from_the_other() {
             "cluster.replicas=2",
         ];
         // A long lease: the hung member stays in the view.
-        let a = member_with(&etcd, "a", 30, &secret, &extra);
-        let b = member_with(&etcd, "b", 30, &secret, &extra);
-        let c = member_with(&etcd, "c", 30, &secret, &extra);
+        let fleet = Fleet::start(&["a", "b", "c"], 30, &extra).await;
+        let [a, b, c] = &fleet.members[..] else {
+            unreachable!()
+        };
         let members = [("a", &a), ("b", &b), ("c", &c)];
-        for s in [&a, &b, &c] {
-            until_view(s, &["a", "b", "c"], Duration::from_secs(15)).await;
-        }
         // A chain with a run b does not own (read on b, from the others).
         let mut found = None;
         for seed in 1..50 {
             let chain = keys(b"replicas", 48, seed);
-            let owners = all_owners(&a, &chain).await;
+            let owners = all_owners(a, &chain).await;
             if owners.iter().any(|o| !o.contains(&"b".to_string())) {
                 found = Some((chain, owners));
                 break;
