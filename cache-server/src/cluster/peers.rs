@@ -203,70 +203,48 @@ impl PeerPool {
             .map_err(|e| PeerFailure::Failed(e.to_string()))
     }
 
-    /// Up to `n` connections to `peer` (at least one, or the failure of the first): opens
-    /// the ones missing that no other request is opening, in parallel; one that fails to
-    /// open is done without (the first is what says whether the peer is reachable).
-    async fn clients(&self, peer: &PeerAddr, n: usize) -> Result<Vec<Client>, PeerFailure> {
+    /// Connection `i` to `peer` (see [`stripes`]): the first connects as [`PeerPool::client`]
+    /// does; for a later one, the missing connections up to it that no other request is
+    /// opening are opened, in parallel. One not open (yet, or it failed to open) is shared
+    /// with an open one: the first says whether the peer is reachable.
+    async fn stream(&self, peer: &PeerAddr, i: usize) -> Result<Client, PeerFailure> {
         let first = self.client(peer).await?;
-        let n = n.clamp(1, FETCH_STREAMS);
-        let open = {
-            let mut g = lock(&self.slots);
-            match g.get_mut(&peer.id) {
-                Some(slot) => {
-                    let open = n.saturating_sub(slot.clients.len().max(1) + slot.opening);
-                    slot.opening += open;
-                    open
-                }
-                None => 0,
+        if i == 0 {
+            return Ok(first);
+        }
+        let want = (i + 1).min(FETCH_STREAMS);
+        let open = match lock(&self.slots).get_mut(&peer.id) {
+            Some(slot) => {
+                let open = want.saturating_sub(slot.clients.len().max(1) + slot.opening);
+                slot.opening += open;
+                open
             }
+            None => 0,
         };
         if open > 0 {
             let opened = join_all((0..open).map(|_| self.connect(peer))).await;
-            let mut g = lock(&self.slots);
-            if let Some(slot) = g.get_mut(&peer.id) {
+            if let Some(slot) = lock(&self.slots).get_mut(&peer.id) {
                 slot.opening = slot.opening.saturating_sub(open);
                 if slot.endpoint == peer.endpoint {
-                    for c in opened.into_iter().flatten() {
-                        if slot.clients.len() < FETCH_STREAMS {
-                            slot.clients.push(c);
-                        }
-                    }
+                    let room = FETCH_STREAMS.saturating_sub(slot.clients.len());
+                    slot.clients.extend(opened.into_iter().flatten().take(room));
                 }
             }
         }
-        let g = lock(&self.slots);
-        let mut all = g
+        Ok(lock(&self.slots)
             .get(&peer.id)
-            .map(|s| s.clients.iter().take(n).cloned().collect::<Vec<_>>())
-            .unwrap_or_default();
-        if all.is_empty() {
-            all.push(first);
-        }
-        Ok(all)
+            .filter(|s| !s.clients.is_empty())
+            .map_or(first, |s| s.clients[i % s.clients.len()].clone()))
     }
 
-    /// Runs `f` on `peer`'s client within the timeout, counting the request, its latency
-    /// and its failure.
+    /// Runs `f` on `peer`'s client (connection `stream`, see [`PeerPool::stream`]) within the
+    /// timeout, counting the request, its latency and its failure.
     async fn bounded<T, F>(
         &self,
         peer: &PeerAddr,
         op: &'static str,
+        stream: usize,
         f: impl FnOnce(Client) -> F,
-    ) -> Result<T, PeerFailure>
-    where
-        F: std::future::Future<Output = Result<T, PeerFailure>>,
-    {
-        self.bounded_on(peer, op, 1, |mut c| f(c.swap_remove(0)))
-            .await
-    }
-
-    /// [`PeerPool::bounded`] with up to `streams` connections to `peer` (at least one).
-    async fn bounded_on<T, F>(
-        &self,
-        peer: &PeerAddr,
-        op: &'static str,
-        streams: usize,
-        f: impl FnOnce(Vec<Client>) -> F,
     ) -> Result<T, PeerFailure>
     where
         F: std::future::Future<Output = Result<T, PeerFailure>>,
@@ -275,7 +253,7 @@ impl PeerPool {
         m.requests.with_label_values(&[&peer.id, op]).inc();
         let t0 = Instant::now();
         let r = tokio::time::timeout(self.timeout, async {
-            let c = self.clients(peer, streams).await?;
+            let c = self.stream(peer, stream).await?;
             f(c).await
         })
         .await
@@ -299,7 +277,7 @@ impl PeerPool {
 
     /// How many leading `keys` `peer` holds (its lookup, local to it).
     pub async fn lookup(&self, peer: &PeerAddr, keys: &[BlockKey]) -> Result<usize, PeerFailure> {
-        self.bounded(peer, "lookup", |c| async move {
+        self.bounded(peer, "lookup", 0, |c| async move {
             let l = c.lookup(keys).await;
             match l.miss {
                 None | Some(Miss::NotCached) => Ok(l.tiers.len()),
@@ -322,9 +300,8 @@ impl PeerPool {
         bufs: &mut [&mut [u8]],
     ) -> Result<FetchedInto, PeerFailure> {
         let r = self
-            .bounded_on(peer, "fetch_stripe", stream + 1, |clients| async move {
-                let c = &clients[stream % clients.len()];
-                fetch_all(c, keys, bufs).await
+            .bounded(peer, "fetch_stripe", stream, |c| async move {
+                fetch_all(&c, keys, bufs).await
             })
             .await;
         if let Ok(f) = &r {
@@ -358,7 +335,7 @@ impl PeerPool {
         bufs: &[&[u8]],
     ) -> Result<Vec<bool>, PeerFailure> {
         let r = self
-            .bounded(peer, "offer", |c| async move {
+            .bounded(peer, "offer", 0, |c| async move {
                 let s = c.put(entries, bufs).await;
                 match s.failure {
                     Some(Miss::Timeout) => Err(PeerFailure::Timeout),

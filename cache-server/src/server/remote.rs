@@ -193,8 +193,7 @@ impl Remote {
             .await;
         // Per owner: the positions it is asked for (chain order) and their reservations,
         // moved into its fetch task and back.
-        let mut asks: Vec<Vec<(usize, Reservation)>> =
-            (0..peers.len()).map(|_| Vec::new()).collect();
+        let mut asks: Vec<Asked> = (0..peers.len()).map(|_| Vec::new()).collect();
         for r in &runs {
             let Some(o) = r.owner.filter(|&o| o != SELF) else {
                 continue;
