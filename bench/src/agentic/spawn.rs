@@ -444,14 +444,24 @@ fn launch(
         }))
         .collect::<Vec<_>>()
         .join(" ");
-    let mut child = Command::new(bin)
-        .args(args)
+    let mut cmd = Command::new(bin);
+    cmd.args(args)
         .current_dir(dir)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::from(log))
-        .spawn()
-        .with_context(|| format!("cannot start {what}: {cmd_line}"))?;
+        .stderr(Stdio::from(log));
+    // ETXTBSY: a binary just written (a copy put in place, a test's script) is still open
+    // for writing in a child another thread forked and has not yet exec'd; it passes.
+    let mut tries = 0;
+    let mut child = loop {
+        match cmd.spawn() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 10 => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            r => break r.with_context(|| format!("cannot start {what}: {cmd_line}"))?,
+        }
+    };
     let stdout = child.stdout.take();
     sp.children.push((what.to_owned(), child));
     sp.describe.push(cmd_line.clone());
