@@ -286,6 +286,16 @@ impl Agent {
         &self.core.ctx.name
     }
 
+    /// The address the agent's TCP or QUIC listener is bound to (`None`: that backend is
+    /// off, or `backend` has no listener).
+    pub fn listen_addr(&self, backend: BackendKind) -> Option<std::net::SocketAddr> {
+        match backend {
+            BackendKind::Tcp => self.core.tcp_addr,
+            BackendKind::Quic => self.core.quic.as_ref().map(|(_, addr, _)| *addr),
+            _ => None,
+        }
+    }
+
     /// Allocates `len` bytes of zeroed DRAM (a memfd, so same-host peers can map it) and
     /// registers it.
     pub fn alloc_dram(&self, len: u64) -> Result<RegionHandle> {
@@ -352,7 +362,32 @@ impl Agent {
     /// only under the memory contract on [`RegionHandle`].
     pub unsafe fn register_raw(&self, ptr: *mut u8, len: u64) -> Result<RegionHandle> {
         // SAFETY: forwarded to our caller (see above).
-        let handle = unsafe { self.core.ctx.registry.register_foreign(ptr, len)? };
+        let handle = unsafe { self.core.ctx.registry.register_foreign(ptr, len, None)? };
+        self.finish_register(handle)
+    }
+
+    /// [`Agent::register_raw`] of memory that `owner` keeps valid (for example an `Arc` of
+    /// the structure that maps it): the region holds `owner` until the handle is dropped
+    /// and every transfer chunk touching the region has let go, so the memory outlives
+    /// every access through the region without the caller having to track transfers.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be valid host memory, readable and writable, for as long as
+    /// `owner` lives, and the caller accesses it only under the memory contract on
+    /// [`RegionHandle`].
+    pub unsafe fn register_raw_owned<T: Send + Sync + 'static>(
+        &self,
+        ptr: *mut u8,
+        len: u64,
+        owner: T,
+    ) -> Result<RegionHandle> {
+        // SAFETY: forwarded to our caller; the region keeps `owner`, and so the memory, alive.
+        let handle = unsafe {
+            self.core
+                .ctx
+                .registry
+                .register_foreign(ptr, len, Some(Box::new(owner)))?
+        };
         self.finish_register(handle)
     }
 
@@ -384,6 +419,18 @@ impl Agent {
     /// The metadata blob a peer loads (with [`connect`](Self::connect)) to reach this agent's
     /// regions registered so far. It carries the auth token: hand it only to trusted peers.
     pub fn metadata(&self) -> Result<Vec<u8>> {
+        self.metadata_with(true)
+    }
+
+    /// [`Agent::metadata`] without the auth token (zeros in its place): a blob to publish
+    /// where others than the trusted peers can read it (a registry such as etcd). Peers that
+    /// hold the token by other means (derived from a shared secret) connect with
+    /// [`Agent::connect_with_token`].
+    pub fn metadata_without_token(&self) -> Result<Vec<u8>> {
+        self.metadata_with(false)
+    }
+
+    fn metadata_with(&self, token: bool) -> Result<Vec<u8>> {
         let core = &self.core;
         let pid = std::process::id();
         let regions = core
@@ -412,7 +459,11 @@ impl Agent {
         let meta = AgentMetadata {
             name: core.ctx.name.clone(),
             pid,
-            token: core.ctx.token.to_vec(),
+            token: if token {
+                core.ctx.token.to_vec()
+            } else {
+                vec![0; TOKEN_BYTES]
+            },
             tcp: core.tcp_addr.map(|a| a.to_string()),
             quic: core.quic.as_ref().map(|(_, addr, cert)| QuicEndpoint {
                 addr: addr.to_string(),
@@ -434,7 +485,24 @@ impl Agent {
 
     /// Loads a peer's metadata blob and connects to it over `backend`.
     pub async fn connect(&self, blob: &[u8], backend: BackendKind) -> Result<Peer> {
-        let meta = AgentMetadata::decode(blob)?;
+        self.connect_meta(AgentMetadata::decode(blob)?, backend)
+            .await
+    }
+
+    /// [`Agent::connect`] to a blob published without its token
+    /// ([`Agent::metadata_without_token`]), presenting `token` instead.
+    pub async fn connect_with_token(
+        &self,
+        blob: &[u8],
+        backend: BackendKind,
+        token: [u8; TOKEN_BYTES],
+    ) -> Result<Peer> {
+        let mut meta = AgentMetadata::decode(blob)?;
+        meta.token = token.to_vec();
+        self.connect_meta(meta, backend).await
+    }
+
+    async fn connect_meta(&self, meta: AgentMetadata, backend: BackendKind) -> Result<Peer> {
         let core = &self.core;
         let me = &core.ctx.name;
         let cfg = &core.config;
@@ -660,7 +728,30 @@ impl Peer {
             notification,
             ctl: Arc::clone(&ctl),
         });
-        Ok(Transfer::new(ctl, fut, op, bytes, descriptors, t0))
+        Ok(Transfer::new(ctl, fut, op, bytes, descriptors, t0)
+            .settling(self.inner.backend.tracks_pieces()))
+    }
+
+    /// Closes the connections to this peer: every transfer in flight on them fails with
+    /// `Disconnected`, and so does every later post (connect again for a new `Peer`). For a
+    /// peer that stopped answering: transfers waiting on it then settle
+    /// ([`Transfer::settle_handle`]). Shared by every clone of this `Peer`.
+    pub fn close(&self) {
+        self.inner.backend.close();
+    }
+
+    /// The peer's host-memory regions as the blob this connection was made from lists them
+    /// (id and length), by id.
+    pub fn host_regions(&self) -> Vec<(RegionId, u64)> {
+        let mut r: Vec<(RegionId, u64)> = self
+            .inner
+            .regions
+            .iter()
+            .filter(|(_, (kind, _))| kind.is_host())
+            .map(|(id, (_, len))| (RegionId(*id), *len))
+            .collect();
+        r.sort_unstable();
+        r
     }
 
     /// Whether the peer lists region `id` in the blob this connection was made from.

@@ -35,8 +35,9 @@ pub use backend::Notification;
 pub use backend::frame::MAX_NOTIFICATION_BYTES;
 pub use descriptor::{Descriptor, Op, merge_adjacent};
 pub use error::{ErrorKind, Result, TransferError};
+pub use metadata::TOKEN_BYTES;
 pub use region::{MemKind, RegionHandle, RegionId};
-pub use transfer::{CancelHandle, Transfer, TransferStats};
+pub use transfer::{CancelHandle, SettleHandle, Transfer, TransferStats};
 
 #[cfg(feature = "cuda")]
 pub use region::cuda::probe as cuda_probe;

@@ -23,7 +23,8 @@ const MAX_NAME_BYTES: usize = 256;
 const MAX_PATH_BYTES: usize = 4096;
 const MAX_CERT_BYTES: usize = 16 << 10;
 const MAX_KEY_BYTES: usize = 4096;
-pub(crate) const TOKEN_BYTES: usize = 32;
+/// Bytes of an agent's auth token.
+pub const TOKEN_BYTES: usize = 32;
 
 #[derive(Debug, Clone, PartialEq, Eq, SchemaWrite, SchemaRead)]
 pub(crate) struct AgentMetadata {

@@ -38,6 +38,8 @@ pub struct Transfer {
     descriptors: usize,
     post_time: Duration,
     posted: Instant,
+    /// Whether its backend counts pieces ([`Transfer::settle_handle`]).
+    settles: bool,
 }
 
 impl std::fmt::Debug for Transfer {
@@ -46,6 +48,32 @@ impl std::fmt::Debug for Transfer {
             .field("id", &self.ctl.id)
             .field("op", &self.op)
             .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+/// Tells when no piece of a transfer can touch local memory any more (see
+/// [`Transfer::settle_handle`]).
+#[derive(Clone)]
+pub struct SettleHandle {
+    ctl: Arc<TransferCtl>,
+}
+
+impl SettleHandle {
+    /// Resolves once every request of the transfer has been answered, failed with its
+    /// connection, or dropped unsent: from then on none of its bytes lands in (or is read
+    /// from) local memory. A transfer cancelled or dropped while its requests wait on a
+    /// peer that hangs settles only when those requests are answered or their connections
+    /// closed ([`crate::Peer::close`]).
+    pub async fn settled(&self) {
+        self.ctl.settled().await
+    }
+}
+
+impl std::fmt::Debug for SettleHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SettleHandle")
+            .field("transfer", &self.ctl.id)
             .finish()
     }
 }
@@ -89,7 +117,23 @@ impl Transfer {
             descriptors,
             post_time: posted - t0,
             posted,
+            settles: false,
         }
+    }
+
+    pub(crate) fn settling(mut self, settles: bool) -> Self {
+        self.settles = settles;
+        self
+    }
+
+    /// A handle that tells when the transfer can no longer touch local memory, even after
+    /// it resolved with an error or was cancelled or dropped: the moment a READ's
+    /// destination may be reused. `None` on backends that cannot tell (shared memory, UCX,
+    /// CUDA); TCP and QUIC can.
+    pub fn settle_handle(&self) -> Option<SettleHandle> {
+        self.settles.then(|| SettleHandle {
+            ctl: Arc::clone(&self.ctl),
+        })
     }
 
     /// This transfer's id (unique within the posting agent).

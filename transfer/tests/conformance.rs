@@ -613,6 +613,87 @@ pub async fn invalid_descriptors(kind: BackendKind, cfg: fn() -> AgentConfig) {
     assert!(e.to_string().contains("descriptor 1"), "{e}");
 }
 
+/// A region its agent made read-only to peers: a peer's WRITE into it fails with a clear
+/// error and leaves its bytes as they were; READs of it, and the agent's own READs into a
+/// read-only region of its own, still work. (TCP and QUIC enforce it; see
+/// `RegionHandle::refuse_remote_writes`.)
+async fn read_only_regions_refuse_peer_writes(kind: BackendKind) {
+    let p = pair(kind, config, 1, REGION_BYTES).await;
+    let (l, r) = (p.local[0].id(), p.remote[0].id());
+    let before = fill(&p.remote[0], 7);
+    fill(&p.local[0], 8);
+    p.remote[0].refuse_remote_writes();
+    p.local[0].refuse_remote_writes();
+    let e = p
+        .peer
+        .write(&[Descriptor::new(l, 0, r, 4096, 2 * CHUNK_BYTES)])
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidDescriptor, "{e}");
+    assert!(e.to_string().contains("read-only"), "{e}");
+    assert_eq!(contents(&p.remote[0]), before);
+    // Reads of it land in the initiator's own region, read-only to *its* peers.
+    p.peer
+        .read(&[Descriptor::new(l, 0, r, 0, REGION_BYTES)])
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(contents(&p.local[0]), before);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_read_only_regions_refuse_peer_writes() {
+    bounded(read_only_regions_refuse_peer_writes(BackendKind::Tcp)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_read_only_regions_refuse_peer_writes() {
+    bounded(read_only_regions_refuse_peer_writes(BackendKind::Quic)).await
+}
+
+/// A blob published without its token connects only with the agent's token given by other
+/// means; foreign memory registered with an owner stays valid while the region needs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blob_without_its_token_needs_the_token() {
+    bounded(async {
+        let token = [7u8; kvtier_transfer::TOKEN_BYTES];
+        let target = Agent::new(
+            "target",
+            AgentConfig {
+                token: Some(token),
+                shm: false,
+                ..config()
+            },
+        )
+        .await
+        .unwrap();
+        let initiator = Agent::new("initiator", config()).await.unwrap();
+        let owned = std::sync::Arc::new(std::sync::Mutex::new(vec![5u8; 4096]));
+        let ptr = owned.lock().unwrap().as_mut_ptr();
+        // SAFETY: the Vec's buffer is valid for 4,096 bytes while `owned` lives (never resized);
+        // the region keeps a clone of the Arc.
+        let remote = unsafe { target.register_raw_owned(ptr, 4096, owned.clone()) }.unwrap();
+        drop(owned);
+        let blob = target.metadata_without_token().unwrap();
+        let local = initiator.alloc_dram(4096).unwrap();
+        let Err(e) = initiator.connect(&blob, BackendKind::Tcp).await else {
+            panic!("a zero token is accepted");
+        };
+        assert_eq!(e.kind(), ErrorKind::Auth, "{e}");
+        let peer = initiator
+            .connect_with_token(&blob, BackendKind::Tcp, token)
+            .await
+            .unwrap();
+        peer.read(&[Descriptor::new(local.id(), 0, remote.id(), 0, 4096)])
+            .unwrap()
+            .await
+            .unwrap();
+        assert_eq!(contents(&local), vec![5u8; 4096]);
+    })
+    .await
+}
+
 /// Instantiates the suite for one backend.
 macro_rules! conformance {
     ($name:ident, $kind:expr, $cfg:expr) => {

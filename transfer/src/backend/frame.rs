@@ -67,6 +67,8 @@ pub(crate) enum Status {
     OutOfBounds = 2,
     AuthFailed = 3,
     UnsupportedMemory = 4,
+    /// A WRITE into a region its agent made read-only to peers.
+    ReadOnly = 5,
 }
 
 impl Status {
@@ -77,6 +79,7 @@ impl Status {
             2 => Self::OutOfBounds,
             3 => Self::AuthFailed,
             4 => Self::UnsupportedMemory,
+            5 => Self::ReadOnly,
             _ => return None,
         })
     }

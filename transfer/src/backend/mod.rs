@@ -108,6 +108,36 @@ pub(crate) trait PeerBackend: Send + Sync + 'static {
     /// The future checks `job.ctl` for cancellation before posting each chunk and before the
     /// notification, and returns `Cancelled` when it stops for that reason.
     fn execute(self: Arc<Self>, job: Job) -> BoxFuture;
+
+    /// Whether [`TransferCtl::settled`] tells when no piece of a transfer can touch local
+    /// memory any more (the stream backends count their pieces; the others do not).
+    fn tracks_pieces(&self) -> bool {
+        false
+    }
+
+    /// Fails every transfer in flight on this peer and stops its connections' tasks
+    /// (a peer that hangs). Later posts fail. Default: nothing to stop.
+    fn close(&self) {}
+}
+
+/// One piece of a transfer that may still read or write local memory (a request in a
+/// stream lane's queue or waiting for its reply): counted in the transfer's
+/// [`TransferCtl`] while it lives.
+pub(crate) struct Piece(Arc<TransferCtl>);
+
+impl Piece {
+    pub(crate) fn new(ctl: &Arc<TransferCtl>) -> Self {
+        ctl.pieces.fetch_add(1, Ordering::AcqRel);
+        Self(Arc::clone(ctl))
+    }
+}
+
+impl Drop for Piece {
+    fn drop(&mut self) {
+        if self.0.pieces.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.settle.notify_waiters();
+        }
+    }
 }
 
 /// State shared by a transfer's future, its cancel handles and the backend's tasks.
@@ -117,6 +147,9 @@ pub(crate) struct TransferCtl {
     remaining: AtomicUsize,
     error: Mutex<Option<TransferError>>,
     pub wake: tokio::sync::Notify,
+    /// Live [`Piece`]s, and their last one's going.
+    pieces: AtomicUsize,
+    settle: tokio::sync::Notify,
 }
 
 impl TransferCtl {
@@ -127,6 +160,21 @@ impl TransferCtl {
             remaining: AtomicUsize::new(0),
             error: Mutex::new(None),
             wake: tokio::sync::Notify::new(),
+            pieces: AtomicUsize::new(0),
+            settle: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Resolves once no [`Piece`] of the transfer lives.
+    pub(crate) async fn settled(&self) {
+        loop {
+            let notified = self.settle.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.pieces.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            notified.await;
         }
     }
 

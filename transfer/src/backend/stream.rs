@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 
 use super::frame::{FrameOp, HEADER_BYTES, Header, MAX_NAME_BYTES, Status};
-use super::{BoxFuture, Job, PeerBackend, TransferCtl};
+use super::{BoxFuture, Job, PeerBackend, Piece, TransferCtl};
 use super::{Notification, TargetCtx};
 use crate::descriptor::Op;
 use crate::error::{Result, TransferError};
@@ -40,10 +40,12 @@ struct Outgoing {
     header: Header,
     payload: Payload,
     ctl: Arc<TransferCtl>,
+    _piece: Piece,
 }
 
 struct Pending {
     ctl: Arc<TransferCtl>,
+    _piece: Piece,
     reply: FrameOp,
     len: u32,
     /// Where a READ's data lands.
@@ -157,6 +159,24 @@ impl Lane {
         self.died.notify_waiters();
     }
 
+    /// Fails the lane and stops its writer and reader (the reader may be waiting inside a
+    /// reply's payload from a peer that hangs): their queued and pending pieces are dropped
+    /// once the tasks are.
+    fn close(&self) {
+        self.kill(TransferError::disconnected(
+            &self.peer,
+            "closed by this side",
+        ));
+        for t in self
+            .tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            t.abort();
+        }
+    }
+
     /// Resolves when the lane has failed, with the reason.
     #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
     pub(crate) async fn dead(&self) -> TransferError {
@@ -209,6 +229,7 @@ impl Lane {
                 header.id,
                 Pending {
                     ctl: Arc::clone(ctl),
+                    _piece: Piece::new(ctl),
                     reply,
                     len: header.len,
                     dest,
@@ -219,6 +240,7 @@ impl Lane {
             header,
             payload,
             ctl: Arc::clone(ctl),
+            _piece: Piece::new(ctl),
         };
         // If the transfer is dropped while waiting for room in the queue, the request never
         // reaches the writer: the guard takes its pending entry back out.
@@ -464,6 +486,10 @@ fn status_error(peer: &str, h: &Header) -> TransferError {
             backend: "stream",
             reason: format!("peer region {} is not host memory", h.region),
         },
+        Status::ReadOnly => TransferError::InvalidDescriptor {
+            index: 0,
+            reason: format!("the peer's region {} is read-only to peers", h.region),
+        },
         Status::AuthFailed => TransferError::Auth {
             peer: peer.to_owned(),
             reason: "refused".into(),
@@ -557,6 +583,16 @@ impl PeerBackend for StreamPeer {
     fn execute(self: Arc<Self>, job: Job) -> BoxFuture {
         Box::pin(async move { self.run(job).await })
     }
+
+    fn tracks_pieces(&self) -> bool {
+        true
+    }
+
+    fn close(&self) {
+        for lane in &self.lanes {
+            lane.close();
+        }
+    }
 }
 
 /// Serves one stream as a target: authenticates the initiator, then applies WRITE frames to,
@@ -617,7 +653,10 @@ where
     while let Some(h) = read_header(r).await? {
         match h.op {
             FrameOp::Write => {
-                let (status, region) = check_region(ctx, &h);
+                let (status, region) = match check_region(ctx, &h) {
+                    (Status::Ok, Some(r)) if !r.remote_writes() => (Status::ReadOnly, None),
+                    checked => checked,
+                };
                 let mut ack = Header::new(FrameOp::WriteAck, h.id, h.region, h.offset, 0);
                 match region {
                     Some(region) => {
@@ -974,6 +1013,60 @@ mod tests {
             panic!("a refused token was accepted");
         };
         assert_eq!(e.kind(), ErrorKind::Auth, "{e}");
+    }
+
+    /// A READ whose reply stops inside its payload (a peer that hangs) keeps the transfer
+    /// unsettled: its reader may still write the destination. Closing the lane settles it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_read_stuck_inside_its_payload_settles_only_once_the_lane_is_closed() {
+        let (client, server) = duplex(1 << 20);
+        let (cr, cw) = tokio::io::split(client);
+        let fake = tokio::spawn(async move {
+            let (mut r, mut w) = tokio::io::split(server);
+            let mut hb = [0u8; HEADER_BYTES];
+            r.read_exact(&mut hb).await.unwrap();
+            let hello = Header::decode(&hb).unwrap();
+            let mut skip = vec![0u8; hello.len as usize];
+            r.read_exact(&mut skip).await.unwrap();
+            w.write_all(&Header::new(FrameOp::HelloAck, 0, 0, 0, 0).encode())
+                .await
+                .unwrap();
+            r.read_exact(&mut hb).await.unwrap();
+            let read = Header::decode(&hb).unwrap();
+            let data = Header::new(FrameOp::ReadData, read.id, read.region, 0, read.len);
+            w.write_all(&data.encode()).await.unwrap();
+            w.write_all(&vec![1u8; read.len as usize / 2])
+                .await
+                .unwrap();
+            w.flush().await.unwrap();
+            // Hang: neither the rest nor a close.
+            let mut rest = Vec::new();
+            let _ = r.read_to_end(&mut rest).await;
+        });
+        let (_ctx, _rx, region) = target();
+        let lane = Lane::start("fake", "me", &TOKEN, cr, cw).await.unwrap();
+        let ctl = Arc::new(TransferCtl::new(1));
+        lane.post(
+            &ctl,
+            Header::new(FrameOp::Read, 0, 1, 0, 4096),
+            Payload::None,
+            FrameOp::ReadData,
+            Some((Arc::clone(&region.mem), 0)),
+        )
+        .await
+        .unwrap();
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), ctl.settled())
+                .await
+                .is_err(),
+            "settled while its reply was still being read"
+        );
+        lane.close();
+        tokio::time::timeout(DEADLINE, ctl.settled())
+            .await
+            .expect("a closed lane settles its transfers");
+        drop(lane);
+        fake.abort();
     }
 
     #[tokio::test]

@@ -97,8 +97,10 @@ pub(crate) enum Backing {
     /// A memfd or a file, mapped shared; the file stays open so a same-host peer can open it
     /// through `/proc/<pid>/fd/<fd>`.
     Mapped { _map: memmap2::MmapRaw, file: File },
-    /// Memory the caller owns ([`Agent::register_raw`](crate::Agent::register_raw)).
-    Foreign,
+    /// Memory the caller owns ([`Agent::register_raw`](crate::Agent::register_raw)), with
+    /// what keeps it valid when the caller handed that over
+    /// ([`Agent::register_raw_owned`](crate::Agent::register_raw_owned)).
+    Foreign(#[allow(dead_code)] Option<Box<dyn std::any::Any + Send + Sync>>),
     /// Device memory owned by the CUDA backend (held only to be freed with the region).
     #[cfg(feature = "cuda")]
     Gpu(#[allow(dead_code)] cuda::DeviceBuffer),
@@ -142,6 +144,8 @@ pub(crate) struct RegionMem {
     /// False once deregistered: transfers in flight that touch the region then fail with
     /// `RegionNotFound` at their next chunk (the memory itself stays mapped until they let go).
     live: std::sync::atomic::AtomicBool,
+    /// False once [`RegionHandle::refuse_remote_writes`]: peers' WRITEs into it are refused.
+    remote_writes: std::sync::atomic::AtomicBool,
     /// The owning agent's name (for errors).
     agent: Arc<str>,
 }
@@ -174,6 +178,11 @@ impl RegionMem {
 
     pub(crate) fn ptr(&self) -> *mut u8 {
         self.ptr
+    }
+
+    /// Whether peers may WRITE into the region.
+    pub(crate) fn remote_writes(&self) -> bool {
+        self.remote_writes.load(Ordering::Acquire)
     }
 
     /// The region's bytes `offset..offset+len` as a shared slice.
@@ -290,6 +299,16 @@ impl RegionHandle {
         Ok(())
     }
 
+    /// Refuses peers' WRITEs into this region from now on (a peer's write fails with
+    /// `InvalidDescriptor`, "read-only to peers"); this agent's own transfers still fill
+    /// it (a READ it posts lands here). Enforced by the TCP and QUIC targets. **Not** over
+    /// shared memory or UCX, where the peer maps or registers the memory itself: a region
+    /// that must stay read-only is registered as foreign memory ([`crate::Agent::register_raw`],
+    /// which same-host peers cannot map) on an agent without UCX.
+    pub fn refuse_remote_writes(&self) {
+        self.mem.remote_writes.store(false, Ordering::Release);
+    }
+
     /// `/proc/<pid>/fd/<n>` of the region's memfd or file, through which a same-host process
     /// can map it; `None` for foreign and GPU memory.
     pub fn shm_path(&self) -> Option<String> {
@@ -393,6 +412,7 @@ impl Registry {
             backing,
             shm_slot,
             live: std::sync::atomic::AtomicBool::new(true),
+            remote_writes: std::sync::atomic::AtomicBool::new(true),
             agent: Arc::clone(&self.agent_name),
         });
         self.regions
@@ -448,6 +468,7 @@ impl Registry {
         self: &Arc<Self>,
         ptr: *mut u8,
         len: u64,
+        owner: Option<Box<dyn std::any::Any + Send + Sync>>,
     ) -> Result<RegionHandle> {
         if ptr.is_null() {
             return Err(TransferError::InvalidDescriptor {
@@ -455,7 +476,7 @@ impl Registry {
                 reason: "null pointer".into(),
             });
         }
-        self.insert(MemKind::Dram, ptr, len, Backing::Foreign)
+        self.insert(MemKind::Dram, ptr, len, Backing::Foreign(owner))
     }
 
     #[cfg(feature = "cuda")]
