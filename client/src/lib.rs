@@ -345,6 +345,26 @@ pub struct FetchedInto {
     pub miss: Option<Miss>,
 }
 
+/// What a cluster peer's locate pinned (see [`Client::locate`]): the leading blocks of the
+/// keys asked, pinned in the server's DRAM until the lease is released or passes, with each
+/// one's place in the server's arena and the sum the server states for it (not verified:
+/// the caller reads the bytes by other means and checks them).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Located {
+    /// 0 when nothing was pinned (nothing to release).
+    pub lease_id: u64,
+    /// When the server releases the pins by itself.
+    pub deadline: Instant,
+    /// How many keys were asked (as many as fit one request).
+    pub asked: usize,
+    /// Each pinned block's byte offset in the server's DRAM arena, in key order.
+    pub offsets: Vec<u64>,
+    /// The sums the server states, one a pinned block.
+    pub sums: Vec<u64>,
+    /// Why it stopped before `asked` (None: every key asked was pinned).
+    pub miss: Option<Miss>,
+}
+
 /// Bytes of a fetched block read and summed at a time (see [`Client::fetch_into`]).
 const SUM_PIECE_BYTES: usize = 256 << 10;
 
@@ -1207,6 +1227,55 @@ impl Client {
         let mut p = self.pin_inner(keys, lease).await?;
         let id = std::mem::take(&mut p.lease_id);
         Ok((id, std::mem::take(&mut p.tiers)))
+    }
+
+    /// A locate between cluster peers (opcode 17): pins the longest cached prefix of `keys`
+    /// in the server's DRAM for `lease`, as [`Client::pin`] does, and says where each block
+    /// lies in the server's arena and the checksum the server states for it
+    /// ([`kvtier_core::protocol::block_sum`]), so the caller can read the slots one-sided
+    /// (kvtier-transfer) and verify them. Asks as many keys as one request may carry.
+    /// Servers answer it only to a cluster peer (`docs/cluster.md`). Release with
+    /// [`Client::release`] or [`Client::release_nowait`] on this client.
+    pub async fn locate(&self, keys: &[BlockKey], lease: Duration) -> Result<Located, ClientError> {
+        let lease_ms = lease.as_millis().max(1) as u64;
+        let c = self.conn().await?;
+        let base = meta_base(&Request::Locate {
+            keys: vec![],
+            lease_ms,
+        });
+        let n = c.fit(base, keys, usize::MAX, key_bytes);
+        let req = Request::Locate {
+            keys: keys[..n].to_vec(),
+            lease_ms,
+        };
+        let sent = Instant::now();
+        let r = c.call(&req, &[], self.timeout()).await?;
+        let l = match r.response {
+            Response::Locate(l) => l,
+            Response::Error(e) => return Err(ClientError::from_reply(e)),
+            r => return Err(Self::unexpected(&r)),
+        };
+        let m = l.pin.blocks.len();
+        if m > n {
+            return Err(ClientError::Protocol(format!(
+                "locate of {n} keys answered {m} blocks"
+            )));
+        }
+        Ok(Located {
+            lease_id: l.pin.lease_id,
+            deadline: sent + Duration::from_millis(l.pin.lease_ms),
+            asked: n,
+            offsets: l.pin.blocks.iter().map(|b| b.offset).collect(),
+            sums: l.sums,
+            miss: Miss::from_code(l.pin.miss).or((m < n).then_some(Miss::NotCached)),
+        })
+    }
+
+    /// [`Client::release`] without waiting for (or getting) an answer.
+    pub async fn release_nowait(&self, lease_id: u64) -> Result<(), ClientError> {
+        let c = self.conn().await?;
+        c.send_no_reply(&Request::Release { lease_id }, self.timeout())
+            .await
     }
 
     pub async fn release(&self, lease_id: u64) -> Result<(), ClientError> {

@@ -223,6 +223,13 @@ pub enum Request {
     Release {
         lease_id: u64,
     },
+    /// A pin between cluster peers: the reply also carries each pinned block's
+    /// [`block_sum`], so the peer can read the slots one-sided (kvtier-transfer) and verify
+    /// key, length and content before it stores a byte. Released like a pin.
+    Locate {
+        keys: Vec<BlockKey>,
+        lease_ms: u64,
+    },
     /// Reserves DRAM slots for a local client to fill in place (Unix socket only).
     Reserve {
         entries: Vec<PutEntry>,
@@ -306,6 +313,7 @@ impl Request {
             Request::Prefetch(_) => Opcode::Prefetch,
             Request::Pin { .. } => Opcode::Pin,
             Request::Release { .. } => Opcode::Release,
+            Request::Locate { .. } => Opcode::Locate,
             Request::Reserve { .. } => Opcode::Reserve,
             Request::Commit { .. } => Opcode::Commit,
             Request::Abort { .. } => Opcode::Abort,
@@ -330,7 +338,7 @@ impl Request {
             Request::Put(entries) => enc(&PutMeta {
                 entries: entries.clone(),
             }),
-            Request::Pin { keys, lease_ms } => enc(&PinMeta {
+            Request::Pin { keys, lease_ms } | Request::Locate { keys, lease_ms } => enc(&PinMeta {
                 keys: keys.clone(),
                 lease_ms: *lease_ms,
             }),
@@ -395,12 +403,14 @@ impl Request {
                 check_keys(what, m.entries.len(), limits)?;
                 Request::Put(m.entries)
             }
-            Opcode::Pin => {
+            Opcode::Pin | Opcode::Locate => {
                 let m: PinMeta = dec(what, meta)?;
                 check_keys(what, m.keys.len(), limits)?;
-                Request::Pin {
-                    keys: m.keys,
-                    lease_ms: m.lease_ms,
+                let (keys, lease_ms) = (m.keys, m.lease_ms);
+                if op == Opcode::Pin {
+                    Request::Pin { keys, lease_ms }
+                } else {
+                    Request::Locate { keys, lease_ms }
                 }
             }
             Opcode::Reserve => {
@@ -584,6 +594,14 @@ pub struct FetchReply {
     pub sums: Vec<u64>,
 }
 
+/// The reply to a locate: a pin's, and one [`block_sum`] per block pinned.
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct LocateReply {
+    pub pin: PinReply,
+    /// [`block_sum`] of each block pinned, in order (as many as `pin.blocks`).
+    pub sums: Vec<u64>,
+}
+
 /// The checksum a fetch reply carries for a block: XXH3-64 over the key's 16 bytes, then
 /// the block's bytes. It binds the bytes to the key they are sent for.
 pub fn block_sum(key: &BlockKey, block: &[u8]) -> u64 {
@@ -639,6 +657,7 @@ pub enum Response {
         queued: u64,
     },
     Pin(PinReply),
+    Locate(LocateReply),
     Reserve(ReserveReply),
     /// Answer to release, abort, clear.
     Done,
@@ -677,6 +696,7 @@ impl Response {
             | Response::Remove { removed: n }
             | Response::Subscribed { next_seq: n } => (r, enc(&CountMeta { count: *n })),
             Response::Pin(p) => (r, enc(p)),
+            Response::Locate(l) => (r, enc(l)),
             Response::Reserve(p) => (r, enc(p)),
             Response::Retain(p) => (r, enc(p)),
             Response::Stats(s) => (r, enc(&TextMeta { text: s.clone() })),
@@ -759,6 +779,17 @@ impl Response {
                 let p: PinReply = dec(what, meta)?;
                 check_keys(what, p.blocks.len(), limits)?;
                 Response::Pin(p)
+            }
+            Opcode::Locate => {
+                let l: LocateReply = dec(what, meta)?;
+                check_keys(what, l.pin.blocks.len(), limits)?;
+                if l.sums.len() != l.pin.blocks.len() {
+                    return Err(bad(
+                        what,
+                        format!("{} sums for {} blocks", l.sums.len(), l.pin.blocks.len()),
+                    ));
+                }
+                Response::Locate(l)
             }
             Opcode::Reserve => {
                 let p: ReserveReply = dec(what, meta)?;

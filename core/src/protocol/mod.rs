@@ -39,9 +39,9 @@ pub mod message;
 
 pub use message::{
     BlockEvent, BlockSum, ErrorCode, ErrorReply, EventKind, Events, FetchReply, Hello, HelloReply,
-    KeyList, MAX_RETAIN_PRIORITY, MAX_RETAIN_RETURN_MS, MissCode, PinReply, PinnedSlot, PutEntry,
-    PutReply, PutStatus, Request, ReserveReply, ReservedSlot, Response, RetainHint, RetainReply,
-    RetainStatus, TierCode, block_sum,
+    KeyList, LocateReply, MAX_RETAIN_PRIORITY, MAX_RETAIN_RETURN_MS, MissCode, PinReply,
+    PinnedSlot, PutEntry, PutReply, PutStatus, Request, ReserveReply, ReservedSlot, Response,
+    RetainHint, RetainReply, RetainStatus, TierCode, block_sum,
 };
 
 use thiserror::Error;
@@ -98,6 +98,9 @@ wire_enum! {
         Subscribe = 15,
         /// Cluster peers only: a get whose reply carries a checksum per block.
         Fetch = 16,
+        /// Cluster peers only: a pin whose reply carries a checksum per block, ahead of a
+        /// one-sided read of the pinned slots over kvtier-transfer.
+        Locate = 17,
         Retain = 20,
     }
 }
@@ -122,6 +125,7 @@ impl Opcode {
             Opcode::Stats => "stats",
             Opcode::Subscribe => "subscribe",
             Opcode::Fetch => "fetch",
+            Opcode::Locate => "locate",
             Opcode::Retain => "retain",
         }
     }

@@ -210,6 +210,10 @@ fn all_requests() -> Vec<Request> {
             lease_ms: 5000,
         },
         Request::Release { lease_id: 42 },
+        Request::Locate {
+            keys: keys.clone(),
+            lease_ms: 2000,
+        },
         Request::Reserve {
             entries,
             lease_ms: 100,
@@ -303,6 +307,24 @@ fn every_response_round_trips() {
                 tiers: vec![1, 2],
                 miss: MissCode::NotCached as u8,
                 sums: vec![7, u64::MAX],
+            }),
+        ),
+        (
+            Opcode::Locate,
+            Response::Locate(LocateReply {
+                pin: PinReply {
+                    lease_id: 3,
+                    lease_ms: 2000,
+                    blocks: vec![
+                        PinnedSlot { offset: 0, tier: 1 },
+                        PinnedSlot {
+                            offset: 4096,
+                            tier: 2,
+                        },
+                    ],
+                    miss: 0,
+                },
+                sums: vec![u64::MAX, 5],
             }),
         ),
         (Opcode::Prefetch, Response::Prefetch { queued: 3 }),
@@ -653,7 +675,7 @@ fn codes_round_trip_and_unknown_ones_are_none() {
         assert_eq!(Opcode::from_u8(op as u8), Some(op));
     }
     assert_eq!(Opcode::from_u8(0), None);
-    assert_eq!(Opcode::from_u8(17), None);
+    assert_eq!(Opcode::from_u8(18), None);
     for v in 0..=255u8 {
         if let Some(c) = PutStatus::from_u8(v) {
             assert_eq!(c as u8, v);
@@ -703,6 +725,24 @@ fn a_fetch_reply_with_sums_not_matching_its_blocks_is_refused() {
     h.flags = fl;
     let e = Response::decode(&h, &meta, &Limits::default()).unwrap_err();
     assert!(e.to_string().contains("1 sums for 2 blocks"), "{e}");
+}
+
+#[test]
+fn a_locate_reply_with_sums_not_matching_its_blocks_is_refused() {
+    let r = Response::Locate(LocateReply {
+        pin: PinReply {
+            lease_id: 1,
+            lease_ms: 10,
+            blocks: vec![PinnedSlot { offset: 0, tier: 1 }],
+            miss: 0,
+        },
+        sums: vec![1, 2],
+    });
+    let (fl, meta) = r.encode_meta();
+    let mut h = Header::request(Opcode::Locate, 1, meta.len(), 0);
+    h.flags = fl;
+    let e = Response::decode(&h, &meta, &Limits::default()).unwrap_err();
+    assert!(e.to_string().contains("2 sums for 1 blocks"), "{e}");
 }
 
 #[test]
