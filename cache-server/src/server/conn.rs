@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 use kvtier_core::BlockKey;
 use kvtier_core::protocol::{
     ErrorCode, ErrorReply, Events, FetchReply, FrameError, HEADER_BYTES, Header, Hello, HelloReply,
-    MIN_VERSION, MissCode, Opcode, PinReply, PinnedSlot, PutEntry, PutReply, PutStatus, Request,
-    ReserveReply, ReservedSlot, Response, RetainReply, RetainStatus, VERSION, flags,
+    LocateReply, MIN_VERSION, MissCode, Opcode, PinReply, PinnedSlot, PutEntry, PutReply,
+    PutStatus, Request, ReserveReply, ReservedSlot, Response, RetainReply, RetainStatus, VERSION,
+    flags,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
@@ -339,7 +340,12 @@ struct Conn {
 fn peer_may(req: &Request) -> bool {
     matches!(
         req,
-        Request::Ping | Request::Lookup(_) | Request::Fetch(_) | Request::Put(_)
+        Request::Ping
+            | Request::Lookup(_)
+            | Request::Fetch(_)
+            | Request::Locate { .. }
+            | Request::Release { .. }
+            | Request::Put(_)
     )
 }
 
@@ -1261,6 +1267,35 @@ impl Job {
             .map_err(|_| self.error(ErrorCode::Internal, "the request's worker failed"))
     }
 
+    /// Each of `pinned`'s blocks' sums over its key and bytes (what a peer verifies on
+    /// arrival), kept per DRAM slot once computed. What is not kept yet is hashed here when
+    /// small (tens of µs); a larger set on the blocking pool, since it may be hundreds of
+    /// MiB. Counted in `kvtier_cluster_fetch_sums_total`.
+    async fn block_sums(&self, pinned: PinnedRead) -> Result<(PinnedRead, Vec<u64>), Option<Out>> {
+        let bytes = pinned.blocks().len() * self.shared.block_bytes;
+        let (pinned, (sums, hashed)) = match pinned.kept_sums() {
+            Some(sums) => (pinned, (sums, 0)),
+            None if bytes <= INLINE_SUM_BYTES => {
+                let sums = pinned.sums();
+                (pinned, sums)
+            }
+            None => {
+                self.blocking(move || {
+                    let sums = pinned.sums();
+                    (pinned, sums)
+                })
+                .await?
+            }
+        };
+        if let Some(c) = self.shared.cluster.get() {
+            let m = &c.metrics.fetch_sums;
+            m.with_label_values(&["hashed"]).inc_by(hashed as u64);
+            m.with_label_values(&["kept"])
+                .inc_by((sums.len() - hashed) as u64);
+        }
+        Ok((pinned, sums))
+    }
+
     async fn run(&self, req: Request) -> Option<Out> {
         let s = self.shared.clone();
         let store = s.store.clone();
@@ -1414,34 +1449,10 @@ impl Job {
                     .collect();
                 let miss = miss_code(pinned.miss());
                 let (pinned, r) = if fetch {
-                    // Each block's sum over its key and bytes (the peer verifies on arrival),
-                    // kept per DRAM slot once computed. What is not kept yet is hashed here
-                    // when small (tens of µs); a larger reply on the blocking pool, since a
-                    // reply may be hundreds of MiB.
-                    let bytes = pinned.blocks().len() * s.block_bytes;
-                    let (pinned, (sums, hashed)) = match pinned.kept_sums() {
-                        Some(sums) => (pinned, (sums, 0)),
-                        None if bytes <= INLINE_SUM_BYTES => {
-                            let sums = pinned.sums();
-                            (pinned, sums)
-                        }
-                        None => match self
-                            .blocking(move || {
-                                let sums = pinned.sums();
-                                (pinned, sums)
-                            })
-                            .await
-                        {
-                            Ok(x) => x,
-                            Err(o) => return o,
-                        },
+                    let (pinned, sums) = match self.block_sums(pinned).await {
+                        Ok(x) => x,
+                        Err(o) => return o,
                     };
-                    if let Some(c) = s.cluster.get() {
-                        let m = &c.metrics.fetch_sums;
-                        m.with_label_values(&["hashed"]).inc_by(hashed as u64);
-                        m.with_label_values(&["kept"])
-                            .inc_by((sums.len() - hashed) as u64);
-                    }
                     (pinned, Response::Fetch(FetchReply { tiers, miss, sums }))
                 } else {
                     (pinned, Response::Get { tiers, miss })
@@ -1456,7 +1467,12 @@ impl Job {
                 o._queued = Some(queued);
                 Some(o)
             }
-            Request::Pin { keys, lease_ms } => {
+            Request::Locate { .. } if !self.peer => self.error(
+                ErrorCode::Forbidden,
+                "locate is for cluster peers (a hello with the cluster's peer token); use pin",
+            ),
+            Request::Pin { keys, lease_ms } | Request::Locate { keys, lease_ms } => {
+                let locate = self.op == Opcode::Locate as u8;
                 let lease = self.lease(lease_ms);
                 await_pending(&s, &keys).await;
                 // What this connection's and its namespace's shares of pinned DRAM blocks
@@ -1478,6 +1494,7 @@ impl Job {
                     (mine.amount() < want).then_some(ShareKind::PinsConnection)
                 };
                 let allowed = ours.amount() as usize;
+                let mut sums = Vec::new();
                 let mut l = if allowed == 0 {
                     crate::Lease {
                         id: 0,
@@ -1485,6 +1502,30 @@ impl Job {
                         blocks: Vec::new(),
                         miss: None,
                     }
+                } else if locate {
+                    // Pinned first, summed while pinned, then handed to the lease: the sums
+                    // are of the bytes the peer will read.
+                    let pinned = match store.try_pin_read(&keys[..allowed]) {
+                        Some(p) => p,
+                        None => match self
+                            .blocking({
+                                let keys = keys[..allowed].to_vec();
+                                move || store.pin_read(&keys)
+                            })
+                            .await
+                        {
+                            Ok(p) => p,
+                            Err(o) => return o,
+                        },
+                    };
+                    let pinned = match self.block_sums(pinned).await {
+                        Ok((pinned, s)) => {
+                            sums = s;
+                            pinned
+                        }
+                        Err(o) => return o,
+                    };
+                    pinned.into_lease(lease)
                 } else {
                     match store.try_pin(&keys[..allowed], lease) {
                         Some(l) => l,
@@ -1522,7 +1563,7 @@ impl Job {
                         s.metrics.leases_open.inc();
                     }
                 }
-                self.reply(Response::Pin(PinReply {
+                let pin = PinReply {
                     lease_id: if l.blocks.is_empty() { 0 } else { l.id },
                     lease_ms: lease.as_millis() as u64,
                     blocks: l
@@ -1534,7 +1575,12 @@ impl Job {
                         })
                         .collect(),
                     miss: miss_code(l.miss),
-                }))
+                };
+                self.reply(if locate {
+                    Response::Locate(LocateReply { pin, sums })
+                } else {
+                    Response::Pin(pin)
+                })
             }
             Request::Release { lease_id } => {
                 let mine = lock(&self.state).leases.remove(&lease_id).is_some();

@@ -55,6 +55,14 @@ impl PinnedRead {
         self.blocks.iter().map(|b| dram.kept_sum(b.slot)).collect()
     }
 
+    /// Hands the pins over to a lease of up to `lease` (as [`super::TieredStore::pin`]
+    /// takes): released with [`super::TieredStore::release`] of its id or at its deadline,
+    /// no longer when this guard goes.
+    pub fn into_lease(mut self, lease: std::time::Duration) -> super::Lease {
+        let blocks = std::mem::take(&mut self.blocks);
+        self.inner.file_lease(blocks, self.miss, lease)
+    }
+
     /// The bytes of the `i`-th pinned block, read in place.
     pub fn bytes(&self, i: usize) -> &[u8] {
         let b = &self.blocks[i];

@@ -96,8 +96,19 @@ impl Inner {
         lease: Duration,
         may_block: bool,
     ) -> Option<Lease> {
-        let deadline = Instant::now() + lease.min(self.config.max_lease);
         let (blocks, miss) = self.pin_prefix(keys, may_block)?;
+        Some(self.file_lease(blocks, miss, lease))
+    }
+
+    /// Files `blocks` (pinned by the caller) as a lease of up to `lease` (capped by the
+    /// configured maximum): from here the lease's release or deadline unpins them.
+    pub(super) fn file_lease(
+        self: &Arc<Self>,
+        blocks: Vec<PinnedBlock>,
+        miss: Option<MissReason>,
+        lease: Duration,
+    ) -> Lease {
+        let deadline = Instant::now() + lease.min(self.config.max_lease);
         let id = self.next_lease.fetch_add(1, Ordering::Relaxed);
         if !blocks.is_empty() {
             let slots = blocks.iter().map(|b| b.slot.0).collect();
@@ -110,12 +121,12 @@ impl Inner {
                 },
             );
         }
-        Some(Lease {
+        Lease {
             id,
             deadline,
             blocks,
             miss,
-        })
+        }
     }
 
     /// Files a held lookup's hold on `slots` of the host tier as a lease. The lookup has
