@@ -499,6 +499,7 @@ mod tests {
             data_cert_der: hex(cert),
             data_cert_name: "localhost".into(),
             transfer_endpoint: String::new(),
+            transfer_meta: String::new(),
             admin_endpoint: String::new(),
             worker_endpoint: worker.into(),
             tiers: vec![TierCapacity {

@@ -249,6 +249,7 @@ impl ClusterNode {
                         "version": m.record.version,
                         "data_endpoint": m.record.data_endpoint,
                         "transfer_endpoint": m.record.transfer_endpoint,
+                        "transfer_meta": m.record.transfer_meta,
                         "admin_endpoint": m.record.admin_endpoint,
                         "worker_endpoint": m.record.worker_endpoint,
                         "tiers": m.record.tiers,
@@ -282,6 +283,13 @@ impl ClusterNode {
                 "data_path": if data_path {
                     json!({
                         "enabled": true,
+                        // How this node reads peers' blocks: one-sided over kvtier-transfer
+                        // when it serves a transfer endpoint itself, else over the protocol.
+                        "fetch": if self.record.transfer_meta.is_empty() {
+                            "protocol".to_string()
+                        } else {
+                            self.record.transfer_endpoint.split("://").next().unwrap_or("").to_string()
+                        },
                         "peer_timeout_ms": s.peer_timeout.as_millis() as u64,
                         "offer_queue_blocks": s.offer_queue_blocks,
                         "guests_first": s.guests_first,

@@ -14,7 +14,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
-use kvtier_client::{Client, ClientConfig, FetchedInto, Miss};
+use kvtier_client::{Client, ClientConfig, FetchedInto, Located, Miss};
 use kvtier_core::BlockKey;
 use kvtier_core::protocol::{PutEntry, PutStatus};
 
@@ -44,6 +44,8 @@ pub struct PeerAddr {
     pub endpoint: String,
     pub cert_der: String,
     pub cert_name: String,
+    /// Hex of its kvtier-transfer blob without the token ("": it serves no one-sided reads).
+    pub transfer_meta: String,
 }
 
 impl PeerAddr {
@@ -54,6 +56,7 @@ impl PeerAddr {
             endpoint: record.data_endpoint.clone(),
             cert_der: record.data_cert_der.clone(),
             cert_name: record.data_cert_name.clone(),
+            transfer_meta: record.transfer_meta.clone(),
         }
     }
 }
@@ -288,6 +291,44 @@ impl PeerPool {
         .await
     }
 
+    /// Pins the leading `keys` `peer` holds in its DRAM for `lease` (its locate, local to
+    /// it), on its first connection: where each lies in its arena and the sum it states.
+    /// The caller releases the lease ([`PeerPool::release`]) once it has read them.
+    pub async fn locate(
+        &self,
+        peer: &PeerAddr,
+        keys: &[BlockKey],
+        lease: Duration,
+    ) -> Result<Located, PeerFailure> {
+        self.bounded(peer, "locate", 0, |c| async move {
+            let l = c
+                .locate(keys, lease)
+                .await
+                .map_err(|e| PeerFailure::Failed(format!("locate: {e}")))?;
+            if l.sums.len() != l.offsets.len() {
+                return Err(PeerFailure::Failed("locate: sums and blocks differ".into()));
+            }
+            Ok(l)
+        })
+        .await
+    }
+
+    /// Releases lease `lease_id` that a locate took on `peer` (on the same connection),
+    /// without waiting for an answer; a lease the peer no longer has (the connection was
+    /// made again meanwhile) simply passes its deadline there.
+    pub async fn release(&self, peer: &PeerAddr, lease_id: u64) {
+        if lease_id == 0 {
+            return;
+        }
+        let _ = self
+            .bounded(peer, "release", 0, |c| async move {
+                c.release_nowait(lease_id)
+                    .await
+                    .map_err(|e| PeerFailure::Failed(format!("release: {e}")))
+            })
+            .await;
+    }
+
     /// The blocks of the leading `keys` `peer` holds, read straight into `bufs` (one
     /// block-sized buffer a key) over connection `stream` (see [`stripes`]; one that is not
     /// open yet is shared with an open one), with the sums it states (unverified: the caller
@@ -311,6 +352,22 @@ impl PeerPool {
                 .inc_by(f.blocks as u64 * self.block_bytes);
         }
         r
+    }
+
+    /// Counts a request to `peer` made outside the pool (a one-sided read) that failed or
+    /// timed out, and passes the peer over for [`SUSPECT_FOR`] as [`PeerPool::bounded`]
+    /// does.
+    pub fn failed(&self, peer: &PeerAddr, op: &'static str, why: &PeerFailure) {
+        if let Some(slot) = lock(&self.slots).get_mut(&peer.id) {
+            slot.suspect_until = Some(Instant::now() + SUSPECT_FOR);
+        }
+        match why {
+            PeerFailure::Timeout => self.metrics.timeouts.with_label_values(&[&peer.id]).inc(),
+            PeerFailure::Failed(w) => {
+                tracing::debug!(peer = %peer.id, op, "peer request failed: {w}");
+                self.metrics.errors.with_label_values(&[&peer.id]).inc();
+            }
+        }
     }
 
     /// Counts one round of requests to `peer` made as a whole (a lookup's fetch from one

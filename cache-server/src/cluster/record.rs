@@ -51,8 +51,15 @@ pub struct MemberRecord {
     /// The name peers check that certificate against (`localhost` for the generated one).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub data_cert_name: String,
-    /// Its kvtier-transfer endpoint, "" if not advertised (the data path is not built yet).
+    /// Its kvtier-transfer endpoint (`tcp://IP:PORT` or `quic://IP:PORT`: where peers read
+    /// its DRAM one-sided), "" if it serves none. Informational: peers connect with
+    /// `transfer_meta`.
     pub transfer_endpoint: String,
+    /// Hex of its kvtier-transfer agent's metadata blob **without the token** (peers derive
+    /// it from the cluster secret: [`transfer_token`]), listing its DRAM arena, read-only to
+    /// peers; "" when it serves none (and absent in records of servers older than the field).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub transfer_meta: String,
     /// Its admin port (`http://HOST:PORT`), "" if not advertised.
     pub admin_endpoint: String,
     /// The inference worker beside it (`http://HOST:PORT`, `cluster.worker_url`), for routers
@@ -200,6 +207,18 @@ pub fn peer_token(secret: &[u8], cluster: &str) -> String {
     hex(hmac::sign(&root, label.as_bytes()).as_ref())
 }
 
+/// The token members' kvtier-transfer agents present to each other: HMAC-SHA256(secret,
+/// `"kvtier cluster transfer token v1 " + cluster name`). It never travels: each member
+/// derives it, so a record (readable by anyone who reads etcd) lets no one else read a
+/// member's DRAM.
+pub fn transfer_token(secret: &[u8], cluster: &str) -> [u8; 32] {
+    let root = hmac::Key::new(hmac::HMAC_SHA256, secret);
+    let label = format!("kvtier cluster transfer token v1 {cluster}");
+    let mut t = [0u8; 32];
+    t.copy_from_slice(hmac::sign(&root, label.as_bytes()).as_ref());
+    t
+}
+
 /// Lower-case hex of `b`.
 pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
@@ -229,6 +248,7 @@ pub(crate) mod tests {
             data_cert_der: String::new(),
             data_cert_name: String::new(),
             transfer_endpoint: String::new(),
+            transfer_meta: String::new(),
             admin_endpoint: String::new(),
             worker_endpoint: String::new(),
             tiers: vec![TierCapacity {
@@ -335,6 +355,15 @@ pub(crate) mod tests {
 
     /// The peer token depends on the secret and the cluster's name, and on nothing else;
     /// it is not the record-signing key's label.
+    #[test]
+    fn transfer_token_is_bound_to_secret_and_cluster_and_is_not_the_peer_token() {
+        let t = transfer_token(b"secret of sixteen", "c");
+        assert_eq!(t, transfer_token(b"secret of sixteen", "c"));
+        assert_ne!(t, transfer_token(b"secret of sixteeN", "c"));
+        assert_ne!(t, transfer_token(b"secret of sixteen", "d"));
+        assert_ne!(hex(&t), peer_token(b"secret of sixteen", "c"));
+    }
+
     #[test]
     fn peer_token_is_bound_to_secret_and_cluster() {
         let t = peer_token(b"secret of sixteen", "c");

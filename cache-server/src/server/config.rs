@@ -127,10 +127,16 @@ pub struct ClusterSection {
     /// `tcp://HOST:PORT`); "" is the TLS listener's address when it is bound to a specific
     /// address, else the TCP listener's when that is. Default: "".
     pub advertise_data: String,
-    /// The kvtier-transfer endpoint peers are told; "" is none (nothing uses it yet: the
-    /// data path goes over the protocol, `advertise_data`).
-    /// Default: "".
+    /// The IP address this member's kvtier-transfer agent binds and peers read its DRAM at
+    /// (one-sided reads, `fetch`); "" is the address of the advertised data endpoint (it
+    /// must then be an IP address; `localhost` is 127.0.0.1). Default: "".
     pub advertise_transfer: String,
+    /// How blocks come from a peer: `tcp` or `quic`, a one-sided read of the owner's DRAM
+    /// over kvtier-transfer's backend of that name, after a locate that pins them there and
+    /// states their sums (`docs/cluster.md`, "Data path"); `protocol`, a fetch over the
+    /// kvtier protocol (`advertise_data`). A peer whose record offers no transfer endpoint is
+    /// fetched from over the protocol either way. Default: "tcp".
+    pub fetch: String,
     /// The admin endpoint peers are told (`http://HOST:PORT`); "" is the admin listener's
     /// address when it is bound to a specific address. Default: "".
     pub advertise_admin: String,
@@ -176,6 +182,7 @@ impl Default for ClusterSection {
             node_id: String::new(),
             advertise_data: String::new(),
             advertise_transfer: String::new(),
+            fetch: "tcp".into(),
             advertise_admin: String::new(),
             worker_url: String::new(),
             secret_file: String::new(),
@@ -862,6 +869,25 @@ impl ServerConfig {
                 return Err(cerr(name, "must be at least 1"));
             }
         }
+        if !["tcp", "quic", "protocol"].contains(&c.fetch.as_str()) {
+            return Err(cerr(
+                "cluster.fetch",
+                format!("{:?}: must be \"tcp\", \"quic\" or \"protocol\"", c.fetch),
+            ));
+        }
+        if !c.advertise_transfer.is_empty()
+            && c.advertise_transfer
+                .parse::<std::net::IpAddr>()
+                .map_or(true, |ip| ip.is_unspecified())
+        {
+            return Err(cerr(
+                "cluster.advertise_transfer",
+                format!(
+                    "{:?}: must be this member's IP address (peers connect to it)",
+                    c.advertise_transfer
+                ),
+            ));
+        }
         if c.head_blocks > MAX_HEAD_BLOCKS {
             return Err(cerr(
                 "cluster.head_blocks",
@@ -1405,6 +1431,15 @@ mod tests {
             ("cluster.etcd_timeout_ms=0", "cluster.etcd_timeout_ms"),
             ("cluster.peer_timeout_ms=0", "cluster.peer_timeout_ms"),
             ("cluster.offer_queue_blocks=0", "cluster.offer_queue_blocks"),
+            ("cluster.fetch=\"rdma\"", "cluster.fetch"),
+            (
+                "cluster.advertise_transfer=\"0.0.0.0\"",
+                "cluster.advertise_transfer",
+            ),
+            (
+                "cluster.advertise_transfer=\"host:1\"",
+                "cluster.advertise_transfer",
+            ),
         ] {
             let e = cluster_config(&[set]).unwrap_err();
             assert_eq!(e.setting, setting, "{set}: {e}");

@@ -17,6 +17,7 @@ pub(crate) fn node(
     endpoints: &Endpoints,
     stats: &StoreStats,
     metrics: ClusterMetrics,
+    transfer: Option<&TransferAd>,
 ) -> Result<Option<Arc<ClusterNode>>, ServerError> {
     if !c.cluster_enabled()? {
         return Ok(None);
@@ -37,21 +38,7 @@ pub(crate) fn node(
              who can write to etcd can add a member)"
         );
     }
-    let advertised = |set: &str, scheme: &str, bound: Option<SocketAddr>| -> String {
-        if !set.is_empty() {
-            return set.to_string();
-        }
-        match bound {
-            Some(a) if !a.ip().is_unspecified() => format!("{scheme}://{a}"),
-            _ => String::new(),
-        }
-    };
-    // Peers talk over TLS when its listener is bound to an address they can reach, pinning
-    // the certificate this record carries; over plain TCP otherwise.
-    let data_endpoint = match advertised("", "tls", endpoints.tls) {
-        tls if s.advertise_data.is_empty() && !tls.is_empty() => tls,
-        _ => advertised(&s.advertise_data, "tcp", endpoints.tcp),
-    };
+    let data_endpoint = data_endpoint(c, endpoints);
     // The generated certificate names `localhost`; a configured one, the advertised host.
     let data_cert_name = if c.server.tls_cert.is_empty() {
         "localhost".to_string()
@@ -65,7 +52,8 @@ pub(crate) fn node(
         data_cert_der: crate::cluster::record::hex(&endpoints.quic_cert_der),
         data_cert_name,
         data_endpoint,
-        transfer_endpoint: s.advertise_transfer.clone(),
+        transfer_endpoint: transfer.map_or(String::new(), |t| t.endpoint.clone()),
+        transfer_meta: transfer.map_or(String::new(), |t| t.meta_hex.clone()),
         admin_endpoint: advertised(&s.advertise_admin, "http", endpoints.admin),
         worker_endpoint: s.worker_url.clone(),
         tiers: stats
@@ -100,6 +88,53 @@ pub(crate) fn node(
         guests_first: s.guests_first,
     };
     Ok(Some(Arc::new(ClusterNode::new(settings, record, metrics))))
+}
+
+/// What the record says of this node's kvtier-transfer agent.
+pub(crate) struct TransferAd {
+    /// `tcp://IP:PORT`-like, informational.
+    pub endpoint: String,
+    /// Hex of the blob without the token.
+    pub meta_hex: String,
+}
+
+/// `set` if set, else `scheme://` + the bound address when it is a specific one, else "".
+fn advertised(set: &str, scheme: &str, bound: Option<SocketAddr>) -> String {
+    if !set.is_empty() {
+        return set.to_string();
+    }
+    match bound {
+        Some(a) if !a.ip().is_unspecified() => format!("{scheme}://{a}"),
+        _ => String::new(),
+    }
+}
+
+/// The protocol endpoint this member advertises: peers talk over TLS when its listener is
+/// bound to an address they can reach, pinning the certificate the record carries; over
+/// plain TCP otherwise.
+fn data_endpoint(c: &ServerConfig, endpoints: &Endpoints) -> String {
+    let s = &c.cluster;
+    match advertised("", "tls", endpoints.tls) {
+        tls if s.advertise_data.is_empty() && !tls.is_empty() => tls,
+        _ => advertised(&s.advertise_data, "tcp", endpoints.tcp),
+    }
+}
+
+/// The address this member's kvtier-transfer agent binds and advertises:
+/// `cluster.advertise_transfer`, else the advertised data endpoint's host when it is an IP
+/// address (or `localhost`); `None` when neither names one.
+pub(crate) fn transfer_ip(c: &ServerConfig, endpoints: &Endpoints) -> Option<std::net::IpAddr> {
+    let set = &c.cluster.advertise_transfer;
+    if !set.is_empty() {
+        return set.parse().ok();
+    }
+    let host = url_host(&data_endpoint(c, endpoints));
+    if host == "localhost" {
+        return Some(std::net::IpAddr::from([127, 0, 0, 1]));
+    }
+    host.parse()
+        .ok()
+        .filter(|ip: &std::net::IpAddr| !ip.is_unspecified())
 }
 
 /// The host of `scheme://HOST:PORT` (brackets of an IPv6 address dropped).

@@ -12,6 +12,7 @@ mod key_secret;
 mod membership;
 pub mod metrics;
 mod places;
+mod reads;
 mod remote;
 mod shares;
 mod staging;
@@ -402,11 +403,17 @@ impl Server {
             endpoints.admin = Some(l.local_addr().map_err(io_err("admin local_addr"))?);
             tasks.push(tokio::spawn(admin::serve(shared.clone(), l)));
         }
+        let reads = start_reads(&shared.config, &endpoints, &store).await?;
+        let ad = reads.as_ref().map(|r| membership::TransferAd {
+            endpoint: format!("{}://{}", r.backend_name(), r.listen_addr()),
+            meta_hex: r.meta_hex().to_string(),
+        });
         let node = membership::node(
             &shared.config,
             &endpoints,
             &store.stats(),
             shared.metrics.cluster.clone(),
+            ad.as_ref(),
         )?;
         // Without the `cluster` feature `node` is None: the config check refused `[cluster]`.
         #[cfg(feature = "cluster")]
@@ -419,7 +426,7 @@ impl Server {
                     .peer_token_digest
                     .set(brakes::token_digest(t.as_bytes()));
             }
-            if let Some(r) = remote::Remote::start(&shared, n.clone()) {
+            if let Some(r) = remote::Remote::start(&shared, n.clone(), reads) {
                 let _ = shared.remote.set(r);
             }
             let _ = shared.cluster.set(n);
@@ -508,6 +515,50 @@ impl Server {
 /// `max_inflight_bytes_per_tenant` (of a send budget of `budget_units`) and
 /// `max_connections_per_tenant`; without tenants the one namespace is the whole server,
 /// unbounded but for the server's own budgets.
+/// This node's agent for one-sided reads (`server/reads.rs`), when the cluster's data path
+/// is on (a cluster secret) and `cluster.fetch` is `tcp` or `quic`. With neither
+/// `cluster.advertise_transfer` nor an IP address in the advertised data endpoint there is
+/// no address to offer peers: blocks then come over the protocol, said in a warning.
+async fn start_reads(
+    c: &ServerConfig,
+    endpoints: &Endpoints,
+    store: &Arc<TieredStore>,
+) -> Result<Option<reads::Reads>, ServerError> {
+    let backend = match c.cluster.fetch.as_str() {
+        "tcp" => kvtier_transfer::BackendKind::Tcp,
+        "quic" => kvtier_transfer::BackendKind::Quic,
+        _ => return Ok(None),
+    };
+    if !c.cluster_enabled()? {
+        return Ok(None);
+    }
+    let Some(secret) = membership::cluster_secret(c)? else {
+        return Ok(None);
+    };
+    let Some(ip) = membership::transfer_ip(c, endpoints) else {
+        tracing::warn!(
+            "cluster: no address for one-sided reads (set cluster.advertise_transfer, or \
+             advertise an IP address as the data endpoint): peers fetch this node's blocks \
+             over the protocol"
+        );
+        return Ok(None);
+    };
+    let token = crate::cluster::record::transfer_token(&secret, &c.cluster.name);
+    let name = if c.cluster.node_id.is_empty() {
+        "kvtier-server"
+    } else {
+        &c.cluster.node_id
+    };
+    let r = reads::Reads::start(store, ip, backend, token, name)
+        .await
+        .map_err(|e| ServerError::Bind {
+            what: "cluster transfer agent",
+            addr: ip.to_string(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+    Ok(Some(r))
+}
+
 fn namespace_shares(
     c: &ServerConfig,
     tenants: &Tenants,

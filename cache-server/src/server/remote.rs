@@ -23,17 +23,20 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use kvtier_client::Located;
 use kvtier_core::BlockKey;
-use kvtier_core::protocol::PutEntry;
+use kvtier_core::protocol::{PutEntry, block_sum};
+use kvtier_transfer::Descriptor;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use super::Shared;
 use super::conn::{admit, reserve_waiting};
+use super::reads::Reads;
 use super::tenants::Ns;
 use crate::cluster::ClusterNode;
 use crate::cluster::chain::{self, ChainIndex, RunAsk};
-use crate::cluster::peers::{self, PeerAddr, PeerPool};
+use crate::cluster::peers::{self, PeerAddr, PeerFailure, PeerPool};
 use crate::store::Reservation;
 
 /// Puts remembered for placing their children (two generations of this many).
@@ -61,6 +64,9 @@ struct Offer {
 pub(crate) struct Remote {
     node: Arc<ClusterNode>,
     pool: Arc<PeerPool>,
+    /// One-sided reads of the owners' DRAM (`cluster.fetch` = `tcp` / `quic`); `None`: every
+    /// block comes over the protocol.
+    reads: Option<Arc<Reads>>,
     offers: mpsc::Sender<Offer>,
     chains: Mutex<ChainIndex>,
     /// The view's change count when the pool last dropped departed peers.
@@ -74,7 +80,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Remote {
     /// The data path of `node`, if it has a secret; starts the offer task (it ends with the
     /// server's shutdown token).
-    pub fn start(shared: &Arc<Shared>, node: Arc<ClusterNode>) -> Option<Arc<Self>> {
+    pub fn start(
+        shared: &Arc<Shared>,
+        node: Arc<ClusterNode>,
+        reads: Option<Reads>,
+    ) -> Option<Arc<Self>> {
         let token = node.peer_token.clone()?;
         let pool = Arc::new(PeerPool::new(
             token,
@@ -87,6 +97,7 @@ impl Remote {
         let r = Arc::new(Self {
             node,
             pool,
+            reads: reads.map(Arc::new),
             offers: tx,
             chains: Mutex::new(ChainIndex::new(CHAIN_INDEX_ENTRIES, cut)),
             pruned_at: Mutex::new(u64::MAX),
@@ -102,6 +113,9 @@ impl Remote {
         if *at != changes {
             *at = changes;
             self.pool.retain(&members);
+            if let Some(r) = &self.reads {
+                r.retain(|id| members.contains_key(id));
+            }
         }
     }
 
@@ -154,12 +168,19 @@ impl Remote {
         if peers.len() == 1 {
             return Vec::new(); // every run is this node's own
         }
+        // At most FETCH_BYTES_PER_LOOKUP of blocks come in for one lookup (they are held in
+        // memory until stored): a longer remote prefix is served in part, the rest by the
+        // lookups that follow.
+        let cap = (FETCH_BYTES_PER_LOOKUP / s.block_bytes.max(1) as u64).max(1) as usize;
         // Round 1: each owner looks up its runs' keys (one list, chain order); this node
-        // looks at its own store.
+        // looks at its own store. An owner this node reads one-sided is asked to locate
+        // them instead (at most `cap` of them): to pin them and say where they lie and
+        // their sums.
         let lists = key_lists(&runs, keys, peers.len(), usize::MAX);
         let mut present = vec![None; peers.len()];
+        let mut located: Vec<Option<Located>> = vec![None; peers.len()];
         let mut set = JoinSet::new();
-        for (i, (peer, list)) in peers.iter().zip(lists).enumerate() {
+        for (i, (peer, mut list)) in peers.iter().zip(lists).enumerate() {
             if i == SELF {
                 present[SELF] = Some(s.store.lookup(&list).len());
                 continue;
@@ -168,19 +189,26 @@ impl Remote {
                 continue;
             }
             let (pool, peer) = (self.pool.clone(), peer.clone());
-            set.spawn(async move { (i, pool.lookup(&peer, &list).await.ok()) });
-        }
-        while let Some(r) = set.join_next().await {
-            if let Ok((i, p)) = r {
-                present[i] = p;
+            if self.reads.is_some() && !peer.transfer_meta.is_empty() {
+                list.truncate(cap);
+                let lease = self.read_lease();
+                set.spawn(async move {
+                    let l = pool.locate(&peer, &list, lease).await.ok();
+                    (i, l.as_ref().map(|l| l.offsets.len()), l)
+                });
+            } else {
+                set.spawn(async move { (i, pool.lookup(&peer, &list).await.ok(), None) });
             }
         }
-        // At most FETCH_BYTES_PER_LOOKUP of blocks come in for one lookup (they are held in
-        // memory until stored): a longer remote prefix is served in part, the rest by the
-        // lookups that follow.
-        let cap = (FETCH_BYTES_PER_LOOKUP / s.block_bytes.max(1) as u64).max(1) as usize;
+        while let Some(r) = set.join_next().await {
+            if let Ok((i, p, l)) = r {
+                present[i] = p;
+                located[i] = l;
+            }
+        }
         let found = chain::combine(&runs, &present).min(cap);
         if found == 0 {
+            self.release_all(&peers, &mut located);
             return Vec::new();
         }
         // Round 2: reserve slots here for the found blocks, in chain order; fetch each
@@ -211,7 +239,32 @@ impl Remote {
             }
             let (pool, peer) = (self.pool.clone(), peers[i].clone());
             let keys: Vec<BlockKey> = ask.iter().map(|(p, _)| keys[*p]).collect();
-            set.spawn(fetch_owner(pool, peer, keys, ask, s.block_bytes));
+            match (located[i].as_ref(), &self.reads) {
+                (Some(l), Some(reads)) => {
+                    // Where each asked block is in the owner's located list.
+                    let at = list_positions(&runs, i);
+                    let places = ask
+                        .iter()
+                        .map(|(p, _)| {
+                            let j = at.binary_search(p).ok()?;
+                            Some((*l.offsets.get(j)?, *l.sums.get(j)?))
+                        })
+                        .collect();
+                    let reads = reads.clone();
+                    set.spawn(read_owner(
+                        reads,
+                        pool,
+                        peer,
+                        places,
+                        keys,
+                        ask,
+                        s.block_bytes,
+                    ));
+                }
+                _ => {
+                    set.spawn(fetch_owner(pool, peer, keys, ask, s.block_bytes));
+                }
+            }
         }
         while let Some(r) = set.join_next().await {
             if let Ok((ask, ok)) = r {
@@ -224,6 +277,7 @@ impl Remote {
                 }
             }
         }
+        self.release_all(&peers, &mut located);
         // Commit in chain order up to the first block that did not come (or check out); the
         // reservations after it are dropped, which frees their slots.
         let mut stored = Vec::new();
@@ -242,6 +296,24 @@ impl Remote {
             }
         }
         self.stored(stored)
+    }
+
+    /// How long an owner keeps blocks it located for this node: the reads that follow are
+    /// bounded by the peer timeout, and the lease outlasts them (a lease is released as soon
+    /// as the reads are done; one whose release is lost passes by itself).
+    fn read_lease(&self) -> std::time::Duration {
+        self.pool.timeout() * 4 + std::time::Duration::from_millis(500)
+    }
+
+    /// Releases every owner's located lease (without waiting: their pins go as soon as the
+    /// owners read the release).
+    fn release_all(&self, peers: &[PeerAddr], located: &mut [Option<Located>]) {
+        for (peer, l) in peers.iter().zip(located.iter_mut()) {
+            if let Some(l) = l.take().filter(|l| l.lease_id != 0) {
+                let (pool, peer) = (self.pool.clone(), peer.clone());
+                tokio::spawn(async move { pool.release(&peer, l.lease_id).await });
+            }
+        }
     }
 
     /// Reserves this node's slots for the blocks in `span` (`local..end`) that other members own,
@@ -485,6 +557,176 @@ async fn fetch_stripe(
         .with_label_values(&[&peer.id])
         .inc_by(ok as u64);
     (part, Some(ok))
+}
+
+/// One owner's part of a remote lookup read one-sided from its DRAM (`server/reads.rs`):
+/// its blocks (`keys`, chain order, with their reservations here) at the places its locate
+/// gave (`places`: arena offset and stated sum, `None` where it located nothing), read in
+/// stripes ([`peers::stripes`]) straight into the reserved slots, each stripe's blocks
+/// summed and checked as soon as it lands while the others are still on the wire. Returns
+/// the reservations of the leading stripes that landed (in order) and how many lead the
+/// chain verified. The reservations of a stripe that failed, timed out or came after one that
+/// did are **not** returned: a READ may still land in them until its transfer settles, so a
+/// task holds them until then (closing the connection to a peer that timed out, which
+/// settles its reads), and only then are their slots freed. Counts the round as one `read`
+/// of `peer`.
+async fn read_owner(
+    reads: Arc<Reads>,
+    pool: Arc<PeerPool>,
+    peer: PeerAddr,
+    places: Vec<Option<(u64, u64)>>,
+    keys: Vec<BlockKey>,
+    mut ask: Asked,
+    block_bytes: usize,
+) -> (Asked, usize) {
+    let t0 = Instant::now();
+    let deadline = tokio::time::Instant::now() + pool.timeout();
+    let n = places.iter().take_while(|p| p.is_some()).count();
+    ask.truncate(n); // the rest are dropped: never posted, nothing lands in them
+    let (tp, region, _) = match reads
+        .peer(&peer.id, &peer.transfer_meta, pool.timeout())
+        .await
+    {
+        Ok(p) => p,
+        Err(e) => {
+            pool.failed(&peer, "read", &e);
+            pool.round("read", &peer, t0.elapsed(), false);
+            return (Vec::new(), 0);
+        }
+    };
+    let cuts = peers::stripes(n, block_bytes as u64);
+    let mut parts = Vec::with_capacity(cuts.len());
+    for r in cuts.iter().rev() {
+        parts.push((r.start, ask.split_off(r.start)));
+    }
+    parts.reverse();
+    // Post every stripe at once: the agent spreads them over its connections.
+    let mut stripes = Vec::with_capacity(parts.len());
+    for (start, part) in parts {
+        let descs: Vec<Descriptor> = part
+            .iter()
+            .enumerate()
+            .map(|(k, (_, res))| {
+                let (at, _) = places[start + k].expect("only located blocks are read");
+                Descriptor::new(reads.arena(), res.offset(), region, at, block_bytes as u64)
+            })
+            .collect();
+        let t = tp.read(&descs).ok();
+        let settle = t.as_ref().and_then(|t| t.settle_handle());
+        stripes.push((start, part, t, settle));
+    }
+    let mut done: Asked = Vec::with_capacity(n);
+    let mut ok = 0;
+    let mut failure = None;
+    let mut stripes = stripes.into_iter();
+    for (start, part, t, settle) in stripes.by_ref() {
+        let landed = match t {
+            None => Err(PeerFailure::Failed("read refused at post".into())),
+            Some(t) => match tokio::time::timeout_at(deadline, t).await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(PeerFailure::Failed(format!("read: {e}"))),
+                Err(_) => Err(PeerFailure::Timeout),
+            },
+        };
+        if let Err(e) = landed {
+            failure = Some(e);
+            quarantine(part, settle);
+            break;
+        }
+        let sums: Vec<u64> = (start..start + part.len())
+            .map(|j| places[j].expect("located").1)
+            .collect();
+        let (part, good) = verify(part, &keys[start..], sums).await;
+        let whole = good == part.len();
+        ok += good;
+        done.extend(part);
+        if !whole {
+            pool.metrics()
+                .bad_blocks
+                .with_label_values(&[&peer.id])
+                .inc();
+            tracing::warn!(
+                peer = %peer.id,
+                "a block read from a peer failed verification (its checksum); dropped, not \
+                 served"
+            );
+            break;
+        }
+    }
+    // Stripes not awaited (after a failure or a bad block): their reads may still land.
+    for (_, part, t, settle) in stripes {
+        drop(t);
+        quarantine(part, settle);
+    }
+    if let Some(e) = &failure {
+        // A read that failed or hung: its connections are closed, so every read still
+        // waiting on them settles, and the next lookup connects again.
+        tp.close();
+        reads.forget(&peer.id);
+        pool.failed(&peer, "read", e);
+    }
+    pool.metrics()
+        .fetched_blocks
+        .with_label_values(&[&peer.id])
+        .inc_by(ok as u64);
+    pool.metrics()
+        .fetched_bytes
+        .with_label_values(&[&peer.id])
+        .inc_by((ok * block_bytes) as u64);
+    pool.round("read", &peer, t0.elapsed(), ok == n && failure.is_none());
+    (done, ok)
+}
+
+/// Holds `part`'s reservations until the READ into them settles (no byte of it can land
+/// any more), then frees them. A READ whose backend cannot tell (`settle` is `None`) was
+/// never posted.
+fn quarantine(part: Asked, settle: Option<kvtier_transfer::SettleHandle>) {
+    match settle {
+        None => drop(part),
+        Some(h) => {
+            tokio::spawn(async move {
+                h.settled().await;
+                drop(part);
+            });
+        }
+    }
+}
+
+/// Sums each of `part`'s landed blocks (over its key and bytes) and compares it with the
+/// owner's: how many lead verified. On the blocking pool when over half a MiB.
+async fn verify(mut part: Asked, keys: &[BlockKey], sums: Vec<u64>) -> (Asked, usize) {
+    let keys = keys[..part.len()].to_vec();
+    let check = move |part: &mut Asked| {
+        let mut good = 0;
+        for ((_, res), (key, sum)) in part.iter_mut().zip(keys.iter().zip(&sums)) {
+            if block_sum(key, res.bytes_mut()) != *sum {
+                break;
+            }
+            good += 1;
+        }
+        good
+    };
+    let bytes: usize = part.iter_mut().map(|(_, r)| r.bytes_mut().len()).sum();
+    if bytes <= 512 << 10 {
+        let good = check(&mut part);
+        return (part, good);
+    }
+    // A task that panicked (hashing cannot) verified nothing; its slots go with it.
+    tokio::task::spawn_blocking(move || {
+        let good = check(&mut part);
+        (part, good)
+    })
+    .await
+    .unwrap_or_default()
+}
+
+/// The chain positions of owner `o`'s located list, in its order (as [`key_lists`] builds
+/// it): ascending.
+fn list_positions(runs: &[RunAsk], o: usize) -> Vec<usize> {
+    runs.iter()
+        .filter(|r| r.owner == Some(o))
+        .flat_map(|r| r.start..r.start + r.len)
+        .collect()
 }
 
 /// A fetched block's place in this node's store during a remote lookup.

@@ -188,6 +188,13 @@ impl DramTier {
         u64::from(self.slots) * self.slot_bytes as u64
     }
 
+    /// The arena's first byte in this process (the tier's own, writable mapping; mapped as
+    /// long as the tier lives). Its bytes follow the tier's rules: a slot is written only by
+    /// its allocator, a pinned or referenced slot never.
+    pub(crate) fn arena_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
     /// Byte offset of `slot` inside the arena.
     pub fn slot_offset(&self, slot: SlotId) -> u64 {
         u64::from(slot.0) * self.slot_bytes as u64

@@ -157,13 +157,28 @@ fn labelled(text: &str, name: &str, label: &str) -> f64 {
 /// A chain put on one member is found by a lookup on each other member and read back
 /// byte-equal through a plain get (the SDK unchanged); each counts exactly the blocks it
 /// fetched from the others; a peer's lookup is local-only.
+/// Blocks come from their owners by one-sided reads of the owners' DRAM over
+/// kvtier-transfer (the default, `cluster.fetch = "tcp"`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
+    found_and_read_on_the_others("tcp").await
+}
+
+/// The same over the kvtier protocol (`cluster.fetch = "protocol"`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_put_on_one_member_is_found_and_fetched_over_the_protocol() {
+    found_and_read_on_the_others("protocol").await
+}
+
+async fn found_and_read_on_the_others(fetch: &str) {
+    let fetch_setting = format!("cluster.fetch=\"{fetch}\"");
+    let one_sided = fetch != "protocol";
     bounded(120, async {
         let extra = [
             "cluster.run_blocks=8",
             "cluster.head_blocks=0",
             "cluster.peer_timeout_ms=1000",
+            fetch_setting.as_str(),
         ];
         let fleet = Fleet::start(&["a", "b", "c"], 5, &extra).await;
         let [a, b, c] = &fleet.members[..] else {
@@ -222,6 +237,33 @@ async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
                 .filter_map(|m| m["traffic"]["fetched_blocks"].as_u64())
                 .sum();
             assert_eq!(fetched as usize, remote, "{d:#}");
+            // How the blocks came: a locate and a one-sided read per owner, or a lookup and
+            // a fetch; never both ways.
+            let ops = |op: &str| -> f64 {
+                ["a", "b", "c"]
+                    .iter()
+                    .map(|p| {
+                        labelled(
+                            &m,
+                            "kvtier_cluster_peer_requests_total",
+                            &format!("op=\"{op}\",peer=\"{p}\""),
+                        )
+                    })
+                    .sum()
+            };
+            if remote > 0 {
+                let (used, unused) = if one_sided {
+                    (["locate", "read"], ["lookup", "fetch"])
+                } else {
+                    (["lookup", "fetch"], ["locate", "read"])
+                };
+                for op in used {
+                    assert!(ops(op) >= 1.0, "{id}: no {op} with fetch={fetch}: {m}");
+                }
+                for op in unused {
+                    assert_eq!(ops(op), 0.0, "{id}: a {op} with fetch={fetch}: {m}");
+                }
+            }
             // A second lookup is all local.
             let again = cl.lookup(&chain).await;
             assert_eq!(again.tiers.len(), chain.len());
@@ -255,20 +297,18 @@ async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
             .iter()
             .find(|(id, _)| owners2[0] != *id)
             .unwrap();
-        let asked = |m: &str| {
-            labelled(
-                m,
-                "kvtier_cluster_peer_requests_total",
-                "op=\"lookup\",peer=\"a\"",
-            ) + labelled(
-                m,
-                "kvtier_cluster_peer_requests_total",
-                "op=\"lookup\",peer=\"b\"",
-            ) + labelled(
-                m,
-                "kvtier_cluster_peer_requests_total",
-                "op=\"lookup\",peer=\"c\"",
-            )
+        let asked = |m: &str| -> f64 {
+            ["lookup", "locate"]
+                .iter()
+                .flat_map(|op| ["a", "b", "c"].map(|p| (op, p)))
+                .map(|(op, p)| {
+                    labelled(
+                        m,
+                        "kvtier_cluster_peer_requests_total",
+                        &format!("op=\"{op}\",peer=\"{p}\""),
+                    )
+                })
+                .sum()
         };
         let before = asked(&http_get(x.admin, "/metrics").await.1);
         let l = peer(x).await.lookup(&chain2).await;
@@ -309,6 +349,7 @@ async fn a_large_fetch_comes_in_verified_stripes() {
             "cluster.head_blocks=0",
             "cluster.peer_timeout_ms=2000",
             "store.dram_bytes=\"16MiB\"",
+            "cluster.fetch=\"protocol\"",
         ];
         let fleet = Fleet::start(&["a", "b"], 5, &extra).await;
         let [a, b] = &fleet.members[..] else {
@@ -355,6 +396,107 @@ async fn a_large_fetch_comes_in_verified_stripes() {
         };
         assert_eq!(sums("hashed") as usize, on_a / BLOCK, "{m}");
         assert_eq!(sums("kept"), 0.0, "{m}");
+    })
+    .await;
+}
+
+/// The same large part read one-sided (`cluster.fetch = "tcp"`): one locate, then reads
+/// of the owner's DRAM in stripes straight into reserved slots, each verified; the owner
+/// hashed each block once. A process holding the owner's published blob but not the cluster
+/// secret cannot read its DRAM: the blob carries no token and the one it derives is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_part_is_read_one_sided_and_verified() {
+    bounded(90, async {
+        let extra = [
+            "cluster.run_blocks=8",
+            "cluster.head_blocks=0",
+            "cluster.peer_timeout_ms=2000",
+            "store.dram_bytes=\"16MiB\"",
+        ];
+        let fleet = Fleet::start(&["a", "b"], 5, &extra).await;
+        let [a, b] = &fleet.members[..] else {
+            unreachable!()
+        };
+        let members = [("a", a), ("b", b)];
+        let chain = keys(b"one-sided", 1024, 6);
+        put_all(&a.client("tcp").await, &chain).await;
+        let owners = run_owners(a, &chain).await;
+        until_offered(&members, "a", &chain, &owners).await;
+        let on_a = owners.iter().filter(|o| *o == "a").count() * RUN * BLOCK;
+        assert!(on_a > 1 << 20, "a owns {on_a} bytes of the chain");
+        let cl = b.client("tcp").await;
+        let l = cl.lookup(&chain).await;
+        assert_eq!(l.tiers.len(), chain.len(), "{l:?}");
+        assert_eq!(get_verified(&cl, &chain).await, chain.len());
+        let m = http_get(b.admin, "/metrics").await.1;
+        let req = |op: &str| {
+            labelled(
+                &m,
+                "kvtier_cluster_peer_requests_total",
+                &format!("op=\"{op}\",peer=\"a\""),
+            )
+        };
+        assert_eq!(req("read"), 1.0, "{m}");
+        assert_eq!(req("locate"), 1.0, "{m}");
+        assert_eq!(
+            req("fetch") + req("fetch_stripe") + req("lookup"),
+            0.0,
+            "{m}"
+        );
+        assert_eq!(
+            labelled(&m, "kvtier_cluster_peer_bad_blocks_total", "peer=\"a\""),
+            0.0
+        );
+        assert_eq!(
+            labelled(&m, "kvtier_cluster_peer_fetched_bytes_total", "peer=\"a\"") as usize,
+            on_a
+        );
+        assert_eq!(
+            metric(&m, "kvtier_cluster_remote_hits_total") as usize,
+            on_a / BLOCK
+        );
+        let m = http_get(a.admin, "/metrics").await.1;
+        let sums = |source: &str| {
+            labelled(
+                &m,
+                "kvtier_cluster_fetch_sums_total",
+                &format!("source=\"{source}\""),
+            )
+        };
+        assert_eq!(sums("hashed") as usize, on_a / BLOCK, "{m}");
+
+        // a's record publishes its transfer blob without a token.
+        let d = cluster_doc(b, "").await;
+        let rec = d["members"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["node_id"] == "a")
+            .unwrap_or_else(|| panic!("{d:#}"));
+        let meta = rec["transfer_meta"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert!(!meta.is_empty(), "{d:#}");
+        let blob = kvtier_server::cluster::record::unhex(&meta).unwrap();
+        let outsider = kvtier_transfer::Agent::new("outsider", Default::default())
+            .await
+            .unwrap();
+        for token in [
+            [0u8; kvtier_transfer::TOKEN_BYTES],
+            kvtier_server::cluster::record::transfer_token(
+                b"another secret, 32 bytes long..",
+                "test",
+            ),
+        ] {
+            let Err(e) = outsider
+                .connect_with_token(&blob, kvtier_transfer::BackendKind::Tcp, token)
+                .await
+            else {
+                panic!("a wrong token is accepted");
+            };
+            assert_eq!(e.kind(), kvtier_transfer::ErrorKind::Auth, "{e}");
+        }
     })
     .await;
 }
@@ -545,7 +687,19 @@ async fn only_holders_of_the_secret_fetch() {
             ClientError::Server { code, .. } => assert_eq!(code, Some(ErrorCode::Forbidden)),
             e => panic!("{e}"),
         };
+        // A peer's locate pins the blocks and states the same sums; release lets them go.
+        let l = p.locate(&chain, Duration::from_secs(5)).await.unwrap();
+        assert_eq!(l.offsets.len(), chain.len());
+        assert_ne!(l.lease_id, 0);
+        assert_eq!(l.sums, f.sums);
+        p.release(l.lease_id).await.unwrap();
         forbidden(client.fetch(&chain).await.unwrap_err());
+        forbidden(
+            client
+                .locate(&chain, Duration::from_secs(1))
+                .await
+                .unwrap_err(),
+        );
         forbidden(p.clear().await.unwrap_err());
         forbidden(p.remove(&chain).await.unwrap_err());
         assert_eq!(get_verified(&client, &chain).await, chain.len());
@@ -604,6 +758,7 @@ async fn fake_member(etcd: &Etcd, l: &tokio::net::TcpListener) {
         data_cert_der: String::new(),
         data_cert_name: String::new(),
         transfer_endpoint: String::new(),
+        transfer_meta: String::new(),
         admin_endpoint: String::new(),
         worker_endpoint: String::new(),
         tiers: vec![TierCapacity {
