@@ -522,16 +522,23 @@ class Etcd:
 
 
 def peer_metrics(admin: str) -> dict[str, float]:
-    """Member `admin`'s counters of its requests to peer "a": fetch and lookup counts and
-    their summed seconds (kvtier_cluster_peer_request_seconds; a "fetch" is one lookup's
-    fetch from "a", all its stripes, verified, and "fetch_stripe" its requests, not read
-    here), and the block bytes fetched."""
+    """Member `admin`'s counters of its requests to peer "a": the fetch rounds and the owner
+    queries before them, with their summed seconds (kvtier_cluster_peer_request_seconds),
+    and the block bytes fetched. With one-sided reads (`cluster.fetch` tcp or quic) a round
+    is a "read" (one lookup's reads from "a", all its stripes, verified) and the query a
+    "locate" (which pins the blocks there and carries their sums, hashed by the owner);
+    over the protocol a round is a "fetch" (all its stripes, verified, the owner's hashing
+    included) and the query a "lookup". Requests per stripe are not read here."""
     text = urllib.request.urlopen(f"http://{admin}/metrics", timeout=10).read().decode()
     want = {
         ("kvtier_cluster_peer_request_seconds_sum", "fetch"): "fetch_s",
         ("kvtier_cluster_peer_request_seconds_count", "fetch"): "fetches",
+        ("kvtier_cluster_peer_request_seconds_sum", "read"): "fetch_s",
+        ("kvtier_cluster_peer_request_seconds_count", "read"): "fetches",
         ("kvtier_cluster_peer_request_seconds_sum", "lookup"): "lookup_s",
         ("kvtier_cluster_peer_request_seconds_count", "lookup"): "lookups",
+        ("kvtier_cluster_peer_request_seconds_sum", "locate"): "lookup_s",
+        ("kvtier_cluster_peer_request_seconds_count", "locate"): "lookups",
         ("kvtier_cluster_peer_fetched_bytes_total", None): "bytes",
         ("kvtier_cluster_remote_hits_total", None): "remote_hits",
     }
@@ -545,15 +552,17 @@ def peer_metrics(admin: str) -> dict[str, float]:
             continue
         key = want.get((m.group(1), labels.get("op")))
         if key is not None:
-            out[key] = float(m.group(3))
+            out[key] += float(m.group(3))
     return out
 
 
 def peer_delta(before: dict[str, float], after: dict[str, float]) -> dict:
     """What member b's peer requests did between two `peer_metrics`: the fetches (count,
     bytes, mean time, and bytes over their summed time: the peer fetch's own GB/s, one fetch
-    at a time as a lookup makes them) and the owners' lookups before them."""
+    at a time as a lookup makes them), the owners' lookups or locates before them, and the
+    GB/s over both together."""
     d = {k: after[k] - before[k] for k in before}
+    both = d["fetch_s"] + d["lookup_s"]
     return {
         "fetches": int(d["fetches"]),
         "fetched_bytes": int(d["bytes"]),
@@ -561,6 +570,7 @@ def peer_delta(before: dict[str, float], after: dict[str, float]) -> dict:
         "fetch_mean_us": d["fetch_s"] / d["fetches"] * 1e6 if d["fetches"] else 0.0,
         "lookups": int(d["lookups"]),
         "lookup_mean_us": d["lookup_s"] / d["lookups"] * 1e6 if d["lookups"] else 0.0,
+        "with_lookup_gbps": d["bytes"] / both / 1e9 if both > 0 else 0.0,
         "remote_hits": int(d["remote_hits"]),
     }
 
@@ -596,6 +606,7 @@ def kvtier_remote_cases(
                 # A 16-value batch of 2 MiB is 32 MiB from the peer: more than the default
                 # 250 ms bound on a loaded 2-core machine.
                 "cluster.peer_timeout_ms=5000",
+                f'cluster.fetch="{args.fetch}"',
             )
             members.append(KvtierServer(binary, size, dram_bytes, d, extra))
         a, b = members
@@ -754,11 +765,12 @@ def peer_report(results: list[dict], transfer: list[dict]) -> None:
     against kvtier-transfer's TCP backend and raw TCP (target >= 0.8x the backend)."""
     ref = {(c["block_bytes"], c["batch"]): c for c in transfer}
     print(
-        "\n| size | batch | peer fetches | blocks a fetch | fetch mean us | owner lookup mean us "
-        "| peer fetch GB/s | kvtier-transfer tcp READ GB/s | raw TCP GB/s "
-        "| peer fetch / transfer backend (target >= 0.8x) |"
+        "\n| size | batch | peer fetches | blocks a fetch | fetch mean us "
+        "| owner lookup / locate mean us | peer fetch GB/s | with lookup / locate GB/s "
+        "| kvtier-transfer tcp READ GB/s | raw TCP GB/s "
+        "| peer fetch / transfer backend (target >= 0.8x) | with lookup / locate |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         p = r.get("peer")
         if r["path"] != "kvtier remote" or not p or not p["fetches"]:
@@ -776,10 +788,12 @@ def peer_report(results: list[dict], transfer: list[dict]) -> None:
             if ratio is None
             else f"{ratio:.2f}x" + (": met" if ratio >= 0.8 else ": missed")
         )
+        both = p["with_lookup_gbps"] / c["gb_per_s"] if c and c["gb_per_s"] > 0 else None
         print(
             f"| {human(r['size'])} | {r['batch']} | {p['fetches']:,} | {blocks:.1f} "
             f"| {p['fetch_mean_us']:,.1f} | {p['lookup_mean_us']:,.1f} | {p['fetch_gbps']:.2f} "
-            f"| {' | '.join(cells)} | {verdict} |"
+            f"| {p['with_lookup_gbps']:.2f} | {' | '.join(cells)} | {verdict} "
+            f"| {'not run' if both is None else f'{both:.2f}x'} |"
         )
 
 
@@ -794,6 +808,13 @@ def main() -> None:
     p.add_argument("--kvtier-bench", help="also run `kvtier-bench tiers` (unix, tcp gets)")
     p.add_argument("--etcd", default=shutil.which("etcd"), help="etcd for the cluster case")
     p.add_argument("--no-cluster", action="store_true", help="skip the kvtier remote case")
+    p.add_argument(
+        "--fetch",
+        default="tcp",
+        choices=["tcp", "quic", "protocol"],
+        help="how member b gets a's blocks (cluster.fetch): a one-sided read over "
+        "kvtier-transfer's tcp or quic backend, or a fetch over the kvtier protocol",
+    )
     p.add_argument("--json", help="write every result here")
     p.add_argument("--keep-logs", action="store_true")
     # A Mooncake case's own process (internal).

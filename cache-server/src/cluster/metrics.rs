@@ -99,6 +99,8 @@ impl PeerMetrics {
         serde_json::json!({
             "lookups": r("lookup"),
             "fetches": r("fetch"),
+            "locates": r("locate"),
+            "reads": r("read"),
             "offers": r("offer"),
             "fetched_blocks": c(&self.fetched_blocks),
             "fetched_bytes": c(&self.fetched_bytes),

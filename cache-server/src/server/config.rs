@@ -134,8 +134,10 @@ pub struct ClusterSection {
     /// How blocks come from a peer: `tcp` or `quic`, a one-sided read of the owner's DRAM
     /// over kvtier-transfer's backend of that name, after a locate that pins them there and
     /// states their sums (`docs/cluster.md`, "Data path"); `protocol`, a fetch over the
-    /// kvtier protocol (`advertise_data`). A peer whose record offers no transfer endpoint is
-    /// fetched from over the protocol either way. Default: "tcp".
+    /// kvtier protocol (`advertise_data`); `auto`, `tcp` when the advertised data endpoint is
+    /// plain TCP anyway, else `protocol` (its TLS: a one-sided read over TCP would carry the
+    /// blocks in clear). A peer whose record offers no transfer endpoint is fetched from over
+    /// the protocol either way. Default: "auto".
     pub fetch: String,
     /// The admin endpoint peers are told (`http://HOST:PORT`); "" is the admin listener's
     /// address when it is bound to a specific address. Default: "".
@@ -182,7 +184,7 @@ impl Default for ClusterSection {
             node_id: String::new(),
             advertise_data: String::new(),
             advertise_transfer: String::new(),
-            fetch: "tcp".into(),
+            fetch: "auto".into(),
             advertise_admin: String::new(),
             worker_url: String::new(),
             secret_file: String::new(),
@@ -869,10 +871,13 @@ impl ServerConfig {
                 return Err(cerr(name, "must be at least 1"));
             }
         }
-        if !["tcp", "quic", "protocol"].contains(&c.fetch.as_str()) {
+        if !["auto", "tcp", "quic", "protocol"].contains(&c.fetch.as_str()) {
             return Err(cerr(
                 "cluster.fetch",
-                format!("{:?}: must be \"tcp\", \"quic\" or \"protocol\"", c.fetch),
+                format!(
+                    "{:?}: must be \"auto\", \"tcp\", \"quic\" or \"protocol\"",
+                    c.fetch
+                ),
             ));
         }
         if !c.advertise_transfer.is_empty()

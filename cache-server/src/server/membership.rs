@@ -112,7 +112,7 @@ fn advertised(set: &str, scheme: &str, bound: Option<SocketAddr>) -> String {
 /// The protocol endpoint this member advertises: peers talk over TLS when its listener is
 /// bound to an address they can reach, pinning the certificate the record carries; over
 /// plain TCP otherwise.
-fn data_endpoint(c: &ServerConfig, endpoints: &Endpoints) -> String {
+pub(crate) fn data_endpoint(c: &ServerConfig, endpoints: &Endpoints) -> String {
     let s = &c.cluster;
     match advertised("", "tls", endpoints.tls) {
         tls if s.advertise_data.is_empty() && !tls.is_empty() => tls,

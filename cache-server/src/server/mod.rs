@@ -516,7 +516,8 @@ impl Server {
 /// `max_connections_per_tenant`; without tenants the one namespace is the whole server,
 /// unbounded but for the server's own budgets.
 /// This node's agent for one-sided reads (`server/reads.rs`), when the cluster's data path
-/// is on (a cluster secret) and `cluster.fetch` is `tcp` or `quic`. With neither
+/// is on (a cluster secret) and `cluster.fetch` is `tcp` or `quic` (or `auto` with a plain
+/// TCP data endpoint). With neither
 /// `cluster.advertise_transfer` nor an IP address in the advertised data endpoint there is
 /// no address to offer peers: blocks then come over the protocol, said in a warning.
 async fn start_reads(
@@ -524,14 +525,13 @@ async fn start_reads(
     endpoints: &Endpoints,
     store: &Arc<TieredStore>,
 ) -> Result<Option<reads::Reads>, ServerError> {
-    let backend = match c.cluster.fetch.as_str() {
-        "tcp" => kvtier_transfer::BackendKind::Tcp,
-        "quic" => kvtier_transfer::BackendKind::Quic,
-        _ => return Ok(None),
-    };
     if !c.cluster_enabled()? {
         return Ok(None);
     }
+    let Some(backend) = fetch_backend(&c.cluster.fetch, &membership::data_endpoint(c, endpoints))
+    else {
+        return Ok(None);
+    };
     let Some(secret) = membership::cluster_secret(c)? else {
         return Ok(None);
     };
@@ -557,6 +557,19 @@ async fn start_reads(
             source: std::io::Error::other(e.to_string()),
         })?;
     Ok(Some(r))
+}
+
+/// The backend of one-sided reads that `cluster.fetch` picks for a member advertising
+/// `data_endpoint`; `None`: the protocol.
+fn fetch_backend(fetch: &str, data_endpoint: &str) -> Option<kvtier_transfer::BackendKind> {
+    match fetch {
+        "tcp" => Some(kvtier_transfer::BackendKind::Tcp),
+        "quic" => Some(kvtier_transfer::BackendKind::Quic),
+        // Plain TCP between peers anyway: read one-sided over TCP. Over TLS the protocol
+        // keeps the blocks encrypted (`quic` reads one-sided, encrypted).
+        "auto" if data_endpoint.starts_with("tcp://") => Some(kvtier_transfer::BackendKind::Tcp),
+        _ => None,
+    }
 }
 
 fn namespace_shares(
@@ -1216,4 +1229,24 @@ fn resolve_token(
         .map_err(io_err(format!("writing {}", path.display())))?;
     writeln!(f, "{token}").map_err(io_err(format!("writing {}", path.display())))?;
     Ok((token, Some(path)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fetch_backend;
+    use kvtier_transfer::BackendKind;
+
+    /// `auto` reads one-sided over TCP only where peers talk plain TCP anyway: a member that
+    /// talks TLS keeps its blocks encrypted over the protocol.
+    #[test]
+    fn auto_fetch_never_trades_tls_for_clear_reads() {
+        let tcp = "tcp://10.0.0.1:7000";
+        let tls = "tls://10.0.0.1:7001";
+        assert_eq!(fetch_backend("auto", tcp), Some(BackendKind::Tcp));
+        assert_eq!(fetch_backend("auto", tls), None);
+        assert_eq!(fetch_backend("auto", ""), None);
+        assert_eq!(fetch_backend("tcp", tls), Some(BackendKind::Tcp));
+        assert_eq!(fetch_backend("quic", tls), Some(BackendKind::Quic));
+        assert_eq!(fetch_backend("protocol", tcp), None);
+    }
 }

@@ -164,15 +164,23 @@ async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
     found_and_read_on_the_others("tcp").await
 }
 
-/// The same over the kvtier protocol (`cluster.fetch = "protocol"`).
+/// The same with the reads over kvtier-transfer's QUIC backend (encrypted; the owner's
+/// certificate pinned from its signed record's blob).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_put_on_one_member_is_found_and_read_over_quic() {
+    found_and_read_on_the_others("quic").await
+}
+
+/// The same over the kvtier protocol: by default (`cluster.fetch = "auto"`), since these
+/// members talk TLS to each other and a one-sided read over TCP would carry blocks in clear.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chain_put_on_one_member_is_found_and_fetched_over_the_protocol() {
-    found_and_read_on_the_others("protocol").await
+    found_and_read_on_the_others("auto").await
 }
 
 async fn found_and_read_on_the_others(fetch: &str) {
     let fetch_setting = format!("cluster.fetch=\"{fetch}\"");
-    let one_sided = fetch != "protocol";
+    let one_sided = fetch == "tcp" || fetch == "quic";
     bounded(120, async {
         let extra = [
             "cluster.run_blocks=8",
@@ -230,6 +238,8 @@ async fn found_and_read_on_the_others(fetch: &str) {
             super::common::promtool_check(&m);
             let d = cluster_doc(s, "").await;
             assert_eq!(d["data_path"]["enabled"], true, "{d:#}");
+            let way = if one_sided { fetch } else { "protocol" };
+            assert_eq!(d["data_path"]["fetch"], way, "{d:#}");
             let fetched: u64 = d["members"]
                 .as_array()
                 .unwrap()
@@ -412,6 +422,7 @@ async fn a_large_part_is_read_one_sided_and_verified() {
             "cluster.head_blocks=0",
             "cluster.peer_timeout_ms=2000",
             "store.dram_bytes=\"16MiB\"",
+            "cluster.fetch=\"tcp\"",
         ];
         let fleet = Fleet::start(&["a", "b"], 5, &extra).await;
         let [a, b] = &fleet.members[..] else {
