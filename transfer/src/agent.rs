@@ -42,6 +42,9 @@ pub struct AgentConfig {
     /// Address the TCP and QUIC listeners bind and advertise in the metadata blob (so not
     /// 0.0.0.0 / ::). Default: 127.0.0.1.
     pub listen_ip: IpAddr,
+    /// Port the TCP listener and the QUIC endpoint (UDP) bind; 0 is a free one each. Default:
+    /// 0.
+    pub listen_port: u16,
     /// Serve regions to same-host peers over shared memory. Default: true.
     pub shm: bool,
     /// Serve regions over TCP. Default: true.
@@ -75,6 +78,7 @@ impl Default for AgentConfig {
     fn default() -> Self {
         Self {
             listen_ip: IpAddr::from([127, 0, 0, 1]),
+            listen_port: 0,
             shm: true,
             tcp: true,
             quic: true,
@@ -235,14 +239,16 @@ impl Agent {
             None => None,
         };
         let tcp_addr = if config.tcp {
-            let (l, addr) = backend::tcp::bind(config.listen_ip).await?;
+            let at = std::net::SocketAddr::new(config.listen_ip, config.listen_port);
+            let (l, addr) = backend::tcp::bind(at).await?;
             tasks.push(tokio::spawn(backend::tcp::accept_loop(Arc::clone(&ctx), l)).abort_handle());
             Some(addr)
         } else {
             None
         };
         let quic = if config.quic {
-            let (endpoint, addr, cert) = backend::quic::bind(config.listen_ip)?;
+            let at = std::net::SocketAddr::new(config.listen_ip, config.listen_port);
+            let (endpoint, addr, cert) = backend::quic::bind(at)?;
             tasks.push(
                 tokio::spawn(backend::quic::accept_loop(
                     Arc::clone(&ctx),

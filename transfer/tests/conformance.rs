@@ -658,16 +658,25 @@ async fn quic_read_only_regions_refuse_peer_writes() {
 async fn a_blob_without_its_token_needs_the_token() {
     bounded(async {
         let token = [7u8; kvtier_transfer::TOKEN_BYTES];
+        // A fixed port (one free a moment ago), as a firewall rule would want.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         let target = Agent::new(
             "target",
             AgentConfig {
                 token: Some(token),
                 shm: false,
+                listen_port: port,
                 ..config()
             },
         )
         .await
         .unwrap();
+        assert_eq!(target.listen_addr(BackendKind::Tcp).unwrap().port(), port);
+        assert_eq!(target.listen_addr(BackendKind::Quic).unwrap().port(), port);
         let initiator = Agent::new("initiator", config()).await.unwrap();
         let owned = std::sync::Arc::new(std::sync::Mutex::new(vec![5u8; 4096]));
         let ptr = owned.lock().unwrap().as_mut_ptr();

@@ -131,6 +131,9 @@ pub struct ClusterSection {
     /// (one-sided reads, `fetch`); "" is the address of the advertised data endpoint (it
     /// must then be an IP address; `localhost` is 127.0.0.1). Default: "".
     pub advertise_transfer: String,
+    /// The port that agent binds (TCP for `fetch` = `tcp`, UDP for `quic`), for firewall
+    /// rules; 0 is a free one at each start (peers learn it from the record). Default: 0.
+    pub transfer_port: u16,
     /// How blocks come from a peer: `tcp` or `quic`, a one-sided read of the owner's DRAM
     /// over kvtier-transfer's backend of that name, after a locate that pins them there and
     /// states their sums (`docs/cluster.md`, "Data path"); `protocol`, a fetch over the
@@ -184,6 +187,7 @@ impl Default for ClusterSection {
             node_id: String::new(),
             advertise_data: String::new(),
             advertise_transfer: String::new(),
+            transfer_port: 0,
             fetch: "auto".into(),
             advertise_admin: String::new(),
             worker_url: String::new(),

@@ -549,11 +549,12 @@ async fn start_reads(
     } else {
         &c.cluster.node_id
     };
-    let r = reads::Reads::start(store, ip, backend, token, name)
+    let at = std::net::SocketAddr::new(ip, c.cluster.transfer_port);
+    let r = reads::Reads::start(store, at, backend, token, name)
         .await
         .map_err(|e| ServerError::Bind {
             what: "cluster transfer agent",
-            addr: ip.to_string(),
+            addr: at.to_string(),
             source: std::io::Error::other(e.to_string()),
         })?;
     Ok(Some(r))

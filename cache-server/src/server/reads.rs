@@ -14,7 +14,7 @@
 //! posts lands straight in the slots it reserved for the blocks, with no buffer between.
 
 use std::collections::HashMap;
-use std::net::IpAddr;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -59,17 +59,18 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub(crate) type PeerArena = (Peer, RegionId, u64);
 
 impl Reads {
-    /// Starts the agent on `ip` over `backend` (TCP or QUIC) with `token`, and registers
+    /// Starts the agent on `at` (port 0: any) over `backend` (TCP or QUIC) with `token`, and registers
     /// `store`'s DRAM arena, read-only to peers.
     pub async fn start(
         store: &Arc<TieredStore>,
-        ip: IpAddr,
+        at: SocketAddr,
         backend: BackendKind,
         token: [u8; kvtier_transfer::TOKEN_BYTES],
         node_id: &str,
     ) -> Result<Self, kvtier_transfer::TransferError> {
         let config = AgentConfig {
-            listen_ip: ip,
+            listen_ip: at.ip(),
+            listen_port: at.port(),
             shm: false,
             tcp: backend == BackendKind::Tcp,
             quic: backend == BackendKind::Quic,

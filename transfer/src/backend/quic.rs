@@ -164,10 +164,10 @@ impl ServerCertVerifier for PinnedCert {
 }
 
 /// The target's QUIC endpoint.
-pub(crate) fn bind(ip: IpAddr) -> Result<(quinn::Endpoint, SocketAddr, Vec<u8>)> {
+pub(crate) fn bind(at: SocketAddr) -> Result<(quinn::Endpoint, SocketAddr, Vec<u8>)> {
     let (sc, cert_der) = server_identity()?;
-    let endpoint = quinn::Endpoint::server(sc, SocketAddr::new(ip, 0))
-        .map_err(|e| TransferError::io(format!("binding a QUIC endpoint on {ip}"), e))?;
+    let endpoint = quinn::Endpoint::server(sc, at)
+        .map_err(|e| TransferError::io(format!("binding a QUIC endpoint on {at}"), e))?;
     let addr = endpoint
         .local_addr()
         .map_err(|e| TransferError::io("QUIC endpoint address", e))?;

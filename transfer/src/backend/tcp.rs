@@ -35,10 +35,10 @@ pub(crate) async fn accept_loop(ctx: Arc<TargetCtx>, listener: TcpListener) {
     }
 }
 
-pub(crate) async fn bind(ip: std::net::IpAddr) -> Result<(TcpListener, SocketAddr)> {
-    let l = TcpListener::bind((ip, 0))
+pub(crate) async fn bind(at: SocketAddr) -> Result<(TcpListener, SocketAddr)> {
+    let l = TcpListener::bind(at)
         .await
-        .map_err(|e| TransferError::io(format!("binding a TCP listener on {ip}"), e))?;
+        .map_err(|e| TransferError::io(format!("binding a TCP listener on {at}"), e))?;
     let addr = l
         .local_addr()
         .map_err(|e| TransferError::io("TCP listener address", e))?;
