@@ -227,7 +227,12 @@ impl Remote {
                 continue;
             };
             for p in r.start..(r.start + r.len).min(end) {
-                if let Some(Slot::Reserved(res)) = slots[p - local].take() {
+                // Only reservations move: a block here already (`Present`) stays, so the
+                // commit below goes on past it.
+                let slot = &mut slots[p - local];
+                if matches!(slot, Some(Slot::Reserved(_)))
+                    && let Some(Slot::Reserved(res)) = slot.take()
+                {
                     asks[o].push((p, res));
                 }
             }

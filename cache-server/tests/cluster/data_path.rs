@@ -512,6 +512,57 @@ async fn a_large_part_is_read_one_sided_and_verified() {
     .await;
 }
 
+/// A block of a remote run that is here already, after one that is not: the lookup fetches
+/// the missing ones around it and finds the whole chain. (It used to end the remote prefix
+/// there: the lookup came back short, seen as "short lookups" in `scripts/bench-mooncake.py`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_here_already_inside_a_remote_run_does_not_end_the_prefix() {
+    for fetch in ["tcp", "protocol"] {
+        block_here_already_inside_a_remote_run(fetch).await;
+    }
+}
+
+async fn block_here_already_inside_a_remote_run(fetch: &str) {
+    let fetch_setting = format!("cluster.fetch=\"{fetch}\"");
+    bounded(90, async {
+        let extra = [
+            "cluster.run_blocks=8",
+            "cluster.head_blocks=0",
+            "cluster.peer_timeout_ms=2000",
+            fetch_setting.as_str(),
+        ];
+        let fleet = Fleet::start(&["a", "b"], 5, &extra).await;
+        let [a, b] = &fleet.members[..] else {
+            unreachable!()
+        };
+        let members = [("a", a), ("b", b)];
+        // A chain whose first run a owns.
+        let mut seed = 40;
+        let chain = loop {
+            let c = keys(b"here inside a run", 16, seed);
+            if run_owners(a, &c).await[0] == "a" {
+                break c;
+            }
+            seed += 1;
+        };
+        put_all(&a.client("tcp").await, &chain).await;
+        let owners = run_owners(a, &chain).await;
+        until_offered(&members, "a", &chain, &owners).await;
+        // b holds blocks 0, 1 and 3 of a's run, not 2.
+        let cb = b.client("tcp").await;
+        put_all(&cb, &chain[..4]).await;
+        assert_eq!(cb.remove(&chain[2..3]).await.unwrap(), 1);
+        let l = cb.lookup(&chain).await;
+        assert_eq!(l.tiers.len(), chain.len(), "fetch={fetch}: {l:?}");
+        assert_eq!(
+            get_verified(&cb, &chain).await,
+            chain.len(),
+            "fetch={fetch}"
+        );
+    })
+    .await;
+}
+
 /// Chains that share their first block (a system prompt) and diverge after it. With the
 /// head of a chain placed per block (`cluster.head_blocks`), each head block goes to its own
 /// key's owner, so the chains spread over the members instead of all following the shared
