@@ -547,15 +547,7 @@ async fn fetch_stripe(
     let n = f.blocks.min(part.len());
     let ok = chain::matched(&f.sums[..n.min(f.sums.len())], &f.arrived);
     if ok < n {
-        pool.metrics()
-            .bad_blocks
-            .with_label_values(&[&peer.id])
-            .inc();
-        tracing::warn!(
-            peer = %peer.id,
-            "a block fetched from a peer failed verification (its checksum); dropped, not \
-             served"
-        );
+        bad_block(pool, peer, "fetched");
     }
     pool.metrics()
         .fetched_blocks
@@ -646,15 +638,7 @@ async fn read_owner(
         ok += good;
         done.extend(part);
         if !whole {
-            pool.metrics()
-                .bad_blocks
-                .with_label_values(&[&peer.id])
-                .inc();
-            tracing::warn!(
-                peer = %peer.id,
-                "a block read from a peer failed verification (its checksum); dropped, not \
-                 served"
-            );
+            bad_block(&pool, &peer, "read");
             break;
         }
     }
@@ -732,6 +716,19 @@ fn list_positions(runs: &[RunAsk], o: usize) -> Vec<usize> {
         .filter(|r| r.owner == Some(o))
         .flat_map(|r| r.start..r.start + r.len)
         .collect()
+}
+
+/// Counts and reports a block that came from `peer` (`how`: fetched or read) and failed its
+/// check: it and what follows it in that owner's part are dropped, never served.
+fn bad_block(pool: &PeerPool, peer: &PeerAddr, how: &str) {
+    pool.metrics()
+        .bad_blocks
+        .with_label_values(&[&peer.id])
+        .inc();
+    tracing::warn!(
+        peer = %peer.id,
+        "a block {how} from a peer failed verification (its checksum); dropped, not served"
+    );
 }
 
 /// A fetched block's place in this node's store during a remote lookup.

@@ -348,64 +348,76 @@ async fn found_and_read_on_the_others(fetch: &str) {
     .await;
 }
 
+/// Members a and b (`cluster.fetch` = `fetch`, 16 MiB of DRAM each, runs of 8) and a 4 MiB
+/// chain of 4 KiB blocks put on a, about half of it in runs a owns (over 1 MiB), found whole
+/// by a lookup on b and read back byte-equal there. Returns the fleet, the bytes b took from
+/// a, and b's and a's metrics after it: b's requests to a by op, and a's block sums by source.
+async fn large_part_from_a(fetch: &str, salt: &[u8], seed: u32) -> (Fleet, usize, String, String) {
+    let fetch_setting = format!("cluster.fetch=\"{fetch}\"");
+    let extra = [
+        "cluster.run_blocks=8",
+        "cluster.head_blocks=0",
+        "cluster.peer_timeout_ms=2000",
+        "store.dram_bytes=\"16MiB\"",
+        fetch_setting.as_str(),
+    ];
+    let fleet = Fleet::start(&["a", "b"], 5, &extra).await;
+    let [a, b] = &fleet.members[..] else {
+        unreachable!()
+    };
+    let members = [("a", a), ("b", b)];
+    let chain = keys(salt, 1024, seed);
+    put_all(&a.client("tcp").await, &chain).await;
+    let owners = run_owners(a, &chain).await;
+    until_offered(&members, "a", &chain, &owners).await;
+    let on_a = owners.iter().filter(|o| *o == "a").count() * RUN * BLOCK;
+    assert!(on_a > 1 << 20, "a owns {on_a} bytes of the chain");
+    let cl = b.client("tcp").await;
+    let l = cl.lookup(&chain).await;
+    assert_eq!(l.tiers.len(), chain.len(), "{l:?}");
+    assert_eq!(get_verified(&cl, &chain).await, chain.len());
+    let mb = http_get(b.admin, "/metrics").await.1;
+    assert_eq!(
+        labelled(&mb, "kvtier_cluster_peer_bad_blocks_total", "peer=\"a\""),
+        0.0
+    );
+    assert_eq!(
+        metric(&mb, "kvtier_cluster_remote_hits_total") as usize,
+        on_a / BLOCK
+    );
+    let ma = http_get(a.admin, "/metrics").await.1;
+    // The owner hashed each block it sent once.
+    assert_eq!(
+        labelled(&ma, "kvtier_cluster_fetch_sums_total", "source=\"hashed\"") as usize,
+        on_a / BLOCK,
+        "{ma}"
+    );
+    (fleet, on_a, mb, ma)
+}
+
+/// b's count of requests `op` to peer a in its metrics `m`.
+fn to_a(m: &str, op: &str) -> f64 {
+    labelled(
+        m,
+        "kvtier_cluster_peer_requests_total",
+        &format!("op=\"{op}\",peer=\"a\""),
+    )
+}
+
 /// A lookup whose blocks on one owner come to more than 1 MiB fetches them in stripes, each
 /// a request on its own connection to that owner, all at once; every stripe is verified and
 /// the whole prefix is found and read back byte-equal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_fetch_comes_in_verified_stripes() {
     bounded(90, async {
-        let extra = [
-            "cluster.run_blocks=8",
-            "cluster.head_blocks=0",
-            "cluster.peer_timeout_ms=2000",
-            "store.dram_bytes=\"16MiB\"",
-            "cluster.fetch=\"protocol\"",
-        ];
-        let fleet = Fleet::start(&["a", "b"], 5, &extra).await;
-        let [a, b] = &fleet.members[..] else {
-            unreachable!()
-        };
-        let members = [("a", a), ("b", b)];
-        // 4 MiB of 4 KiB blocks, about half of it in runs a owns.
-        let chain = keys(b"striped", 1024, 5);
-        put_all(&a.client("tcp").await, &chain).await;
-        let owners = run_owners(a, &chain).await;
-        until_offered(&members, "a", &chain, &owners).await;
-        let on_a = owners.iter().filter(|o| *o == "a").count() * RUN * BLOCK;
-        assert!(on_a > 1 << 20, "a owns {on_a} bytes of the chain");
-        let cl = b.client("tcp").await;
-        let l = cl.lookup(&chain).await;
-        assert_eq!(l.tiers.len(), chain.len(), "{l:?}");
-        assert_eq!(get_verified(&cl, &chain).await, chain.len());
-        let m = http_get(b.admin, "/metrics").await.1;
-        let req = |op: &str| {
-            labelled(
-                &m,
-                "kvtier_cluster_peer_requests_total",
-                &format!("op=\"{op}\",peer=\"a\""),
-            )
-        };
-        assert_eq!(req("fetch"), 1.0, "{m}");
-        assert!(req("fetch_stripe") >= 2.0, "{m}");
+        let (_fleet, _, m, ma) = large_part_from_a("protocol", b"striped", 5).await;
+        assert_eq!(to_a(&m, "fetch"), 1.0, "{m}");
+        assert!(to_a(&m, "fetch_stripe") >= 2.0, "{m}");
         assert_eq!(
-            labelled(&m, "kvtier_cluster_peer_bad_blocks_total", "peer=\"a\""),
-            0.0
+            labelled(&ma, "kvtier_cluster_fetch_sums_total", "source=\"kept\""),
+            0.0,
+            "{ma}"
         );
-        assert_eq!(
-            metric(&m, "kvtier_cluster_remote_hits_total") as usize,
-            on_a / BLOCK
-        );
-        // The owner hashed each block it sent once, and kept the sums.
-        let m = http_get(a.admin, "/metrics").await.1;
-        let sums = |source: &str| {
-            labelled(
-                &m,
-                "kvtier_cluster_fetch_sums_total",
-                &format!("source=\"{source}\""),
-            )
-        };
-        assert_eq!(sums("hashed") as usize, on_a / BLOCK, "{m}");
-        assert_eq!(sums("kept"), 0.0, "{m}");
     })
     .await;
 }
@@ -417,64 +429,19 @@ async fn a_large_fetch_comes_in_verified_stripes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_part_is_read_one_sided_and_verified() {
     bounded(90, async {
-        let extra = [
-            "cluster.run_blocks=8",
-            "cluster.head_blocks=0",
-            "cluster.peer_timeout_ms=2000",
-            "store.dram_bytes=\"16MiB\"",
-            "cluster.fetch=\"tcp\"",
-        ];
-        let fleet = Fleet::start(&["a", "b"], 5, &extra).await;
-        let [a, b] = &fleet.members[..] else {
-            unreachable!()
-        };
-        let members = [("a", a), ("b", b)];
-        let chain = keys(b"one-sided", 1024, 6);
-        put_all(&a.client("tcp").await, &chain).await;
-        let owners = run_owners(a, &chain).await;
-        until_offered(&members, "a", &chain, &owners).await;
-        let on_a = owners.iter().filter(|o| *o == "a").count() * RUN * BLOCK;
-        assert!(on_a > 1 << 20, "a owns {on_a} bytes of the chain");
-        let cl = b.client("tcp").await;
-        let l = cl.lookup(&chain).await;
-        assert_eq!(l.tiers.len(), chain.len(), "{l:?}");
-        assert_eq!(get_verified(&cl, &chain).await, chain.len());
-        let m = http_get(b.admin, "/metrics").await.1;
-        let req = |op: &str| {
-            labelled(
-                &m,
-                "kvtier_cluster_peer_requests_total",
-                &format!("op=\"{op}\",peer=\"a\""),
-            )
-        };
-        assert_eq!(req("read"), 1.0, "{m}");
-        assert_eq!(req("locate"), 1.0, "{m}");
+        let (fleet, on_a, m, _) = large_part_from_a("tcp", b"one-sided", 6).await;
+        let b = &fleet.members[1];
+        assert_eq!(to_a(&m, "read"), 1.0, "{m}");
+        assert_eq!(to_a(&m, "locate"), 1.0, "{m}");
         assert_eq!(
-            req("fetch") + req("fetch_stripe") + req("lookup"),
+            to_a(&m, "fetch") + to_a(&m, "fetch_stripe") + to_a(&m, "lookup"),
             0.0,
             "{m}"
-        );
-        assert_eq!(
-            labelled(&m, "kvtier_cluster_peer_bad_blocks_total", "peer=\"a\""),
-            0.0
         );
         assert_eq!(
             labelled(&m, "kvtier_cluster_peer_fetched_bytes_total", "peer=\"a\"") as usize,
             on_a
         );
-        assert_eq!(
-            metric(&m, "kvtier_cluster_remote_hits_total") as usize,
-            on_a / BLOCK
-        );
-        let m = http_get(a.admin, "/metrics").await.1;
-        let sums = |source: &str| {
-            labelled(
-                &m,
-                "kvtier_cluster_fetch_sums_total",
-                &format!("source=\"{source}\""),
-            )
-        };
-        assert_eq!(sums("hashed") as usize, on_a / BLOCK, "{m}");
 
         // a's record publishes its transfer blob without a token.
         let d = cluster_doc(b, "").await;

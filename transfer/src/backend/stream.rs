@@ -923,6 +923,23 @@ mod tests {
         );
     }
 
+    /// A fake target's side of the handshake: reads the HELLO (and its token and name),
+    /// acknowledges it.
+    async fn accept_hello<R, W>(r: &mut R, w: &mut W)
+    where
+        R: tokio::io::AsyncRead + Unpin,
+        W: tokio::io::AsyncWrite + Unpin,
+    {
+        let mut hb = [0u8; HEADER_BYTES];
+        r.read_exact(&mut hb).await.unwrap();
+        let hello = Header::decode(&hb).unwrap();
+        let mut skip = vec![0u8; hello.len as usize];
+        r.read_exact(&mut skip).await.unwrap();
+        w.write_all(&Header::new(FrameOp::HelloAck, 0, 0, 0, 0).encode())
+            .await
+            .unwrap();
+    }
+
     /// A fake target that acknowledges the HELLO, then answers the first request with
     /// `reply` (or closes, for an empty reply).
     async fn lane_against(reply: Vec<u8>) -> TransferError {
@@ -931,13 +948,7 @@ mod tests {
         let fake = tokio::spawn(async move {
             let (mut r, mut w) = tokio::io::split(server);
             let mut hb = [0u8; HEADER_BYTES];
-            r.read_exact(&mut hb).await.unwrap();
-            let hello = Header::decode(&hb).unwrap();
-            let mut skip = vec![0u8; hello.len as usize];
-            r.read_exact(&mut skip).await.unwrap();
-            w.write_all(&Header::new(FrameOp::HelloAck, 0, 0, 0, 0).encode())
-                .await
-                .unwrap();
+            accept_hello(&mut r, &mut w).await;
             r.read_exact(&mut hb).await.unwrap();
             w.write_all(&reply).await.unwrap();
             // Keep the stream open until the lane gives up on it.
@@ -981,13 +992,7 @@ mod tests {
         let fake = tokio::spawn(async move {
             let (mut r, mut w) = tokio::io::split(server);
             let mut hb = [0u8; HEADER_BYTES];
-            r.read_exact(&mut hb).await.unwrap();
-            let hello = Header::decode(&hb).unwrap();
-            let mut skip = vec![0u8; hello.len as usize];
-            r.read_exact(&mut skip).await.unwrap();
-            w.write_all(&Header::new(FrameOp::HelloAck, 0, 0, 0, 0).encode())
-                .await
-                .unwrap();
+            accept_hello(&mut r, &mut w).await;
             r.read_exact(&mut hb).await.unwrap();
         });
         let lane = Lane::start("fake", "me", &TOKEN, cr, cw).await.unwrap();
@@ -1024,13 +1029,7 @@ mod tests {
         let fake = tokio::spawn(async move {
             let (mut r, mut w) = tokio::io::split(server);
             let mut hb = [0u8; HEADER_BYTES];
-            r.read_exact(&mut hb).await.unwrap();
-            let hello = Header::decode(&hb).unwrap();
-            let mut skip = vec![0u8; hello.len as usize];
-            r.read_exact(&mut skip).await.unwrap();
-            w.write_all(&Header::new(FrameOp::HelloAck, 0, 0, 0, 0).encode())
-                .await
-                .unwrap();
+            accept_hello(&mut r, &mut w).await;
             r.read_exact(&mut hb).await.unwrap();
             let read = Header::decode(&hb).unwrap();
             let data = Header::new(FrameOp::ReadData, read.id, read.region, 0, read.len);
@@ -1076,14 +1075,7 @@ mod tests {
         let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
         let fake = tokio::spawn(async move {
             let (mut r, mut w) = tokio::io::split(server);
-            let mut hb = [0u8; HEADER_BYTES];
-            r.read_exact(&mut hb).await.unwrap();
-            let hello = Header::decode(&hb).unwrap();
-            let mut skip = vec![0u8; hello.len as usize];
-            r.read_exact(&mut skip).await.unwrap();
-            w.write_all(&Header::new(FrameOp::HelloAck, 0, 0, 0, 0).encode())
-                .await
-                .unwrap();
+            accept_hello(&mut r, &mut w).await;
             // Stop reading: the lane's queue fills up.
             let _ = release_rx.await;
         });
