@@ -167,6 +167,11 @@ impl Lane {
             &self.peer,
             "closed by this side",
         ));
+        self.abort_tasks();
+    }
+
+    /// Stops the lane's writer and reader tasks.
+    fn abort_tasks(&self) {
         for t in self
             .tasks
             .lock()
@@ -307,14 +312,7 @@ impl Lane {
 
 impl Drop for Lane {
     fn drop(&mut self) {
-        for t in self
-            .tasks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-        {
-            t.abort();
-        }
+        self.abort_tasks();
     }
 }
 
