@@ -428,10 +428,11 @@ impl Agent {
         self.metadata_with(true)
     }
 
-    /// [`Agent::metadata`] without the auth token (zeros in its place): a blob to publish
-    /// where others than the trusted peers can read it (a registry such as etcd). Peers that
-    /// hold the token by other means (derived from a shared secret) connect with
-    /// [`Agent::connect_with_token`].
+    /// [`Agent::metadata`] without the auth token (zeros in its place) and, on an agent
+    /// without UCX (the only backend that needs them), without the regions' addresses: a
+    /// blob to publish where others than the trusted peers can read it (a registry such as
+    /// etcd). Peers that hold the token by other means (derived from a shared secret)
+    /// connect with [`Agent::connect_with_token`].
     pub fn metadata_without_token(&self) -> Result<Vec<u8>> {
         self.metadata_with(false)
     }
@@ -439,6 +440,12 @@ impl Agent {
     fn metadata_with(&self, token: bool) -> Result<Vec<u8>> {
         let core = &self.core;
         let pid = std::process::id();
+        // Only UCX puts to a region's address; a published blob of an agent without it
+        // carries none (no process address for anyone who reads the registry).
+        #[cfg(feature = "ucx")]
+        let addresses = token || core.ucx.is_some();
+        #[cfg(not(feature = "ucx"))]
+        let addresses = token;
         let regions = core
             .ctx
             .registry
@@ -448,7 +455,7 @@ impl Agent {
                 id: r.id.0,
                 kind: r.kind.code(),
                 len: r.len(),
-                addr: r.ptr() as u64,
+                addr: if addresses { r.ptr() as u64 } else { 0 },
                 shm: match (r.shm_slot, r.shareable_fd()) {
                     (Some(slot), Some(fd)) => Some(ShmRegion {
                         path: format!("/proc/{pid}/fd/{fd}"),

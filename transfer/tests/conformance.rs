@@ -685,6 +685,14 @@ async fn a_blob_without_its_token_needs_the_token() {
         let remote = unsafe { target.register_raw_owned(ptr, 4096, owned.clone()) }.unwrap();
         drop(owned);
         let blob = target.metadata_without_token().unwrap();
+        // Neither the token nor the region's address is in it.
+        let contains = |hay: &[u8], needle: &[u8]| hay.windows(needle.len()).any(|w| w == needle);
+        assert!(!contains(&blob, &token));
+        assert!(!contains(&blob, &(ptr as u64).to_le_bytes()));
+        assert!(contains(
+            &target.metadata().unwrap(),
+            &(ptr as u64).to_le_bytes()
+        ));
         let local = initiator.alloc_dram(4096).unwrap();
         let Err(e) = initiator.connect(&blob, BackendKind::Tcp).await else {
             panic!("a zero token is accepted");
