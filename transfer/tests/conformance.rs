@@ -669,6 +669,8 @@ async fn a_blob_without_its_token_needs_the_token() {
             AgentConfig {
                 token: Some(token),
                 shm: false,
+                // Without UCX (on by default in a `ucx` build), which needs region addresses.
+                ucx: false,
                 listen_port: port,
                 ..config()
             },
