@@ -50,7 +50,7 @@ const RESERVATION_REAP: Duration = Duration::from_millis(100);
 const COPY_INLINE_BYTES: u64 = 4 << 20;
 /// A peer's fetch of at most this many block bytes has its sums hashed on the runtime
 /// worker (XXH3: tens of µs), not on the blocking pool, whose hand-off costs as much.
-const INLINE_SUM_BYTES: usize = 512 << 10;
+pub(super) const INLINE_SUM_BYTES: usize = 512 << 10;
 /// How long a put (or a reservation) waits, at most, for a DRAM slot while every slot is
 /// pinned and background copies (write-through to NVMe, which pin their DRAM slot until
 /// written) are running: those copies free slots as they finish, so a chain longer than
@@ -1267,6 +1267,17 @@ impl Job {
             .map_err(|_| self.error(ErrorCode::Internal, "the request's worker failed"))
     }
 
+    /// Pins the longest cached prefix of `keys` for a read: right here when it is all in
+    /// DRAM, on the blocking pool when NVMe blocks must be promoted first.
+    async fn pin_read(&self, keys: &[BlockKey]) -> Result<PinnedRead, Option<Out>> {
+        if let Some(p) = self.shared.store.try_pin_read(keys) {
+            return Ok(p);
+        }
+        let store = self.shared.store.clone();
+        let keys = keys.to_vec();
+        self.blocking(move || store.pin_read(&keys)).await
+    }
+
     /// Each of `pinned`'s blocks' sums over its key and bytes (what a peer verifies on
     /// arrival), kept per DRAM slot once computed. What is not kept yet is hashed here when
     /// small (tens of µs); a larger set on the blocking pool, since it may be hundreds of
@@ -1429,18 +1440,9 @@ impl Job {
                     return self.error(ErrorCode::Busy, "server send budget is spent; retry");
                 };
                 // DRAM-resident prefixes are pinned right here; NVMe promotions block.
-                let pinned = match store.try_pin_read(&k.keys) {
-                    Some(p) => p,
-                    None => match self
-                        .blocking({
-                            let keys = k.keys.clone();
-                            move || store.pin_read(&keys)
-                        })
-                        .await
-                    {
-                        Ok(p) => p,
-                        Err(o) => return o,
-                    },
+                let pinned = match self.pin_read(&k.keys).await {
+                    Ok(p) => p,
+                    Err(o) => return o,
                 };
                 let tiers = pinned
                     .blocks()
@@ -1505,18 +1507,9 @@ impl Job {
                 } else if locate {
                     // Pinned first, summed while pinned, then handed to the lease: the sums
                     // are of the bytes the peer will read.
-                    let pinned = match store.try_pin_read(&keys[..allowed]) {
-                        Some(p) => p,
-                        None => match self
-                            .blocking({
-                                let keys = keys[..allowed].to_vec();
-                                move || store.pin_read(&keys)
-                            })
-                            .await
-                        {
-                            Ok(p) => p,
-                            Err(o) => return o,
-                        },
+                    let pinned = match self.pin_read(&keys[..allowed]).await {
+                        Ok(p) => p,
+                        Err(o) => return o,
                     };
                     let pinned = match self.block_sums(pinned).await {
                         Ok((pinned, s)) => {

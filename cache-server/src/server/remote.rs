@@ -31,7 +31,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use super::Shared;
-use super::conn::{admit, reserve_waiting};
+use super::conn::{INLINE_SUM_BYTES, admit, reserve_waiting};
 use super::reads::Reads;
 use super::tenants::Ns;
 use crate::cluster::ClusterNode;
@@ -633,7 +633,7 @@ async fn read_owner(
         let sums: Vec<u64> = (start..start + part.len())
             .map(|j| places[j].expect("located").1)
             .collect();
-        let (part, good) = verify(part, &keys[start..], sums).await;
+        let (part, good) = verify(part, &keys[start..], sums, block_bytes).await;
         let whole = good == part.len();
         ok += good;
         done.extend(part);
@@ -682,8 +682,13 @@ fn quarantine(part: Asked, settle: Option<kvtier_transfer::SettleHandle>) {
 }
 
 /// Sums each of `part`'s landed blocks (over its key and bytes) and compares it with the
-/// owner's: how many lead verified. On the blocking pool when over half a MiB.
-async fn verify(mut part: Asked, keys: &[BlockKey], sums: Vec<u64>) -> (Asked, usize) {
+/// owner's: how many lead verified. On the blocking pool when over [`INLINE_SUM_BYTES`].
+async fn verify(
+    mut part: Asked,
+    keys: &[BlockKey],
+    sums: Vec<u64>,
+    block_bytes: usize,
+) -> (Asked, usize) {
     let keys = keys[..part.len()].to_vec();
     let check = move |part: &mut Asked| {
         let mut good = 0;
@@ -695,8 +700,7 @@ async fn verify(mut part: Asked, keys: &[BlockKey], sums: Vec<u64>) -> (Asked, u
         }
         good
     };
-    let bytes: usize = part.iter_mut().map(|(_, r)| r.bytes_mut().len()).sum();
-    if bytes <= 512 << 10 {
+    if part.len() * block_bytes <= INLINE_SUM_BYTES {
         let good = check(&mut part);
         return (part, good);
     }
