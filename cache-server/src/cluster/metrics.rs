@@ -39,7 +39,8 @@ pub struct ClusterMetrics {
     pub fetch_sums: IntCounterVec,
     /// Put blocks this node offered nobody: `queue_full` (back-pressure), `unplaced` (the
     /// block's position in its chain is unknown), `tenants` (offers are off with tenants),
-    /// `evicted` (gone from this node before it was sent).
+    /// `evicted` (gone from this node before it was sent), `failed` (the owner refused it
+    /// or did not take it within `cluster.offer_timeout_ms`).
     pub offers_dropped: IntCounterVec,
 }
 

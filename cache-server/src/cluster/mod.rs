@@ -62,8 +62,10 @@ pub struct ClusterSettings {
     pub etcd_timeout: Duration,
     /// The cluster secret, if configured.
     pub secret: Option<Vec<u8>>,
-    /// Bound on each request to a peer.
+    /// Bound on each request to a peer on a lookup's path.
     pub peer_timeout: Duration,
+    /// Bound on each offer request to an owner.
+    pub offer_timeout: Duration,
     /// Put blocks queued for offers, at most.
     pub offer_queue_blocks: usize,
     /// Copies of blocks other members own are marked as guests (evicted first).
@@ -291,6 +293,7 @@ impl ClusterNode {
                             self.record.transfer_endpoint.split("://").next().unwrap_or("").to_string()
                         },
                         "peer_timeout_ms": s.peer_timeout.as_millis() as u64,
+                        "offer_timeout_ms": s.offer_timeout.as_millis() as u64,
                         "offer_queue_blocks": s.offer_queue_blocks,
                         "guests_first": s.guests_first,
                         "remote_hits": self.metrics.remote_hits.get(),
@@ -299,6 +302,7 @@ impl ClusterNode {
                             "unplaced": dropped(&self.metrics, "unplaced"),
                             "tenants": dropped(&self.metrics, "tenants"),
                             "evicted": dropped(&self.metrics, "evicted"),
+                            "failed": dropped(&self.metrics, "failed"),
                         },
                     })
                 } else {

@@ -263,6 +263,14 @@ impl PeerPool {
         .unwrap_or(Err(PeerFailure::Timeout));
         if let Some(slot) = lock(&self.slots).get_mut(&peer.id) {
             slot.suspect_until = r.is_err().then(|| Instant::now() + SUSPECT_FOR);
+            if matches!(r, Err(PeerFailure::Timeout)) {
+                // A connection whose request timed out is in no known state: its stream may
+                // be stalled in TCP's retransmission backoff (which outlasts the loss that
+                // caused it), or still carrying the late reply. Requests after it would
+                // queue behind either, so the peer's connections are opened afresh; the
+                // ones in use close when their last request ends.
+                slot.clients.clear();
+            }
         }
         match &r {
             Ok(_) => m

@@ -166,10 +166,15 @@ pub struct ClusterSection {
     pub lease_ttl_s: u64,
     /// Bound on each etcd request and on connecting, in ms. Default: 2000.
     pub etcd_timeout_ms: u64,
-    /// Bound on each request to a peer (connect, lookup, fetch, offer), in ms: a peer that
-    /// does not answer within it is a miss. The data path is on only with `secret_file`.
-    /// Default: 250.
+    /// Bound on each request to a peer on a lookup's path (connect, lookup, locate, fetch,
+    /// read), in ms: a peer that does not answer within it is a miss. The data path is on
+    /// only with `secret_file`. Default: 250.
     pub peer_timeout_ms: u64,
+    /// Bound on each offer request to an owner (at most 16 MiB of blocks; connecting
+    /// included), in ms. Offers run in the background, on connections of their own, so they
+    /// get the time a bulk transfer needs over a lossy or busy link; one that does not end
+    /// within it is dropped and counted (`failed`). Default: 5000.
+    pub offer_timeout_ms: u64,
     /// Put blocks waiting to be offered to their owners, at most; more are dropped and
     /// counted. Default: 16384.
     pub offer_queue_blocks: usize,
@@ -198,6 +203,7 @@ impl Default for ClusterSection {
             lease_ttl_s: 10,
             etcd_timeout_ms: 2000,
             peer_timeout_ms: 250,
+            offer_timeout_ms: 5000,
             offer_queue_blocks: 16384,
             guests_first: true,
         }
@@ -869,6 +875,7 @@ impl ServerConfig {
             ("cluster.run_blocks", c.run_blocks as u64),
             ("cluster.etcd_timeout_ms", c.etcd_timeout_ms),
             ("cluster.peer_timeout_ms", c.peer_timeout_ms),
+            ("cluster.offer_timeout_ms", c.offer_timeout_ms),
             ("cluster.offer_queue_blocks", c.offer_queue_blocks as u64),
         ] {
             if v == 0 {
@@ -1439,6 +1446,7 @@ mod tests {
             ("cluster.lease_ttl_s=1", "cluster.lease_ttl_s"),
             ("cluster.etcd_timeout_ms=0", "cluster.etcd_timeout_ms"),
             ("cluster.peer_timeout_ms=0", "cluster.peer_timeout_ms"),
+            ("cluster.offer_timeout_ms=0", "cluster.offer_timeout_ms"),
             ("cluster.offer_queue_blocks=0", "cluster.offer_queue_blocks"),
             ("cluster.fetch=\"rdma\"", "cluster.fetch"),
             (

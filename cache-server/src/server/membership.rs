@@ -84,6 +84,7 @@ pub(crate) fn node(
         etcd_timeout: Duration::from_millis(s.etcd_timeout_ms),
         secret,
         peer_timeout: Duration::from_millis(s.peer_timeout_ms),
+        offer_timeout: Duration::from_millis(s.offer_timeout_ms),
         offer_queue_blocks: s.offer_queue_blocks,
         guests_first: s.guests_first,
     };

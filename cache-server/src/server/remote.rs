@@ -45,9 +45,11 @@ const CHAIN_INDEX_ENTRIES: usize = 1 << 18;
 const FETCH_BYTES_PER_LOOKUP: u64 = 256 << 20;
 /// The index of this node among the owners a lookup plans with.
 const SELF: usize = 0;
-/// Offers taken from the queue at a time (sent to their owners in parallel, one put per
-/// owner), at most.
+/// Offers taken from the queue at a time (sent to their owners in parallel), at most.
 const OFFER_BATCH: usize = 256;
+/// Block bytes one offer request carries, at most (more go in several, one after another):
+/// each is bounded by `cluster.offer_timeout_ms`, and a failure loses at most this much.
+const OFFER_CHUNK_BYTES: usize = 16 << 20;
 
 /// A block to offer to an owner.
 struct Offer {
@@ -63,7 +65,12 @@ struct Offer {
 /// The data path of one server. See the module doc.
 pub(crate) struct Remote {
     node: Arc<ClusterNode>,
+    /// Connections for lookups (lookup, locate, fetch), bounded by `cluster.peer_timeout_ms`.
     pool: Arc<PeerPool>,
+    /// Connections of their own for offers, bounded by `cluster.offer_timeout_ms`: a bulk
+    /// offer never queues a lookup behind it, and its failures mark no peer suspect for
+    /// lookups.
+    offer_pool: PeerPool,
     /// One-sided reads of the owners' DRAM (`cluster.fetch` = `tcp` / `quic`); `None`: every
     /// block comes over the protocol.
     reads: Option<Arc<Reads>>,
@@ -87,16 +94,23 @@ impl Remote {
     ) -> Option<Arc<Self>> {
         let token = node.peer_token.clone()?;
         let pool = Arc::new(PeerPool::new(
-            token,
+            token.clone(),
             node.settings.peer_timeout,
             shared.block_bytes as u64,
             node.metrics.peer.clone(),
         ));
+        let offer_pool = PeerPool::new(
+            token,
+            node.settings.offer_timeout,
+            shared.block_bytes as u64,
+            node.metrics.peer.clone(),
+        );
         let (tx, rx) = mpsc::channel(node.settings.offer_queue_blocks.max(1));
         let cut = node.settings.runs();
         let r = Arc::new(Self {
             node,
             pool,
+            offer_pool,
             reads: reads.map(Arc::new),
             offers: tx,
             chains: Mutex::new(ChainIndex::new(CHAIN_INDEX_ENTRIES, cut)),
@@ -113,6 +127,7 @@ impl Remote {
         if *at != changes {
             *at = changes;
             self.pool.retain(&members);
+            self.offer_pool.retain(&members);
             if let Some(r) = &self.reads {
                 r.retain(|id| members.contains_key(id));
             }
@@ -823,22 +838,35 @@ async fn send_offer(
         return;
     }
     let bufs: Vec<&[u8]> = (0..n).map(|i| pinned.bytes(i)).collect();
-    match r.pool.offer(owner, &entries[..n], &bufs).await {
-        Ok(held) => {
-            // The owner holds these now: the copies here are guests.
-            let handed: Vec<BlockKey> = entries
-                .iter()
-                .zip(&guests)
-                .zip(&held)
-                .filter(|((_, g), h)| **g && **h)
-                .map(|((e, _), _)| e.key)
-                .collect();
-            drop(bufs);
-            drop(pinned);
-            r.guests(s, &handed);
+    let per = (OFFER_CHUNK_BYTES / bufs[0].len().max(1)).max(1);
+    // The owner holds these now: the copies here are guests.
+    let mut handed = Vec::new();
+    for at in (0..n).step_by(per) {
+        let end = (at + per).min(n);
+        match r
+            .offer_pool
+            .offer(owner, &entries[at..end], &bufs[at..end])
+            .await
+        {
+            Ok(held) => handed.extend(
+                entries[at..end]
+                    .iter()
+                    .zip(&guests[at..end])
+                    .zip(&held)
+                    .filter(|((_, g), h)| **g && **h)
+                    .map(|((e, _), _)| e.key),
+            ),
+            Err(e) => {
+                tracing::debug!(peer = %owner.id, "an offer of {} blocks failed: {e:?}", end - at);
+                // The rest would arrive without their parents.
+                r.drop_offer("failed", (n - at) as u64);
+                break;
+            }
         }
-        Err(e) => tracing::debug!(peer = %owner.id, "an offer of {n} blocks failed: {e:?}"),
     }
+    drop(bufs);
+    drop(pinned);
+    r.guests(s, &handed);
 }
 
 #[cfg(test)]
