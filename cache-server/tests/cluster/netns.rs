@@ -5,16 +5,23 @@
 //!
 //! A partition takes a host's link to the bridge down ([`Net::cut`]): the host reaches neither
 //! its peers nor etcd, while its Unix socket (a path in the shared filesystem) still serves
-//! local clients. `tc netem` (delay, loss) is not used: the kernel of our machines has no
-//! `sch_netem` ("Specified qdisc kind is unknown").
+//! local clients. Loss ([`Net::lose`]) and a cut between one host and one port of the hub
+//! ([`Net::cut_from_hub_port`]: etcd unreachable, peers still reachable) are nftables rules in the
+//! hub's bridge (`table bridge kvtier`, counted): every frame the bridge forwards to or
+//! from a lossy host's port is dropped with that probability, as on a lossy wire (the
+//! senders' stacks see nothing; TCP and QUIC find out by their own timers). `tc netem`
+//! (delay) is not used: the kernel of our machines has no `sch_netem` ("Specified qdisc kind
+//! is unknown"), and no other qdisc or nftables statement delays packets.
 //!
 //! Making namespaces needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN). A test run by another user
 //! runs itself again under `sudo -n` ([`as_root`]); where that is not allowed either, it fails
 //! and says so. These tests are never skipped.
 
 use std::fs::File;
+use std::io::Write;
 use std::os::fd::AsRawFd;
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
@@ -61,9 +68,43 @@ pub fn as_root(name: &str) -> bool {
     false
 }
 
+/// Runs `nft -f -` in namespace `ns` on `script`, panicking with its error.
+fn nft(ns: &str, script: &str) {
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", ns, "nft", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("running nft in {ns}: {e}"));
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(script.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "nft in {ns} failed: {} (the netns tests' loss and hub cuts need nftables: \
+         .ci/install-deps installs it)\n{script}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+}
+
+/// What the hub's bridge does to one host's frames.
+#[derive(Clone, Copy, Default)]
+struct Rules {
+    /// Percent of the frames to or from the host dropped, each frame on its own.
+    loss: u32,
+    /// Every TCP segment between the host and this port of the hub (etcd's) dropped.
+    hub_port_cut: Option<u16>,
+}
+
 pub struct Net {
     hub: String,
     hosts: Vec<String>,
+    rules: Mutex<Vec<Rules>>,
 }
 
 impl Net {
@@ -81,6 +122,7 @@ impl Net {
         let net = Net {
             hub: format!("{tag}-hub"),
             hosts: (0..n).map(|i| format!("{tag}-h{i}")).collect(),
+            rules: Mutex::new(vec![Rules::default(); n]),
         };
         // `net` exists before the first namespace does, so a failure below still deletes
         // whatever was made (Drop ignores names that are not there).
@@ -160,6 +202,70 @@ impl Net {
     pub fn heal(&self, i: usize) {
         ip(&["-n", &self.hub, "link", "set", &format!("h{i}"), "up"]);
     }
+
+    /// Drops `percent` % of the frames between host `i` and the other hosts (0 ends the
+    /// loss); between two lossy hosts a frame meets both losses. Frames between a host and
+    /// the hub (etcd, and the test's own probes) are left alone.
+    pub fn lose(&self, i: usize, percent: u32) {
+        assert!(percent <= 100);
+        self.rules.lock().unwrap()[i].loss = percent;
+        self.apply();
+    }
+
+    /// Cuts host `i` off from TCP port `port` of the hub (etcd's), or (`None`) ends that:
+    /// its peers still reach it and it them, and so does the test, which lives in the hub.
+    pub fn cut_from_hub_port(&self, i: usize, port: Option<u16>) {
+        self.rules.lock().unwrap()[i].hub_port_cut = port;
+        self.apply();
+    }
+
+    /// Frames the bridge's rules have dropped so far.
+    pub fn dropped(&self) -> u64 {
+        let listing = nft_list(&self.hub);
+        listing
+            .split("counter packets ")
+            .skip(1)
+            .filter_map(|rest| rest.split(' ').next()?.parse::<u64>().ok())
+            .sum()
+    }
+
+    /// Replaces the hub's `table bridge kvtier` with the rules now wanted, in one
+    /// transaction (counters start again from 0).
+    fn apply(&self) {
+        let rules = self.rules.lock().unwrap();
+        let (mut forward, mut input, mut output) = (String::new(), String::new(), String::new());
+        for (i, r) in rules.iter().enumerate() {
+            let port = format!("\"h{i}\"");
+            if r.loss > 0 {
+                let drop = format!("numgen random mod 100 < {} counter drop;", r.loss);
+                forward += &format!(" iifname {port} {drop} oifname {port} {drop}");
+            }
+            if let Some(p) = r.hub_port_cut {
+                input += &format!(" iifname {port} tcp dport {p} counter drop;");
+                output += &format!(" oifname {port} tcp sport {p} counter drop;");
+            }
+        }
+        // The first line makes the table where it is missing, so the delete never fails.
+        nft(
+            &self.hub,
+            &format!(
+                "table bridge kvtier\ndelete table bridge kvtier\ntable bridge kvtier {{\n\
+                 chain forwarded {{ type filter hook forward priority 0; policy accept;{forward} }}\n\
+                 chain arriving {{ type filter hook input priority 0; policy accept;{input} }}\n\
+                 chain leaving {{ type filter hook output priority 0; policy accept;{output} }}\n}}\n"
+            ),
+        );
+    }
+}
+
+/// `nft list ruleset` in namespace `ns`.
+fn nft_list(ns: &str) -> String {
+    let out = Command::new("ip")
+        .args(["netns", "exec", ns, "nft", "list", "ruleset"])
+        .output()
+        .unwrap_or_else(|e| panic!("running nft in {ns}: {e}"));
+    assert!(out.status.success(), "nft list ruleset in {ns} failed");
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 impl Drop for Net {

@@ -170,7 +170,10 @@ impl ServerProc {
             cmd.arg("--set").arg(a);
         }
         let mut child = cmd
-            .env("RUST_LOG", "warn")
+            .env(
+                "RUST_LOG",
+                std::env::var("KVTIER_TEST_SERVER_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .env_remove("KVTIER_TOKEN")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
