@@ -499,12 +499,16 @@ class _Counters:
         """Writes the totals to the stats file, if one is configured and they changed."""
         if self._path is None:
             return
-        with self._lock:
-            if not self._dirty:
-                return
-            self._dirty = False
-            data = dict(self.total)
-        with self._write_lock:  # the saver thread and the step both flush
+        # The saver thread and the step both flush. The snapshot is taken under the write
+        # lock, so files are written in the order of their snapshots: an older snapshot
+        # written after a newer one would leave the file behind the totals, and nothing
+        # would correct it until the next change (a CI run read 17 loaded blocks short).
+        with self._write_lock:
+            with self._lock:
+                if not self._dirty:
+                    return
+                self._dirty = False
+                data = dict(self.total)
             tmp = f"{self._path}.{os.getpid()}.tmp"
             try:
                 with open(tmp, "w", encoding="utf-8") as f:
