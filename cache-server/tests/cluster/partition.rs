@@ -253,101 +253,143 @@ async fn until_runs_held(
     }
 }
 
-/// Lossy links: with [`LOSS`] % of the frames to and from every host dropped on their way
-/// between hosts (about twice that between two hosts; etcd and the test are reached without
-/// loss), chains put on h0 are offered to their owners over the lossy
-/// network, then looked up and read on h1 and h2: every byte served is right, every call
-/// ends within two peer timeouts and a margin (a lost offer or a late answer is a miss), and
-/// the data path still carries blocks. With the loss ended, the membership is whole and new
-/// chains are found whole again.
+/// Lossy links, blocks fetched over the protocol (TLS between members).
 #[test]
 fn lossy_links_serve_only_right_bytes_within_the_deadline() {
-    on_hosts(
+    lossy(
         "partition::lossy_links_serve_only_right_bytes_within_the_deadline",
-        3,
-        |net, etcd| async move {
-            const LOSS: u32 = 5;
-            const CHAINS: u32 = 16;
-            const BLOCKS: usize = 6 * RUN;
-            const PEER_TIMEOUT_MS: u64 = 500;
-            const OFFER_TIMEOUT_MS: u64 = 2000;
-            let dir = tempfile::tempdir().unwrap();
-            const SECRET: &str = "a secret for members over losses";
-            let secret = secret_file(dir.path(), SECRET);
-            let offers = format!("cluster.offer_timeout_ms={OFFER_TIMEOUT_MS}");
-            let m = data_members(&net, &etcd, &secret, PEER_TIMEOUT_MS, &[&offers]);
-            let all = ["h0", "h1", "h2"];
-            for s in &m {
-                until_view(s, &all, Duration::from_secs(20)).await;
-            }
-            let writer = m[0].client("unix").await;
-            let readers = [m[1].client("unix").await, m[2].client("unix").await];
-            let bound = Duration::from_millis(2 * PEER_TIMEOUT_MS + 1000);
-            // Puts `CHAINS` chains on h0, lets their offers travel, reads each on h1 or h2;
-            // returns the blocks read (each checked) and the slowest lookup and get.
-            let round = |salt: &'static [u8], lossy: bool| {
-                let (writer, readers, m) = (&writer, &readers, &m);
-                async move {
-                    let chains: Vec<Vec<BlockKey>> =
-                        (0..CHAINS).map(|c| keys(salt, BLOCKS, c)).collect();
-                    for chain in &chains {
-                        put_all(writer, chain).await;
-                    }
-                    // Without loss every offer must land; over losses, those that do within
-                    // two offer timeouts (a lost one is a miss, counted below).
-                    let (mut held, mut runs) = (0, 0);
-                    for chain in &chains {
-                        let limit = Duration::from_millis(2 * OFFER_TIMEOUT_MS);
-                        let (h, r) = until_runs_held(m, 0, SECRET, chain, limit, !lossy).await;
-                        held += h;
-                        runs += r;
-                    }
-                    let (mut read, mut slowest) = (0, Duration::ZERO);
-                    for (c, chain) in chains.iter().enumerate() {
-                        let reader = &readers[c % 2];
-                        let t0 = Instant::now();
-                        let l = reader.lookup(chain).await;
-                        read += get_verified(reader, &chain[..l.tiers.len()]).await;
-                        let took = t0.elapsed();
-                        assert!(took < bound, "chain {c}: lookup and get took {took:?}");
-                        slowest = slowest.max(took);
-                    }
-                    println!("{held} of {runs} runs held by their owners");
-                    (read, slowest)
-                }
-            };
-            let asked = CHAINS as usize * BLOCKS;
-
-            for i in 0..3 {
-                net.lose(i, LOSS);
-            }
-            let (read, slowest) = round(b"lossy", true).await;
-            let dropped = net.dropped();
-            println!(
-                "over {LOSS} % loss: {read} of {asked} blocks read, every one right; slowest \
-                 call {slowest:?}; {dropped} frames dropped"
-            );
-            for s in m.iter() {
-                let d = super::cluster_doc(s, "").await;
-                println!(
-                    "{}: remote hits {}, offers dropped {}",
-                    d["node_id"], d["data_path"]["remote_hits"], d["data_path"]["offers_dropped"]
-                );
-            }
-            assert!(dropped > 0, "the loss rules dropped nothing");
-            assert!(read > 0, "nothing crossed the lossy links");
-
-            for i in 0..3 {
-                net.lose(i, 0);
-            }
-            for s in &m {
-                until_view(s, &all, Duration::from_secs(10)).await;
-            }
-            let (read, slowest) = round(b"healed", false).await;
-            println!("loss ended: {read} of {asked} blocks read; slowest call {slowest:?}");
-            assert_eq!(read, asked, "the healed cluster lost blocks");
-        },
+        "protocol",
     );
+}
+
+/// Lossy links, blocks read one-sided over kvtier-transfer's TCP backend.
+#[test]
+fn lossy_links_serve_only_right_bytes_read_one_sided_over_tcp() {
+    lossy(
+        "partition::lossy_links_serve_only_right_bytes_read_one_sided_over_tcp",
+        "tcp",
+    );
+}
+
+/// Lossy links, blocks read one-sided over kvtier-transfer's QUIC backend.
+#[test]
+fn lossy_links_serve_only_right_bytes_read_one_sided_over_quic() {
+    lossy(
+        "partition::lossy_links_serve_only_right_bytes_read_one_sided_over_quic",
+        "quic",
+    );
+}
+
+/// Lossy links (test `name`, members with `cluster.fetch = fetch`): with [`LOSS`] % of the
+/// frames to and from every host dropped on their way between hosts (about twice that
+/// between two hosts; etcd and the test are reached without loss), chains put on h0 are
+/// offered to their owners over the lossy network, then looked up and read on h1 and h2:
+/// every byte served is right, every call ends within two peer timeouts and a margin (a
+/// lost offer or a late answer is a miss), and the data path still carries blocks. With the
+/// loss ended, the membership is whole and new chains are found whole again.
+fn lossy(name: &str, fetch: &'static str) {
+    on_hosts(name, 3, move |net, etcd| async move {
+        const LOSS: u32 = 5;
+        const CHAINS: u32 = 16;
+        const BLOCKS: usize = 6 * RUN;
+        const PEER_TIMEOUT_MS: u64 = 500;
+        const OFFER_TIMEOUT_MS: u64 = 2000;
+        let dir = tempfile::tempdir().unwrap();
+        const SECRET: &str = "a secret for members over losses";
+        let secret = secret_file(dir.path(), SECRET);
+        let offers = format!("cluster.offer_timeout_ms={OFFER_TIMEOUT_MS}");
+        let fetch_by = format!("cluster.fetch={fetch:?}");
+        let m = data_members(&net, &etcd, &secret, PEER_TIMEOUT_MS, &[&offers, &fetch_by]);
+        let all = ["h0", "h1", "h2"];
+        for s in &m {
+            until_view(s, &all, Duration::from_secs(20)).await;
+        }
+        let writer = m[0].client("unix").await;
+        let readers = [m[1].client("unix").await, m[2].client("unix").await];
+        let bound = Duration::from_millis(2 * PEER_TIMEOUT_MS + 1000);
+        // Puts `CHAINS` chains on h0, lets their offers travel, reads each on h1 or h2;
+        // returns the blocks read (each checked) and the slowest lookup and get.
+        let round = |salt: &'static [u8], lossy: bool| {
+            let (writer, readers, m) = (&writer, &readers, &m);
+            async move {
+                let chains: Vec<Vec<BlockKey>> =
+                    (0..CHAINS).map(|c| keys(salt, BLOCKS, c)).collect();
+                for chain in &chains {
+                    put_all(writer, chain).await;
+                }
+                // Without loss every offer must land; over losses, those that do within
+                // two offer timeouts (a lost one is a miss, counted below).
+                let (mut held, mut runs) = (0, 0);
+                for chain in &chains {
+                    let limit = Duration::from_millis(2 * OFFER_TIMEOUT_MS);
+                    let (h, r) = until_runs_held(m, 0, SECRET, chain, limit, !lossy).await;
+                    held += h;
+                    runs += r;
+                }
+                let (mut read, mut slowest) = (0, Duration::ZERO);
+                for (c, chain) in chains.iter().enumerate() {
+                    let reader = &readers[c % 2];
+                    let t0 = Instant::now();
+                    let l = reader.lookup(chain).await;
+                    read += get_verified(reader, &chain[..l.tiers.len()]).await;
+                    let took = t0.elapsed();
+                    assert!(took < bound, "chain {c}: lookup and get took {took:?}");
+                    slowest = slowest.max(took);
+                }
+                println!("{held} of {runs} runs held by their owners");
+                (read, slowest)
+            }
+        };
+        let asked = CHAINS as usize * BLOCKS;
+
+        for i in 0..3 {
+            net.lose(i, LOSS);
+        }
+        let (read, slowest) = round(b"lossy", true).await;
+        let dropped = net.dropped();
+        println!(
+            "over {LOSS} % loss: {read} of {asked} blocks read, every one right; slowest \
+                 call {slowest:?}; {dropped} frames dropped"
+        );
+        // Per member: its remote hits, its offers dropped, and the blocks it read from
+        // its peers one-sided and fetched over the protocol.
+        let mut one_sided = 0;
+        for s in m.iter() {
+            let d = super::cluster_doc(s, "").await;
+            assert_eq!(d["data_path"]["fetch"], fetch, "{d:#}");
+            let by = |what: &str| {
+                let ms = d["members"].as_array().unwrap().iter();
+                ms.map(|p| p["traffic"][what].as_u64().unwrap_or(0))
+                    .sum::<u64>()
+            };
+            one_sided += by("reads");
+            println!(
+                "{}: remote hits {}, offers dropped {}, reads {}, fetches {}",
+                d["node_id"],
+                d["data_path"]["remote_hits"],
+                d["data_path"]["offers_dropped"],
+                by("reads"),
+                by("fetches")
+            );
+        }
+        assert_eq!(
+            one_sided > 0,
+            fetch != "protocol",
+            "one-sided reads: {one_sided}"
+        );
+        assert!(dropped > 0, "the loss rules dropped nothing");
+        assert!(read > 0, "nothing crossed the lossy links");
+
+        for i in 0..3 {
+            net.lose(i, 0);
+        }
+        for s in &m {
+            until_view(s, &all, Duration::from_secs(10)).await;
+        }
+        let (read, slowest) = round(b"healed", false).await;
+        println!("loss ended: {read} of {asked} blocks read; slowest call {slowest:?}");
+        assert_eq!(read, asked, "the healed cluster lost blocks");
+    });
 }
 
 /// A member cut off from etcd alone (its peers still reach it, and it them): the others
