@@ -2,6 +2,7 @@
 //! Unix socket) or one at an address, served through kvtier-client; the server's statistics.
 
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -63,22 +64,58 @@ impl Route {
     }
 }
 
+/// How long a fleet with failover passes over a server that failed a request (as a router
+/// takes a worker out until its health check passes); then it is tried again.
+pub const DOWN_FOR: Duration = Duration::from_secs(1);
+
 /// Several servers behind one [`Backend`]: each request is served whole by one of them.
 pub struct Fleet {
     members: Vec<ClientBackend>,
     route: Route,
     next: AtomicUsize,
+    /// Failover on: until when each member is passed over after a failure.
+    down_until: Option<Vec<Mutex<Option<Instant>>>>,
 }
 
 impl Fleet {
-    /// `members` must not be empty.
+    /// `members` must not be empty. Without failover, a request the picked server fails
+    /// stops the replay.
     pub fn new(members: Vec<ClientBackend>, route: Route) -> Self {
         assert!(!members.is_empty(), "a fleet of no servers");
         Self {
             members,
             route,
             next: AtomicUsize::new(0),
+            down_until: None,
         }
+    }
+
+    /// With `on`, a request whose server fails it (gone, refusing, timing out) is served by
+    /// the next server instead, as a router retries on the next worker, and the failed one
+    /// is passed over for [`DOWN_FOR`]; the replay stops only when every server fails one
+    /// request.
+    pub fn failover(mut self, on: bool) -> Self {
+        self.down_until = on.then(|| self.members.iter().map(|_| Mutex::new(None)).collect());
+        self
+    }
+
+    /// The members to try for a request picked for `first`: it, then the others in turn,
+    /// those passed over now left out (unless every one is).
+    fn attempts(&self, first: usize, down: &[Mutex<Option<Instant>>]) -> Vec<usize> {
+        let n = self.members.len();
+        let order: Vec<usize> = (0..n).map(|a| (first + a) % n).collect();
+        let now = Instant::now();
+        let up: Vec<usize> = order
+            .iter()
+            .copied()
+            .filter(|&i| {
+                !down[i]
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .is_some_and(|t| now < t)
+            })
+            .collect();
+        if up.is_empty() { order } else { up }
     }
 
     /// The member that serves a request for `keys`.
@@ -102,8 +139,30 @@ impl Fleet {
 
 impl Backend for Fleet {
     async fn serve(&self, keys: Vec<BlockKey>, blocks_to_store: usize) -> Result<Served> {
-        let i = self.pick(&keys);
-        self.members[i].serve(keys, blocks_to_store).await
+        let first = self.pick(&keys);
+        let Some(down) = &self.down_until else {
+            return self.members[first].serve(keys, blocks_to_store).await;
+        };
+        let mut errors = 0;
+        let mut last = None;
+        for i in self.attempts(first, down) {
+            match self.members[i].serve(keys.clone(), blocks_to_store).await {
+                Ok(mut s) => {
+                    s.rerouted = i != first;
+                    s.server_errors = errors;
+                    return Ok(s);
+                }
+                Err(e) => {
+                    *down[i].lock().unwrap_or_else(|p| p.into_inner()) =
+                        Some(Instant::now() + DOWN_FOR);
+                    errors += 1;
+                    last = Some(e.context(format!("server {i}")));
+                }
+            }
+        }
+        Err(last
+            .expect("a fleet has a member")
+            .context("every server of the fleet failed the request"))
     }
 
     /// To the session's member; under round robin, where the next request goes is not
@@ -120,9 +179,16 @@ impl Backend for Fleet {
         };
         let mut accepted = false;
         for i in members {
-            accepted |= self.members[i]
+            match self.members[i]
                 .retain(session, keys.clone(), expected_return)
-                .await?;
+                .await
+            {
+                Ok(a) => accepted |= a,
+                // With failover, a server that is down misses the hint, as it would the
+                // request.
+                Err(_) if self.down_until.is_some() => {}
+                Err(e) => return Err(e),
+            }
         }
         Ok(accepted)
     }

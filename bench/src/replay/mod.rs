@@ -152,6 +152,16 @@ pub struct ReplayArgs {
     /// three think times). Scaled by the speedup; none are sent to Mooncake requests.
     #[arg(long, value_enum, default_value = "none")]
     pub hints: schedule::HintSource,
+    /// A fleet serves a request its server fails (gone, refusing, timing out) on the next
+    /// server, as a router would, and passes the failed one over for a second; counted as
+    /// rerouted. Without it such a request stops the replay.
+    #[arg(long)]
+    pub failover: bool,
+    /// Also report the hit rate in windows of this many seconds of wall time (by when each
+    /// request began), with the requests rerouted and the corrupt blocks in each: the dip
+    /// and recovery around a fault.
+    #[arg(long, value_name = "SECONDS", value_parser = positive_seconds)]
+    pub window_s: Option<f64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -164,6 +174,13 @@ fn parse_speedup(s: &str) -> Result<Speedup, String> {
     match s.parse::<f64>() {
         Ok(v) if v.is_finite() && v > 0.0 => Ok(Speedup(Some(v))),
         _ => Err(format!("{s:?}: expected a positive number or \"max\"")),
+    }
+}
+
+fn positive_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.01 => Ok(v),
+        _ => Err(format!("{s:?}: expected seconds, at least 0.01")),
     }
 }
 
@@ -279,6 +296,47 @@ pub struct ReplayReport {
     pub ttft: Option<Ttft>,
     /// Cumulative hit rate after each share of the requests: (requests, hit rate).
     pub timeline: Vec<(u64, f64)>,
+    /// With `--window-s`: the requests that began in each window of wall time.
+    pub windows: Vec<Window>,
+}
+
+/// The requests that began in one window of wall time.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Window {
+    /// Since the replay began, seconds.
+    pub start_s: f64,
+    pub requests: u64,
+    pub blocks: u64,
+    pub hit_blocks: u64,
+    pub hit_rate: f64,
+    /// Requests served elsewhere than their route picked (`--failover`).
+    pub rerouted: u64,
+    pub corrupt_blocks: u64,
+}
+
+/// `records` in windows of `w` seconds by when each began, every window up to the last one
+/// that has a request (empty ones included, so a stall shows).
+pub fn windows(records: &[Record], w: f64) -> Vec<Window> {
+    let mut out: Vec<Window> = Vec::new();
+    for r in records {
+        let i = (r.start.as_secs_f64() / w) as usize;
+        while out.len() <= i {
+            out.push(Window {
+                start_s: out.len() as f64 * w,
+                ..Window::default()
+            });
+        }
+        let x = &mut out[i];
+        x.requests += 1;
+        x.blocks += r.ids.len() as u64;
+        x.hit_blocks += r.served.hit_blocks as u64;
+        x.rerouted += u64::from(r.served.rerouted);
+        x.corrupt_blocks += r.served.corrupt_blocks as u64;
+    }
+    for x in &mut out {
+        x.hit_rate = x.hit_blocks as f64 / x.blocks.max(1) as f64;
+    }
+    out
 }
 
 #[derive(Serialize)]
@@ -314,6 +372,10 @@ pub struct Overall {
     pub corrupt_blocks: u64,
     /// Blocks a lookup reported but the load did not deliver.
     pub lost_between_lookup_and_load: u64,
+    /// A fleet with `--failover`: requests served elsewhere than their route picked, and
+    /// the servers' failures behind them.
+    pub rerouted_requests: u64,
+    pub server_errors: u64,
     /// Lookups whose prefix the server held until the load, and lookups it refused a hold
     /// (its hold budget spent), from the server's statistics.
     pub lookup_holds: u64,
@@ -589,13 +651,16 @@ async fn replay_against(
         seed,
         hints: a.hints,
     };
-    let backend = Arc::new(Fleet::new(
-        clients
-            .iter()
-            .map(|c| ClientBackend::new(c.clone(), a.lookup_only))
-            .collect::<Result<_>>()?,
-        a.route,
-    ));
+    let backend = Arc::new(
+        Fleet::new(
+            clients
+                .iter()
+                .map(|c| ClientBackend::new(c.clone(), a.lookup_only))
+                .collect::<Result<_>>()?,
+            a.route,
+        )
+        .failover(a.failover),
+    );
     let (total, trace_name, format) = match work {
         Workload::Mooncake(t) => (
             t.requests.len() as u64,
@@ -682,6 +747,8 @@ async fn replay_against(
             s.lookup_blocks
                 .saturating_sub(s.hit_blocks + s.corrupt_blocks) as u64;
         o.busy_answers += s.busy as u64;
+        o.rerouted_requests += u64::from(s.rerouted);
+        o.server_errors += s.server_errors as u64;
         for t in &s.tiers {
             if let Some(c) = tier_hits.get_mut(usize::from(*t)) {
                 *c += 1;
@@ -844,6 +911,7 @@ async fn replay_against(
         policies,
         ttft,
         timeline,
+        windows: a.window_s.map_or_else(Vec::new, |w| windows(&records, w)),
     })
 }
 
@@ -976,6 +1044,10 @@ impl Report for ReplayReport {
             ),
             ("busy answers", o.busy_answers.to_string()),
             (
+                "requests rerouted (failover) / server failures",
+                format!("{} / {}", o.rerouted_requests, o.server_errors),
+            ),
+            (
                 "MiB loaded / stored",
                 format!("{} / {}", mib(o.bytes_loaded), mib(o.bytes_stored)),
             ),
@@ -1080,6 +1152,30 @@ impl Report for ReplayReport {
             ]);
             out.push(tt);
         }
+        if !self.windows.is_empty() {
+            let mut w = Table::new(
+                "by window of wall time (requests by when they began)",
+                &[
+                    "from s",
+                    "requests",
+                    "blocks",
+                    "hit %",
+                    "rerouted",
+                    "corrupt blocks",
+                ],
+            );
+            for x in &self.windows {
+                w.row([
+                    format!("{:.1}", x.start_s),
+                    x.requests.to_string(),
+                    x.blocks.to_string(),
+                    pct(x.hit_rate),
+                    x.rerouted.to_string(),
+                    x.corrupt_blocks.to_string(),
+                ]);
+            }
+            out.push(w);
+        }
         out
     }
 
@@ -1137,6 +1233,8 @@ mod tests {
     use super::*;
     use clap::Parser;
     use kvtier_client::Client;
+    use schedule::{Backend, Served};
+    use std::time::Duration;
 
     #[derive(Parser)]
     struct Cli {
@@ -1229,6 +1327,95 @@ mod tests {
                 r.unwrap()
             })
         })
+    }
+
+    /// A fleet of two servers, the first stopped after the fleet connected: without
+    /// failover the request its route picks for the stopped one fails; with it, the request
+    /// is served (and its blocks stored) by the other, counted as rerouted, and while the
+    /// stopped one is passed over the next request goes straight to the other.
+    #[test]
+    fn a_fleet_with_failover_serves_what_a_stopped_server_fails_on_the_next() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = mooncake_file(dir.path());
+        let a = args(&["--trace", p.to_str().unwrap()]);
+        within(60, move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async move {
+                let (layout, _) = layout_for(&a, 512).unwrap();
+                let (first, second) = (small_server(layout).await, small_server(layout).await);
+                let mut clients = Vec::new();
+                for e in [&first, &second] {
+                    clients.push(backend::connect(&e.url, None, None, false).await.unwrap());
+                }
+                let fleet = |on: bool| {
+                    Fleet::new(
+                        clients
+                            .iter()
+                            .map(|c| ClientBackend::new(c.clone(), false).unwrap())
+                            .collect(),
+                        backend::Route::RoundRobin,
+                    )
+                    .failover(on)
+                };
+                first.stop().await;
+                let keys: Vec<_> = (0..4).map(|i| payload::block_key(7, 1, i)).collect();
+
+                // Round robin picks the stopped server first.
+                let err = fleet(false).serve(keys.clone(), 4).await.unwrap_err();
+                assert!(format!("{err:#}").contains("lookup"), "{err:#}");
+
+                let f = fleet(true);
+                let s = f.serve(keys.clone(), 4).await.unwrap();
+                assert!(s.rerouted);
+                assert_eq!(s.server_errors, 1);
+                assert_eq!(s.stored_blocks, 4);
+                // Picked for the stopped one again: passed over, no second failure.
+                let _ = f.serve(keys.clone(), 4).await.unwrap();
+                let s = f.serve(keys.clone(), 4).await.unwrap();
+                assert!(s.rerouted);
+                assert_eq!(s.server_errors, 0);
+                assert_eq!(s.hit_blocks, 4, "stored by the first reroute, read back");
+                second.stop().await;
+            })
+        });
+    }
+
+    #[test]
+    fn windows_count_the_requests_that_began_in_each() {
+        let rec = |start_ms: u64, blocks: usize, hits: usize, rerouted: bool| Record {
+            seq: 0,
+            scope: 0,
+            ids: vec![0; blocks],
+            blocks_to_store: blocks,
+            input_tokens: 0,
+            due: Duration::ZERO,
+            start: Duration::from_millis(start_ms),
+            finish: Duration::from_millis(start_ms),
+            model_due_s: 0.0,
+            served: Served {
+                hit_blocks: hits,
+                rerouted,
+                ..Served::default()
+            },
+        };
+        let w = windows(
+            &[
+                rec(100, 4, 2, false),
+                rec(900, 4, 4, true),
+                rec(3_200, 10, 1, false),
+            ],
+            1.0,
+        );
+        assert_eq!(w.len(), 4, "the empty windows between are kept: {w:?}");
+        assert_eq!((w[0].requests, w[0].blocks, w[0].hit_blocks), (2, 8, 6));
+        assert_eq!(w[0].rerouted, 1);
+        assert!((w[0].hit_rate - 0.75).abs() < 1e-9);
+        assert_eq!((w[1].requests, w[2].requests), (0, 0));
+        assert_eq!(w[2].start_s, 2.0);
+        assert!((w[3].hit_rate - 0.1).abs() < 1e-9);
+        assert!(windows(&[], 1.0).is_empty());
+        assert!(positive_seconds("0").is_err() && positive_seconds("nan").is_err());
+        assert_eq!(positive_seconds("2.5"), Ok(2.5));
     }
 
     #[test]

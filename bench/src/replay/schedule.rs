@@ -52,6 +52,11 @@ pub struct Served {
     pub load_s: f64,
     /// Seconds spent storing the missed blocks.
     pub store_s: f64,
+    /// A fleet with failover served it elsewhere than its route picked (the pick was down
+    /// or failed it).
+    pub rerouted: bool,
+    /// Servers of a fleet with failover that failed it before one served it.
+    pub server_errors: usize,
 }
 
 /// Where retention hints come from (Claude Code sessions; Mooncake requests carry no
