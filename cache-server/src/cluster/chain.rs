@@ -61,6 +61,51 @@ pub fn plan(
     out
 }
 
+/// Where a lookup looks for a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ask<'a> {
+    /// In this node's own store.
+    Here,
+    /// Of this owner.
+    Peer(&'a str),
+}
+
+/// Where a lookup on node `me` looks for a run of `owners` (placement rank, best first;
+/// `None`: no owners). A member that joined within the warm-up (just started, or
+/// restarted empty) holds only what was offered to it since; the owners that were there
+/// before it hold the run from before, so they are asked first: an owner is *settled*
+/// once past the warm-up.
+///
+/// * `me` among the owners and settled: here (the run is here or nowhere).
+/// * `me` among the owners but new: the best other owner that is settled and `usable` (the
+///   peer pool has not seen it fail lately); none: here.
+/// * Otherwise the best owner that is usable and settled; else the best usable one (with
+///   replicas, a dead or hung owner's runs go to the next); all suspect: the best.
+pub fn owner_to_ask<'a>(
+    owners: &[&'a str],
+    me: &str,
+    usable: impl Fn(&str) -> bool,
+    settled: impl Fn(&str) -> bool,
+) -> Option<Ask<'a>> {
+    if owners.contains(&me) {
+        if settled(me) {
+            return Some(Ask::Here);
+        }
+        return Some(
+            owners
+                .iter()
+                .find(|o| **o != me && usable(o) && settled(o))
+                .map_or(Ask::Here, |o| Ask::Peer(o)),
+        );
+    }
+    owners
+        .iter()
+        .find(|o| usable(o) && settled(o))
+        .or_else(|| owners.iter().find(|o| usable(o)))
+        .or(owners.first())
+        .map(|o| Ask::Peer(o))
+}
+
 /// How many blocks from the first run's start are present, in chain order, given each
 /// owner's answer: `present[o]` is the length of the cached prefix of the key list sent to
 /// owner `o` (`None`: it did not answer in time, or failed: nothing). The prefix extends
@@ -178,6 +223,36 @@ mod tests {
 
     fn k(n: u128) -> BlockKey {
         BlockKey::from_u128(n)
+    }
+
+    #[test]
+    fn a_run_is_asked_of_the_best_usable_settled_owner() {
+        let ask = |owners: &[&'static str], usable: &[&str], settled: &[&str]| {
+            owner_to_ask(
+                owners,
+                "me",
+                |o| usable.contains(&o),
+                |o| settled.contains(&o),
+            )
+        };
+        let (ab, all) = (["a", "b"], ["a", "b", "me"]);
+        assert_eq!(ask(&ab, &all, &all), Some(Ask::Peer("a")));
+        // The best owner restarted a moment ago: the next, which was there before.
+        assert_eq!(ask(&ab, &all, &["b"]), Some(Ask::Peer("b")));
+        // ... unless that one is suspect: then the new one, still usable.
+        assert_eq!(ask(&ab, &["a"], &["b"]), Some(Ask::Peer("a")));
+        // Everyone new (a cluster that just started): by rank.
+        assert_eq!(ask(&ab, &all, &[]), Some(Ask::Peer("a")));
+        // Everyone suspect: the best.
+        assert_eq!(ask(&ab, &[], &all), Some(Ask::Peer("a")));
+        assert_eq!(ask(&[], &all, &all), None);
+        // This node owns the run: here, unless it is new itself and another owner was
+        // there before it (and answers).
+        assert_eq!(ask(&["b", "me"], &all, &all), Some(Ask::Here));
+        assert_eq!(ask(&["me", "b"], &all, &["a", "b"]), Some(Ask::Peer("b")));
+        assert_eq!(ask(&["me", "b"], &["me"], &["b"]), Some(Ask::Here));
+        assert_eq!(ask(&["me", "b"], &all, &[]), Some(Ask::Here));
+        assert_eq!(ask(&["me"], &all, &["a"]), Some(Ask::Here));
     }
 
     /// Runs of `run` blocks from position 0 (no head).

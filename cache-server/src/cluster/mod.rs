@@ -68,6 +68,8 @@ pub struct ClusterSettings {
     pub offer_timeout: Duration,
     /// Put blocks queued for offers, at most.
     pub offer_queue_blocks: usize,
+    /// How long a member that joined is passed over for owners that were there before it.
+    pub warmup: Duration,
     /// Copies of blocks other members own are marked as guests (evicted first).
     pub guests_first: bool,
 }
@@ -295,6 +297,7 @@ impl ClusterNode {
                         "peer_timeout_ms": s.peer_timeout.as_millis() as u64,
                         "offer_timeout_ms": s.offer_timeout.as_millis() as u64,
                         "offer_queue_blocks": s.offer_queue_blocks,
+                        "warmup_s": s.warmup.as_secs(),
                         "guests_first": s.guests_first,
                         "remote_hits": self.metrics.remote_hits.get(),
                         "offers_dropped": {

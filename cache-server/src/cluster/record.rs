@@ -68,7 +68,10 @@ pub struct MemberRecord {
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub worker_endpoint: String,
     pub tiers: Vec<TierCapacity>,
-    /// Set when it registered (informational; never used for ordering).
+    /// When its process started (its own clock), in every registration of that process:
+    /// with replicas, a member that started within `cluster.warmup_s` is asked for a run
+    /// only when no owner that started before is usable (`chain::owner_to_ask`). 0 (records
+    /// of servers older than that use): taken as long started.
     pub registered_unix_ms: u64,
     /// Its placement rule; absent in records of servers older than the field (their rule
     /// is then unknown, not assumed).

@@ -1362,8 +1362,9 @@ impl Job {
                     && let Some(rm) = s.remote.get()
                 {
                     let client = client_keys.as_deref().unwrap_or(&k.keys);
-                    let fetched = rm.extend_lookup(&s, ns, client, &k.keys, tiers.len()).await;
-                    if !fetched.is_empty() {
+                    let (fetched, guests) =
+                        rm.extend_lookup(&s, ns, client, &k.keys, tiers.len()).await;
+                    if fetched > 0 {
                         // The local prefix stayed held meanwhile (its blocks are the
                         // fetched ones' parents); the new hold covers it, so let it go.
                         let first = hold;
@@ -1373,7 +1374,7 @@ impl Job {
                         }
                         // Their owners keep the cluster's copies: evicted first here, once
                         // this request has loaded them (the hold protects them until then).
-                        rm.guests(&s, &fetched);
+                        rm.guests(&s, &guests);
                     }
                 }
                 if let Some(rm) = s.remote.get() {

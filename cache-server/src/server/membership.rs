@@ -86,6 +86,7 @@ pub(crate) fn node(
         peer_timeout: Duration::from_millis(s.peer_timeout_ms),
         offer_timeout: Duration::from_millis(s.offer_timeout_ms),
         offer_queue_blocks: s.offer_queue_blocks,
+        warmup: Duration::from_secs(s.warmup_s),
         guests_first: s.guests_first,
     };
     Ok(Some(Arc::new(ClusterNode::new(settings, record, metrics))))

@@ -35,7 +35,7 @@ use super::conn::{INLINE_SUM_BYTES, admit, reserve_waiting};
 use super::reads::Reads;
 use super::tenants::Ns;
 use crate::cluster::ClusterNode;
-use crate::cluster::chain::{self, ChainIndex, RunAsk};
+use crate::cluster::chain::{self, Ask, ChainIndex, RunAsk};
 use crate::cluster::peers::{self, PeerAddr, PeerFailure, PeerPool};
 use crate::store::Reservation;
 
@@ -136,9 +136,10 @@ impl Remote {
 
     /// Extends a lookup of `keys` (internal keys; `client_keys` as the client sent them, in
     /// namespace `ns`) whose first `local` blocks are here: asks the owners of the rest,
-    /// fetches what they hold, verifies it and stores it here in chain order. Returns the
-    /// keys of the blocks it stored (the prefix is now `local` + that many, unless evicted
-    /// meanwhile): guests, which the caller marks once its lookup holds them.
+    /// fetches what they hold, verifies it and stores it here in chain order. Returns how
+    /// many blocks it stored (the prefix is now `local` + that many, unless evicted
+    /// meanwhile) and the keys of those this node does not own: guests, which the caller
+    /// marks once its lookup holds them.
     /// Bounded: two rounds of requests, each within `cluster.peer_timeout_ms`.
     pub async fn extend_lookup(
         &self,
@@ -147,15 +148,23 @@ impl Remote {
         client_keys: &[BlockKey],
         keys: &[BlockKey],
         local: usize,
-    ) -> Vec<BlockKey> {
+    ) -> (usize, Vec<BlockKey>) {
         if local >= keys.len() {
-            return Vec::new();
+            return (0, Vec::new());
         }
         self.prune();
         let me = self.node.record.node_id.clone();
         let cut = self.node.settings.runs();
+        // A member's record says when its process started (its own clock: skew between
+        // members is small against the warm-up).
+        let warmup_ms = self.node.settings.warmup.as_millis() as u64;
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
         // Plan under the view's lock: one owner per run, by index into `peers`; index 0 is
         // this node, for the runs it owns (they are here or nowhere: it is not asked).
+        // Per run, in order: whether this node is among its owners.
+        let mut mine = Vec::new();
         let (runs, peers) = self.node.with_view(|v| {
             let mut peers = vec![PeerAddr {
                 id: me.clone(),
@@ -163,15 +172,23 @@ impl Remote {
             }];
             let runs = chain::plan(keys.len(), local, cut, |anchor| {
                 let owners = v.placement().owners(&keys[anchor]);
-                if owners.contains(&me.as_str()) {
+                mine.push(owners.contains(&me.as_str()));
+                let ask = chain::owner_to_ask(
+                    &owners,
+                    &me,
+                    |o| self.pool.usable(o),
+                    |o| {
+                        let started = match v.members().get(o) {
+                            Some(m) => m.record.registered_unix_ms,
+                            None if o == me => self.node.record.registered_unix_ms,
+                            None => 0,
+                        };
+                        now_ms.saturating_sub(started) >= warmup_ms
+                    },
+                )?;
+                let Ask::Peer(id) = ask else {
                     return Some(SELF);
-                }
-                // The best owner the pool has not seen fail lately (with replicas, a dead
-                // or hung owner's runs go to the next one); all suspect: the best.
-                let id = *owners
-                    .iter()
-                    .find(|o| self.pool.usable(o))
-                    .or(owners.first())?;
+                };
                 if let Some(i) = peers.iter().position(|p| p.id == id) {
                     return Some(i);
                 }
@@ -181,7 +198,7 @@ impl Remote {
             (runs, peers)
         });
         if peers.len() == 1 {
-            return Vec::new(); // every run is this node's own
+            return (0, Vec::new()); // every run is this node's own
         }
         // At most FETCH_BYTES_PER_LOOKUP of blocks come in for one lookup (they are held in
         // memory until stored): a longer remote prefix is served in part, the rest by the
@@ -224,7 +241,7 @@ impl Remote {
         let found = chain::combine(&runs, &present).min(cap);
         if found == 0 {
             self.release_all(&peers, &mut located);
-            return Vec::new();
+            return (0, Vec::new());
         }
         // Round 2: reserve slots here for the found blocks, in chain order; fetch each
         // owner's blocks straight into its slots, all owners in parallel; verify; commit in
@@ -299,15 +316,22 @@ impl Remote {
         }
         self.release_all(&peers, &mut located);
         // Commit in chain order up to the first block that did not come (or check out); the
-        // reservations after it are dropped, which frees their slots.
+        // reservations after it are dropped, which frees their slots. Blocks of runs this
+        // node owns (fetched from an owner that was there before it) are its own, not
+        // guests.
+        let own = |p: usize| {
+            runs.iter()
+                .zip(&mine)
+                .any(|(r, m)| *m && (r.start..r.start + r.len).contains(&p))
+        };
         let mut stored = Vec::new();
         for (p, slot) in (local..end).zip(slots) {
             match slot {
                 Some(Slot::Own) => continue, // here already
-                Some(Slot::Present) => stored.push(keys[p]),
+                Some(Slot::Present) => stored.push(p),
                 Some(Slot::Filled(res)) => match res.commit() {
                     Ok(crate::PutOutcome::Stored(_) | crate::PutOutcome::AlreadyPresent) => {
-                        stored.push(keys[p])
+                        stored.push(p)
                     }
                     _ => break,
                 },
@@ -315,7 +339,7 @@ impl Remote {
                 Some(Slot::Reserved(_)) | None => break,
             }
         }
-        self.stored(stored)
+        self.stored(stored.into_iter().map(|p| (keys[p], own(p))))
     }
 
     /// How long an owner keeps blocks it located for this node: the reads that follow are
@@ -396,9 +420,17 @@ impl Remote {
         }
     }
 
-    fn stored(&self, keys: Vec<BlockKey>) -> Vec<BlockKey> {
-        self.node.metrics.remote_hits.inc_by(keys.len() as u64);
-        keys
+    /// Counts the blocks a lookup stored here as remote hits; returns the keys of those
+    /// this node does not own (`(key, own)`): its guests.
+    fn stored(&self, blocks: impl Iterator<Item = (BlockKey, bool)>) -> (usize, Vec<BlockKey>) {
+        let mut hits = 0;
+        let guests = blocks
+            .inspect(|_| hits += 1)
+            .filter(|(_, own)| !own)
+            .map(|(k, _)| k)
+            .collect();
+        self.node.metrics.remote_hits.inc_by(hits as u64);
+        (hits, guests)
     }
 
     /// A client's lookup of `keys` (a chain from its first block, internal keys) found the

@@ -1051,3 +1051,124 @@ async fn with_two_replicas_a_hung_owners_runs_come_from_the_other() {
     })
     .await;
 }
+
+/// With two owners a block, a member restarted empty (no NVMe) is passed over for its runs
+/// while it warms up (`cluster.warmup_s`): the first lookup on another member, and one on
+/// the restarted member itself, find the whole chain at the co-owner that was there before
+/// it, byte-exact. The control, `cluster.warmup_s=0` (owners by placement rank alone), is
+/// the same steps: both lookups stop short at the restarted owner's runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_two_replicas_a_restarted_owner_is_passed_over_while_it_warms_up() {
+    bounded(180, async {
+        let with = restarted_owner_lookups(WARMUP_S).await;
+        let without = restarted_owner_lookups(0).await;
+        println!("lookups found (on another member, on the restarted one): warm-up {with:?}, none {without:?}");
+        let (len, on_other, on_restarted) = with;
+        assert_eq!((on_other, on_restarted), (len, len), "with the warm-up");
+        let (len, on_other, on_restarted) = without;
+        assert!(
+            on_other < len && on_restarted < len,
+            "by rank alone the restarted owner is asked (or looks in its own store) and \
+             has nothing: {without:?}"
+        );
+    })
+    .await;
+}
+
+/// `cluster.warmup_s` of [`restarted_owner_lookups`]: the members are past it before one
+/// restarts, and the lookups after the restart come well within it.
+const WARMUP_S: u64 = 6;
+
+/// Members a, b, c (two replicas, no NVMe, `cluster.warmup_s=warmup_s`) past [`WARMUP_S`];
+/// a chain put on a and held by all its owners; the first owner `x` of a run b does not own
+/// restarted (SIGTERM, then started again empty). Returns the chain's length and what a
+/// lookup on b, then one on `x`, found (each verified byte for byte where whole).
+async fn restarted_owner_lookups(warmup_s: u64) -> (usize, usize, usize) {
+    let warmup = format!("cluster.warmup_s={warmup_s}");
+    let extra = [
+        "cluster.run_blocks=8",
+        "cluster.head_blocks=0",
+        "cluster.peer_timeout_ms=300",
+        "cluster.replicas=2",
+        "store.nvme_dir=\"\"",
+        warmup.as_str(),
+    ];
+    let mut fleet = Fleet::start(&["a", "b", "c"], 5, &extra).await;
+    // Every member has registered (its record's start time is behind this).
+    let registered_by = Instant::now();
+    let chain_owners = {
+        let [a, _, _] = &fleet.members[..] else {
+            unreachable!()
+        };
+        let mut found = None;
+        for seed in 1..50 {
+            let chain = keys(b"warm-up", 48, seed);
+            let owners = all_owners(a, &chain).await;
+            if owners.iter().any(|o| !o.contains(&"b".to_string())) {
+                found = Some((chain, owners));
+                break;
+            }
+        }
+        found.expect("a chain with a run b does not own")
+    };
+    let (chain, owners) = chain_owners;
+    put_all(&fleet.members[0].client("tcp").await, &chain).await;
+    let t0 = Instant::now();
+    for (r, run) in chain.chunks(RUN).enumerate() {
+        for o in owners[r].iter().filter(|o| *o != "a") {
+            let i = ["a", "b", "c"].iter().position(|id| id == o).unwrap();
+            let p = peer(&fleet.members[i]).await;
+            while p.lookup(run).await.tiers.len() < run.len() {
+                assert!(t0.elapsed() < Duration::from_secs(10), "run {r} not at {o}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    let r = owners
+        .iter()
+        .position(|o| !o.contains(&"b".to_string()))
+        .unwrap();
+    let x = ["a", "b", "c"]
+        .iter()
+        .position(|id| *id == owners[r][0])
+        .unwrap();
+    // Every member past the warm-up before x restarts.
+    let settled = Duration::from_secs(WARMUP_S) + Duration::from_millis(300);
+    tokio::time::sleep(settled.saturating_sub(registered_by.elapsed())).await;
+    let old = fleet.members.remove(x);
+    let restarted_at = Instant::now();
+    fleet.members.insert(x, old.restart());
+    // Every view holds x's new record (not the one its stopped process left).
+    let registered = |d: &serde_json::Value, id: &str| {
+        let ms = d["members"].as_array().unwrap().iter();
+        ms.filter(|m| m["node_id"] == id)
+            .map(|m| m["registered_unix_ms"].as_u64().unwrap())
+            .next()
+    };
+    let id = ["a", "b", "c"][x];
+    until_view(&fleet.members[x], &["a", "b", "c"], Duration::from_secs(15)).await;
+    let new = registered(&cluster_doc(&fleet.members[x], "").await, id);
+    for s in &fleet.members {
+        until_view(s, &["a", "b", "c"], Duration::from_secs(15)).await;
+        while registered(&cluster_doc(s, "").await, id) != new {
+            assert!(restarted_at.elapsed() < Duration::from_secs(WARMUP_S));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let b = &fleet.members[1];
+    let on_b = b.client("tcp").await;
+    let found_on_b = on_b.lookup(&chain).await.tiers.len();
+    let on_x = fleet.members[x].client("tcp").await;
+    let found_on_x = on_x.lookup(&chain).await.tiers.len();
+    assert!(
+        restarted_at.elapsed() < Duration::from_secs(WARMUP_S),
+        "the lookups came {:?} after the restart, past the warm-up: slow machine?",
+        restarted_at.elapsed()
+    );
+    for (c, n) in [(&on_b, found_on_b), (&on_x, found_on_x)] {
+        if n == chain.len() {
+            assert_eq!(get_verified(c, &chain).await, chain.len());
+        }
+    }
+    (chain.len(), found_on_b, found_on_x)
+}
