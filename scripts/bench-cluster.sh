@@ -3,6 +3,7 @@
 #
 #   scripts/bench-cluster.sh [--nodes N] [--trace PATH] [--total-tokens T] [--route R]
 #                            [--out DIR] [--cluster-set KEY=VALUE ...] [--lookup-blocks B]
+#                            [--kill N:AT:DOWN [--window-s W]]
 #                            [-- extra kvtier-bench replay (or lookup) flags]
 #
 # Starts an etcd on loopback, then twice N kvtier-servers (release build, feature `cluster`)
@@ -16,6 +17,15 @@
 # --cluster-set passes a setting to the cluster's members only (e.g. cluster.guests_first=false).
 # --lookup-blocks B: no replay; on the cluster fleet only, `kvtier-bench lookup --server ...`
 # times lookups of B-block chains put on one member, from the others (docs/benchmarks.md).
+# --kill N:AT:DOWN: a node killed mid-replay. No islands; the cluster fleet twice, each from
+# a fresh start, with the same requests: `control` untouched, and `killed`, where member N
+# (1..nodes) gets SIGKILL AT seconds after its replay began and is started again (empty:
+# no NVMe here) DOWN seconds later. Both replays run with --failover (a request its member
+# fails goes to the next, as a router would) and --window-s W (default 2); prints the hit
+# rate of each window of both runs, of the spans before the kill, while the node is down,
+# the first 10 s after its restart and the rest, the dip, the first window from the restart
+# on within 5 points of the control's, and the wrong bytes (corrupt blocks; must be 0).
+# Make AT and DOWN multiples of W, so no window straddles the kill or the restart.
 #
 # Defaults: 3 nodes, the Claude Code samples, 1m tokens in all, round robin.
 set -euo pipefail
@@ -29,6 +39,8 @@ out=""
 extra=()
 cluster_sets=()
 lookup_blocks=""
+kill_spec=""
+window_s=2
 while [ $# -gt 0 ]; do
     case "$1" in
         --nodes) nodes=$2; shift 2 ;;
@@ -38,8 +50,10 @@ while [ $# -gt 0 ]; do
         --out) out=$2; shift 2 ;;
         --cluster-set) cluster_sets+=(--set "$2"); shift 2 ;;
         --lookup-blocks) lookup_blocks=$2; shift 2 ;;
+        --kill) kill_spec=$2; shift 2 ;;
+        --window-s) window_s=$2; shift 2 ;;
         --) shift; extra=("$@"); break ;;
-        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
         *) echo "bench-cluster: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -48,6 +62,19 @@ if [ "$nodes" -lt 1 ] || [ "$nodes" -gt 16 ]; then
     echo "bench-cluster: --nodes must be 1..16" >&2; exit 2
 fi
 [ -e "$trace" ] || { echo "bench-cluster: no trace at $trace" >&2; exit 2; }
+if [ -n "$kill_spec" ]; then
+    IFS=: read -r kill_node kill_at kill_down <<< "$kill_spec"
+    for v in "$kill_node" "$kill_at" "$kill_down"; do
+        case "$v" in ''|*[!0-9]*)
+            echo "bench-cluster: --kill wants N:AT:DOWN, whole numbers (node, seconds, seconds)" >&2
+            exit 2 ;;
+        esac
+    done
+    if [ "$kill_node" -lt 1 ] || [ "$kill_node" -gt "$nodes" ]; then
+        echo "bench-cluster: --kill: node $kill_node is not one of 1..$nodes" >&2; exit 2
+    fi
+    [ -z "$lookup_blocks" ] || { echo "bench-cluster: --kill and --lookup-blocks exclude each other" >&2; exit 2; }
+fi
 etcd_bin=${ETCD_BIN:-$(command -v etcd || true)}
 [ -n "$etcd_bin" ] || { echo "bench-cluster: no etcd (install it with .ci/install-deps)" >&2; exit 2; }
 
@@ -97,33 +124,40 @@ token=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
 head -c 32 /dev/urandom | base64 > "$work/secret"
 chmod 600 "$work/secret"
 
-start_fleet() { # $1: islands | cluster
-    local mode=$1 n urls=()
-    for n in $(seq 1 "$nodes"); do
-        local tcp=$(( port_base + n * 2 )) admin=$(( port_base + n * 2 + 1 ))
-        local run="$work/$mode-n$n"
-        mkdir -p "$run" && chmod 700 "$run"
-        local sets=(
-            --set "server.runtime_dir=\"$run\"" --set 'server.unix="off"'
-            --set "server.tcp=\"127.0.0.1:$tcp\"" --set 'server.quic="off"'
-            --set 'server.tls="off"' --set "server.admin=\"127.0.0.1:$admin\""
-            --set "server.token=\"$token\""
-            --set "store.dram_bytes=$(( node_blocks * slot ))" --set 'store.nvme_dir=""'
-            --set 'store.dram_prefault=false'
-            --set layout.layers=1 --set layout.kv_heads=1 --set layout.head_dim=4
-            --set 'layout.dtype="bf16"' --set "layout.block_tokens=$block_tokens"
+declare -A node_pid
+start_node() { # $1: islands | cluster, $2: the run's name (logs), $3: the node
+    local mode=$1 name=$2 n=$3
+    local tcp=$(( port_base + n * 2 )) admin=$(( port_base + n * 2 + 1 ))
+    local run="$work/$name-n$n"
+    mkdir -p "$run" && chmod 700 "$run"
+    local sets=(
+        --set "server.runtime_dir=\"$run\"" --set 'server.unix="off"'
+        --set "server.tcp=\"127.0.0.1:$tcp\"" --set 'server.quic="off"'
+        --set 'server.tls="off"' --set "server.admin=\"127.0.0.1:$admin\""
+        --set "server.token=\"$token\""
+        --set "store.dram_bytes=$(( node_blocks * slot ))" --set 'store.nvme_dir=""'
+        --set 'store.dram_prefault=false'
+        --set layout.layers=1 --set layout.kv_heads=1 --set layout.head_dim=4
+        --set 'layout.dtype="bf16"' --set "layout.block_tokens=$block_tokens"
+    )
+    if [ "$mode" = cluster ]; then
+        sets+=(
+            --set "cluster.etcd_endpoints=\"http://127.0.0.1:$etcd_port\""
+            --set "cluster.node_id=\"n$n\"" --set "cluster.secret_file=\"$work/secret\""
+            --set "cluster.lease_ttl_s=5"
+            "${cluster_sets[@]}"
         )
-        if [ "$mode" = cluster ]; then
-            sets+=(
-                --set "cluster.etcd_endpoints=\"http://127.0.0.1:$etcd_port\""
-                --set "cluster.node_id=\"n$n\"" --set "cluster.secret_file=\"$work/secret\""
-                --set "cluster.lease_ttl_s=5"
-                "${cluster_sets[@]}"
-            )
-        fi
-        "$server" "${sets[@]}" > "$out/$mode-n$n.log" 2>&1 &
-        pids+=($!)
-        urls+=(--server "tcp://127.0.0.1:$tcp")
+    fi
+    "$server" "${sets[@]}" >> "$out/$name-n$n.log" 2>&1 &
+    pids+=($!)
+    node_pid[$n]=$!
+}
+
+start_fleet() { # $1: islands | cluster, $2: the run's name (default: $1)
+    local mode=$1 name=${2:-$1} n urls=()
+    for n in $(seq 1 "$nodes"); do
+        start_node "$mode" "$name" "$n"
+        urls+=(--server "tcp://127.0.0.1:$(( port_base + n * 2 ))")
     done
     # Ready: every admin port answers /health (and, in a cluster, sees every member).
     local deadline=$(( SECONDS + 30 ))
@@ -135,7 +169,7 @@ start_fleet() { # $1: islands | cluster
                    python3 -c 'import json,sys; print(len(json.load(sys.stdin)["members"]))')" = "$nodes" ]; }; do
             if [ $SECONDS -ge $deadline ]; then
                 echo "bench-cluster: node $n of the $mode fleet not ready in 30 s; its log:" >&2
-                tail -20 "$out/$mode-n$n.log" >&2
+                tail -20 "$out/$name-n$n.log" >&2
                 exit 1
             fi
             sleep 0.2
@@ -154,28 +188,44 @@ start_fleet() { # $1: islands | cluster
 pids+=($!)
 etcd_pid=$!
 
-modes="islands cluster"
+runs="islands cluster"
 if [ -n "$lookup_blocks" ]; then
     case "$lookup_blocks" in *[!0-9]*) echo "bench-cluster: --lookup-blocks must be a number" >&2; exit 2 ;; esac
-    modes=cluster
+    runs=cluster
 fi
-for mode in $modes; do
-    start_fleet "$mode"
+[ -z "$kill_spec" ] || runs="control killed"
+for name in $runs; do
+    mode=$name
+    [ -z "$kill_spec" ] || mode=cluster
+    start_fleet "$mode" "$name"
     if [ -n "$lookup_blocks" ]; then
         echo "== lookups: $nodes members x $node_blocks blocks, chains of $lookup_blocks" >&2
         "$bench" lookup "${fleet_urls[@]}" --token "$token" --blocks "$lookup_blocks" \
             "${extra[@]}" | tee "$out/lookup.txt"
         continue
     fi
-    echo "== $mode: $nodes nodes x $node_blocks blocks ($block_tokens tokens), route $route" >&2
+    echo "== $name: $nodes nodes x $node_blocks blocks ($block_tokens tokens), route $route" >&2
+    fault=()
+    [ -z "$kill_spec" ] || fault=(--failover --window-s "$window_s")
     "$bench" --json replay --trace "$trace" "${fleet_urls[@]}" --route "$route" \
-        --token "$token" --model tiny "${extra[@]}" > "$out/$mode.json"
+        --token "$token" --model tiny "${fault[@]}" "${extra[@]}" > "$out/$name.json" &
+    replay_pid=$!
+    if [ "$name" = killed ]; then
+        sleep "$kill_at"
+        kill -9 "${node_pid[$kill_node]}"
+        wait "${node_pid[$kill_node]}" 2>/dev/null || true
+        echo "== killed node $kill_node at $kill_at s; starting it again in $kill_down s" >&2
+        sleep "$kill_down"
+        start_node cluster "$name" "$kill_node"
+        echo "$kill_at $kill_down" > "$out/kill.txt"
+    fi
+    wait "$replay_pid" || { echo "bench-cluster: the $name replay failed" >&2; exit 1; }
     # What each server says of the run (offers, remote hits, peer traffic), then stop this
     # fleet's servers (not etcd) before the next one starts.
     for n in $(seq 1 "$nodes"); do
         admin=$(( port_base + n * 2 + 1 ))
-        curl -sf "http://127.0.0.1:$admin/cluster" > "$out/$mode-n$n.cluster.json" || true
-        curl -sf "http://127.0.0.1:$admin/metrics" > "$out/$mode-n$n.metrics" || true
+        curl -sf "http://127.0.0.1:$admin/cluster" > "$out/$name-n$n.cluster.json" || true
+        curl -sf "http://127.0.0.1:$admin/metrics" > "$out/$name-n$n.metrics" || true
     done
     for p in "${pids[@]}"; do
         [ "$p" = "$etcd_pid" ] || { kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; }
@@ -183,6 +233,55 @@ for mode in $modes; do
     pids=("$etcd_pid")
 done
 [ -z "$lookup_blocks" ] || exit 0
+
+if [ -n "$kill_spec" ]; then
+    python3 - "$out" "$kill_node" <<'EOF'
+import json, sys
+out, node = sys.argv[1], sys.argv[2]
+r = {m: json.load(open(f"{out}/{m}.json"))["result"] for m in ("control", "killed")}
+at, down = (float(x) for x in open(f"{out}/kill.txt").read().split())
+wc, wk = r["control"]["windows"], r["killed"]["windows"]
+print(f"node {node} killed at {at:.0f} s, started again at {at + down:.0f} s (empty)")
+print(f"{'from s':>7} {'control %':>10} {'killed %':>9} {'diff':>7} {'rerouted':>9} {'corrupt':>8}")
+diffs = []
+for i, k in enumerate(wk):
+    c = wc[i] if i < len(wc) else None
+    d = (k["hit_rate"] - c["hit_rate"]) * 100 if c and c["requests"] and k["requests"] else None
+    diffs.append((k["start_s"], d))
+    ch = f"{c['hit_rate'] * 100:10.2f}" if c else f"{'-':>10}"
+    ds = f"{d:+7.2f}" if d is not None else f"{'-':>7}"
+    print(f"{k['start_s']:7.1f} {ch} {k['hit_rate'] * 100:9.2f} {ds} "
+          f"{k['rerouted']:9d} {k['corrupt_blocks']:8d}")
+def span(w, lo, hi):
+    xs = [x for x in w if lo <= x["start_s"] < hi]
+    blocks = sum(x["blocks"] for x in xs)
+    return sum(x["hit_blocks"] for x in xs) / blocks * 100 if blocks else float("nan")
+end = max(x["start_s"] for x in wk) + 1
+print("hit rate over spans (blocks of the requests that began in them):")
+for label, lo, hi in (("before the kill", 0, at), ("node down", at, at + down),
+                      ("first 10 s after the restart", at + down, at + down + 10),
+                      ("the rest", at + down + 10, end)):
+    print(f"  {label:30s} control {span(wc, lo, hi):6.2f} %  killed {span(wk, lo, hi):6.2f} %")
+before = [abs(d) for s, d in diffs if s + 1e-9 < at and d is not None]
+if before:
+    print(f"run-to-run noise: windows before the kill differ by {sum(before) / len(before):.2f} "
+          f"points on average (at most {max(before):.2f})")
+after = [(s, d) for s, d in diffs if s + 1e-9 >= at and d is not None]
+dip = min((d for _, d in after), default=0.0)
+recovered = next((s for s, d in after if s + 1e-9 >= at + down and d >= -5.0), None)
+for m in ("control", "killed"):
+    o = r[m]["overall"]
+    print(f"{m:8s} hit rate {o['hit_rate'] * 100:6.2f} %  requests {o['requests']}  rerouted "
+          f"{o['rerouted_requests']}  server failures {o['server_errors']}  corrupt blocks "
+          f"{o['corrupt_blocks']} (must be 0)")
+print(f"dip: {dip:+.2f} points at worst (a window against the same window of the control)")
+print("recovered (the first window from the restart on within 5 points of the control's): " + (
+    f"the window from {recovered:.1f} s, {recovered - at - down:.1f} s after the restart"
+    if recovered is not None else "never, within the replay"))
+print(f"reports in {out}")
+EOF
+    exit 0
+fi
 
 python3 - "$out" <<'EOF'
 import json, sys
