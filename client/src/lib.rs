@@ -97,8 +97,9 @@ impl Retained {
 }
 
 /// Rounds in a row a multi-round get may make no progress (the server still releasing the
-/// previous round's pins) before it reports the miss.
-const BUSY_RETRIES: u32 = 3;
+/// previous round's pins) before it reports the miss; a caller that loops over pinned
+/// rounds itself (the Python package's `get_pages`) keeps the same bound.
+pub const BUSY_RETRIES: u32 = 3;
 
 /// Client settings. Each field's doc ends with its default.
 #[derive(Clone, Debug)]

@@ -397,27 +397,51 @@ impl Client {
         pages.check_pages(&page_ids, true)?;
         let block = self.client.block_bytes();
         let f = py.detach(|| {
-            let (src, f) = self.fetch_source(&keys);
-            let n = f.blocks.min(page_ids.len());
-            {
-                let _held = pages.lock();
-                match &src {
-                    Source::Pinned(p) => {
-                        for i in 0..n {
-                            // SAFETY: `_held` is the pages' lock, the page ids were checked
-                            // for writing, and the server's arena, which Python code never
-                            // sees, cannot overlap the pages' buffers; the pins are held.
-                            unsafe { pages.copy_in(p.block(i), &page_ids[i..=i]) };
+            // A server that will not pin the whole prefix at once (its per-connection pin
+            // budget) pins the leading part and says "busy": copy that, release it and ask
+            // for the rest, as `get_into` does, until a round makes no progress.
+            let mut done = 0;
+            let mut tiers = Vec::new();
+            let mut stalls = 0;
+            loop {
+                let (src, f) = self.fetch_source(&keys[done..]);
+                let n = f.blocks.min(page_ids.len() - done);
+                let ids = &page_ids[done..done + n];
+                {
+                    let _held = pages.lock();
+                    match &src {
+                        Source::Pinned(p) => {
+                            for (i, id) in ids.iter().enumerate() {
+                                // SAFETY: `_held` is the pages' lock, the page ids were
+                                // checked for writing, and the server's arena, which Python
+                                // code never sees, cannot overlap the pages' buffers; the
+                                // pins are held.
+                                unsafe { pages.copy_in(p.block(i), std::slice::from_ref(id)) };
+                            }
                         }
+                        // SAFETY: as above; the scratch buffer is our own allocation.
+                        Source::Scratch(buf) => unsafe { pages.copy_in(&buf[..n * block], ids) },
                     }
-                    // SAFETY: as above; the scratch buffer is our own allocation.
-                    Source::Scratch(buf) => unsafe {
-                        pages.copy_in(&buf[..n * block], &page_ids[..n])
-                    },
+                }
+                self.release_source(src);
+                done += n;
+                tiers.extend(f.tiers.into_iter().take(n));
+                stalls = if n == 0 { stalls + 1 } else { 0 };
+                if f.miss != Some(Miss::Busy)
+                    || done == keys.len()
+                    || stalls > kvtier_client::BUSY_RETRIES
+                {
+                    break SdkFetch {
+                        blocks: done,
+                        tiers,
+                        miss: f.miss,
+                    };
+                }
+                if n == 0 {
+                    // The previous round's release may not have reached the server yet.
+                    std::thread::sleep(Duration::from_millis(1));
                 }
             }
-            self.release_source(src);
-            f
         });
         Ok(f.into())
     }

@@ -3,9 +3,11 @@ a vLLM worker does: one tensor per layer, `[K|V][page][token][head][dim]`."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
-from conftest import BLOCK, fresh_keys
+from conftest import BLOCK, fresh_keys, start_server
 
 import kvtier
 
@@ -67,6 +69,33 @@ def test_a_partial_hit_fills_the_leading_pages_only(unix_client) -> None:
     assert (got.blocks, got.miss, got.tiers) == (1, "not_cached", ["dram"])
     np.testing.assert_array_equal(b[0][:, 4], a[0][:, 0])
     assert not b[0][:, 5:].any()
+
+
+def test_a_prefix_over_the_pin_budget_is_loaded_in_rounds(tmp_path: Path) -> None:
+    """A server that pins part of a prefix and answers "busy" for the rest (here: requests
+    of at most 2 keys; in use, a prefix DRAM cannot hold pinned at once): a 5-block prefix
+    still arrives whole, round by round, into the right pages; so does a partial hit, which
+    ends with the miss that stopped it."""
+    srv = start_server(tmp_path, ["limits.max_keys=2"])
+    try:
+        c = kvtier.Client(srv.unix_url, timeout=5.0)
+        a = engine(seed=33)
+        keys = fresh_keys(6)
+        assert c.put_pages(keys[:5], [0, 1, 2, 3, 4], pages_of(a)).cached == 5
+        # One pin holds 2 of them (a layer-wise load pins once: it gets those two).
+        once = c.load_pages(keys[:5], [0, 1, 2, 3, 4], pages_of(engine(seed=None)))
+        assert (once.fetch.blocks, once.fetch.miss) == (2, "busy")
+        once.release()
+        b = engine(seed=None)
+        got = c.get_pages(keys[:5], [7, 6, 5, 4, 3], pages_of(b))
+        assert (got.blocks, got.miss, got.tiers) == (5, None, ["dram"] * 5)
+        for layer in range(LAYERS):
+            for i, page in enumerate([7, 6, 5, 4, 3]):
+                np.testing.assert_array_equal(b[layer][:, page], a[layer][:, i])
+        got = c.get_pages(keys, [0, 1, 2, 3, 4, 5], pages_of(engine(seed=None)))
+        assert (got.blocks, got.miss) == (5, "not_cached")
+    finally:
+        assert srv.stop() == 0
 
 
 def test_pages_misuse_raises(unix_client) -> None:
