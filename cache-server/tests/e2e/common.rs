@@ -189,23 +189,35 @@ impl ServerProc {
                 }
             }
         });
-        let line = rx
-            .recv_timeout(Duration::from_secs(30))
-            .expect("server did not report its endpoints within 30 s");
-        let field = |name: &str| -> String {
-            line.split_whitespace()
-                .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
-                .unwrap()
-                .to_string()
+        let line = rx.recv_timeout(Duration::from_secs(30)).ok();
+        let field = |name: &str| -> Option<&str> {
+            line.as_deref()?
+                .split_whitespace()
+                .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+        };
+        let addr = |name: &str| field(name)?.parse::<SocketAddr>().ok();
+        let (Some(unix), Some(tcp), Some(tls), Some(quic), Some(admin)) = (
+            field("unix"),
+            addr("tcp"),
+            addr("tls"),
+            addr("quic"),
+            addr("admin"),
+        ) else {
+            // Not left running behind a failed test.
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "the server did not report its endpoints within 30 s as this helper reads them: {line:?}"
+            );
         };
         ServerProc {
             child: Some(child),
             dir: dir.to_path_buf(),
-            unix: PathBuf::from(field("unix")),
-            tcp: field("tcp").parse().unwrap(),
-            tls: field("tls").parse().unwrap(),
-            quic: field("quic").parse().unwrap(),
-            admin: field("admin").parse().unwrap(),
+            unix: PathBuf::from(unix),
+            tcp,
+            tls,
+            quic,
+            admin,
             args,
             _tmp: None,
         }
