@@ -62,6 +62,10 @@ pub struct PeerMetrics {
     pub timeouts: IntCounterVec,
     /// Blocks offered to a peer (sent in a put).
     pub offered_blocks: IntCounterVec,
+    /// Lookups whose one-sided read from a peer went over the protocol instead: the peer
+    /// answered the locate, but its transfer agent could not be reached (a connect that
+    /// failed, or its back-off).
+    pub read_fallbacks: IntCounterVec,
     /// Latency of answered requests to a peer, by op (a `fetch` only when all its stripes
     /// came and verified).
     pub latency: HistogramVec,
@@ -77,10 +81,19 @@ impl PeerMetrics {
             &self.errors,
             &self.timeouts,
             &self.offered_blocks,
+            &self.read_fallbacks,
         ] {
             let _ = v.remove_label_values(&[peer]);
         }
-        for op in ["lookup", "fetch", "fetch_stripe", "offer"] {
+        for op in [
+            "lookup",
+            "fetch",
+            "fetch_stripe",
+            "offer",
+            "locate",
+            "read",
+            "release",
+        ] {
             let _ = self.requests.remove_label_values(&[peer, op]);
             let _ = self.latency.remove_label_values(&[peer, op]);
         }
@@ -109,6 +122,7 @@ impl PeerMetrics {
             "errors": c(&self.errors),
             "timeouts": c(&self.timeouts),
             "offered_blocks": c(&self.offered_blocks),
+            "read_fallbacks": c(&self.read_fallbacks),
         })
     }
 }
@@ -186,6 +200,12 @@ impl ClusterMetrics {
             offered_blocks: vec(
                 "kvtier_cluster_peer_offered_blocks_total",
                 "Put blocks offered to a peer (their owner).",
+                &["peer"],
+            )?,
+            read_fallbacks: vec(
+                "kvtier_cluster_peer_read_fallbacks_total",
+                "Lookups whose one-sided read from a peer went over the protocol instead (its \
+                 transfer agent could not be reached).",
                 &["peer"],
             )?,
             latency,

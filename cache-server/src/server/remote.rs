@@ -633,9 +633,18 @@ async fn read_owner(
     {
         Ok(p) => p,
         Err(e) => {
-            pool.failed(&peer, "read", &e);
+            // The owner answered the locate, so it is up; only its agent cannot be reached
+            // now (a connect that failed, or its back-off after one: up to 5 s past a
+            // network fault). Nothing was posted: fetch the blocks over the protocol
+            // instead, so the lookup does not lose what the owner just located.
+            tracing::debug!(peer = %peer.id, "one-sided read unavailable ({e:?}): fetching over the protocol");
             pool.round("read", &peer, t0.elapsed(), false);
-            return (Vec::new(), 0);
+            pool.metrics()
+                .read_fallbacks
+                .with_label_values(&[&peer.id])
+                .inc();
+            let keys = keys[..n].to_vec();
+            return fetch_owner(pool, peer, keys, ask, block_bytes).await;
         }
     };
     let cuts = peers::stripes(n, block_bytes as u64);

@@ -778,12 +778,20 @@ async fn an_owner_sending_wrong_bytes_is_a_miss() {
 /// Registers member `zz` (signed with the secret, as much capacity as a test server)
 /// whose data endpoint is `l`.
 async fn fake_member(etcd: &Etcd, l: &tokio::net::TcpListener) {
-    let key = "/kvtier/test/members/zz";
     let record = MemberRecord {
+        data_endpoint: format!("tcp://{}", l.local_addr().unwrap()),
+        ..fake_record()
+    };
+    register_member(etcd, record).await;
+}
+
+/// The record of member `zz`: as much capacity as a test server, no endpoints.
+fn fake_record() -> MemberRecord {
+    MemberRecord {
         v: RECORD_VERSION,
         node_id: "zz".into(),
         version: "0".into(),
-        data_endpoint: format!("tcp://{}", l.local_addr().unwrap()),
+        data_endpoint: String::new(),
         data_cert_der: String::new(),
         data_cert_name: String::new(),
         transfer_endpoint: String::new(),
@@ -796,7 +804,12 @@ async fn fake_member(etcd: &Etcd, l: &tokio::net::TcpListener) {
         }],
         registered_unix_ms: 0,
         placement: None,
-    };
+    }
+}
+
+/// Writes `record` under its member key, signed with the secret (no lease: it stays).
+async fn register_member(etcd: &Etcd, record: MemberRecord) {
+    let key = format!("/kvtier/test/members/{}", record.node_id);
     let value = RecordSealer::new(Some(SECRET.as_bytes()), "test").seal(key.as_bytes(), &record);
     let mut e = etcd_client::Client::connect([etcd.url()], None)
         .await
@@ -1171,4 +1184,77 @@ async fn restarted_owner_lookups(warmup_s: u64) -> (usize, usize, usize) {
         }
     }
     (chain.len(), found_on_b, found_on_x)
+}
+
+/// An owner that answers over the protocol but whose transfer agent cannot be reached
+/// (member `zz`: c's data endpoint, and the published agent of a member d that has since
+/// stopped): a lookup on b locates zz's blocks, cannot read them one-sided, and fetches
+/// them over the protocol instead, so the whole chain is found, byte-exact, and the
+/// fallback is counted. (Before, such runs were misses until the connect's back-off ended,
+/// up to 5 s after a network fault had healed: the lossy netns test saw it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_whose_agent_cannot_be_reached_is_read_over_the_protocol() {
+    bounded(120, async {
+        let etcd = Etcd::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let secret = secret_file(dir.path(), SECRET);
+        let extra = [
+            "cluster.run_blocks=8",
+            "cluster.head_blocks=0",
+            "cluster.peer_timeout_ms=1000",
+            "cluster.fetch=\"tcp\"",
+            // TLS on no one address: the members advertise their plain TCP endpoints, so
+            // zz's record can name c's without its certificate.
+            "server.tls=\"0.0.0.0:0\"",
+        ];
+        let a = member_with(&etcd, "a", 5, &secret, &extra);
+        let b = member_with(&etcd, "b", 5, &secret, &extra);
+        let c = member_with(&etcd, "c", 5, &secret, &extra);
+        let mut d = member_with(&etcd, "d", 5, &secret, &extra);
+        for s in [&a, &b, &c, &d] {
+            until_view(s, &["a", "b", "c", "d"], Duration::from_secs(15)).await;
+        }
+        let doc = cluster_doc(&a, "").await;
+        let record = |id: &str| {
+            let mut ms = doc["members"].as_array().unwrap().iter();
+            ms.find(|m| m["node_id"] == id).unwrap().clone()
+        };
+        let (of_c, of_d) = (record("c"), record("d"));
+        assert!(
+            !of_d["transfer_meta"].as_str().unwrap().is_empty(),
+            "{of_d:#}"
+        );
+        assert_eq!(d.stop().code(), Some(0));
+        register_member(
+            &etcd,
+            MemberRecord {
+                data_endpoint: of_c["data_endpoint"].as_str().unwrap().into(),
+                transfer_endpoint: of_d["transfer_endpoint"].as_str().unwrap().into(),
+                transfer_meta: of_d["transfer_meta"].as_str().unwrap().into(),
+                ..fake_record()
+            },
+        )
+        .await;
+        for s in [&a, &b, &c] {
+            until_view(s, &["a", "b", "c", "zz"], Duration::from_secs(15)).await;
+        }
+        let (chain, owners, _) = chain_with_a_later_run_of(&b, "zz", b"no agent", 32).await;
+        put_all(&a.client("tcp").await, &chain).await;
+        // zz's runs were offered to its data endpoint: c holds them.
+        until_offered(&[("b", &b), ("c", &c), ("zz", &c)], "a", &chain, &owners).await;
+        let cl = b.client("tcp").await;
+        let l = cl.lookup(&chain).await;
+        assert_eq!(l.tiers.len(), chain.len(), "{owners:?} {l:?}");
+        assert_eq!(get_verified(&cl, &chain).await, chain.len());
+        let m = http_get(b.admin, "/metrics").await.1;
+        assert!(
+            labelled(
+                &m,
+                "kvtier_cluster_peer_read_fallbacks_total",
+                "peer=\"zz\""
+            ) >= 1.0,
+            "{m}"
+        );
+    })
+    .await;
 }
