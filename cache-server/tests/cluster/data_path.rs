@@ -994,6 +994,40 @@ async fn all_owners(s: &ServerProc, chain: &[BlockKey]) -> Vec<Vec<String>> {
     all
 }
 
+/// On `fleet` (members a, b, c; two replicas; runs of [`RUN`]): a 48-block chain (of
+/// `salt`) with a run b does not own, put on a and held by every owner of every run (a put
+/// them; offers reached the others). Returns the chain, each run's owners (best first) and
+/// the first run b does not own (read on b, it comes from the others).
+async fn chain_b_reads_from_others(
+    fleet: &Fleet,
+    salt: &[u8],
+) -> (Vec<BlockKey>, Vec<Vec<String>>, usize) {
+    let ids = ["a", "b", "c"];
+    let a = &fleet.members[0];
+    let mut found = None;
+    for seed in 1..50 {
+        let chain = keys(salt, 48, seed);
+        let owners = all_owners(a, &chain).await;
+        if let Some(r) = owners.iter().position(|o| !o.contains(&"b".to_string())) {
+            found = Some((chain, owners, r));
+            break;
+        }
+    }
+    let (chain, owners, r) = found.expect("a chain with a run b does not own");
+    put_all(&a.client("tcp").await, &chain).await;
+    let t0 = Instant::now();
+    for (i, run) in chain.chunks(RUN).enumerate() {
+        for o in owners[i].iter().filter(|o| *o != "a") {
+            let p = peer(&fleet.members[ids.iter().position(|id| id == o).unwrap()]).await;
+            while p.lookup(run).await.tiers.len() < run.len() {
+                assert!(t0.elapsed() < Duration::from_secs(10), "run {i} not at {o}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    (chain, owners, r)
+}
+
 /// With two owners a block, a hung owner (SIGSTOP: registered, silent) costs one lookup a
 /// timed-out run; the lookups after it ask the other owner and find the whole chain,
 /// byte-exact.
@@ -1012,35 +1046,8 @@ async fn with_two_replicas_a_hung_owners_runs_come_from_the_other() {
             unreachable!()
         };
         let members = [("a", &a), ("b", &b), ("c", &c)];
-        // A chain with a run b does not own (read on b, from the others).
-        let mut found = None;
-        for seed in 1..50 {
-            let chain = keys(b"replicas", 48, seed);
-            let owners = all_owners(a, &chain).await;
-            if owners.iter().any(|o| !o.contains(&"b".to_string())) {
-                found = Some((chain, owners));
-                break;
-            }
-        }
-        let (chain, owners) = found.expect("a chain with a run b does not own");
-        put_all(&a.client("tcp").await, &chain).await;
-        // Every owner holds its runs (a put them; offers reach the others).
-        let t0 = Instant::now();
-        for (r, run) in chain.chunks(RUN).enumerate() {
-            for o in owners[r].iter().filter(|o| *o != "a") {
-                let (_, s) = members.iter().find(|(id, _)| id == o).unwrap();
-                let p = peer(s).await;
-                while p.lookup(run).await.tiers.len() < run.len() {
-                    assert!(t0.elapsed() < Duration::from_secs(10), "run {r} not at {o}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
-        }
+        let (chain, owners, r) = chain_b_reads_from_others(&fleet, b"replicas").await;
         // Hang the first owner of the first run b does not own.
-        let r = owners
-            .iter()
-            .position(|o| !o.contains(&"b".to_string()))
-            .unwrap();
         let hung = owners[r][0].clone();
         let (_, x) = members.iter().find(|(id, _)| *id == hung).unwrap();
         x.signal(libc::SIGSTOP);
@@ -1109,38 +1116,7 @@ async fn restarted_owner_lookups(warmup_s: u64) -> (usize, usize, usize) {
     let mut fleet = Fleet::start(&["a", "b", "c"], 5, &extra).await;
     // Every member has registered (its record's start time is behind this).
     let registered_by = Instant::now();
-    let chain_owners = {
-        let [a, _, _] = &fleet.members[..] else {
-            unreachable!()
-        };
-        let mut found = None;
-        for seed in 1..50 {
-            let chain = keys(b"warm-up", 48, seed);
-            let owners = all_owners(a, &chain).await;
-            if owners.iter().any(|o| !o.contains(&"b".to_string())) {
-                found = Some((chain, owners));
-                break;
-            }
-        }
-        found.expect("a chain with a run b does not own")
-    };
-    let (chain, owners) = chain_owners;
-    put_all(&fleet.members[0].client("tcp").await, &chain).await;
-    let t0 = Instant::now();
-    for (r, run) in chain.chunks(RUN).enumerate() {
-        for o in owners[r].iter().filter(|o| *o != "a") {
-            let i = ["a", "b", "c"].iter().position(|id| id == o).unwrap();
-            let p = peer(&fleet.members[i]).await;
-            while p.lookup(run).await.tiers.len() < run.len() {
-                assert!(t0.elapsed() < Duration::from_secs(10), "run {r} not at {o}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
-    let r = owners
-        .iter()
-        .position(|o| !o.contains(&"b".to_string()))
-        .unwrap();
+    let (chain, owners, r) = chain_b_reads_from_others(&fleet, b"warm-up").await;
     let x = ["a", "b", "c"]
         .iter()
         .position(|id| *id == owners[r][0])
