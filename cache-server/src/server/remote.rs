@@ -319,19 +319,20 @@ impl Remote {
         // reservations after it are dropped, which frees their slots. Blocks of runs this
         // node owns (fetched from an owner that was there before it) are its own, not
         // guests.
-        let own = |p: usize| {
-            runs.iter()
-                .zip(&mine)
-                .any(|(r, m)| *m && (r.start..r.start + r.len).contains(&p))
+        // Positions come in chain order, as the runs do: one walk over the runs.
+        let mut runs_mine = runs.iter().zip(mine.iter().copied()).peekable();
+        let mut own = |p: usize| {
+            while runs_mine.next_if(|(r, _)| p >= r.start + r.len).is_some() {}
+            runs_mine.peek().is_some_and(|(r, m)| *m && p >= r.start)
         };
         let mut stored = Vec::new();
         for (p, slot) in (local..end).zip(slots) {
             match slot {
                 Some(Slot::Own) => continue, // here already
-                Some(Slot::Present) => stored.push(p),
+                Some(Slot::Present) => stored.push((keys[p], own(p))),
                 Some(Slot::Filled(res)) => match res.commit() {
                     Ok(crate::PutOutcome::Stored(_) | crate::PutOutcome::AlreadyPresent) => {
-                        stored.push(p)
+                        stored.push((keys[p], own(p)))
                     }
                     _ => break,
                 },
@@ -339,7 +340,7 @@ impl Remote {
                 Some(Slot::Reserved(_)) | None => break,
             }
         }
-        self.stored(stored.into_iter().map(|p| (keys[p], own(p))))
+        self.stored(stored)
     }
 
     /// How long an owner keeps blocks it located for this node: the reads that follow are
@@ -422,14 +423,14 @@ impl Remote {
 
     /// Counts the blocks a lookup stored here as remote hits; returns the keys of those
     /// this node does not own (`(key, own)`): its guests.
-    fn stored(&self, blocks: impl Iterator<Item = (BlockKey, bool)>) -> (usize, Vec<BlockKey>) {
-        let mut hits = 0;
+    fn stored(&self, blocks: Vec<(BlockKey, bool)>) -> (usize, Vec<BlockKey>) {
+        self.node.metrics.remote_hits.inc_by(blocks.len() as u64);
+        let hits = blocks.len();
         let guests = blocks
-            .inspect(|_| hits += 1)
+            .into_iter()
             .filter(|(_, own)| !own)
             .map(|(k, _)| k)
             .collect();
-        self.node.metrics.remote_hits.inc_by(hits as u64);
         (hits, guests)
     }
 
