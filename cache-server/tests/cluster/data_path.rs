@@ -26,7 +26,7 @@ pub(super) const RUN: usize = 8;
 /// each seeing all of them. Dropped, it stops the members, then etcd.
 struct Fleet {
     members: Vec<ServerProc>,
-    _etcd: Etcd,
+    etcd: Etcd,
     _dir: tempfile::TempDir,
 }
 
@@ -44,7 +44,7 @@ impl Fleet {
         }
         Fleet {
             members,
-            _etcd: etcd,
+            etcd,
             _dir: dir,
         }
     }
@@ -1171,9 +1171,6 @@ async fn restarted_owner_lookups(warmup_s: u64) -> (usize, usize, usize) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owner_whose_agent_cannot_be_reached_is_read_over_the_protocol() {
     bounded(120, async {
-        let etcd = Etcd::start().await;
-        let dir = tempfile::tempdir().unwrap();
-        let secret = secret_file(dir.path(), SECRET);
         let extra = [
             "cluster.run_blocks=8",
             "cluster.head_blocks=0",
@@ -1183,14 +1180,8 @@ async fn an_owner_whose_agent_cannot_be_reached_is_read_over_the_protocol() {
             // zz's record can name c's without its certificate.
             "server.tls=\"0.0.0.0:0\"",
         ];
-        let a = member_with(&etcd, "a", 5, &secret, &extra);
-        let b = member_with(&etcd, "b", 5, &secret, &extra);
-        let c = member_with(&etcd, "c", 5, &secret, &extra);
-        let mut d = member_with(&etcd, "d", 5, &secret, &extra);
-        for s in [&a, &b, &c, &d] {
-            until_view(s, &["a", "b", "c", "d"], Duration::from_secs(15)).await;
-        }
-        let doc = cluster_doc(&a, "").await;
+        let mut fleet = Fleet::start(&["a", "b", "c", "d"], 5, &extra).await;
+        let doc = cluster_doc(&fleet.members[0], "").await;
         let record = |id: &str| {
             let mut ms = doc["members"].as_array().unwrap().iter();
             ms.find(|m| m["node_id"] == id).unwrap().clone()
@@ -1200,9 +1191,9 @@ async fn an_owner_whose_agent_cannot_be_reached_is_read_over_the_protocol() {
             !of_d["transfer_meta"].as_str().unwrap().is_empty(),
             "{of_d:#}"
         );
-        assert_eq!(d.stop().code(), Some(0));
+        assert_eq!(fleet.members[3].stop().code(), Some(0));
         register_member(
-            &etcd,
+            &fleet.etcd,
             MemberRecord {
                 data_endpoint: of_c["data_endpoint"].as_str().unwrap().into(),
                 transfer_endpoint: of_d["transfer_endpoint"].as_str().unwrap().into(),
@@ -1211,13 +1202,16 @@ async fn an_owner_whose_agent_cannot_be_reached_is_read_over_the_protocol() {
             },
         )
         .await;
-        for s in [&a, &b, &c] {
+        let [a, b, c, _] = &fleet.members[..] else {
+            unreachable!()
+        };
+        for s in [a, b, c] {
             until_view(s, &["a", "b", "c", "zz"], Duration::from_secs(15)).await;
         }
-        let (chain, owners, _) = chain_with_a_later_run_of(&b, "zz", b"no agent", 32).await;
+        let (chain, owners, _) = chain_with_a_later_run_of(b, "zz", b"no agent", 32).await;
         put_all(&a.client("tcp").await, &chain).await;
         // zz's runs were offered to its data endpoint: c holds them.
-        until_offered(&[("b", &b), ("c", &c), ("zz", &c)], "a", &chain, &owners).await;
+        until_offered(&[("b", b), ("c", c), ("zz", c)], "a", &chain, &owners).await;
         let cl = b.client("tcp").await;
         let l = cl.lookup(&chain).await;
         assert_eq!(l.tiers.len(), chain.len(), "{owners:?} {l:?}");
