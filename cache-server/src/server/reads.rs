@@ -29,6 +29,10 @@ use crate::cluster::record::{hex, unhex};
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
+/// At most one warning a peer this often that its reads go over the protocol (its agent
+/// cannot be reached); the fallbacks themselves are all counted.
+const FALLBACK_WARN_EVERY: Duration = Duration::from_secs(60);
+
 /// A peer's agent as this node knows it.
 #[derive(Default)]
 struct PeerSlot {
@@ -37,6 +41,8 @@ struct PeerSlot {
     peer: Option<(Peer, RegionId, u64)>,
     retry_at: Option<Instant>,
     backoff: Duration,
+    /// When a read from this peer last fell back to the protocol with a warning.
+    warned_at: Option<Instant>,
 }
 
 /// This node's agent and its connections to the peers' agents. See the module doc.
@@ -134,6 +140,22 @@ impl Reads {
         if let Some(slot) = lock(&self.peers).get_mut(id) {
             slot.peer = None;
         }
+    }
+
+    /// Whether a read from `id` that falls back to the protocol now should say so in a
+    /// warning (the first, then one every [`FALLBACK_WARN_EVERY`]).
+    pub fn warn_fallback(&self, id: &str) -> bool {
+        let now = Instant::now();
+        let mut g = lock(&self.peers);
+        let slot = g.entry(id.to_string()).or_default();
+        if slot
+            .warned_at
+            .is_some_and(|t| now.duration_since(t) < FALLBACK_WARN_EVERY)
+        {
+            return false;
+        }
+        slot.warned_at = Some(now);
+        true
     }
 
     /// Drops the connections of peers no longer in `live`.

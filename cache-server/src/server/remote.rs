@@ -633,12 +633,29 @@ async fn read_owner(
         .await
     {
         Ok(p) => p,
+        // A connect that took the whole peer timeout: no time is left for a fetch within
+        // the lookup's bound (two rounds, each within the timeout).
+        Err(e @ PeerFailure::Timeout) => {
+            pool.failed(&peer, "read", &e);
+            pool.round("read", &peer, t0.elapsed(), false);
+            return (Vec::new(), 0);
+        }
         Err(e) => {
             // The owner answered the locate, so it is up; only its agent cannot be reached
-            // now (a connect that failed, or its back-off after one: up to 5 s past a
-            // network fault). Nothing was posted: fetch the blocks over the protocol
-            // instead, so the lookup does not lose what the owner just located.
-            tracing::debug!(peer = %peer.id, "one-sided read unavailable ({e:?}): fetching over the protocol");
+            // now (a connect refused, or the back-off after a failed one: up to 5 s past a
+            // network fault), and that was known at once. Nothing was posted: fetch the
+            // blocks over the protocol instead, so the lookup does not lose what the owner
+            // just located.
+            if reads.warn_fallback(&peer.id) {
+                tracing::warn!(
+                    peer = %peer.id,
+                    "one-sided reads from this peer are unavailable ({e:?}): fetching over the \
+                     protocol (kvtier_cluster_peer_read_fallbacks_total); check that its \
+                     transfer port is reachable if this lasts"
+                );
+            } else {
+                tracing::debug!(peer = %peer.id, "one-sided read unavailable ({e:?}): fetching over the protocol");
+            }
             pool.round("read", &peer, t0.elapsed(), false);
             pool.metrics()
                 .read_fallbacks
