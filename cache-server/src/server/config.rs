@@ -178,10 +178,11 @@ pub struct ClusterSection {
     /// Put blocks waiting to be offered to their owners, at most; more are dropped and
     /// counted. Default: 16384.
     pub offer_queue_blocks: usize,
-    /// With `replicas` > 1, a member that joined (or restarted, or registered again) less
-    /// than this many seconds ago is asked for a run only when no other owner of it is
-    /// usable: it holds only what was offered to it since, while the other owners hold the
-    /// run from before. 0: owners by placement rank alone. Default: 120.
+    /// With `replicas` > 1, a member whose process started (joined, or restarted) less than
+    /// this many seconds ago is asked for a run only when no owner of it past its warm-up is
+    /// usable: it holds only what was offered to it since, while those owners hold the run
+    /// from before (registering again after an etcd outage keeps the process's start
+    /// time). 0: owners by placement rank alone. Default: 120.
     pub warmup_s: u64,
     /// Copies here of blocks another member owns (fetched, or handed to their owner) are
     /// guests, evicted before other blocks, so the cluster keeps one copy of a block when
