@@ -124,12 +124,9 @@ fn gbps(bytes: usize, t: Duration) -> f64 {
 }
 
 fn summary(tiers: &[TierCode]) -> String {
-    let d = tiers.iter().filter(|t| **t == TierCode::Dram).count();
-    format!(
-        "{} blocks ({d} DRAM, {} NVMe)",
-        tiers.len(),
-        tiers.len() - d
-    )
+    let count = |t| tiers.iter().filter(|x| **x == t).count();
+    let (d, n) = (count(TierCode::Dram), count(TierCode::Nvme));
+    format!("{} blocks ({d} DRAM, {n} NVMe)", tiers.len())
 }
 
 /// Fetches `keys` and checks every byte.

@@ -303,10 +303,25 @@ impl Miss {
 /// The longest cached prefix of a key list.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Lookup {
-    /// Tier of each leading cached block.
+    /// Tier of each leading cached block. [`TierCode::Remote`]: the server fetched the block
+    /// from another member of its cluster for this lookup; it is in the server's DRAM now
+    /// ([`TierCode::held`]), and [`Lookup::sources`] names the member.
     pub tiers: Vec<TierCode>,
     /// Why it stopped (None: every key is cached).
     pub miss: Option<Miss>,
+    /// Where the remote blocks came from, in order: each a run of them and the member's
+    /// node id. Empty where none came from another member (or the server speaks only
+    /// protocol version 3, which reports them as DRAM).
+    pub sources: Vec<Source>,
+}
+
+/// A run of a lookup's blocks that its server fetched from another member of its cluster.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Source {
+    /// Positions in the looked-up keys.
+    pub blocks: std::ops::Range<usize>,
+    /// The member's node id (`/cluster` on the admin port lists them).
+    pub node: String,
 }
 
 /// The result of [`Client::get_into`]: the first `blocks` buffers hold blocks.
@@ -635,6 +650,7 @@ impl Client {
             Err(e) => Lookup {
                 tiers: vec![],
                 miss: Some(Miss::from_error(&e)),
+                sources: vec![],
             },
         }
     }
@@ -642,6 +658,7 @@ impl Client {
     async fn lookup_inner(&self, keys: &[BlockKey]) -> Result<Lookup, ClientError> {
         let c = self.conn().await?;
         let mut tiers = Vec::new();
+        let mut sources = Vec::new();
         let base = meta_base(&Request::Lookup(KeyList::default()));
         let mut rest = keys;
         while !rest.is_empty() {
@@ -651,22 +668,45 @@ impl Client {
                 keys: chunk.to_vec(),
             });
             let r = c.call(&req, &[], self.timeout()).await?;
-            let (t, miss) = match r.response {
-                Response::Lookup { tiers, miss } => (tiers, miss),
+            let (t, miss, from) = match r.response {
+                Response::Lookup {
+                    tiers,
+                    miss,
+                    sources,
+                } => (tiers, miss, sources.unwrap_or_default()),
                 Response::Error(e) => return Err(ClientError::from_reply(e)),
                 r => return Err(Self::unexpected(&r)),
             };
+            // Positions in this chunk's reply: the decoder checked them against its tiers.
+            let at = tiers.len();
+            sources.extend(from.into_iter().map(|s| Source {
+                blocks: at + s.start as usize..at + s.start as usize + s.len as usize,
+                node: s.node,
+            }));
+            // An unknown code ends the prefix there (a newer server's tier this build cannot
+            // load from).
+            let known = t.iter().map_while(|x| TierCode::from_u8(*x));
+            let before = tiers.len();
+            tiers.extend(known);
             let n = t.len();
-            tiers.extend(t.iter().filter_map(|x| TierCode::from_u8(*x)));
             let miss = Miss::from_code(miss);
-            if miss.is_some() || n < chunk.len() {
+            if miss.is_some() || n < chunk.len() || tiers.len() - before < n {
+                sources.retain_mut(|s| {
+                    s.blocks.end = s.blocks.end.min(tiers.len());
+                    !s.blocks.is_empty()
+                });
                 return Ok(Lookup {
                     tiers,
                     miss: miss.or(Some(Miss::NotCached)),
+                    sources,
                 });
             }
         }
-        Ok(Lookup { tiers, miss: None })
+        Ok(Lookup {
+            tiers,
+            miss: None,
+            sources,
+        })
     }
 
     /// Copies the longest cached prefix of `keys` into `bufs` (one block-sized buffer per

@@ -21,6 +21,8 @@ _MissKind: TypeAlias = Literal[
     "refused",
 ]
 _TierName: TypeAlias = Literal["hbm", "dram", "nvme"]
+# A lookup's tiers add "remote": fetched from another cluster member (see `Lookup.sources`).
+_LookupTierName: TypeAlias = Literal["hbm", "dram", "nvme", "remote"]
 _PutStatusName: TypeAlias = Literal[
     "stored",
     "already_present",
@@ -147,7 +149,9 @@ class Lookup:
     @property
     def blocks(self) -> int: ...
     @property
-    def tiers(self) -> list[_TierName]: ...
+    def tiers(self) -> list[_LookupTierName]: ...
+    @property
+    def sources(self) -> list[tuple[int, int, str]]: ...
     @property
     def miss(self) -> _MissKind | None: ...
     @property

@@ -87,7 +87,9 @@ __all__ = [
 MAX_RETAIN_S = 86_400.0
 
 _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-_TIERS = ("hbm", "dram", "nvme")
+# "remote": a block the server's cluster fetched from another member for the lookup (it is
+# in the server's DRAM by then).
+_TIERS = ("hbm", "dram", "nvme", "remote")
 
 
 # --------------------------------------------------------------------------------------------

@@ -302,6 +302,11 @@ impl Client {
         let (miss, miss_detail) = miss_parts(l.miss.as_ref());
         Ok(Lookup {
             tiers: tier_names(&l.tiers),
+            sources: l
+                .sources
+                .into_iter()
+                .map(|s| (s.blocks.start, s.blocks.end, s.node))
+                .collect(),
             miss,
             miss_detail,
         })

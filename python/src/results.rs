@@ -49,8 +49,13 @@ fn put_status_name(s: &PutStatus) -> &'static str {
 /// The longest cached prefix of a key list.
 #[pyclass(frozen, get_all, module = "kvtier")]
 pub struct Lookup {
-    /// Tier ("hbm", "dram", "nvme") of each leading cached block.
+    /// Tier ("hbm", "dram", "nvme", "remote") of each leading cached block. "remote": the
+    /// server fetched it from another member of its cluster for this lookup (it is in the
+    /// server's DRAM now; `sources` names the member).
     pub tiers: Vec<String>,
+    /// Where the remote blocks came from: `(start, stop, node)` per run of them, positions
+    /// in the looked-up keys, `node` the member's node id.
+    pub sources: Vec<(usize, usize, String)>,
     /// Why it stopped: None (every key cached), "not_cached", "corrupt", "io_error", "busy",
     /// "timeout", "disconnected", "unavailable" or "refused".
     pub miss: Option<String>,
@@ -66,10 +71,16 @@ impl Lookup {
         self.tiers.len()
     }
     fn __repr__(&self) -> String {
+        let sources: Vec<String> = self
+            .sources
+            .iter()
+            .map(|(a, b, n)| format!("({a}, {b}, '{n}')"))
+            .collect();
         format!(
-            "Lookup(blocks={}, tiers={}, miss={})",
+            "Lookup(blocks={}, tiers={}, sources=[{}], miss={})",
             self.tiers.len(),
             repr_list(&self.tiers),
+            sources.join(", "),
             repr_opt(self.miss.as_deref())
         )
     }

@@ -31,6 +31,7 @@ def test_unix_round_trip_is_zero_copy_into_numpy(unix_client: kvtier.Client) -> 
 
     look = c.lookup(keys)
     assert look.blocks == 4 and look.miss is None and look.tiers == ["dram"] * 4
+    assert look.sources == []
 
     out = np.zeros((4, BLOCK), dtype=np.uint8)
     got = c.get_into(keys, out)
@@ -389,7 +390,10 @@ def test_one_client_many_threads(server: Server) -> None:
 
 def test_results_print_as_python(unix_client: kvtier.Client) -> None:
     keys = fresh_keys(1)
-    assert repr(unix_client.lookup(keys)) == "Lookup(blocks=0, tiers=[], miss='not_cached')"
+    assert (
+        repr(unix_client.lookup(keys))
+        == "Lookup(blocks=0, tiers=[], sources=[], miss='not_cached')"
+    )
     stored = unix_client.put_chain(keys, blocks(1, 8))
     assert repr(stored) == "Stored(cached=1, statuses=['stored'], failure=None)"
     got = unix_client.get_into(keys, np.zeros((1, BLOCK), np.uint8))

@@ -20,7 +20,7 @@ use kvtier_core::protocol::{BlockEvent, EventKind, TierCode};
 pub const MAX_BYTES_PER_BLOCK: usize = 41;
 
 /// Tiers in the order a load prefers them (fastest first).
-pub const TIERS: [TierCode; 3] = [TierCode::Hbm, TierCode::Dram, TierCode::Nvme];
+pub const TIERS: [TierCode; 3] = TierCode::STORED;
 
 /// What applying one event did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,7 +75,8 @@ impl ServerIndex {
                 Applied::Unchanged
             };
         }
-        let Some(tier) = TierCode::from_u8(ev.tier) else {
+        // A stored block's tier: "remote" is a lookup's answer, never an event's.
+        let Some(tier) = TierCode::stored_from_u8(ev.tier) else {
             return Applied::Unknown;
         };
         let bit = 1u8 << (tier as u8);
@@ -244,6 +245,8 @@ mod tests {
             ..ev(10, Stored, Dram, 2)
         };
         check(&mut ix, bad_tier, Applied::Unknown, &[0]);
+        // A lookup's tier, which no stored block has: refused, not a fourth tier bit.
+        check(&mut ix, ev(10, Stored, Remote, 2), Applied::Unknown, &[0]);
         check(&mut ix, ev(11, Cleared, Hbm, 0), Applied::Changed, &[]);
         assert!(ix.is_empty());
     }

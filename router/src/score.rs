@@ -128,7 +128,8 @@ impl Costs {
     fn bytes_per_s(&self, t: TierCode) -> f64 {
         match t {
             TierCode::Hbm => self.hbm_bytes_per_s,
-            TierCode::Dram => self.dram_bytes_per_s,
+            // A remote block was fetched into the server's DRAM.
+            TierCode::Dram | TierCode::Remote => self.dram_bytes_per_s,
             TierCode::Nvme => self.nvme_bytes_per_s,
         }
     }

@@ -533,11 +533,12 @@ impl Loop {
                 seq.req.prefix.store_from = 0;
                 return;
             }
-            // A block the server gave no tier for counts as DRAM (where a sidecar serves from).
+            // A block the server gave no tier for counts as DRAM (where a sidecar serves from),
+            // as does one its cluster fetched for the lookup (it was read from DRAM).
             let tier = source
                 .tier(i - first)
                 .unwrap_or(kvtier_client::TierCode::Dram);
-            by_tier[tier as usize] += 1;
+            by_tier[tier.held() as usize] += 1;
         }
         let any_nvme = match &source {
             PrefixSource::Pinned(p) => p

@@ -206,7 +206,11 @@ impl Rates {
         block_bytes: usize,
         block_tokens: usize,
     ) -> usize {
-        let dram_run = tiers.iter().take_while(|t| **t == TierCode::Dram).count();
+        // A remote block was fetched into the sidecar's DRAM by its lookup.
+        let dram_run = tiers
+            .iter()
+            .take_while(|t| t.held() == TierCode::Dram)
+            .count();
         let Some(rate) = self.prefill_tokens_per_s else {
             return tiers.len();
         };
@@ -722,6 +726,9 @@ mod tests {
         // NVMe slower than recomputing (1 MB/s = 33 ms a block): only the DRAM run.
         r.nvme_bytes_per_s = Some(1e6);
         assert_eq!(r.blocks_to_load(&[dram, dram, nvme], block, bt), 2);
+        // A block the sidecar's cluster fetched for the lookup is in its DRAM now.
+        let remote = TierCode::Remote;
+        assert_eq!(r.blocks_to_load(&[dram, remote, nvme], block, bt), 2);
         assert_eq!(r.blocks_to_load(&[nvme, dram], block, bt), 0);
         // Everything slower than recomputing: nothing.
         r.dram_bytes_per_s = Some(1e6);

@@ -246,7 +246,8 @@ impl Backend for ClientBackend {
         let n = out.lookup_blocks;
         if self.lookup_only {
             out.hit_blocks = n;
-            out.tiers = look.tiers.iter().take(n).map(|t| *t as u8).collect();
+            // Where a get would read them: a remote block is in the server's DRAM now.
+            out.tiers = look.tiers.iter().take(n).map(|t| t.held() as u8).collect();
         } else if n > 0 {
             let mut buf = vec![0u8; n * self.block_bytes];
             let mut bufs: Vec<&mut [u8]> = buf.chunks_mut(self.block_bytes).collect();

@@ -1268,9 +1268,11 @@ fn lookup_frame_bytes(keys: &[BlockKey]) -> (usize, usize) {
     })
     .encode_meta()
     .len();
+    // Version 4's form, as a current client gets it (no sources: all local).
     let reply = Response::Lookup {
         tiers: vec![TierCode::Dram as u8; keys.len()],
         miss: 0,
+        sources: Some(vec![]),
     }
     .encode_meta()
     .1

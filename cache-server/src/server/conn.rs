@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 
 use kvtier_core::BlockKey;
 use kvtier_core::protocol::{
-    ErrorCode, ErrorReply, Events, FetchReply, FrameError, HEADER_BYTES, Header, Hello, HelloReply,
-    LocateReply, MIN_VERSION, MissCode, Opcode, PinReply, PinnedSlot, PutEntry, PutReply,
-    PutStatus, Request, ReserveReply, ReservedSlot, Response, RetainReply, RetainStatus, VERSION,
-    flags,
+    BlockSource, ErrorCode, ErrorReply, Events, FetchReply, FrameError, HEADER_BYTES,
+    HEADER_VERSION, Header, Hello, HelloReply, LocateReply, MIN_VERSION, MissCode, Opcode,
+    PinReply, PinnedSlot, PutEntry, PutReply, PutStatus, Request, ReserveReply, ReservedSlot,
+    Response, RetainReply, RetainStatus, TierCode, VERSION, flags,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
@@ -34,7 +34,7 @@ use super::tenants::{Admit, Identity, Registration};
 use crate::policy::admission::RejectReason;
 use crate::{
     LookupHold, MissReason, PinnedRead, PutOutcome, Reservation, RetainOutcome, RetainRequest,
-    StoreError,
+    StoreError, TierKind,
 };
 
 /// Responses queued for the writer of one connection.
@@ -93,7 +93,7 @@ impl Out {
     fn new(id: u64, op: u8, r: &Response, payload_len: u64) -> Self {
         let (fl, meta) = r.encode_meta();
         let h = Header {
-            version: VERSION,
+            version: HEADER_VERSION,
             opcode: op,
             flags: fl,
             request_id: id,
@@ -334,6 +334,8 @@ struct Conn {
     /// A cluster peer (its hello carried the peer token): internal keys, local-only
     /// requests (`server/remote.rs` is never entered for it), no admin.
     peer: bool,
+    /// The protocol version its hello agreed on (what the replies' metadata follows).
+    version: u16,
 }
 
 /// What a cluster peer may ask: the data path's own operations.
@@ -429,6 +431,7 @@ pub(crate) async fn serve_until<R, W>(
         subscriptions: 0,
         who: Identity::SINGLE,
         peer: false,
+        version: MIN_VERSION,
     };
     let reaper = {
         let (state, done) = (state.clone(), c.done.clone());
@@ -689,6 +692,7 @@ impl Conn {
             transport: self.transport,
             who: self.who,
             peer: self.peer,
+            version: self.version,
             id: h.request_id,
             op: h.opcode,
             no_reply: h.is(flags::NO_REPLY),
@@ -873,8 +877,9 @@ impl Conn {
         };
         self.local_arena = local.is_some();
         let staging_bytes = local.as_ref().map_or(0, |l| l.staging.bytes());
+        self.version = h.max_version.min(VERSION);
         let reply = Response::Hello(HelloReply {
-            version: h.max_version.min(VERSION),
+            version: self.version,
             server: s.config.server.name.clone(),
             block_bytes: s.block_bytes as u64,
             layout_fingerprint: s.layout_fingerprint,
@@ -1206,6 +1211,8 @@ struct Job {
     who: Identity,
     /// See [`Conn::peer`].
     peer: bool,
+    /// See [`Conn::version`].
+    version: u16,
     id: u64,
     op: u8,
     no_reply: bool,
@@ -1244,6 +1251,42 @@ fn commit_status(r: Result<PutOutcome, StoreError>) -> u8 {
 impl Job {
     fn reply(&self, r: Response) -> Option<Out> {
         Some(Out::new(self.id, self.op, &r, 0))
+    }
+
+    /// A lookup's reply in this connection's version: from version 4 the blocks fetched from
+    /// other members (`sources`: positions and the member) are of tier remote and named;
+    /// before it they are reported where they are now (DRAM).
+    fn lookup_reply(
+        &self,
+        tiers: &[TierKind],
+        miss: Option<MissReason>,
+        sources: &[(std::ops::Range<usize>, String)],
+    ) -> Response {
+        let mut codes: Vec<u8> = tiers.iter().map(|t| tier_code(*t) as u8).collect();
+        let n = codes.len();
+        let sources = (self.version >= 4).then(|| {
+            sources
+                .iter()
+                // A block evicted since it came ends the prefix: its run ends there too.
+                .filter_map(|(r, node)| {
+                    let r = r.start..r.end.min(n);
+                    (!r.is_empty()).then_some((r, node))
+                })
+                .map(|(r, node)| {
+                    codes[r.clone()].fill(TierCode::Remote as u8);
+                    BlockSource {
+                        start: r.start as u32,
+                        len: r.len() as u32,
+                        node: node.clone(),
+                    }
+                })
+                .collect()
+        });
+        Response::Lookup {
+            tiers: codes,
+            miss: miss_code(miss),
+            sources,
+        }
     }
 
     fn error(&self, code: ErrorCode, msg: impl Into<String>) -> Option<Out> {
@@ -1348,23 +1391,22 @@ impl Job {
                 await_pending(&s, &k.keys).await;
                 let tiers = store.lookup(&k.keys);
                 let miss = (tiers.len() < k.keys.len()).then_some(MissReason::NotCached);
-                self.reply(Response::Lookup {
-                    tiers: tiers.iter().map(|t| tier_code(*t) as u8).collect(),
-                    miss: miss_code(miss),
-                })
+                self.reply(self.lookup_reply(&tiers, miss, &[]))
             }
             Request::Lookup(k) => {
                 await_pending(&s, &k.keys).await;
                 // The prefix stays pinned until this connection loads it (or briefly).
                 let (mut tiers, mut hold) = store.lookup_held(&k.keys);
+                // Blocks fetched from other members, by position, with the member.
+                let mut sources = Vec::new();
                 // Not all here: the cluster's owners may hold the rest.
                 if tiers.len() < k.keys.len()
                     && let Some(rm) = s.remote.get()
                 {
                     let client = client_keys.as_deref().unwrap_or(&k.keys);
-                    let (fetched, guests) =
-                        rm.extend_lookup(&s, ns, client, &k.keys, tiers.len()).await;
-                    if fetched > 0 {
+                    let ext = rm.extend_lookup(&s, ns, client, &k.keys, tiers.len()).await;
+                    sources = ext.sources;
+                    if ext.fetched > 0 {
                         // The local prefix stayed held meanwhile (its blocks are the
                         // fetched ones' parents); the new hold covers it, so let it go.
                         let first = hold;
@@ -1374,7 +1416,7 @@ impl Job {
                         }
                         // Their owners keep the cluster's copies: evicted first here, once
                         // this request has loaded them (the hold protects them until then).
-                        rm.guests(&s, &guests);
+                        rm.guests(&s, &ext.guests);
                     }
                 }
                 if let Some(rm) = s.remote.get() {
@@ -1384,10 +1426,7 @@ impl Job {
                 }
                 lock(&self.state).remember_hold(hold, &k.keys);
                 let miss = (tiers.len() < k.keys.len()).then_some(MissReason::NotCached);
-                self.reply(Response::Lookup {
-                    tiers: tiers.iter().map(|t| tier_code(*t) as u8).collect(),
-                    miss: miss_code(miss),
-                })
+                self.reply(self.lookup_reply(&tiers, miss, &sources))
             }
             Request::Fetch(_) if !self.peer => self.error(
                 ErrorCode::Forbidden,

@@ -781,14 +781,14 @@ async fn refuse_busy<W: tokio::io::AsyncWrite + Unpin>(w: W, why: &str) {
 
 /// Writes one error frame (request id 0) and closes.
 async fn refuse_with<W: tokio::io::AsyncWrite + Unpin>(mut w: W, code: ErrorCode, why: &str) {
-    use kvtier_core::protocol::{ErrorReply, Header, Response, VERSION};
+    use kvtier_core::protocol::{ErrorReply, HEADER_VERSION, Header, Response};
     let (fl, meta) = Response::Error(ErrorReply {
         code: code as u16,
         message: why.into(),
     })
     .encode_meta();
     let h = Header {
-        version: VERSION,
+        version: HEADER_VERSION,
         opcode: 0,
         flags: fl,
         request_id: 0,

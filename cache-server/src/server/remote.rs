@@ -138,8 +138,8 @@ impl Remote {
     /// namespace `ns`) whose first `local` blocks are here: asks the owners of the rest,
     /// fetches what they hold, verifies it and stores it here in chain order. Returns how
     /// many blocks it stored (the prefix is now `local` + that many, unless evicted
-    /// meanwhile) and the keys of those this node does not own: guests, which the caller
-    /// marks once its lookup holds them.
+    /// meanwhile), the keys of those this node does not own (guests, which the caller
+    /// marks once its lookup holds them), and which member each fetched block came from.
     /// Bounded: two rounds of requests, each within `cluster.peer_timeout_ms`.
     pub async fn extend_lookup(
         &self,
@@ -148,9 +148,9 @@ impl Remote {
         client_keys: &[BlockKey],
         keys: &[BlockKey],
         local: usize,
-    ) -> (usize, Vec<BlockKey>) {
+    ) -> Extended {
         if local >= keys.len() {
-            return (0, Vec::new());
+            return Extended::default();
         }
         self.prune();
         let me = self.node.record.node_id.clone();
@@ -198,7 +198,7 @@ impl Remote {
             (runs, peers)
         });
         if peers.len() == 1 {
-            return (0, Vec::new()); // every run is this node's own
+            return Extended::default(); // every run is this node's own
         }
         // At most FETCH_BYTES_PER_LOOKUP of blocks come in for one lookup (they are held in
         // memory until stored): a longer remote prefix is served in part, the rest by the
@@ -241,7 +241,7 @@ impl Remote {
         let found = chain::combine(&runs, &present).min(cap);
         if found == 0 {
             self.release_all(&peers, &mut located);
-            return (0, Vec::new());
+            return Extended::default();
         }
         // Round 2: reserve slots here for the found blocks, in chain order; fetch each
         // owner's blocks straight into its slots, all owners in parallel; verify; commit in
@@ -288,26 +288,20 @@ impl Remote {
                         })
                         .collect();
                     let reads = reads.clone();
-                    set.spawn(read_owner(
-                        reads,
-                        pool,
-                        peer,
-                        places,
-                        keys,
-                        ask,
-                        s.block_bytes,
-                    ));
+                    let read = read_owner(reads, pool, peer, places, keys, ask, s.block_bytes);
+                    set.spawn(async move { (i, read.await) });
                 }
                 _ => {
-                    set.spawn(fetch_owner(pool, peer, keys, ask, s.block_bytes));
+                    let fetch = fetch_owner(pool, peer, keys, ask, s.block_bytes);
+                    set.spawn(async move { (i, fetch.await) });
                 }
             }
         }
         while let Some(r) = set.join_next().await {
-            if let Ok((ask, ok)) = r {
+            if let Ok((i, (ask, ok))) = r {
                 for (n, (p, res)) in ask.into_iter().enumerate() {
                     slots[p - local] = Some(if n < ok {
-                        Slot::Filled(res)
+                        Slot::Filled(res, i)
                     } else {
                         Slot::Reserved(res)
                     });
@@ -326,13 +320,18 @@ impl Remote {
             runs_mine.peek().is_some_and(|(r, m)| *m && p >= r.start)
         };
         let mut stored = Vec::new();
+        let mut sources: Vec<(std::ops::Range<usize>, usize)> = Vec::new();
         for (p, slot) in (local..end).zip(slots) {
             match slot {
                 Some(Slot::Own) => continue, // here already
                 Some(Slot::Present) => stored.push((keys[p], own(p))),
-                Some(Slot::Filled(res)) => match res.commit() {
+                Some(Slot::Filled(res, i)) => match res.commit() {
                     Ok(crate::PutOutcome::Stored(_) | crate::PutOutcome::AlreadyPresent) => {
-                        stored.push((keys[p], own(p)))
+                        stored.push((keys[p], own(p)));
+                        match sources.last_mut() {
+                            Some((r, from)) if *from == i && r.end == p => r.end += 1,
+                            _ => sources.push((p..p + 1, i)),
+                        }
                     }
                     _ => break,
                 },
@@ -340,7 +339,15 @@ impl Remote {
                 Some(Slot::Reserved(_)) | None => break,
             }
         }
-        self.stored(stored)
+        let (fetched, guests) = self.stored(stored);
+        Extended {
+            fetched,
+            guests,
+            sources: sources
+                .into_iter()
+                .map(|(r, i)| (r, peers[i].id.clone()))
+                .collect(),
+        }
     }
 
     /// How long an owner keeps blocks it located for this node: the reads that follow are
@@ -508,6 +515,18 @@ impl Remote {
 
 /// Blocks asked of an owner: their positions in the chain and their reservations here.
 type Asked = Vec<(usize, Reservation)>;
+
+/// What [`Remote::extend_lookup`] brought in.
+#[derive(Debug, Default)]
+pub struct Extended {
+    /// Blocks past the local prefix now here, in chain order (fetched, or stored meanwhile).
+    pub fetched: usize,
+    /// Those of them other members own (to mark as guests once the lookup's hold is on).
+    pub guests: Vec<BlockKey>,
+    /// The positions (in the lookup's keys) of the blocks fetched from a member, in runs,
+    /// each with the member's node id: the lookup reply's remote tier and sources.
+    pub sources: Vec<(std::ops::Range<usize>, String)>,
+}
 
 /// One owner's part of a remote lookup: its blocks (`keys`, in chain order, with their
 /// reservations here) fetched in stripes over several connections at once
@@ -813,8 +832,9 @@ fn bad_block(pool: &PeerPool, peer: &PeerAddr, how: &str) {
 enum Slot {
     /// Reserved, waiting for its bytes.
     Reserved(Reservation),
-    /// Its bytes came and checked out: to commit.
-    Filled(Reservation),
+    /// Its bytes came from peer `.1` (an index into the lookup's peers) and checked out:
+    /// to commit.
+    Filled(Reservation, usize),
     /// Here already (stored meanwhile): nothing to fetch.
     Present,
     /// In a run this node owns: here already, never fetched.

@@ -4,19 +4,23 @@
 
 use std::time::{Duration, Instant};
 
-use kvtier_client::{Client, ClientConfig, ClientError};
+use kvtier_client::{Client, ClientConfig, ClientError, Source, TierCode};
 use kvtier_core::BlockKey;
 use kvtier_core::protocol::{
-    ErrorCode, FetchReply, HEADER_BYTES, Header, HelloReply, Limits, Request, Response, block_sum,
+    ErrorCode, FetchReply, HEADER_BYTES, Header, HelloReply, KeyList, Limits, Request, Response,
+    block_sum,
 };
 use kvtier_server::cluster::record::{
     MemberRecord, RECORD_VERSION, RecordSealer, TierCapacity, peer_token,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::common::{BLOCK, ServerProc, bounded, get_verified, http_get, keys, put_all};
+use super::common::{
+    BLOCK, Raw, ServerProc, TOKEN, bounded, get_verified, http_get, keys, put_all,
+};
 use super::{cluster_doc, member_with, metric, secret_file, until_view};
 use kvtier_testkit::etcd::Etcd;
+use tokio::net::TcpStream;
 
 const SECRET: &str = "the data path's secret, 32 bytes";
 /// `cluster.run_blocks` of these tests (and of `partition.rs`'s).
@@ -224,6 +228,12 @@ async fn found_and_read_on_the_others(fetch: &str) {
             );
             assert_eq!(l.tiers.len(), chain.len(), "{id}: {l:?}");
             assert_eq!(l.miss, None);
+            // The reply says which blocks came from another member, and from which: the
+            // runs others own, each from its owner (neighbouring runs of one owner in one
+            // source); its own runs are here (DRAM).
+            let (tiers, sources) = expected_sources(&owners, id);
+            assert_eq!(l.tiers, tiers, "{id}: {owners:?}");
+            assert_eq!(l.sources, sources, "{id}: {owners:?}");
             assert_eq!(get_verified(&cl, &chain).await, chain.len(), "{id}");
             // It fetched exactly the runs others own.
             let remote = owners.iter().filter(|o| *o != id).count() * RUN;
@@ -276,7 +286,8 @@ async fn found_and_read_on_the_others(fetch: &str) {
             }
             // A second lookup is all local.
             let again = cl.lookup(&chain).await;
-            assert_eq!(again.tiers.len(), chain.len());
+            assert_eq!(again.tiers, vec![TierCode::Dram; chain.len()]);
+            assert_eq!(again.sources, vec![]);
             let m = http_get(s.admin, "/metrics").await.1;
             assert_eq!(
                 metric(&m, "kvtier_cluster_remote_hits_total") as usize,
@@ -324,9 +335,32 @@ async fn found_and_read_on_the_others(fetch: &str) {
         let l = peer(x).await.lookup(&chain2).await;
         assert_eq!(l.tiers.len(), 0, "{xid} does not hold run 0: {l:?}");
         assert_eq!(asked(&http_get(x.admin, "/metrics").await.1), before);
-        // A client's lookup there asks the owners.
-        let l = x.client("tcp").await.lookup(&chain2).await;
-        assert_eq!(l.tiers.len(), chain2.len(), "{l:?}");
+        // A client's lookup there asks the owners. This client speaks protocol version 3
+        // only: its reply has no sources, and the blocks fetched are DRAM, where they are.
+        let mut raw = Raw::new(TcpStream::connect(x.tcp).await.unwrap());
+        match raw.hello_versions(TOKEN, 3, 3).await {
+            Response::Hello(h) => assert_eq!(h.version, 3),
+            r => panic!("{r:?}"),
+        }
+        raw.send(
+            &Request::Lookup(KeyList {
+                keys: chain2.clone(),
+            }),
+            &[],
+        )
+        .await;
+        let (h, r, _) = raw.recv().await.expect("a lookup reply");
+        assert_eq!(h.version, 3, "the frame's header");
+        let fetched = owners2.iter().filter(|o| *o != xid).count() * RUN;
+        assert!(fetched > 0, "{owners2:?}");
+        assert_eq!(
+            r,
+            Response::Lookup {
+                tiers: vec![TierCode::Dram as u8; chain2.len()],
+                miss: 0,
+                sources: None,
+            }
+        );
         assert!(asked(&http_get(x.admin, "/metrics").await.1) > before);
 
         // A long chain: each owner's fetch is over 512 KiB, whose sums the owner hashes on
@@ -346,6 +380,29 @@ async fn found_and_read_on_the_others(fetch: &str) {
         assert_eq!(get_verified(&cl, &chain3).await, chain3.len(), "{yid}");
     })
     .await;
+}
+
+/// The tiers and sources a lookup on member `id` reports for a chain of runs of [`RUN`]
+/// blocks owned by `owners` (one a run), none of it on `id` but its own runs.
+fn expected_sources(owners: &[String], id: &str) -> (Vec<TierCode>, Vec<Source>) {
+    let mut tiers = Vec::new();
+    let mut sources: Vec<Source> = Vec::new();
+    for (r, o) in owners.iter().enumerate() {
+        let blocks = r * RUN..(r + 1) * RUN;
+        if o == id {
+            tiers.extend([TierCode::Dram; RUN]);
+            continue;
+        }
+        tiers.extend([TierCode::Remote; RUN]);
+        match sources.last_mut() {
+            Some(s) if s.node == *o && s.blocks.end == blocks.start => s.blocks.end = blocks.end,
+            _ => sources.push(Source {
+                blocks,
+                node: o.clone(),
+            }),
+        }
+    }
+    (tiers, sources)
 }
 
 /// Members a and b (`cluster.fetch` = `fetch`, 16 MiB of DRAM each, runs of 8) and a 4 MiB
@@ -938,6 +995,7 @@ async fn lying_peer(l: tokio::net::TcpListener) {
                         Response::Lookup {
                             tiers: vec![1; k.keys.len()],
                             miss: 0,
+                            sources: None,
                         },
                         vec![],
                     ),

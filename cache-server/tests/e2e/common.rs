@@ -513,10 +513,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Raw<S> {
     }
 
     pub async fn hello(&mut self, token: &str) -> Response {
+        let v = kvtier_core::protocol::VERSION;
+        self.hello_versions(token, v, v).await
+    }
+
+    /// A hello speaking versions `min..=max` (an older client's).
+    pub async fn hello_versions(&mut self, token: &str, min: u16, max: u16) -> Response {
         self.send(
             &Request::Hello(kvtier_core::protocol::Hello {
-                min_version: kvtier_core::protocol::VERSION,
-                max_version: kvtier_core::protocol::VERSION,
+                min_version: min,
+                max_version: max,
                 client: "raw".into(),
                 token: token.into(),
                 block_bytes: 0,

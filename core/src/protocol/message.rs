@@ -25,17 +25,54 @@ wire_enum! {
         Hbm = 0,
         Dram = 1,
         Nvme = 2,
+        /// Lookup replies only (protocol version 4): the block was not on the answering
+        /// server; another member of its cluster held it, and the lookup fetched it into
+        /// this server's DRAM (where a get or pin now finds it). The reply's `sources` name
+        /// the member. Never a tier of a stored block (events, gets, pins).
+        Remote = 3,
     }
 }
 
 impl TierCode {
+    /// The three tiers a block is stored in (what events, gets and pins report).
+    pub const STORED: [TierCode; 3] = [TierCode::Hbm, TierCode::Dram, TierCode::Nvme];
+
     pub fn name(self) -> &'static str {
         match self {
             TierCode::Hbm => "hbm",
             TierCode::Dram => "dram",
             TierCode::Nvme => "nvme",
+            TierCode::Remote => "remote",
         }
     }
+
+    /// A code of a stored tier ([`Self::STORED`]); `None` for an unknown code and for
+    /// [`TierCode::Remote`], which no stored block has.
+    pub fn stored_from_u8(v: u8) -> Option<Self> {
+        Self::from_u8(v).filter(|t| *t != TierCode::Remote)
+    }
+
+    /// The tier whose bytes a get of this block reads on the server that answered the
+    /// lookup: a remote block was fetched into its DRAM.
+    pub fn held(self) -> TierCode {
+        match self {
+            TierCode::Remote => TierCode::Dram,
+            t => t,
+        }
+    }
+}
+
+/// Longest member name a lookup reply's source may carry.
+pub const MAX_NODE_BYTES: usize = MAX_NAME_BYTES;
+
+/// A run of a lookup reply's blocks that came from another member of the server's cluster
+/// (protocol version 4): blocks `start..start + len` of the reply, each of tier
+/// [`TierCode::Remote`], fetched from member `node` (its cluster node id).
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+pub struct BlockSource {
+    pub start: u32,
+    pub len: u32,
+    pub node: String,
 }
 
 wire_enum! {
@@ -583,6 +620,54 @@ struct TiersMeta {
     miss: u8,
 }
 
+/// A lookup reply in protocol version 4: version 3's fields, then where remote blocks came
+/// from.
+#[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
+struct LookupMeta {
+    tiers: Vec<u8>,
+    miss: u8,
+    sources: Vec<BlockSource>,
+}
+
+/// A lookup reply's sources must be in order, not overlap, lie within its blocks, name a
+/// member, and cover exactly the blocks of tier [`TierCode::Remote`] (none without sources).
+fn check_sources(tiers: &[u8], sources: Option<&[BlockSource]>) -> Result<(), FrameError> {
+    let what = "lookup sources";
+    let remote = TierCode::Remote as u8;
+    let mut next = 0usize;
+    for s in sources.unwrap_or_default() {
+        check_text("lookup source node", &s.node, MAX_NODE_BYTES)?;
+        let (start, len) = (s.start as usize, s.len as usize);
+        let end = start.checked_add(len).filter(|&e| e <= tiers.len());
+        let Some(end) = end.filter(|_| len > 0 && start >= next && !s.node.is_empty()) else {
+            return Err(bad(
+                what,
+                format!(
+                    "run {}+{} from {:?} (after block {next}, of {} blocks)",
+                    s.start,
+                    s.len,
+                    s.node,
+                    tiers.len()
+                ),
+            ));
+        };
+        if let Some(i) = tiers[next..start].iter().position(|t| *t == remote) {
+            return Err(bad(what, format!("remote block {} in no run", next + i)));
+        }
+        if let Some(i) = tiers[start..end].iter().position(|t| *t != remote) {
+            return Err(bad(
+                what,
+                format!("block {} of a run is not remote", start + i),
+            ));
+        }
+        next = end;
+    }
+    if let Some(i) = tiers[next..].iter().position(|t| *t == remote) {
+        return Err(bad(what, format!("remote block {} in no run", next + i)));
+    }
+    Ok(())
+}
+
 /// The reply to a fetch: a get's, and one [`block_sum`] per block returned.
 #[derive(Clone, Debug, PartialEq, Eq, SchemaWrite, SchemaRead)]
 pub struct FetchReply {
@@ -641,9 +726,14 @@ pub enum Response {
     Hello(HelloReply),
     Pong,
     /// Tiers of the longest cached prefix; `miss` says why it stopped ([`MissCode`]).
+    /// `sources`: `None` in the version-3 form (no remote tier: a block fetched from a
+    /// cluster peer is reported as `dram`, where it is now); `Some` in version 4, whose
+    /// tiers mark such blocks [`TierCode::Remote`] and whose sources say which member each
+    /// run of them came from, in order (a remote block is in exactly one run).
     Lookup {
         tiers: Vec<u8>,
         miss: u8,
+        sources: Option<Vec<BlockSource>>,
     },
     /// The payload holds `tiers.len()` blocks.
     Get {
@@ -683,7 +773,24 @@ impl Response {
         match self {
             Response::Hello(h) => (r, enc(h)),
             Response::Pong | Response::Done => (r, enc(&Empty {})),
-            Response::Lookup { tiers, miss } | Response::Get { tiers, miss } => (
+            Response::Lookup {
+                tiers,
+                miss,
+                sources: Some(sources),
+            } => (
+                r,
+                enc(&LookupMeta {
+                    tiers: tiers.clone(),
+                    miss: *miss,
+                    sources: sources.clone(),
+                }),
+            ),
+            Response::Lookup {
+                tiers,
+                miss,
+                sources: None,
+            }
+            | Response::Get { tiers, miss } => (
                 r,
                 enc(&TiersMeta {
                     tiers: tiers.clone(),
@@ -737,14 +844,28 @@ impl Response {
                     Response::Done
                 }
             }
-            Opcode::Lookup | Opcode::Get => {
+            Opcode::Lookup => {
+                // Version 4's form carries the sources after version 3's fields; a version-3
+                // reply ends before them (a server that negotiated 3 sends that form).
+                let (tiers, miss, sources) = match dec::<LookupMeta>(what, meta) {
+                    Ok(m) => (m.tiers, m.miss, Some(m.sources)),
+                    Err(_) => {
+                        let TiersMeta { tiers, miss } = dec(what, meta)?;
+                        (tiers, miss, None)
+                    }
+                };
+                check_keys(what, tiers.len(), limits)?;
+                check_sources(&tiers, sources.as_deref())?;
+                Response::Lookup {
+                    tiers,
+                    miss,
+                    sources,
+                }
+            }
+            Opcode::Get => {
                 let TiersMeta { tiers, miss } = dec(what, meta)?;
                 check_keys(what, tiers.len(), limits)?;
-                if op == Opcode::Lookup {
-                    Response::Lookup { tiers, miss }
-                } else {
-                    Response::Get { tiers, miss }
-                }
+                Response::Get { tiers, miss }
             }
             Opcode::Fetch => {
                 let f: FetchReply = dec(what, meta)?;

@@ -38,10 +38,10 @@ macro_rules! wire_enum {
 pub mod message;
 
 pub use message::{
-    BlockEvent, BlockSum, ErrorCode, ErrorReply, EventKind, Events, FetchReply, Hello, HelloReply,
-    KeyList, LocateReply, MAX_RETAIN_PRIORITY, MAX_RETAIN_RETURN_MS, MissCode, PinReply,
-    PinnedSlot, PutEntry, PutReply, PutStatus, Request, ReserveReply, ReservedSlot, Response,
-    RetainHint, RetainReply, RetainStatus, TierCode, block_sum,
+    BlockEvent, BlockSource, BlockSum, ErrorCode, ErrorReply, EventKind, Events, FetchReply, Hello,
+    HelloReply, KeyList, LocateReply, MAX_NODE_BYTES, MAX_RETAIN_PRIORITY, MAX_RETAIN_RETURN_MS,
+    MissCode, PinReply, PinnedSlot, PutEntry, PutReply, PutStatus, Request, ReserveReply,
+    ReservedSlot, Response, RetainHint, RetainReply, RetainStatus, TierCode, block_sum,
 };
 
 use thiserror::Error;
@@ -49,8 +49,14 @@ use thiserror::Error;
 /// `"KVT1"` read as a little-endian u32.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"KVT1");
 /// The protocol version this build speaks. A hello names the range a client speaks; the
-/// server answers with the highest version both know.
-pub const VERSION: u16 = 3;
+/// server answers with the highest version both know. Version 4 adds the lookup reply's
+/// remote tier and sources ([`Response::Lookup`]); nothing else differs from 3.
+pub const VERSION: u16 = 4;
+/// The version every frame's header carries. The framing has not changed since version 3,
+/// so a side that speaks only 3 reads every frame of a newer one (and its hello, whose range
+/// settles the version): what a newer version adds is in the metadata of the version the
+/// hello agreed on. A header with any version from [`MIN_VERSION`] to [`VERSION`] is read.
+pub const HEADER_VERSION: u16 = 3;
 /// Oldest protocol version this build still speaks.
 pub const MIN_VERSION: u16 = 3;
 /// QUIC flow-control window (per stream and per connection) of kvtier's QUIC peers: a couple
@@ -237,7 +243,7 @@ impl FrameError {
 impl Header {
     pub fn request(op: Opcode, request_id: u64, meta_len: usize, payload_len: u64) -> Self {
         Self {
-            version: VERSION,
+            version: HEADER_VERSION,
             opcode: op as u8,
             flags: 0,
             request_id,

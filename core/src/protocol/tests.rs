@@ -286,6 +286,34 @@ fn every_response_round_trips() {
             Response::Lookup {
                 tiers: vec![1, 1, 2],
                 miss: MissCode::NotCached as u8,
+                sources: None,
+            },
+        ),
+        (
+            Opcode::Lookup,
+            Response::Lookup {
+                tiers: vec![1, 3, 3, 2, 3],
+                miss: MissCode::NotCached as u8,
+                sources: Some(vec![
+                    BlockSource {
+                        start: 1,
+                        len: 2,
+                        node: "a".into(),
+                    },
+                    BlockSource {
+                        start: 4,
+                        len: 1,
+                        node: "b".into(),
+                    },
+                ]),
+            },
+        ),
+        (
+            Opcode::Lookup,
+            Response::Lookup {
+                tiers: vec![1],
+                miss: 0,
+                sources: Some(vec![]),
             },
         ),
         (
@@ -743,6 +771,107 @@ fn a_locate_reply_with_sums_not_matching_its_blocks_is_refused() {
     h.flags = fl;
     let e = Response::decode(&h, &meta, &Limits::default()).unwrap_err();
     assert!(e.to_string().contains("2 sums for 1 blocks"), "{e}");
+}
+
+#[test]
+fn lookup_reply_golden_bytes_in_both_versions() {
+    // Version 3: u64-prefixed tiers, the miss byte. Version 4 appends the u64-prefixed
+    // sources, each u32 start, u32 len, u64-prefixed node id.
+    let v3 = Response::Lookup {
+        tiers: vec![1, 3],
+        miss: 1,
+        sources: None,
+    };
+    let m3 = vec![2, 0, 0, 0, 0, 0, 0, 0, 1, 3, 1];
+    let mut m4 = m3.clone();
+    m4.extend_from_slice(&[1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0]);
+    m4.extend_from_slice(&[2, 0, 0, 0, 0, 0, 0, 0, b'n', b'1']);
+    let v4 = Response::Lookup {
+        tiers: vec![1, 3],
+        miss: 1,
+        sources: Some(vec![BlockSource {
+            start: 1,
+            len: 1,
+            node: "n1".into(),
+        }]),
+    };
+    assert_eq!(v4.encode_meta().1, m4);
+    assert_eq!(v3.encode_meta().1, m3);
+    let h = Header::request(Opcode::Lookup, 1, 0, 0);
+    let limits = Limits::default();
+    assert_eq!(Response::decode(&h, &m4, &limits).unwrap(), v4);
+    // Version 3's form cannot carry a remote block: none of its blocks is in a run.
+    let e = Response::decode(&h, &m3, &limits).unwrap_err();
+    assert!(e.to_string().contains("remote block 1 in no run"), "{e}");
+    let mut plain = m3.clone();
+    plain[9] = 2;
+    assert_eq!(
+        Response::decode(&h, &plain, &limits).unwrap(),
+        Response::Lookup {
+            tiers: vec![1, 2],
+            miss: 1,
+            sources: None,
+        }
+    );
+}
+
+#[test]
+fn lookup_sources_that_do_not_match_the_tiers_are_refused() {
+    let src = |start, len, node: &str| BlockSource {
+        start,
+        len,
+        node: node.into(),
+    };
+    let cases: Vec<(Vec<u8>, Vec<BlockSource>, &str)> = vec![
+        (vec![1, 3], vec![src(1, 2, "a")], "run 1+2"),
+        (vec![3, 3], vec![src(0, 0, "a")], "run 0+0"),
+        (vec![3, 3], vec![src(0, 1, "")], "run 0+1"),
+        (vec![3, 3], vec![src(0, 2, "a"), src(1, 1, "b")], "run 1+1"),
+        (
+            vec![3, 1],
+            vec![src(0, 2, "a")],
+            "block 1 of a run is not remote",
+        ),
+        (vec![3, 3], vec![src(0, 1, "a")], "remote block 1 in no run"),
+        (
+            vec![3, 1, 3],
+            vec![src(2, 1, "a")],
+            "remote block 0 in no run",
+        ),
+        (vec![1], vec![src(u32::MAX, 2, "a")], "run 4294967295+2"),
+        (
+            vec![3],
+            vec![src(0, 1, &"n".repeat(MAX_NODE_BYTES + 1))],
+            "node",
+        ),
+    ];
+    let h = Header::request(Opcode::Lookup, 1, 0, 0);
+    for (tiers, sources, want) in cases {
+        let r = Response::Lookup {
+            tiers: tiers.clone(),
+            miss: 0,
+            sources: Some(sources.clone()),
+        };
+        let (_, meta) = r.encode_meta();
+        let e = Response::decode(&h, &meta, &Limits::default()).unwrap_err();
+        assert!(e.to_string().contains(want), "{tiers:?} {sources:?}: {e}");
+    }
+}
+
+#[test]
+fn frames_carry_the_header_version_every_side_reads() {
+    // A side that speaks only version 3 reads a newer side's frames: the framing is 3's.
+    let h = Header::request(Opcode::Lookup, 1, 0, 0);
+    assert_eq!(h.version, 3);
+    assert_eq!(HEADER_VERSION, MIN_VERSION);
+    let mut b = h.encode();
+    b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+    assert_eq!(
+        Header::decode(&b, &Limits::default()).unwrap().version,
+        VERSION
+    );
+    b[4..6].copy_from_slice(&(VERSION + 1).to_le_bytes());
+    assert!(Header::decode(&b, &Limits::default()).is_err());
 }
 
 #[test]
