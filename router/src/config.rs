@@ -133,7 +133,8 @@ pub struct RouterConfig {
     pub session_active_ms: u64,
     /// The workers' kvtier servers are members of one kvtier cluster (`docs/cluster.md`):
     /// a block any of them holds counts, for every worker, as loadable after its own prefix,
-    /// at `costs.cluster_bytes_per_s` (its server fetches it from the owner). Default: false.
+    /// at `costs.cluster_bytes_per_s` or the rate measured from the worker's loads of such
+    /// blocks (its server fetches it from the owner). Default: false.
     pub cluster: bool,
     /// Workers from a kvtier cluster's membership: the cluster's etcd client URLs
     /// (`http://HOST:PORT`, comma-separated; "" is off). Every member whose record names a

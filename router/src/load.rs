@@ -46,8 +46,9 @@ pub const MAX_LOAD_BYTES_PER_S: f64 = 1e13;
 /// What a worker reported loading for one answer (`usage.kvtier`).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LoadReport {
-    /// Bytes loaded, by tier (index: `TierCode as usize`).
-    pub loaded_bytes: [u64; 3],
+    /// Bytes loaded, by tier (index: `TierCode as usize`; `Remote`: fetched by the server's
+    /// cluster from another member for the lookup).
+    pub loaded_bytes: [u64; 4],
     /// Seconds the load took, as the worker measured it.
     pub load_s: f64,
 }
@@ -119,8 +120,8 @@ pub struct Measured {
     /// Seconds of one decode step of one sequence.
     pub decode_step_s: Ewma,
     /// Bytes per second loaded from each tier of its kvtier server (index: `TierCode as
-    /// usize`).
-    pub load_bytes_per_s: [Ewma; 3],
+    /// usize`), and (`TierCode::Remote`) of blocks its server fetched from the cluster.
+    pub load_bytes_per_s: [Ewma; 4],
 }
 
 impl Measured {
@@ -165,7 +166,7 @@ impl Measured {
             return LoadOutcome::Bad;
         }
         let Some(tier) = TierCode::from_u8(t as u8) else {
-            return LoadOutcome::Bad; // unreachable: three tiers, three slots
+            return LoadOutcome::Bad; // unreachable: four codes, four slots
         };
         self.load_bytes_per_s[t].add(bw);
         LoadOutcome::Sample(tier)
@@ -242,9 +243,28 @@ mod tests {
 
     fn report(hbm: u64, dram: u64, nvme: u64, load_s: f64) -> LoadReport {
         LoadReport {
-            loaded_bytes: [hbm, dram, nvme],
+            loaded_bytes: [hbm, dram, nvme, 0],
             load_s,
         }
+    }
+
+    #[test]
+    fn a_load_all_from_the_cluster_is_a_sample_of_its_rate_and_a_mixed_one_is_not() {
+        let mut m = Measured::default();
+        let mib = 1u64 << 20;
+        let remote = |dram, remote| LoadReport {
+            loaded_bytes: [0, dram, 0, remote],
+            load_s: 0.02,
+        };
+        for _ in 0..3 {
+            let o = m.load_sample(&remote(0, 8 * mib));
+            assert_eq!(o, LoadOutcome::Sample(TierCode::Remote));
+        }
+        let bw = m.load_bytes_per_s[TierCode::Remote as usize].get().unwrap();
+        assert!((bw - 8.0 * mib as f64 / 0.02).abs() < 1e-3, "{bw}");
+        // Part DRAM, part fetched: the time is mostly the fetch, no sample of either.
+        assert_eq!(m.load_sample(&remote(8 * mib, mib)), LoadOutcome::Mixed);
+        assert_eq!(m.load_bytes_per_s[TierCode::Dram as usize].samples, 0);
     }
 
     #[test]

@@ -50,7 +50,8 @@ pub struct Costs {
     /// Bytes per second loaded from NVMe. Default: 1e9.
     pub nvme_bytes_per_s: f64,
     /// Bytes per second a worker's server fetches a block from another member of its kvtier
-    /// cluster (`cluster = true`). Default: 0.5e9.
+    /// cluster (`cluster = true`), until the worker's loads of such blocks measure it.
+    /// Default: 0.5e9.
     pub cluster_bytes_per_s: f64,
     /// Fixed cost of each request the worker is still answering. Default: 0.005.
     pub per_request_s: f64,
@@ -162,6 +163,8 @@ pub struct Candidate {
     /// This worker's measured load bandwidth from each tier (index: `TierCode as usize`),
     /// when known.
     pub load_bytes_per_s: [Option<f64>; 3],
+    /// This worker's measured rate of blocks its server fetched from the cluster, when known.
+    pub cluster_bytes_per_s: Option<f64>,
 }
 
 /// One worker's expected time to first token, and its parts.
@@ -195,6 +198,8 @@ pub struct Score {
     pub decode_step_s: f64,
     /// Bytes per second from HBM, DRAM, NVMe.
     pub load_bytes_per_s: [f64; 3],
+    /// Bytes per second of the blocks fetched from the cluster.
+    pub cluster_bytes_per_s: f64,
 }
 
 /// Scores every candidate for a prompt of `prompt_tokens` tokens in blocks of `block_tokens`.
@@ -205,7 +210,8 @@ pub fn score(prompt_tokens: usize, block_tokens: usize, c: &Candidate, costs: &C
     let mut by_tier = [0usize; 3];
     let bandwidth = [TierCode::Hbm, TierCode::Dram, TierCode::Nvme]
         .map(|t| c.load_bytes_per_s[t as usize].unwrap_or(costs.bytes_per_s(t)));
-    let mut load_s = cluster as f64 * c.block_bytes as f64 / costs.cluster_bytes_per_s;
+    let cluster_bw = c.cluster_bytes_per_s.unwrap_or(costs.cluster_bytes_per_s);
+    let mut load_s = cluster as f64 * c.block_bytes as f64 / cluster_bw;
     for t in cached {
         by_tier[*t as usize] += 1;
     }
@@ -250,6 +256,7 @@ pub fn score(prompt_tokens: usize, block_tokens: usize, c: &Candidate, costs: &C
         prefill_tokens_per_s: rate,
         decode_step_s: step,
         load_bytes_per_s: bandwidth,
+        cluster_bytes_per_s: cluster_bw,
     }
 }
 
@@ -506,6 +513,7 @@ mod tests {
             prefill_tokens_per_s: None,
             decode_step_s: None,
             load_bytes_per_s: [None; 3],
+            cluster_bytes_per_s: None,
         }
     }
 
@@ -565,10 +573,21 @@ mod tests {
         remote.cluster_blocks = 40;
         check(
             1000,
-            &[cand(0, vec![], 0, 0), remote, cand(2, vec![Dram; 40], 0, 0)],
+            &[
+                cand(0, vec![], 0, 0),
+                remote.clone(),
+                cand(2, vec![Dram; 40], 0, 0),
+            ],
             0,
             &[2, 1, 0],
         );
+        // Measured (the worker's loads of blocks its server fetched): 4 MB/s makes 40 blocks
+        // 328 ms, slower than computing their 640 tokens (213 ms): the cold worker wins.
+        remote.cluster_bytes_per_s = Some(4e6);
+        let s = score(1000, 16, &remote, &costs);
+        assert!((s.load_s - 40.0 * 32768.0 / 4e6).abs() < 1e-12, "{s:?}");
+        assert_eq!(s.cluster_bytes_per_s, 4e6);
+        check(1000, &[cand(0, vec![], 0, 0), remote], 0, &[0, 1]);
     }
 
     #[test]

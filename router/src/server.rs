@@ -470,9 +470,14 @@ fn decide(app: &AppInner, analysed: Analysed, rotation: usize) -> Decision {
                     .filter(|_| use_measured)
                     .or(w.prefill_tokens_per_s),
                 decode_step_s: measured.decode_step_s.get().filter(|_| use_measured),
-                load_bytes_per_s: measured
-                    .load_bytes_per_s
-                    .map(|e| e.get().filter(|_| use_measured)),
+                load_bytes_per_s: TierCode::STORED.map(|t| {
+                    measured.load_bytes_per_s[t as usize]
+                        .get()
+                        .filter(|_| use_measured)
+                }),
+                cluster_bytes_per_s: measured.load_bytes_per_s[TierCode::Remote as usize]
+                    .get()
+                    .filter(|_| use_measured),
             };
             score::score(analysed.prompt_tokens, bt, &c, costs)
         })
@@ -571,9 +576,14 @@ fn explain(app: &AppInner, d: &Decision) -> Value {
                         }),
                     );
                 }
+                let e = m.load_bytes_per_s[TierCode::Remote as usize];
                 load.insert(
                     "cluster".into(),
-                    json!({"measured": null, "configured": costs.cluster_bytes_per_s, "samples": 0}),
+                    json!({
+                        "measured": e.get(),
+                        "configured": costs.cluster_bytes_per_s,
+                        "samples": e.samples,
+                    }),
                 );
                 o.insert(
                     "measured".into(),

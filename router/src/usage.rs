@@ -59,6 +59,10 @@ struct Tiers {
     dram: u64,
     #[serde(default)]
     nvme: u64,
+    /// Fetched by the server's cluster from another member (a worker before it reports
+    /// none).
+    #[serde(default)]
+    remote: u64,
 }
 
 /// The last `"kvtier":{...}` in `tail`.
@@ -72,7 +76,12 @@ pub fn load_report(tail: &[u8]) -> Report {
         .next()
     {
         Some(Ok(w)) => Report::Load(LoadReport {
-            loaded_bytes: [w.loaded_bytes.hbm, w.loaded_bytes.dram, w.loaded_bytes.nvme],
+            loaded_bytes: [
+                w.loaded_bytes.hbm,
+                w.loaded_bytes.dram,
+                w.loaded_bytes.nvme,
+                w.loaded_bytes.remote,
+            ],
             load_s: w.load_s,
         }),
         _ => Report::Malformed,
@@ -98,7 +107,7 @@ mod tests {
     fn the_load_report_is_read_from_either_answer_shape() {
         let json = br#"{"usage":{"completion_tokens":4,"kvtier":{"load_s":0.002,"loaded_bytes":{"dram":2097152,"hbm":0,"nvme":0},"loaded_tokens":{"dram":64,"hbm":0,"nvme":0},"local_tokens":0},"prompt_tokens":70}}"#;
         let want = Report::Load(LoadReport {
-            loaded_bytes: [0, 2 << 20, 0],
+            loaded_bytes: [0, 2 << 20, 0, 0],
             load_s: 0.002,
         });
         assert_eq!(load_report(json), want);
@@ -106,8 +115,17 @@ mod tests {
         assert_eq!(
             load_report(sse),
             Report::Load(LoadReport {
-                loaded_bytes: [0, 0, 5],
+                loaded_bytes: [0, 0, 5, 0],
                 load_s: 1.0
+            })
+        );
+        // A worker behind a cluster member: blocks its server fetched from the cluster.
+        let remote = br#"{"usage":{"kvtier":{"load_s":0.5,"loaded_bytes":{"dram":0,"hbm":0,"nvme":0,"remote":9}}}}"#;
+        assert_eq!(
+            load_report(remote),
+            Report::Load(LoadReport {
+                loaded_bytes: [0, 0, 0, 9],
+                load_s: 0.5
             })
         );
     }

@@ -476,7 +476,7 @@ pub fn finish_reason(f: FinishReason) -> &'static str {
 /// `docs/worker.md`).
 pub fn usage_json(u: &Usage) -> Value {
     let l = &u.load;
-    let by_tier = |v: [u64; 3]| json!({"hbm": v[0], "dram": v[1], "nvme": v[2]});
+    let by_tier = |v: [u64; 4]| json!({"hbm": v[0], "dram": v[1], "nvme": v[2], "remote": v[3]});
     json!({
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
@@ -812,8 +812,8 @@ mod tests {
             cached_tokens: 688,
             load: crate::scheduler::LoadReport {
                 local_tokens: 160,
-                loaded_tokens: [0, 400, 128],
-                loaded_bytes: [0, 25 << 15, 8 << 15],
+                loaded_tokens: [0, 400, 128, 64],
+                loaded_bytes: [0, 25 << 15, 8 << 15, 4 << 15],
                 load_time: std::time::Duration::from_micros(1500),
             },
         };
@@ -823,8 +823,8 @@ mod tests {
             v["kvtier"],
             json!({
                 "local_tokens": 160,
-                "loaded_tokens": {"hbm": 0, "dram": 400, "nvme": 128},
-                "loaded_bytes": {"hbm": 0, "dram": 819200, "nvme": 262144},
+                "loaded_tokens": {"hbm": 0, "dram": 400, "nvme": 128, "remote": 64},
+                "loaded_bytes": {"hbm": 0, "dram": 819200, "nvme": 262144, "remote": 131072},
                 "load_s": 0.0015,
             })
         );

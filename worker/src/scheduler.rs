@@ -126,10 +126,12 @@ pub struct LoadReport {
     /// place: nothing loaded).
     pub local_tokens: usize,
     /// Prompt tokens of the blocks copied in from the sidecar, by the tier its server said
-    /// held them (index: `TierCode` as `usize`, HBM, DRAM, NVMe).
-    pub loaded_tokens: [usize; 3],
+    /// held them (index: `TierCode` as `usize`: HBM, DRAM, NVMe, and remote: blocks the
+    /// server's cluster fetched from another member for the lookup, whose time is in
+    /// `load_time`).
+    pub loaded_tokens: [usize; 4],
     /// Bytes of those blocks, by tier.
-    pub loaded_bytes: [u64; 3],
+    pub loaded_bytes: [u64; 4],
     /// Time of the sidecar calls for the prompt (lookup, pin or get) and of the copy into
     /// the pool; zero when nothing was loaded.
     pub load_time: Duration,
@@ -524,7 +526,7 @@ impl Loop {
         }
         let t = Instant::now();
         let mut engine = lock(&self.engine);
-        let mut by_tier = [0usize; 3];
+        let mut by_tier = [0usize; 4];
         for i in from..n {
             let id = seq.table.blocks()[i];
             if let Err(e) = engine.cache_mut().write_block(id, source.block(i - first)) {
@@ -533,13 +535,15 @@ impl Loop {
                 seq.req.prefix.store_from = 0;
                 return;
             }
-            // A block the server gave no tier for counts as DRAM (where a sidecar serves from),
-            // as does one its cluster fetched for the lookup (it was read from DRAM).
-            let tier = source
-                .tier(i - first)
+            // A block the server gave no tier for counts as DRAM (where a sidecar serves from).
+            let tier = seq
+                .req
+                .prefix
+                .tier(&source, i - first)
                 .unwrap_or(kvtier_client::TierCode::Dram);
-            by_tier[tier.held() as usize] += 1;
+            by_tier[tier as usize] += 1;
         }
+        let any_remote = by_tier[kvtier_client::TierCode::Remote as usize] > 0;
         let any_nvme = match &source {
             PrefixSource::Pinned(p) => p
                 .tiers()
@@ -556,7 +560,9 @@ impl Loop {
         seq.load.loaded_tokens = by_tier.map(|b| b * bt);
         seq.load.loaded_bytes = by_tier.map(|b| b as u64 * block_bytes);
         seq.load.load_time = took;
-        if let Some(s) = &self.sidecar {
+        // The time of a load with remote blocks is mostly the cluster's fetch: no sample of
+        // the sidecar's own tiers.
+        if let Some(s) = self.sidecar.as_ref().filter(|_| !any_remote) {
             s.observe_load(bytes, took, any_nvme);
         }
         self.metrics.load_time.observe(took);

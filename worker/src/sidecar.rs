@@ -136,9 +136,22 @@ pub struct Prefix {
     /// The request's `kvtier_retain_s`: after the response, the sidecar is asked to keep the
     /// prefix until the client's next request.
     pub retain: Option<Duration>,
+    /// Which of the source's blocks (by index in it) the server's cluster fetched from
+    /// another member for the lookup (its tier `remote`; a pin or get reports them as DRAM,
+    /// where they are by then).
+    pub remote: Vec<std::ops::Range<usize>>,
 }
 
 impl Prefix {
+    /// The tier block `i` of `source` (this prefix's source, moved out) came from: remote
+    /// where the lookup fetched it from another member, else where the server read it.
+    pub fn tier(&self, source: &PrefixSource, i: usize) -> Option<TierCode> {
+        if self.remote.iter().any(|r| r.contains(&i)) {
+            return Some(TierCode::Remote);
+        }
+        source.tier(i)
+    }
+
     /// No sidecar: compute everything, store nothing.
     pub fn none() -> Self {
         Self {
@@ -150,6 +163,7 @@ impl Prefix {
             store: false,
             cache_salt: None,
             retain: None,
+            remote: Vec::new(),
         }
     }
 
@@ -486,6 +500,7 @@ impl Sidecar {
             store: true,
             cache_salt: cache_salt.map(<[u8]>::to_vec),
             retain: None,
+            remote: Vec::new(),
         };
         if prefix.keys.is_empty() {
             return prefix;
@@ -496,6 +511,13 @@ impl Sidecar {
         };
         let lookup = client.lookup(&prefix.keys).await;
         let cached = lookup.tiers.len();
+        // Positions from `skip` on: the source's blocks.
+        prefix.remote = lookup
+            .sources
+            .iter()
+            .map(|s| s.blocks.start.max(skip) - skip..s.blocks.end.max(skip) - skip)
+            .filter(|r| !r.is_empty())
+            .collect();
         if let Some(m) = &lookup.miss
             && *m != Miss::NotCached
         {

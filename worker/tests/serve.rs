@@ -93,7 +93,7 @@ async fn prefix_from_dram_nvme_and_after_restart_equals_recompute() -> Result<()
         (&k["local_tokens"], &k["loaded_tokens"]),
         (
             &json!(0),
-            &json!({"hbm": 0, "dram": full_blocks * 16, "nvme": 0})
+            &json!({"hbm": 0, "dram": full_blocks * 16, "nvme": 0, "remote": 0})
         ),
         "{u}"
     );
@@ -120,7 +120,7 @@ async fn prefix_from_dram_nvme_and_after_restart_equals_recompute() -> Result<()
             let k = &u["kvtier"];
             assert_eq!(
                 k["loaded_tokens"],
-                json!({"hbm": 0, "dram": 0, "nvme": full_blocks * 16}),
+                json!({"hbm": 0, "dram": 0, "nvme": full_blocks * 16, "remote": 0}),
                 "{u}"
             );
             assert_eq!(k["loaded_bytes"]["dram"], 0, "{u}");
@@ -157,7 +157,7 @@ async fn prefix_over_tcp_equals_recompute() -> Result<()> {
     // Blocks copied out with get_into (a remote sidecar) are reported too.
     assert_eq!(
         u["kvtier"]["loaded_tokens"],
-        json!({"hbm": 0, "dram": blocks * 16, "nvme": 0}),
+        json!({"hbm": 0, "dram": blocks * 16, "nvme": 0, "remote": 0}),
         "{u}"
     );
     w.shutdown().await;
