@@ -123,10 +123,16 @@ pub struct ClusterSection {
     /// This member's id, unique in the cluster (letters, digits, `.`, `_`, `-`; at most 128
     /// bytes); "" is the host name. Default: "".
     pub node_id: String,
-    /// The protocol endpoint peers and clients are told (`tls://HOST:PORT` or
-    /// `tcp://HOST:PORT`); "" is the TLS listener's address when it is bound to a specific
-    /// address, else the TCP listener's when that is. Default: "".
+    /// The protocol endpoint peers and clients are told (`tls://HOST:PORT`,
+    /// `quic://HOST:PORT` or `tcp://HOST:PORT`); "" is the address of the listener
+    /// `peer_transport` names, when it is bound to a specific address. Default: "".
     pub advertise_data: String,
+    /// Which of this member's listeners peers talk to when `advertise_data` is "": `tls`
+    /// (`server.tls`), `quic` (`server.quic`), `tcp` (`server.tcp`, in clear), each of which
+    /// must then be bound to a specific address; `auto`, TLS's when it is, else TCP's. TLS
+    /// and QUIC peers pin the certificate the member's signed record carries. Default:
+    /// "auto".
+    pub peer_transport: String,
     /// The IP address this member's kvtier-transfer agent binds and peers read its DRAM at
     /// (one-sided reads, `fetch`); "" is the address of the advertised data endpoint (it
     /// must then be an IP address; `localhost` is 127.0.0.1). Default: "".
@@ -197,6 +203,7 @@ impl Default for ClusterSection {
             name: "kvtier".into(),
             node_id: String::new(),
             advertise_data: String::new(),
+            peer_transport: "auto".into(),
             advertise_transfer: String::new(),
             transfer_port: 0,
             fetch: "auto".into(),
@@ -889,6 +896,26 @@ impl ServerConfig {
                 return Err(cerr(name, "must be at least 1"));
             }
         }
+        if !c.advertise_data.is_empty()
+            && !is_host_port_url(&c.advertise_data, &["tcp", "tls", "quic"])
+        {
+            return Err(cerr(
+                "cluster.advertise_data",
+                format!(
+                    "{:?} is not a data endpoint (tcp://, tls:// or quic://, then HOST:PORT)",
+                    c.advertise_data
+                ),
+            ));
+        }
+        if !["auto", "tcp", "tls", "quic"].contains(&c.peer_transport.as_str()) {
+            return Err(cerr(
+                "cluster.peer_transport",
+                format!(
+                    "{:?}: must be \"auto\", \"tcp\", \"tls\" or \"quic\"",
+                    c.peer_transport
+                ),
+            ));
+        }
         if !["auto", "tcp", "quic", "protocol"].contains(&c.fetch.as_str()) {
             return Err(cerr(
                 "cluster.fetch",
@@ -1325,9 +1352,15 @@ impl ServerConfig {
 /// A worker's base URL as routers take it: `http://` or `https://`, then `HOST:PORT` (a
 /// bracketed IPv6 address allowed), nothing after.
 pub fn is_worker_url(url: &str) -> bool {
-    let Some(rest) = url
-        .strip_prefix("http://")
-        .or_else(|| url.strip_prefix("https://"))
+    is_host_port_url(url, &["http", "https"])
+}
+
+/// `SCHEME://HOST:PORT` with one of `schemes` (a bracketed IPv6 address allowed), nothing
+/// after.
+fn is_host_port_url(url: &str, schemes: &[&str]) -> bool {
+    let Some(rest) = schemes
+        .iter()
+        .find_map(|s| url.strip_prefix(s)?.strip_prefix("://"))
     else {
         return false;
     };
@@ -1436,6 +1469,14 @@ mod tests {
         assert!(c.cluster_enabled().unwrap());
         assert_eq!(c.etcd_endpoints(), ["http://a:1", "http://b:2"]);
         assert!(!ServerConfig::default().cluster_enabled().unwrap());
+        for good in [
+            "cluster.advertise_data=\"quic://[::1]:7\"",
+            "cluster.advertise_data=\"tls://node-3.example:7453\"",
+            "cluster.advertise_data=\"tcp://10.0.0.1:7452\"",
+            "cluster.peer_transport=\"quic\"",
+        ] {
+            cluster_config(&[good]).unwrap_or_else(|e| panic!("{good}: {e}"));
+        }
         for (set, setting) in [
             ("cluster.etcd_endpoints=\"a:1\"", "cluster.etcd_endpoints"),
             ("cluster.name=\"a/b\"", "cluster.name"),
@@ -1456,6 +1497,24 @@ mod tests {
             ("cluster.offer_timeout_ms=0", "cluster.offer_timeout_ms"),
             ("cluster.offer_queue_blocks=0", "cluster.offer_queue_blocks"),
             ("cluster.fetch=\"rdma\"", "cluster.fetch"),
+            ("cluster.peer_transport=\"udp\"", "cluster.peer_transport"),
+            ("cluster.advertise_data=\"h:1\"", "cluster.advertise_data"),
+            (
+                "cluster.advertise_data=\"http://h:1\"",
+                "cluster.advertise_data",
+            ),
+            (
+                "cluster.advertise_data=\"quic://h\"",
+                "cluster.advertise_data",
+            ),
+            (
+                "cluster.advertise_data=\"tls://h:0\"",
+                "cluster.advertise_data",
+            ),
+            (
+                "cluster.advertise_data=\"tcp://:7\"",
+                "cluster.advertise_data",
+            ),
             (
                 "cluster.advertise_transfer=\"0.0.0.0\"",
                 "cluster.advertise_transfer",

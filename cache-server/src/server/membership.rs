@@ -39,6 +39,17 @@ pub(crate) fn node(
         );
     }
     let data_endpoint = data_endpoint(c, endpoints);
+    if data_endpoint.is_empty() && s.peer_transport != "auto" {
+        return Err(ConfigError {
+            setting: "cluster.peer_transport".into(),
+            reason: format!(
+                "{:?}, but server.{} is off or bound to an unspecified address (0.0.0.0, ::): \
+                 bind it to this member's address, or set cluster.advertise_data",
+                s.peer_transport, s.peer_transport
+            ),
+        }
+        .into());
+    }
     // The generated certificate names `localhost`; a configured one, the advertised host.
     let data_cert_name = if c.server.tls_cert.is_empty() {
         "localhost".to_string()
@@ -111,14 +122,23 @@ fn advertised(set: &str, scheme: &str, bound: Option<SocketAddr>) -> String {
     }
 }
 
-/// The protocol endpoint this member advertises: peers talk over TLS when its listener is
-/// bound to an address they can reach, pinning the certificate the record carries; over
-/// plain TCP otherwise.
+/// The protocol endpoint this member advertises: `cluster.advertise_data`, else the
+/// listener `cluster.peer_transport` names when it is bound to an address peers can reach
+/// (`auto`: TLS's when it is, else plain TCP's); "" when none is. Over TLS and QUIC peers pin
+/// the certificate the record carries.
 pub(crate) fn data_endpoint(c: &ServerConfig, endpoints: &Endpoints) -> String {
     let s = &c.cluster;
-    match advertised("", "tls", endpoints.tls) {
-        tls if s.advertise_data.is_empty() && !tls.is_empty() => tls,
-        _ => advertised(&s.advertise_data, "tcp", endpoints.tcp),
+    if !s.advertise_data.is_empty() {
+        return s.advertise_data.clone();
+    }
+    match s.peer_transport.as_str() {
+        "tls" => advertised("", "tls", endpoints.tls),
+        "quic" => advertised("", "quic", endpoints.quic),
+        "tcp" => advertised("", "tcp", endpoints.tcp),
+        _ => match advertised("", "tls", endpoints.tls) {
+            tls if !tls.is_empty() => tls,
+            _ => advertised("", "tcp", endpoints.tcp),
+        },
     }
 }
 

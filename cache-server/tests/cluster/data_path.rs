@@ -165,25 +165,35 @@ fn labelled(text: &str, name: &str, label: &str) -> f64 {
 /// kvtier-transfer (the default, `cluster.fetch = "tcp"`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chain_put_on_one_member_is_found_and_read_on_the_others() {
-    found_and_read_on_the_others("tcp").await
+    found_and_read_on_the_others("tcp", "tls").await
 }
 
 /// The same with the reads over kvtier-transfer's QUIC backend (encrypted; the owner's
 /// certificate pinned from its signed record's blob).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chain_put_on_one_member_is_found_and_read_over_quic() {
-    found_and_read_on_the_others("quic").await
+    found_and_read_on_the_others("quic", "tls").await
 }
 
 /// The same over the kvtier protocol: by default (`cluster.fetch = "auto"`), since these
 /// members talk TLS to each other and a one-sided read over TCP would carry blocks in clear.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chain_put_on_one_member_is_found_and_fetched_over_the_protocol() {
-    found_and_read_on_the_others("auto").await
+    found_and_read_on_the_others("auto", "tls").await
 }
 
-async fn found_and_read_on_the_others(fetch: &str) {
+/// The same with the members talking the protocol to each other over QUIC
+/// (`cluster.peer_transport = "quic"`; the certificate pinned from the signed record), where
+/// `auto` fetches over the protocol, encrypted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_put_on_one_member_is_found_and_fetched_with_peers_on_quic() {
+    found_and_read_on_the_others("auto", "quic").await
+}
+
+/// Members a, b, c (`cluster.fetch` = `fetch`, peers over `peers`: `tls` or `quic`).
+async fn found_and_read_on_the_others(fetch: &str, peers: &str) {
     let fetch_setting = format!("cluster.fetch=\"{fetch}\"");
+    let peers_setting = format!("cluster.peer_transport=\"{peers}\"");
     let one_sided = fetch == "tcp" || fetch == "quic";
     bounded(120, async {
         let extra = [
@@ -191,6 +201,7 @@ async fn found_and_read_on_the_others(fetch: &str) {
             "cluster.head_blocks=0",
             "cluster.peer_timeout_ms=1000",
             fetch_setting.as_str(),
+            peers_setting.as_str(),
         ];
         let fleet = Fleet::start(&["a", "b", "c"], 5, &extra).await;
         let [a, b, c] = &fleet.members[..] else {
@@ -295,19 +306,21 @@ async fn found_and_read_on_the_others(fetch: &str) {
             );
         }
 
-        // Members advertise their TLS listener and peers reach each other over it, pinning
-        // the certificate in the (authenticated) record; this test's own clients use TCP.
+        // Members advertise their TLS (or QUIC) listener and peers reach each other over it,
+        // pinning the certificate in the (authenticated) record; this test's own clients use
+        // TCP.
         let d = cluster_doc(a, "").await;
         for m in d["members"].as_array().unwrap() {
             let ep = m["data_endpoint"].as_str().unwrap();
-            assert!(ep.starts_with("tls://"), "{d:#}");
+            assert!(ep.starts_with(&format!("{peers}://")), "{d:#}");
         }
-        let mut tls = 0.0;
+        let mut conns = 0.0;
         for (_, s) in &members {
             let m = http_get(s.admin, "/metrics").await.1;
-            tls += labelled(&m, "kvtier_connections_total", "transport=\"tls\"");
+            let label = format!("transport=\"{peers}\"");
+            conns += labelled(&m, "kvtier_connections_total", &label);
         }
-        assert!(tls >= 1.0, "no peer connected over TLS");
+        assert!(conns >= 1.0, "no peer connected over {peers}");
 
         // A peer's lookup is local-only: it asks nobody.
         let chain2 = keys(b"local-only", 16, 2);

@@ -290,3 +290,30 @@ async fn no_cluster_section_no_cluster() {
     })
     .await;
 }
+
+/// A member told to talk to its peers over a listener that is off, or bound to no specific
+/// address, refuses to start and says which setting and what to do.
+#[test]
+fn peers_on_a_listener_that_is_off_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = secret_file(dir.path(), "a secret of the refusal test....");
+    for (listener, off) in [
+        ("quic", "server.quic=\"off\""),
+        ("tls", "server.tls=\"0.0.0.0:0\""),
+    ] {
+        let sets = [
+            // No etcd is reached: the refusal comes first.
+            "cluster.etcd_endpoints=\"http://127.0.0.1:9\"".to_string(),
+            format!("cluster.secret_file={secret:?}"),
+            format!("cluster.peer_transport={listener:?}"),
+            off.to_string(),
+        ];
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        let (status, err) = ServerProc::refused_in(dir.path(), &sets);
+        assert!(!status.success(), "{listener}: {err}");
+        assert!(
+            err.contains("cluster.peer_transport") && err.contains("cluster.advertise_data"),
+            "{listener}: {err}"
+        );
+    }
+}
