@@ -89,6 +89,11 @@ def expected_cached(n: int) -> int:
 def test_settings_are_checked() -> None:
     s = KvtierSettings.from_extra({"url": "unix:///x.sock", "load_tiers": ["dram"]})
     assert s.load_tiers == ("dram",) and s.save == "prompt"
+    # By default every tier a lookup reports, "remote" (fetched from a cluster peer) too.
+    s = KvtierSettings.from_extra({"url": "unix:///x.sock"})
+    assert s.load_tiers == ("hbm", "dram", "nvme", "remote")
+    s = KvtierSettings.from_extra({"url": "unix:///x.sock", "load_tiers": ["dram", "remote"]})
+    assert s.load_tiers == ("dram", "remote")
     for bad, word in [
         ({}, "needs 'url'"),
         ({"url": "unix:///x", "nope": 1}, "unknown"),
