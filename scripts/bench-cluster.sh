@@ -3,7 +3,8 @@
 #
 #   scripts/bench-cluster.sh [--nodes N] [--trace PATH] [--total-tokens T] [--route R]
 #                            [--out DIR] [--cluster-set KEY=VALUE ...] [--lookup-blocks B]
-#                            [--kill N:AT:DOWN [--window-s W]]
+#                            [--kill N:AT:DOWN | --kill-etcd AT:DOWN] [--window-s W]
+#                            [--nvme BYTES]
 #                            [-- extra kvtier-bench replay (or lookup) flags]
 #
 # Starts an etcd on loopback, then twice N kvtier-servers (release build, feature `cluster`)
@@ -26,6 +27,10 @@
 # the first 10 s after its restart and the rest, the dip, the first window from the restart
 # on within 5 points of the control's, and the wrong bytes (corrupt blocks; must be 0).
 # Make AT and DOWN multiples of W, so no window straddles the kill or the restart.
+# --kill-etcd AT:DOWN: the same, with etcd killed (SIGKILL) instead of a member and started
+# again on its data DOWN seconds later (members keep their last view meanwhile).
+# --nvme BYTES: every server also has an NVMe tier of BYTES (in its run directory, which a
+# killed member finds again: it restarts warm).
 #
 # Defaults: 3 nodes, the Claude Code samples, 1m tokens in all, round robin.
 set -euo pipefail
@@ -40,6 +45,8 @@ extra=()
 cluster_sets=()
 lookup_blocks=""
 kill_spec=""
+kill_etcd_spec=""
+nvme_bytes=""
 window_s=2
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -51,9 +58,11 @@ while [ $# -gt 0 ]; do
         --cluster-set) cluster_sets+=(--set "$2"); shift 2 ;;
         --lookup-blocks) lookup_blocks=$2; shift 2 ;;
         --kill) kill_spec=$2; shift 2 ;;
+        --kill-etcd) kill_etcd_spec=$2; shift 2 ;;
+        --nvme) nvme_bytes=$2; shift 2 ;;
         --window-s) window_s=$2; shift 2 ;;
         --) shift; extra=("$@"); break ;;
-        -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
         *) echo "bench-cluster: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -62,7 +71,20 @@ if [ "$nodes" -lt 1 ] || [ "$nodes" -gt 16 ]; then
     echo "bench-cluster: --nodes must be 1..16" >&2; exit 2
 fi
 [ -e "$trace" ] || { echo "bench-cluster: no trace at $trace" >&2; exit 2; }
-if [ -n "$kill_spec" ]; then
+case "$nvme_bytes" in *[!0-9]*) echo "bench-cluster: --nvme wants a byte count" >&2; exit 2 ;; esac
+if [ -n "$kill_etcd_spec" ]; then
+    [ -z "$kill_spec" ] || { echo "bench-cluster: --kill and --kill-etcd exclude each other" >&2; exit 2; }
+    IFS=: read -r kill_at kill_down <<< "$kill_etcd_spec"
+    for v in "$kill_at" "$kill_down"; do
+        case "$v" in ''|*[!0-9]*)
+            echo "bench-cluster: --kill-etcd wants AT:DOWN, whole numbers of seconds" >&2
+            exit 2 ;;
+        esac
+    done
+    [ -z "$lookup_blocks" ] || { echo "bench-cluster: --kill-etcd and --lookup-blocks exclude each other" >&2; exit 2; }
+    kill_node=etcd
+    kill_spec="etcd:$kill_etcd_spec"
+elif [ -n "$kill_spec" ]; then
     IFS=: read -r kill_node kill_at kill_down <<< "$kill_spec"
     for v in "$kill_node" "$kill_at" "$kill_down"; do
         case "$v" in ''|*[!0-9]*)
@@ -135,11 +157,16 @@ start_node() { # $1: islands | cluster, $2: the run's name (logs), $3: the node
         --set "server.tcp=\"127.0.0.1:$tcp\"" --set 'server.quic="off"'
         --set 'server.tls="off"' --set "server.admin=\"127.0.0.1:$admin\""
         --set "server.token=\"$token\""
-        --set "store.dram_bytes=$(( node_blocks * slot ))" --set 'store.nvme_dir=""'
+        --set "store.dram_bytes=$(( node_blocks * slot ))"
         --set 'store.dram_prefault=false'
         --set layout.layers=1 --set layout.kv_heads=1 --set layout.head_dim=4
         --set 'layout.dtype="bf16"' --set "layout.block_tokens=$block_tokens"
     )
+    if [ -n "$nvme_bytes" ]; then
+        sets+=(--set "store.nvme_dir=\"$run/nvme\"" --set "store.nvme_bytes=$nvme_bytes")
+    else
+        sets+=(--set 'store.nvme_dir=""')
+    fi
     if [ "$mode" = cluster ]; then
         sets+=(
             --set "cluster.etcd_endpoints=\"http://127.0.0.1:$etcd_port\""
@@ -178,15 +205,18 @@ start_fleet() { # $1: islands | cluster, $2: the run's name (default: $1)
     fleet_urls=("${urls[@]}")
 }
 
-"$etcd_bin" --name bench --data-dir "$work/etcd" \
-    --listen-client-urls "http://127.0.0.1:$etcd_port" \
-    --advertise-client-urls "http://127.0.0.1:$etcd_port" \
-    --listen-peer-urls "http://127.0.0.1:$(( etcd_port - 1 ))" \
-    --initial-advertise-peer-urls "http://127.0.0.1:$(( etcd_port - 1 ))" \
-    --initial-cluster "bench=http://127.0.0.1:$(( etcd_port - 1 ))" \
-    > "$out/etcd.log" 2>&1 &
-pids+=($!)
-etcd_pid=$!
+start_etcd() { # on its data directory, which a restart finds again
+    "$etcd_bin" --name bench --data-dir "$work/etcd" \
+        --listen-client-urls "http://127.0.0.1:$etcd_port" \
+        --advertise-client-urls "http://127.0.0.1:$etcd_port" \
+        --listen-peer-urls "http://127.0.0.1:$(( etcd_port - 1 ))" \
+        --initial-advertise-peer-urls "http://127.0.0.1:$(( etcd_port - 1 ))" \
+        --initial-cluster "bench=http://127.0.0.1:$(( etcd_port - 1 ))" \
+        >> "$out/etcd.log" 2>&1 &
+    pids+=($!)
+    etcd_pid=$!
+}
+start_etcd
 
 runs="islands cluster"
 if [ -n "$lookup_blocks" ]; then
@@ -210,7 +240,15 @@ for name in $runs; do
     "$bench" --json replay --trace "$trace" "${fleet_urls[@]}" --route "$route" \
         --token "$token" --model tiny "${fault[@]}" "${extra[@]}" > "$out/$name.json" &
     replay_pid=$!
-    if [ "$name" = killed ]; then
+    if [ "$name" = killed ] && [ "$kill_node" = etcd ]; then
+        sleep "$kill_at"
+        kill -9 "$etcd_pid"
+        wait "$etcd_pid" 2>/dev/null || true
+        echo "== killed etcd at $kill_at s; starting it again in $kill_down s" >&2
+        sleep "$kill_down"
+        start_etcd
+        echo "$kill_at $kill_down" > "$out/kill.txt"
+    elif [ "$name" = killed ]; then
         sleep "$kill_at"
         kill -9 "${node_pid[$kill_node]}"
         wait "${node_pid[$kill_node]}" 2>/dev/null || true
@@ -235,13 +273,15 @@ done
 [ -z "$lookup_blocks" ] || exit 0
 
 if [ -n "$kill_spec" ]; then
-    python3 - "$out" "$kill_node" <<'EOF'
+    python3 - "$out" "$kill_node" "${nvme_bytes:+warm from its NVMe}" <<'EOF'
 import json, sys
-out, node = sys.argv[1], sys.argv[2]
+out, node, restart = sys.argv[1], sys.argv[2], sys.argv[3] or "empty"
 r = {m: json.load(open(f"{out}/{m}.json"))["result"] for m in ("control", "killed")}
 at, down = (float(x) for x in open(f"{out}/kill.txt").read().split())
 wc, wk = r["control"]["windows"], r["killed"]["windows"]
-print(f"node {node} killed at {at:.0f} s, started again at {at + down:.0f} s (empty)")
+what = "etcd" if node == "etcd" else f"node {node}"
+restart = "on its data" if node == "etcd" else restart
+print(f"{what} killed at {at:.0f} s, started again at {at + down:.0f} s ({restart})")
 print(f"{'from s':>7} {'control %':>10} {'killed %':>9} {'diff':>7} {'rerouted':>9} {'corrupt':>8}")
 diffs = []
 for i, k in enumerate(wk):
@@ -258,7 +298,7 @@ def span(w, lo, hi):
     return sum(x["hit_blocks"] for x in xs) / blocks * 100 if blocks else float("nan")
 end = max(x["start_s"] for x in wk) + 1
 print("hit rate over spans (blocks of the requests that began in them):")
-for label, lo, hi in (("before the kill", 0, at), ("node down", at, at + down),
+for label, lo, hi in (("before the kill", 0, at), (f"{what} down", at, at + down),
                       ("first 10 s after the restart", at + down, at + down + 10),
                       ("the rest", at + down + 10, end)):
     print(f"  {label:30s} control {span(wc, lo, hi):6.2f} %  killed {span(wk, lo, hi):6.2f} %")

@@ -874,6 +874,37 @@ fn guests_are_evicted_before_owned_blocks() {
     }
 }
 
+/// A guest keeps no copy below DRAM (the tier below keeps its room for the blocks this
+/// member owns): a write-through copy made before the block was marked is dropped, and one
+/// not made yet when it was marked is not kept; owned blocks keep theirs.
+#[test]
+fn guests_keep_no_copy_below_dram() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, _) = TieredStore::open(config(16, Some((dir.path(), 32)))).unwrap();
+    let owned: Vec<BlockKey> = (1..=3).map(key).collect();
+    let copied: Vec<BlockKey> = (11..=13).map(key).collect();
+    put_chain(&s, None, &owned);
+    put_chain(&s, None, &copied);
+    s.flush();
+    let in_nvme = |k: &BlockKey| s.snapshot().iter().any(|e| e.key == *k && e.in_nvme);
+    assert!(owned.iter().chain(&copied).all(in_nvme), "written through");
+    assert_eq!(s.mark_guests(&copied), 3);
+    assert!(owned.iter().all(in_nvme), "an owned block lost its copy");
+    assert!(!copied.iter().any(in_nvme), "a guest kept its copy below");
+    // Marked at once after the put, whether its copy has run, is running or is queued.
+    for i in 0..20 {
+        let k = key(100 + i);
+        s.put(k, None, &data(k)).unwrap();
+        assert_eq!(s.mark_guests(&[k]), 1);
+        s.flush();
+        assert!(!in_nvme(&k), "guest {i} kept its copy below");
+        assert!(s.contains(&k), "guest {i} left DRAM");
+    }
+    let st = s.stats();
+    assert_eq!(st.tier(TierKind::Nvme).unwrap().used_slots, 3);
+    s.check_consistency().unwrap();
+}
+
 /// A block whose parent is not cached is refused as an orphan, unless the store admits
 /// orphans (a cluster member: the parent may be held by another member).
 #[test]

@@ -90,7 +90,7 @@ impl Inner {
     }
 
     /// See [`super::TieredStore::mark_guests`].
-    pub(super) fn mark_guests(&self, keys: &[BlockKey]) -> usize {
+    pub(super) fn mark_guests(self: &Arc<Self>, keys: &[BlockKey]) -> usize {
         let h = self.host;
         // The slots under the shard locks, then the tier lock (eviction takes the tier lock
         // first, then a shard's: never both here). A slot given to another block meanwhile
@@ -105,12 +105,45 @@ impl Inner {
         if slots.is_empty() {
             return 0;
         }
-        let mut st = lock(&self.tiers[h].state);
-        let st = &mut *st;
-        slots
-            .into_iter()
-            .filter(|&(s, k)| st.keys[s as usize] == k && st.guests.mark(s))
-            .count()
+        let marked: Vec<(u32, BlockKey)> = {
+            let mut st = lock(&self.tiers[h].state);
+            let st = &mut *st;
+            slots
+                .into_iter()
+                .filter(|&(s, k)| st.keys[s as usize] == k && st.guests.mark(s))
+                .collect()
+        };
+        // A guest keeps no copy below (written through before it was known to be one): the
+        // slower tiers' room is for the blocks this member owns. The copy goes only while
+        // the block's host copy is still that guest.
+        for &(hs, key) in &marked {
+            self.drop_copies_below(h, hs, key);
+        }
+        marked.len()
+    }
+
+    /// Drops `key`'s copies in the tiers below the host tier `h` while its host copy is slot
+    /// `hs` (the copies are then retired, not erased: a restart that finds one indexes a
+    /// valid copy again).
+    pub(super) fn drop_copies_below(self: &Arc<Self>, h: usize, hs: u32, key: BlockKey) {
+        let mut gone = Vec::new();
+        {
+            let mut shard = self.shard(&key);
+            let Some(ent) = shard.get_mut(&key).filter(|e| e.loc[h] == hs) else {
+                return;
+            };
+            for t in h + 1..self.tiers.len() {
+                let s = ent.loc[t];
+                if s != NONE {
+                    ent.loc[t] = NONE;
+                    self.emit(StoreEventKind::Removed, t, key);
+                    gone.push((t, s));
+                }
+            }
+        }
+        for (t, s) in gone {
+            self.retire(t, s, false);
+        }
     }
 
     /// Whether tier `t`'s victims are written back to the tier below it.

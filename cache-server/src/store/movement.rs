@@ -15,7 +15,7 @@ use crate::tier::{SlotId, TierError};
 
 use super::events::StoreEventKind;
 use super::slots::NONE;
-use super::{Inner, MissReason};
+use super::{Inner, MissReason, lock};
 
 /// Who asks for a copy between tiers ([`Inner::promote_pinned`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,6 +87,12 @@ impl Inner {
             self.unpin(from, fs);
             return;
         }
+        // A write-through copy of a guest (a block another cluster member owns, marked since
+        // the copy was queued) is not made: the tier below keeps room for this member's own.
+        if !evicting && from == self.host && lock(&self.tiers[from].state).guests.is(fs) {
+            self.unpin(from, fs);
+            return;
+        }
         let fc = &self.tiers[from].counters;
         let tc = &self.tiers[to].counters;
         let parent_slot = parent.and_then(|p| {
@@ -146,6 +152,15 @@ impl Inner {
                 self.retire(to, ts, true);
             }
             self.unpin(to, ts);
+            // Marked a guest while copying: its marking found no copy to drop, or drops this
+            // one itself (it looks after setting the flag, and this after placing the copy).
+            if !evicting
+                && orphan.is_none()
+                && from == self.host
+                && lock(&self.tiers[from].state).guests.is(fs)
+            {
+                self.drop_copies_below(from, fs, key);
+            }
         }
         if evicting {
             TierCounters::inc(&fc.evictions);

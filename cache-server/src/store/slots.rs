@@ -105,6 +105,11 @@ impl Guests {
         }
     }
 
+    /// Whether slot `s` is a guest now.
+    pub(super) fn is(&self, s: u32) -> bool {
+        self.flag.get(s as usize).copied().unwrap_or(false)
+    }
+
     /// Slot `s` is not a guest (given a new block, or chosen as a victim).
     pub(super) fn clear(&mut self, s: u32) {
         if let Some(g) = self.flag.get_mut(s as usize)
