@@ -578,6 +578,20 @@ pub struct ConfigError {
 /// The longest head of a chain placed per block (`cluster.head_blocks`).
 const MAX_HEAD_BLOCKS: usize = 65_536;
 
+/// `value` is one of `choices`, else an error naming `setting` and them: `"x": must be "a",
+/// "b" or "c"`.
+fn one_of(setting: &str, value: &str, choices: &[&str]) -> Result<(), ConfigError> {
+    if choices.contains(&value) {
+        return Ok(());
+    }
+    let quoted: Vec<String> = choices.iter().map(|c| format!("{c:?}")).collect();
+    let list = match quoted.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+        _ => quoted.join(""),
+    };
+    Err(cerr(setting, format!("{value:?}: must be {list}")))
+}
+
 fn cerr(setting: impl Into<String>, reason: impl std::fmt::Display) -> ConfigError {
     ConfigError {
         setting: setting.into(),
@@ -907,24 +921,16 @@ impl ServerConfig {
                 ),
             ));
         }
-        if !["auto", "tcp", "tls", "quic"].contains(&c.peer_transport.as_str()) {
-            return Err(cerr(
-                "cluster.peer_transport",
-                format!(
-                    "{:?}: must be \"auto\", \"tcp\", \"tls\" or \"quic\"",
-                    c.peer_transport
-                ),
-            ));
-        }
-        if !["auto", "tcp", "quic", "protocol"].contains(&c.fetch.as_str()) {
-            return Err(cerr(
-                "cluster.fetch",
-                format!(
-                    "{:?}: must be \"auto\", \"tcp\", \"quic\" or \"protocol\"",
-                    c.fetch
-                ),
-            ));
-        }
+        one_of(
+            "cluster.peer_transport",
+            &c.peer_transport,
+            &["auto", "tcp", "tls", "quic"],
+        )?;
+        one_of(
+            "cluster.fetch",
+            &c.fetch,
+            &["auto", "tcp", "quic", "protocol"],
+        )?;
         if !c.advertise_transfer.is_empty()
             && c.advertise_transfer
                 .parse::<std::net::IpAddr>()
@@ -1527,6 +1533,11 @@ mod tests {
             let e = cluster_config(&[set]).unwrap_err();
             assert_eq!(e.setting, setting, "{set}: {e}");
         }
+        let e = cluster_config(&["cluster.fetch=\"rdma\""]).unwrap_err();
+        assert_eq!(
+            e.reason,
+            "\"rdma\": must be \"auto\", \"tcp\", \"quic\" or \"protocol\""
+        );
         // From the environment too.
         let c = ConfigLoader::new()
             .merge_env([("KVTIER_CLUSTER_NODE_ID".to_string(), "n7".to_string())])

@@ -288,20 +288,26 @@ impl Remote {
                         })
                         .collect();
                     let reads = reads.clone();
-                    let read = read_owner(reads, pool, peer, places, keys, ask, s.block_bytes);
-                    set.spawn(async move { (i, read.await) });
+                    set.spawn(read_owner(
+                        reads,
+                        pool,
+                        peer,
+                        places,
+                        keys,
+                        ask,
+                        s.block_bytes,
+                    ));
                 }
                 _ => {
-                    let fetch = fetch_owner(pool, peer, keys, ask, s.block_bytes);
-                    set.spawn(async move { (i, fetch.await) });
+                    set.spawn(fetch_owner(pool, peer, keys, ask, s.block_bytes));
                 }
             }
         }
         while let Some(r) = set.join_next().await {
-            if let Ok((i, (ask, ok))) = r {
+            if let Ok((ask, ok)) = r {
                 for (n, (p, res)) in ask.into_iter().enumerate() {
                     slots[p - local] = Some(if n < ok {
-                        Slot::Filled(res, i)
+                        Slot::Filled(res)
                     } else {
                         Slot::Reserved(res)
                     });
@@ -313,21 +319,29 @@ impl Remote {
         // reservations after it are dropped, which frees their slots. Blocks of runs this
         // node owns (fetched from an owner that was there before it) are its own, not
         // guests.
-        // Positions come in chain order, as the runs do: one walk over the runs.
+        // Positions come in chain order, as the runs do: one walk over the runs. Each
+        // position's run: its owner (the peer a fetched block came from) and whether this
+        // node is among its owners.
         let mut runs_mine = runs.iter().zip(mine.iter().copied()).peekable();
-        let mut own = |p: usize| {
+        let mut run_of = |p: usize| {
             while runs_mine.next_if(|(r, _)| p >= r.start + r.len).is_some() {}
-            runs_mine.peek().is_some_and(|(r, m)| *m && p >= r.start)
+            runs_mine.peek().copied().filter(|(r, _)| p >= r.start)
         };
         let mut stored = Vec::new();
         let mut sources: Vec<(std::ops::Range<usize>, usize)> = Vec::new();
         for (p, slot) in (local..end).zip(slots) {
+            let run = run_of(p);
+            let own = run.is_some_and(|(_, m)| m);
             match slot {
                 Some(Slot::Own) => continue, // here already
-                Some(Slot::Present) => stored.push((keys[p], own(p))),
-                Some(Slot::Filled(res, i)) => match res.commit() {
+                Some(Slot::Present) => stored.push((keys[p], own)),
+                Some(Slot::Filled(res)) => match res.commit() {
                     Ok(crate::PutOutcome::Stored(_) | crate::PutOutcome::AlreadyPresent) => {
-                        stored.push((keys[p], own(p)));
+                        stored.push((keys[p], own));
+                        // Filled only from its run's owner's fetch or read.
+                        let Some(i) = run.and_then(|(r, _)| r.owner) else {
+                            continue;
+                        };
                         match sources.last_mut() {
                             Some((r, from)) if *from == i && r.end == p => r.end += 1,
                             _ => sources.push((p..p + 1, i)),
@@ -832,9 +846,8 @@ fn bad_block(pool: &PeerPool, peer: &PeerAddr, how: &str) {
 enum Slot {
     /// Reserved, waiting for its bytes.
     Reserved(Reservation),
-    /// Its bytes came from peer `.1` (an index into the lookup's peers) and checked out:
-    /// to commit.
-    Filled(Reservation, usize),
+    /// Its bytes came and checked out: to commit.
+    Filled(Reservation),
     /// Here already (stored meanwhile): nothing to fetch.
     Present,
     /// In a run this node owns: here already, never fetched.

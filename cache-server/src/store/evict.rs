@@ -11,6 +11,7 @@ use crate::policy::InsertContext;
 use crate::stats::TierCounters;
 
 use super::events::StoreEventKind;
+use super::index::MAX_TIERS;
 use super::slots::{COUNT, NONE, RETIRED, TierState};
 use super::{Inner, lock};
 
@@ -113,35 +114,48 @@ impl Inner {
                 .filter(|&(s, k)| st.keys[s as usize] == k && st.guests.mark(s))
                 .collect()
         };
+        if !marked.is_empty() {
+            self.guests_marked.store(true, Ordering::Release);
+        }
         // A guest keeps no copy below (written through before it was known to be one): the
         // slower tiers' room is for the blocks this member owns. The copy goes only while
         // the block's host copy is still that guest.
-        for &(hs, key) in &marked {
-            self.drop_copies_below(h, hs, key);
+        if h + 1 < self.tiers.len() {
+            for &(hs, key) in &marked {
+                self.drop_copies_below(h, hs, key);
+            }
         }
         marked.len()
+    }
+
+    /// Whether host slot `hs` is a guest now (false without a lock on a store that never
+    /// marked one).
+    pub(super) fn is_guest(&self, hs: u32) -> bool {
+        self.guests_marked.load(Ordering::Acquire)
+            && lock(&self.tiers[self.host].state).guests.is(hs)
     }
 
     /// Drops `key`'s copies in the tiers below the host tier `h` while its host copy is slot
     /// `hs` (the copies are then retired, not erased: a restart that finds one indexes a
     /// valid copy again).
     pub(super) fn drop_copies_below(self: &Arc<Self>, h: usize, hs: u32, key: BlockKey) {
-        let mut gone = Vec::new();
-        {
+        // Taken out under the shard lock, retired after it (retiring takes a tier's lock,
+        // which eviction takes before a shard's).
+        let gone = {
             let mut shard = self.shard(&key);
             let Some(ent) = shard.get_mut(&key).filter(|e| e.loc[h] == hs) else {
                 return;
             };
+            let mut gone = [NONE; MAX_TIERS];
             for t in h + 1..self.tiers.len() {
-                let s = ent.loc[t];
-                if s != NONE {
-                    ent.loc[t] = NONE;
+                gone[t] = std::mem::replace(&mut ent.loc[t], NONE);
+                if gone[t] != NONE {
                     self.emit(StoreEventKind::Removed, t, key);
-                    gone.push((t, s));
                 }
             }
-        }
-        for (t, s) in gone {
+            gone
+        };
+        for (t, s) in gone.into_iter().enumerate().filter(|&(_, s)| s != NONE) {
             self.retire(t, s, false);
         }
     }

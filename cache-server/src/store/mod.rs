@@ -125,6 +125,9 @@ struct Inner {
     /// Retention hints: host-tier blocks eviction skips for a while.
     retain: retain::Retention,
     events: std::sync::OnceLock<EventSink>,
+    /// Whether a block was ever marked a guest here (a cluster member's store): until then
+    /// a write-through copy need not look at the guest flags.
+    guests_marked: std::sync::atomic::AtomicBool,
     config: StoreConfig,
 }
 
@@ -259,6 +262,7 @@ impl TieredStore {
             dram,
             nvme,
             pool,
+            guests_marked: std::sync::atomic::AtomicBool::new(false),
             bounce: BufferPool::new(slot_bytes, config.io_threads),
             write_errors_log: warn::WarnEvery::new(warn::IO_ERROR_LOG_INTERVAL),
             read_errors_log: warn::WarnEvery::new(warn::IO_ERROR_LOG_INTERVAL),

@@ -15,7 +15,7 @@ use crate::tier::{SlotId, TierError};
 
 use super::events::StoreEventKind;
 use super::slots::NONE;
-use super::{Inner, MissReason, lock};
+use super::{Inner, MissReason};
 
 /// Who asks for a copy between tiers ([`Inner::promote_pinned`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,7 +89,7 @@ impl Inner {
         }
         // A write-through copy of a guest (a block another cluster member owns, marked since
         // the copy was queued) is not made: the tier below keeps room for this member's own.
-        if !evicting && from == self.host && lock(&self.tiers[from].state).guests.is(fs) {
+        if !evicting && from == self.host && self.is_guest(fs) {
             self.unpin(from, fs);
             return;
         }
@@ -154,11 +154,7 @@ impl Inner {
             self.unpin(to, ts);
             // Marked a guest while copying: its marking found no copy to drop, or drops this
             // one itself (it looks after setting the flag, and this after placing the copy).
-            if !evicting
-                && orphan.is_none()
-                && from == self.host
-                && lock(&self.tiers[from].state).guests.is(fs)
-            {
+            if !evicting && orphan.is_none() && from == self.host && self.is_guest(fs) {
                 self.drop_copies_below(from, fs, key);
             }
         }
