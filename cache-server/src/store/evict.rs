@@ -141,21 +141,23 @@ impl Inner {
     pub(super) fn drop_copies_below(self: &Arc<Self>, h: usize, hs: u32, key: BlockKey) {
         // Taken out under the shard lock, retired after it (retiring takes a tier's lock,
         // which eviction takes before a shard's).
-        let gone = {
+        let (gone, n) = {
             let mut shard = self.shard(&key);
             let Some(ent) = shard.get_mut(&key).filter(|e| e.loc[h] == hs) else {
                 return;
             };
-            let mut gone = [NONE; MAX_TIERS];
+            let (mut gone, mut n) = ([(0, NONE); MAX_TIERS], 0);
             for t in h + 1..self.tiers.len() {
-                gone[t] = std::mem::replace(&mut ent.loc[t], NONE);
-                if gone[t] != NONE {
+                let s = std::mem::replace(&mut ent.loc[t], NONE);
+                if s != NONE {
                     self.emit(StoreEventKind::Removed, t, key);
+                    gone[n] = (t, s);
+                    n += 1;
                 }
             }
-            gone
+            (gone, n)
         };
-        for (t, s) in gone.into_iter().enumerate().filter(|&(_, s)| s != NONE) {
+        for &(t, s) in &gone[..n] {
             self.retire(t, s, false);
         }
     }
