@@ -163,6 +163,7 @@ fn main() {
             let mut sum = 0usize;
             for c in &chains {
                 let owners: HashSet<&str> = Runs::new(head, run)
+                    .plain()
                     .runs(c)
                     .filter_map(|(_, a)| p.primary(&a))
                     .collect();
@@ -192,7 +193,7 @@ fn main() {
             let per_key = t.elapsed().as_nanos() as f64 / sample.len() as f64;
             let t = Instant::now();
             for c in &chains {
-                for (_, a) in Runs::new(0, 64).runs(c) {
+                for (_, a) in Runs::new(0, 64).plain().runs(c) {
                     p.owners_into(&a, &mut out);
                     sink += out[0];
                 }

@@ -508,6 +508,7 @@ mod tests {
             }],
             registered_unix_ms: 0,
             placement: None,
+            splits: Vec::new(),
         }
     }
 

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use kvtier_core::BlockKey;
 
-use super::placement::Runs;
+use super::placement::{ChainCut, Runs, Splits};
 
 /// One run of a chain to ask for: positions `start..start + len`, asked of owner `owner`
 /// (an index into the caller's list of owners), at `offset` in the key list sent to that
@@ -31,7 +31,7 @@ pub struct RunAsk {
 pub fn plan(
     chain_len: usize,
     from: usize,
-    cut: Runs,
+    cut: &ChainCut,
     mut owner_of: impl FnMut(usize) -> Option<usize>,
 ) -> Vec<RunAsk> {
     let mut out = Vec::new();
@@ -138,10 +138,12 @@ pub fn matched(stated: &[u64], arrived: &[u64]) -> usize {
         .count()
 }
 
-/// Where a block sits in its chain: its position and its run's anchor (the key placing it).
+/// Where a block sits in its chain: its position, where its runs are counted from (after
+/// the last split its chain passed, or 0), and its run's anchor (the key placing it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ChainPlace {
     pub position: u64,
+    pub from: u64,
     pub anchor: BlockKey,
 }
 
@@ -153,16 +155,16 @@ pub struct ChainPlace {
 #[derive(Debug)]
 pub struct ChainIndex {
     capacity: usize,
-    cut: Runs,
+    rule: Runs,
     new: HashMap<BlockKey, ChainPlace>,
     old: HashMap<BlockKey, ChainPlace>,
 }
 
 impl ChainIndex {
-    pub fn new(capacity: usize, cut: Runs) -> Self {
+    pub fn new(capacity: usize, rule: Runs) -> Self {
         Self {
             capacity: capacity.max(1),
-            cut,
+            rule,
             new: HashMap::new(),
             old: HashMap::new(),
         }
@@ -172,24 +174,33 @@ impl ChainIndex {
         self.new.get(key).or_else(|| self.old.get(key)).copied()
     }
 
-    /// Records `key` put after `parent`; returns its place, or `None` when the parent's
-    /// place is not known.
-    pub fn record(&mut self, key: BlockKey, parent: Option<BlockKey>) -> Option<ChainPlace> {
+    /// Records `key` put after `parent`, under the cluster's `splits`; returns its place,
+    /// or `None` when the parent's place is not known. (A parent recorded under an older
+    /// set of splits passes its place on as it was: a block placed so is offered to the
+    /// owner the old set named, and lookups under the new one miss it there; counted as
+    /// nothing special, it is the cost of the set changing.)
+    pub fn record(
+        &mut self,
+        key: BlockKey,
+        parent: Option<BlockKey>,
+        splits: &Splits,
+    ) -> Option<ChainPlace> {
         let place = match parent {
             None => ChainPlace {
                 position: 0,
+                from: 0,
                 anchor: key,
             },
             Some(p) => {
                 let pp = self.get(&p)?;
-                let position = pp.position + 1;
+                let split = splits.contains(pp.position as usize, &p);
+                let (from, starts) = self
+                    .rule
+                    .after(pp.position as usize, pp.from as usize, split);
                 ChainPlace {
-                    position,
-                    anchor: if self.cut.starts_run(position as usize) {
-                        key
-                    } else {
-                        pp.anchor
-                    },
+                    position: pp.position + 1,
+                    from: from as u64,
+                    anchor: if starts { key } else { pp.anchor },
                 }
             }
         };
@@ -198,11 +209,12 @@ impl ChainIndex {
     }
 
     /// Records `chain[position]`, `chain` being a whole chain from its first block (a
-    /// lookup's keys): its place is known from its position alone.
-    pub fn record_at(&mut self, chain: &[BlockKey], position: usize) -> ChainPlace {
+    /// lookup's keys) and `cut` its cut: its place is known from its position alone.
+    pub fn record_at(&mut self, chain: &[BlockKey], cut: &ChainCut, position: usize) -> ChainPlace {
         let place = ChainPlace {
             position: position as u64,
-            anchor: self.cut.anchor(chain, position),
+            from: cut.from_of(position) as u64,
+            anchor: cut.anchor(chain, position),
         };
         self.insert(chain[position], place);
         place
@@ -255,9 +267,13 @@ mod tests {
         assert_eq!(ask(&["me"], &all, &["a"]), Some(Ask::Here));
     }
 
-    /// Runs of `run` blocks from position 0 (no head).
-    fn runs_of(run: usize) -> Runs {
-        Runs::new(0, run)
+    /// Runs of `run` blocks from position 0 (no head, no split).
+    fn runs_of(run: usize) -> ChainCut {
+        Runs::new(0, run).plain()
+    }
+
+    fn none() -> Splits {
+        Splits::default()
     }
 
     /// Owners by anchor position for a 10-block chain in runs of 3 (anchors 0, 3, 6, 9):
@@ -272,7 +288,7 @@ mod tests {
 
     #[test]
     fn plan_cuts_runs_and_gives_each_owner_its_offsets() {
-        let p = plan(10, 2, runs_of(3), owners);
+        let p = plan(10, 2, &runs_of(3), owners);
         let got: Vec<(usize, usize, Option<usize>, usize)> = p
             .iter()
             .map(|r| (r.start, r.len, r.owner, r.offset))
@@ -286,11 +302,11 @@ mod tests {
                 (9, 1, None, 0)
             ]
         );
-        assert!(plan(10, 10, runs_of(3), owners).is_empty());
+        assert!(plan(10, 10, &runs_of(3), owners).is_empty());
         // run_blocks 0 is runs of 1.
-        assert_eq!(plan(2, 0, runs_of(0), |_| Some(0)).len(), 2);
+        assert_eq!(plan(2, 0, &runs_of(0), |_| Some(0)).len(), 2);
         // A head of 2: positions 0 and 1 alone, then runs of 3 from 2 (anchors 2, 5, 8).
-        let starts: Vec<(usize, usize)> = plan(10, 1, Runs::new(2, 3), Some)
+        let starts: Vec<(usize, usize)> = plan(10, 1, &Runs::new(2, 3).plain(), Some)
             .iter()
             .map(|r| (r.start, r.len))
             .collect();
@@ -302,7 +318,7 @@ mod tests {
     /// 8; peer 1 positions 3, 4, 5).
     #[test]
     fn combine_in_chain_order() {
-        let runs = plan(10, 2, runs_of(3), owners);
+        let runs = plan(10, 2, &runs_of(3), owners);
         let check = |present: &[Option<usize>], want: usize| {
             assert_eq!(combine(&runs, present), want, "{present:?}");
         };
@@ -315,7 +331,7 @@ mod tests {
         check(&[None, Some(3)], 0); // peer 0 timed out
         check(&[Some(4), None], 1); // peer 1 failed
         check(&[], 0);
-        let whole = plan(6, 0, runs_of(3), |a| Some(a / 3));
+        let whole = plan(6, 0, &runs_of(3), |a| Some(a / 3));
         assert_eq!(combine(&whole, &[Some(3), Some(3)]), 6);
         assert_eq!(combine(&whole, &[Some(3), Some(0)]), 3);
     }
@@ -356,20 +372,24 @@ mod tests {
 
     #[test]
     fn chain_index_places_children_and_forgets_old_generations() {
-        let mut ix = ChainIndex::new(4, runs_of(3));
-        let a0 = ix.record(k(10), None).unwrap();
+        let mut ix = ChainIndex::new(4, Runs::new(0, 3));
+        let a0 = ix.record(k(10), None, &none()).unwrap();
         assert_eq!((a0.position, a0.anchor), (0, k(10)));
         let mut prev = k(10);
         for i in 1..6u128 {
-            let p = ix.record(k(10 + i), Some(prev)).unwrap();
+            let p = ix.record(k(10 + i), Some(prev), &none()).unwrap();
             let want_anchor = if i < 3 { k(10) } else { k(13) };
             assert_eq!((p.position, p.anchor), (i as u64, want_anchor), "{i}");
             prev = k(10 + i);
         }
-        assert_eq!(ix.record(k(99), Some(k(98))), None, "unknown parent");
+        assert_eq!(
+            ix.record(k(99), Some(k(98)), &none()),
+            None,
+            "unknown parent"
+        );
         // Capacity 4 per generation: after 8 more, the first entries are gone.
         for i in 0..8u128 {
-            ix.record(k(1000 + i), None);
+            ix.record(k(1000 + i), None, &none());
         }
         assert_eq!(ix.get(&k(10)), None);
         assert!(ix.get(&k(1007)).is_some());
@@ -377,22 +397,22 @@ mod tests {
 
     #[test]
     fn a_lookup_places_the_end_of_its_prefix_so_the_next_put_is_placed() {
-        let mut ix = ChainIndex::new(16, runs_of(3));
+        let mut ix = ChainIndex::new(16, Runs::new(0, 3));
         let chain: Vec<BlockKey> = (0..8u128).map(|i| k(50 + i)).collect();
         // Nothing of the chain was put here: its continuation cannot be placed...
-        assert_eq!(ix.record(k(58), Some(k(57))), None);
+        assert_eq!(ix.record(k(58), Some(k(57)), &none()), None);
         // ... until a lookup found its first 8 blocks (positions 0-7, anchors 0, 3, 6).
-        let p = ix.record_at(&chain, 7);
+        let p = ix.record_at(&chain, &runs_of(3), 7);
         assert_eq!((p.position, p.anchor), (7, k(56)));
-        let next = ix.record(k(58), Some(k(57))).unwrap();
+        let next = ix.record(k(58), Some(k(57)), &none()).unwrap();
         assert_eq!((next.position, next.anchor), (8, k(56)));
-        let after = ix.record(k(59), Some(k(58))).unwrap();
+        let after = ix.record(k(59), Some(k(58)), &none()).unwrap();
         assert_eq!(
             (after.position, after.anchor),
             (9, k(59)),
             "a new run starts at 9"
         );
-        assert_eq!(ix.record_at(&chain, 0).anchor, k(50));
+        assert_eq!(ix.record_at(&chain, &runs_of(3), 0).anchor, k(50));
     }
 
     /// With a head of 2, the first two puts anchor themselves and runs start at 2, 5, ...
@@ -402,14 +422,47 @@ mod tests {
         let mut parent = None;
         let mut anchors = Vec::new();
         for i in 0..7u128 {
-            anchors.push(ix.record(k(70 + i), parent).unwrap().anchor);
+            anchors.push(ix.record(k(70 + i), parent, &none()).unwrap().anchor);
             parent = Some(k(70 + i));
         }
         let want: Vec<BlockKey> = [70, 71, 72, 72, 72, 75, 75].map(k).to_vec();
         assert_eq!(anchors, want);
         let chain: Vec<BlockKey> = (0..7u128).map(|i| k(70 + i)).collect();
         for (i, a) in want.iter().enumerate() {
-            assert_eq!(ix.record_at(&chain, i).anchor, *a, "{i}");
+            assert_eq!(
+                ix.record_at(&chain, &Runs::new(2, 3).plain(), i).anchor,
+                *a,
+                "{i}"
+            );
         }
+    }
+
+    /// A split at position 0 (a shared first block): the blocks after it start runs of
+    /// their own, from put to put as from the lookup's whole chain.
+    #[test]
+    fn chain_index_starts_a_run_after_a_split() {
+        let splits = Splits::new([(0, k(1))]);
+        let rule = Runs::new(0, 3);
+        let mut ix = ChainIndex::new(16, rule);
+        let mut parent = None;
+        let mut anchors = Vec::new();
+        let chain: Vec<BlockKey> = [1, 80, 81, 82, 83].map(k).to_vec();
+        for key in &chain {
+            anchors.push(ix.record(*key, parent, &splits).unwrap().anchor);
+            parent = Some(*key);
+        }
+        let want: Vec<BlockKey> = [1, 80, 80, 80, 83].map(k).to_vec();
+        assert_eq!(anchors, want);
+        let cut = rule.cut(&chain, &splits);
+        for (i, a) in want.iter().enumerate() {
+            assert_eq!(ix.record_at(&chain, &cut, i).anchor, *a, "{i}");
+        }
+        // Without the split, the shared block anchors the whole first run.
+        let mut plain = ChainIndex::new(16, rule);
+        plain.record(k(1), None, &none());
+        assert_eq!(
+            plain.record(k(90), Some(k(1)), &none()).unwrap().anchor,
+            k(1)
+        );
     }
 }

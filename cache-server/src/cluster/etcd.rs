@@ -202,6 +202,19 @@ async fn session(
                 Some(_) => return Err(SessionError::Lost(format!("lease {lease:x} expired"))),
                 None => return Err(SessionError::Lost("lease renewal stream ended".into())),
             },
+            _ = node.republished() => {
+                // The splits it publishes changed: the same key, under the same lease.
+                bounded(
+                    "update record",
+                    limit,
+                    c.put(
+                        node.own_key(),
+                        node.own_value(),
+                        Some(PutOptions::new().with_lease(lease)),
+                    ),
+                )
+                .await?;
+            }
             w = watch.message() => match w.map_err(etcd("watch"))? {
                 Some(resp) => on_watch(node, resp)?,
                 None => return Err(SessionError::Lost("watch stream ended".into())),

@@ -15,6 +15,11 @@ pub struct ClusterMetrics {
     pub members: IntGauge,
     /// Members whose record states a placement rule other than this node's.
     pub placement_mismatch: IntGauge,
+    /// Splits in this node's view (the union of the members' published ones), which every
+    /// member starts a run after.
+    pub splits: IntGauge,
+    /// Nodes of this node's split detector (its prefix tree of sampled lookups).
+    pub split_nodes: IntGauge,
     /// 1 while this node is registered and watching etcd.
     pub etcd_connected: IntGauge,
     /// Lease renewals etcd answered.
@@ -238,6 +243,17 @@ impl ClusterMetrics {
                 "kvtier_cluster_placement_mismatch_members",
                 "Members whose placement rule (replicas, run_blocks, head_blocks) differs from \
                  this node's: their lookups and this node's name different owners.",
+            )?,
+            splits: gauge(
+                r,
+                "kvtier_cluster_splits",
+                "Blocks after which many chains diverge, as the members publish them: every \
+                 member starts a run after each.",
+            )?,
+            split_nodes: gauge(
+                r,
+                "kvtier_cluster_split_detector_nodes",
+                "Prefix-tree nodes of this member's split detector (sampled lookups).",
             )?,
             etcd_connected: gauge(
                 r,

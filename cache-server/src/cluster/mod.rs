@@ -12,6 +12,8 @@
 //!
 //! * [`chain`]: the data path's pure parts: which owner to ask for which run, combining
 //!   their answers in chain order, verifying fetched blocks, chain positions of puts.
+//! * [`shared`]: finding the blocks after which many chains diverge (the splits this
+//!   member publishes). Pure.
 //! * [`peers`]: connections to the peers' data endpoints (the kvtier SDK, the peer token),
 //!   every request bounded by `cluster.peer_timeout_ms`.
 //!
@@ -28,6 +30,7 @@ mod metrics;
 pub mod peers;
 pub mod placement;
 pub mod record;
+pub mod shared;
 pub mod view;
 
 use std::sync::Mutex;
@@ -39,7 +42,7 @@ use serde_json::{Value, json};
 
 pub use metrics::{ClusterMetrics, PeerMetrics};
 pub use placement::{Candidate, Placement};
-pub use record::{MemberRecord, RecordSealer, Rejection, TierCapacity};
+pub use record::{MemberRecord, RecordSealer, Rejection, SplitRecord, TierCapacity};
 pub use view::{Applied, Change, EtcdLink, Member, MembershipView};
 
 fn dropped(m: &ClusterMetrics, reason: &str) -> u64 {
@@ -58,6 +61,9 @@ pub struct ClusterSettings {
     pub run_blocks: usize,
     /// Blocks at a chain's head placed each by its own key.
     pub head_blocks: usize,
+    /// How often this member looks for splits in its sampled lookups (zero: never; it
+    /// publishes none).
+    pub split_check: Duration,
     pub lease_ttl: Duration,
     pub etcd_timeout: Duration,
     /// The cluster secret, if configured.
@@ -89,8 +95,13 @@ impl ClusterSettings {
 /// This node's cluster state, shared by the driver, the admin port and the metrics.
 pub struct ClusterNode {
     pub settings: ClusterSettings,
-    /// What this node registers.
+    /// What this node registers (its splits apart: `published`).
     pub record: MemberRecord,
+    /// The splits this node publishes in its record now.
+    published: Mutex<Vec<SplitRecord>>,
+    /// Woken when `published` changed: the etcd driver writes the record again.
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+    republish: tokio::sync::Notify,
     sealer: RecordSealer,
     view: Mutex<MembershipView>,
     /// The lease this node's key lives under now (0: not registered).
@@ -118,6 +129,8 @@ impl ClusterNode {
             peer_token,
             settings,
             record,
+            published: Mutex::new(Vec::new()),
+            republish: tokio::sync::Notify::new(),
             sealer,
             view: Mutex::new(view),
             lease_id: AtomicI64::new(0),
@@ -145,9 +158,46 @@ impl ClusterNode {
         format!("{}{}", self.settings.members_prefix(), self.record.node_id)
     }
 
-    /// The value this node writes at its key.
+    /// The value this node writes at its key: its record, with the splits it publishes.
     pub fn own_value(&self) -> Vec<u8> {
-        self.sealer.seal(self.own_key().as_bytes(), &self.record)
+        let mut record = self.record.clone();
+        record.splits = self.published();
+        self.sealer.seal(self.own_key().as_bytes(), &record)
+    }
+
+    /// The splits this node publishes now.
+    pub fn published(&self) -> Vec<SplitRecord> {
+        self.published
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Publishes `splits` (sorted) in this node's record, if they differ from what it
+    /// publishes now; the etcd driver writes the record again. Returns whether they did.
+    pub fn publish_splits(&self, splits: &[(usize, BlockKey)]) -> bool {
+        let new: Vec<SplitRecord> = splits
+            .iter()
+            .map(|(p, k)| SplitRecord::new(*p, k))
+            .collect();
+        let mut cur = self.published.lock().unwrap_or_else(|p| p.into_inner());
+        if *cur == new {
+            return false;
+        }
+        tracing::info!(
+            splits = ?new.iter().map(|s| format!("{}@{}", s.key, s.position)).collect::<Vec<_>>(),
+            "cluster: publishing the blocks many chains diverge after (runs start after them)"
+        );
+        *cur = new;
+        drop(cur);
+        self.republish.notify_one();
+        true
+    }
+
+    /// Waits until this node's published splits change.
+    #[cfg(feature = "cluster")]
+    pub(crate) async fn republished(&self) {
+        self.republish.notified().await
     }
 
     /// Runs `f` on the view under its lock (held briefly: no I/O, no await inside).
@@ -157,6 +207,7 @@ impl ClusterNode {
         let mut v = self.view.lock().unwrap_or_else(|p| p.into_inner());
         let out = f(&mut v);
         self.metrics.members.set(v.members().len() as i64);
+        self.metrics.splits.set(v.splits().len() as i64);
         if self.placement_checked.swap(v.changes(), Ordering::Relaxed) != v.changes() {
             let odd = self.placement_mismatch(&v);
             let before = self.metrics.placement_mismatch.get();
@@ -260,6 +311,7 @@ impl ClusterNode {
                         "weight": m.record.weight(),
                         "registered_unix_ms": m.record.registered_unix_ms,
                         "placement": m.record.placement,
+                        "splits": m.record.splits,
                     })
                 })
                 .collect();
@@ -280,6 +332,8 @@ impl ClusterNode {
                 "replicas": s.replicas,
                 "run_blocks": s.run_blocks,
                 "head_blocks": s.head_blocks,
+                "split_check_s": s.split_check.as_secs(),
+                "splits": v.splits().iter().map(|(p, k)| json!({"position": p, "key": k.to_string()})).collect::<Vec<_>>(),
                 "placement_mismatch": self.placement_mismatch(v),
                 "records_signed": self.sealer.signs(),
                 "records_rejected": v.rejected(),

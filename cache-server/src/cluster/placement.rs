@@ -17,11 +17,13 @@
 //! *anchor*. A run lives on the same owners. Two chains that share a prefix share its
 //! anchors, so they agree on owners. A lookup of an `n`-block prefix asks at most `min(n,
 //! head_blocks) + ceil((n - head_blocks) / run_blocks)` owners (one parallel round), and a
-//! get still pulls from several nodes at once. The head exists for deployments whose
-//! requests share a system prompt: with `head_blocks` set to its length, the first run
-//! starts at the first block where chains diverge, instead of every chain's first run
-//! following the shared prompt's owner. Why these defaults: `docs/cluster.md`, "How a chain
-//! is spread".
+//! get still pulls from several nodes at once. A chain that passes a *split* ([`Splits`]: a
+//! block after which many chains diverge, such as the last block of a shared system prompt,
+//! found by the members themselves) starts a new run after it, so the chains that diverge
+//! there spread over the members instead of all following the shared block's owner for the
+//! rest of its run. The head does the same by configuration, for the first `head_blocks`
+//! positions. Why these defaults: `docs/cluster.md`, "How a chain is spread" and "Shared
+//! prefixes".
 
 use kvtier_core::BlockKey;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
@@ -33,8 +35,9 @@ pub const DEFAULT_RUN_BLOCKS: usize = 64;
 /// (`cluster.head_blocks`): none, runs from the first block.
 pub const DEFAULT_HEAD_BLOCKS: usize = 0;
 
-/// How a chain is cut for placement: positions below `head` are each their own run; from
-/// `head` on, runs of `run` blocks. Every member must use the same cut.
+/// How chains are cut for placement: positions below `head` are each their own run; from
+/// `head` on, runs of `run` blocks, restarted after every split a chain passes through
+/// ([`Splits`]). Every member must use the same rule; [`Runs::cut`] applies it to one chain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Runs {
     head: usize,
@@ -50,13 +53,112 @@ impl Runs {
         }
     }
 
-    /// The position of the key that places the block at `position`: its run's anchor.
-    pub fn anchor_of(&self, position: usize) -> usize {
+    /// The cut of `chain` (from its first block): where it passes a split, a run ends and
+    /// the next starts after it.
+    pub fn cut(&self, chain: &[BlockKey], splits: &Splits) -> ChainCut {
+        let bounds = splits
+            .0
+            .iter()
+            .filter(|(p, k)| *p + 1 < chain.len() && chain[*p] == *k)
+            .map(|(p, _)| p + 1)
+            .collect();
+        ChainCut {
+            rule: *self,
+            bounds,
+        }
+    }
+
+    /// The cut of a chain that passes no split.
+    pub fn plain(&self) -> ChainCut {
+        ChainCut {
+            rule: *self,
+            bounds: Vec::new(),
+        }
+    }
+
+    /// Where the runs of a block's chain are counted from, given the place its parent (at
+    /// `parent_position`, counted from `parent_from`) and whether the parent is a split;
+    /// and whether the block at `parent_position + 1` starts a run. What [`ChainCut`] gives
+    /// for that position, computed from the parent alone (a put names its parent, not its
+    /// chain).
+    pub fn after(&self, parent_position: usize, parent_from: usize, split: bool) -> (usize, bool) {
+        let position = parent_position + 1;
+        let from = if split { position } else { parent_from };
+        (from, self.starts_run_at(position, from))
+    }
+
+    fn anchor_at(&self, position: usize, from: usize) -> usize {
         if position < self.head {
             position
         } else {
-            position - (position - self.head) % self.run
+            let base = from.max(self.head);
+            position - (position - base) % self.run
         }
+    }
+
+    fn starts_run_at(&self, position: usize, from: usize) -> bool {
+        self.anchor_at(position, from) == position
+    }
+}
+
+/// Blocks after which many chains go separate ways, each with its position in its chain:
+/// the last block of a system prompt most requests share. A chain that passes one starts
+/// a run after it, so the chains that diverge there do not all follow the shared block's
+/// owner for the rest of its run (`docs/cluster.md`, "Shared prefixes"). The members
+/// detect them and publish them in their records; the view's set is the union. Sorted,
+/// without duplicates, at most [`Splits::MAX`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Splits(Vec<(usize, BlockKey)>);
+
+impl Splits {
+    /// At most this many (the first by position and key): bounds the work per lookup.
+    pub const MAX: usize = 256;
+
+    pub fn new(splits: impl IntoIterator<Item = (usize, BlockKey)>) -> Self {
+        let mut v: Vec<(usize, BlockKey)> = splits.into_iter().collect();
+        v.sort_unstable();
+        v.dedup();
+        v.truncate(Self::MAX);
+        Self(v)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &(usize, BlockKey)> {
+        self.0.iter()
+    }
+
+    /// Whether `key` at `position` is a split.
+    pub fn contains(&self, position: usize, key: &BlockKey) -> bool {
+        self.0.binary_search(&(position, *key)).is_ok()
+    }
+}
+
+/// One chain's cut: its runs under a [`Runs`] rule and the splits it passes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChainCut {
+    rule: Runs,
+    /// Positions right after the splits the chain passes, ascending.
+    bounds: Vec<usize>,
+}
+
+impl ChainCut {
+    /// Where the runs holding `position` are counted from: the last bound at or before it
+    /// (0 if none).
+    pub fn from_of(&self, position: usize) -> usize {
+        let i = self.bounds.partition_point(|&b| b <= position);
+        i.checked_sub(1).map_or(0, |i| self.bounds[i])
+    }
+
+    /// The position of the key that places the block at `position`: its run's anchor.
+    pub fn anchor_of(&self, position: usize) -> usize {
+        self.rule.anchor_at(position, self.from_of(position))
     }
 
     /// Whether the block at `position` starts a run (is its own anchor).
@@ -66,11 +168,12 @@ impl Runs {
 
     /// One past the last position of the run that `anchor` starts.
     pub fn run_end(&self, anchor: usize) -> usize {
-        if anchor < self.head {
-            anchor + 1
-        } else {
-            anchor + self.run
+        if anchor < self.rule.head {
+            return anchor + 1;
         }
+        let end = anchor + self.rule.run;
+        let next = self.bounds.partition_point(|&b| b <= anchor);
+        self.bounds.get(next).map_or(end, |&b| end.min(b))
     }
 
     /// The key that places the block at position `index` of `chain`.
@@ -81,13 +184,15 @@ impl Runs {
     }
 
     /// The runs of `chain`: `(first position, anchor key)` per run.
-    pub fn runs<'a>(&self, chain: &'a [BlockKey]) -> impl Iterator<Item = (usize, BlockKey)> + 'a {
-        let cut = *self;
+    pub fn runs<'a>(
+        &'a self,
+        chain: &'a [BlockKey],
+    ) -> impl Iterator<Item = (usize, BlockKey)> + 'a {
         let mut at = 0;
         std::iter::from_fn(move || {
             let here = at;
             let key = *chain.get(here)?;
-            at = cut.run_end(here);
+            at = self.run_end(here);
             Some((here, key))
         })
     }
@@ -283,22 +388,22 @@ mod tests {
     #[test]
     fn runs_and_anchors() {
         let chain: Vec<BlockKey> = (0..10).map(key).collect();
-        let plain = Runs::new(0, 4);
+        let plain = Runs::new(0, 4).plain();
         let r: Vec<usize> = plain.runs(&chain).map(|(i, _)| i).collect();
         assert_eq!(r, vec![0, 4, 8]);
         for (i, expect) in [(0, 0), (3, 0), (4, 4), (7, 4), (9, 8)] {
             assert_eq!(plain.anchor(&chain, i), chain[expect]);
         }
-        assert_eq!(Runs::new(0, 0).anchor(&chain, 5), chain[5]);
-        assert_eq!(Runs::new(0, 1).runs(&chain).count(), 10);
-        assert!(Runs::new(0, 4).runs(&[]).next().is_none());
+        assert_eq!(Runs::new(0, 0).plain().anchor(&chain, 5), chain[5]);
+        assert_eq!(Runs::new(0, 1).plain().runs(&chain).count(), 10);
+        assert!(Runs::new(0, 4).plain().runs(&[]).next().is_none());
     }
 
     /// A head of 3 blocks, then runs of 4 counted from position 3: anchors 0, 1, 2, 3, 7.
     #[test]
     fn the_head_is_placed_per_block() {
         let chain: Vec<BlockKey> = (0..10).map(key).collect();
-        let cut = Runs::new(3, 4);
+        let cut = Runs::new(3, 4).plain();
         let r: Vec<usize> = cut.runs(&chain).map(|(i, _)| i).collect();
         assert_eq!(r, vec![0, 1, 2, 3, 7]);
         for (i, expect) in [(0, 0), (1, 1), (2, 2), (3, 3), (6, 3), (7, 7), (9, 7)] {
@@ -308,16 +413,55 @@ mod tests {
         }
         assert_eq!((cut.run_end(2), cut.run_end(3), cut.run_end(7)), (3, 7, 11));
         // A head longer than the chain: every block its own run.
-        assert_eq!(Runs::new(64, 64).runs(&chain).count(), 10);
+        assert_eq!(Runs::new(64, 64).plain().runs(&chain).count(), 10);
+    }
+
+    /// A chain that passes a split starts a run after it; a split the chain does not pass
+    /// (another key at that position, or past its end) changes nothing.
+    #[test]
+    fn a_split_ends_a_run_and_the_next_starts_after_it() {
+        let chain: Vec<BlockKey> = (0..12).map(key).collect();
+        let rule = Runs::new(0, 4);
+        let splits = Splits::new([(1, key(1)), (5, key(99)), (11, key(11)), (6, key(6))]);
+        let cut = rule.cut(&chain, &splits);
+        let r: Vec<usize> = cut.runs(&chain).map(|(i, _)| i).collect();
+        // Bounds after positions 1 and 6 (position 5 holds another key; 11 is the last).
+        assert_eq!(r, vec![0, 2, 6, 7, 11]);
+        assert_eq!((cut.run_end(0), cut.run_end(2), cut.run_end(6)), (2, 6, 7));
+        assert_eq!((cut.from_of(1), cut.from_of(2), cut.from_of(9)), (0, 2, 7));
+        // The conversation trace's case: every chain starts with the same block, a split.
+        let shared = Splits::new([(0, key(0))]);
+        let a: Vec<BlockKey> = [0, 10, 11, 12].map(key).to_vec();
+        let b: Vec<BlockKey> = [0, 20, 21].map(key).to_vec();
+        assert_eq!(rule.cut(&a, &shared).anchor(&a, 3), key(10));
+        assert_eq!(rule.cut(&b, &shared).anchor(&b, 2), key(20));
+        assert_eq!(
+            rule.plain().anchor(&a, 3),
+            key(0),
+            "without it: the shared block"
+        );
+        // With a head, a split inside it changes nothing there.
+        let headed = Runs::new(3, 4).cut(&chain, &splits);
+        let r: Vec<usize> = headed.runs(&chain).map(|(i, _)| i).collect();
+        assert_eq!(r, vec![0, 1, 2, 3, 7, 11]);
+        assert!(Splits::new([(1, key(1)); 3]).len() == 1);
+        assert!(Splits::new((0..1000).map(|i| (i, key(i as u64)))).len() == Splits::MAX);
     }
 
     proptest! {
         /// The runs cut a chain into consecutive pieces, each placed by its first key, and
-        /// every position's anchor is the start of the run holding it.
+        /// every position's anchor is the start of the run holding it; placing each block
+        /// from its parent alone (as puts are) agrees with the whole chain's cut.
         #[test]
-        fn runs_partition_the_chain(head in 0usize..40, run in 0usize..20, len in 0usize..200) {
+        fn runs_partition_the_chain(head in 0usize..40, run in 0usize..20, len in 0usize..200,
+                                    split_at in prop::collection::vec(0usize..200, 0..6),
+                                    foreign in prop::collection::vec(0usize..200, 0..3)) {
             let chain: Vec<BlockKey> = (0..len as u64).map(key).collect();
-            let cut = Runs::new(head, run);
+            let rule = Runs::new(head, run);
+            let splits = Splits::new(
+                split_at.iter().map(|&p| (p, key(p as u64)))
+                    .chain(foreign.iter().map(|&p| (p, key(1_000 + p as u64)))));
+            let cut = rule.cut(&chain, &splits);
             let starts: Vec<usize> = cut.runs(&chain).map(|(i, _)| i).collect();
             let mut next = 0;
             for (n, &s) in starts.iter().enumerate() {
@@ -331,6 +475,13 @@ mod tests {
                 next = end;
             }
             prop_assert_eq!(next, len);
+            let mut from = 0;
+            for p in 1..len {
+                let (f, starts) = rule.after(p - 1, from, splits.contains(p - 1, &chain[p - 1]));
+                prop_assert_eq!(f, cut.from_of(p));
+                prop_assert_eq!(starts, cut.starts_run(p), "position {}", p);
+                from = f;
+            }
         }
 
         /// A member joining takes keys only for itself: every key's new owners are its old

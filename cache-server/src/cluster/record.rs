@@ -77,6 +77,36 @@ pub struct MemberRecord {
     /// is then unknown, not assumed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub placement: Option<PlacementRule>,
+    /// The blocks after which this member saw many chains diverge (a shared prompt's last
+    /// block), which every member's placement starts a run after (`placement::Splits`; the
+    /// union of all members' lists counts). Empty (and absent in records of servers older
+    /// than the field) when it found none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub splits: Vec<SplitRecord>,
+}
+
+/// A split as a record states it: the block's position in its chain and its key (the
+/// 32-character hex of `BlockKey`'s `Display`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SplitRecord {
+    pub position: u64,
+    pub key: String,
+}
+
+impl SplitRecord {
+    pub fn new(position: usize, key: &kvtier_core::BlockKey) -> Self {
+        Self {
+            position: position as u64,
+            key: key.to_string(),
+        }
+    }
+
+    /// The split, if the key parses and the position is in range (a record is checked by
+    /// its MAC, but a bad entry is skipped, not trusted).
+    pub fn parse(&self) -> Option<(usize, kvtier_core::BlockKey)> {
+        let position = usize::try_from(self.position).ok()?;
+        Some((position, kvtier_core::BlockKey::from_hex(&self.key)?))
+    }
 }
 
 impl MemberRecord {
@@ -260,6 +290,7 @@ pub(crate) mod tests {
             }],
             registered_unix_ms: 1,
             placement: None,
+            splits: Vec::new(),
         }
     }
 

@@ -9,9 +9,10 @@
 //! last known view, never an empty one).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::placement::{Candidate, Placement};
+use super::placement::{Candidate, Placement, Splits};
 use super::record::{MemberRecord, RecordSealer, Rejection};
 
 /// A member in the view: its record and the etcd facts about its key.
@@ -80,6 +81,8 @@ pub struct MembershipView {
     /// Membership changes since start (joins, leaves, updates; listings that differ).
     changes: u64,
     placement: Placement,
+    /// The union of the members' published splits (rebuilt at each change).
+    splits: Arc<Splits>,
 }
 
 impl MembershipView {
@@ -95,6 +98,7 @@ impl MembershipView {
             rejected: BTreeMap::new(),
             changes: 0,
             placement: Placement::new([], replicas),
+            splits: Arc::default(),
         }
     }
 
@@ -123,6 +127,12 @@ impl MembershipView {
         &self.placement
     }
 
+    /// The splits every member places by: the union of those the members publish (at most
+    /// `shared::MAX_PUBLISHED` of each record; entries that do not parse are skipped).
+    pub fn splits(&self) -> &Arc<Splits> {
+        &self.splits
+    }
+
     /// How long etcd has been unreachable, if it is.
     pub fn unreachable_for(&self, now: Instant) -> Option<Duration> {
         match &self.link {
@@ -143,6 +153,13 @@ impl MembershipView {
                 .map(|m| Candidate::new(m.record.node_id.clone(), m.record.weight())),
             self.replicas,
         );
+        self.splits = Arc::new(Splits::new(self.members.values().flat_map(|m| {
+            m.record
+                .splits
+                .iter()
+                .take(super::shared::MAX_PUBLISHED)
+                .filter_map(|s| s.parse())
+        })));
     }
 
     fn reject(&mut self, id: &str, why: Rejection) -> Applied {
@@ -385,5 +402,46 @@ mod tests {
         assert_eq!(v.changes(), changes + 1);
         // A watch change the new listing already holds is ignored.
         assert_eq!(v.apply(del("a", 21)), Applied::Ignored);
+    }
+
+    /// The view's splits are the union of the members' (bad entries skipped, at most
+    /// MAX_PUBLISHED a record), and go with the member that published them.
+    #[test]
+    fn splits_are_the_union_of_the_members() {
+        use super::super::record::SplitRecord;
+        use kvtier_core::BlockKey;
+        let s = RecordSealer::new(Some(b"k"), "c");
+        let mut v = MembershipView::new(PREFIX, s.clone(), 1);
+        let k = |n: u128| BlockKey::from_u128(n);
+        let with = |id: &str, splits: Vec<SplitRecord>, rev: i64| {
+            let mut r = record(id);
+            r.splits = splits;
+            Change::Put {
+                key: key(id),
+                value: s.seal(&key(id), &r),
+                lease_id: 7,
+                mod_revision: rev,
+            }
+        };
+        v.apply(with(
+            "a",
+            vec![SplitRecord::new(0, &k(1)), SplitRecord::new(3, &k(2))],
+            1,
+        ));
+        let bad = SplitRecord {
+            position: 1,
+            key: "not hex".into(),
+        };
+        v.apply(with("b", vec![SplitRecord::new(0, &k(1)), bad], 2));
+        let got: Vec<(usize, BlockKey)> = v.splits().iter().copied().collect();
+        assert_eq!(got, vec![(0, k(1)), (3, k(2))]);
+        v.apply(del("a", 3));
+        let got: Vec<(usize, BlockKey)> = v.splits().iter().copied().collect();
+        assert_eq!(got, vec![(0, k(1))]);
+        let many = (0..100)
+            .map(|i| SplitRecord::new(5, &k(1000 + i)))
+            .collect();
+        v.apply(with("b", many, 4));
+        assert_eq!(v.splits().len(), super::super::shared::MAX_PUBLISHED);
     }
 }

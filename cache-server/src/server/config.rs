@@ -167,6 +167,12 @@ pub struct ClusterSection {
     /// (0..=65536; 0: runs from the first block): the length, in blocks, of a system prompt
     /// every request shares (`docs/cluster.md`, "How a chain is spread"). Default: 0.
     pub head_blocks: usize,
+    /// How often, in seconds, this member looks in its sampled lookups for blocks after
+    /// which many chains diverge (a shared system prompt's last block) and publishes them in
+    /// its record; every member starts a run after each block any member published
+    /// (`docs/cluster.md`, "Shared prefixes"). 0: this member publishes none (it still
+    /// follows the others'). 1..=3600. Default: 10.
+    pub split_check_s: u64,
     /// The registration lease's time to live, in seconds: a member that stops renewing is
     /// gone from every view this long after its last renewal. Default: 10.
     pub lease_ttl_s: u64,
@@ -213,6 +219,7 @@ impl Default for ClusterSection {
             replicas: 1,
             run_blocks: crate::cluster::placement::DEFAULT_RUN_BLOCKS,
             head_blocks: crate::cluster::placement::DEFAULT_HEAD_BLOCKS,
+            split_check_s: 10,
             lease_ttl_s: 10,
             etcd_timeout_ms: 2000,
             peer_timeout_ms: 250,
@@ -950,6 +957,12 @@ impl ServerConfig {
                 format!("must be at most {MAX_HEAD_BLOCKS} (each head block is placed alone)"),
             ));
         }
+        if c.split_check_s > 3600 {
+            return Err(cerr(
+                "cluster.split_check_s",
+                "must be 0 (off) or 1..=3600 seconds",
+            ));
+        }
         if !(2..=3600).contains(&c.lease_ttl_s) {
             return Err(cerr(
                 "cluster.lease_ttl_s",
@@ -1497,6 +1510,7 @@ mod tests {
             ("cluster.replicas=0", "cluster.replicas"),
             ("cluster.run_blocks=0", "cluster.run_blocks"),
             ("cluster.head_blocks=65537", "cluster.head_blocks"),
+            ("cluster.split_check_s=3601", "cluster.split_check_s"),
             ("cluster.lease_ttl_s=1", "cluster.lease_ttl_s"),
             ("cluster.etcd_timeout_ms=0", "cluster.etcd_timeout_ms"),
             ("cluster.peer_timeout_ms=0", "cluster.peer_timeout_ms"),

@@ -83,6 +83,7 @@ pub(crate) fn node(
             run_blocks: s.run_blocks,
             head_blocks: s.head_blocks,
         }),
+        splits: Vec::new(),
     };
     let settings = ClusterSettings {
         etcd_endpoints: c.etcd_endpoints(),
@@ -91,6 +92,7 @@ pub(crate) fn node(
         replicas: s.replicas,
         run_blocks: s.run_blocks,
         head_blocks: s.head_blocks,
+        split_check: Duration::from_secs(s.split_check_s),
         lease_ttl: Duration::from_secs(s.lease_ttl_s),
         etcd_timeout: Duration::from_millis(s.etcd_timeout_ms),
         secret,

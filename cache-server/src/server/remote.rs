@@ -50,6 +50,9 @@ const OFFER_BATCH: usize = 256;
 /// Block bytes one offer request carries, at most (more go in several, one after another):
 /// each is bounded by `cluster.offer_timeout_ms`, and a failure loses at most this much.
 const OFFER_CHUNK_BYTES: usize = 16 << 20;
+/// Lookups sampled for the split detector, at most one per this many µs (about 200 a
+/// second: at most a percent of a core for the detector, `cluster::shared`).
+const SAMPLE_EVERY_US: u64 = 5_000;
 
 /// A block to offer to an owner.
 struct Offer {
@@ -78,6 +81,11 @@ pub(crate) struct Remote {
     chains: Mutex<ChainIndex>,
     /// The view's change count when the pool last dropped departed peers.
     pruned_at: Mutex<u64>,
+    /// Sampled lookups' chains to the split detector (`None`: `cluster.split_check_s` 0).
+    samples: Option<mpsc::Sender<Vec<BlockKey>>>,
+    /// When the last lookup was sampled (µs since `started`).
+    sampled_at: std::sync::atomic::AtomicU64,
+    started: Instant,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -107,6 +115,13 @@ impl Remote {
         );
         let (tx, rx) = mpsc::channel(node.settings.offer_queue_blocks.max(1));
         let cut = node.settings.runs();
+        let check = node.settings.split_check;
+        let (samples, sample_rx) = if check.is_zero() {
+            (None, None)
+        } else {
+            let (tx, rx) = mpsc::channel(64);
+            (Some(tx), Some(rx))
+        };
         let r = Arc::new(Self {
             node,
             pool,
@@ -115,8 +130,14 @@ impl Remote {
             offers: tx,
             chains: Mutex::new(ChainIndex::new(CHAIN_INDEX_ENTRIES, cut)),
             pruned_at: Mutex::new(u64::MAX),
+            samples,
+            sampled_at: std::sync::atomic::AtomicU64::new(0),
+            started: Instant::now(),
         });
         tokio::spawn(offer_loop(shared.clone(), r.clone(), rx));
+        if let Some(rx) = sample_rx {
+            tokio::spawn(split_loop(shared.clone(), r.node.clone(), rx, check));
+        }
         Some(r)
     }
 
@@ -154,7 +175,7 @@ impl Remote {
         }
         self.prune();
         let me = self.node.record.node_id.clone();
-        let cut = self.node.settings.runs();
+        let rule = self.node.settings.runs();
         // A member's record says when its process started (its own clock: skew between
         // members is small against the warm-up).
         let warmup_ms = self.node.settings.warmup.as_millis() as u64;
@@ -170,7 +191,8 @@ impl Remote {
                 id: me.clone(),
                 ..PeerAddr::default()
             }];
-            let runs = chain::plan(keys.len(), local, cut, |anchor| {
+            let cut = rule.cut(keys, v.splits());
+            let runs = chain::plan(keys.len(), local, &cut, |anchor| {
                 let owners = v.placement().owners(&keys[anchor]);
                 mine.push(owners.contains(&me.as_str()));
                 let ask = chain::owner_to_ask(
@@ -459,9 +481,29 @@ impl Remote {
     /// first `found` here: remembers the last one's place in the chain, so the puts that
     /// continue it are placed (and offered) even when this node never saw the chain's start
     /// (its blocks were put on another member, or fetched).
+    ///
+    /// Also samples the chain for the split detector (at most one lookup per
+    /// `SAMPLE_EVERY_US`; a full queue drops the sample).
     pub fn looked_up(&self, keys: &[BlockKey], found: usize) {
         if let Some(last) = found.checked_sub(1).filter(|&l| l < keys.len()) {
-            lock(&self.chains).record_at(keys, last);
+            let cut = self
+                .node
+                .with_view(|v| self.node.settings.runs().cut(keys, v.splits()));
+            lock(&self.chains).record_at(keys, &cut, last);
+        }
+        if let Some(tx) = &self.samples {
+            use std::sync::atomic::Ordering::Relaxed;
+            let now = self.started.elapsed().as_micros() as u64;
+            let last = self.sampled_at.load(Relaxed);
+            if now.saturating_sub(last) >= SAMPLE_EVERY_US
+                && self
+                    .sampled_at
+                    .compare_exchange(last, now, Relaxed, Relaxed)
+                    .is_ok()
+            {
+                let n = keys.len().min(crate::cluster::shared::WALK);
+                let _ = tx.try_send(keys[..n].to_vec());
+            }
         }
     }
 
@@ -476,7 +518,8 @@ impl Remote {
             }
             return;
         }
-        let place = lock(&self.chains).record(key, parent);
+        let splits = self.node.with_view(|v| v.splits().clone());
+        let place = lock(&self.chains).record(key, parent, &splits);
         if !stored {
             return;
         }
@@ -495,16 +538,8 @@ impl Remote {
                 .collect();
             (others, guest)
         });
-        let parent = if self
-            .node
-            .settings
-            .runs()
-            .starts_run(place.position as usize)
-        {
-            None
-        } else {
-            parent
-        };
+        // The first block of a run: its owner need not hold the run before it.
+        let parent = if place.anchor == key { None } else { parent };
         for owner in owners {
             let offer = Offer {
                 key,
@@ -866,6 +901,43 @@ fn key_lists(runs: &[RunAsk], keys: &[BlockKey], peers: usize, end: usize) -> Ve
         }
     }
     lists
+}
+
+/// Feeds sampled lookups to the split detector; every `period`, publishes the splits it
+/// finds (the etcd driver writes them into this node's record) and ages its counts. A
+/// server that just started checks sooner (after 1, 2, 4, ... s, up to `period`), so a
+/// fresh cluster learns its shared prompt within seconds. Ends with the server.
+async fn split_loop(
+    s: Arc<Shared>,
+    node: Arc<ClusterNode>,
+    mut rx: mpsc::Receiver<Vec<BlockKey>>,
+    period: std::time::Duration,
+) {
+    let mut detector = crate::cluster::shared::SplitDetector::new();
+    let mut step = std::time::Duration::from_secs(1).min(period);
+    let mut next = tokio::time::Instant::now() + step;
+    let mut aged = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            _ = s.shutdown.cancelled() => return,
+            chain = rx.recv() => match chain {
+                Some(c) => detector.observe(&c),
+                None => return,
+            },
+            _ = tokio::time::sleep_until(next) => {
+                let kept: Vec<(usize, BlockKey)> =
+                    node.published().iter().filter_map(|r| r.parse()).collect();
+                node.publish_splits(&detector.splits(&kept));
+                node.metrics.split_nodes.set(detector.len() as i64);
+                if aged.elapsed() >= period {
+                    detector.age();
+                    aged = tokio::time::Instant::now();
+                }
+                step = (step * 2).min(period);
+                next = tokio::time::Instant::now() + step;
+            }
+        }
+    }
 }
 
 /// Sends queued offers: takes what is queued (up to [`OFFER_BATCH`] at a time), reads the

@@ -717,6 +717,129 @@ async fn chains_sharing_a_first_block_spread_over_the_members() {
     .await;
 }
 
+/// The same chains with no `head_blocks`: the members find the shared block themselves.
+/// After lookups of chains that diverge after one block, a member publishes it as a split
+/// (`cluster.split_check_s`), every member's view has it, and chains put from then on start
+/// a run after it: their blocks go to the owners of their second block, not all to the
+/// shared block's owner; a lookup on another member finds each whole chain. A member with
+/// `split_check_s = 0` publishes none, and follows the others'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_find_a_shared_first_block_and_split_chains_after_it() {
+    const LEN: usize = RUN / 2;
+    bounded(120, async {
+        let etcd = Etcd::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let secret = secret_file(dir.path(), SECRET);
+        let extra = [
+            "cluster.run_blocks=8",
+            "cluster.split_check_s=1",
+            "cluster.peer_timeout_ms=1000",
+        ];
+        let a = member_with(&etcd, "a", 5, &secret, &extra);
+        let b = member_with(&etcd, "b", 5, &secret, &extra);
+        let quiet = [
+            "cluster.run_blocks=8",
+            "cluster.split_check_s=0",
+            "cluster.peer_timeout_ms=1000",
+        ];
+        let c = member_with(&etcd, "c", 5, &secret, &quiet);
+        for s in [&a, &b, &c] {
+            until_view(s, &["a", "b", "c"], Duration::from_secs(15)).await;
+        }
+        let members = [("a", &a), ("b", &b), ("c", &c)];
+        let shared = keys(b"system prompt", 1, 1)[0];
+        let chain = |salt: &[u8], j: u32| {
+            let mut ch = keys(salt, LEN, j);
+            ch[0] = shared;
+            ch
+        };
+        // Lookups (nothing stored yet) of 24 chains that diverge after the shared block,
+        // on a and on c; sampled at most one per 5 ms.
+        for s in [&a, &c] {
+            let cl = s.client("tcp").await;
+            for j in 1..=24 {
+                assert_eq!(cl.lookup(&chain(b"asked", j)).await.tiers.len(), 0);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        let want = serde_json::json!([{"position": 0, "key": shared.to_string()}]);
+        let t0 = Instant::now();
+        for (id, s) in &members {
+            loop {
+                let d = cluster_doc(s, "").await;
+                if d["splits"] == want {
+                    let by: Vec<&str> = d["members"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .filter(|m| m["splits"].as_array().is_some_and(|v| !v.is_empty()))
+                        .map(|m| m["node_id"].as_str().unwrap())
+                        .collect();
+                    assert!(
+                        !by.contains(&"c"),
+                        "c publishes with split_check_s=0: {d:#}"
+                    );
+                    assert!(by.contains(&"a"), "{d:#}");
+                    break;
+                }
+                assert!(
+                    t0.elapsed() < Duration::from_secs(20),
+                    "{id} has no split after {:?}: {d:#}",
+                    t0.elapsed()
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            let m = http_get(s.admin, "/metrics").await.1;
+            assert_eq!(metric(&m, "kvtier_cluster_splits"), 1.0, "{id}");
+        }
+        // Chains put on a from now on: position 0 is the shared block's own run, the rest
+        // a run anchored at the second block.
+        let chains: Vec<Vec<BlockKey>> = (1..=12).map(|j| chain(b"put", j)).collect();
+        let put = a.client("tcp").await;
+        let owner = |d: serde_json::Value| d["key"]["owners"][0].as_str().unwrap().to_string();
+        let first = owner(cluster_doc(&a, &format!("?key={shared}")).await);
+        let mut seconds = Vec::new();
+        for ch in &chains {
+            put_all(&put, ch).await;
+            seconds.push(owner(cluster_doc(&a, &format!("?key={}", ch[1])).await));
+        }
+        assert!(
+            seconds.iter().any(|o| *o != first),
+            "every chain's run follows the shared block's owner {first}: {seconds:?}"
+        );
+        // Each run reaches the owner of its second block (offered by a when not a itself).
+        let t0 = Instant::now();
+        for (ch, o) in chains.iter().zip(&seconds) {
+            let (_, s) = members.iter().find(|(id, _)| id == o).unwrap();
+            let p = peer(s).await;
+            while p.lookup(&ch[1..]).await.tiers.len() != LEN - 1 {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "the run after the split never reached its owner {o}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        // A lookup on b finds each whole chain, the run after the split from its owner.
+        let cl = b.client("tcp").await;
+        for (ch, o) in chains.iter().zip(&seconds) {
+            let l = cl.lookup(ch).await;
+            assert_eq!(l.tiers.len(), LEN, "{l:?}");
+            if o != "b" {
+                assert!(
+                    l.sources
+                        .iter()
+                        .any(|s| s.blocks.contains(&1) && s.node == *o),
+                    "run after the split not from {o}: {:?}",
+                    l.sources
+                );
+            }
+            assert_eq!(get_verified(&cl, ch).await, LEN);
+        }
+    })
+    .await;
+}
+
 /// Blocks owned by a member that is then killed are misses, answered within the deadline;
 /// the prefix before them is served, byte-exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -874,6 +997,7 @@ fn fake_record() -> MemberRecord {
         }],
         registered_unix_ms: 0,
         placement: None,
+        splits: Vec::new(),
     }
 }
 
