@@ -3,7 +3,7 @@
 #
 #   scripts/bench-cluster.sh [--nodes N] [--trace PATH] [--total-tokens T] [--route R]
 #                            [--out DIR] [--cluster-set KEY=VALUE ...] [--lookup-blocks B]
-#                            [--kill N:AT:DOWN | --kill-etcd AT:DOWN] [--window-s W]
+#                            [--kill N[,N...]:AT:DOWN | --kill-etcd AT:DOWN] [--window-s W]
 #                            [--nvme BYTES]
 #                            [-- extra kvtier-bench replay (or lookup) flags]
 #
@@ -21,7 +21,7 @@
 # --kill N:AT:DOWN: a node killed mid-replay. No islands; the cluster fleet twice, each from
 # a fresh start, with the same requests: `control` untouched, and `killed`, where member N
 # (1..nodes) gets SIGKILL AT seconds after its replay began and is started again (empty:
-# no NVMe here) DOWN seconds later. Both replays run with --failover (a request its member
+# no NVMe here) DOWN seconds later. `N1,N2:AT:DOWN` kills several members at once. Both replays run with --failover (a request its member
 # fails goes to the next, as a router would) and --window-s W (default 2); prints the hit
 # rate of each window of both runs, of the spans before the kill, while the node is down,
 # the first 10 s after its restart and the rest, the dip, the first window from the restart
@@ -86,14 +86,20 @@ if [ -n "$kill_etcd_spec" ]; then
     kill_spec="etcd:$kill_etcd_spec"
 elif [ -n "$kill_spec" ]; then
     IFS=: read -r kill_node kill_at kill_down <<< "$kill_spec"
-    for v in "$kill_node" "$kill_at" "$kill_down"; do
+    IFS=, read -r -a kill_nodes <<< "$kill_node"
+    for v in "${kill_nodes[@]}" "$kill_at" "$kill_down"; do
         case "$v" in ''|*[!0-9]*)
-            echo "bench-cluster: --kill wants N:AT:DOWN, whole numbers (node, seconds, seconds)" >&2
+            echo "bench-cluster: --kill wants N[,N...]:AT:DOWN, whole numbers (nodes, seconds, seconds)" >&2
             exit 2 ;;
         esac
     done
-    if [ "$kill_node" -lt 1 ] || [ "$kill_node" -gt "$nodes" ]; then
-        echo "bench-cluster: --kill: node $kill_node is not one of 1..$nodes" >&2; exit 2
+    for n in "${kill_nodes[@]}"; do
+        if [ "$n" -lt 1 ] || [ "$n" -gt "$nodes" ]; then
+            echo "bench-cluster: --kill: node $n is not one of 1..$nodes" >&2; exit 2
+        fi
+    done
+    if [ "${#kill_nodes[@]}" -ge "$nodes" ]; then
+        echo "bench-cluster: --kill: at least one node must stay up" >&2; exit 2
     fi
     [ -z "$lookup_blocks" ] || { echo "bench-cluster: --kill and --lookup-blocks exclude each other" >&2; exit 2; }
 fi
@@ -250,11 +256,11 @@ for name in $runs; do
         echo "$kill_at $kill_down" > "$out/kill.txt"
     elif [ "$name" = killed ]; then
         sleep "$kill_at"
-        kill -9 "${node_pid[$kill_node]}"
-        wait "${node_pid[$kill_node]}" 2>/dev/null || true
-        echo "== killed node $kill_node at $kill_at s; starting it again in $kill_down s" >&2
+        for n in "${kill_nodes[@]}"; do kill -9 "${node_pid[$n]}"; done
+        for n in "${kill_nodes[@]}"; do wait "${node_pid[$n]}" 2>/dev/null || true; done
+        echo "== killed node(s) $kill_node at $kill_at s; starting again in $kill_down s" >&2
         sleep "$kill_down"
-        start_node cluster "$name" "$kill_node"
+        for n in "${kill_nodes[@]}"; do start_node cluster "$name" "$n"; done
         echo "$kill_at $kill_down" > "$out/kill.txt"
     fi
     wait "$replay_pid" || { echo "bench-cluster: the $name replay failed" >&2; exit 1; }
@@ -279,7 +285,7 @@ out, node, restart = sys.argv[1], sys.argv[2], sys.argv[3] or "empty"
 r = {m: json.load(open(f"{out}/{m}.json"))["result"] for m in ("control", "killed")}
 at, down = (float(x) for x in open(f"{out}/kill.txt").read().split())
 wc, wk = r["control"]["windows"], r["killed"]["windows"]
-what = "etcd" if node == "etcd" else f"node {node}"
+what = "etcd" if node == "etcd" else (f"nodes {node}" if "," in node else f"node {node}")
 restart = "on its data" if node == "etcd" else restart
 print(f"{what} killed at {at:.0f} s, started again at {at + down:.0f} s ({restart})")
 print(f"{'from s':>7} {'control %':>10} {'killed %':>9} {'diff':>7} {'rerouted':>9} {'corrupt':>8}")
