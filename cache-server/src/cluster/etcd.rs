@@ -137,16 +137,7 @@ async fn session(
     )
     .await?
     .id();
-    bounded(
-        "register",
-        limit,
-        c.put(
-            node.own_key(),
-            node.own_value(),
-            Some(PutOptions::new().with_lease(lease)),
-        ),
-    )
-    .await?;
+    write_record(c, node, lease, "register").await?;
     node.set_lease_id(lease);
     node.metrics.registrations.inc();
     let (mut keeper, mut renewals) =
@@ -204,16 +195,7 @@ async fn session(
             },
             _ = node.republished() => {
                 // The splits it publishes changed: the same key, under the same lease.
-                bounded(
-                    "update record",
-                    limit,
-                    c.put(
-                        node.own_key(),
-                        node.own_value(),
-                        Some(PutOptions::new().with_lease(lease)),
-                    ),
-                )
-                .await?;
+                write_record(c, node, lease, "update record").await?;
             }
             w = watch.message() => match w.map_err(etcd("watch"))? {
                 Some(resp) => on_watch(node, resp)?,
@@ -226,6 +208,23 @@ async fn session(
 /// A listing of the member prefix as [`super::MembershipView::reset`] takes it: its revision,
 /// and (key, value, lease, mod revision) per key. Shared with readers of the membership that
 /// do not register (kvtier-router's worker list).
+/// Writes this node's record (with the splits it publishes now) at its key, under `lease`.
+async fn write_record(
+    c: &mut Client,
+    node: &ClusterNode,
+    lease: i64,
+    what: &'static str,
+) -> Result<(), SessionError> {
+    let value = node.own_value();
+    let put = c.put(
+        node.own_key(),
+        value,
+        Some(PutOptions::new().with_lease(lease)),
+    );
+    bounded(what, node.settings.etcd_timeout, put).await?;
+    Ok(())
+}
+
 pub fn listed(listing: &GetResponse) -> (i64, Vec<super::view::ListedKey>) {
     let revision = listing.header().map_or(0, |h| h.revision());
     let kvs = listing
