@@ -161,6 +161,12 @@ impl ChainCut {
         self.rule.anchor_at(position, self.from_of(position))
     }
 
+    /// How many leading blocks of the chain are shared with many other chains: those up to
+    /// the last split it passes (0 if none).
+    pub fn shared_len(&self) -> usize {
+        self.bounds.last().copied().unwrap_or(0)
+    }
+
     /// Whether the block at `position` starts a run (is its own anchor).
     pub fn starts_run(&self, position: usize) -> bool {
         self.anchor_of(position) == position
@@ -429,6 +435,8 @@ mod tests {
         assert_eq!(r, vec![0, 2, 6, 7, 11]);
         assert_eq!((cut.run_end(0), cut.run_end(2), cut.run_end(6)), (2, 6, 7));
         assert_eq!((cut.from_of(1), cut.from_of(2), cut.from_of(9)), (0, 2, 7));
+        assert_eq!(cut.shared_len(), 7);
+        assert_eq!(rule.plain().shared_len(), 0);
         // The conversation trace's case: every chain starts with the same block, a split.
         let shared = Splits::new([(0, key(0))]);
         let a: Vec<BlockKey> = [0, 10, 11, 12].map(key).to_vec();

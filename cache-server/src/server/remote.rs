@@ -186,12 +186,17 @@ impl Remote {
         // this node, for the runs it owns (they are here or nowhere: it is not asked).
         // Per run, in order: whether this node is among its owners.
         let mut mine = Vec::new();
+        // Blocks up to the last split the chain passes are shared by many chains: every
+        // member keeps its copies of them as its own (never guests), so the hottest blocks
+        // are not fetched again after each eviction of a guest.
+        let mut shared = 0;
         let (runs, peers) = self.node.with_view(|v| {
             let mut peers = vec![PeerAddr {
                 id: me.clone(),
                 ..PeerAddr::default()
             }];
             let cut = rule.cut(keys, v.splits());
+            shared = cut.shared_len();
             let runs = chain::plan(keys.len(), local, &cut, |anchor| {
                 let owners = v.placement().owners(&keys[anchor]);
                 mine.push(owners.contains(&me.as_str()));
@@ -339,8 +344,8 @@ impl Remote {
         self.release_all(&peers, &mut located);
         // Commit in chain order up to the first block that did not come (or check out); the
         // reservations after it are dropped, which frees their slots. Blocks of runs this
-        // node owns (fetched from an owner that was there before it) are its own, not
-        // guests.
+        // node owns (fetched from an owner that was there before it), and shared ones, are
+        // its own, not guests.
         // Positions come in chain order, as the runs do: one walk over the runs. Each
         // position's run: its owner (the peer a fetched block came from) and whether this
         // node is among its owners.
@@ -353,7 +358,7 @@ impl Remote {
         let mut sources: Vec<(std::ops::Range<usize>, usize)> = Vec::new();
         for (p, slot) in (local..end).zip(slots) {
             let run = run_of(p);
-            let own = run.is_some_and(|(_, m)| m);
+            let own = run.is_some_and(|(_, m)| m) || p < shared;
             match slot {
                 Some(Slot::Own) => continue, // here already
                 Some(Slot::Present) => stored.push((keys[p], own)),

@@ -836,6 +836,15 @@ async fn members_find_a_shared_first_block_and_split_chains_after_it() {
             }
             assert_eq!(get_verified(&cl, ch).await, LEN);
         }
+        // b's copies of the runs others own are guests; its copy of the shared block is
+        // its own, even when another member owns it.
+        let guests: usize = seconds.iter().filter(|o| *o != "b").count() * (LEN - 1);
+        let m = http_get(b.admin, "/metrics").await.1;
+        assert_eq!(
+            labelled(&m, "kvtier_tier_guest_slots", "tier=\"dram\"") as usize,
+            guests,
+            "shared block owned by {first}; runs by {seconds:?}"
+        );
     })
     .await;
 }
