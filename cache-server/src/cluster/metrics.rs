@@ -20,6 +20,12 @@ pub struct ClusterMetrics {
     pub splits: IntGauge,
     /// Nodes of this node's split detector (its prefix tree of sampled lookups).
     pub split_nodes: IntGauge,
+    /// 1 while this member keeps its own copies of blocks others own and makes the copies
+    /// it was offered its guests (`cluster.routing` sticky, or auto and chosen so).
+    pub sticky: IntGauge,
+    /// Per mille of sampled lookups whose prefix ended at a block a client put here
+    /// (`cluster.routing = "auto"`).
+    pub returns: IntGauge,
     /// 1 while this node is registered and watching etcd.
     pub etcd_connected: IntGauge,
     /// Lease renewals etcd answered.
@@ -254,6 +260,19 @@ impl ClusterMetrics {
                 r,
                 "kvtier_cluster_split_detector_nodes",
                 "Prefix-tree nodes of this member's split detector (sampled lookups).",
+            )?,
+            sticky: gauge(
+                r,
+                "kvtier_cluster_sticky",
+                "1 while this member keeps its own copies of blocks others own and the copies \
+                 it was offered as an owner are its guests (cluster.routing sticky, or auto \
+                 and chosen).",
+            )?,
+            returns: gauge(
+                r,
+                "kvtier_cluster_returns_per_mille",
+                "Per mille of sampled client lookups whose prefix ended at a block a client \
+                 put on this member (moving average; cluster.routing = auto).",
             )?,
             etcd_connected: gauge(
                 r,

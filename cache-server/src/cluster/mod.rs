@@ -30,6 +30,7 @@ mod metrics;
 pub mod peers;
 pub mod placement;
 pub mod record;
+pub mod returns;
 pub mod shared;
 pub mod view;
 
@@ -38,6 +39,13 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvtier_core::BlockKey;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Client puts `cluster.routing = "auto"` remembers (two generations of this many).
+const RETURNS_ENTRIES: usize = 1 << 18;
 use serde_json::{Value, json};
 
 pub use metrics::{ClusterMetrics, PeerMetrics};
@@ -78,6 +86,41 @@ pub struct ClusterSettings {
     pub warmup: Duration,
     /// Copies of blocks other members own are marked as guests (evicted first).
     pub guests_first: bool,
+    /// `cluster.routing`: which copies are the guests.
+    pub routing: Routing,
+}
+
+/// `cluster.routing`: how requests reach the members, which says which copy of a block is
+/// the guest (evicted first).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Routing {
+    /// A session's requests go to several members (round robin): the guests are a member's
+    /// copies of blocks others own; the owners keep the cluster's copy.
+    Spread,
+    /// A session stays on one member: it keeps its copies; those its owners were offered
+    /// are their guests.
+    Sticky,
+    /// Chosen by each member from where its clients' lookups end ([`returns`]).
+    Auto,
+}
+
+impl Routing {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "spread" => Some(Self::Spread),
+            "sticky" => Some(Self::Sticky),
+            "auto" => Some(Self::Auto),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Spread => "spread",
+            Self::Sticky => "sticky",
+            Self::Auto => "auto",
+        }
+    }
 }
 
 impl ClusterSettings {
@@ -113,6 +156,10 @@ pub struct ClusterNode {
     /// The token peers present (`record::peer_token`); `None` without a secret: then no
     /// peer is trusted and the data path is off.
     pub peer_token: Option<String>,
+    /// Where this member's clients' lookups end (`cluster.routing = "auto"`).
+    returns: Mutex<returns::Returns>,
+    /// Whether this member keeps its own copies (see [`Routing`]) now.
+    sticky: std::sync::atomic::AtomicBool,
 }
 
 impl ClusterNode {
@@ -121,6 +168,8 @@ impl ClusterNode {
         let view =
             MembershipView::new(settings.members_prefix(), sealer.clone(), settings.replicas);
         metrics.enabled.set(1);
+        let settings_sticky = settings.routing == Routing::Sticky;
+        metrics.sticky.set(i64::from(settings_sticky));
         let peer_token = settings
             .secret
             .as_deref()
@@ -135,8 +184,61 @@ impl ClusterNode {
             view: Mutex::new(view),
             lease_id: AtomicI64::new(0),
             placement_checked: AtomicU64::new(u64::MAX),
+            sticky: std::sync::atomic::AtomicBool::new(settings_sticky),
+            returns: Mutex::new(returns::Returns::new(RETURNS_ENTRIES)),
             metrics,
         }
+    }
+
+    /// Whether this member keeps its own copies of blocks others own, and makes the copies
+    /// it was offered its guests (`cluster.routing`).
+    pub fn sticky(&self) -> bool {
+        self.sticky.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// A client of this member put `key` (`cluster.routing = "auto"` remembers it).
+    pub fn client_put(&self, key: &BlockKey) {
+        if self.settings.routing == Routing::Auto {
+            lock(&self.returns).put(key);
+        }
+    }
+
+    /// A client's lookup found a prefix reaching past the shared blocks, ending at `last`:
+    /// with `cluster.routing = "auto"`, a sample of whether its chain came back here.
+    /// Returns whether this member changed which of its copies are guests (the caller then
+    /// clears the guests it marked under the other choice).
+    pub fn client_looked_up(&self, last: &BlockKey) -> bool {
+        if self.settings.routing != Routing::Auto {
+            return false;
+        }
+        let mut r = lock(&self.returns);
+        let sticky = r.looked_up(last);
+        self.metrics
+            .returns
+            .set((r.share() * 1000.0).round() as i64);
+        drop(r);
+        if self
+            .sticky
+            .swap(sticky, std::sync::atomic::Ordering::Relaxed)
+            != sticky
+        {
+            self.metrics.sticky.set(i64::from(sticky));
+            tracing::info!(
+                "cluster.routing auto: {} (sampled lookups whose prefix ended at a block put here: {:.0} %)",
+                if sticky {
+                    "sticky, keeping this member's copies"
+                } else {
+                    "spread, the owners keep the cluster's copies"
+                },
+                self.returns_share() * 100.0
+            );
+            return true;
+        }
+        false
+    }
+
+    fn returns_share(&self) -> f64 {
+        lock(&self.returns).share()
     }
 
     /// The members whose record states a placement rule other than this node's (a record
@@ -353,6 +455,12 @@ impl ClusterNode {
                         "offer_queue_blocks": s.offer_queue_blocks,
                         "warmup_s": s.warmup.as_secs(),
                         "guests_first": s.guests_first,
+                        "routing": s.routing.name(),
+                        "sticky": self.sticky(),
+                        "returns": {
+                            "share": self.returns_share(),
+                            "samples": lock(&self.returns).samples(),
+                        },
                         "remote_hits": self.metrics.remote_hits.get(),
                         "offers_dropped": {
                             "queue_full": dropped(&self.metrics, "queue_full"),

@@ -200,6 +200,14 @@ pub struct ClusterSection {
     /// guests, evicted before other blocks, so the cluster keeps one copy of a block when
     /// room is short (`docs/cluster.md`, "Guests"). Default: true.
     pub guests_first: bool,
+    /// How requests reach the members, which says which copies are the guests:
+    /// `"spread"` (round robin, or any routing that sends a session's turns to several
+    /// members): copies of blocks another member owns, on the member that used them;
+    /// `"sticky"` (a router keeps each session on one member): copies owners were offered,
+    /// so each member keeps what its own sessions use and the owners' copies use only room
+    /// that is free; `"auto"`: each member chooses from where its clients' lookups end
+    /// (`docs/cluster.md`, "Guests"). Default: "auto".
+    pub routing: String,
 }
 
 impl Default for ClusterSection {
@@ -227,6 +235,7 @@ impl Default for ClusterSection {
             offer_queue_blocks: 16384,
             warmup_s: 120,
             guests_first: true,
+            routing: "auto".into(),
         }
     }
 }
@@ -938,6 +947,7 @@ impl ServerConfig {
             &c.fetch,
             &["auto", "tcp", "quic", "protocol"],
         )?;
+        one_of("cluster.routing", &c.routing, &["auto", "spread", "sticky"])?;
         if !c.advertise_transfer.is_empty()
             && c.advertise_transfer
                 .parse::<std::net::IpAddr>()
@@ -1493,6 +1503,8 @@ mod tests {
             "cluster.advertise_data=\"tls://node-3.example:7453\"",
             "cluster.advertise_data=\"tcp://10.0.0.1:7452\"",
             "cluster.peer_transport=\"quic\"",
+            "cluster.routing=\"sticky\"",
+            "cluster.routing=\"spread\"",
         ] {
             cluster_config(&[good]).unwrap_or_else(|e| panic!("{good}: {e}"));
         }
@@ -1518,6 +1530,7 @@ mod tests {
             ("cluster.offer_queue_blocks=0", "cluster.offer_queue_blocks"),
             ("cluster.fetch=\"rdma\"", "cluster.fetch"),
             ("cluster.peer_transport=\"udp\"", "cluster.peer_transport"),
+            ("cluster.routing=\"session\"", "cluster.routing"),
             ("cluster.advertise_data=\"h:1\"", "cluster.advertise_data"),
             (
                 "cluster.advertise_data=\"http://h:1\"",

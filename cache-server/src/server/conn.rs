@@ -1061,6 +1061,18 @@ impl Conn {
                 }
             }
         }
+        if self.peer
+            && let Some(rm) = s.remote.get()
+        {
+            // An offer: with sticky routing, this owner's new copies are its guests.
+            let held: Vec<_> = keys
+                .iter()
+                .zip(&statuses)
+                .filter(|&(_, &st)| st == PutStatus::Stored as u8)
+                .map(|(k, _)| *k)
+                .collect();
+            rm.offers_held(s, &held);
+        }
         s.metrics.bytes_received.inc_by(want);
         let r = Response::Put(PutReply { statuses });
         self.send(Out::new(h.request_id, h.opcode, &r, 0)).await;
@@ -1422,7 +1434,7 @@ impl Job {
                 if let Some(rm) = s.remote.get() {
                     // The client's next put continues this prefix: where it is in its chain
                     // is known now, whichever member stored its blocks.
-                    rm.looked_up(&k.keys, tiers.len());
+                    rm.looked_up(&s, &k.keys, tiers.len());
                 }
                 lock(&self.state).remember_hold(hold, &k.keys);
                 let miss = (tiers.len() < k.keys.len()).then_some(MissReason::NotCached);

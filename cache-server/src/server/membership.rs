@@ -101,6 +101,9 @@ pub(crate) fn node(
         offer_queue_blocks: s.offer_queue_blocks,
         warmup: Duration::from_secs(s.warmup_s),
         guests_first: s.guests_first,
+        // Checked with the configuration.
+        routing: crate::cluster::Routing::parse(&s.routing)
+            .unwrap_or(crate::cluster::Routing::Auto),
     };
     Ok(Some(Arc::new(ClusterNode::new(settings, record, metrics))))
 }

@@ -462,9 +462,20 @@ impl Remote {
     }
 
     /// Marks this node's copies of `keys` (blocks other members own) as guests in the
-    /// store, unless `cluster.guests_first` is off.
+    /// store, unless `cluster.guests_first` is off or requests are routed sticky (a
+    /// member's sessions come back to it: its copies are what it reads next).
     pub fn guests(&self, s: &Shared, keys: &[BlockKey]) {
-        if self.node.settings.guests_first && !keys.is_empty() {
+        if self.node.settings.guests_first && !self.node.sticky() && !keys.is_empty() {
+            s.store.mark_guests(keys);
+        }
+    }
+
+    /// Marks the blocks `keys` a peer offered this node (their owner) as guests when
+    /// requests are routed sticky (`cluster.routing`): the member that put them serves
+    /// their sessions from its own copies, so these copies keep only room nothing else
+    /// wants.
+    pub fn offers_held(&self, s: &Shared, keys: &[BlockKey]) {
+        if self.node.settings.guests_first && self.node.sticky() && !keys.is_empty() {
             s.store.mark_guests(keys);
         }
     }
@@ -489,12 +500,18 @@ impl Remote {
     ///
     /// Also samples the chain for the split detector (at most one lookup per
     /// `SAMPLE_EVERY_US`; a full queue drops the sample).
-    pub fn looked_up(&self, keys: &[BlockKey], found: usize) {
+    pub fn looked_up(&self, s: &Shared, keys: &[BlockKey], found: usize) {
         if let Some(last) = found.checked_sub(1).filter(|&l| l < keys.len()) {
             let cut = self
                 .node
                 .with_view(|v| self.node.settings.runs().cut(keys, v.splits()));
             lock(&self.chains).record_at(keys, &cut, last);
+            // Past the blocks every member keeps: where the prefix ends says whether its
+            // chain came back to this member.
+            if found > cut.shared_len() && self.node.client_looked_up(&keys[last]) {
+                // The guests marked under the other choice are the wrong copies now.
+                s.store.clear_guests();
+            }
         }
         if let Some(tx) = &self.samples {
             use std::sync::atomic::Ordering::Relaxed;
@@ -516,6 +533,7 @@ impl Remote {
     /// in its chain and, if this node is not among its owners, queues it for them. Never
     /// waits: a full queue drops the offer (counted).
     pub fn offered(&self, s: &Shared, key: BlockKey, parent: Option<BlockKey>, stored: bool) {
+        self.node.client_put(&key);
         if !s.tenants.keys_as_sent() {
             // Offers carry internal keys, and an owner cannot tell their namespace.
             if stored {

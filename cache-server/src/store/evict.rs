@@ -128,6 +128,11 @@ impl Inner {
         marked.len()
     }
 
+    /// See [`super::TieredStore::clear_guests`].
+    pub(super) fn clear_guests(&self) -> usize {
+        lock(&self.tiers[self.host].state).guests.clear_all()
+    }
+
     /// Whether host slot `hs` is a guest now (false without a lock on a store that never
     /// marked one).
     pub(super) fn is_guest(&self, hs: u32) -> bool {

@@ -533,6 +533,13 @@ impl TieredStore {
         self.inner.mark_guests(keys)
     }
 
+    /// No block is a guest any more (a cluster member that changed which of its copies
+    /// are guests, `cluster.routing`); they are evicted by the DRAM policy from now on.
+    /// Returns how many were guests.
+    pub fn clear_guests(&self) -> usize {
+        self.inner.clear_guests()
+    }
+
     /// Releases a lease; false if it was unknown or already expired.
     pub fn release(&self, lease_id: u64) -> bool {
         self.inner.release_lease(lease_id)

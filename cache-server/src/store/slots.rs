@@ -134,6 +134,15 @@ impl Guests {
     pub(super) fn live(&self) -> usize {
         self.live
     }
+
+    /// No slot is a guest any more; returns how many were.
+    pub(super) fn clear_all(&mut self) -> usize {
+        let was = self.live;
+        self.flag.fill(false);
+        self.queue.clear();
+        self.live = 0;
+        was
+    }
 }
 
 /// One tier of the store's list and the store's bookkeeping of its slots.
@@ -329,6 +338,22 @@ mod tests {
         assert_eq!(looked, GUEST_SCAN);
         assert_eq!(g.victim(&mut |s| s == 99), Some(99));
         assert_eq!(g.live(), 99);
+    }
+
+    /// Clearing every guest leaves none to evict; slots can be marked again after it.
+    #[test]
+    fn clearing_all_guests_leaves_none() {
+        let mut g = Guests::new(64);
+        for s in [3, 9, 40] {
+            assert!(g.mark(s));
+        }
+        assert_eq!(g.clear_all(), 3);
+        assert_eq!(g.live(), 0);
+        assert!(!g.is(9));
+        assert_eq!(g.victim(&mut |_| true), None);
+        assert!(g.mark(9));
+        assert_eq!(g.victim(&mut |_| true), Some(9));
+        assert_eq!(g.clear_all(), 0);
     }
 
     /// One search drops at most GUEST_STALE_DROP stale entries (a bound on its time under

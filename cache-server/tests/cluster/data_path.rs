@@ -849,6 +849,149 @@ async fn members_find_a_shared_first_block_and_split_chains_after_it() {
     .await;
 }
 
+/// With `cluster.routing = "sticky"` the guests are the other way round: the putter's
+/// copies of runs others own stay its own (its sessions come back to it), and what the
+/// owners were offered is their guests; a member's copies of what its lookup fetched are
+/// its own too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_sticky_routing_the_offered_copies_are_the_guests() {
+    bounded(120, async {
+        let extra = [
+            "cluster.run_blocks=8",
+            "cluster.head_blocks=0",
+            "cluster.peer_timeout_ms=1000",
+            "cluster.routing=\"sticky\"",
+        ];
+        let fleet = Fleet::start(&["a", "b", "c"], 5, &extra).await;
+        let [a, b, c] = &fleet.members[..] else {
+            unreachable!()
+        };
+        let members = [("a", a), ("b", b), ("c", c)];
+        let guests = |m: &str| labelled(m, "kvtier_tier_guest_slots", "tier=\"dram\"") as usize;
+        // A chain with runs owned by each member.
+        let mut chain = Vec::new();
+        let mut owners = Vec::new();
+        for seed in 1..100 {
+            chain = keys(b"sticky", 96, seed);
+            owners = run_owners(a, &chain).await;
+            if ["a", "b", "c"]
+                .iter()
+                .all(|m| owners.iter().any(|o| o == m))
+            {
+                break;
+            }
+        }
+        let runs_of = |m: &str| owners.iter().filter(|o| *o == m).count() * RUN;
+        assert!(runs_of("a") * runs_of("b") * runs_of("c") > 0, "{owners:?}");
+        put_all(&a.client("tcp").await, &chain).await;
+        until_offered(&members, "a", &chain, &owners).await;
+        // Each owner's offered copies become its guests.
+        let t0 = Instant::now();
+        for (id, s) in [("b", b), ("c", c)] {
+            while guests(&http_get(s.admin, "/metrics").await.1) != runs_of(id) {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "{id}'s guests != {}: {owners:?}",
+                    runs_of(id)
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        // The putter has handed them over (its offers are counted once answered) and keeps
+        // its copies as its own.
+        let offered = runs_of("b") + runs_of("c");
+        let t0 = Instant::now();
+        loop {
+            let m = http_get(a.admin, "/metrics").await.1;
+            let sent = labelled(&m, "kvtier_cluster_peer_offered_blocks_total", "peer=\"b\"")
+                + labelled(&m, "kvtier_cluster_peer_offered_blocks_total", "peer=\"c\"");
+            if sent as usize == offered {
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(10), "{m}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let m = http_get(a.admin, "/metrics").await.1;
+        assert_eq!(guests(&m), 0, "a: {owners:?}");
+        // b's lookup fetches the runs a and c own; its copies of them are not guests.
+        let cl = b.client("tcp").await;
+        let l = cl.lookup(&chain).await;
+        assert_eq!(l.tiers.len(), chain.len(), "{l:?}");
+        assert_eq!(get_verified(&cl, &chain).await, chain.len());
+        let m = http_get(b.admin, "/metrics").await.1;
+        assert_eq!(
+            metric(&m, "kvtier_cluster_remote_hits_total") as usize,
+            runs_of("a") + runs_of("c")
+        );
+        assert_eq!(guests(&m), runs_of("b"), "b: {owners:?}");
+        let d = cluster_doc(b, "").await;
+        assert_eq!(d["data_path"]["routing"], "sticky", "{d:#}");
+    })
+    .await;
+}
+
+/// With `cluster.routing = "auto"` (the default) each member chooses from where its own
+/// clients' lookups end: a member whose clients find the chains they put there turns
+/// sticky; one whose clients find chains put elsewhere stays spread; neither chooses before
+/// it has seen 32 such lookups.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_auto_routing_a_member_whose_chains_come_back_turns_sticky() {
+    bounded(120, async {
+        let extra = [
+            "cluster.run_blocks=8",
+            "cluster.head_blocks=0",
+            "cluster.peer_timeout_ms=1000",
+        ];
+        let fleet = Fleet::start(&["a", "b"], 5, &extra).await;
+        let [a, b] = &fleet.members[..] else {
+            unreachable!()
+        };
+        let (ca, cb) = (a.client("tcp").await, b.client("tcp").await);
+        let state = |d: &serde_json::Value| {
+            let p = &d["data_path"];
+            (
+                p["routing"].as_str().unwrap().to_string(),
+                p["sticky"].as_bool().unwrap(),
+                p["returns"]["samples"].as_u64().unwrap(),
+            )
+        };
+        let mut a_guests = 0.0;
+        for i in 0..40u32 {
+            if i == 31 {
+                // Before the choice: a's copies of runs b owns are guests.
+                let m = http_get(a.admin, "/metrics").await.1;
+                a_guests = labelled(&m, "kvtier_tier_guest_slots", "tier=\"dram\"");
+            }
+            let chain = keys(b"auto-routing", 16, i + 1);
+            put_all(&ca, &chain).await;
+            let owners = run_owners(a, &chain).await;
+            until_offered(&[("a", a), ("b", b)], "a", &chain, &owners).await;
+            // a's client comes back to a; b's finds the chain put on a.
+            assert_eq!(ca.lookup(&chain).await.tiers.len(), 16);
+            assert_eq!(cb.lookup(&chain).await.tiers.len(), 16);
+            let (ra, rb) = (cluster_doc(a, "").await, cluster_doc(b, "").await);
+            let n = u64::from(i) + 1;
+            assert_eq!(state(&ra), ("auto".into(), n >= 32, n), "{ra:#}");
+            assert_eq!(state(&rb), ("auto".into(), false, n), "{rb:#}");
+        }
+        // a's copies of the runs b owns were guests while it was spread; when it turned
+        // sticky it cleared them, and marks none since. b, spread, keeps what it fetched
+        // from a as guests.
+        let guests = |m: &str| labelled(m, "kvtier_tier_guest_slots", "tier=\"dram\"");
+        let m = http_get(a.admin, "/metrics").await.1;
+        assert_eq!(metric(&m, "kvtier_cluster_sticky"), 1.0);
+        assert_eq!(metric(&m, "kvtier_cluster_returns_per_mille"), 1000.0);
+        assert!(a_guests > 0.0);
+        assert_eq!(guests(&m), 0.0, "a");
+        let m = http_get(b.admin, "/metrics").await.1;
+        assert_eq!(metric(&m, "kvtier_cluster_sticky"), 0.0);
+        assert_eq!(metric(&m, "kvtier_cluster_returns_per_mille"), 0.0);
+        assert!(guests(&m) > 0.0, "b");
+    })
+    .await;
+}
+
 /// Blocks owned by a member that is then killed are misses, answered within the deadline;
 /// the prefix before them is served, byte-exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
