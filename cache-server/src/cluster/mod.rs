@@ -43,9 +43,6 @@ use kvtier_core::BlockKey;
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
-
-/// Client puts `cluster.routing = "auto"` remembers (two generations of this many).
-const RETURNS_ENTRIES: usize = 1 << 18;
 use serde_json::{Value, json};
 
 pub use metrics::{ClusterMetrics, PeerMetrics};
@@ -88,6 +85,8 @@ pub struct ClusterSettings {
     pub guests_first: bool,
     /// `cluster.routing`: which copies are the guests.
     pub routing: Routing,
+    /// Client puts `cluster.routing = "auto"` remembers, a generation (two of them).
+    pub returns_keys: usize,
 }
 
 /// `cluster.routing`: how requests reach the members, which says which copy of a block is
@@ -169,6 +168,7 @@ impl ClusterNode {
             MembershipView::new(settings.members_prefix(), sealer.clone(), settings.replicas);
         metrics.enabled.set(1);
         let settings_sticky = settings.routing == Routing::Sticky;
+        let returns = returns::Returns::new(settings.returns_keys);
         metrics.sticky.set(i64::from(settings_sticky));
         let peer_token = settings
             .secret
@@ -185,7 +185,7 @@ impl ClusterNode {
             lease_id: AtomicI64::new(0),
             placement_checked: AtomicU64::new(u64::MAX),
             sticky: std::sync::atomic::AtomicBool::new(settings_sticky),
-            returns: Mutex::new(returns::Returns::new(RETURNS_ENTRIES)),
+            returns: Mutex::new(returns),
             metrics,
         }
     }

@@ -46,11 +46,12 @@ pub struct Returns {
 }
 
 impl Returns {
-    /// Remembers up to `capacity` put blocks a generation (two generations).
+    /// Remembers up to `capacity` put blocks a generation (two generations), and a quarter
+    /// as many ends of sampled lookups (one a lookup), at least 1,024.
     pub fn new(capacity: usize) -> Self {
         Self {
             puts: Generations::new(capacity),
-            ends: Generations::new(capacity),
+            ends: Generations::new((capacity / 4).max(1024)),
             share: 0.0,
             samples: 0,
             sticky: false,

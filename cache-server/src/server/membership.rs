@@ -104,6 +104,14 @@ pub(crate) fn node(
         // Checked with the configuration.
         routing: crate::cluster::Routing::parse(&s.routing)
             .unwrap_or(crate::cluster::Routing::Auto),
+        // Four times as many put blocks a generation as DRAM holds: a lookup's prefix ends
+        // at a block still held, which the policy may have kept well past one DRAM's worth
+        // of later puts.
+        returns_keys: stats
+            .tiers
+            .first()
+            .map_or(0, |t| (t.capacity_slots as usize).saturating_mul(4))
+            .clamp(16_384, 1 << 18),
     };
     Ok(Some(Arc::new(ClusterNode::new(settings, record, metrics))))
 }
