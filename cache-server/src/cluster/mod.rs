@@ -39,10 +39,6 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvtier_core::BlockKey;
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 use serde_json::{Value, json};
 
 pub use metrics::{ClusterMetrics, PeerMetrics};
@@ -161,6 +157,10 @@ pub struct ClusterNode {
     sticky: std::sync::atomic::AtomicBool,
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl ClusterNode {
     pub fn new(settings: ClusterSettings, record: MemberRecord, metrics: ClusterMetrics) -> Self {
         let sealer = RecordSealer::new(settings.secret.as_deref(), &settings.name);
@@ -211,18 +211,18 @@ impl ClusterNode {
         if self.settings.routing != Routing::Auto {
             return false;
         }
+        // The choice changes under the lock, so concurrent samples apply in order.
         let mut r = lock(&self.returns);
         let sticky = r.looked_up(last);
-        self.metrics
-            .returns
-            .set((r.share() * 1000.0).round() as i64);
-        drop(r);
-        if self
+        let share = r.share();
+        self.metrics.returns.set((share * 1000.0).round() as i64);
+        let changed = self
             .sticky
             .swap(sticky, std::sync::atomic::Ordering::Relaxed)
-            != sticky
-        {
-            self.metrics.sticky.set(i64::from(sticky));
+            != sticky;
+        self.metrics.sticky.set(i64::from(sticky));
+        drop(r);
+        if changed {
             tracing::info!(
                 "cluster.routing auto: {} (sampled lookups whose prefix ended at a block put here: {:.0} %)",
                 if sticky {
@@ -230,11 +230,10 @@ impl ClusterNode {
                 } else {
                     "spread, the owners keep the cluster's copies"
                 },
-                self.returns_share() * 100.0
+                share * 100.0
             );
-            return true;
         }
-        false
+        changed
     }
 
     fn returns_share(&self) -> f64 {
