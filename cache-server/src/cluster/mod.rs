@@ -196,10 +196,13 @@ impl ClusterNode {
         self.sticky.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// A client of this member put `key` (`cluster.routing = "auto"` remembers it).
-    pub fn client_put(&self, key: &BlockKey) {
+    /// A client of this member put `keys` (`cluster.routing = "auto"` remembers them).
+    pub fn client_puts<'a>(&self, keys: impl IntoIterator<Item = &'a BlockKey>) {
         if self.settings.routing == Routing::Auto {
-            lock(&self.returns).put(key);
+            let mut r = lock(&self.returns);
+            for k in keys {
+                r.put(k);
+            }
         }
     }
 

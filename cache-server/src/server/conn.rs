@@ -1043,8 +1043,7 @@ impl Conn {
                     count_refusal(s, self.transport, status);
                     statuses.push(status);
                     if let Some(rm) = &remote
-                        && (status == PutStatus::Stored as u8
-                            || status == PutStatus::AlreadyPresent as u8)
+                        && held(status)
                     {
                         let parent = e.parent.map(|p| s.tenants.key(ns, p));
                         rm.offered(s, keys[i], parent, status == PutStatus::Stored as u8);
@@ -1061,17 +1060,18 @@ impl Conn {
                 }
             }
         }
-        if self.peer
-            && let Some(rm) = s.remote.get()
-        {
-            // An offer: with sticky routing, this owner's new copies are its guests.
-            let held: Vec<_> = keys
-                .iter()
-                .zip(&statuses)
-                .filter(|&(_, &st)| st == PutStatus::Stored as u8)
-                .map(|(k, _)| *k)
-                .collect();
-            rm.offers_held(s, &held);
+        if let Some(rm) = s.remote.get() {
+            let done = keys.iter().zip(&statuses);
+            if !self.peer {
+                rm.client_puts(done.filter(|&(_, &st)| held(st)).map(|(k, _)| k));
+            } else if rm.offers_are_guests() {
+                // An offer: with sticky routing, this owner's new copies are its guests.
+                let stored: Vec<_> = done
+                    .filter(|&(_, &st)| st == PutStatus::Stored as u8)
+                    .map(|(k, _)| *k)
+                    .collect();
+                s.store.mark_guests(&stored);
+            }
         }
         s.metrics.bytes_received.inc_by(want);
         let r = Response::Put(PutReply { statuses });
@@ -1238,6 +1238,11 @@ fn miss_code(m: Option<MissReason>) -> u8 {
         Some(MissReason::IoError) => MissCode::IoError,
         Some(MissReason::Busy) => MissCode::Busy,
     }) as u8
+}
+
+/// Whether a put's status leaves the block here (stored now, or already present).
+fn held(st: u8) -> bool {
+    st == PutStatus::Stored as u8 || st == PutStatus::AlreadyPresent as u8
 }
 
 fn put_status(o: PutOutcome) -> u8 {
@@ -1768,12 +1773,13 @@ impl Job {
                 }
                 // Offered to their owners as a put over the network is (a peer never reserves).
                 if let Some(rm) = s.remote.get().filter(|_| !self.peer) {
-                    for ((key, parent), st) in chain.iter().zip(&statuses) {
-                        let stored = *st == PutStatus::Stored as u8;
-                        if stored || *st == PutStatus::AlreadyPresent as u8 {
-                            rm.offered(&s, *key, *parent, stored);
+                    for ((key, parent), &st) in chain.iter().zip(&statuses) {
+                        if held(st) {
+                            rm.offered(&s, *key, *parent, st == PutStatus::Stored as u8);
                         }
                     }
+                    let done = chain.iter().zip(&statuses);
+                    rm.client_puts(done.filter(|&(_, &st)| held(st)).map(|((k, _), _)| k));
                 }
                 let stored = statuses
                     .iter()

@@ -470,14 +470,16 @@ impl Remote {
         }
     }
 
-    /// Marks the blocks `keys` a peer offered this node (their owner) as guests when
-    /// requests are routed sticky (`cluster.routing`): the member that put them serves
-    /// their sessions from its own copies, so these copies keep only room nothing else
-    /// wants.
-    pub fn offers_held(&self, s: &Shared, keys: &[BlockKey]) {
-        if self.node.settings.guests_first && self.node.sticky() && !keys.is_empty() {
-            s.store.mark_guests(keys);
-        }
+    /// A client's put request stored (or found) `keys` here, once, after its last block.
+    pub fn client_puts<'a>(&self, keys: impl IntoIterator<Item = &'a BlockKey>) {
+        self.node.client_puts(keys);
+    }
+
+    /// Whether the blocks peers offer this node (their owner) are its guests: requests are
+    /// routed sticky (`cluster.routing`), so the member that put them serves their sessions
+    /// from its own copies and these keep only room nothing else wants.
+    pub fn offers_are_guests(&self) -> bool {
+        self.node.settings.guests_first && self.node.sticky()
     }
 
     /// Counts the blocks a lookup stored here as remote hits; returns the keys of those
@@ -533,7 +535,6 @@ impl Remote {
     /// in its chain and, if this node is not among its owners, queues it for them. Never
     /// waits: a full queue drops the offer (counted).
     pub fn offered(&self, s: &Shared, key: BlockKey, parent: Option<BlockKey>, stored: bool) {
-        self.node.client_put(&key);
         if !s.tenants.keys_as_sent() {
             // Offers carry internal keys, and an owner cannot tell their namespace.
             if stored {

@@ -151,6 +151,23 @@ async fn until_offered(
     }
 }
 
+/// DRAM slots holding guest copies, from a `/metrics` text.
+fn guest_slots(m: &str) -> usize {
+    labelled(m, "kvtier_tier_guest_slots", "tier=\"dram\"") as usize
+}
+
+/// Waits (at most 10 s) until `s` holds `want` guest copies in DRAM.
+async fn until_guests(s: &ServerProc, want: usize, what: &str) {
+    let t0 = Instant::now();
+    while guest_slots(&http_get(s.admin, "/metrics").await.1) != want {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{what}: guests != {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn labelled(text: &str, name: &str, label: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(&format!("{name}{{{label}}} ")))
@@ -218,15 +235,7 @@ async fn found_and_read_on_the_others(fetch: &str, peers: &str) {
             + labelled(&m, "kvtier_cluster_peer_offered_blocks_total", "peer=\"c\"");
         assert_eq!(sent as usize, offered, "{owners:?}");
         // The putter's copies of what its owners now hold are guests (evicted first there).
-        let guests = |m: &str| labelled(m, "kvtier_tier_guest_slots", "tier=\"dram\"") as usize;
-        let t0 = Instant::now();
-        while guests(&http_get(a.admin, "/metrics").await.1) != offered {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "a's guests != {offered}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        until_guests(a, offered, "a").await;
 
         for (id, s) in [("b", &b), ("c", &c)] {
             let cl = s.client("tcp").await;
@@ -255,7 +264,7 @@ async fn found_and_read_on_the_others(fetch: &str, peers: &str) {
                 "{id}: {owners:?}"
             );
             // What it fetched is a guest here; what it was offered as an owner is not.
-            assert_eq!(guests(&m), remote, "{id}: {owners:?}");
+            assert_eq!(guest_slots(&m), remote, "{id}: {owners:?}");
             super::common::promtool_check(&m);
             let d = cluster_doc(s, "").await;
             assert_eq!(d["data_path"]["enabled"], true, "{d:#}");
@@ -841,7 +850,7 @@ async fn members_find_a_shared_first_block_and_split_chains_after_it() {
         let guests: usize = seconds.iter().filter(|o| *o != "b").count() * (LEN - 1);
         let m = http_get(b.admin, "/metrics").await.1;
         assert_eq!(
-            labelled(&m, "kvtier_tier_guest_slots", "tier=\"dram\"") as usize,
+            guest_slots(&m),
             guests,
             "shared block owned by {first}; runs by {seconds:?}"
         );
@@ -867,7 +876,6 @@ async fn with_sticky_routing_the_offered_copies_are_the_guests() {
             unreachable!()
         };
         let members = [("a", a), ("b", b), ("c", c)];
-        let guests = |m: &str| labelled(m, "kvtier_tier_guest_slots", "tier=\"dram\"") as usize;
         // A chain with runs owned by each member.
         let mut chain = Vec::new();
         let mut owners = Vec::new();
@@ -886,16 +894,8 @@ async fn with_sticky_routing_the_offered_copies_are_the_guests() {
         put_all(&a.client("tcp").await, &chain).await;
         until_offered(&members, "a", &chain, &owners).await;
         // Each owner's offered copies become its guests.
-        let t0 = Instant::now();
         for (id, s) in [("b", b), ("c", c)] {
-            while guests(&http_get(s.admin, "/metrics").await.1) != runs_of(id) {
-                assert!(
-                    t0.elapsed() < Duration::from_secs(10),
-                    "{id}'s guests != {}: {owners:?}",
-                    runs_of(id)
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            until_guests(s, runs_of(id), id).await;
         }
         // The putter has handed them over (its offers are counted once answered) and keeps
         // its copies as its own.
@@ -913,7 +913,7 @@ async fn with_sticky_routing_the_offered_copies_are_the_guests() {
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
         let m = http_get(a.admin, "/metrics").await.1;
-        assert_eq!(guests(&m), 0, "a: {owners:?}");
+        assert_eq!(guest_slots(&m), 0, "a: {owners:?}");
         // b's lookup fetches the runs a and c own; its copies of them are not guests.
         let cl = b.client("tcp").await;
         let l = cl.lookup(&chain).await;
@@ -924,7 +924,7 @@ async fn with_sticky_routing_the_offered_copies_are_the_guests() {
             metric(&m, "kvtier_cluster_remote_hits_total") as usize,
             runs_of("a") + runs_of("c")
         );
-        assert_eq!(guests(&m), runs_of("b"), "b: {owners:?}");
+        assert_eq!(guest_slots(&m), runs_of("b"), "b: {owners:?}");
         let d = cluster_doc(b, "").await;
         assert_eq!(d["data_path"]["routing"], "sticky", "{d:#}");
     })
@@ -956,12 +956,12 @@ async fn with_auto_routing_a_member_whose_chains_come_back_turns_sticky() {
                 p["returns"]["samples"].as_u64().unwrap(),
             )
         };
-        let mut a_guests = 0.0;
+        let mut a_guests = 0;
         for i in 0..40u32 {
             if i == 31 {
                 // Before the choice: a's copies of runs b owns are guests.
                 let m = http_get(a.admin, "/metrics").await.1;
-                a_guests = labelled(&m, "kvtier_tier_guest_slots", "tier=\"dram\"");
+                a_guests = guest_slots(&m);
             }
             let chain = keys(b"auto-routing", 16, i + 1);
             put_all(&ca, &chain).await;
@@ -978,16 +978,15 @@ async fn with_auto_routing_a_member_whose_chains_come_back_turns_sticky() {
         // a's copies of the runs b owns were guests while it was spread; when it turned
         // sticky it cleared them, and marks none since. b, spread, keeps what it fetched
         // from a as guests.
-        let guests = |m: &str| labelled(m, "kvtier_tier_guest_slots", "tier=\"dram\"");
         let m = http_get(a.admin, "/metrics").await.1;
         assert_eq!(metric(&m, "kvtier_cluster_sticky"), 1.0);
         assert_eq!(metric(&m, "kvtier_cluster_returns_per_mille"), 1000.0);
-        assert!(a_guests > 0.0);
-        assert_eq!(guests(&m), 0.0, "a");
+        assert!(a_guests > 0);
+        assert_eq!(guest_slots(&m), 0, "a");
         let m = http_get(b.admin, "/metrics").await.1;
         assert_eq!(metric(&m, "kvtier_cluster_sticky"), 0.0);
         assert_eq!(metric(&m, "kvtier_cluster_returns_per_mille"), 0.0);
-        assert!(guests(&m) > 0.0, "b");
+        assert!(guest_slots(&m) > 0, "b");
     })
     .await;
 }
