@@ -180,7 +180,8 @@ pub struct RetainStats {
     pub accepted: u64,
     /// Hints refused: their namespace's budget was spent.
     pub refused_namespace: u64,
-    /// Hints refused: the global budget was spent (nothing of lower priority to displace).
+    /// Hints refused: the global budget was spent (nothing of lower priority, or of the same
+    /// priority ending later, to displace).
     pub refused_global: u64,
     /// Hints refused: expected back later than the longest hold.
     pub refused_too_far: u64,
@@ -188,7 +189,8 @@ pub struct RetainStats {
     pub nothing_cached: u64,
     /// Blocks accepted hints protected, summed over hints.
     pub blocks_protected: u64,
-    /// Hints displaced by a hint of higher priority.
+    /// Hints displaced by a hint of higher priority, or of the same priority and a sooner
+    /// end.
     pub displaced: u64,
     /// Hints replaced by a newer hint of the same session.
     pub replaced: u64,

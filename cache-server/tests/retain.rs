@@ -233,3 +233,36 @@ fn retention_off_and_clear() {
     assert_eq!(s.stats().retain.hints, 0);
     s.check_consistency().unwrap();
 }
+
+#[test]
+fn at_the_same_priority_a_sooner_return_displaces_a_later_one() {
+    // 40 slots: hints may hold 10 blocks.
+    let (s, _) = store(40, |c| c.retain_max_fraction = 0.25);
+    let (a, b, c) = (chain(1000, 8), chain(2000, 3), chain(3000, 8));
+    put_chain(&s, &a);
+    put_chain(&s, &b);
+    put_chain(&s, &c);
+    assert!(matches!(
+        s.retain(hint(0, 1, &a, 100)),
+        RetainOutcome::Accepted { blocks: 8, .. }
+    ));
+    // 8 + 3 > 10: b is back sooner than a, so a goes.
+    assert!(matches!(
+        s.retain(hint(0, 2, &b, 5)),
+        RetainOutcome::Accepted { blocks: 3, .. }
+    ));
+    // 3 + 8 > 10: c is back later than b, which stays.
+    assert_eq!(
+        s.retain(hint(0, 3, &c, 200)),
+        RetainOutcome::OverGlobalBudget
+    );
+    let r = s.stats().retain;
+    assert_eq!(
+        (r.accepted, r.displaced, r.refused_global, r.hints),
+        (2, 1, 1, 1)
+    );
+    flood(&s, 1, 200);
+    assert_eq!(present(&s, &b), 3, "the sooner hint protects its prefix");
+    assert_eq!(present(&s, &a), 0, "the displaced one no longer does");
+    s.check_consistency().unwrap();
+}

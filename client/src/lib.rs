@@ -1332,7 +1332,8 @@ impl Client {
     /// reaches the last of `keys`, or for a bounded time, within its budgets; the reply says
     /// whether it did. `session` (0 = none) lets a newer hint replace the session's older
     /// one; `priority` (0 to [`MAX_RETAIN_PRIORITY`]) lets a hint displace ones of lower
-    /// priority when the server's budget is spent. A prefix must fit one request (at most
+    /// priority when the server's budget is spent (at the same priority, a hint displaces
+    /// those that end later: give honest returns). A prefix must fit one request (at most
     /// `max_keys` keys and the metadata limit: 65,534 keys with the defaults); a longer one,
     /// an empty one, an `expected_return` over a day or a priority over the maximum is
     /// refused here without a message.

@@ -198,7 +198,7 @@ class RetainHint:
           string, hashed to one): a newer hint of the same session replaces the older;
           0 (the default) is no session;
         * ``kvtier_retain_priority``: 0 (the default) to 7; over the server's budget a hint
-          displaces hints of lower priority.
+          displaces hints of lower priority, and of its own priority those that end later.
         """
         if params is None:
             return None

@@ -11,6 +11,15 @@
 //! hint (a block two hints share counts twice), so the count bounds the protected slots from
 //! above. A hint that would pass a budget is refused and counted; it never waits.
 //!
+//! Over the global budget a hint displaces hints of lower priority and, at the same
+//! priority, hints that end later than it would (lowest priority first, the latest to end
+//! first): the room goes to the sessions back soonest. A protected block costs its slot for
+//! the whole hold and saves one block if its session comes back, and the offline optimum
+//! evicts first the block used furthest in the future: a session that says it will be away
+//! long is the one to give up. Without this, hints that came first kept the budget for as
+//! long as their sessions said, however far away, and the hints that would have paid were
+//! refused (`docs/benchmarks.md`, "Retention hints in the replay").
+//!
 //! Locking: the retention state has its own lock. Eviction takes it under the tier lock (the
 //! order is tier -> retention); the hint path reads the index (shard locks) before taking it
 //! and takes no other lock under it.
@@ -328,6 +337,7 @@ impl Inner {
         }
         let n = keys.len() as u64;
         let now = self.now();
+        let deadline_ms = now.saturating_add(hold_ms);
         let mut st = lock(&r.state);
         let expired = Retention::expire_locked(&mut st, now);
         r.counters
@@ -353,13 +363,17 @@ impl Inner {
             return RetainOutcome::OverNamespaceBudget;
         }
         if st.blocks + n > r.max_blocks {
-            // Displace lower-priority hints (lowest first, the latest to end first), if
-            // that frees enough; else refuse.
+            // Displace hints of lower priority, and of the same priority that end later
+            // (lowest priority first, the latest to end first), if that frees enough; else
+            // refuse.
             let need = st.blocks + n - r.max_blocks;
             let mut lower: Vec<(u8, std::cmp::Reverse<u64>, u64, u64)> = st
                 .hints
                 .iter()
-                .filter(|(_, x)| x.priority < req.priority)
+                .filter(|(_, x)| {
+                    x.priority < req.priority
+                        || (x.priority == req.priority && x.deadline_ms > deadline_ms)
+                })
                 .map(|(&id, x)| {
                     (
                         x.priority,
@@ -407,7 +421,7 @@ impl Inner {
                 session: req.session,
                 keys,
                 tip,
-                deadline_ms: now.saturating_add(hold_ms),
+                deadline_ms,
                 priority: req.priority,
             },
         );

@@ -548,7 +548,7 @@ wire_enum! {
         /// Refused: the caller's namespace already holds its share of protected blocks.
         OverNamespaceBudget = 2,
         /// Refused: hints already protect the store's share of DRAM (with no hint of a
-        /// lower priority to displace).
+        /// lower priority, or of the same priority expected back later, to displace).
         OverGlobalBudget = 3,
         /// Refused: the expected return is later than the longest protection the server
         /// grants (`store.retain_max_s`); holding DRAM that long would not pay.
