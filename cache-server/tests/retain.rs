@@ -266,3 +266,46 @@ fn at_the_same_priority_a_sooner_return_displaces_a_later_one() {
     assert_eq!(present(&s, &a), 0, "the displaced one no longer does");
     s.check_consistency().unwrap();
 }
+
+fn in_ms(session: u64, keys: &[BlockKey], ms: u64) -> RetainRequest<'_> {
+    RetainRequest {
+        expected_return: Duration::from_millis(ms),
+        ..hint(0, session, keys, 0)
+    }
+}
+
+#[test]
+fn among_many_hints_the_one_that_ends_last_is_displaced() {
+    // 4,096 slots: hints may hold 1,024 blocks, here 1,024 hints of one block each, every
+    // one ending at another time (back in 1,000 + i ms, held 1.5x).
+    let (s, _) = store(4096, |c| c.retain_max_fraction = 0.25);
+    let blocks = chain(1, 1026);
+    put_chain(&s, &blocks);
+    for i in 0..1024 {
+        let got = s.retain(in_ms(i as u64 + 1, &blocks[i..=i], 1_000 + i as u64));
+        assert!(
+            matches!(got, RetainOutcome::Accepted { blocks: 1, .. }),
+            "{i}: {got:?}"
+        );
+    }
+    // Back sooner than all of them: it takes the room of the last to end, and only that.
+    assert!(matches!(
+        s.retain(in_ms(5000, &blocks[1024..1025], 500)),
+        RetainOutcome::Accepted { blocks: 1, .. }
+    ));
+    let r = s.stats().retain;
+    assert_eq!((r.displaced, r.hints, r.hinted_blocks), (1, 1024, 1024));
+    // Ending later than every live hint (the latest ends at 1.5 x 2,022 ms): nothing to
+    // displace.
+    assert_eq!(
+        s.retain(in_ms(5001, &blocks[1025..], 2_100)),
+        RetainOutcome::OverGlobalBudget
+    );
+    // Between the last two left (1,021 and 1,022 ms after 1 s): it displaces the later.
+    assert!(matches!(
+        s.retain(in_ms(5002, &blocks[1025..], 1_000 + 1_022 - 1)),
+        RetainOutcome::Accepted { .. }
+    ));
+    let r = s.stats().retain;
+    assert_eq!((r.displaced, r.hints), (2, 1024));
+}

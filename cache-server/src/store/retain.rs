@@ -24,7 +24,8 @@
 //! order is tier -> retention); the hint path reads the index (shard locks) before taking it
 //! and takes no other lock under it.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -87,6 +88,11 @@ struct Hint {
 struct State {
     next_id: u64,
     hints: HashMap<u64, Hint>,
+    /// The live hints in the order they are displaced: lowest priority first, then the
+    /// latest to end (so the hints a new one may displace are a prefix of it).
+    by_rank: BTreeSet<(u8, Reverse<u64>, u64)>,
+    /// The live hints by the end of their hold, soonest first.
+    by_deadline: BTreeSet<(u64, u64)>,
     by_session: HashMap<(usize, u64), u64>,
     by_tip: HashMap<BlockKey, Vec<u64>, KeyHashing>,
     /// How many live hints protect each key.
@@ -147,6 +153,8 @@ impl Retention {
             state: Mutex::new(State {
                 next_id: 0,
                 hints: HashMap::new(),
+                by_rank: BTreeSet::new(),
+                by_deadline: BTreeSet::new(),
                 by_session: HashMap::new(),
                 by_tip: HashMap::with_hasher(hashing.clone()),
                 protected: HashMap::with_hasher(hashing),
@@ -183,6 +191,8 @@ impl Retention {
 
     fn remove_hint(st: &mut State, id: u64) -> Option<Hint> {
         let h = st.hints.remove(&id)?;
+        st.by_rank.remove(&(h.priority, Reverse(h.deadline_ms), id));
+        st.by_deadline.remove(&(h.deadline_ms, id));
         for k in &h.keys {
             if let Some(c) = st.protected.get_mut(k) {
                 *c -= 1;
@@ -228,16 +238,14 @@ impl Retention {
     }
 
     fn expire_locked(st: &mut State, now_ms: u64) -> usize {
-        let due: Vec<u64> = st
-            .hints
-            .iter()
-            .filter(|(_, h)| h.deadline_ms <= now_ms)
-            .map(|(&id, _)| id)
-            .collect();
-        for &id in &due {
+        let mut n = 0;
+        while let Some(&(deadline, id)) = st.by_deadline.first()
+            && deadline <= now_ms
+        {
             Self::remove_hint(st, id);
+            n += 1;
         }
-        due.len()
+        n
     }
 
     /// A lookup served `served` (a prefix of its keys): hints whose last block is among the
@@ -367,30 +375,20 @@ impl Inner {
             // (lowest priority first, the latest to end first), if that frees enough; else
             // refuse.
             let need = st.blocks + n - r.max_blocks;
-            let mut lower: Vec<(u8, std::cmp::Reverse<u64>, u64, u64)> = st
-                .hints
-                .iter()
-                .filter(|(_, x)| {
-                    x.priority < req.priority
-                        || (x.priority == req.priority && x.deadline_ms > deadline_ms)
-                })
-                .map(|(&id, x)| {
-                    (
-                        x.priority,
-                        std::cmp::Reverse(x.deadline_ms),
-                        id,
-                        x.keys.len() as u64,
-                    )
-                })
-                .collect();
-            lower.sort_unstable();
+            // A prefix of the displacement order; at most `need` hints (each holds a
+            // block or more) are looked at when they free enough, fewer than `need` when
+            // they do not: the work is bounded by the new hint's size, not by how many
+            // hints live.
             let mut freed = 0;
             let mut victims = Vec::new();
-            for (_, _, id, len) in lower {
-                if freed >= need {
+            for &(priority, Reverse(deadline), id) in &st.by_rank {
+                if freed >= need
+                    || priority > req.priority
+                    || (priority == req.priority && deadline <= deadline_ms)
+                {
                     break;
                 }
-                freed += len;
+                freed += st.hints.get(&id).map_or(0, |x| x.keys.len() as u64);
                 victims.push(id);
             }
             if freed < need {
@@ -414,6 +412,8 @@ impl Inner {
         }
         st.blocks += n;
         *st.namespace_blocks.entry(req.namespace).or_insert(0) += n;
+        st.by_rank.insert((req.priority, Reverse(deadline_ms), id));
+        st.by_deadline.insert((deadline_ms, id));
         st.hints.insert(
             id,
             Hint {
