@@ -195,6 +195,14 @@ impl Inner {
         // cluster keeps one copy of a block, its owner's.
         let guest = st.guests.victim(&mut evictable);
         let v = guest.or_else(|| st.policy.victim(&mut evictable));
+        // Hints and held lookups can put more unevictable blocks first than a search looks
+        // at (a tenant's many one-block hints, say): then look further rather than refuse
+        // the put.
+        let v = v.or_else(|| {
+            (retained.is_some() || self.holds.blocks.load(Ordering::Relaxed) > 0)
+                .then(|| st.policy.victim_unbounded(&mut evictable))
+                .flatten()
+        });
         drop(retained);
         let v = v?;
         let vkey = st.keys[v as usize];

@@ -220,6 +220,42 @@ impl ChainAware {
         );
     }
 
+    /// The victim among the leaves `evictable` accepts, looking past at most `bound`
+    /// refused ones.
+    fn search(&mut self, evictable: &mut dyn FnMut(u32) -> bool, bound: usize) -> Option<u32> {
+        let b = self.protection();
+        let mut best: Option<(u64, usize, u32)> = None;
+        let mut scanned = 0;
+        for (c, multiplier) in CLASS_MULTIPLIER.iter().enumerate() {
+            while let Some(top) = self.heaps[c].peek().copied() {
+                if !self.valid(c, &top) {
+                    self.heaps[c].pop();
+                    continue;
+                }
+                let Reverse((order, _, slot)) = top;
+                let last = order >> DEPTH_BITS;
+                if !evictable(slot) {
+                    scanned += 1;
+                    if scanned > bound {
+                        break;
+                    }
+                    self.heaps[c].pop();
+                    self.scratch.push((c, top));
+                    continue;
+                }
+                let score = last.saturating_add(multiplier * b);
+                if best.is_none_or(|(s, _, _)| score < s) {
+                    best = Some((score, c, slot));
+                }
+                break;
+            }
+        }
+        for (c, e) in self.scratch.drain(..) {
+            self.heaps[c].push(e);
+        }
+        best.map(|(_, _, slot)| slot)
+    }
+
     fn bump(t: u8) -> u8 {
         t.saturating_add(1).min(u8::MAX - 1)
     }
@@ -351,37 +387,11 @@ impl EvictionPolicy for ChainAware {
     }
 
     fn victim(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
-        let b = self.protection();
-        let mut best: Option<(u64, usize, u32)> = None;
-        let mut scanned = 0;
-        for (c, multiplier) in CLASS_MULTIPLIER.iter().enumerate() {
-            while let Some(top) = self.heaps[c].peek().copied() {
-                if !self.valid(c, &top) {
-                    self.heaps[c].pop();
-                    continue;
-                }
-                let Reverse((order, _, slot)) = top;
-                let last = order >> DEPTH_BITS;
-                if !evictable(slot) {
-                    scanned += 1;
-                    if scanned > MAX_VICTIM_SCAN {
-                        break;
-                    }
-                    self.heaps[c].pop();
-                    self.scratch.push((c, top));
-                    continue;
-                }
-                let score = last.saturating_add(multiplier * b);
-                if best.is_none_or(|(s, _, _)| score < s) {
-                    best = Some((score, c, slot));
-                }
-                break;
-            }
-        }
-        for (c, e) in self.scratch.drain(..) {
-            self.heaps[c].push(e);
-        }
-        best.map(|(_, _, slot)| slot)
+        self.search(evictable, MAX_VICTIM_SCAN)
+    }
+
+    fn victim_unbounded(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+        self.search(evictable, usize::MAX)
     }
 
     fn bytes_per_slot(&self) -> usize {

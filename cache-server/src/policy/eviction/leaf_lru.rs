@@ -28,6 +28,24 @@ impl LeafLru {
     }
 }
 
+impl LeafLru {
+    /// The oldest leaf `evictable` accepts among the `bound` oldest blocks, else the oldest
+    /// block it accepts there.
+    fn search(&mut self, evictable: &mut dyn FnMut(u32) -> bool, bound: usize) -> Option<u32> {
+        let mut fallback = None;
+        for s in self.lists.oldest(0, bound) {
+            if !evictable(s) {
+                continue;
+            }
+            if self.children[s as usize] == 0 {
+                return Some(s);
+            }
+            fallback.get_or_insert(s);
+        }
+        fallback
+    }
+}
+
 impl EvictionPolicy for LeafLru {
     fn name(&self) -> &'static str {
         "leaf-lru"
@@ -80,17 +98,11 @@ impl EvictionPolicy for LeafLru {
     }
 
     fn victim(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
-        let mut fallback = None;
-        for s in self.lists.oldest(0, MAX_VICTIM_SCAN) {
-            if !evictable(s) {
-                continue;
-            }
-            if self.children[s as usize] == 0 {
-                return Some(s);
-            }
-            fallback.get_or_insert(s);
-        }
-        fallback
+        self.search(evictable, MAX_VICTIM_SCAN)
+    }
+
+    fn victim_unbounded(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+        self.search(evictable, usize::MAX)
     }
 
     fn bytes_per_slot(&self) -> usize {

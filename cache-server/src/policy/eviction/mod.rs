@@ -42,6 +42,14 @@ pub trait EvictionPolicy: Send {
     /// A slot to evict among those `evictable` accepts, or `None` when none is found within
     /// the policy's scan bound.
     fn victim(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32>;
+    /// [`Self::victim`] without the scan bound: it may look at every tracked slot. The store
+    /// asks it only when the bounded search found nothing while retention hints or held
+    /// lookups keep blocks from eviction: those may put more unevictable candidates first
+    /// than the bound, where the tier still has blocks to give up. The default is the
+    /// bounded search.
+    fn victim_unbounded(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+        self.victim(evictable)
+    }
     /// Memory the policy keeps per slot, in bytes (allocated up front), for capacity planning.
     fn bytes_per_slot(&self) -> usize;
 }
@@ -216,6 +224,10 @@ impl EvictionPolicy for Lru {
         self.lists
             .oldest(0, MAX_VICTIM_SCAN)
             .find(|&s| evictable(s))
+    }
+
+    fn victim_unbounded(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+        self.lists.oldest(0, usize::MAX).find(|&s| evictable(s))
     }
 
     fn bytes_per_slot(&self) -> usize {

@@ -80,6 +80,42 @@ impl Checked {
     }
 }
 
+impl Checked {
+    /// The inner policy's victim (bounded or not), checked against the contract.
+    fn checked_victim(
+        &mut self,
+        evictable: &mut dyn FnMut(u32) -> bool,
+        unbounded: bool,
+    ) -> Option<u32> {
+        // The slots the caller accepted during this search.
+        let mut accepted: Vec<u32> = Vec::new();
+        let mut check = |s| {
+            let ok = evictable(s);
+            if ok {
+                accepted.push(s);
+            }
+            ok
+        };
+        let v = if unbounded {
+            self.inner.victim_unbounded(&mut check)
+        } else {
+            self.inner.victim(&mut check)
+        }?;
+        self.in_range("victim", v);
+        if !self.tracked[v as usize] {
+            self.violated(format!(
+                "victim {v} is not tracked (never inserted, or removed)"
+            ));
+        }
+        if !accepted.contains(&v) {
+            self.violated(format!(
+                "victim {v} was not accepted by the caller's evictable check"
+            ));
+        }
+        Some(v)
+    }
+}
+
 impl EvictionPolicy for Checked {
     fn name(&self) -> &'static str {
         self.inner.name()
@@ -115,27 +151,11 @@ impl EvictionPolicy for Checked {
     }
 
     fn victim(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
-        // The slots the caller accepted during this search.
-        let mut accepted: Vec<u32> = Vec::new();
-        let v = self.inner.victim(&mut |s| {
-            let ok = evictable(s);
-            if ok {
-                accepted.push(s);
-            }
-            ok
-        })?;
-        self.in_range("victim", v);
-        if !self.tracked[v as usize] {
-            self.violated(format!(
-                "victim {v} is not tracked (never inserted, or removed)"
-            ));
-        }
-        if !accepted.contains(&v) {
-            self.violated(format!(
-                "victim {v} was not accepted by the caller's evictable check"
-            ));
-        }
-        Some(v)
+        self.checked_victim(evictable, false)
+    }
+
+    fn victim_unbounded(&mut self, evictable: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
+        self.checked_victim(evictable, true)
     }
 
     fn bytes_per_slot(&self) -> usize {
