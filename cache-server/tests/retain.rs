@@ -10,6 +10,7 @@ use common::*;
 use kvtier_core::BlockKey;
 use kvtier_server::clock::ManualClock;
 use kvtier_server::config::StoreConfig;
+use kvtier_server::policy::EvictionKind;
 use kvtier_server::{PutOutcome, RetainOutcome, RetainRequest, TieredStore};
 
 fn chain(from: u64, n: u64) -> Vec<BlockKey> {
@@ -313,23 +314,31 @@ fn among_many_hints_the_one_that_ends_last_is_displaced() {
 #[test]
 fn more_hinted_leaves_than_a_victim_search_looks_at_do_not_stop_puts() {
     // 2,048 slots, hints may hold half: 600 one-block chains, each hinted, are the oldest
-    // leaves, more than a victim search looks at before it gives up (512).
-    let (s, _) = store(2048, |c| c.retain_max_fraction = 0.5);
-    let roots = chain(1, 600);
-    for (i, k) in roots.iter().enumerate() {
-        s.put(*k, None, &data(*k)).unwrap();
-        let got = s.retain(hint(0, i as u64 + 1, std::slice::from_ref(k), 100));
-        assert!(
-            matches!(got, RetainOutcome::Accepted { blocks: 1, .. }),
-            "{got:?}"
-        );
+    // blocks (and leaves), more than a victim search looks at before it gives up (512).
+    for policy in EvictionKind::ALL {
+        let (s, _) = store(2048, |c| {
+            c.retain_max_fraction = 0.5;
+            c.eviction = policy;
+        });
+        let roots = chain(1, 600);
+        for (i, k) in roots.iter().enumerate() {
+            s.put(*k, None, &data(*k)).unwrap();
+            let got = s.retain(hint(0, i as u64 + 1, std::slice::from_ref(k), 100));
+            assert!(
+                matches!(got, RetainOutcome::Accepted { blocks: 1, .. }),
+                "{policy:?}: {got:?}"
+            );
+        }
+        // Every later put finds a victim past them, and the hinted blocks stay.
+        for i in 10_000..15_000 {
+            let k = key(i);
+            let got = s.put(k, None, &data(k)).unwrap();
+            assert!(
+                matches!(got, PutOutcome::Stored(_)),
+                "{policy:?}, put {i}: {got:?}"
+            );
+        }
+        assert_eq!(present(&s, &roots), 600, "{policy:?}");
+        s.check_consistency().unwrap();
     }
-    // Every later put finds a victim past them, and the hinted blocks stay.
-    for i in 10_000..15_000 {
-        let k = key(i);
-        let got = s.put(k, None, &data(k)).unwrap();
-        assert!(matches!(got, PutOutcome::Stored(_)), "put {i}: {got:?}");
-    }
-    assert_eq!(present(&s, &roots), 600);
-    s.check_consistency().unwrap();
 }
