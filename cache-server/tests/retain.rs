@@ -46,6 +46,14 @@ fn hint(namespace: usize, session: u64, keys: &[BlockKey], secs: u64) -> RetainR
     }
 }
 
+/// A hint of namespace 0 expected back in `ms` milliseconds.
+fn in_ms(session: u64, keys: &[BlockKey], ms: u64) -> RetainRequest<'_> {
+    RetainRequest {
+        expected_return: Duration::from_millis(ms),
+        ..hint(0, session, keys, 0)
+    }
+}
+
 fn store(dram_blocks: u64, set: impl FnOnce(&mut StoreConfig)) -> (TieredStore, Arc<ManualClock>) {
     let clock = Arc::new(ManualClock::default());
     let mut c = config(dram_blocks, None);
@@ -96,10 +104,7 @@ fn a_hold_ends_on_the_stores_clock() {
     put_chain(&s, &a);
     clock.set_ms(1_000);
     assert_eq!(
-        s.retain(RetainRequest {
-            expected_return: Duration::from_millis(1_000),
-            ..hint(0, 0, &a, 0)
-        }),
+        s.retain(in_ms(0, &a, 1_000)),
         RetainOutcome::Accepted {
             blocks: 4,
             hold: Duration::from_millis(1_500)
@@ -266,13 +271,6 @@ fn at_the_same_priority_a_sooner_return_displaces_a_later_one() {
     assert_eq!(present(&s, &b), 3, "the sooner hint protects its prefix");
     assert_eq!(present(&s, &a), 0, "the displaced one no longer does");
     s.check_consistency().unwrap();
-}
-
-fn in_ms(session: u64, keys: &[BlockKey], ms: u64) -> RetainRequest<'_> {
-    RetainRequest {
-        expected_return: Duration::from_millis(ms),
-        ..hint(0, session, keys, 0)
-    }
 }
 
 #[test]

@@ -53,7 +53,8 @@ pub struct RetainRequest<'a> {
     pub keys: &'a [BlockKey],
     /// When the session is expected back.
     pub expected_return: Duration,
-    /// 0 is the lowest; over the global budget a hint displaces hints of lower priority.
+    /// 0 is the lowest; over the global budget a hint displaces hints of lower priority (and
+    /// of its own priority that end later).
     pub priority: u8,
 }
 

@@ -26,9 +26,7 @@ impl LeafLru {
             children: vec![0; n].into(),
         }
     }
-}
 
-impl LeafLru {
     /// The oldest leaf `evictable` accepts among the `bound` oldest blocks, else the oldest
     /// block it accepts there.
     fn search(&mut self, evictable: &mut dyn FnMut(u32) -> bool, bound: usize) -> Option<u32> {

@@ -78,9 +78,7 @@ impl Checked {
             ));
         }
     }
-}
 
-impl Checked {
     /// The inner policy's victim (bounded or not), checked against the contract.
     fn checked_victim(
         &mut self,
