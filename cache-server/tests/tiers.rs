@@ -273,8 +273,9 @@ fn the_store_keeps_as_many_blocks_as_the_largest_tier_every_block_reaches() {
     for (tiers, demotion, kept) in [
         (Tiers::Dram, DemotionPolicy::WriteThrough, 8),
         (Tiers::DramNvme, DemotionPolicy::WriteThrough, 32),
-        // Write-backs are skipped when backed up: only DRAM's are sure.
-        (Tiers::DramNvme, DemotionPolicy::WriteBack, 8),
+        // Write-backs are skipped when backed up: only DRAM's are sure, less the free slot
+        // write-back keeps in reserve.
+        (Tiers::DramNvme, DemotionPolicy::WriteBack, 7),
         (Tiers::HbmDramNvme, DemotionPolicy::WriteThrough, 32),
         // Blocks may leave DRAM without a copy below: only DRAM's are kept.
         (

@@ -309,14 +309,19 @@ impl TieredStore {
     /// copied below as it is stored); the host tier alone otherwise: under selective
     /// write-through a block can leave DRAM without a copy below, and under write-back too
     /// (an eviction that finds its write-backs backed up evicts without one, which a test of
-    /// this very bound found). Moves between tiers do not count: a block pushed from DRAM to
-    /// NVMe is still kept. (Tenants' shares divide this.)
+    /// this very bound found). Under write-back the host tier also keeps a reserve of free
+    /// slots (1/64 of them, at least one) that its blocks never fill, so the reserve is not
+    /// counted either. Moves between tiers do not count: a block pushed from DRAM to NVMe is
+    /// still kept. (Tenants' shares divide this.)
     pub fn kept_blocks(&self) -> u64 {
         let i = &self.inner;
         let slots = |t: &Slots| u64::from(t.tier.slot_count());
         let host = slots(&i.tiers[i.host]);
         if i.config.demotion.on_put() {
             i.tiers[i.host..].iter().map(slots).max().unwrap_or(host)
+        } else if i.writeback_mode(i.host) {
+            let reserve = (host / evict::WRITEBACK_RESERVE_DIVISOR as u64).max(1);
+            host.saturating_sub(reserve)
         } else {
             host
         }
