@@ -8,8 +8,8 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Args;
-use kvtier_server::policy::EvictionKind;
-use kvtier_server::replay::{TraceRequest, replay};
+use kvtier_server::policy::{ChainAwareTuning, EvictionKind};
+use kvtier_server::replay::{TraceRequest, replay, replay_tuned};
 use serde::Serialize;
 
 use crate::report::{Plot, PlotKind, Report, Table};
@@ -35,6 +35,60 @@ pub struct PolicyArgs {
     /// Replay only the first N requests of each trace.
     #[arg(long)]
     pub limit: Option<usize>,
+    /// Also replay the default policy with these protection horizons (ticks a slot; the
+    /// default's is `HORIZON_SLOTS`), crossed with `--protect-margin`: a parameter study.
+    #[arg(long, value_delimiter = ',', value_parser = parse_horizon)]
+    pub horizon_slots: Vec<u64>,
+    /// ... and these leads of the duel's protecting shadow (0.05 = 5 %; the default's is
+    /// `PROTECT_MARGIN`). Either list alone is crossed with the other's default.
+    #[arg(long, value_delimiter = ',', value_parser = parse_margin)]
+    pub protect_margin: Vec<f64>,
+}
+
+fn parse_horizon(s: &str) -> Result<u64, String> {
+    match s.trim().parse::<u64>() {
+        Ok(h @ 1..=1024) => Ok(h),
+        _ => Err(format!(
+            "{s:?} is not a horizon in ticks a slot (1 to 1024)"
+        )),
+    }
+}
+
+fn parse_margin(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(m) if (0.0..=10.0).contains(&m) => Ok(m),
+        _ => Err(format!(
+            "{s:?} is not a margin (a share from 0 to 10, e.g. 0.05)"
+        )),
+    }
+}
+
+impl PolicyArgs {
+    /// The parameter pairs of the study, empty without one.
+    fn grid(&self) -> Vec<ChainAwareTuning> {
+        if self.horizon_slots.is_empty() && self.protect_margin.is_empty() {
+            return Vec::new();
+        }
+        let d = ChainAwareTuning::default();
+        let hs = if self.horizon_slots.is_empty() {
+            vec![d.horizon_slots]
+        } else {
+            self.horizon_slots.clone()
+        };
+        let ms = if self.protect_margin.is_empty() {
+            vec![d.protect_margin]
+        } else {
+            self.protect_margin.clone()
+        };
+        hs.iter()
+            .flat_map(|&horizon_slots| {
+                ms.iter().map(move |&protect_margin| ChainAwareTuning {
+                    horizon_slots,
+                    protect_margin,
+                })
+            })
+            .collect()
+    }
 }
 
 /// Parses a token count in decimal units: `3m` is 3,000,000, `500k` 500,000.
@@ -85,6 +139,23 @@ pub struct CapacityRow {
     /// Share of the LRU-to-optimum gap the default closes.
     pub gap_closed: f64,
     pub default_seconds: f64,
+    /// The parameter study's replays (`--horizon-slots`, `--protect-margin`), if asked.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tuned: Vec<TunedRow>,
+}
+
+/// The default policy with other parameters, at one capacity.
+#[derive(Serialize)]
+pub struct TunedRow {
+    pub horizon_slots: u64,
+    pub protect_margin: f64,
+    pub hit_rate: f64,
+    pub gap_closed: f64,
+}
+
+fn gap_closed(hit: f64, lru: f64, opt: f64) -> f64 {
+    let gap = opt - lru;
+    if gap > 1e-12 { (hit - lru) / gap } else { 0.0 }
 }
 
 /// The request's hit count: its longest prefix of ids for which `cached` holds.
@@ -159,6 +230,7 @@ pub fn run(args: &PolicyArgs) -> Result<PolicyReport> {
     } else {
         args.traces.clone()
     };
+    let grid = args.grid();
     let mut out = Vec::new();
     let pb = crate::report::bar(
         (traces.len() * args.capacities.len()) as u64,
@@ -184,15 +256,25 @@ pub fn run(args: &PolicyArgs) -> Result<PolicyReport> {
             let def = replay(&trace, cap, EvictionKind::default())?.hit_rate();
             let default_seconds = t.elapsed().as_secs_f64();
             let opt = optimum(&trace, cap);
-            let gap = opt - lru;
+            let mut tuned = Vec::with_capacity(grid.len());
+            for &t in &grid {
+                let hit = replay_tuned(&trace, cap, EvictionKind::ChainAware, t)?.hit_rate();
+                tuned.push(TunedRow {
+                    horizon_slots: t.horizon_slots,
+                    protect_margin: t.protect_margin,
+                    hit_rate: hit,
+                    gap_closed: gap_closed(hit, lru, opt),
+                });
+            }
             rows.push(CapacityRow {
                 capacity_tokens: tokens,
                 capacity_blocks: cap,
                 lru_hit_rate: lru,
                 default_hit_rate: def,
                 optimum_hit_rate: opt,
-                gap_closed: if gap > 1e-12 { (def - lru) / gap } else { 0.0 },
+                gap_closed: gap_closed(def, lru, opt),
                 default_seconds,
+                tuned,
             });
             pb.inc(1);
         }
@@ -220,7 +302,8 @@ pub fn run(args: &PolicyArgs) -> Result<PolicyReport> {
 
 impl Report for PolicyReport {
     fn tables(&self) -> Vec<Table> {
-        self.traces
+        let mut tables: Vec<Table> = self
+            .traces
             .iter()
             .map(|t| {
                 let mut table = Table::new(
@@ -255,7 +338,37 @@ impl Report for PolicyReport {
                 }
                 table
             })
-            .collect()
+            .collect();
+        for t in &self.traces {
+            if t.rows.iter().all(|r| r.tuned.is_empty()) {
+                continue;
+            }
+            let mut table = Table::new(
+                format!("{}: the default policy with other parameters", t.trace),
+                &[
+                    "capacity (tokens)",
+                    "horizon (ticks a slot)",
+                    "margin",
+                    "hit %",
+                    "- lru (points)",
+                    "gap closed %",
+                ],
+            );
+            for row in &t.rows {
+                for c in &row.tuned {
+                    table.row([
+                        row.capacity_tokens.to_string(),
+                        c.horizon_slots.to_string(),
+                        format!("{:.3}", c.protect_margin),
+                        format!("{:.2}", c.hit_rate * 100.0),
+                        format!("{:+.2}", (c.hit_rate - row.lru_hit_rate) * 100.0),
+                        format!("{:.1}", c.gap_closed * 100.0),
+                    ]);
+                }
+            }
+            tables.push(table);
+        }
+        tables
     }
 
     fn plots(&self) -> Vec<Plot> {
@@ -343,5 +456,42 @@ mod tests {
         );
         let e = parse(&["--capacities", "1m,100"]).unwrap_err().to_string();
         assert!(e.contains("invalid value '100' for '--capacities"), "{e}");
+    }
+
+    #[test]
+    fn a_parameter_study_crosses_its_lists_with_the_defaults_for_one_left_out() {
+        use clap::Parser;
+        #[derive(Parser, Debug)]
+        struct Cli {
+            #[command(flatten)]
+            args: PolicyArgs,
+        }
+        let grid = |args: &[&str]| {
+            Cli::try_parse_from(std::iter::once("policy").chain(args.iter().copied())).map(|c| {
+                c.args
+                    .grid()
+                    .iter()
+                    .map(|t| (t.horizon_slots, t.protect_margin))
+                    .collect::<Vec<_>>()
+            })
+        };
+        let d = ChainAwareTuning::default();
+        assert_eq!(grid(&[]).unwrap(), vec![]);
+        assert_eq!(
+            grid(&["--horizon-slots", "2,8"]).unwrap(),
+            vec![(2, d.protect_margin), (8, d.protect_margin)]
+        );
+        assert_eq!(
+            grid(&["--horizon-slots", "2,8", "--protect-margin", "0,0.1"]).unwrap(),
+            vec![(2, 0.0), (2, 0.1), (8, 0.0), (8, 0.1)]
+        );
+        assert_eq!(
+            grid(&["--protect-margin", "0.2"]).unwrap(),
+            vec![(d.horizon_slots, 0.2)]
+        );
+        for bad in ["--horizon-slots=0", "--protect-margin=-1"] {
+            let e = grid(&[bad]).unwrap_err().to_string();
+            assert!(e.contains("is not a"), "{e}");
+        }
     }
 }

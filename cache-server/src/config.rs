@@ -8,7 +8,9 @@ use kvtier_core::KvLayout;
 
 use crate::clock::{Clock, SystemClock};
 use crate::error::StoreError;
-use crate::policy::{AdmissionPolicy, DemotionPolicy, EvictionKind, PromotionPolicy};
+use crate::policy::{
+    AdmissionPolicy, ChainAwareTuning, DemotionPolicy, EvictionKind, PromotionPolicy,
+};
 use crate::tier::{Tier, TierError, TierKind};
 
 /// Builds a [`crate::store::TieredStore`].
@@ -34,6 +36,10 @@ pub struct StoreConfig {
     /// NVMe tier eviction. Default: [`EvictionKind::LeafLru`] (about 25 bytes a slot; at
     /// NVMe capacities the default policy's protection is off and it behaves the same).
     pub nvme_eviction: EvictionKind,
+    /// The chosen parameters of [`EvictionKind::ChainAware`], wherever it is used. Not a
+    /// server setting: the policy simulator varies it for parameter studies
+    /// (`kvtier-bench policy --horizon-slots --protect-margin`). Default: the chosen values.
+    pub chain_tuning: ChainAwareTuning,
     /// Default: write-through.
     pub demotion: DemotionPolicy,
     /// Default: promote on hit.
@@ -159,6 +165,7 @@ impl StoreConfig {
             nvme: None,
             eviction: EvictionKind::default(),
             nvme_eviction: EvictionKind::LeafLru,
+            chain_tuning: ChainAwareTuning::default(),
             demotion: DemotionPolicy::default(),
             promotion: PromotionPolicy::default(),
             admission: AdmissionPolicy::default(),

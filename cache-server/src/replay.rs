@@ -12,7 +12,7 @@ use std::sync::Arc;
 use kvtier_core::{BlockKey, Dtype, KvLayout};
 
 use crate::clock::ManualClock;
-use crate::policy::EvictionKind;
+use crate::policy::{ChainAwareTuning, EvictionKind};
 use crate::{PutOutcome, StoreConfig, StoreError, TieredStore};
 
 /// One request of a trace: block ids in chain order (equal leading ids = shared prefix).
@@ -56,6 +56,21 @@ pub fn replay(
     capacity_blocks: u64,
     eviction: EvictionKind,
 ) -> Result<ReplayResult, StoreError> {
+    replay_tuned(
+        requests,
+        capacity_blocks,
+        eviction,
+        ChainAwareTuning::default(),
+    )
+}
+
+/// [`replay`] with other values of the default policy's chosen parameters.
+pub fn replay_tuned(
+    requests: &[TraceRequest],
+    capacity_blocks: u64,
+    eviction: EvictionKind,
+    tuning: ChainAwareTuning,
+) -> Result<ReplayResult, StoreError> {
     // The smallest layout: 4-byte blocks in page-sized slots. The payload does not matter.
     let layout = KvLayout::new(1, 1, 1, Dtype::F16, 1).map_err(|e| StoreError::Config {
         setting: "replay layout",
@@ -65,6 +80,7 @@ pub fn replay(
     let mut config = StoreConfig::new(layout, capacity_blocks * 4096);
     config.dram_prefault = false;
     config.eviction = eviction;
+    config.chain_tuning = tuning;
     config.io_threads = 1;
     config.clock = clock.clone();
     let (store, _) = TieredStore::open(config)?;

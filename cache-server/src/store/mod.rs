@@ -211,7 +211,7 @@ impl TieredStore {
                 }
                 TierKind::Hbm => (open_hbm(&config, slot_bytes)?, config.eviction),
             };
-            tiers.push(slots_for(tier, eviction));
+            tiers.push(slots_for(tier, eviction, config.chain_tuning));
         }
         let host = kinds
             .iter()

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use kvtier_core::BlockKey;
 
-use crate::policy::{EvictionKind, EvictionPolicy};
+use crate::policy::{ChainAwareTuning, EvictionKind, EvictionPolicy};
 use crate::stats::{StoreStats, TierCounters, TierStats};
 use crate::tier::{SlotId, Tier, TierKind};
 
@@ -156,14 +156,18 @@ pub(super) struct Slots {
     pub(super) writebacks_inflight: AtomicUsize,
 }
 
-pub(super) fn slots_for(tier: Arc<dyn Tier>, eviction: EvictionKind) -> Slots {
+pub(super) fn slots_for(
+    tier: Arc<dyn Tier>,
+    eviction: EvictionKind,
+    tuning: ChainAwareTuning,
+) -> Slots {
     let n = tier.slot_count();
     Slots {
         kind: tier.kind(),
         state: Mutex::new(TierState {
             free: (0..n).rev().collect(),
             keys: vec![BlockKey::default(); n as usize].into(),
-            policy: eviction.build(n),
+            policy: eviction.build(n, tuning),
             held: Box::default(),
             guests: Guests::default(),
         }),

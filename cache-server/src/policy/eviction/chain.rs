@@ -39,13 +39,33 @@ use kvtier_core::BlockKey;
 
 use crate::keyhash::KeyHashing;
 
-use super::duel::Duel;
+use super::duel::{Duel, PROTECT_MARGIN};
 use super::{EvictionPolicy, InsertContext, LookupContext, MAX_VICTIM_SCAN, NIL};
+
+/// The two parameters of [`ChainAware`] chosen on traces (the rest are set by reasoning):
+/// its protection horizon and the lead its duel's protecting shadow needs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ChainAwareTuning {
+    /// Protection horizon, in ticks of the logical clock per slot ([`HORIZON_SLOTS`]).
+    pub horizon_slots: u64,
+    /// Protection is on while the protecting shadow's score leads by this share (0.05: 5 %;
+    /// [`PROTECT_MARGIN`]).
+    pub protect_margin: f64,
+}
+
+impl Default for ChainAwareTuning {
+    fn default() -> Self {
+        Self {
+            horizon_slots: HORIZON_SLOTS,
+            protect_margin: PROTECT_MARGIN,
+        }
+    }
+}
 
 /// How long protected conversations are kept beyond first turns, at most: this many ticks
 /// of the logical clock for each slot of the tier (4: a cache's worth of blocks named four
-/// times over). Chosen with the duel's margin as the pair, of {4, 8} x {0, 5 %}, that was
-/// at or above LRU on every trace and capacity simulated (see `docs/benchmarks.md`).
+/// times over). Chosen with the duel's margin ([`super::PROTECT_MARGIN`]) by the rule in
+/// `docs/benchmarks.md`, "How the parameters were chosen".
 pub const HORIZON_SLOTS: u64 = 4;
 /// Weight of each new class-0 eviction age in `R0`.
 const R0_ALPHA: f64 = 0.001;
@@ -117,8 +137,15 @@ impl ChainAware {
     /// The default: protection horizon [`HORIZON_SLOTS`] ticks a slot, switched on and off
     /// by a duel of sampled shadows (see [`Duel`]).
     pub fn new(slots: u32) -> Self {
-        let mut p = Self::plain(slots, HORIZON_SLOTS * u64::from(slots));
-        p.duel = Duel::new(slots, HORIZON_SLOTS).map(Box::new);
+        Self::tuned(slots, ChainAwareTuning::default())
+    }
+
+    /// The policy with other values of its two chosen parameters (for the policy simulator's
+    /// parameter studies; the server uses the defaults).
+    pub fn tuned(slots: u32, tuning: ChainAwareTuning) -> Self {
+        let h = tuning.horizon_slots;
+        let mut p = Self::plain(slots, h.saturating_mul(u64::from(slots)));
+        p.duel = Duel::new(slots, h, tuning.protect_margin).map(Box::new);
         p
     }
 

@@ -31,7 +31,7 @@ const MIN_SHADOW_SLOTS: u32 = 32;
 const WINDOW_REQUESTS: f64 = 128.0;
 /// The protecting shadow must lead by this share to switch protection on: on a tie the
 /// policy is plain leaf-first recency, the safe side against LRU.
-const PROTECT_MARGIN: f64 = 0.05;
+pub const PROTECT_MARGIN: f64 = 0.05;
 
 /// Whether `key` is in the sample (keys are hashes; the multiply mixes any low-bit pattern).
 pub(crate) fn sampled(key: &BlockKey) -> bool {
@@ -117,12 +117,14 @@ pub(crate) struct Duel {
     /// [without protection, with protection]
     shadows: [Shadow; 2],
     keys: Vec<BlockKey>,
+    /// The lead the protecting shadow needs (a share of the other's score).
+    margin: f64,
 }
 
 impl Duel {
     /// A duel for a tier of `slots` slots whose protection horizon is `horizon_per_slot`
     /// ticks a slot; `None` when the tier is too small to sample.
-    pub(crate) fn new(slots: u32, horizon_per_slot: u64) -> Option<Self> {
+    pub(crate) fn new(slots: u32, horizon_per_slot: u64, margin: f64) -> Option<Self> {
         let n = (u64::from(slots) / SAMPLE) as u32;
         (n >= MIN_SHADOW_SLOTS).then(|| Self {
             shadows: [
@@ -130,11 +132,12 @@ impl Duel {
                 Shadow::new(n, horizon_per_slot * u64::from(n)),
             ],
             keys: Vec::with_capacity(1024),
+            margin,
         })
     }
 
     /// Runs one request's keys (`keys` yields them in chain order) through both shadows;
-    /// returns whether the protecting one leads by [`PROTECT_MARGIN`].
+    /// returns whether the protecting one leads by the margin (by default [`PROTECT_MARGIN`]).
     pub(crate) fn request(&mut self, keys: impl Iterator<Item = BlockKey>) -> bool {
         self.keys.clear();
         self.keys.extend(keys.filter(sampled));
@@ -144,7 +147,7 @@ impl Duel {
                 s.score += (h - s.score) / WINDOW_REQUESTS;
             }
         }
-        self.shadows[1].score > self.shadows[0].score * (1.0 + PROTECT_MARGIN)
+        self.shadows[1].score > self.shadows[0].score * (1.0 + self.margin)
     }
 
     pub(crate) fn bytes(&self) -> usize {
@@ -187,7 +190,7 @@ mod tests {
     #[test]
     fn protection_stays_off_when_recency_loses_nothing() {
         let chains: Vec<Vec<BlockKey>> = (0..6).map(|c| chain(c, 30)).collect();
-        let mut d = Duel::new(64 * SAMPLE as u32, 4).unwrap();
+        let mut d = Duel::new(64 * SAMPLE as u32, 4, PROTECT_MARGIN).unwrap();
         let mut on = true;
         for _ in 0..20 {
             for c in &chains {
@@ -198,5 +201,31 @@ mod tests {
         }
         assert!(!on, "scores {:?}", d.shadows.each_ref().map(|s| s.score));
         assert!(d.shadows.iter().all(|s| s.score > 10.0));
+    }
+
+    /// Conversations that come back between one-off requests that would flush them: the
+    /// protecting shadow keeps them and leads, so protection turns on; a margin larger than
+    /// that lead keeps it off.
+    #[test]
+    fn protection_turns_on_when_it_keeps_returning_conversations_by_the_margin() {
+        let convs: Vec<Vec<BlockKey>> = (0..8).map(|c| chain(c, 6)).collect();
+        let run = |margin: f64| {
+            let mut d = Duel::new(64 * SAMPLE as u32, 4, margin).unwrap();
+            let mut on = false;
+            let mut scan = 1_000;
+            for _ in 0..40 {
+                for c in &convs {
+                    d.request(c.iter().copied());
+                    on = d.request(chain(scan, 8).into_iter());
+                    scan += 1;
+                }
+            }
+            (on, d.shadows.each_ref().map(|s| s.score))
+        };
+        let (on, scores) = run(PROTECT_MARGIN);
+        assert!(on, "scores {scores:?}");
+        let lead = scores[1] / scores[0] - 1.0;
+        let (on, scores) = run(lead + 0.01);
+        assert!(!on, "scores {scores:?}");
     }
 }

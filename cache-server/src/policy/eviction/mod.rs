@@ -75,8 +75,8 @@ impl EvictionKind {
 
     /// The policy over `slots` slots; in debug builds wrapped in [`Checked`], so every
     /// store test also checks the policy's contract.
-    pub fn build(self, slots: u32) -> Box<dyn EvictionPolicy> {
-        let p = self.build_unchecked(slots);
+    pub fn build(self, slots: u32, tuning: ChainAwareTuning) -> Box<dyn EvictionPolicy> {
+        let p = self.build_unchecked(slots, tuning);
         if cfg!(debug_assertions) {
             Box::new(Checked::for_store(p, slots))
         } else {
@@ -85,11 +85,12 @@ impl EvictionKind {
     }
 
     /// The policy over `slots` slots, never wrapped.
-    pub fn build_unchecked(self, slots: u32) -> Box<dyn EvictionPolicy> {
+    /// `tuning` applies to [`EvictionKind::ChainAware`] only.
+    pub fn build_unchecked(self, slots: u32, tuning: ChainAwareTuning) -> Box<dyn EvictionPolicy> {
         match self {
             EvictionKind::Lru => Box::new(Lru::new(slots)),
             EvictionKind::LeafLru => Box::new(LeafLru::new(slots)),
-            EvictionKind::ChainAware => Box::new(ChainAware::new(slots)),
+            EvictionKind::ChainAware => Box::new(ChainAware::tuned(slots, tuning)),
         }
     }
 
@@ -235,7 +236,8 @@ impl EvictionPolicy for Lru {
     }
 }
 
-pub use chain::{ChainAware, HORIZON_SLOTS};
+pub use chain::{ChainAware, ChainAwareTuning, HORIZON_SLOTS};
+pub use duel::PROTECT_MARGIN;
 pub use leaf_lru::LeafLru;
 pub use sanity::{Checked, store_violations};
 
@@ -282,7 +284,7 @@ mod tests {
     fn every_policy_passes_the_conformance_suite() {
         for kind in EvictionKind::ALL {
             eprintln!("eviction conformance: {}", kind.name());
-            conformance::run(&|n| kind.build_unchecked(n));
+            conformance::run(&|n| kind.build_unchecked(n, ChainAwareTuning::default()));
         }
     }
 

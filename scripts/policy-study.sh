@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The default eviction policy's two chosen parameters, picked on some traces and reported on
+# others (issue 15 item 4; docs/benchmarks.md, "How the parameters were chosen").
+#
+#   scripts/policy-study.sh [--out DIR] [--horizons LIST] [--margins LIST]
+#
+# Splits the public traces in two, before any result is seen:
+#   tuning - Mooncake's synthetic trace, and the five short Claude Code samples (0026, 0103,
+#            0187, 0242, 0504: three calls each, no subagents);
+#   test   - Mooncake's conversation trace, and the long Claude Code sample (0291: 22 calls,
+#            two subagents, prompts to 101k tokens).
+# A Claude Code split is served once by a real server (`kvtier-bench replay`, 40 sessions in
+# flight, 20 copies, speedup max and 100) to record the order its requests were served in
+# (`--order-out`); the policy simulator (`kvtier-bench policy`, the store's own code) then
+# replays every order and Mooncake trace under LRU, the optimum, the default, and the default
+# with each pair of the grid (--horizons x --margins). Claude Code blocks are 64 tokens and
+# the simulator's 512, so its capacities 0.8m / 2.4m / 8m / 24m are 100k / 300k / 1M / 3M
+# Claude Code tokens.
+#
+# The rule, applied to the tuning cells only: keep the pairs at or above LRU in every tuning
+# cell; of those, take the highest mean share of the LRU-to-optimum gap closed over the
+# tuning cells whose gap is at least one point; a tie goes to the smaller horizon, then the
+# larger margin (the side nearer plain recency). Prints the pick, then every pair's result on
+# the test cells beside the default's. Needs release builds of kvtier-server and
+# kvtier-bench (`cargo build --release -p kvtier-server -p kvtier-bench`). Every process it
+# starts, it stops.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=target/policy-study
+HORIZONS=1,2,4,8,16
+MARGINS=0,0.05,0.1,0.2
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --out) OUT="$2"; shift 2 ;;
+        --horizons) HORIZONS="$2"; shift 2 ;;
+        --margins) MARGINS="$2"; shift 2 ;;
+        *) echo "policy-study: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+TRACES=../shared/traces
+CC=$TRACES/claude-code-sample
+BENCH=target/release/kvtier-bench
+for f in "$BENCH" target/release/kvtier-server "$TRACES/conversation_trace.jsonl" \
+    "$TRACES/synthetic_trace.jsonl" "$CC/trace_0291.json"; do
+    [[ -e "$f" ]] || { echo "policy-study: $f is missing" >&2; exit 1; }
+done
+mkdir -p "$OUT"
+
+orders() { # split-name speedup trace-files...
+    local name=$1 speed=$2; shift 2
+    local args=()
+    for f in "$@"; do args+=(--trace "$CC/$f"); done
+    if [[ ! -s "$OUT/order-$name-$speed.jsonl" ]]; then
+        echo "policy-study: serving the $name Claude Code split at speedup $speed" >&2
+        "$BENCH" replay "${args[@]}" --dram-tokens 1m --speedup "$speed" --repeat 20 \
+            --sessions 40 --prefill-tok-s 10000 --order-out "$OUT/order-$name-$speed.jsonl" \
+            --json > "$OUT/serve-$name-$speed.json"
+    fi
+}
+SHORT=(trace_0026.json trace_0103.json trace_0187.json trace_0242.json trace_0504.json)
+for s in max 100; do
+    orders tuning "$s" "${SHORT[@]}"
+    orders test "$s" trace_0291.json
+done
+
+study() { # out-name capacities trace-files...
+    local name=$1 caps=$2; shift 2
+    local args=()
+    for f in "$@"; do args+=(--trace "$f"); done
+    echo "policy-study: simulating $name" >&2
+    "$BENCH" policy "${args[@]}" --capacities "$caps" --horizon-slots "$HORIZONS" \
+        --protect-margin "$MARGINS" --json > "$OUT/$name.json"
+}
+study tuning-mooncake 1m,3m,10m,50m "$TRACES/synthetic_trace.jsonl"
+study tuning-cc 800k,2400k,8m,24m "$OUT/order-tuning-max.jsonl" "$OUT/order-tuning-100.jsonl"
+study test-mooncake 1m,3m,10m,50m "$TRACES/conversation_trace.jsonl"
+study test-cc 800k,2400k,8m,24m "$OUT/order-test-max.jsonl" "$OUT/order-test-100.jsonl"
+
+python3 - "$OUT" <<'EOF'
+import json, sys
+out = sys.argv[1]
+def cells(*names):
+    for n in names:
+        rep = json.load(open(f"{out}/{n}.json"))
+        rep = rep.get("result", rep)
+        for t in rep["traces"]:
+            for r in t["rows"]:
+                yield t["trace"], r
+tuning = list(cells("tuning-mooncake", "tuning-cc"))
+test = list(cells("test-mooncake", "test-cc"))
+pairs = sorted({(c["horizon_slots"], c["protect_margin"]) for _, r in tuning for c in r["tuned"]})
+def get(r, p):
+    return next(c for c in r["tuned"] if (c["horizon_slots"], c["protect_margin"]) == p)
+def score(cs, p):
+    ok = all(get(r, p)["hit_rate"] >= r["lru_hit_rate"] - 1e-9 for _, r in cs)
+    big = [get(r, p)["gap_closed"] for _, r in cs if r["optimum_hit_rate"] - r["lru_hit_rate"] >= 0.01]
+    return ok, sum(big) / max(len(big), 1)
+print("pair (horizon, margin) | tuning: all >= LRU, mean gap closed | test: all >= LRU, mean gap closed")
+for p in pairs:
+    a, b = score(tuning, p), score(test, p)
+    print(f"{p} | {a[0]}, {a[1]*100:.1f} % | {b[0]}, {b[1]*100:.1f} %")
+cands = [p for p in pairs if score(tuning, p)[0]]
+if not cands:
+    print("no pair is at or above LRU in every tuning cell"); sys.exit(0)
+pick = max(cands, key=lambda p: (round(score(tuning, p)[1], 6), -p[0], p[1]))
+print(f"pick (tuning cells only): horizon {pick[0]} ticks a slot, margin {pick[1]}")
+print("test cells: trace, capacity | LRU | default | pick | optimum (hit %; gap closed)")
+for tr, r in test:
+    c = get(r, pick)
+    print(f"{tr} {r['capacity_tokens']} | {r['lru_hit_rate']*100:.2f} | "
+          f"{r['default_hit_rate']*100:.2f} ({r['gap_closed']*100:.1f} %) | "
+          f"{c['hit_rate']*100:.2f} ({c['gap_closed']*100:.1f} %) | {r['optimum_hit_rate']*100:.2f}")
+EOF
