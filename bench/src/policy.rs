@@ -252,9 +252,9 @@ pub fn run(args: &PolicyArgs) -> Result<PolicyReport> {
                 tokens
             ));
             let lru = replay(&trace, cap, EvictionKind::Lru)?.hit_rate();
-            let t = Instant::now();
+            let started = Instant::now();
             let def = replay(&trace, cap, EvictionKind::default())?.hit_rate();
-            let default_seconds = t.elapsed().as_secs_f64();
+            let default_seconds = started.elapsed().as_secs_f64();
             let opt = optimum(&trace, cap);
             let mut tuned = Vec::with_capacity(grid.len());
             for &t in &grid {
@@ -434,18 +434,20 @@ mod tests {
         assert!(parse_tokens("x").is_err());
     }
 
-    #[test]
-    fn capacities_are_a_list_of_token_counts() {
+    /// `policy`'s arguments parsed from `args`.
+    fn parse_args(args: &[&str]) -> Result<PolicyArgs, clap::Error> {
         use clap::Parser;
         #[derive(Parser, Debug)]
         struct Cli {
             #[command(flatten)]
             args: PolicyArgs,
         }
-        let parse = |args: &[&str]| {
-            Cli::try_parse_from(std::iter::once("policy").chain(args.iter().copied()))
-                .map(|c| c.args.capacities)
-        };
+        Cli::try_parse_from(std::iter::once("policy").chain(args.iter().copied())).map(|c| c.args)
+    }
+
+    #[test]
+    fn capacities_are_a_list_of_token_counts() {
+        let parse = |args: &[&str]| parse_args(args).map(|a| a.capacities);
         assert_eq!(
             parse(&[]).unwrap(),
             vec![1_000_000, 3_000_000, 10_000_000, 50_000_000]
@@ -460,16 +462,9 @@ mod tests {
 
     #[test]
     fn a_parameter_study_crosses_its_lists_with_the_defaults_for_one_left_out() {
-        use clap::Parser;
-        #[derive(Parser, Debug)]
-        struct Cli {
-            #[command(flatten)]
-            args: PolicyArgs,
-        }
         let grid = |args: &[&str]| {
-            Cli::try_parse_from(std::iter::once("policy").chain(args.iter().copied())).map(|c| {
-                c.args
-                    .grid()
+            parse_args(args).map(|a| {
+                a.grid()
                     .iter()
                     .map(|t| (t.horizon_slots, t.protect_margin))
                     .collect::<Vec<_>>()

@@ -136,4 +136,30 @@ mod tests {
         let r = replay(&trace, 2, EvictionKind::ChainAware).unwrap();
         assert!(r.hits <= 5);
     }
+
+    /// The tuning reaches the policy: a conversation that comes back after one-off requests
+    /// that fill the cache is kept by a long protection horizon and lost under a short one;
+    /// the default tuning is what `replay` uses.
+    #[test]
+    fn a_tuning_reaches_the_default_policy() {
+        let conversation = [1, 2, 3, 4];
+        let mut trace = vec![req(0, &conversation), req(1, &conversation)];
+        for i in 0..6u64 {
+            let base = 100 + 10 * i;
+            trace.push(req(2 + i, &[base, base + 1, base + 2, base + 3]));
+        }
+        trace.push(req(9, &conversation));
+        let hits = |horizon_slots| {
+            let tuning = ChainAwareTuning {
+                horizon_slots,
+                ..ChainAwareTuning::default()
+            };
+            replay_tuned(&trace, 8, EvictionKind::ChainAware, tuning)
+                .unwrap()
+                .hits
+        };
+        assert!(hits(1024) > hits(1), "{} vs {}", hits(1024), hits(1));
+        let d = replay(&trace, 8, EvictionKind::ChainAware).unwrap();
+        assert_eq!(d.hits, hits(ChainAwareTuning::default().horizon_slots));
+    }
 }

@@ -270,25 +270,29 @@ fn hbm_without_a_device_is_refused_clearly() {
 fn the_store_keeps_as_many_blocks_as_the_largest_tier_every_block_reaches() {
     use kvtier_server::policy::DemotionPolicy;
     let dir = tempfile::tempdir().unwrap();
-    for (tiers, demotion, kept) in [
-        (Tiers::Dram, DemotionPolicy::WriteThrough, 8),
-        (Tiers::DramNvme, DemotionPolicy::WriteThrough, 32),
-        // Write-backs are skipped when backed up: only DRAM's are sure, less the free slot
-        // write-back keeps in reserve.
-        (Tiers::DramNvme, DemotionPolicy::WriteBack, 7),
-        (Tiers::HbmDramNvme, DemotionPolicy::WriteThrough, 32),
+    for (tiers, demotion, dram, kept) in [
+        (Tiers::Dram, DemotionPolicy::WriteThrough, 8, 8),
+        (Tiers::DramNvme, DemotionPolicy::WriteThrough, 8, 32),
+        // Write-backs are skipped when backed up: only DRAM's are sure, less the free slots
+        // write-back keeps in reserve (1/64 of them, at least one).
+        (Tiers::DramNvme, DemotionPolicy::WriteBack, 8, 7),
+        (Tiers::DramNvme, DemotionPolicy::WriteBack, 128, 126),
+        // With nothing below DRAM there is nothing to write back, and no reserve.
+        (Tiers::Dram, DemotionPolicy::WriteBack, 8, 8),
+        (Tiers::HbmDramNvme, DemotionPolicy::WriteThrough, 8, 32),
         // Blocks may leave DRAM without a copy below: only DRAM's are kept.
         (
             Tiers::DramNvme,
             DemotionPolicy::SelectiveWriteThrough { after_hits: 2 },
             8,
+            8,
         ),
     ] {
-        let sub = dir.path().join(format!("{tiers:?}-{demotion:?}"));
-        let mut c = config_tiers(tiers, 8, (&sub, 32), 2);
+        let sub = dir.path().join(format!("{tiers:?}-{demotion:?}-{dram}"));
+        let mut c = config_tiers(tiers, dram, (&sub, 32), 2);
         c.demotion = demotion;
         let (s, _) = TieredStore::open(c).unwrap();
-        assert_eq!(s.kept_blocks(), kept, "{tiers:?} {demotion:?}");
+        assert_eq!(s.kept_blocks(), kept, "{tiers:?} {demotion:?} {dram}");
         // That many distinct blocks are all still there after the last one is stored.
         for i in 0..kept {
             s.put(key(i), None, &data(key(i))).unwrap();
@@ -297,7 +301,7 @@ fn the_store_keeps_as_many_blocks_as_the_largest_tier_every_block_reaches() {
         for i in 0..kept {
             assert!(
                 matches!(get(&s, key(i)), GetOutcome::Hit(_)),
-                "{tiers:?} {demotion:?}: lost block {i} of {kept}"
+                "{tiers:?} {demotion:?} {dram}: lost block {i} of {kept}"
             );
         }
         s.check_consistency().unwrap();

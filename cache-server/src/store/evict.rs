@@ -20,7 +20,12 @@ pub(super) const MAX_WRITEBACKS_PER_ALLOC: usize = 4;
 /// Victims an allocation may try before it gives up.
 pub(super) const MAX_EVICT_ATTEMPTS: usize = 16;
 /// Under write-back, a tier keeps about 1/this of its slots free (at least one).
-pub(super) const WRITEBACK_RESERVE_DIVISOR: usize = 64;
+const WRITEBACK_RESERVE_DIVISOR: usize = 64;
+
+/// The free slots a tier of `slots` slots keeps under write-back.
+pub(super) fn writeback_reserve(slots: usize) -> usize {
+    (slots / WRITEBACK_RESERVE_DIVISOR).max(1)
+}
 
 pub(super) enum Evicted {
     /// The slot is free for the caller.
@@ -74,7 +79,7 @@ impl Inner {
         st.guests.clear(slot);
         st.policy.on_insert(slot, key, ctx);
         if writeback {
-            let reserve = (st.keys.len() / WRITEBACK_RESERVE_DIVISOR).max(1);
+            let reserve = writeback_reserve(st.keys.len());
             let mut budget = MAX_WRITEBACKS_PER_ALLOC;
             while budget > 0
                 && st.free.len() + tier.writebacks_inflight.load(Ordering::Acquire) < reserve

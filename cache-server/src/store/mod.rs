@@ -320,8 +320,9 @@ impl TieredStore {
         if i.config.demotion.on_put() {
             i.tiers[i.host..].iter().map(slots).max().unwrap_or(host)
         } else if i.writeback_mode(i.host) {
-            let reserve = (host / evict::WRITEBACK_RESERVE_DIVISOR as u64).max(1);
-            host.saturating_sub(reserve)
+            // A one-slot tier cannot keep its reserve (its one block is pinned while stored).
+            let reserve = evict::writeback_reserve(host as usize) as u64;
+            host.saturating_sub(reserve).max(host.min(1))
         } else {
             host
         }

@@ -64,8 +64,9 @@ impl Default for ChainAwareTuning {
 
 /// How long protected conversations are kept beyond first turns, at most: this many ticks
 /// of the logical clock for each slot of the tier (4: a cache's worth of blocks named four
-/// times over). Chosen with the duel's margin ([`super::PROTECT_MARGIN`]) by the rule in
-/// `docs/benchmarks.md`, "How the parameters were chosen".
+/// times over). Fitted with the duel's margin ([`super::PROTECT_MARGIN`]) on the same traces
+/// it is reported on (`docs/benchmarks.md`, "How the parameters were chosen"); the held-out
+/// rule of `scripts/policy-study.sh` does not pick it.
 pub const HORIZON_SLOTS: u64 = 4;
 /// Weight of each new class-0 eviction age in `R0`.
 const R0_ALPHA: f64 = 0.001;

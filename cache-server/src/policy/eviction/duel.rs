@@ -125,11 +125,12 @@ impl Duel {
     /// A duel for a tier of `slots` slots whose protection horizon is `horizon_per_slot`
     /// ticks a slot; `None` when the tier is too small to sample.
     pub(crate) fn new(slots: u32, horizon_per_slot: u64, margin: f64) -> Option<Self> {
+        debug_assert!(margin >= 0.0 && margin.is_finite(), "margin {margin}");
         let n = (u64::from(slots) / SAMPLE) as u32;
         (n >= MIN_SHADOW_SLOTS).then(|| Self {
             shadows: [
                 Shadow::new(n, 0),
-                Shadow::new(n, horizon_per_slot * u64::from(n)),
+                Shadow::new(n, horizon_per_slot.saturating_mul(u64::from(n))),
             ],
             keys: Vec::with_capacity(1024),
             margin,
