@@ -216,6 +216,8 @@ mod tests {
             let mut scan = 1_000;
             for _ in 0..40 {
                 for c in &convs {
+                    // The second time at once: a hit for both shadows, so both score.
+                    d.request(c.iter().copied());
                     d.request(c.iter().copied());
                     on = d.request(chain(scan, 8).into_iter());
                     scan += 1;
@@ -225,6 +227,7 @@ mod tests {
         };
         let (on, scores) = run(PROTECT_MARGIN);
         assert!(on, "scores {scores:?}");
+        assert!(scores[0] > 0.0, "scores {scores:?}");
         let lead = scores[1] / scores[0] - 1.0;
         let (on, scores) = run(lead + 0.01);
         assert!(!on, "scores {scores:?}");
