@@ -18,14 +18,16 @@
 # the orders its requests were served in (`--order-out`: the interleaving differs from draw
 # to draw, and one draw decided the pick differently from another); the policy simulator (`kvtier-bench policy`, the store's own code) then
 # replays every order and Mooncake trace under LRU, the optimum, the default, and the default
-# with each pair of the grid (--horizons x --margins). Claude Code blocks are 64 tokens and
+# with each pair of the grid (--horizons x --margins; a horizon is ticks a slot, or `ladder`,
+# chosen online as the default does). Claude Code blocks are 64 tokens and
 # the simulator's 512, so its capacities 0.8m / 2.4m / 8m / 24m are 100k / 300k / 1M / 3M
 # Claude Code tokens.
 #
 # The rule, applied to the tuning cells only: keep the pairs at or above LRU in every tuning
 # cell; of those, take the highest mean share of the LRU-to-optimum gap closed over the
 # tuning cells whose gap is at least one point; a tie goes to the smaller horizon, then the
-# larger margin (the side nearer plain recency). Prints every pair's score on both splits,
+# larger margin (the side nearer plain recency), and the ladder loses ties to every fixed
+# horizon. Prints every pair's score on both splits,
 # the pairs tied for the best tuning score, the pick, and the pick's result on the test
 # cells beside the default's. Needs release builds of kvtier-server and
 # kvtier-bench (`cargo build --release -p kvtier-server -p kvtier-bench`). Every process it
@@ -33,7 +35,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="$ROOT/target/policy-study"
-HORIZONS=1,2,4,8,16
+HORIZONS=ladder,1,2,4,8,16
 MARGINS=0,0.05,0.1,0.2
 FRESH=0
 DRAWS=3
@@ -116,7 +118,11 @@ def cells(*names):
                 yield t["trace"], r
 tuning = list(cells("tuning-mooncake", "tuning-cc"))
 test = list(cells("test-mooncake", "test-cc"))
-pairs = sorted({(c["horizon_slots"], c["protect_margin"]) for _, r in tuning for c in r["tuned"]})
+# Horizons are ticks a slot or "ladder" (chosen online); fixed ones sort first, by size.
+def hkey(p):
+    return (p[0] == "ladder", int(p[0]) if p[0] != "ladder" else 0, p[1])
+pairs = sorted({(c["horizon_slots"], c["protect_margin"]) for _, r in tuning for c in r["tuned"]},
+               key=hkey)
 def get(r, p):
     return next(c for c in r["tuned"] if (c["horizon_slots"], c["protect_margin"]) == p)
 def score(cs, p):
@@ -133,8 +139,8 @@ if not cands:
 best = max(round(score(tuning, p)[1], 6) for p in cands)
 tied = [p for p in cands if round(score(tuning, p)[1], 6) == best]
 print(f"tied for the best tuning score ({best*100:.2f} %): {tied}")
-pick = max(tied, key=lambda p: (-p[0], p[1]))
-print(f"pick (tuning cells only): horizon {pick[0]} ticks a slot, margin {pick[1]}")
+pick = min(tied, key=lambda p: (hkey(p)[0], hkey(p)[1], -p[1]))
+print(f"pick (tuning cells only): horizon {pick[0]} (ticks a slot), margin {pick[1]}")
 print("test cells: trace, capacity | LRU | default | pick | optimum (hit %; gap closed)")
 for tr, r in test:
     c = get(r, pick)

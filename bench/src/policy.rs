@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Args;
-use kvtier_server::policy::{ChainAwareTuning, EvictionKind};
+use kvtier_server::policy::{ChainAwareTuning, EvictionKind, Horizon};
 use kvtier_server::replay::{TraceRequest, replay, replay_tuned};
 use serde::Serialize;
 
@@ -35,21 +35,25 @@ pub struct PolicyArgs {
     /// Replay only the first N requests of each trace.
     #[arg(long)]
     pub limit: Option<usize>,
-    /// Also replay the default policy with these protection horizons (ticks a slot; the
-    /// default's is `HORIZON_SLOTS`), crossed with `--protect-margin`: a parameter study.
+    /// Also replay the default policy with these protection horizons (ticks a slot, or
+    /// `ladder`: chosen online among `LADDER`, the default's), crossed with
+    /// `--protect-margin`: a parameter study.
     #[arg(long, value_delimiter = ',', value_parser = parse_horizon)]
-    pub horizon_slots: Vec<u64>,
+    pub horizon_slots: Vec<Horizon>,
     /// ... and these leads of the duel's protecting shadow (0.05 = 5 %; the default's is
     /// `PROTECT_MARGIN`). Either list alone is crossed with the other's default.
     #[arg(long, value_delimiter = ',', value_parser = parse_margin)]
     pub protect_margin: Vec<f64>,
 }
 
-fn parse_horizon(s: &str) -> Result<u64, String> {
+fn parse_horizon(s: &str) -> Result<Horizon, String> {
+    if s.trim() == "ladder" {
+        return Ok(Horizon::Ladder);
+    }
     match s.trim().parse::<u64>() {
-        Ok(h @ 1..=1024) => Ok(h),
+        Ok(h @ 1..=1024) => Ok(Horizon::Fixed(h)),
         _ => Err(format!(
-            "{s:?} is not a horizon in ticks a slot (1 to 1024)"
+            "{s:?} is not a horizon in ticks a slot (1 to 1024, or ladder)"
         )),
     }
 }
@@ -71,7 +75,7 @@ impl PolicyArgs {
         }
         let d = ChainAwareTuning::default();
         let hs = if self.horizon_slots.is_empty() {
-            vec![d.horizon_slots]
+            vec![d.horizon]
         } else {
             self.horizon_slots.clone()
         };
@@ -81,9 +85,9 @@ impl PolicyArgs {
             self.protect_margin.clone()
         };
         hs.iter()
-            .flat_map(|&horizon_slots| {
+            .flat_map(|&horizon| {
                 ms.iter().map(move |&protect_margin| ChainAwareTuning {
-                    horizon_slots,
+                    horizon,
                     protect_margin,
                 })
             })
@@ -147,7 +151,8 @@ pub struct CapacityRow {
 /// The default policy with other parameters, at one capacity.
 #[derive(Serialize)]
 pub struct TunedRow {
-    pub horizon_slots: u64,
+    /// Ticks a slot, or `ladder`.
+    pub horizon_slots: String,
     pub protect_margin: f64,
     pub hit_rate: f64,
     pub gap_closed: f64,
@@ -260,7 +265,7 @@ pub fn run(args: &PolicyArgs) -> Result<PolicyReport> {
             for &t in &grid {
                 let hit = replay_tuned(&trace, cap, EvictionKind::ChainAware, t)?.hit_rate();
                 tuned.push(TunedRow {
-                    horizon_slots: t.horizon_slots,
+                    horizon_slots: t.horizon.to_string(),
                     protect_margin: t.protect_margin,
                     hit_rate: hit,
                     gap_closed: gap_closed(hit, lru, opt),
@@ -358,7 +363,7 @@ impl Report for PolicyReport {
                 for c in &row.tuned {
                     table.row([
                         row.capacity_tokens.to_string(),
-                        c.horizon_slots.to_string(),
+                        c.horizon_slots.clone(),
                         format!("{:.3}", c.protect_margin),
                         format!("{:.2}", c.hit_rate * 100.0),
                         format!("{:+.2}", (c.hit_rate - row.lru_hit_rate) * 100.0),
@@ -466,25 +471,30 @@ mod tests {
             parse_args(args).map(|a| {
                 a.grid()
                     .iter()
-                    .map(|t| (t.horizon_slots, t.protect_margin))
+                    .map(|t| (t.horizon, t.protect_margin))
                     .collect::<Vec<_>>()
             })
         };
         let d = ChainAwareTuning::default();
         assert_eq!(grid(&[]).unwrap(), vec![]);
+        let (two, eight) = (Horizon::Fixed(2), Horizon::Fixed(8));
         assert_eq!(
-            grid(&["--horizon-slots", "2,8"]).unwrap(),
-            vec![(2, d.protect_margin), (8, d.protect_margin)]
+            grid(&["--horizon-slots", "2,ladder"]).unwrap(),
+            vec![(two, d.protect_margin), (Horizon::Ladder, d.protect_margin)]
         );
         assert_eq!(
             grid(&["--horizon-slots", "2,8", "--protect-margin", "0,0.1"]).unwrap(),
-            vec![(2, 0.0), (2, 0.1), (8, 0.0), (8, 0.1)]
+            vec![(two, 0.0), (two, 0.1), (eight, 0.0), (eight, 0.1)]
         );
         assert_eq!(
             grid(&["--protect-margin", "0.2"]).unwrap(),
-            vec![(d.horizon_slots, 0.2)]
+            vec![(d.horizon, 0.2)]
         );
-        for bad in ["--horizon-slots=0", "--protect-margin=-1"] {
+        for bad in [
+            "--horizon-slots=0",
+            "--horizon-slots=lad",
+            "--protect-margin=-1",
+        ] {
             let e = grid(&[bad]).unwrap_err().to_string();
             assert!(e.contains("is not a"), "{e}");
         }

@@ -113,6 +113,7 @@ pub fn replay_tuned(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::Horizon;
 
     fn req(ts: u64, ids: &[u64]) -> TraceRequest {
         TraceRequest {
@@ -149,17 +150,18 @@ mod tests {
             trace.push(req(2 + i, &[base, base + 1, base + 2, base + 3]));
         }
         trace.push(req(9, &conversation));
-        let hits = |horizon_slots| {
+        let hits = |horizon| {
             let tuning = ChainAwareTuning {
-                horizon_slots,
+                horizon,
                 ..ChainAwareTuning::default()
             };
             replay_tuned(&trace, 8, EvictionKind::ChainAware, tuning)
                 .unwrap()
                 .hits
         };
-        assert!(hits(1024) > hits(1), "{} vs {}", hits(1024), hits(1));
+        let (long, short) = (hits(Horizon::Fixed(1024)), hits(Horizon::Fixed(1)));
+        assert!(long > short, "{long} vs {short}");
         let d = replay(&trace, 8, EvictionKind::ChainAware).unwrap();
-        assert_eq!(d.hits, hits(ChainAwareTuning::default().horizon_slots));
+        assert_eq!(d.hits, hits(ChainAwareTuning::default().horizon));
     }
 }

@@ -7,4 +7,6 @@ pub mod eviction;
 
 pub use admission::{Admission, AdmissionPolicy};
 pub use demotion::{DemotionPolicy, PromotionPolicy};
-pub use eviction::{ChainAwareTuning, EvictionKind, EvictionPolicy, InsertContext, LookupContext};
+pub use eviction::{
+    ChainAwareTuning, EvictionKind, EvictionPolicy, Horizon, InsertContext, LookupContext,
+};

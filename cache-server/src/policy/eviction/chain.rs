@@ -20,17 +20,21 @@
 //!   eviction; `B = max(0, horizon - R0)`. A cache large enough to keep first turns for the
 //!   whole horizon needs no protection and behaves as leaf-first LRU.
 //! * **Logical time.** The policy's clock is its own count of blocks: every key a lookup
-//!   names and every block inserted is one tick. The horizon is [`HORIZON_SLOTS`] ticks a
-//!   slot. The same requests in the same order give the same decisions at any speed (the
-//!   store's clock is not read).
-//! * **Duel.** Protection is an admission filter that wins when many long conversations
-//!   cycle through a cache too small for all of them and loses when they return quickly;
-//!   two sampled shadow caches, one protecting and one not, decide online whether it is on
-//!   (see [`super::duel`]). Tiers under 512 slots run no duel and always protect.
+//!   names and every block inserted is one tick, and the horizon is counted in ticks a slot.
+//!   The same requests in the same order give the same decisions at any speed (the store's
+//!   clock is not read).
+//! * **Duel over a ladder of horizons.** Protection is an admission filter that wins when
+//!   many long conversations cycle through a cache too small for all of them and loses when
+//!   they return quickly; how long it should last depends on how far apart a conversation's
+//!   turns are against the cache's size, which differs by trace and capacity. Sampled shadow
+//!   caches, one without protection and one for each horizon of [`LADDER`], replay the same
+//!   requests; the policy uses the horizon of the best shadow, or none unless one leads the
+//!   unprotected shadow by the margin (see [`super::duel`]). Tiers under 512 slots run no
+//!   duel and always protect for [`HORIZON_SLOTS`] ticks a slot.
 //!
 //! Cost: O(log n) per touch, insert and eviction (one binary heap per class with lazy
 //! deletion, compacted in place), plus each lookup's sampled keys (1 in 16) run through the
-//! duel's two shadows; all memory is allocated at construction.
+//! duel's six shadows; all memory is allocated at construction.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -42,31 +46,74 @@ use crate::keyhash::KeyHashing;
 use super::duel::{Duel, PROTECT_MARGIN};
 use super::{EvictionPolicy, InsertContext, LookupContext, MAX_VICTIM_SCAN, NIL};
 
-/// The two parameters of [`ChainAware`] chosen on traces (the rest are set by reasoning):
-/// its protection horizon and the lead its duel's protecting shadow needs.
+/// How long [`ChainAware`] protects continuing conversations beyond first turns, in ticks of
+/// its logical clock per slot of the tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Horizon {
+    /// Chosen online, request by request, among [`LADDER`]: the duel runs one sampled
+    /// shadow cache per horizon beside one without protection, and the policy takes the
+    /// horizon of the best-scoring shadow that leads the unprotected one by the margin (the
+    /// default: nothing to fit).
+    Ladder,
+    /// This one horizon, switched on and off by a duel of two shadows (the policy before the
+    /// ladder, with 4; kept for parameter studies).
+    Fixed(u64),
+}
+
+impl Horizon {
+    /// The protecting shadows' horizons (ticks a slot).
+    fn choices(&self) -> &[u64] {
+        match self {
+            Horizon::Ladder => &LADDER,
+            Horizon::Fixed(h) => std::slice::from_ref(h),
+        }
+    }
+
+    /// The horizon of a tier too small to sample (no duel; protection always on).
+    fn unsampled(self) -> u64 {
+        match self {
+            Horizon::Ladder => HORIZON_SLOTS,
+            Horizon::Fixed(h) => h,
+        }
+    }
+}
+
+impl std::fmt::Display for Horizon {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Horizon::Ladder => f.write_str("ladder"),
+            Horizon::Fixed(h) => write!(f, "{h}"),
+        }
+    }
+}
+
+/// The parameters of [`ChainAware`] that parameter studies vary (the rest are set by
+/// reasoning): its protection horizon and the lead its duel's protecting shadows need.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ChainAwareTuning {
-    /// Protection horizon, in ticks of the logical clock per slot ([`HORIZON_SLOTS`]).
-    pub horizon_slots: u64,
-    /// Protection is on while the protecting shadow's score leads by this share (0.05: 5 %;
-    /// [`PROTECT_MARGIN`]).
+    /// Protection horizon: chosen online (the default) or fixed.
+    pub horizon: Horizon,
+    /// A protecting shadow counts only while its score leads the unprotected shadow's by this
+    /// share (0.05: 5 %; [`PROTECT_MARGIN`]).
     pub protect_margin: f64,
 }
 
 impl Default for ChainAwareTuning {
     fn default() -> Self {
         Self {
-            horizon_slots: HORIZON_SLOTS,
+            horizon: Horizon::Ladder,
             protect_margin: PROTECT_MARGIN,
         }
     }
 }
 
-/// How long protected conversations are kept beyond first turns, at most: this many ticks
-/// of the logical clock for each slot of the tier (4: a cache's worth of blocks named four
-/// times over). Fitted with the duel's margin ([`super::PROTECT_MARGIN`]) on the same traces
-/// it is reported on (`docs/benchmarks.md`, "How the parameters were chosen"); the held-out
-/// rule of `scripts/policy-study.sh` does not pick it.
+/// The horizons the default policy chooses among, ticks of the logical clock a slot: every
+/// power of two from 1 (a cache's worth of blocks named once) to 16, the range the parameter
+/// studies spanned (`docs/benchmarks.md`, "One horizon chosen online"). Each costs a shadow
+/// of 1/[`super::duel::SAMPLE`] of the tier.
+pub const LADDER: [u64; 5] = [1, 2, 4, 8, 16];
+/// The horizon of a tier too small for the duel's shadows (under 512 slots), where
+/// protection is always on: the middle of [`LADDER`] (and the fixed horizon before it).
 pub const HORIZON_SLOTS: u64 = 4;
 /// Weight of each new class-0 eviction age in `R0`.
 const R0_ALPHA: f64 = 0.001;
@@ -95,10 +142,10 @@ fn order_key(last_ms: u64, depth: u32) -> u64 {
 pub struct ChainAware {
     /// Logical time: blocks named by lookups plus blocks inserted, so far.
     now: u64,
-    /// Chooses `protect` online, when the tier is large enough to sample.
+    /// Chooses `horizon` online (0: no protection), when the tier is large enough to sample.
     duel: Option<Box<Duel>>,
-    /// Whether turns 1+ are protected now (else the policy is leaf-first recency).
-    protect: bool,
+    /// Protection horizon now, in ticks (0: turns 1+ are not protected, and the policy is
+    /// leaf-first recency).
     horizon: u64,
     r0: f64,
     tracked: Box<[bool]>,
@@ -135,18 +182,18 @@ pub struct ChainAware {
 }
 
 impl ChainAware {
-    /// The default: protection horizon [`HORIZON_SLOTS`] ticks a slot, switched on and off
-    /// by a duel of sampled shadows (see [`Duel`]).
+    /// The default: the protection horizon chosen online among [`LADDER`] by a duel of
+    /// sampled shadows (see [`Duel`]).
     pub fn new(slots: u32) -> Self {
         Self::tuned(slots, ChainAwareTuning::default())
     }
 
-    /// The policy with other values of its two chosen parameters (for the policy simulator's
-    /// parameter studies; the server uses the defaults).
+    /// The policy with other values of its parameters (for the policy simulator's parameter
+    /// studies; the server uses the defaults).
     pub fn tuned(slots: u32, tuning: ChainAwareTuning) -> Self {
-        let h = tuning.horizon_slots;
+        let h = tuning.horizon.unsampled();
         let mut p = Self::plain(slots, h.saturating_mul(u64::from(slots)));
-        p.duel = Duel::new(slots, h, tuning.protect_margin).map(Box::new);
+        p.duel = Duel::new(slots, tuning.horizon.choices(), tuning.protect_margin).map(Box::new);
         p
     }
 
@@ -160,7 +207,6 @@ impl ChainAware {
         Self {
             now: 0,
             duel: None,
-            protect: true,
             horizon,
             r0: 0.0,
             tracked: vec![false; n].into(),
@@ -191,9 +237,6 @@ impl ChainAware {
 
     /// Current protection bonus for class-1 blocks, in ticks of the logical clock.
     pub fn protection(&self) -> u64 {
-        if !self.protect {
-            return 0;
-        }
         (self.horizon as f64 - self.r0).max(0.0) as u64
     }
 
@@ -299,7 +342,8 @@ impl EvictionPolicy for ChainAware {
         if let Some(duel) = self.duel.as_mut() {
             let keys = &self.keys;
             let all = hits.iter().map(|&s| keys[s as usize]);
-            self.protect = duel.request(all.chain(ctx.rest.iter().copied()));
+            let h = duel.request(all.chain(ctx.rest.iter().copied()));
+            self.horizon = h.saturating_mul(self.tracked.len() as u64);
         }
         self.now += (hits.len() + ctx.rest.len()) as u64;
         let now = self.now;

@@ -1,11 +1,15 @@
-//! Set dueling for [`super::ChainAware`]: two small shadow caches, run on a fixed sample of the
-//! keys, one with conversation protection and one without (leaf-first recency). The main
-//! policy protects while the protecting shadow has hit more over the recent requests.
+//! Set dueling for [`super::ChainAware`]: small shadow caches, run on a fixed sample of the
+//! keys, one without conversation protection (leaf-first recency) and one for each
+//! protection horizon the policy may use. The main policy uses the horizon of the shadow that
+//! has hit most over the recent requests, and no protection unless that shadow leads the
+//! unprotected one by a margin.
 //!
 //! Protection is an admission filter: it wins when many long conversations cycle through a
 //! cache too small for all of them (it keeps some whole instead of losing all), and loses
-//! when their returns are quick enough for recency alone. Which case holds depends on the
-//! traffic and the capacity, not on a constant, so the policy measures it.
+//! when their returns are quick enough for recency alone; too short a horizon lets a
+//! conversation go just before it returns, too long a one keeps conversations that never do.
+//! Which case holds depends on the traffic and the capacity, not on a constant, so the
+//! policy measures it.
 //!
 //! A shadow holds only the sampled keys (about 1 in [`SAMPLE`]) in `slots / SAMPLE` slots:
 //! the sampled keys of a request form a chain of their own, and a shadow sees each request
@@ -29,9 +33,26 @@ const MIN_SHADOW_SLOTS: u32 = 32;
 /// Weight of each request's hits in the shadows' moving scores: a window of about this many
 /// requests.
 const WINDOW_REQUESTS: f64 = 128.0;
-/// The protecting shadow must lead by this share to switch protection on: on a tie the
-/// policy is plain leaf-first recency, the safe side against LRU.
+/// A protecting shadow must lead the unprotected one by this share to switch protection on:
+/// on a tie the policy is plain leaf-first recency, the safe side against LRU.
 pub const PROTECT_MARGIN: f64 = 0.05;
+
+/// Which of the shadows (their `scores`, the unprotected one first) the policy follows: the
+/// highest-scoring protecting shadow whose score leads the unprotected one's by `margin` (a
+/// share), the first of equals (the shorter horizon); 0, no protection, when none does.
+fn choose(mut scores: impl Iterator<Item = f64>, margin: f64) -> usize {
+    let Some(unprotected) = scores.next() else {
+        return 0;
+    };
+    let floor = unprotected * (1.0 + margin);
+    let mut best = (0, floor);
+    for (i, s) in scores.enumerate() {
+        if s > best.1 {
+            best = (i + 1, s);
+        }
+    }
+    best.0
+}
 
 /// Whether `key` is in the sample (keys are hashes; the multiply mixes any low-bit pattern).
 pub(crate) fn sampled(key: &BlockKey) -> bool {
@@ -112,34 +133,41 @@ impl Shadow {
     }
 }
 
-/// The two shadows and the keys of the request being sampled.
+/// The shadows (one a horizon, the first without protection) and the keys of the request
+/// being sampled.
 pub(crate) struct Duel {
-    /// [without protection, with protection]
-    shadows: [Shadow; 2],
+    /// Shadow `i` protects for `horizons[i]` ticks a slot; `horizons[0]` is 0 (no protection).
+    shadows: Vec<Shadow>,
+    horizons: Vec<u64>,
     keys: Vec<BlockKey>,
-    /// The lead the protecting shadow needs (a share of the other's score).
+    /// The lead a protecting shadow needs over the one without (a share of its score).
     margin: f64,
 }
 
 impl Duel {
-    /// A duel for a tier of `slots` slots whose protection horizon is `horizon_per_slot`
-    /// ticks a slot; `None` when the tier is too small to sample.
-    pub(crate) fn new(slots: u32, horizon_per_slot: u64, margin: f64) -> Option<Self> {
+    /// A duel for a tier of `slots` slots between no protection and a protection horizon of
+    /// each of `horizons_per_slot` ticks a slot; `None` when the tier is too small to sample.
+    pub(crate) fn new(slots: u32, horizons_per_slot: &[u64], margin: f64) -> Option<Self> {
         debug_assert!(margin >= 0.0 && margin.is_finite(), "margin {margin}");
         let n = (u64::from(slots) / SAMPLE) as u32;
+        let horizons: Vec<u64> = std::iter::once(0)
+            .chain(horizons_per_slot.iter().copied())
+            .collect();
         (n >= MIN_SHADOW_SLOTS).then(|| Self {
-            shadows: [
-                Shadow::new(n, 0),
-                Shadow::new(n, horizon_per_slot.saturating_mul(u64::from(n))),
-            ],
+            shadows: horizons
+                .iter()
+                .map(|&h| Shadow::new(n, h.saturating_mul(u64::from(n))))
+                .collect(),
+            horizons,
             keys: Vec::with_capacity(1024),
             margin,
         })
     }
 
-    /// Runs one request's keys (`keys` yields them in chain order) through both shadows;
-    /// returns whether the protecting one leads by the margin (by default [`PROTECT_MARGIN`]).
-    pub(crate) fn request(&mut self, keys: impl Iterator<Item = BlockKey>) -> bool {
+    /// Runs one request's keys (`keys` yields them in chain order) through every shadow;
+    /// returns the horizon (ticks a slot) of the best-scoring shadow, 0 (no protection)
+    /// unless a protecting one leads the one without by the margin.
+    pub(crate) fn request(&mut self, keys: impl Iterator<Item = BlockKey>) -> u64 {
         self.keys.clear();
         self.keys.extend(keys.filter(sampled));
         if !self.keys.is_empty() {
@@ -148,7 +176,7 @@ impl Duel {
                 s.score += (h - s.score) / WINDOW_REQUESTS;
             }
         }
-        self.shadows[1].score > self.shadows[0].score * (1.0 + self.margin)
+        self.horizons[choose(self.shadows.iter().map(|s| s.score), self.margin)]
     }
 
     pub(crate) fn bytes(&self) -> usize {
@@ -186,21 +214,61 @@ mod tests {
         assert_eq!(s.request(&a), 10);
     }
 
+    fn scores(d: &Duel) -> Vec<f64> {
+        d.shadows.iter().map(|s| s.score).collect()
+    }
+
+    #[test]
+    fn the_policy_follows_the_best_shadow_that_leads_the_unprotected_one_by_the_margin() {
+        let m = PROTECT_MARGIN;
+        // None leads by 5 %: no protection.
+        assert_eq!(choose([10.0, 10.4, 10.2].into_iter(), m), 0);
+        // The best; of equals, the first (the shorter horizon).
+        assert_eq!(choose([10.0, 10.6, 12.0, 12.0, 11.0].into_iter(), m), 2);
+        assert_eq!(choose([10.0, 12.0, 10.6].into_iter(), m), 1);
+        // Nothing scored yet: off; anything over nothing leads.
+        assert_eq!(choose([0.0, 0.0].into_iter(), m), 0);
+        assert_eq!(choose([0.0, 0.5].into_iter(), m), 1);
+        assert_eq!(choose(std::iter::empty(), m), 0);
+    }
+
+    /// Conversations that return after more one-off blocks than a cache's worth: the
+    /// shortest horizon of the ladder lets them go just before they return, so the duel
+    /// chooses a longer one, and its shadow has hit more.
+    #[test]
+    fn the_ladder_chooses_a_horizon_long_enough_for_the_returns() {
+        let convs: Vec<Vec<BlockKey>> = (0..8).map(|c| chain(c, 6)).collect();
+        let mut d = Duel::new(64 * SAMPLE as u32, &[1, 2, 4, 8, 16], PROTECT_MARGIN).unwrap();
+        let mut h = 0;
+        let mut scan = 1_000;
+        for _ in 0..40 {
+            for c in &convs {
+                d.request(c.iter().copied());
+                d.request(c.iter().copied());
+                h = d.request(chain(scan, 8).into_iter());
+                scan += 1;
+            }
+        }
+        let sc = scores(&d);
+        assert!(h >= 4, "chose {h}; scores {sc:?}");
+        assert!(sc[1] < sc[3], "scores {sc:?}");
+    }
+
     /// Conversations that return at once: recency loses nothing, so protection stays off
     /// (a tie is off), while both shadows score their hits.
     #[test]
     fn protection_stays_off_when_recency_loses_nothing() {
         let chains: Vec<Vec<BlockKey>> = (0..6).map(|c| chain(c, 30)).collect();
-        let mut d = Duel::new(64 * SAMPLE as u32, 4, PROTECT_MARGIN).unwrap();
+        let mut d = Duel::new(64 * SAMPLE as u32, &[4], PROTECT_MARGIN).unwrap();
         let mut on = true;
         for _ in 0..20 {
             for c in &chains {
                 for _ in 0..3 {
-                    on = d.request(c.iter().copied());
+                    on = d.request(c.iter().copied()) > 0;
                 }
             }
         }
-        assert!(!on, "scores {:?}", d.shadows.each_ref().map(|s| s.score));
+        assert!(!on, "scores {:?}", scores(&d));
         assert!(d.shadows.iter().all(|s| s.score > 10.0));
     }
 
@@ -211,7 +279,7 @@ mod tests {
     fn protection_turns_on_when_it_keeps_returning_conversations_by_the_margin() {
         let convs: Vec<Vec<BlockKey>> = (0..8).map(|c| chain(c, 6)).collect();
         let run = |margin: f64| {
-            let mut d = Duel::new(64 * SAMPLE as u32, 4, margin).unwrap();
+            let mut d = Duel::new(64 * SAMPLE as u32, &[4], margin).unwrap();
             let mut on = false;
             let mut scan = 1_000;
             for _ in 0..40 {
@@ -219,11 +287,11 @@ mod tests {
                     // The second time at once: a hit for both shadows, so both score.
                     d.request(c.iter().copied());
                     d.request(c.iter().copied());
-                    on = d.request(chain(scan, 8).into_iter());
+                    on = d.request(chain(scan, 8).into_iter()) > 0;
                     scan += 1;
                 }
             }
-            (on, d.shadows.each_ref().map(|s| s.score))
+            (on, scores(&d))
         };
         let (on, scores) = run(PROTECT_MARGIN);
         assert!(on, "scores {scores:?}");

@@ -236,7 +236,7 @@ impl EvictionPolicy for Lru {
     }
 }
 
-pub use chain::{ChainAware, ChainAwareTuning, HORIZON_SLOTS};
+pub use chain::{ChainAware, ChainAwareTuning, HORIZON_SLOTS, Horizon, LADDER};
 pub use duel::PROTECT_MARGIN;
 pub use leaf_lru::LeafLru;
 pub use sanity::{Checked, store_violations};
