@@ -34,7 +34,7 @@
 //!
 //! Cost: O(log n) per touch, insert and eviction (one binary heap per class with lazy
 //! deletion, compacted in place), plus each lookup's sampled keys (1 in 16) run through the
-//! duel's six shadows; all memory is allocated at construction.
+//! duel's six shadows (one key map for all of them); all memory is allocated at construction.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};

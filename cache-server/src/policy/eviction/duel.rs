@@ -14,7 +14,9 @@
 //! A shadow holds only the sampled keys (about 1 in [`SAMPLE`]) in `slots / SAMPLE` slots:
 //! the sampled keys of a request form a chain of their own, and a shadow sees each request
 //! as the store does (a lookup of the chain, then inserts of the missing keys after the hit
-//! run). Its clock counts sampled blocks only, so every horizon scales with it.
+//! run). Its clock counts sampled blocks only, so every horizon scales with it. The shadows
+//! share one map from key to slot (a column per shadow), so a request's keys are looked up
+//! once for all of them.
 
 use std::collections::HashMap;
 
@@ -23,7 +25,7 @@ use kvtier_core::BlockKey;
 use crate::keyhash::KeyHashing;
 
 use super::chain::ChainAware;
-use super::{EvictionPolicy, InsertContext, LookupContext};
+use super::{EvictionPolicy, InsertContext, LookupContext, NIL};
 
 /// About one key in this many is sampled into the shadows.
 pub(crate) const SAMPLE: u64 = 16;
@@ -59,10 +61,80 @@ pub(crate) fn sampled(key: &BlockKey) -> bool {
     key.low_u64().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60 == 0
 }
 
+/// Which slot each shadow holds each sampled key in, in one map for all the shadows: a
+/// request's keys are looked up once, not once a shadow.
+struct KeySlots {
+    /// Key -> its row; a key has a row while any shadow holds it.
+    rows: HashMap<BlockKey, u32, KeyHashing>,
+    /// Row `r`'s slot in shadow `i` is `slots[r * shadows + i]`; [`NIL`] where that shadow
+    /// does not hold the key.
+    slots: Box<[u32]>,
+    free_rows: Vec<u32>,
+    shadows: usize,
+}
+
+impl KeySlots {
+    /// Room for `shadows` shadows of `slots` slots each, all holding different keys.
+    fn new(shadows: usize, slots: u32) -> Self {
+        let rows = shadows * slots as usize;
+        Self {
+            rows: HashMap::with_capacity_and_hasher(rows + 1, KeyHashing::new()),
+            slots: vec![NIL; rows * shadows].into(),
+            free_rows: (0..rows as u32).rev().collect(),
+            shadows,
+        }
+    }
+
+    fn row(&self, key: &BlockKey) -> Option<u32> {
+        self.rows.get(key).copied()
+    }
+
+    /// Shadow `shadow`'s slot in `row`.
+    fn in_row(&self, row: u32, shadow: usize) -> Option<u32> {
+        let s = self.slots[row as usize * self.shadows + shadow];
+        (s != NIL).then_some(s)
+    }
+
+    fn slot(&self, key: &BlockKey, shadow: usize) -> Option<u32> {
+        self.row(key).and_then(|r| self.in_row(r, shadow))
+    }
+
+    fn insert(&mut self, key: BlockKey, shadow: usize, slot: u32) {
+        let row = match self.rows.get(&key) {
+            Some(&r) => r,
+            None => {
+                // A row per key some shadow holds: at most `shadows x slots`, the rows made.
+                let r = self.free_rows.pop().expect("a row per held key");
+                self.rows.insert(key, r);
+                r
+            }
+        };
+        self.slots[row as usize * self.shadows + shadow] = slot;
+    }
+
+    fn remove(&mut self, key: &BlockKey, shadow: usize) {
+        let Some(&row) = self.rows.get(key) else {
+            return;
+        };
+        let base = row as usize * self.shadows;
+        self.slots[base + shadow] = NIL;
+        if self.slots[base..base + self.shadows]
+            .iter()
+            .all(|&s| s == NIL)
+        {
+            self.rows.remove(key);
+            self.free_rows.push(row);
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.rows.capacity() * (16 + 4 + 1) + (self.slots.len() + self.free_rows.capacity()) * 4
+    }
+}
+
 /// A simulated cache of sampled keys under one setting of the policy.
 struct Shadow {
     policy: ChainAware,
-    slots: HashMap<BlockKey, u32, KeyHashing>,
     free: Vec<u32>,
     hits: Vec<u32>,
     score: f64,
@@ -72,19 +144,29 @@ impl Shadow {
     fn new(slots: u32, horizon: u64) -> Self {
         Self {
             policy: ChainAware::plain(slots, horizon),
-            slots: HashMap::with_capacity_and_hasher(slots as usize + 1, KeyHashing::new()),
             free: (0..slots).rev().collect(),
             hits: Vec::with_capacity(slots as usize),
             score: 0.0,
         }
     }
 
-    /// One request's sampled keys, in chain order: returns how many lead cached.
-    fn request(&mut self, keys: &[BlockKey]) -> usize {
+    /// One request's sampled keys, in chain order, for shadow `me`; `rows` are the keys' rows
+    /// in `map` when the request began: returns how many lead cached.
+    ///
+    /// A row read before other shadows ran is still right for this one: only this shadow
+    /// writes its column, and a row is given to another key only when no shadow holds its
+    /// key, so this one's column of it stays empty until this shadow writes it.
+    fn request(
+        &mut self,
+        me: usize,
+        keys: &[BlockKey],
+        rows: &[Option<u32>],
+        map: &mut KeySlots,
+    ) -> usize {
         self.hits.clear();
-        for k in keys {
-            match self.slots.get(k) {
-                Some(&s) => self.hits.push(s),
+        for r in rows {
+            match r.and_then(|r| map.in_row(r, me)) {
+                Some(s) => self.hits.push(s),
                 None => break,
             }
         }
@@ -96,7 +178,7 @@ impl Shadow {
         });
         let mut parent = self.hits.last().copied();
         for &k in &keys[n..] {
-            if let Some(&s) = self.slots.get(&k) {
+            if let Some(s) = map.slot(&k, me) {
                 // Cached past a hole: the store finds it already present.
                 self.policy.on_hit(s, 0);
                 parent = Some(s);
@@ -108,7 +190,7 @@ impl Shadow {
                     let Some(v) = self.policy.victim(&mut |_| true) else {
                         break;
                     };
-                    self.slots.remove(&self.policy.key_of(v));
+                    map.remove(&self.policy.key_of(v), me);
                     self.policy.on_remove(v, 0);
                     if parent == Some(v) {
                         // The store refuses a put whose parent is gone: the request stops.
@@ -118,7 +200,7 @@ impl Shadow {
                     v
                 }
             };
-            self.slots.insert(k, slot);
+            map.insert(k, me, slot);
             self.policy
                 .on_insert(slot, k, InsertContext { parent, now_ms: 0 });
             parent = Some(slot);
@@ -128,7 +210,6 @@ impl Shadow {
 
     fn bytes(&self) -> usize {
         self.policy.bytes_per_slot() * self.free.capacity()
-            + self.slots.capacity() * (16 + 4 + 1)
             + (self.free.capacity() + self.hits.capacity()) * 4
     }
 }
@@ -139,7 +220,9 @@ pub(crate) struct Duel {
     /// Shadow `i` protects for `horizons[i]` ticks a slot; `horizons[0]` is 0 (no protection).
     shadows: Vec<Shadow>,
     horizons: Vec<u64>,
+    map: KeySlots,
     keys: Vec<BlockKey>,
+    rows: Vec<Option<u32>>,
     /// The lead a protecting shadow needs over the one without (a share of its score).
     margin: f64,
 }
@@ -158,8 +241,10 @@ impl Duel {
                 .iter()
                 .map(|&h| Shadow::new(n, h.saturating_mul(u64::from(n))))
                 .collect(),
+            map: KeySlots::new(horizons.len(), n),
             horizons,
             keys: Vec::with_capacity(1024),
+            rows: Vec::with_capacity(1024),
             margin,
         })
     }
@@ -171,8 +256,11 @@ impl Duel {
         self.keys.clear();
         self.keys.extend(keys.filter(sampled));
         if !self.keys.is_empty() {
-            for s in &mut self.shadows {
-                let h = s.request(&self.keys) as f64;
+            let map = &mut self.map;
+            self.rows.clear();
+            self.rows.extend(self.keys.iter().map(|k| map.row(k)));
+            for (i, s) in self.shadows.iter_mut().enumerate() {
+                let h = s.request(i, &self.keys, &self.rows, map) as f64;
                 s.score += (h - s.score) / WINDOW_REQUESTS;
             }
         }
@@ -180,7 +268,10 @@ impl Duel {
     }
 
     pub(crate) fn bytes(&self) -> usize {
-        self.shadows.iter().map(Shadow::bytes).sum::<usize>() + self.keys.capacity() * 16
+        self.shadows.iter().map(Shadow::bytes).sum::<usize>()
+            + self.map.bytes()
+            + self.keys.capacity() * 16
+            + self.rows.capacity() * 8
     }
 }
 
@@ -208,10 +299,72 @@ mod tests {
     #[test]
     fn a_shadow_counts_the_cached_leading_run() {
         let mut s = Shadow::new(64, 0);
+        let mut map = KeySlots::new(1, 64);
+        let mut run = |keys: &[BlockKey]| {
+            let rows: Vec<_> = keys.iter().map(|k| map.row(k)).collect();
+            s.request(0, keys, &rows, &mut map)
+        };
         let a = chain(1, 10);
-        assert_eq!(s.request(&a[..6]), 0);
-        assert_eq!(s.request(&a), 6);
-        assert_eq!(s.request(&a), 10);
+        assert_eq!(run(&a[..6]), 0);
+        assert_eq!(run(&a), 6);
+        assert_eq!(run(&a), 10);
+    }
+
+    /// The shadows share one key map; each must still see exactly what it would alone. A
+    /// seeded mix of returning conversations, shared prefixes and one-off chains, through
+    /// more keys than the shadows hold, run by one duel of every horizon and by each horizon's
+    /// shadow alone with a map of its own: the scores are the same (and differ between
+    /// horizons, so the mix tells them apart), and the map gives back every row.
+    #[test]
+    fn shadows_sharing_one_key_map_score_as_they_would_alone() {
+        const N: u32 = 40;
+        let horizons = [1, 2, 4, 8, 16];
+        let mut all = Duel::new(N * SAMPLE as u32, &horizons, PROTECT_MARGIN).unwrap();
+        let mut alone: Vec<(Shadow, KeySlots)> = std::iter::once(0)
+            .chain(horizons)
+            .map(|h| (Shadow::new(N, h * u64::from(N)), KeySlots::new(1, N)))
+            .collect();
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = |m: u64| {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            (seed >> 33) % m
+        };
+        let convs: Vec<Vec<BlockKey>> = (0..6).map(|c| chain(c, 8)).collect();
+        for r in 0..4_000u64 {
+            let keys: Vec<BlockKey> = match next(4) {
+                0 | 1 => {
+                    let c = &convs[next(6) as usize];
+                    c[..2 + next(7) as usize].to_vec()
+                }
+                2 => convs[0][..2]
+                    .iter()
+                    .copied()
+                    .chain(chain(10_000 + r, 1 + next(6) as usize))
+                    .collect(),
+                _ => chain(20_000 + r, 1 + next(12) as usize),
+            };
+            all.request(keys.iter().copied());
+            for (s, map) in &mut alone {
+                let rows: Vec<_> = keys.iter().map(|k| map.row(k)).collect();
+                let h = s.request(0, &keys, &rows, map) as f64;
+                s.score += (h - s.score) / WINDOW_REQUESTS;
+            }
+        }
+        let shared = scores(&all);
+        let own: Vec<f64> = alone.iter().map(|(s, _)| s.score).collect();
+        assert_eq!(shared, own);
+        let mut distinct = own.clone();
+        distinct.sort_by(f64::total_cmp);
+        distinct.dedup();
+        assert!(distinct.len() >= 3, "scores {own:?}");
+        assert!(all.shadows.iter().all(|s| s.free.is_empty()), "no eviction");
+        let held = all.shadows.len() * N as usize;
+        assert!(all.map.rows.len() <= held);
+        assert_eq!(
+            all.map.rows.len() + all.map.free_rows.len(),
+            held,
+            "a row lost"
+        );
     }
 
     fn scores(d: &Duel) -> Vec<f64> {
