@@ -140,7 +140,8 @@ best = max(round(score(tuning, p)[1], 6) for p in cands)
 tied = [p for p in cands if round(score(tuning, p)[1], 6) == best]
 print(f"tied for the best tuning score ({best*100:.2f} %): {tied}")
 pick = min(tied, key=lambda p: (hkey(p)[0], hkey(p)[1], -p[1]))
-print(f"pick (tuning cells only): horizon {pick[0]} (ticks a slot), margin {pick[1]}")
+unit = "" if pick[0] == "ladder" else " ticks a slot"
+print(f"pick (tuning cells only): horizon {pick[0]}{unit}, margin {pick[1]}")
 print("test cells: trace, capacity | LRU | default | pick | optimum (hit %; gap closed)")
 for tr, r in test:
     c = get(r, pick)

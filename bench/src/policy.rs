@@ -40,7 +40,7 @@ pub struct PolicyArgs {
     /// `--protect-margin`: a parameter study.
     #[arg(long, value_delimiter = ',', value_parser = parse_horizon)]
     pub horizon_slots: Vec<Horizon>,
-    /// ... and these leads of the duel's protecting shadow (0.05 = 5 %; the default's is
+    /// ... and these leads of the duel's protecting shadows (0.05 = 5 %; the default's is
     /// `PROTECT_MARGIN`). Either list alone is crossed with the other's default.
     #[arg(long, value_delimiter = ',', value_parser = parse_margin)]
     pub protect_margin: Vec<f64>,

@@ -36,9 +36,9 @@ pub struct StoreConfig {
     /// NVMe tier eviction. Default: [`EvictionKind::LeafLru`] (about 25 bytes a slot; at
     /// NVMe capacities the default policy's protection is off and it behaves the same).
     pub nvme_eviction: EvictionKind,
-    /// The chosen parameters of [`EvictionKind::ChainAware`], wherever it is used. Not a
-    /// server setting: the policy simulator varies it for parameter studies
-    /// (`kvtier-bench policy --horizon-slots --protect-margin`). Default: the chosen values.
+    /// The parameters of [`EvictionKind::ChainAware`], wherever it is used. Not a server
+    /// setting: the policy simulator varies them for parameter studies (`kvtier-bench policy
+    /// --horizon-slots --protect-margin`). Default: the horizon chosen online, a 5 % margin.
     pub chain_tuning: ChainAwareTuning,
     /// Default: write-through.
     pub demotion: DemotionPolicy,

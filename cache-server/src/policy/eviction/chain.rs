@@ -30,11 +30,12 @@
 //!   caches, one without protection and one for each horizon of [`LADDER`], replay the same
 //!   requests; the policy uses the horizon of the best shadow, or none unless one leads the
 //!   unprotected shadow by the margin (see [`super::duel`]). Tiers under 512 slots run no
-//!   duel and always protect for [`HORIZON_SLOTS`] ticks a slot.
+//!   duel and always protect (for [`HORIZON_SLOTS`] ticks a slot under the ladder).
 //!
 //! Cost: O(log n) per touch, insert and eviction (one binary heap per class with lazy
 //! deletion, compacted in place), plus each lookup's sampled keys (1 in 16) run through the
-//! duel's six shadows (one key map for all of them); all memory is allocated at construction.
+//! duel's shadows (six under the ladder; one key map for all of them); all memory is
+//! allocated at construction.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
