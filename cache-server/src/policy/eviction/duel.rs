@@ -19,6 +19,7 @@
 //! once for all of them.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 
 use kvtier_core::BlockKey;
 
@@ -100,30 +101,26 @@ impl KeySlots {
     }
 
     fn insert(&mut self, key: BlockKey, shadow: usize, slot: u32) {
-        let row = match self.rows.get(&key) {
-            Some(&r) => r,
-            None => {
-                // A row per key some shadow holds: at most `shadows x slots`, the rows made.
-                let r = self.free_rows.pop().expect("a row per held key");
-                self.rows.insert(key, r);
-                r
-            }
-        };
+        // A row per key some shadow holds: at most `shadows x slots`, the rows made.
+        let free = &mut self.free_rows;
+        let row = *self
+            .rows
+            .entry(key)
+            .or_insert_with(|| free.pop().expect("a row per held key"));
         self.slots[row as usize * self.shadows + shadow] = slot;
     }
 
     fn remove(&mut self, key: &BlockKey, shadow: usize) {
-        let Some(&row) = self.rows.get(key) else {
+        let Entry::Occupied(e) = self.rows.entry(*key) else {
             return;
         };
-        let base = row as usize * self.shadows;
+        let base = *e.get() as usize * self.shadows;
         self.slots[base + shadow] = NIL;
         if self.slots[base..base + self.shadows]
             .iter()
             .all(|&s| s == NIL)
         {
-            self.rows.remove(key);
-            self.free_rows.push(row);
+            self.free_rows.push(e.remove());
         }
     }
 
