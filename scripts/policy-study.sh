@@ -8,7 +8,8 @@
 # The served orders are kept in DIR and reused by the next run with the same DIR; --fresh
 # serves them again. The printed result is also written to DIR/summary.txt.
 # Splits the public traces in two (fixed before this study's results were seen; the default's
-# own parameters were fitted earlier on all of them, see docs/benchmarks.md):
+# horizon ladder was looked at on all of them, and its margin is this rule's pick of
+# 2026-12-06, see docs/benchmarks.md):
 #   tuning - Mooncake's synthetic trace, and the five short Claude Code samples (0026, 0103,
 #            0187, 0242, 0504: three calls each, no subagents);
 #   test   - Mooncake's conversation trace, and the long Claude Code sample (0291: 22 calls,

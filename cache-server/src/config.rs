@@ -38,7 +38,7 @@ pub struct StoreConfig {
     pub nvme_eviction: EvictionKind,
     /// The parameters of [`EvictionKind::ChainAware`], wherever it is used. Not a server
     /// setting: the policy simulator varies them for parameter studies (`kvtier-bench policy
-    /// --horizon-slots --protect-margin`). Default: the horizon chosen online, a 5 % margin.
+    /// --horizon-slots --protect-margin`). Default: the horizon chosen online, no margin.
     pub chain_tuning: ChainAwareTuning,
     /// Default: write-through.
     pub demotion: DemotionPolicy,

@@ -29,8 +29,9 @@
 //!   turns are against the cache's size, which differs by trace and capacity. Sampled shadow
 //!   caches, one without protection and one for each horizon of [`LADDER`], replay the same
 //!   requests; the policy uses the horizon of the best shadow, or none unless one leads the
-//!   unprotected shadow by the margin (see [`super::duel`]). Tiers under 512 slots run no
-//!   duel and always protect (for [`HORIZON_SLOTS`] ticks a slot under the ladder).
+//!   unprotected shadow by the margin (see [`super::duel`]), and none before the shadows have
+//!   seen a window's worth of requests (128). Tiers under 512 slots run no duel and always
+//!   protect (for [`HORIZON_SLOTS`] ticks a slot under the ladder).
 //!
 //! Cost: O(log n) per touch, insert and eviction (one binary heap per class with lazy
 //! deletion, compacted in place), plus each lookup's sampled keys (1 in 16) run through the
@@ -95,7 +96,7 @@ pub struct ChainAwareTuning {
     /// Protection horizon: chosen online (the default) or fixed.
     pub horizon: Horizon,
     /// A protecting shadow counts only while its score leads the unprotected shadow's by this
-    /// share (0.05: 5 %; [`PROTECT_MARGIN`]).
+    /// share (0.05: 5 %; the default, [`PROTECT_MARGIN`], is 0: any lead).
     pub protect_margin: f64,
 }
 
