@@ -40,7 +40,7 @@ const MIN_SHADOW_SLOTS: u32 = 32;
 /// Weight of each request's hits in the shadows' moving scores: a window of about this many
 /// requests. Until the shadows have seen this many requests (with sampled keys), their
 /// scores are a few requests' worth of noise, and the duel chooses no protection.
-const WINDOW_REQUESTS: f64 = 128.0;
+const WINDOW_REQUESTS: u32 = 128;
 /// A protecting shadow must lead the unprotected one by this share to switch protection on;
 /// on a tie the policy is plain leaf-first recency. None: the best shadow counts as soon as
 /// it scores more than the unprotected one. The parameter study's stated rule picked 0 among
@@ -265,16 +265,16 @@ impl Duel {
         self.keys.clear();
         self.keys.extend(keys.filter(sampled));
         if !self.keys.is_empty() {
-            self.seen = self.seen.saturating_add(1);
+            self.seen = (self.seen + 1).min(WINDOW_REQUESTS);
             let map = &mut self.map;
             self.rows.clear();
             self.rows.extend(self.keys.iter().map(|k| map.row(k)));
             for (i, s) in self.shadows.iter_mut().enumerate() {
                 let h = s.request(i, &self.keys, &self.rows, map) as f64;
-                s.score += (h - s.score) / WINDOW_REQUESTS;
+                s.score += (h - s.score) / f64::from(WINDOW_REQUESTS);
             }
         }
-        if f64::from(self.seen) < WINDOW_REQUESTS {
+        if self.seen < WINDOW_REQUESTS {
             return 0;
         }
         self.horizons[choose(self.shadows.iter().map(|s| s.score), self.margin)]
@@ -360,7 +360,7 @@ mod tests {
             for (s, map) in &mut alone {
                 let rows: Vec<_> = keys.iter().map(|k| map.row(k)).collect();
                 let h = s.request(0, &keys, &rows, map) as f64;
-                s.score += (h - s.score) / WINDOW_REQUESTS;
+                s.score += (h - s.score) / f64::from(WINDOW_REQUESTS);
             }
         }
         let shared = scores(&all);
