@@ -44,6 +44,17 @@ pub struct PolicyArgs {
     /// `PROTECT_MARGIN`). Either list alone is crossed with the other's default.
     #[arg(long, value_delimiter = ',', value_parser = parse_margin)]
     pub protect_margin: Vec<f64>,
+    /// ... and with the duel's bimodal-admission shadow `on` (the default) or `off`.
+    #[arg(long, value_delimiter = ',', value_parser = parse_on_off)]
+    pub bimodal: Vec<bool>,
+}
+
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s.trim() {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{s:?} is not on or off")),
+    }
 }
 
 fn parse_horizon(s: &str) -> Result<Horizon, String> {
@@ -70,7 +81,10 @@ fn parse_margin(s: &str) -> Result<f64, String> {
 impl PolicyArgs {
     /// The parameter pairs of the study, empty without one.
     fn grid(&self) -> Vec<ChainAwareTuning> {
-        if self.horizon_slots.is_empty() && self.protect_margin.is_empty() {
+        if self.horizon_slots.is_empty()
+            && self.protect_margin.is_empty()
+            && self.bimodal.is_empty()
+        {
             return Vec::new();
         }
         let d = ChainAwareTuning::default();
@@ -84,14 +98,24 @@ impl PolicyArgs {
         } else {
             self.protect_margin.clone()
         };
-        hs.iter()
-            .flat_map(|&horizon| {
-                ms.iter().map(move |&protect_margin| ChainAwareTuning {
-                    horizon,
-                    protect_margin,
-                })
-            })
-            .collect()
+        let bs = if self.bimodal.is_empty() {
+            vec![d.bimodal]
+        } else {
+            self.bimodal.clone()
+        };
+        let mut grid = Vec::new();
+        for &horizon in &hs {
+            for &protect_margin in &ms {
+                for &bimodal in &bs {
+                    grid.push(ChainAwareTuning {
+                        horizon,
+                        protect_margin,
+                        bimodal,
+                    });
+                }
+            }
+        }
+        grid
     }
 }
 
@@ -154,6 +178,8 @@ pub struct TunedRow {
     /// Ticks a slot, or `ladder`.
     pub horizon_slots: String,
     pub protect_margin: f64,
+    /// Whether the duel had its bimodal-admission shadow.
+    pub bimodal: bool,
     pub hit_rate: f64,
     pub gap_closed: f64,
 }
@@ -267,6 +293,7 @@ pub fn run(args: &PolicyArgs) -> Result<PolicyReport> {
                 tuned.push(TunedRow {
                     horizon_slots: t.horizon.to_string(),
                     protect_margin: t.protect_margin,
+                    bimodal: t.bimodal,
                     hit_rate: hit,
                     gap_closed: gap_closed(hit, lru, opt),
                 });
@@ -354,6 +381,7 @@ impl Report for PolicyReport {
                     "capacity (tokens)",
                     "horizon (ticks a slot)",
                     "margin",
+                    "bimodal",
                     "hit %",
                     "- lru (points)",
                     "gap closed %",
@@ -365,6 +393,7 @@ impl Report for PolicyReport {
                         row.capacity_tokens.to_string(),
                         c.horizon_slots.clone(),
                         format!("{:.3}", c.protect_margin),
+                        if c.bimodal { "on" } else { "off" }.to_string(),
                         format!("{:.2}", c.hit_rate * 100.0),
                         format!("{:+.2}", (c.hit_rate - row.lru_hit_rate) * 100.0),
                         format!("{:.1}", c.gap_closed * 100.0),
@@ -490,6 +519,23 @@ mod tests {
             grid(&["--protect-margin", "0.2"]).unwrap(),
             vec![(d.horizon, 0.2)]
         );
+        let modes = |args: &[&str]| {
+            parse_args(args)
+                .unwrap()
+                .grid()
+                .iter()
+                .map(|t| (t.horizon, t.bimodal))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            modes(&["--bimodal", "off,on"]),
+            vec![(d.horizon, false), (d.horizon, true)]
+        );
+        assert_eq!(
+            modes(&["--horizon-slots", "2"]),
+            vec![(two, ChainAwareTuning::default().bimodal)]
+        );
+        assert!(parse_args(&["--bimodal", "yes"]).is_err());
         for bad in [
             "--horizon-slots=0",
             "--horizon-slots=lad",

@@ -98,6 +98,10 @@ pub struct ChainAwareTuning {
     /// A protecting shadow counts only while its score leads the unprotected shadow's by this
     /// share (0.05: 5 %; the default, [`PROTECT_MARGIN`], is 0: any lead).
     pub protect_margin: f64,
+    /// Whether the duel also runs a shadow with bimodal admission (the thrash guard; on by
+    /// default): chosen when it leads, the policy turns away most requests that find less
+    /// than half their prompt cached.
+    pub bimodal: bool,
 }
 
 impl Default for ChainAwareTuning {
@@ -105,6 +109,7 @@ impl Default for ChainAwareTuning {
         Self {
             horizon: Horizon::Ladder,
             protect_margin: PROTECT_MARGIN,
+            bimodal: true,
         }
     }
 }
@@ -120,6 +125,13 @@ pub const HORIZON_SLOTS: u64 = 4;
 /// Weight of each new class-0 eviction age in `R0`.
 const R0_ALPHA: f64 = 0.001;
 const CLASSES: usize = 3;
+/// The heap of blocks a bimodal policy did not admit (after the protection classes): they
+/// go first, oldest first.
+const BYPASS: usize = CLASSES;
+/// Under bimodal admission, one request in this many of those that would not be admitted is
+/// admitted anyway, so a new working set still gets in (the 1/32 of bimodal insertion in
+/// Qureshi et al., "Adaptive insertion policies for high performance caching", ISCA 2007).
+const ADMIT_EVERY: u32 = 32;
 /// Protection class of each level (levels past the end take the last entry), and each
 /// class's multiplier of `B`: first turns 0, turns 1-2 1x, turn 3 and later 2x.
 const CLASS_OF_LEVEL: [u8; 4] = [0, 1, 1, 2];
@@ -149,6 +161,16 @@ pub struct ChainAware {
     /// Protection horizon now, in ticks (0: turns 1+ are not protected, and the policy is
     /// leaf-first recency).
     horizon: u64,
+    /// Bimodal admission now (the thrash guard, chosen by the duel): a request that finds
+    /// less than half its prompt cached has its new blocks filed to go first, except one in
+    /// [`ADMIT_EVERY`]; a later hit admits them.
+    bimodal: bool,
+    /// Requests bimodal admission has turned away or let in so far (which one in
+    /// [`ADMIT_EVERY`] gets in).
+    turned: u32,
+    /// The clock when the latest lookup began: blocks turned away since (the request being
+    /// stored) are not yet first to go, or a turned-away request would evict its own chain.
+    mark: u64,
     r0: f64,
     tracked: Box<[bool]>,
     keys: Box<[BlockKey]>,
@@ -157,6 +179,11 @@ pub struct ChainAware {
     turn: Box<[u8]>,
     level: Box<[u8]>,
     req_turn: Box<[u8]>,
+    /// The block was stored by a request bimodal admission turned away, and not hit since.
+    bypass: Box<[bool]>,
+    /// Whether the request that last touched the block was turned away (its next blocks
+    /// inherit it, as they inherit `req_turn`).
+    req_bypass: Box<[bool]>,
     parent: Box<[u32]>,
     parent_gen: Box<[u32]>,
     insert_gen: Box<[u32]>,
@@ -167,15 +194,17 @@ pub struct ChainAware {
     /// would only make one block look older than it is (the store re-checks every victim).
     filed: Box<[u32]>,
     seq: u32,
-    heaps: [BinaryHeap<HeapEntry>; CLASSES],
+    /// One heap per protection class, then [`BYPASS`].
+    heaps: [BinaryHeap<HeapEntry>; CLASSES + 1],
     /// Recently evicted keys: key -> (turn, entry sequence). The order queue may hold stale
     /// entries (a key removed and added again); a pop removes the map entry only if the
     /// sequence matches.
     ghost: HashMap<BlockKey, (u8, u64), KeyHashing>,
     ghost_order: VecDeque<(BlockKey, u64)>,
     ghost_cap: usize,
-    /// Request turns waiting for the first block a request will put: key -> (turn, seq).
-    pending: HashMap<BlockKey, (u8, u64), KeyHashing>,
+    /// Request turns waiting for the first block a request will put: key -> (turn, turned
+    /// away, seq).
+    pending: HashMap<BlockKey, (u8, bool, u64), KeyHashing>,
     pending_order: VecDeque<(BlockKey, u64)>,
     /// One per request in flight at most; no more than the tier has slots.
     pending_cap: usize,
@@ -195,7 +224,13 @@ impl ChainAware {
     pub fn tuned(slots: u32, tuning: ChainAwareTuning) -> Self {
         let h = tuning.horizon.unsampled();
         let mut p = Self::plain(slots, h.saturating_mul(u64::from(slots)));
-        p.duel = Duel::new(slots, tuning.horizon.choices(), tuning.protect_margin).map(Box::new);
+        p.duel = Duel::new(
+            slots,
+            tuning.horizon.choices(),
+            tuning.protect_margin,
+            tuning.bimodal,
+        )
+        .map(Box::new);
         p
     }
 
@@ -210,6 +245,9 @@ impl ChainAware {
             now: 0,
             duel: None,
             horizon,
+            bimodal: false,
+            turned: 0,
+            mark: 0,
             r0: 0.0,
             tracked: vec![false; n].into(),
             keys: vec![BlockKey::default(); n].into(),
@@ -218,6 +256,8 @@ impl ChainAware {
             turn: vec![0; n].into(),
             level: vec![0; n].into(),
             req_turn: vec![0; n].into(),
+            bypass: vec![false; n].into(),
+            req_bypass: vec![false; n].into(),
             parent: vec![NIL; n].into(),
             parent_gen: vec![0; n].into(),
             insert_gen: vec![0; n].into(),
@@ -225,7 +265,7 @@ impl ChainAware {
             class: vec![NOT_LEAF; n].into(),
             filed: vec![0; n].into(),
             seq: 0,
-            heaps: [heap(), heap(), heap()],
+            heaps: [heap(), heap(), heap(), heap()],
             ghost: HashMap::with_capacity_and_hasher(ghost_cap + 1, KeyHashing::new()),
             ghost_order: VecDeque::with_capacity(ghost_cap + 1),
             ghost_cap,
@@ -235,6 +275,11 @@ impl ChainAware {
             entry_seq: 0,
             scratch: Vec::with_capacity(MAX_VICTIM_SCAN + CLASSES),
         }
+    }
+
+    /// Switches bimodal admission on or off (shadows; the duel sets it for the policy).
+    pub(super) fn set_bimodal(&mut self, on: bool) {
+        self.bimodal = on;
     }
 
     /// Current protection bonus for class-1 blocks, in ticks of the logical clock.
@@ -258,7 +303,11 @@ impl ChainAware {
             self.class[s] = NOT_LEAF;
             return;
         }
-        let c = Self::class_of(self.level[s]);
+        let c = if self.bypass[s] {
+            BYPASS as u8
+        } else {
+            Self::class_of(self.level[s])
+        };
         self.class[s] = c;
         let heap = &mut self.heaps[c as usize];
         if heap.len() >= heap.capacity() {
@@ -282,24 +331,26 @@ impl ChainAware {
         self.class[slot as usize] as usize == c && self.filed[slot as usize] == seq
     }
 
-    fn remember_pending(&mut self, key: BlockKey, turn: u8) {
+    fn remember_pending(&mut self, key: BlockKey, turn: u8, bypass: bool) {
         self.entry_seq += 1;
         bounded_insert(
             &mut self.pending,
             &mut self.pending_order,
             self.pending_cap,
             key,
-            (turn, self.entry_seq),
+            (turn, bypass, self.entry_seq),
+            |v| v.2,
         );
     }
 
     /// The victim among the leaves `evictable` accepts, looking past at most `bound`
-    /// refused ones.
+    /// refused ones: the oldest block bimodal admission turned away, else the leaf with the
+    /// smallest protected age.
     fn search(&mut self, evictable: &mut dyn FnMut(u32) -> bool, bound: usize) -> Option<u32> {
         let b = self.protection();
         let mut best: Option<(u64, usize, u32)> = None;
         let mut scanned = 0;
-        for (c, multiplier) in CLASS_MULTIPLIER.iter().enumerate() {
+        'classes: for c in std::iter::once(BYPASS).chain(0..CLASSES) {
             while let Some(top) = self.heaps[c].peek().copied() {
                 if !self.valid(c, &top) {
                     self.heaps[c].pop();
@@ -316,7 +367,12 @@ impl ChainAware {
                     self.scratch.push((c, top));
                     continue;
                 }
-                let score = last.saturating_add(multiplier * b);
+                if c == BYPASS && self.bimodal && last <= self.mark {
+                    best = Some((0, c, slot));
+                    break 'classes;
+                }
+                // Out of bimodal mode, blocks it turned away are first turns again.
+                let score = last.saturating_add(CLASS_MULTIPLIER.get(c).map_or(0, |m| m * b));
                 if best.is_none_or(|(s, _, _)| score < s) {
                     best = Some((score, c, slot));
                 }
@@ -344,9 +400,11 @@ impl EvictionPolicy for ChainAware {
         if let Some(duel) = self.duel.as_mut() {
             let keys = &self.keys;
             let all = hits.iter().map(|&s| keys[s as usize]);
-            let h = duel.request(all.chain(ctx.rest.iter().copied()));
-            self.horizon = h.saturating_mul(self.tracked.len() as u64);
+            let setting = duel.request(all.chain(ctx.rest.iter().copied()));
+            self.horizon = setting.horizon.saturating_mul(self.tracked.len() as u64);
+            self.bimodal = setting.bimodal;
         }
+        self.mark = self.now;
         self.now += (hits.len() + ctx.rest.len()) as u64;
         let now = self.now;
         // Continue through keys evicted recently: a returning conversation whose tail is gone.
@@ -368,6 +426,12 @@ impl EvictionPolicy for ChainAware {
                 _ => 0,
             }
         };
+        // Bimodal admission: a request that finds less than half its prompt cached (a new
+        // conversation, or one the cache lost) is turned away, but for one in ADMIT_EVERY.
+        let bypass = self.bimodal && hits.len() * 2 < hits.len() + ctx.rest.len() && {
+            self.turned = self.turned.wrapping_add(1);
+            !self.turned.is_multiple_of(ADMIT_EVERY)
+        };
         for &slot in hits.iter().rev() {
             let s = slot as usize;
             if !self.tracked[s] {
@@ -376,10 +440,12 @@ impl EvictionPolicy for ChainAware {
             self.last[s] = now;
             self.level[s] = self.level[s].max(turn);
             self.req_turn[s] = turn;
+            self.bypass[s] = false;
+            self.req_bypass[s] = bypass;
             self.refile(slot);
         }
         if let Some(first) = ctx.rest.first() {
-            self.remember_pending(*first, turn);
+            self.remember_pending(*first, turn, bypass);
         }
     }
 
@@ -388,9 +454,11 @@ impl EvictionPolicy for ChainAware {
         let parent = ctx
             .parent
             .filter(|&p| p != slot && self.tracked[p as usize]);
-        let req_turn = match self.pending.remove(&key) {
-            Some((t, _)) => t,
-            None => parent.map_or(0, |p| self.req_turn[p as usize]),
+        let (req_turn, req_bypass) = match self.pending.remove(&key) {
+            Some((t, b, _)) => (t, b),
+            None => parent.map_or((0, false), |p| {
+                (self.req_turn[p as usize], self.req_bypass[p as usize])
+            }),
         };
         let turn = match self.ghost.remove(&key) {
             Some((t, _)) => t,
@@ -404,6 +472,8 @@ impl EvictionPolicy for ChainAware {
         self.turn[s] = turn;
         self.level[s] = req_turn;
         self.req_turn[s] = req_turn;
+        self.bypass[s] = req_bypass;
+        self.req_bypass[s] = req_bypass;
         self.children[s] = 0;
         match parent {
             Some(p) => {
@@ -425,6 +495,7 @@ impl EvictionPolicy for ChainAware {
         let s = slot as usize;
         if self.tracked[s] {
             self.last[s] = self.now;
+            self.bypass[s] = false;
             self.refile(slot);
         }
     }
@@ -445,6 +516,7 @@ impl EvictionPolicy for ChainAware {
             self.ghost_cap,
             self.keys[s],
             (self.turn[s], self.entry_seq),
+            |v| v.1,
         );
         self.tracked[s] = false;
         self.refile(slot);
@@ -469,7 +541,7 @@ impl EvictionPolicy for ChainAware {
     }
 
     fn bytes_per_slot(&self) -> usize {
-        let arrays = 1 + 16 + 8 + 4 + 1 + 1 + 1 + 4 + 4 + 4 + 4 + 1 + 4;
+        let arrays = 1 + 16 + 8 + 4 + 1 + 1 + 1 + 1 + 1 + 4 + 4 + 4 + 4 + 1 + 4;
         let heaps: usize = self.heaps.iter().map(|h| h.capacity()).sum::<usize>()
             * std::mem::size_of::<HeapEntry>();
         let ghost = self.ghost.capacity() * (16 + 16 + 1) + self.ghost_order.capacity() * 24;
@@ -480,20 +552,22 @@ impl EvictionPolicy for ChainAware {
 }
 
 /// Inserts into a map bounded by a FIFO of (key, seq); the oldest live entries go first.
-fn bounded_insert<S: std::hash::BuildHasher>(
-    map: &mut HashMap<BlockKey, (u8, u64), S>,
+/// `seq_of` reads a value's entry sequence.
+fn bounded_insert<V, S: std::hash::BuildHasher>(
+    map: &mut HashMap<BlockKey, V, S>,
     order: &mut VecDeque<(BlockKey, u64)>,
     cap: usize,
     key: BlockKey,
-    value: (u8, u64),
+    value: V,
+    seq_of: fn(&V) -> u64,
 ) {
+    order.push_back((key, seq_of(&value)));
     map.insert(key, value);
-    order.push_back((key, value.1));
     while order.len() > cap {
         let Some((old, seq)) = order.pop_front() else {
             break;
         };
-        if map.get(&old).is_some_and(|&(_, s)| s == seq) {
+        if map.get(&old).is_some_and(|v| seq_of(v) == seq) {
             map.remove(&old);
         }
     }
@@ -507,10 +581,10 @@ mod tests {
     fn bounded_maps_keep_re_added_keys() {
         let (mut map, mut order) = (HashMap::new(), VecDeque::new());
         let k = |i| BlockKey::from_u128(i);
-        bounded_insert(&mut map, &mut order, 2, k(1), (0, 1));
+        bounded_insert(&mut map, &mut order, 2, k(1), (0u8, 1u64), |v| v.1);
         map.remove(&k(1));
-        bounded_insert(&mut map, &mut order, 2, k(2), (0, 2));
-        bounded_insert(&mut map, &mut order, 2, k(1), (5, 3));
+        bounded_insert(&mut map, &mut order, 2, k(2), (0, 2), |v| v.1);
+        bounded_insert(&mut map, &mut order, 2, k(1), (5, 3), |v| v.1);
         // The stale (1, seq 1) entry is popped without removing the re-added key.
         assert_eq!(map.get(&k(1)), Some(&(5, 3)));
         assert_eq!(map.len(), 2);
@@ -629,6 +703,89 @@ mod tests {
             },
         );
         assert_eq!(p.level[0], 2);
+    }
+
+    fn lookup(p: &mut ChainAware, hits: &[u32], rest: &[BlockKey]) {
+        p.on_lookup(LookupContext {
+            hits,
+            rest,
+            now_ms: 0,
+        });
+    }
+
+    /// Bimodal admission: a request that finds less than half its prompt cached is turned
+    /// away and its blocks go first, once a later request has begun (never while the request
+    /// stores its own chain); a hit admits them again; out of bimodal mode they are ordinary.
+    #[test]
+    fn turned_away_blocks_go_first_until_a_hit_admits_them() {
+        let setup = |bimodal: bool| {
+            let mut p = ChainAware::plain(16, 0);
+            p.set_bimodal(bimodal);
+            // A: stored, then hit whole (admitted, whatever the mode).
+            lookup(&mut p, &[], &[k(0), k(1)]);
+            insert_chain(&mut p, &[0, 1], 0);
+            lookup(&mut p, &[0, 1], &[]);
+            // B, newer than A: turned away in bimodal mode.
+            lookup(&mut p, &[], &[k(4), k(5)]);
+            insert_chain(&mut p, &[4, 5], 0);
+            p
+        };
+        // While B is the request being stored, its blocks are not first.
+        let mut p = setup(true);
+        assert_eq!(p.victim(&mut |_| true), Some(1));
+        // Once another request began, B's go first, though A is older.
+        lookup(&mut p, &[], &[k(9)]);
+        assert_eq!(p.victim(&mut |_| true), Some(5));
+        // Plain recency: the oldest leaf, A's.
+        let mut p = setup(false);
+        lookup(&mut p, &[], &[k(9)]);
+        assert_eq!(p.victim(&mut |_| true), Some(1));
+        // A hit on B admits it: then A's tail is the oldest again.
+        let mut p = setup(true);
+        lookup(&mut p, &[4, 5], &[]);
+        lookup(&mut p, &[], &[k(9)]);
+        assert_eq!(p.victim(&mut |_| true), Some(1));
+        // Out of bimodal mode, B's blocks are ordinary leaves again.
+        let mut p = setup(true);
+        lookup(&mut p, &[], &[k(9)]);
+        p.set_bimodal(false);
+        assert_eq!(p.victim(&mut |_| true), Some(1));
+    }
+
+    /// One request in ADMIT_EVERY of those turned away gets in, so a new working set can.
+    #[test]
+    fn bimodal_admission_lets_one_request_in_so_many_through() {
+        let mut p = ChainAware::plain(4, 0);
+        p.set_bimodal(true);
+        let mut admitted = 0;
+        for r in 0..ADMIT_EVERY * 3 {
+            let key = k(u64::from(r) + 100);
+            lookup(&mut p, &[], &[key]);
+            p.on_insert(
+                0,
+                key,
+                InsertContext {
+                    parent: None,
+                    now_ms: 0,
+                },
+            );
+            admitted += u32::from(!p.bypass[0]);
+            p.on_remove(0, 0);
+        }
+        assert_eq!(admitted, 3);
+        // A request that finds half its prompt or more is never turned away.
+        lookup(&mut p, &[], &[k(1)]);
+        insert_chain(&mut p, &[1], 0);
+        lookup(&mut p, &[1], &[k(2)]);
+        p.on_insert(
+            2,
+            k(2),
+            InsertContext {
+                parent: Some(1),
+                now_ms: 0,
+            },
+        );
+        assert!(!p.bypass[2]);
     }
 
     #[test]

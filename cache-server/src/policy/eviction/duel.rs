@@ -48,6 +48,14 @@ const WINDOW_REQUESTS: u32 = 128;
 /// chooses"); the margin was 5 % before.
 pub const PROTECT_MARGIN: f64 = 0.0;
 
+/// The lead the bimodal-admission shadow needs over every other shadow to be followed: this
+/// share of a request's sampled keys, i.e. its hit rate over the window must be this many
+/// points (10) above the best other's. Turning most new requests away costs much where the
+/// traffic changes, and a small shadow's lead over a cache that has hit nothing yet is a few
+/// requests' luck. Chosen by the parameter study's rule on its tuning traces among 0.01,
+/// 0.02, 0.05 and 0.1 (`docs/benchmarks.md`, "Bimodal admission").
+const BIMODAL_LEAD: f64 = 0.1;
+
 /// Which of the shadows (their `scores`, the unprotected one first) the policy follows: the
 /// highest-scoring protecting shadow whose score leads the unprotected one's by `margin` (a
 /// share), the first of equals (the shorter horizon); 0, no protection, when none does.
@@ -146,9 +154,11 @@ struct Shadow {
 }
 
 impl Shadow {
-    fn new(slots: u32, horizon: u64) -> Self {
+    fn new(slots: u32, setting: Setting) -> Self {
+        let mut policy = ChainAware::plain(slots, setting.horizon);
+        policy.set_bimodal(setting.bimodal);
         Self {
-            policy: ChainAware::plain(slots, horizon),
+            policy,
             free: (0..slots).rev().collect(),
             hits: Vec::with_capacity(slots as usize),
             score: 0.0,
@@ -219,12 +229,22 @@ impl Shadow {
     }
 }
 
-/// The shadows (one a horizon, the first without protection) and the keys of the request
-/// being sampled.
+/// What a shadow runs, and what the duel tells the policy to run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Setting {
+    /// Protection horizon: ticks a slot for the policy, ticks in all for a shadow; 0 is none.
+    pub horizon: u64,
+    /// Bimodal admission (see [`super::ChainAware`]).
+    pub bimodal: bool,
+}
+
+/// The shadows (one a horizon, the first without protection, the last with bimodal admission
+/// where the duel has it) and the keys of the request being sampled.
 pub(crate) struct Duel {
-    /// Shadow `i` protects for `horizons[i]` ticks a slot; `horizons[0]` is 0 (no protection).
+    /// Shadow `i` runs `settings[i]` (horizons in ticks a slot); `settings[0]` is plain
+    /// leaf-first recency.
     shadows: Vec<Shadow>,
-    horizons: Vec<u64>,
+    settings: Vec<Setting>,
     map: KeySlots,
     keys: Vec<BlockKey>,
     rows: Vec<Option<u32>>,
@@ -232,36 +252,61 @@ pub(crate) struct Duel {
     margin: f64,
     /// Requests with sampled keys seen so far (counted up to [`WINDOW_REQUESTS`]).
     seen: u32,
+    /// Moving average of the sampled keys a request names (the scores' scale).
+    keys_avg: f64,
 }
 
 impl Duel {
-    /// A duel for a tier of `slots` slots between no protection and a protection horizon of
-    /// each of `horizons_per_slot` ticks a slot; `None` when the tier is too small to sample.
-    pub(crate) fn new(slots: u32, horizons_per_slot: &[u64], margin: f64) -> Option<Self> {
+    /// A duel for a tier of `slots` slots between no protection, a protection horizon of
+    /// each of `horizons_per_slot` ticks a slot, and (with `bimodal`) bimodal admission
+    /// without protection; `None` when the tier is too small to sample.
+    pub(crate) fn new(
+        slots: u32,
+        horizons_per_slot: &[u64],
+        margin: f64,
+        bimodal: bool,
+    ) -> Option<Self> {
         debug_assert!(margin >= 0.0 && margin.is_finite(), "margin {margin}");
         let n = (u64::from(slots) / SAMPLE) as u32;
-        let horizons: Vec<u64> = std::iter::once(0)
-            .chain(horizons_per_slot.iter().copied())
+        let protect = |horizon| Setting {
+            horizon,
+            bimodal: false,
+        };
+        let settings: Vec<Setting> = std::iter::once(protect(0))
+            .chain(horizons_per_slot.iter().map(|&h| protect(h)))
+            .chain(bimodal.then_some(Setting {
+                horizon: 0,
+                bimodal: true,
+            }))
             .collect();
         (n >= MIN_SHADOW_SLOTS).then(|| Self {
-            shadows: horizons
+            shadows: settings
                 .iter()
-                .map(|&h| Shadow::new(n, h.saturating_mul(u64::from(n))))
+                .map(|s| {
+                    Shadow::new(
+                        n,
+                        Setting {
+                            horizon: s.horizon.saturating_mul(u64::from(n)),
+                            ..*s
+                        },
+                    )
+                })
                 .collect(),
-            map: KeySlots::new(horizons.len(), n),
-            horizons,
+            map: KeySlots::new(settings.len(), n),
+            settings,
             keys: Vec::with_capacity(1024),
             rows: Vec::with_capacity(1024),
             margin,
             seen: 0,
+            keys_avg: 0.0,
         })
     }
 
     /// Runs one request's keys (`keys` yields them in chain order) through every shadow;
-    /// returns the horizon (ticks a slot) of the best-scoring shadow, 0 (no protection)
-    /// unless a protecting one leads the one without by the margin, and 0 until the shadows
+    /// returns the setting (horizon in ticks a slot) of the best-scoring shadow, plain
+    /// recency unless another leads it by the margin, and plain recency until the shadows
     /// have seen a window's worth of requests.
-    pub(crate) fn request(&mut self, keys: impl Iterator<Item = BlockKey>) -> u64 {
+    pub(crate) fn request(&mut self, keys: impl Iterator<Item = BlockKey>) -> Setting {
         self.keys.clear();
         self.keys.extend(keys.filter(sampled));
         if !self.keys.is_empty() {
@@ -273,11 +318,21 @@ impl Duel {
                 let h = s.request(i, &self.keys, &self.rows, map) as f64;
                 s.score += (h - s.score) / f64::from(WINDOW_REQUESTS);
             }
+            self.keys_avg += (self.keys.len() as f64 - self.keys_avg) / f64::from(WINDOW_REQUESTS);
         }
         if self.seen < WINDOW_REQUESTS {
-            return 0;
+            return Setting::default();
         }
-        self.horizons[choose(self.shadows.iter().map(|s| s.score), self.margin)]
+        let mut c = choose(self.shadows.iter().map(|s| s.score), self.margin);
+        let last = self.shadows.len() - 1;
+        if c == last && self.settings[last].bimodal {
+            let others = &self.shadows[..last];
+            let best = others.iter().map(|s| s.score).fold(0.0, f64::max);
+            if self.shadows[last].score - best < BIMODAL_LEAD * self.keys_avg {
+                c = choose(others.iter().map(|s| s.score), self.margin);
+            }
+        }
+        self.settings[c]
     }
 
     pub(crate) fn bytes(&self) -> usize {
@@ -311,7 +366,7 @@ mod tests {
 
     #[test]
     fn a_shadow_counts_the_cached_leading_run() {
-        let mut s = Shadow::new(64, 0);
+        let mut s = Shadow::new(64, Setting::default());
         let mut map = KeySlots::new(1, 64);
         let mut run = |keys: &[BlockKey]| {
             let rows: Vec<_> = keys.iter().map(|k| map.row(k)).collect();
@@ -332,11 +387,19 @@ mod tests {
     fn shadows_sharing_one_key_map_score_as_they_would_alone() {
         const N: u32 = 40;
         let horizons = [1, 2, 4, 8, 16];
-        let mut all = Duel::new(N * SAMPLE as u32, &horizons, PROTECT_MARGIN).unwrap();
-        let mut alone: Vec<(Shadow, KeySlots)> = std::iter::once(0)
-            .chain(horizons)
-            .map(|h| (Shadow::new(N, h * u64::from(N)), KeySlots::new(1, N)))
+        let mut all = Duel::new(N * SAMPLE as u32, &horizons, PROTECT_MARGIN, true).unwrap();
+        let mut alone: Vec<(Shadow, KeySlots)> = all
+            .settings
+            .iter()
+            .map(|s| {
+                let setting = Setting {
+                    horizon: s.horizon * u64::from(N),
+                    ..*s
+                };
+                (Shadow::new(N, setting), KeySlots::new(1, N))
+            })
             .collect();
+        assert_eq!(alone.len(), horizons.len() + 2);
         let mut seed = 0x2545_F491_4F6C_DD1Du64;
         let mut next = |m: u64| {
             seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
@@ -407,20 +470,73 @@ mod tests {
     #[test]
     fn the_ladder_chooses_a_horizon_long_enough_for_the_returns() {
         let convs: Vec<Vec<BlockKey>> = (0..8).map(|c| chain(c, 6)).collect();
-        let mut d = Duel::new(64 * SAMPLE as u32, &[1, 2, 4, 8, 16], PROTECT_MARGIN).unwrap();
+        let mut d =
+            Duel::new(64 * SAMPLE as u32, &[1, 2, 4, 8, 16], PROTECT_MARGIN, false).unwrap();
         let mut h = 0;
         let mut scan = 1_000;
         for _ in 0..40 {
             for c in &convs {
                 d.request(c.iter().copied());
                 d.request(c.iter().copied());
-                h = d.request(chain(scan, 8).into_iter());
+                h = d.request(chain(scan, 8).into_iter()).horizon;
                 scan += 1;
             }
         }
         let sc = scores(&d);
         assert!(h >= 4, "chose {h}; scores {sc:?}");
         assert!(sc[1] < sc[3], "scores {sc:?}");
+    }
+
+    /// Conversations cycling in turn through a cache that holds about half of them: recency
+    /// (with or without protection, since every one of them continues) loses each just
+    /// before it returns, and bimodal admission keeps a few whole. The duel follows it.
+    #[test]
+    fn bimodal_admission_is_chosen_when_conversations_cycle_through_a_cache_too_small() {
+        let convs: Vec<Vec<BlockKey>> = (0..6).map(|c| chain(c, 20)).collect();
+        let mut d = Duel::new(
+            64 * SAMPLE as u32,
+            &super::super::chain::LADDER,
+            PROTECT_MARGIN,
+            true,
+        )
+        .unwrap();
+        let mut chosen = Vec::new();
+        for _ in 0..60 {
+            for c in &convs {
+                chosen.push(d.request(c.iter().copied()));
+            }
+        }
+        let sc = scores(&d);
+        let last = sc.len() - 1;
+        let best_other = sc[..last].iter().copied().fold(0.0, f64::max);
+        assert!(
+            sc[last] - best_other >= BIMODAL_LEAD * d.keys_avg,
+            "scores {sc:?}, keys {}",
+            d.keys_avg
+        );
+        assert!(chosen.last().unwrap().bimodal, "{chosen:?}");
+        // Off by default during the window, as every other setting.
+        let warm = WINDOW_REQUESTS as usize - 1;
+        assert!(chosen[..warm].iter().all(|s| !s.bimodal));
+    }
+
+    /// A lead under BIMODAL_LEAD of the requests' sampled keys is not followed.
+    #[test]
+    fn a_small_lead_of_bimodal_admission_is_not_followed() {
+        let mut d = Duel::new(64 * SAMPLE as u32, &[4], PROTECT_MARGIN, true).unwrap();
+        d.seen = WINDOW_REQUESTS;
+        d.keys_avg = 20.0;
+        let set = |d: &mut Duel, s: [f64; 3]| {
+            for (sh, v) in d.shadows.iter_mut().zip(s) {
+                sh.score = v;
+            }
+            d.request(std::iter::empty())
+        };
+        // 1.5 sampled hits a request more than the best other, under 10 % of 20 keys.
+        assert_eq!(set(&mut d, [1.0, 2.0, 3.5]).horizon, 4);
+        assert!(!set(&mut d, [1.0, 2.0, 3.5]).bimodal);
+        assert!(set(&mut d, [1.0, 2.0, 4.5]).bimodal);
+        assert_eq!(set(&mut d, [1.0, 0.5, 2.5]), Setting::default());
     }
 
     /// Until the shadows have seen a window's worth of requests, their scores are a few
@@ -434,6 +550,7 @@ mod tests {
             64 * SAMPLE as u32,
             &super::super::chain::LADDER,
             PROTECT_MARGIN,
+            false,
         )
         .unwrap();
         let mut chosen = Vec::new();
@@ -458,8 +575,11 @@ mod tests {
             }
         }
         let warm = WINDOW_REQUESTS as usize - 1;
-        assert!(chosen[..warm].iter().all(|&h| h == 0), "{chosen:?}");
-        assert!(chosen[warm..].iter().any(|&h| h > 0), "{chosen:?}");
+        assert!(
+            chosen[..warm].iter().all(|&s| s == Setting::default()),
+            "{chosen:?}"
+        );
+        assert!(chosen[warm..].iter().any(|&s| s.horizon > 0), "{chosen:?}");
     }
 
     /// Conversations that return at once: recency loses nothing, so protection stays off
@@ -467,12 +587,12 @@ mod tests {
     #[test]
     fn protection_stays_off_when_recency_loses_nothing() {
         let chains: Vec<Vec<BlockKey>> = (0..6).map(|c| chain(c, 30)).collect();
-        let mut d = Duel::new(64 * SAMPLE as u32, &[4], PROTECT_MARGIN).unwrap();
+        let mut d = Duel::new(64 * SAMPLE as u32, &[4], PROTECT_MARGIN, true).unwrap();
         let mut on = true;
         for _ in 0..20 {
             for c in &chains {
                 for _ in 0..3 {
-                    on = d.request(c.iter().copied()) > 0;
+                    on = d.request(c.iter().copied()) != Setting::default();
                 }
             }
         }
@@ -487,7 +607,7 @@ mod tests {
     fn protection_turns_on_when_it_keeps_returning_conversations_by_the_margin() {
         let convs: Vec<Vec<BlockKey>> = (0..8).map(|c| chain(c, 6)).collect();
         let run = |margin: f64| {
-            let mut d = Duel::new(64 * SAMPLE as u32, &[4], margin).unwrap();
+            let mut d = Duel::new(64 * SAMPLE as u32, &[4], margin, false).unwrap();
             let mut on = false;
             let mut scan = 1_000;
             for _ in 0..40 {
@@ -495,7 +615,7 @@ mod tests {
                     // The second time at once: a hit for both shadows, so both score.
                     d.request(c.iter().copied());
                     d.request(c.iter().copied());
-                    on = d.request(chain(scan, 8).into_iter()) > 0;
+                    on = d.request(chain(scan, 8).into_iter()).horizon > 0;
                     scan += 1;
                 }
             }
