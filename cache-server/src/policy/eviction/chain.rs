@@ -231,6 +231,9 @@ impl ChainAware {
             tuning.bimodal,
         )
         .map(Box::new);
+        if tuning.bimodal && p.duel.is_some() {
+            p.make_room_to_turn_away();
+        }
         p
     }
 
@@ -265,7 +268,8 @@ impl ChainAware {
             class: vec![NOT_LEAF; n].into(),
             filed: vec![0; n].into(),
             seq: 0,
-            heaps: [heap(), heap(), heap(), heap()],
+            // The bypass heap only where bimodal admission can be on.
+            heaps: [heap(), heap(), heap(), BinaryHeap::new()],
             ghost: HashMap::with_capacity_and_hasher(ghost_cap + 1, KeyHashing::new()),
             ghost_order: VecDeque::with_capacity(ghost_cap + 1),
             ghost_cap,
@@ -279,7 +283,17 @@ impl ChainAware {
 
     /// Switches bimodal admission on or off (shadows; the duel sets it for the policy).
     pub(super) fn set_bimodal(&mut self, on: bool) {
+        if on {
+            self.make_room_to_turn_away();
+        }
         self.bimodal = on;
+    }
+
+    /// Allocates the bypass heap (at most one entry a slot, plus stale ones until compacted).
+    fn make_room_to_turn_away(&mut self) {
+        let want = self.tracked.len() + 64;
+        let heap = &mut self.heaps[BYPASS];
+        heap.reserve_exact(want.saturating_sub(heap.len()));
     }
 
     /// Current protection bonus for class-1 blocks, in ticks of the logical clock.
