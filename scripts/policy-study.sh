@@ -9,7 +9,8 @@
 # serves them again. The printed result is also written to DIR/summary.txt.
 # Splits the public traces in two (fixed before this study's results were seen; the default's
 # horizon ladder was looked at on all of them, and its margin is this rule's pick of
-# 2026-12-07, see docs/benchmarks.md):
+# 2026-12-07; its bimodal admission was designed after a test cell, the long session at
+# 1M, and its lead picked by this rule, see docs/benchmarks.md, "Bimodal admission"):
 #   tuning - Mooncake's synthetic trace, and the five short Claude Code samples (0026, 0103,
 #            0187, 0242, 0504: three calls each, no subagents);
 #   test   - Mooncake's conversation trace, and the long Claude Code sample (0291: 22 calls,

@@ -32,11 +32,22 @@
 //!   unprotected shadow by the margin (see [`super::duel`]), and none before the shadows have
 //!   seen a window's worth of requests (128). Tiers under 512 slots run no duel and always
 //!   protect (for [`HORIZON_SLOTS`] ticks a slot under the ladder).
+//! * **Bimodal admission (the thrash guard).** When more long conversations cycle through
+//!   the cache than it holds, every one of them has continued, so protection (which tells
+//!   continuing conversations from first turns) keeps none whole, and recency evicts each
+//!   just before it returns: the hit rate falls to almost nothing while the optimum keeps
+//!   half of them. The duel also runs a shadow with bimodal admission (Qureshi et al.,
+//!   ISCA 2007, for conversations): a request that finds less than half its prompt cached is
+//!   turned away, but for one in [`ADMIT_EVERY`]; its blocks are stored but go first (oldest
+//!   first, from their chain's end) once a later request has begun, and a hit admits them.
+//!   The cache then keeps the conversations it holds and lets the others pass. The policy
+//!   follows that shadow only where it leads every other by 10 points of hit rate (see
+//!   [`super::duel`]); without that lead it behaves exactly as before.
 //!
-//! Cost: O(log n) per touch, insert and eviction (one binary heap per class with lazy
-//! deletion, compacted in place), plus each lookup's sampled keys (1 in 16) run through the
-//! duel's shadows (six under the ladder; one key map for all of them); all memory is
-//! allocated at construction.
+//! Cost: O(log n) per touch, insert and eviction (one binary heap per class, and one for
+//! turned-away blocks, with lazy deletion, compacted in place), plus each lookup's sampled
+//! keys (1 in 16) run through the duel's shadows (seven under the ladder with bimodal
+//! admission; one key map for all of them); all memory is allocated at construction.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};

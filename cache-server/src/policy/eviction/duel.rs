@@ -18,6 +18,11 @@
 //! share one map from key to slot (a column per shadow), so a request's keys are looked up
 //! once for all of them.
 //!
+//! A last shadow runs bimodal admission without protection (see [`super::ChainAware`]): it
+//! is followed only where its score leads every other shadow's by [`BIMODAL_LEAD`] of a
+//! request's sampled keys (10 points of hit rate over the window), since turning requests
+//! away costs much when the traffic changes.
+//!
 //! The scores are moving averages over about [`WINDOW_REQUESTS`] requests; until the shadows
 //! have seen that many, the duel chooses no protection (a few requests' hits are noise, and at
 //! the start of a short trace a few protected requests decided the whole replay).
