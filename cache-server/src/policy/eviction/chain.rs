@@ -181,6 +181,8 @@ pub struct ChainAware {
     turned: u32,
     /// The clock when the latest lookup began: blocks turned away since (the request being
     /// stored) are not yet first to go, or a turned-away request would evict its own chain.
+    /// Requests interleaved by the server share one mark: a lookup that comes in while a
+    /// turned-away request stores makes that request's earlier blocks first to go.
     mark: u64,
     r0: f64,
     tracked: Box<[bool]>,
