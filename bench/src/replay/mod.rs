@@ -147,9 +147,12 @@ pub struct ReplayArgs {
     /// global by scope, every block stored), for `kvtier-bench policy --trace FILE`.
     #[arg(long, value_name = "FILE")]
     pub order_out: Option<PathBuf>,
-    /// Retention hints after each call of a Claude Code session: none, oracle (the trace's
-    /// think time before the chain's next call) or predict (the longest of the chain's last
-    /// three think times). Scaled by the speedup; none are sent to Mooncake requests.
+    /// Retention hints after each call: none, oracle (the trace's time before the chain's
+    /// next call) or predict (the longest of the chain's last three gaps). Claude Code: per
+    /// session chain, the think times; Mooncake: per conversation recovered from the prompts
+    /// (a request continues the latest one whose full blocks it extends), the gaps between
+    /// turns, over the request's full blocks. Scaled by the speedup (at `max` a hint covers
+    /// nothing).
     #[arg(long, value_enum, default_value = "none")]
     pub hints: schedule::HintSource,
     /// A fleet serves a request its server fails (gone, refusing, timing out) on the next

@@ -15,6 +15,7 @@
 //! time each request carries a model time (seconds, speedup 1, no serving time), used as the
 //! clock of the simulations.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -59,19 +60,86 @@ pub struct Served {
     pub server_errors: usize,
 }
 
-/// Where retention hints come from (Claude Code sessions; Mooncake requests carry no
-/// session, so none are sent there).
+/// Where retention hints come from. Claude Code sessions: after each call, from its chain.
+/// Mooncake requests carry no session: their conversations are recovered from the prompts
+/// ([`mooncake_turns`]), and a request's hint covers its full blocks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum HintSource {
     /// No hints.
     #[default]
     None,
-    /// The trace's own think time before the chain's next call (what a client that knew the
-    /// future would say).
+    /// The trace's own time before the chain's next call (Claude Code: its think time;
+    /// Mooncake: the next turn's arrival), and no hint where there is none (what a client
+    /// that knew the future would say).
     Oracle,
-    /// The longest of the chain's last [`PREDICT_GAPS`] think times (none before the chain's
-    /// first gap): only the session's past, what a real client can know.
+    /// The longest of the chain's last [`PREDICT_GAPS`] gaps (none before the chain's first
+    /// gap): only the session's past, what a real client can know. A Mooncake conversation
+    /// that will not come back is hinted all the same once it has had a second turn.
     Predict,
+}
+
+/// A Mooncake request's place in its conversation, recovered from the prompts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Turn {
+    /// The conversation (1, 2, ... in order of first request).
+    pub session: u64,
+    /// The request's full blocks (a hint covers these: a next turn rewrites a partial one).
+    pub full_blocks: usize,
+    /// Seconds until the next request that continues this one, if any (the oracle).
+    pub next_s: Option<f64>,
+    /// The longest of the last [`PREDICT_GAPS`] gaps between the conversation's turns up to
+    /// this request (the predictor; none at its first turn).
+    pub predicted_s: Option<f64>,
+}
+
+/// The conversations of a Mooncake trace. A request continues the latest earlier request
+/// whose full blocks are a prefix of its prompt, at least two blocks long (one shared block
+/// is a system prompt, not a conversation); Mooncake's ids name a block with its whole prefix,
+/// so one id finds it. A request that continues none starts a conversation.
+pub fn mooncake_turns(requests: &[MooncakeRequest]) -> Vec<Turn> {
+    // The id of each request's last full block -> the latest request ending there.
+    let mut ends: HashMap<u64, usize> = HashMap::new();
+    let mut turns: Vec<Turn> = Vec::with_capacity(requests.len());
+    // Each request's predecessor, and the gap to it in seconds.
+    let mut back: Vec<Option<(usize, f64)>> = Vec::with_capacity(requests.len());
+    let mut sessions = 0u64;
+    for (j, r) in requests.iter().enumerate() {
+        let at = |i: usize| requests[i].timestamp_ms as f64 / 1000.0;
+        let pred = (2..=r.hash_ids.len())
+            .rev()
+            .find_map(|k| ends.get(&r.hash_ids[k - 1]).copied());
+        let session = match pred {
+            Some(i) => {
+                if turns[i].next_s.is_none() {
+                    turns[i].next_s = Some((at(j) - at(i)).max(0.0));
+                }
+                back.push(Some((i, (at(j) - at(i)).max(0.0))));
+                turns[i].session
+            }
+            None => {
+                back.push(None);
+                sessions += 1;
+                sessions
+            }
+        };
+        let mut gaps = Vec::with_capacity(PREDICT_GAPS);
+        let mut cur = j;
+        while let (Some((p, gap)), true) = (back[cur], gaps.len() < PREDICT_GAPS) {
+            gaps.push(gap);
+            cur = p;
+        }
+        let full_blocks = r.blocks_to_store(true);
+        turns.push(Turn {
+            session,
+            full_blocks,
+            next_s: None,
+            predicted_s: gaps.into_iter().reduce(f64::max),
+        });
+        if full_blocks >= 2 {
+            ends.insert(r.hash_ids[full_blocks - 1], j);
+        }
+    }
+    turns
 }
 
 /// Past gaps the predictor looks at.
@@ -313,9 +381,13 @@ pub async fn run_mooncake<B: Backend>(
     cfg: ScheduleConfig,
     progress: Option<ProgressBar>,
 ) -> Result<Vec<Record>> {
+    let turns = match cfg.hints {
+        HintSource::None => Vec::new(),
+        HintSource::Oracle | HintSource::Predict => mooncake_turns(requests),
+    };
     let e = Engine::new(backend, cfg, progress);
     let mut tasks = JoinSet::new();
-    for r in requests {
+    for (i, r) in requests.iter().enumerate() {
         if e.aborted() {
             break;
         }
@@ -338,9 +410,27 @@ pub async fn run_mooncake<B: Backend>(
             due,
             model_due_s,
         };
+        // After the response, as a chat client would: the conversation's prefix will be
+        // wanted again at its next turn.
+        let hint = turns.get(i).and_then(|t| {
+            let s = match e.cfg.hints {
+                HintSource::None => None,
+                HintSource::Oracle => t.next_s,
+                HintSource::Predict => t.predicted_s,
+            }?;
+            (t.full_blocks > 0).then(|| (t.session, r.hash_ids[..t.full_blocks].to_vec(), s))
+        });
         let e2 = e.clone();
         tasks.spawn(async move {
-            if let Err(err) = e2.serve(job, Some(permit)).await {
+            let served = match (e2.serve(job, Some(permit)).await, hint) {
+                (Ok((_, finish)), Some((session, ids, s))) => {
+                    sleep_until(finish).await;
+                    e2.hint(session, 0, &ids, s).await
+                }
+                (Ok(_), None) => Ok(()),
+                (Err(err), _) => Err(err),
+            };
+            if let Err(err) = served {
                 e2.fail(err);
             }
         });
@@ -664,6 +754,77 @@ mod tests {
             vec![(1, 2.0), (2, 5.0), (3, 0.5)]
         );
         assert_eq!(run(HintSource::Predict).await, vec![(2, 2.0), (3, 5.0)]);
+    }
+
+    /// Six requests: a conversation of four turns (the fourth a second answer to the
+    /// second, with no partial block), one of a single turn, and a one-block prompt.
+    fn conversations() -> Vec<MooncakeRequest> {
+        let req = |t_s: u64, ids: &[u64], partial: bool| MooncakeRequest {
+            timestamp_ms: t_s * 1000,
+            input_tokens: ids.len() as u64 * 512 - u64::from(partial) * 100,
+            output_tokens: 1,
+            hash_ids: ids.to_vec(),
+        };
+        vec![
+            req(0, &[0, 1, 2], true),
+            req(10, &[0, 1, 3, 4], true),
+            req(12, &[0, 5, 6], true),
+            req(40, &[0, 1, 3, 7, 8], true),
+            req(41, &[0, 1, 3, 9], false),
+            req(50, &[0], true),
+        ]
+    }
+
+    #[test]
+    fn mooncake_conversations_are_recovered_from_the_prompts() {
+        let t = mooncake_turns(&conversations());
+        let got: Vec<_> = t
+            .iter()
+            .map(|t| (t.session, t.full_blocks, t.next_s, t.predicted_s))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (1, 2, Some(10.0), None),
+                (1, 3, Some(30.0), Some(10.0)),
+                // The shared first block alone does not continue a conversation.
+                (2, 2, None, None),
+                (1, 4, None, Some(30.0)),
+                // A second answer to turn 2 continues it too; the oracle of turn 2 is its
+                // first continuation.
+                (1, 4, None, Some(31.0)),
+                (3, 0, None, None),
+            ]
+        );
+    }
+
+    /// At speedup 2: the oracle hints the next turn's arrival after the two turns that have
+    /// one; the predictor the longest past gap after every turn that has a past; both over
+    /// the full blocks only, and nothing for a prompt without one.
+    #[tokio::test(start_paused = true)]
+    async fn mooncake_hints_follow_the_recovered_conversations() {
+        let run = |hints: HintSource| async move {
+            let b = Arc::new(Hints::default());
+            let c = ScheduleConfig {
+                hints,
+                ..cfg(Some(2.0))
+            };
+            run_mooncake(b.clone(), &conversations(), false, c, None)
+                .await
+                .unwrap();
+            let mut g = b.0.lock().unwrap().clone();
+            g.sort_by(|x, y| x.partial_cmp(y).unwrap());
+            g
+        };
+        assert_eq!(run(HintSource::None).await, vec![]);
+        assert_eq!(
+            run(HintSource::Oracle).await,
+            vec![(1, 2, 5.0), (1, 3, 15.0)]
+        );
+        assert_eq!(
+            run(HintSource::Predict).await,
+            vec![(1, 3, 5.0), (1, 4, 15.0), (1, 4, 15.5)]
+        );
     }
 
     struct Failing;
