@@ -67,7 +67,8 @@ pub struct StoreConfig {
     /// through the cluster. Default: false.
     pub admit_orphans: bool,
     /// Share of the DRAM tier's slots retention hints may protect together; 0 turns hints
-    /// off. Default: 0.25.
+    /// off. Default: 0.5 (chosen among 0.25, 0.5 and 0.75 on replays with hints,
+    /// `docs/benchmarks.md`, "The hint budget").
     pub retain_max_fraction: f64,
     /// Share of the DRAM tier's slots one namespace's hints may protect; 0 means an equal
     /// part of `retain_max_fraction` per namespace (all of it with one namespace).
@@ -176,7 +177,7 @@ impl StoreConfig {
             lookup_hold: Duration::from_secs(1),
             lookup_hold_max_blocks: 0,
             admit_orphans: false,
-            retain_max_fraction: 0.25,
+            retain_max_fraction: 0.5,
             retain_namespace_max_fraction: 0.0,
             retain_max: Duration::from_secs(300),
             retain_slack: 1.5,

@@ -399,7 +399,7 @@ pub struct StoreSection {
     /// counted); 0 = a quarter of the DRAM tier. Default: 0.
     pub lookup_hold_max_blocks: u64,
     /// Share of the DRAM tier retention hints may protect together (0 to 1); 0 turns hints
-    /// off. Default: 0.25.
+    /// off. Default: 0.5.
     pub retain_max_fraction: f64,
     /// Share of the DRAM tier one tenant's hints may protect (0 to 1); 0 = an equal part of
     /// `retain_max_fraction` per namespace. Default: 0.
@@ -529,7 +529,7 @@ impl Default for StoreSection {
             io_threads: 4,
             lookup_hold_ms: 1_000,
             lookup_hold_max_blocks: 0,
-            retain_max_fraction: 0.25,
+            retain_max_fraction: 0.5,
             retain_tenant_max_fraction: 0.0,
             retain_max_s: 300,
             retain_slack: 1.5,
