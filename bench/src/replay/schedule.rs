@@ -108,32 +108,26 @@ pub fn mooncake_turns(requests: &[MooncakeRequest]) -> Vec<Turn> {
         let pred = (2..=r.hash_ids.len())
             .rev()
             .find_map(|k| ends.get(&r.hash_ids[k - 1]).copied());
-        let session = match pred {
-            Some(i) => {
-                if turns[i].next_s.is_none() {
-                    turns[i].next_s = Some((at(j) - at(i)).max(0.0));
-                }
-                back.push(Some((i, (at(j) - at(i)).max(0.0))));
+        let link = pred.map(|i| (i, (at(j) - at(i)).max(0.0)));
+        back.push(link);
+        let session = match link {
+            Some((i, gap)) => {
+                turns[i].next_s.get_or_insert(gap);
                 turns[i].session
             }
             None => {
-                back.push(None);
                 sessions += 1;
                 sessions
             }
         };
-        let mut gaps = Vec::with_capacity(PREDICT_GAPS);
-        let mut cur = j;
-        while let (Some((p, gap)), true) = (back[cur], gaps.len() < PREDICT_GAPS) {
-            gaps.push(gap);
-            cur = p;
-        }
+        // The gaps of this request's conversation up to it, the latest first.
+        let past = std::iter::successors(link, |&(p, _)| back[p]).map(|(_, gap)| gap);
         let full_blocks = r.blocks_to_store(true);
         turns.push(Turn {
             session,
             full_blocks,
             next_s: None,
-            predicted_s: gaps.into_iter().reduce(f64::max),
+            predicted_s: predict(past),
         });
         if full_blocks >= 2 {
             ends.insert(r.hash_ids[full_blocks - 1], j);
@@ -144,6 +138,12 @@ pub fn mooncake_turns(requests: &[MooncakeRequest]) -> Vec<Turn> {
 
 /// Past gaps the predictor looks at.
 pub const PREDICT_GAPS: usize = 3;
+
+/// The predictor's expected return: the longest of the last [`PREDICT_GAPS`] gaps (`past`,
+/// the latest first); none before the first gap.
+fn predict(past: impl Iterator<Item = f64>) -> Option<f64> {
+    past.take(PREDICT_GAPS).reduce(f64::max)
+}
 
 /// Serves requests: a real server through the client, or a fake in tests.
 pub trait Backend: Send + Sync + 'static {
@@ -541,12 +541,7 @@ fn run_chain<B: Backend>(
                     let expected = match (e.cfg.hints, next_call) {
                         (HintSource::None, _) | (_, None) => None,
                         (HintSource::Oracle, Some(n)) => Some(n.think_time_s),
-                        (HintSource::Predict, Some(_)) => gaps
-                            .iter()
-                            .rev()
-                            .take(PREDICT_GAPS)
-                            .copied()
-                            .reduce(f64::max),
+                        (HintSource::Predict, Some(_)) => predict(gaps.iter().rev().copied()),
                     };
                     if let Some(s) = expected {
                         e.hint(session, scope, &c.hash_ids, s.max(0.0)).await?;
