@@ -29,6 +29,15 @@ pub struct StoreConfig {
     pub dram_capacity_bytes: u64,
     /// Reserve the DRAM arena's memory at start. Default: true.
     pub dram_prefault: bool,
+    /// Let local clients answer a lookup of blocks in DRAM from the published slot table,
+    /// with no round trip (they send the lookup one way; `docs/protocol.md`, "Local lookups
+    /// without a round trip"). Only where no tier is above DRAM. Default: true.
+    pub local_lookups: bool,
+    /// With `local_lookups`, DRAM the only tier and this store in no cluster: a key the
+    /// published table does not name is not cached here (but for puts in flight), so a local
+    /// client may answer a partly cached lookup too. The server clears it when it is a
+    /// cluster member (another member may hold the rest). Default: true.
+    pub local_lookups_exact: bool,
     /// NVMe tier, if any. Default: none.
     pub nvme: Option<NvmeSettings>,
     /// DRAM (and HBM) tier eviction. Default: [`EvictionKind::ChainAware`].
@@ -163,6 +172,8 @@ impl StoreConfig {
             hbm: None,
             dram_capacity_bytes,
             dram_prefault: true,
+            local_lookups: true,
+            local_lookups_exact: true,
             nvme: None,
             eviction: EvictionKind::default(),
             nvme_eviction: EvictionKind::LeafLru,

@@ -924,3 +924,48 @@ fn orphans_are_refused_unless_admitted() {
         s.check_consistency().unwrap();
     }
 }
+
+#[test]
+fn local_lookups_are_allowed_only_where_no_tier_is_above_dram() {
+    // A block the published table names must be in the fastest tier holding it, the tier a
+    // lookup reply names: with an HBM tier above DRAM it may not be, so the flag stays off.
+    // A key it does not name may be on a tier below: only with DRAM alone is it exact.
+    use kvtier_core::slot_table::flags::{EXACT, LOOKUPS, TWO_CHOICE};
+    for (tiers, want) in [
+        (Tiers::Dram, LOOKUPS | EXACT),
+        (Tiers::DramNvme, LOOKUPS),
+        (Tiers::HbmDramNvme, 0),
+    ] {
+        for (local, exact, want) in [
+            (true, true, want),
+            (true, false, want & !EXACT),
+            (false, true, 0),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut c = config_tiers(tiers, 16, (dir.path(), 64), 16);
+            c.local_lookups = local;
+            c.local_lookups_exact = exact;
+            let (s, _) = TieredStore::open(c).unwrap();
+            let flags = s.dram().published().flags();
+            assert_eq!(flags, want | TWO_CHOICE, "{tiers:?} {local} {exact}");
+        }
+    }
+}
+
+#[test]
+fn the_published_table_counts_the_keys_being_stored() {
+    // What a local client reads before it calls a key missing (`flags::EXACT`).
+    let (s, _) = TieredStore::open(config(16, None)).unwrap();
+    let p = s.dram().published();
+    assert_eq!(p.pending(), 0);
+    let keys: Vec<_> = (0..3).map(key).collect();
+    let mut a = s.announce(&keys);
+    let b = s.announce(&keys[..1]);
+    assert_eq!(p.pending(), 3);
+    a.done(1);
+    assert_eq!(p.pending(), 2);
+    drop(a);
+    assert_eq!(p.pending(), 1, "the other announcement still holds a key");
+    drop(b);
+    assert_eq!(p.pending(), 0);
+}

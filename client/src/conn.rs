@@ -119,6 +119,15 @@ pub(crate) struct SlotView {
     /// With tenants, the table holds internal keys: this connection's namespace's mapping
     /// (from the hello reply). Only the table probe uses it; requests carry the caller's keys.
     keys: Option<kvtier_core::KeyMap>,
+    /// The header's `flags` has `slot_table::flags::LOOKUPS`: a lookup of blocks the table
+    /// names may be answered here (see `Client::lookup`).
+    pub(crate) lookups: bool,
+    /// The header's `flags` has `slot_table::flags::TWO_CHOICE`: a key may be indexed in
+    /// its second bucket.
+    two_choice: bool,
+    /// The header's `flags` has `slot_table::flags::EXACT`: a key the table does not name
+    /// is not cached, while no put is in flight ([`SlotView::pending`]).
+    pub(crate) exact: bool,
 }
 
 /// Tries per slot when the slot changes under a copy, before the caller falls back to a pin.
@@ -145,16 +154,50 @@ impl SlotView {
     /// the slot kept changing under the copy. A `true` copy is exactly the bytes the server
     /// committed under `key` (the slot's `seq` was even and unchanged around the copy).
     pub(crate) fn read(&self, arena: &Arena, key: kvtier_core::BlockKey, dst: &mut [u8]) -> bool {
-        use kvtier_core::slot_table::{HEADER_BYTES, RECORD_BYTES, WAYS, bucket_of};
         if dst.len() as u64 > self.slot_bytes {
             return false;
         }
+        self.find(key, |slot| {
+            arena
+                .read_racy(u64::from(slot) * self.slot_bytes, dst)
+                .is_ok()
+        })
+    }
+
+    /// The header's `pending`: distinct keys puts in flight are storing now.
+    pub(crate) fn pending(&self) -> u64 {
+        self.word64(kvtier_core::slot_table::PENDING_OFFSET)
+            .load(Ordering::SeqCst)
+    }
+
+    /// Whether the table names `key` as a block in DRAM now: a slot's record held `key`,
+    /// committed, with its `seq` unchanged around the reading of the key. `false` means "ask
+    /// the server" (not indexed, not in DRAM, or changing).
+    pub(crate) fn holds(&self, key: kvtier_core::BlockKey) -> bool {
+        self.find(key, |_| true)
+    }
+
+    /// The seqlock read shared by [`Self::read`] and [`Self::holds`]: finds the slot whose
+    /// record names `key` with an even `seq`, runs `body` on it (`false`: give up), and
+    /// returns true if `seq` was unchanged after it.
+    fn find(&self, key: kvtier_core::BlockKey, mut body: impl FnMut(u32) -> bool) -> bool {
+        use kvtier_core::slot_table::{
+            HEADER_BYTES, RECORD_BYTES, WAYS, bucket_of, second_bucket_of,
+        };
         let key = self.keys.as_ref().map_or(key, |m| m.internal(key));
         let k = key.to_u128();
-        let bucket = (bucket_of(key) & u64::from(self.buckets - 1)) as usize;
-        let base = HEADER_BYTES + RECORD_BYTES * self.slots as usize + 4 * WAYS * bucket;
-        for w in 0..WAYS {
-            let e = self.word32(base + 4 * w).load(Ordering::Acquire);
+        let m = u64::from(self.buckets - 1);
+        let first = (bucket_of(key) & m) as usize;
+        let second = (second_bucket_of(key) & m) as usize;
+        let index = HEADER_BYTES + RECORD_BYTES * self.slots as usize;
+        // The first bucket's entries, then (with two choices) the second's.
+        let entries = (0..WAYS).map(|w| index + 4 * (WAYS * first + w)).chain(
+            (0..WAYS)
+                .filter(|_| self.two_choice && second != first)
+                .map(|w| index + 4 * (WAYS * second + w)),
+        );
+        for at in entries {
+            let e = self.word32(at).load(Ordering::Acquire);
             if e == 0 || e > self.slots {
                 continue;
             }
@@ -170,15 +213,12 @@ impl SlotView {
                 if u128::from(lo) | (u128::from(hi) << 64) != k {
                     break;
                 }
-                if arena
-                    .read_racy(u64::from(slot) * self.slot_bytes, dst)
-                    .is_err()
-                {
+                if !body(slot) {
                     return false;
                 }
-                // Orders the copy's loads before the re-read: if the copy saw any byte the
-                // server wrote after withdrawing the slot (its odd store, then a release
-                // fence), this load sees that odd store or a later value.
+                // Orders the body's loads (the key's above, a copy's) before the re-read: if
+                // they saw any byte the server wrote after withdrawing the slot (its odd
+                // store, then a release fence), this load sees that odd store or a later value.
                 std::sync::atomic::fence(Ordering::Acquire);
                 if self.word64(rec).load(Ordering::Relaxed) == s1 {
                     return true;
@@ -760,7 +800,7 @@ fn map_slot_table(
     arena_bytes: u64,
     keys: Option<kvtier_core::KeyMap>,
 ) -> Result<SlotView, ClientError> {
-    use kvtier_core::slot_table::{MAGIC, WAYS, buckets_for, table_bytes};
+    use kvtier_core::slot_table::{FLAGS_OFFSET, MAGIC, WAYS, buckets_for, flags, table_bytes};
     let f = std::fs::File::from(fd);
     let len = f.metadata().map_err(ClientError::Io)?.len();
     if bytes < 64 || len < bytes {
@@ -798,6 +838,9 @@ fn map_slot_table(
         buckets,
         slot_bytes,
         keys,
+        lookups: u64_at(FLAGS_OFFSET) & flags::LOOKUPS != 0,
+        two_choice: u64_at(FLAGS_OFFSET) & flags::TWO_CHOICE != 0,
+        exact: u64_at(FLAGS_OFFSET) & flags::EXACT != 0,
     })
 }
 

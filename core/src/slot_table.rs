@@ -2,12 +2,16 @@
 //! message (the server writes it, `kvtier-client` reads it; `docs/protocol.md` describes it).
 //!
 //! * header, 64 bytes: `magic: u64 = "KVTSLOT1"`, `slots: u32`, `ways: u32`, `buckets: u32`
-//!   (a power of two), `_pad: u32`, `block_bytes: u64`, `slot_bytes: u64`, zeros up to 64;
+//!   (a power of two), `_pad: u32`, `block_bytes: u64`, `slot_bytes: u64`, `flags: u64`
+//!   ([`FLAGS_OFFSET`], [`flags`]; 0 from servers before it), `pending: u64`
+//!   ([`PENDING_OFFSET`]: distinct keys being stored now, kept by servers that set
+//!   [`flags::EXACT`]), zeros up to 64;
 //! * slot records at [`HEADER_BYTES`]: `slots` records of [`RECORD_BYTES`]:
 //!   `seq: u64, key_lo: u64, key_hi: u64, _reserved: u64` (a seqlock: `seq` odd = nothing
 //!   readable, even = the slot holds block `key_lo | key_hi << 64`, unchanged while `seq` is);
 //! * index after the records: `buckets * ways` `u32` entries (`slot + 1`, 0 = empty); key `k`
-//!   is looked for in bucket `bucket_of(k) & (buckets - 1)` only.
+//!   is looked for in bucket `bucket_of(k) & (buckets - 1)`, and, where the header's flags
+//!   have [`flags::TWO_CHOICE`], also in `second_bucket_of(k) & (buckets - 1)`.
 
 use crate::BlockKey;
 
@@ -19,6 +23,33 @@ pub const HEADER_BYTES: usize = 64;
 pub const RECORD_BYTES: usize = 32;
 /// Entries per index bucket.
 pub const WAYS: usize = 8;
+/// Offset of the header's `flags: u64` (written once, before the table is handed out).
+pub const FLAGS_OFFSET: usize = 40;
+/// Offset of the header's `pending: u64`: how many distinct keys puts in flight are storing
+/// (raised before a put goes on, lowered once its keys are committed or withdrawn).
+pub const PENDING_OFFSET: usize = 48;
+
+/// Bits of the header's `flags`.
+pub mod flags {
+    /// Lookups may be answered from the table: no tier above DRAM holds blocks (so a block
+    /// the table names is in the fastest tier that holds it, the tier a lookup reply would
+    /// name), and the server takes a lookup sent with `NO_REPLY` as a lookup whose answer the
+    /// client already has (it tells the eviction policy and takes the hold, and replies
+    /// nothing). A client may then answer a lookup whose every key the table names itself,
+    /// all `dram`, and send the lookup one way.
+    pub const LOOKUPS: u64 = 1;
+    /// The server indexes each key in whichever of its two buckets ([`super::bucket_of`],
+    /// [`super::second_bucket_of`]) has more free entries: readers look in both. (Without
+    /// it, only the first: a full DRAM tier would leave about 2 % of its keys unindexed,
+    /// and a lookup answered from the table needs every key of a prefix.)
+    pub const TWO_CHOICE: u64 = 2;
+    /// With [`LOOKUPS`]: DRAM is the server's only tier and it belongs to no cluster, so a
+    /// key the table does not name is not cached there, unless a put of it is in flight
+    /// (the header's `pending` is then not zero). A client may answer a lookup whose
+    /// leading keys the table names and whose next key it does not, while `pending` is
+    /// zero: that prefix, then a miss.
+    pub const EXACT: u64 = 4;
+}
 
 /// The bucket selector of a key (before masking): the splitmix64 finalizer of
 /// `key_lo ^ (rotl(key_hi, 32) * 0x9e3779b97f4a7c15)` (wrapping), so that keys sent as they
@@ -28,7 +59,21 @@ pub fn bucket_of(key: BlockKey) -> u64 {
     let hi = ((k >> 64) as u64)
         .rotate_left(32)
         .wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    let mut z = (k as u64) ^ hi;
+    mix((k as u64) ^ hi)
+}
+
+/// The second bucket selector ([`flags::TWO_CHOICE`]), before masking: the splitmix64
+/// finalizer of `key_hi ^ (rotl(key_lo, 32) * 0xc2b2ae3d27d4eb4f)` (wrapping).
+pub fn second_bucket_of(key: BlockKey) -> u64 {
+    let k = key.to_u128();
+    let lo = (k as u64)
+        .rotate_left(32)
+        .wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
+    mix(((k >> 64) as u64) ^ lo)
+}
+
+/// The splitmix64 finalizer.
+fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
@@ -43,4 +88,53 @@ pub fn buckets_for(slots: u32) -> u32 {
 pub fn table_bytes(slots: u32) -> usize {
     let b = HEADER_BYTES + RECORD_BYTES * slots as usize + 4 * WAYS * buckets_for(slots) as usize;
     b.next_multiple_of(4096)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Keys placed as the server places them (the bucket of the two with more free entries)
+    /// into a table as full as a DRAM tier gets (every slot used: 4 keys a bucket on
+    /// average): none is left out, for keys as the server sees them with tenants (hashes)
+    /// and without (small integers). With one choice about 2 % would be.
+    #[test]
+    fn two_choices_index_every_key_of_a_full_table() {
+        let slots = 1u32 << 16;
+        let buckets = buckets_for(slots);
+        for (name, salt) in [("small integers", 0u128), ("hashes", 1)] {
+            let mut load = vec![0u8; buckets as usize];
+            let (mut one_choice_left_out, mut left_out) = (0, 0);
+            let mut first = vec![0u8; buckets as usize];
+            for i in 0..u128::from(slots) {
+                let k = if salt == 0 {
+                    BlockKey::from_u128(i)
+                } else {
+                    let h = mix(i as u64) as u128 | (mix(!(i as u64)) as u128) << 64;
+                    BlockKey::from_u128(h)
+                };
+                let m = u64::from(buckets - 1);
+                let (b1, b2) = (
+                    (bucket_of(k) & m) as usize,
+                    (second_bucket_of(k) & m) as usize,
+                );
+                if first[b1] as usize == WAYS {
+                    one_choice_left_out += 1;
+                } else {
+                    first[b1] += 1;
+                }
+                let b = if load[b2] < load[b1] { b2 } else { b1 };
+                if load[b] as usize == WAYS {
+                    left_out += 1;
+                } else {
+                    load[b] += 1;
+                }
+            }
+            assert_eq!(left_out, 0, "{name}");
+            assert!(
+                one_choice_left_out > slots / 200,
+                "{name}: {one_choice_left_out}"
+            );
+        }
+    }
 }

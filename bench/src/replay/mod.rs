@@ -383,6 +383,9 @@ pub struct Overall {
     /// (its hold budget spent), from the server's statistics.
     pub lookup_holds: u64,
     pub lookup_holds_refused: u64,
+    /// Lookups the client answered from the server's published slot table, with no round
+    /// trip (`ClientConfig::fast_local_lookups`; Unix socket with the arena).
+    pub lookups_in_place: u64,
     /// Where retention hints came from (`--hints`), and the server's counts of them:
     /// accepted, refused (a budget, or too far), honoured (the session came back while
     /// protected), expired (its hold ended first).
@@ -625,6 +628,8 @@ async fn replay_against(
         );
     }
     let before_json = backend::fleet_stats(&clients).await?;
+    let in_place = |cs: &[kvtier_client::Client]| cs.iter().map(|c| c.fast_lookups()).sum::<u64>();
+    let in_place_before = in_place(&clients);
     let before = backend::sum_stats(&before_json)?;
     let slots = |name: &str| {
         before
@@ -726,6 +731,7 @@ async fn replay_against(
         wall_s,
         lookup_holds: h1.saturating_sub(h0),
         lookup_holds_refused: r1.saturating_sub(r0),
+        lookups_in_place: in_place(&clients) - in_place_before,
         hints: format!("{:?}", a.hints).to_lowercase(),
         hints_accepted: k1.accepted.saturating_sub(k0.accepted),
         hints_refused: (k1.refused_namespace + k1.refused_global + k1.refused_too_far)
@@ -1037,6 +1043,10 @@ impl Report for ReplayReport {
             (
                 "lookups held / refused a hold",
                 format!("{} / {}", o.lookup_holds, o.lookup_holds_refused),
+            ),
+            (
+                "lookups answered in place (no round trip)",
+                o.lookups_in_place.to_string(),
             ),
             (
                 "hints (source): accepted / refused / honoured / expired",

@@ -78,7 +78,12 @@ pub struct LookupLatency {
 pub struct LookupCase {
     pub path: String,
     pub clients: usize,
+    /// Lookups a second each client starts (one every `1 / rate`, none in flight when the
+    /// next is due unless it is late); `None`: closed loop, the next as soon as one returns.
+    pub rate_per_client: Option<u32>,
     pub lookups: u64,
+    /// Of them, answered by the client from the published slot table (no round trip).
+    pub in_place: u64,
     pub latency_us_p50: f64,
     pub latency_us_p99: f64,
 }
@@ -117,7 +122,9 @@ impl ServerInfo {
                     l.blocks,
                     fmt_f(l.ping_us_p50, 1)
                 ),
-                &["path", "clients", "lookups", "p50 us", "p99 us", "target"],
+                &[
+                    "path", "clients", "pace", "lookups", "in place", "p50 us", "p99 us", "target",
+                ],
             );
             for c in &l.cases {
                 let target = if c.path == UNIX_LOOKUP {
@@ -133,7 +140,10 @@ impl ServerInfo {
                 t.row([
                     c.path.clone(),
                     c.clients.to_string(),
+                    c.rate_per_client
+                        .map_or("closed loop".into(), |r| format!("{r}/s a client")),
                     c.lookups.to_string(),
+                    c.in_place.to_string(),
                     fmt_f(c.latency_us_p50, 1),
                     fmt_f(c.latency_us_p99, 1),
                     target,
@@ -279,6 +289,15 @@ impl ServerChild {
     }
 
     async fn client(&self, transport: Transport) -> Result<Client> {
+        self.client_with(transport, |c| c).await
+    }
+
+    /// [`Self::client`] with its configuration changed by `tweak`.
+    async fn client_with(
+        &self,
+        transport: Transport,
+        tweak: impl FnOnce(ClientConfig) -> ClientConfig,
+    ) -> Result<Client> {
         let (url, cfg) = match transport {
             Transport::Unix => (
                 format!("unix://{}", self.unix.display()),
@@ -296,7 +315,7 @@ impl ServerChild {
                     .quic_cert_der(std::fs::read(self.dir.path().join("run/quic-cert.der"))?),
             ),
         };
-        let cfg = cfg.timeout(OP_TIMEOUT);
+        let cfg = tweak(cfg.timeout(OP_TIMEOUT));
         tokio::time::timeout(CONNECT_TIMEOUT, Client::connect(&url, cfg))
             .await
             .map_err(|_| anyhow!("connecting to {url} timed out"))?
@@ -1174,8 +1193,12 @@ async fn kvtier_case(
     Ok((d, nvme as f64 / got.max(1) as f64))
 }
 
-/// The row name of the Unix-socket lookups (the ones the target is for).
+/// The row name of the Unix-socket lookups (the ones the target is for), as a client makes
+/// them by default: a prefix the published slot table names in DRAM is answered from it,
+/// and the lookup goes to the server one way (`ClientConfig::fast_local_lookups`).
 const UNIX_LOOKUP: &str = "unix socket";
+/// The same with `fast_local_lookups` off: a round trip each, the server's answer.
+const UNIX_LOOKUP_ROUND_TRIP: &str = "unix socket, a round trip each";
 /// The row name of the bare-socket reference (the same bytes, no server).
 const RAW_UNIX: &str = "raw unix socket, same bytes";
 
@@ -1187,6 +1210,13 @@ const LOOKUP_HOLD_BUDGET: u64 = 1 << 22;
 
 /// Concurrent clients of the second Unix-socket case.
 const LOOKUP_CLIENTS: usize = 4;
+
+/// Lookups a second a client in the paced cases: far more than an engine's scheduler makes
+/// (one per new request), and below what the server's lookup work allows (about 10,000 a
+/// second of 4,096 keys here), so that the figure is the latency, not a queue. A closed
+/// loop of one-way lookups measures the queue: each client sends them as fast as it
+/// answers them, faster than the server takes them.
+const LOOKUP_PACE: u32 = 1000;
 
 /// Lookup latency of a cached prefix of `lookup_blocks` 64 KiB blocks: in process (a held
 /// lookup and its release, on a store configured as the server child), then over the Unix
@@ -1216,24 +1246,50 @@ fn lookup_latency(s: &Settings, rt: &tokio::runtime::Runtime) -> Result<LookupLa
             bail!("the lookup prefix is not fully cached");
         }
         let k = Arc::new(k);
-        for clients in [1, LOOKUP_CLIENTS] {
-            let mut tasks = tokio::task::JoinSet::new();
-            for _ in 0..clients {
-                let c = srv.client(Transport::Unix).await?;
-                let (k, time) = (k.clone(), s.case_time());
-                tasks.spawn(async move { timed_lookups(&c, &k, time).await });
+        let paths = [(UNIX_LOOKUP, true), (UNIX_LOOKUP_ROUND_TRIP, false)];
+        let paces = [None, Some(LOOKUP_PACE)];
+        for ((path, in_place), (clients, rate)) in paths
+            .into_iter()
+            .flat_map(|p| paces.into_iter().map(move |r| (p, r)))
+            .flat_map(|(p, r)| [1, LOOKUP_CLIENTS].map(|c| (p, (c, r))))
+        {
+            {
+                let mut tasks = tokio::task::JoinSet::new();
+                for _ in 0..clients {
+                    let c = srv
+                        .client_with(Transport::Unix, |c| c.fast_local_lookups(in_place))
+                        .await?;
+                    let (k, time) = (k.clone(), s.case_time());
+                    tasks.spawn(async move {
+                        let lat = timed_lookups(&c, &k, time, rate).await?;
+                        // In place where the switch is on and the server is not behind
+                        // (the client's flow control); never with it off.
+                        let fast = c.fast_lookups();
+                        if !in_place && fast > 0 {
+                            bail!("{fast} lookups answered in place with the switch off");
+                        }
+                        anyhow::Ok((lat, fast))
+                    });
+                }
+                let (mut lat, mut fast) = (Latency::new(), 0);
+                while let Some(r) = tasks.join_next().await {
+                    let (l, f) = r.context("a lookup client panicked")??;
+                    lat.add(&l);
+                    fast += f;
+                }
+                if in_place && fast == 0 {
+                    bail!("no lookup was answered in place");
+                }
+                cases.push(LookupCase {
+                    path: path.into(),
+                    clients,
+                    rate_per_client: rate,
+                    lookups: lat.count(),
+                    in_place: fast,
+                    latency_us_p50: lat.quantile_us(0.5),
+                    latency_us_p99: lat.quantile_us(0.99),
+                });
             }
-            let mut lat = Latency::new();
-            while let Some(r) = tasks.join_next().await {
-                lat.add(&r.context("a lookup client panicked")??);
-            }
-            cases.push(LookupCase {
-                path: UNIX_LOOKUP.into(),
-                clients,
-                lookups: lat.count(),
-                latency_us_p50: lat.quantile_us(0.5),
-                latency_us_p99: lat.quantile_us(0.99),
-            });
         }
         let mut pings = Latency::new();
         for _ in 0..2000 {
@@ -1246,7 +1302,9 @@ fn lookup_latency(s: &Settings, rt: &tokio::runtime::Runtime) -> Result<LookupLa
             cases.push(LookupCase {
                 path: RAW_UNIX.into(),
                 clients,
+                rate_per_client: None,
                 lookups: lat.count(),
+                in_place: 0,
                 latency_us_p50: lat.quantile_us(0.5),
                 latency_us_p99: lat.quantile_us(0.99),
             });
@@ -1348,10 +1406,25 @@ fn raw_unix_round_trips(
 }
 
 /// Lookups of all of `keys` on one connection for `time` (and at least 10).
-async fn timed_lookups(c: &Client, keys: &[BlockKey], time: Duration) -> Result<Latency> {
+async fn timed_lookups(
+    c: &Client,
+    keys: &[BlockKey],
+    time: Duration,
+    rate: Option<u32>,
+) -> Result<Latency> {
     let mut lat = Latency::new();
+    let mut tick = rate.map(|r| {
+        let mut i = tokio::time::interval(Duration::from_secs(1) / r);
+        i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        i
+    });
     let t0 = Instant::now();
     while t0.elapsed() < time || lat.count() < 10 {
+        if let Some(i) = tick.as_mut() {
+            i.tick().await;
+        }
+        // From the lookup's own start: the tick's lateness (the timer's 1 ms grain) is not
+        // the lookup's.
         let t = Instant::now();
         let l = tokio::time::timeout(OP_TIMEOUT, c.lookup(keys))
             .await
@@ -1398,6 +1471,8 @@ fn lookup_in_process(
     Ok(LookupCase {
         path: "in process".into(),
         clients: 1,
+        rate_per_client: None,
+        in_place: 0,
         lookups: lat.count(),
         latency_us_p50: lat.quantile_us(0.5),
         latency_us_p99: lat.quantile_us(0.99),

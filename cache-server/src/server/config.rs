@@ -381,6 +381,9 @@ pub struct StoreSection {
     pub dram_bytes: Size,
     /// Reserve the DRAM arena at start. Default: true.
     pub dram_prefault: bool,
+    /// Local clients may answer lookups of DRAM blocks from the published slot table (no
+    /// round trip; without an HBM tier). Default: true.
+    pub local_lookups: bool,
     /// NVMe tier directory; "" disables the tier. Default: "./kvtier-data".
     pub nvme_dir: String,
     /// NVMe tier size; "auto" = half the file system's free space, at most 64 GiB.
@@ -522,6 +525,7 @@ impl Default for StoreSection {
             hbm_device: 0,
             dram_bytes: Size::Auto,
             dram_prefault: true,
+            local_lookups: true,
             nvme_dir: "./kvtier-data".into(),
             nvme_bytes: Size::Auto,
             nvme_direct_io: true,
@@ -1306,6 +1310,9 @@ impl ServerConfig {
         };
         let mut c = StoreConfig::new(layout, dram);
         c.dram_prefault = self.store.dram_prefault;
+        c.local_lookups = self.store.local_lookups;
+        // A member's other members may hold what this one does not.
+        c.local_lookups_exact = !self.cluster_enabled()?;
         c.demotion = self.demotion()?;
         c.io_threads = self.store.io_threads;
         c.max_lease = self.max_lease();

@@ -1442,6 +1442,12 @@ impl Job {
                     rm.looked_up(&s, &k.keys, tiers.len());
                 }
                 lock(&self.state).remember_hold(hold, &k.keys);
+                if self.no_reply {
+                    // A local client answered this lookup from the published slot table
+                    // (`slot_table::flags::LOOKUPS`): the policy and the hold above were what
+                    // it asked for.
+                    return None;
+                }
                 let miss = (tiers.len() < k.keys.len()).then_some(MissReason::NotCached);
                 self.reply(self.lookup_reply(&tiers, miss, &sources))
             }

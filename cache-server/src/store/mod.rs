@@ -220,6 +220,13 @@ impl TieredStore {
                 setting: "tiers",
                 reason: "dram is required".into(),
             })?;
+        // With no tier above DRAM, a block the published table names is in the fastest tier
+        // that holds it: local clients may answer a lookup of such blocks from the table
+        // (the server's lookup handler takes their one-way lookups).
+        if host == 0 && config.local_lookups {
+            let exact = config.local_lookups_exact && kinds.len() == 1;
+            dram.published().allow_lookups(exact);
+        }
         if config.io_threads == 0 {
             return Err(StoreError::Config {
                 setting: "io_threads",
@@ -247,7 +254,7 @@ impl TieredStore {
             shards: (0..shards)
                 .map(|_| Mutex::new(Shard::with_capacity_and_hasher(per_shard, hashing.clone())))
                 .collect(),
-            pending: pending::Pending::new(hashing.clone()),
+            pending: pending::Pending::new(hashing.clone(), dram.clone()),
             retain: retain::Retention::new(
                 host_slots,
                 config.retain_max_fraction,

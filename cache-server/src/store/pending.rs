@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use kvtier_core::BlockKey;
 
 use crate::keyhash::KeyHashing;
+use crate::tier::dram::DramTier;
 
 use super::{Inner, lock};
 
@@ -19,14 +20,24 @@ pub(super) struct Pending {
     map: Mutex<HashMap<BlockKey, u32, KeyHashing>>,
     /// Distinct pending keys: readers skip the lock while it is zero.
     count: AtomicUsize,
+    /// Where local clients read that count (the published slot table's `pending`: a
+    /// client answering a lookup itself may not call a key missing while it is not zero).
+    dram: Arc<DramTier>,
 }
 
 impl Pending {
-    pub(super) fn new(hashing: KeyHashing) -> Self {
+    pub(super) fn new(hashing: KeyHashing, dram: Arc<DramTier>) -> Self {
         Self {
             map: Mutex::new(HashMap::with_hasher(hashing)),
             count: AtomicUsize::new(0),
+            dram,
         }
+    }
+
+    /// The count changed (under the map's lock): readers here and local clients see it.
+    fn counted(&self, n: usize) {
+        self.count.store(n, Ordering::Release);
+        self.dram.published().set_pending(n as u64);
     }
 
     pub(super) fn add(&self, keys: impl IntoIterator<Item = BlockKey>) {
@@ -34,7 +45,7 @@ impl Pending {
         for k in keys {
             *m.entry(k).or_insert(0) += 1;
         }
-        self.count.store(m.len(), Ordering::Release);
+        self.counted(m.len());
     }
 
     pub(super) fn remove(&self, key: &BlockKey) {
@@ -45,7 +56,7 @@ impl Pending {
                 m.remove(key);
             }
         }
-        self.count.store(m.len(), Ordering::Release);
+        self.counted(m.len());
     }
 
     pub(super) fn contains(&self, key: &BlockKey) -> bool {

@@ -5,14 +5,16 @@
 //!
 //! * header, 64 bytes: `magic: u64 = "KVTSLOT1"`, `slots: u32`, `ways: u32 = 8`,
 //!   `buckets: u32` (a power of two), `_pad: u32`, `block_bytes: u64`, `slot_bytes: u64`,
-//!   zeros up to 64;
+//!   `flags: u64` (`kvtier_core::slot_table::flags`: `TWO_CHOICE` always, `LOOKUPS` set by
+//!   [`Published::allow_lookups`] before any client maps the table), zeros up to 64;
 //! * slot table at 64: `slots` records of 32 bytes: `seq: u64, key_lo: u64, key_hi: u64,
 //!   _reserved: u64`. `seq` is a seqlock counter: **odd** while the slot holds no readable
 //!   block (empty, being written, retired), **even** while it holds the block whose key is
 //!   `key_lo | key_hi << 64` (`BlockKey::to_u128`), fully written, and not going to change
 //!   while `seq` keeps that value;
 //! * index at `64 + 32 * slots`: `buckets` buckets of `ways` `u32` entries, each `slot + 1`
-//!   (0 = empty). A key is looked for in bucket `bucket_of(key) & (buckets - 1)` only.
+//!   (0 = empty). A key is indexed in whichever of its two buckets (`bucket_of`,
+//!   `second_bucket_of`, masked) has more free entries, and looked for in both.
 //!
 //! The index is a hint: a key may be missing from it (its bucket was full, or a reader raced
 //! an update) and an entry may be stale; the reader trusts only the slot record, and only
@@ -34,7 +36,8 @@ use memmap2::MmapRaw;
 use super::SlotId;
 
 pub use kvtier_core::slot_table::{
-    HEADER_BYTES, MAGIC, RECORD_BYTES, WAYS, bucket_of, buckets_for, table_bytes,
+    FLAGS_OFFSET, HEADER_BYTES, MAGIC, PENDING_OFFSET, RECORD_BYTES, WAYS, bucket_of, buckets_for,
+    flags, second_bucket_of, table_bytes,
 };
 
 /// See the module documentation.
@@ -82,11 +85,37 @@ impl Published {
         p.word32(16).store(p.buckets, Ordering::Relaxed);
         p.word64(24).store(block_bytes, Ordering::Relaxed);
         p.word64(32).store(slot_bytes, Ordering::Relaxed);
+        p.word64(FLAGS_OFFSET)
+            .store(flags::TWO_CHOICE, Ordering::Relaxed);
         for s in 0..slots {
             p.seq(s).store(1, Ordering::Relaxed);
         }
         fence(Ordering::SeqCst);
         Ok(p)
+    }
+
+    /// Sets `LOOKUPS` in the header's flags, and `EXACT` with `exact`: local clients may
+    /// answer lookups from the table. The store calls it while it is built, before any
+    /// client can map the table.
+    pub fn allow_lookups(&self, exact: bool) {
+        let bits = flags::LOOKUPS | if exact { flags::EXACT } else { 0 };
+        self.word64(FLAGS_OFFSET).fetch_or(bits, Ordering::Release);
+    }
+
+    /// Publishes how many distinct keys puts in flight are storing (the header's
+    /// `pending`). Callers serialize (the store's pending registry, under its lock).
+    pub fn set_pending(&self, keys: u64) {
+        self.word64(PENDING_OFFSET).store(keys, Ordering::SeqCst);
+    }
+
+    /// The header's `pending`.
+    pub fn pending(&self) -> u64 {
+        self.word64(PENDING_OFFSET).load(Ordering::SeqCst)
+    }
+
+    /// The header's `flags`.
+    pub fn flags(&self) -> u64 {
+        self.word64(FLAGS_OFFSET).load(Ordering::Acquire)
     }
 
     /// A read-only descriptor of the table, for a local client to map (`PROT_READ`).
@@ -131,8 +160,19 @@ impl Published {
         self.word32(base + 4 * (WAYS * bucket as usize + way))
     }
 
-    fn bucket(&self, key: BlockKey) -> u32 {
-        (bucket_of(key) & u64::from(self.buckets - 1)) as u32
+    /// The key's two buckets (the same one twice where they coincide).
+    fn buckets_of(&self, key: BlockKey) -> [u32; 2] {
+        let m = u64::from(self.buckets - 1);
+        [
+            (bucket_of(key) & m) as u32,
+            (second_bucket_of(key) & m) as u32,
+        ]
+    }
+
+    fn free_entries(&self, bucket: u32) -> usize {
+        (0..WAYS)
+            .filter(|&w| self.entry(bucket, w).load(Ordering::Relaxed) == 0)
+            .count()
     }
 
     /// Slot `slot` now holds block `key`, fully written, and the store's index names it.
@@ -156,7 +196,13 @@ impl Published {
         // bytes (written before this call, ordered by the store's locks before it).
         seq.store(cur + 1, Ordering::Release);
         let _g = self.index_lock.lock().unwrap_or_else(|p| p.into_inner());
-        let b = self.bucket(key);
+        // The emptier of the key's two buckets (the first on a tie).
+        let [b1, b2] = self.buckets_of(key);
+        let b = if self.free_entries(b2) > self.free_entries(b1) {
+            b2
+        } else {
+            b1
+        };
         for w in 0..WAYS {
             let e = self.entry(b, w);
             if e.load(Ordering::Relaxed) == 0 {
@@ -164,7 +210,7 @@ impl Published {
                 return;
             }
         }
-        // Bucket full: the key is not indexed (its readers take the pin path).
+        // Both buckets full: the key is not indexed (its readers take the pin path).
     }
 
     /// Slot `slot` is no longer readable in place: from the store's next write on, its bytes
@@ -186,12 +232,13 @@ impl Published {
         let k = u128::from(self.word64(r + 8).load(Ordering::Relaxed))
             | (u128::from(self.word64(r + 16).load(Ordering::Relaxed)) << 64);
         let _g = self.index_lock.lock().unwrap_or_else(|p| p.into_inner());
-        let b = self.bucket(BlockKey::from_u128(k));
-        for w in 0..WAYS {
-            let e = self.entry(b, w);
-            if e.load(Ordering::Relaxed) == s + 1 {
-                e.store(0, Ordering::Release);
-                return;
+        for b in self.buckets_of(BlockKey::from_u128(k)) {
+            for w in 0..WAYS {
+                let e = self.entry(b, w);
+                if e.load(Ordering::Relaxed) == s + 1 {
+                    e.store(0, Ordering::Release);
+                    return;
+                }
             }
         }
     }
@@ -206,9 +253,10 @@ impl Published {
 
     /// The slot the index names for `key`, if published (tests and checks).
     pub fn find(&self, key: BlockKey) -> Option<SlotId> {
-        let b = self.bucket(key);
-        (0..WAYS)
-            .map(|w| self.entry(b, w).load(Ordering::Acquire))
+        self.buckets_of(key)
+            .into_iter()
+            .flat_map(|b| (0..WAYS).map(move |w| (b, w)))
+            .map(|(b, w)| self.entry(b, w).load(Ordering::Acquire))
             .filter(|&e| e != 0)
             .map(|e| SlotId(e - 1))
             .find(|&s| self.holds(s, key))
@@ -232,12 +280,14 @@ mod tests {
         p.unpublish(SlotId(3));
         assert_eq!(p.find(k), None);
         assert_eq!(p.seq(3).load(Ordering::Relaxed), 3);
-        // More keys in one bucket than it has ways: the rest go unindexed, nothing breaks.
-        let same: Vec<BlockKey> = (0u128..100_000)
+        // More keys whose two buckets are both bucket 0 than it has ways: the rest go
+        // unindexed, nothing breaks.
+        let same: Vec<BlockKey> = (0u128..1_000_000)
             .map(BlockKey::from_u128)
-            .filter(|k| p.bucket(*k) == 0)
+            .filter(|k| p.buckets_of(*k) == [0, 0])
             .take(WAYS + 2)
             .collect();
+        assert_eq!(same.len(), WAYS + 2);
         for (i, k) in same.iter().enumerate() {
             p.publish(SlotId(i as u32), *k);
         }
@@ -247,5 +297,25 @@ mod tests {
             p.unpublish(SlotId(i as u32));
         }
         assert!(same.iter().all(|k| p.find(*k).is_none()));
+        // Keys whose first bucket is full go to their second: all indexed, and found.
+        let first: Vec<BlockKey> = (0u128..1_000_000)
+            .map(BlockKey::from_u128)
+            .filter(|k| {
+                let [a, b] = p.buckets_of(*k);
+                a == 1 && b != 1
+            })
+            .take(2 * WAYS)
+            .collect();
+        for (i, k) in first.iter().enumerate() {
+            p.publish(SlotId(i as u32), *k);
+        }
+        assert!(first.iter().all(|k| p.find(*k).is_some()));
+        for i in 0..first.len() {
+            p.unpublish(SlotId(i as u32));
+        }
+        assert!(first.iter().all(|k| p.find(*k).is_none()));
+        assert_eq!(p.flags(), flags::TWO_CHOICE);
+        p.allow_lookups(true);
+        assert_eq!(p.flags(), flags::TWO_CHOICE | flags::LOOKUPS | flags::EXACT);
     }
 }

@@ -318,3 +318,165 @@ async fn put_all_after(c: &Client, all: &[kvtier_core::BlockKey], part: &[kvtier
     let s = c.put_chain(part, parent, &bufs).await;
     assert_eq!(s.failure, None, "{:?}", s.statuses);
 }
+
+/// A lookup of a prefix the published table names in DRAM is answered with no round trip,
+/// with the server's own answer; the server still hears of it (one request, its hold taken);
+/// a list with a key the table does not name (never stored, removed) is asked the usual way;
+/// the switch turns it off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lookup_of_a_prefix_in_dram_is_answered_in_place_and_the_server_hears_of_it() {
+    let srv = ServerProc::start(&[]);
+    bounded(60, async {
+        let c = srv.client("unix").await;
+        let asks = Client::connect(
+            &srv.unix_url(),
+            ClientConfig::default().fast_local_lookups(false),
+        )
+        .await
+        .unwrap();
+        let ks = keys(b"lookup", 8, 0);
+        put_all(&c, &ks).await;
+        let want = asks.lookup(&ks).await;
+        assert_eq!((want.tiers.len(), &want.miss), (8, &None), "{want:?}");
+        assert_eq!(asks.fast_lookups(), 0, "the switch is off");
+
+        let holds = |st: serde_json::Value| st["store"]["lookup_holds"].as_u64().unwrap();
+        let holds_before = holds(srv.stats().await);
+        let before = requests(&srv).await;
+        assert_eq!(c.lookup(&ks).await, want);
+        assert_eq!(
+            c.fast_lookups(),
+            1,
+            "a DRAM prefix should be answered in place"
+        );
+        // Sent one way: the server ran it as a lookup (counted, and the prefix held).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while requests(&srv).await < before + 1 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            requests(&srv).await,
+            before + 1,
+            "the server did not hear of it"
+        );
+        assert_eq!(holds(srv.stats().await), holds_before + 1, "no hold taken");
+
+        // A key the table does not name: the usual lookup, the server's answer.
+        let mut longer = ks.clone();
+        longer.extend(keys(b"lookup-absent", 1, 9));
+        let l = c.lookup(&longer).await;
+        assert_eq!(l, asks.lookup(&longer).await);
+        assert_eq!(
+            (l.tiers.len(), l.miss),
+            (8, Some(kvtier_client::Miss::NotCached))
+        );
+        // Removed blocks leave the table at once.
+        assert_eq!(c.remove(&ks[4..]).await.unwrap(), 4);
+        let l = c.lookup(&ks).await;
+        assert_eq!(
+            (l.tiers.len(), l.miss),
+            (4, Some(kvtier_client::Miss::NotCached))
+        );
+        assert_eq!(c.fast_lookups(), 1);
+        assert_eq!(c.lookup(&ks[..4]).await.tiers.len(), 4);
+        assert_eq!(c.fast_lookups(), 2);
+
+        // On the wire: a lookup flagged NO_REPLY is answered with nothing (the next frame is
+        // the ping's pong), and a plain one still gets its reply.
+        use kvtier_core::protocol::{KeyList, Request, Response, flags};
+        let (mut raw, _, _) = crate::arena::local_hello(&srv.unix).await;
+        let lookup = Request::Lookup(KeyList {
+            keys: ks[..4].to_vec(),
+        });
+        let mut f = Raw::<tokio::net::UnixStream>::frame(&lookup, 100, 0);
+        f[7] |= flags::NO_REPLY;
+        f.extend(Raw::<tokio::net::UnixStream>::frame(&Request::Ping, 101, 0));
+        f.extend(Raw::<tokio::net::UnixStream>::frame(&lookup, 102, 0));
+        tokio::io::AsyncWriteExt::write_all(&mut raw.s, &f)
+            .await
+            .unwrap();
+        let (h, r, _) = raw.recv().await.unwrap();
+        assert_eq!((h.request_id, &r), (101, &Response::Pong));
+        let (h, r, _) = raw.recv().await.unwrap();
+        assert!(
+            h.request_id == 102
+                && matches!(r, Response::Lookup { ref tiers, .. } if tiers.len() == 4),
+            "{h:?} {r:?}"
+        );
+    })
+    .await;
+}
+
+/// With DRAM the only tier (no NVMe, no cluster) the table is exact: a partly cached list
+/// is answered in place too, its prefix then a miss, as the server answers it; while a put
+/// is in flight (a reservation not committed) a key the table does not name may be on its
+/// way, so such a list takes the round trip until the put is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_dram_alone_a_partly_cached_lookup_is_answered_in_place_unless_a_put_is_in_flight() {
+    use kvtier_client::Miss;
+    use kvtier_core::protocol::{PutEntry, Request, Response};
+    let srv = ServerProc::start(&["store.nvme_dir=\"\""]);
+    bounded(60, async {
+        let c = srv.client("unix").await;
+        let asks = Client::connect(
+            &srv.unix_url(),
+            ClientConfig::default().fast_local_lookups(false),
+        )
+        .await
+        .unwrap();
+        let ks = keys(b"exact", 6, 0);
+        put_all(&c, &ks).await;
+        let mut longer = ks.clone();
+        longer.extend(keys(b"exact-new", 3, 1));
+        let l = c.lookup(&longer).await;
+        assert_eq!((l.tiers.len(), &l.miss), (6, &Some(Miss::NotCached)));
+        assert_eq!(l, asks.lookup(&longer).await);
+        assert_eq!(
+            c.fast_lookups(),
+            1,
+            "a partly cached list, answered in place"
+        );
+        let none = keys(b"exact-none", 2, 2);
+        assert_eq!(c.lookup(&none).await.tiers.len(), 0);
+        assert_eq!(c.fast_lookups(), 2, "nothing cached, answered in place");
+
+        // A put in flight: a reservation of other keys, not committed.
+        let (mut raw, _, _) = crate::arena::local_hello(&srv.unix).await;
+        let coming = keys(b"exact-coming", 1, 3);
+        raw.send(
+            &Request::Reserve {
+                entries: vec![PutEntry {
+                    key: coming[0],
+                    parent: None,
+                }],
+                lease_ms: 10_000,
+            },
+            &[],
+        )
+        .await;
+        let Response::Reserve(r) = raw.recv().await.unwrap().1 else {
+            panic!("reserve refused");
+        };
+        let l = c.lookup(&longer).await;
+        assert_eq!((l.tiers.len(), &l.miss), (6, &Some(Miss::NotCached)));
+        assert_eq!(
+            c.fast_lookups(),
+            2,
+            "asked the server while a put is in flight"
+        );
+        // A fully cached list needs no such care.
+        assert_eq!(c.lookup(&ks).await.tiers.len(), 6);
+        assert_eq!(c.fast_lookups(), 3);
+        raw.send(
+            &Request::Abort {
+                reservation_id: r.reservation_id,
+            },
+            &[],
+        )
+        .await;
+        let _ = raw.recv().await.unwrap();
+        assert_eq!(c.lookup(&longer).await.tiers.len(), 6);
+        assert_eq!(c.fast_lookups(), 4, "in place again once the put is done");
+    })
+    .await;
+}
