@@ -111,26 +111,43 @@ fn tiers_quick_runs_every_path_and_says_redis_was_skipped() {
     for c in comparisons {
         assert!(c["ratio"].as_f64().unwrap() > 0.0, "{c}");
     }
-    // The lookup: in process, over the Unix socket with 1 client and with 4, and the same
+    // The lookup: in process; over the Unix socket answered in place (the default) and with
+    // a round trip each, each closed loop and paced, with 1 client and with 4; and the same
     // bytes over a bare socket pair, 1 and 4 at once (the floor).
     let lookup = &doc["result"]["server"]["lookup"];
     assert!(lookup["ping_us_p50"].as_f64().unwrap() > 0.0, "{lookup}");
     let cases = lookup["cases"].as_array().unwrap();
-    let shape: Vec<(&str, u64)> = cases
+    let shape: Vec<(&str, u64, Option<u64>)> = cases
         .iter()
-        .map(|c| (c["path"].as_str().unwrap(), c["clients"].as_u64().unwrap()))
+        .map(|c| {
+            (
+                c["path"].as_str().unwrap(),
+                c["clients"].as_u64().unwrap(),
+                c["rate_per_client"].as_u64(),
+            )
+        })
         .collect();
-    assert_eq!(
-        shape,
-        [
-            ("in process", 1),
-            ("unix socket", 1),
-            ("unix socket", 4),
-            ("raw unix socket, same bytes", 1),
-            ("raw unix socket, same bytes", 4)
-        ],
-        "{lookup}"
-    );
+    let mut want = vec![("in process", 1, None)];
+    for path in ["unix socket", "unix socket, a round trip each"] {
+        for rate in [None, Some(1000)] {
+            want.extend([(path, 1, rate), (path, 4, rate)]);
+        }
+    }
+    want.extend([
+        ("raw unix socket, same bytes", 1, None),
+        ("raw unix socket, same bytes", 4, None),
+    ]);
+    assert_eq!(shape, want, "{lookup}");
+    // The prefix is all in DRAM: answered in place where the switch is on (every lookup:
+    // nothing is being stored meanwhile), never where it is off.
+    for c in cases {
+        let (n, in_place) = (
+            c["lookups"].as_u64().unwrap(),
+            c["in_place"].as_u64().unwrap(),
+        );
+        let want = if c["path"] == "unix socket" { n } else { 0 };
+        assert_eq!(in_place, want, "{c}");
+    }
     for c in cases {
         let (p50, p99) = (
             c["latency_us_p50"].as_f64().unwrap(),

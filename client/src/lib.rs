@@ -140,9 +140,11 @@ pub struct ClientConfig {
     pub fast_local_gets: bool,
     /// With the slot table mapped ([`ClientConfig::fast_local_gets`]) and a server that
     /// allows it (no tier above DRAM), answer a lookup whose every key the table names as a
-    /// DRAM block here, with no round trip: the lookup still goes to the server, one way, so
-    /// that its eviction policy hears of it and it holds the prefix for the load (a lookup
-    /// with a key the table does not name goes as before). Default: true.
+    /// DRAM block here, with no round trip; where DRAM is the server's only tier and it is in
+    /// no cluster, also a partly cached one while no put is in flight (its prefix, then a
+    /// miss). The lookup still goes to the server, one way, so that its eviction policy hears
+    /// of it and it holds the prefix for the load; any other lookup goes as before.
+    /// Default: true.
     pub fast_local_lookups: bool,
     /// Lease asked for pins taken by `get_into` on the local path. Default: 10 s.
     pub lease: Duration,
@@ -702,8 +704,9 @@ impl Client {
 
     /// The longest cached prefix of `keys` and the tier of each of its blocks. Key lists
     /// longer than the server's per-request limit are asked in pieces. On a local connection
-    /// a list whose every key is a DRAM block in the published slot table is answered from
-    /// it, with no round trip ([`ClientConfig::fast_local_lookups`]).
+    /// a list the published slot table settles (every key a DRAM block; with DRAM the only
+    /// tier, a cached prefix and then a key not there) is answered from it, with no round
+    /// trip ([`ClientConfig::fast_local_lookups`]).
     pub async fn lookup(&self, keys: &[BlockKey]) -> Lookup {
         match self.lookup_inner(keys).await {
             Ok(l) => l,
