@@ -232,6 +232,7 @@ class Client:
         zero_copy: bool = True,
         lease: float = 10.0,
         name: str = "kvtier-python",
+        local_lookups: bool = True,
     ) -> Self: ...
     @property
     def url(self) -> str: ...

