@@ -365,11 +365,7 @@ def test_server_paused_then_killed_then_restarted_warm(
     second: Engine, server: KvtierServer, workdir: Path, prompts: dict, baseline: dict
 ) -> None:
     path = workdir / "second"
-    # A server that answers nothing (stopped). A prompt whose blocks are all in its DRAM is
-    # still looked up and loaded: through the published slot table, with no round trip (the
-    # lookup goes to the server one way, into its socket's buffer; docs/protocol.md, "Local
-    # lookups without a round trip"). A prompt it has not seen needs the server: its lookup
-    # fails, it is computed, and that is counted.
+    # A server that answers nothing (stopped): requests complete, computed; counted.
     sched0 = read_stats(path, "scheduler")
     work0 = read_stats(path, "worker")
     server.pause()
@@ -380,14 +376,19 @@ def test_server_paused_then_killed_then_restarted_warm(
     finally:
         server.resume()
     assert out[0]["tokens"] == baseline["long"]["tokens"]
-    assert out[0]["cached"] == expected_cached(LONG), out[0]
-    assert out[1]["cached"] == 0, out[1]
     sched1 = read_stats(path, "scheduler")
     work1 = read_stats(path, "worker")
-    assert sched1["lookup_failures"] > sched0.get("lookup_failures", 0), (sched0, sched1)
-    loaded = work1.get("loaded_blocks", 0) - work0.get("loaded_blocks", 0)
-    assert loaded == expected_cached(LONG) // BLOCK, (work0, work1)
-    print(f"server paused: 1 request loaded in place, 1 computed, in {took:.2f} s")
+    assert sched1["lookup_failures"] > sched0.get("lookup_failures", 0)
+    # Nothing came from kvtier. vLLM reports 0 cached tokens, or the planned tokens with every
+    # one of their blocks a load error it recovered from by computing them (vLLM's
+    # num_cached_tokens keeps the count of the request's first scheduling): the long prompt,
+    # all in the server's DRAM, is looked up with no round trip (docs/protocol.md, "Local
+    # lookups without a round trip"), but its load is a pin, which the stopped server never
+    # answers (a CI run saw this once before, a lookup answered just before the stop).
+    assert work1.get("loaded_blocks", 0) == work0.get("loaded_blocks", 0)
+    failed = work1.get("load_error_blocks", 0) - work0.get("load_error_blocks", 0)
+    assert out[0]["cached"] in (0, failed * BLOCK), (out[0]["cached"], failed)
+    print(f"server paused: 2 requests computed in {took:.2f} s")
 
     # Killed (kill -9): every request succeeds, computed; counted: the scheduler's lookup
     # failed, nothing was loaded, and the worker's store of the computed blocks failed.

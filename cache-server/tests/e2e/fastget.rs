@@ -319,6 +319,16 @@ async fn put_all_after(c: &Client, all: &[kvtier_core::BlockKey], part: &[kvtier
     assert_eq!(s.failure, None, "{:?}", s.statuses);
 }
 
+/// A local client whose lookups all ask the server (`fast_local_lookups` off).
+async fn asking(srv: &ServerProc) -> Client {
+    Client::connect(
+        &srv.unix_url(),
+        ClientConfig::default().fast_local_lookups(false),
+    )
+    .await
+    .unwrap()
+}
+
 /// A lookup of a prefix the published table names in DRAM is answered with no round trip,
 /// with the server's own answer; the server still hears of it (one request, its hold taken);
 /// a list with a key the table does not name (never stored, removed) is asked the usual way;
@@ -328,12 +338,7 @@ async fn a_lookup_of_a_prefix_in_dram_is_answered_in_place_and_the_server_hears_
     let srv = ServerProc::start(&[]);
     bounded(60, async {
         let c = srv.client("unix").await;
-        let asks = Client::connect(
-            &srv.unix_url(),
-            ClientConfig::default().fast_local_lookups(false),
-        )
-        .await
-        .unwrap();
+        let asks = asking(&srv).await;
         let ks = keys(b"lookup", 8, 0);
         put_all(&c, &ks).await;
         let want = asks.lookup(&ks).await;
@@ -418,12 +423,7 @@ async fn with_dram_alone_a_partly_cached_lookup_is_answered_in_place_unless_a_pu
     let srv = ServerProc::start(&["store.nvme_dir=\"\""]);
     bounded(60, async {
         let c = srv.client("unix").await;
-        let asks = Client::connect(
-            &srv.unix_url(),
-            ClientConfig::default().fast_local_lookups(false),
-        )
-        .await
-        .unwrap();
+        let asks = asking(&srv).await;
         let ks = keys(b"exact", 6, 0);
         put_all(&c, &ks).await;
         let mut longer = ks.clone();
