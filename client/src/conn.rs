@@ -181,23 +181,36 @@ impl SlotView {
     /// record names `key` with an even `seq`, runs `body` on it (`false`: give up), and
     /// returns true if `seq` was unchanged after it.
     fn find(&self, key: kvtier_core::BlockKey, mut body: impl FnMut(u32) -> bool) -> bool {
-        use kvtier_core::slot_table::{
-            HEADER_BYTES, RECORD_BYTES, WAYS, bucket_of, second_bucket_of,
-        };
+        use kvtier_core::slot_table::{bucket_of, second_bucket_of};
         let key = self.keys.as_ref().map_or(key, |m| m.internal(key));
         let k = key.to_u128();
         let m = u64::from(self.buckets - 1);
         let first = (bucket_of(key) & m) as usize;
-        let second = (second_bucket_of(key) & m) as usize;
-        let index = HEADER_BYTES + RECORD_BYTES * self.slots as usize;
-        // The first bucket's entries, then (with two choices) the second's.
-        let entries = (0..WAYS).map(|w| index + 4 * (WAYS * first + w)).chain(
-            (0..WAYS)
-                .filter(|_| self.two_choice && second != first)
-                .map(|w| index + 4 * (WAYS * second + w)),
-        );
-        for at in entries {
-            let e = self.word32(at).load(Ordering::Acquire);
+        if let Some(found) = self.probe_bucket(first, k, &mut body) {
+            return found;
+        }
+        // The second bucket (hashed only when the first did not hold the key).
+        if self.two_choice {
+            let second = (second_bucket_of(key) & m) as usize;
+            if second != first {
+                return self.probe_bucket(second, k, &mut body).unwrap_or(false);
+            }
+        }
+        false
+    }
+
+    /// [`Self::find`] in one bucket: `Some(true)` the key's slot, `body` run and `seq`
+    /// unchanged; `Some(false)` `body` gave up; `None` not found here.
+    fn probe_bucket(
+        &self,
+        bucket: usize,
+        k: u128,
+        body: &mut impl FnMut(u32) -> bool,
+    ) -> Option<bool> {
+        use kvtier_core::slot_table::{HEADER_BYTES, RECORD_BYTES, WAYS};
+        let base = HEADER_BYTES + RECORD_BYTES * self.slots as usize + 4 * WAYS * bucket;
+        for w in 0..WAYS {
+            let e = self.word32(base + 4 * w).load(Ordering::Acquire);
             if e == 0 || e > self.slots {
                 continue;
             }
@@ -214,18 +227,18 @@ impl SlotView {
                     break;
                 }
                 if !body(slot) {
-                    return false;
+                    return Some(false);
                 }
                 // Orders the body's loads (the key's above, a copy's) before the re-read: if
                 // they saw any byte the server wrote after withdrawing the slot (its odd
                 // store, then a release fence), this load sees that odd store or a later value.
                 std::sync::atomic::fence(Ordering::Acquire);
                 if self.word64(rec).load(Ordering::Relaxed) == s1 {
-                    return true;
+                    return Some(true);
                 }
             }
         }
-        false
+        None
     }
 }
 
