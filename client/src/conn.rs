@@ -128,7 +128,13 @@ pub(crate) struct SlotView {
     /// The header's `flags` has `slot_table::flags::EXACT`: a key the table does not name
     /// is not cached, while no put is in flight ([`SlotView::pending`]).
     pub(crate) exact: bool,
+    /// The header's `flags` has `slot_table::flags::TAGGED`: an index entry carries its
+    /// key's tag, and only entries with the probed key's tag are looked at.
+    tagged: bool,
 }
+
+/// Keys [`SlotView::held_prefix`] probes at once.
+const PROBE_GROUP: usize = 16;
 
 /// Tries per slot when the slot changes under a copy, before the caller falls back to a pin.
 const FAST_TRIES: usize = 2;
@@ -170,72 +176,189 @@ impl SlotView {
             .load(Ordering::SeqCst)
     }
 
-    /// Whether the table names `key` as a block in DRAM now: a slot's record held `key`,
-    /// committed, with its `seq` unchanged around the reading of the key. `false` means "ask
-    /// the server" (not indexed, not in DRAM, or changing).
-    pub(crate) fn holds(&self, key: kvtier_core::BlockKey) -> bool {
-        self.find(key, |_| true)
+    /// How many leading keys of `keys` the table names as DRAM blocks now: for each in
+    /// turn, up to the first it does not name, a slot's record held the key, committed,
+    /// with its `seq` unchanged around the reading of the key (a key not named means "ask
+    /// the server": not indexed, not in DRAM, or changing).
+    ///
+    /// The keys go [`PROBE_GROUP`] at a time, so that their cache misses overlap instead of
+    /// following one another: the next group's first buckets are prefetched; in a tagged
+    /// table each key's first bucket is searched for its tag and the record found there
+    /// prefetched; then each key is checked in order, through that record, or, where it
+    /// was not the key's, by the probe of both buckets a single key gets. What is decided
+    /// is what probing each key alone decides (a prefetch is a hint no load depends on).
+    pub(crate) fn held_prefix(&self, keys: &[kvtier_core::BlockKey]) -> usize {
+        // With tenants the table holds internal keys: map each key once.
+        let mapped: Vec<kvtier_core::BlockKey>;
+        let keys = match &self.keys {
+            Some(m) => {
+                mapped = keys.iter().map(|k| m.internal(*k)).collect();
+                &mapped[..]
+            }
+            None => keys,
+        };
+        for k in keys.iter().take(PROBE_GROUP) {
+            self.prefetch_bucket(*k);
+        }
+        let mut found = [None; PROBE_GROUP];
+        for (g, group) in keys.chunks(PROBE_GROUP).enumerate() {
+            let start = g * PROBE_GROUP;
+            for k in keys.iter().skip(start + PROBE_GROUP).take(PROBE_GROUP) {
+                self.prefetch_bucket(*k);
+            }
+            for (f, k) in found.iter_mut().zip(group) {
+                *f = self.tagged_candidate(*k);
+            }
+            for (i, k) in group.iter().enumerate() {
+                let through_tag = found[i].is_some_and(|slot| {
+                    self.check_slot(slot, k.to_u128(), &mut |_| true) == Some(true)
+                });
+                if !through_tag && !self.find_internal(*k, |_| true) {
+                    return start + i;
+                }
+            }
+        }
+        keys.len()
     }
 
-    /// The seqlock read shared by [`Self::read`] and [`Self::holds`]: finds the slot whose
+    /// In a tagged table, the slot of the first entry of internal key `key`'s first bucket
+    /// that has its tag (likely its slot), with the load of its record started; `None`
+    /// without tags or without such an entry.
+    fn tagged_candidate(&self, key: kvtier_core::BlockKey) -> Option<u32> {
+        use kvtier_core::slot_table::{TAG_SHIFT, WAYS, bucket_of, slot_of_entry, tag_of};
+        if !self.tagged {
+            return None;
+        }
+        let h = bucket_of(key);
+        let base = self.bucket_offset((h & u64::from(self.buckets - 1)) as usize);
+        let tag = tag_of(h);
+        let slot = (0..WAYS)
+            .map(|w| self.word32(base + 4 * w).load(Ordering::Relaxed))
+            .find(|e| e >> TAG_SHIFT == tag && *e != 0)
+            .and_then(|e| slot_of_entry(e, true))
+            .filter(|s| *s < self.slots)?;
+        self.prefetch(Self::record_offset(slot));
+        Some(slot)
+    }
+
+    /// The byte offset of slot `slot`'s record.
+    fn record_offset(slot: u32) -> usize {
+        use kvtier_core::slot_table::{HEADER_BYTES, RECORD_BYTES};
+        HEADER_BYTES + RECORD_BYTES * slot as usize
+    }
+
+    /// The byte offset of bucket `bucket`'s first entry.
+    fn bucket_offset(&self, bucket: usize) -> usize {
+        use kvtier_core::slot_table::{HEADER_BYTES, RECORD_BYTES, WAYS};
+        HEADER_BYTES + RECORD_BYTES * self.slots as usize + 4 * WAYS * bucket
+    }
+
+    /// Starts loading the cache line of internal key `key`'s first bucket.
+    fn prefetch_bucket(&self, key: kvtier_core::BlockKey) {
+        let m = u64::from(self.buckets - 1);
+        let b = (kvtier_core::slot_table::bucket_of(key) & m) as usize;
+        self.prefetch(self.bucket_offset(b));
+    }
+
+    /// A prefetch hint for the table's byte `off` (x86-64; elsewhere nothing). It reads
+    /// nothing the program sees and cannot fault.
+    #[inline]
+    fn prefetch(&self, off: usize) {
+        debug_assert!(off < self.map.len());
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            let p = self.map.as_ptr().wrapping_add(off).cast::<i8>();
+            // SAFETY: `_mm_prefetch` is a hint: it never faults, whatever the address, and
+            // changes no memory nor any value a load returns; SSE is in every x86-64 CPU.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p) };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = off;
+    }
+
+    /// The seqlock read shared by [`Self::read`] and [`Self::held_prefix`]: finds the slot whose
     /// record names `key` with an even `seq`, runs `body` on it (`false`: give up), and
     /// returns true if `seq` was unchanged after it.
-    fn find(&self, key: kvtier_core::BlockKey, mut body: impl FnMut(u32) -> bool) -> bool {
-        use kvtier_core::slot_table::{bucket_of, second_bucket_of};
+    fn find(&self, key: kvtier_core::BlockKey, body: impl FnMut(u32) -> bool) -> bool {
         let key = self.keys.as_ref().map_or(key, |m| m.internal(key));
+        self.find_internal(key, body)
+    }
+
+    /// [`Self::find`] of a key as the table holds it (mapped, with tenants).
+    fn find_internal(&self, key: kvtier_core::BlockKey, mut body: impl FnMut(u32) -> bool) -> bool {
+        use kvtier_core::slot_table::{bucket_of, second_bucket_of, tag_of};
         let k = key.to_u128();
         let m = u64::from(self.buckets - 1);
-        let first = (bucket_of(key) & m) as usize;
-        if let Some(found) = self.probe_bucket(first, k, &mut body) {
+        let h = bucket_of(key);
+        let tag = self.tagged.then(|| tag_of(h));
+        let first = (h & m) as usize;
+        if let Some(found) = self.probe_bucket(first, k, tag, &mut body) {
             return found;
         }
         // The second bucket (hashed only when the first did not hold the key).
         if self.two_choice {
             let second = (second_bucket_of(key) & m) as usize;
             if second != first {
-                return self.probe_bucket(second, k, &mut body).unwrap_or(false);
+                return self
+                    .probe_bucket(second, k, tag, &mut body)
+                    .unwrap_or(false);
             }
         }
         false
     }
 
     /// [`Self::find`] in one bucket: `Some(true)` the key's slot, `body` run and `seq`
-    /// unchanged; `Some(false)` `body` gave up; `None` not found here.
+    /// unchanged; `Some(false)` `body` gave up; `None` not found here. `tag`: the key's
+    /// tag, in a tagged table (entries with another tag are not the key's).
     fn probe_bucket(
         &self,
         bucket: usize,
         k: u128,
+        tag: Option<u32>,
         body: &mut impl FnMut(u32) -> bool,
     ) -> Option<bool> {
-        use kvtier_core::slot_table::{HEADER_BYTES, RECORD_BYTES, WAYS};
-        let base = HEADER_BYTES + RECORD_BYTES * self.slots as usize + 4 * WAYS * bucket;
+        use kvtier_core::slot_table::{TAG_SHIFT, WAYS, slot_of_entry};
+        let base = self.bucket_offset(bucket);
         for w in 0..WAYS {
             let e = self.word32(base + 4 * w).load(Ordering::Acquire);
-            if e == 0 || e > self.slots {
+            if tag.is_some_and(|t| e >> TAG_SHIFT != t) {
                 continue;
             }
-            let slot = e - 1;
-            let rec = HEADER_BYTES + RECORD_BYTES * slot as usize;
-            for _ in 0..FAST_TRIES {
-                let s1 = self.word64(rec).load(Ordering::Acquire);
-                if s1 & 1 == 1 {
-                    break;
-                }
-                let lo = self.word64(rec + 8).load(Ordering::Relaxed);
-                let hi = self.word64(rec + 16).load(Ordering::Relaxed);
-                if u128::from(lo) | (u128::from(hi) << 64) != k {
-                    break;
-                }
-                if !body(slot) {
-                    return Some(false);
-                }
-                // Orders the body's loads (the key's above, a copy's) before the re-read: if
-                // they saw any byte the server wrote after withdrawing the slot (its odd
-                // store, then a release fence), this load sees that odd store or a later value.
-                std::sync::atomic::fence(Ordering::Acquire);
-                if self.word64(rec).load(Ordering::Relaxed) == s1 {
-                    return Some(true);
-                }
+            let Some(slot) = slot_of_entry(e, tag.is_some()).filter(|s| *s < self.slots) else {
+                continue;
+            };
+            if let Some(r) = self.check_slot(slot, k, body) {
+                return Some(r);
+            }
+        }
+        None
+    }
+
+    /// The seqlock check of one slot for key `k` (as the table holds it): `Some(true)` its
+    /// record names `k` with an even `seq`, `body` ran and `seq` was unchanged after it;
+    /// `Some(false)` `body` gave up; `None` the slot is not `k`'s now (or kept changing).
+    fn check_slot(&self, slot: u32, k: u128, body: &mut impl FnMut(u32) -> bool) -> Option<bool> {
+        let rec = Self::record_offset(slot);
+        for _ in 0..FAST_TRIES {
+            let s1 = self.word64(rec).load(Ordering::Acquire);
+            if s1 & 1 == 1 {
+                break;
+            }
+            let lo = self.word64(rec + 8).load(Ordering::Relaxed);
+            let hi = self.word64(rec + 16).load(Ordering::Relaxed);
+            if u128::from(lo) | (u128::from(hi) << 64) != k {
+                break;
+            }
+            if !body(slot) {
+                return Some(false);
+            }
+            // Orders the body's loads (the key's above, a copy's) before the re-read: if
+            // they saw any byte the server wrote after withdrawing the slot (its odd
+            // store, then a release fence), this load sees that odd store or a later value.
+            std::sync::atomic::fence(Ordering::Acquire);
+            if self.word64(rec).load(Ordering::Relaxed) == s1 {
+                return Some(true);
             }
         }
         None
@@ -854,6 +977,7 @@ fn map_slot_table(
         lookups: u64_at(FLAGS_OFFSET) & flags::LOOKUPS != 0,
         two_choice: u64_at(FLAGS_OFFSET) & flags::TWO_CHOICE != 0,
         exact: u64_at(FLAGS_OFFSET) & flags::EXACT != 0,
+        tagged: u64_at(FLAGS_OFFSET) & flags::TAGGED != 0,
     })
 }
 
@@ -1077,5 +1201,100 @@ mod tests {
         let f = unsafe { std::fs::File::from_raw_fd(fd) };
         f.set_len(len).unwrap();
         f.into()
+    }
+
+    /// A full table built as the server builds one (each key in the emptier of its two
+    /// buckets), tagged and not: the prefix `held_prefix` names is the keys each probed
+    /// alone would name, up to the first that is withdrawn (odd `seq`) or never stored, and
+    /// with tags a key whose entry names another key's slot is not taken for it.
+    #[test]
+    fn held_prefix_agrees_with_each_key_probed_alone() {
+        use kvtier_core::BlockKey;
+        use kvtier_core::slot_table::*;
+        let slots = 1u32 << 14;
+        for tagged in [false, true] {
+            let tbytes = table_bytes(slots);
+            let tf = tempfile_fd(tbytes as u64);
+            let tmap =
+                memmap2::MmapRaw::map_raw(&std::fs::File::from(tf.try_clone().unwrap())).unwrap();
+            // SAFETY (both): in bounds and aligned (asserted; the mapping is page aligned);
+            // the mapping outlives the closures' uses, and is only accessed through atomics.
+            let w64 = |off: usize| {
+                assert!(off.is_multiple_of(8) && off + 8 <= tmap.len());
+                unsafe { &*(tmap.as_mut_ptr().add(off) as *const AtomicU64) }
+            };
+            let w32 = |off: usize| {
+                assert!(off.is_multiple_of(4) && off + 4 <= tmap.len());
+                unsafe { &*(tmap.as_mut_ptr().add(off) as *const AtomicU32) }
+            };
+            let buckets = buckets_for(slots);
+            w64(0).store(MAGIC, Ordering::Relaxed);
+            w64(8).store(
+                u64::from(WAYS as u32) << 32 | u64::from(slots),
+                Ordering::Relaxed,
+            );
+            w64(16).store(u64::from(buckets), Ordering::Relaxed);
+            w64(32).store(4096, Ordering::Relaxed);
+            let tag_flag = if tagged { flags::TAGGED } else { 0 };
+            w64(FLAGS_OFFSET).store(flags::TWO_CHOICE | tag_flag, Ordering::Relaxed);
+            let m = u64::from(buckets - 1);
+            let key = |i: u32| BlockKey::from_u128(u128::from(i) * 0x9e37_79b9_7f4a_7c15 + 5);
+            let idx = HEADER_BYTES + RECORD_BYTES * slots as usize;
+            let entry = |b: u64, w: usize| w32(idx + 4 * (WAYS * b as usize + w));
+            let free =
+                |b: u64| (0..WAYS).filter(move |&w| entry(b, w).load(Ordering::Relaxed) == 0);
+            for s in 0..slots {
+                let (k, r) = (key(s), HEADER_BYTES + RECORD_BYTES * s as usize);
+                w64(r + 8).store(k.to_u128() as u64, Ordering::Relaxed);
+                w64(r + 16).store((k.to_u128() >> 64) as u64, Ordering::Relaxed);
+                w64(r).store(2, Ordering::Relaxed);
+                let (b1, b2) = (bucket_of(k) & m, second_bucket_of(k) & m);
+                let b = if free(b2).count() > free(b1).count() {
+                    b2
+                } else {
+                    b1
+                };
+                if let Some(w) = free(b).next() {
+                    entry(b, w).store(entry_of(s, k, tagged), Ordering::Relaxed);
+                }
+            }
+            let view = map_slot_table(
+                tf.try_clone().unwrap(),
+                tbytes as u64,
+                u64::from(slots) * 4096,
+                None,
+            )
+            .unwrap();
+            assert_eq!(view.tagged, tagged);
+            let alone =
+                |ks: &[BlockKey]| ks.iter().take_while(|k| view.find(**k, |_| true)).count();
+            let keys: Vec<BlockKey> = (0..slots).map(key).collect();
+            let window = &keys[100..100 + 4096];
+            assert_eq!(view.held_prefix(window), 4096, "tagged {tagged}");
+            assert_eq!(alone(window), 4096);
+            // Withdrawn: the slot of the window's key 1,000.
+            let r = HEADER_BYTES + RECORD_BYTES * 1100;
+            w64(r).store(3, Ordering::Relaxed);
+            assert_eq!(view.held_prefix(window), 1000);
+            assert_eq!(alone(window), 1000);
+            w64(r).store(4, Ordering::Relaxed);
+            // Never stored: a key in the middle, and an empty list.
+            let mut with_new = window.to_vec();
+            with_new[7] = key(slots + 1);
+            assert_eq!(view.held_prefix(&with_new), 7);
+            assert_eq!(view.held_prefix(&[]), 0);
+            // Slot 0's entry rewritten to name slot 1, under slot 0's key's tag: slot 1's
+            // record holds another key, so key 0 is not found through it.
+            let k0 = key(0);
+            for b in [bucket_of(k0) & m, second_bucket_of(k0) & m] {
+                for w in 0..WAYS {
+                    if entry(b, w).load(Ordering::Relaxed) == entry_of(0, k0, tagged) {
+                        entry(b, w).store(entry_of(1, k0, tagged), Ordering::Relaxed);
+                    }
+                }
+            }
+            assert_eq!(view.held_prefix(&keys[..2]), 0);
+            assert_eq!(view.held_prefix(&keys[1..3]), 2);
+        }
     }
 }

@@ -658,7 +658,7 @@ impl Client {
         {
             return Ok(None);
         }
-        let n = keys.iter().take_while(|k| table.holds(**k)).count();
+        let n = table.held_prefix(keys);
         // A key the table does not name may be on another tier, or being stored: only an
         // exact table, with no put in flight (read after the keys), says it is not cached.
         if n < keys.len() && !(table.exact && table.pending() == 0) {

@@ -9,9 +9,10 @@
 //! * slot records at [`HEADER_BYTES`]: `slots` records of [`RECORD_BYTES`]:
 //!   `seq: u64, key_lo: u64, key_hi: u64, _reserved: u64` (a seqlock: `seq` odd = nothing
 //!   readable, even = the slot holds block `key_lo | key_hi << 64`, unchanged while `seq` is);
-//! * index after the records: `buckets * ways` `u32` entries (`slot + 1`, 0 = empty); key `k`
-//!   is looked for in bucket `bucket_of(k) & (buckets - 1)`, and, where the header's flags
-//!   have [`flags::TWO_CHOICE`], also in `second_bucket_of(k) & (buckets - 1)`.
+//! * index after the records: `buckets * ways` `u32` entries (`slot + 1`, 0 = empty; with
+//!   [`flags::TAGGED`], `tag << TAG_SHIFT | (slot + 1)`, see [`entry_of`]); key `k` is looked
+//!   for in bucket `bucket_of(k) & (buckets - 1)`, and, where the header's flags have
+//!   [`flags::TWO_CHOICE`], also in `second_bucket_of(k) & (buckets - 1)`.
 
 use crate::BlockKey;
 
@@ -49,6 +50,42 @@ pub mod flags {
     /// leading keys the table names and whose next key it does not, while `pending` is
     /// zero: that prefix, then a miss.
     pub const EXACT: u64 = 4;
+    /// Index entries carry an 8-bit tag of their key in their top bits ([`super::entry_of`]),
+    /// so a reader loads the record only of an entry whose tag is its key's (one record a
+    /// probe instead of up to eight). Set where `slots` leaves room for it
+    /// ([`super::TAGGED_MAX_SLOTS`]).
+    pub const TAGGED: u64 = 8;
+}
+
+/// Bits of an index entry below its tag ([`flags::TAGGED`]): the entry's `slot + 1`.
+pub const TAG_SHIFT: u32 = 24;
+/// The `slot + 1` part of a tagged entry.
+pub const ENTRY_SLOT_MASK: u32 = (1 << TAG_SHIFT) - 1;
+/// The most slots a table may have and still tag its entries (`slot + 1` fits below the
+/// tag): 16,777,214, 1 TiB of 64 KiB blocks.
+pub const TAGGED_MAX_SLOTS: u32 = ENTRY_SLOT_MASK - 1;
+
+/// The tag of a key whose [`bucket_of`] is `first`: its top 8 bits (the bucket takes the
+/// low bits, and buckets never reach 2^56).
+pub fn tag_of(first: u64) -> u32 {
+    (first >> 56) as u32
+}
+
+/// The index entry naming `slot` for `key`: `slot + 1`, and with `tagged` the key's tag
+/// above it ([`flags::TAGGED`]).
+pub fn entry_of(slot: u32, key: BlockKey, tagged: bool) -> u32 {
+    if tagged {
+        tag_of(bucket_of(key)) << TAG_SHIFT | (slot + 1)
+    } else {
+        slot + 1
+    }
+}
+
+/// The slot an index entry names (`None` for an empty entry), in a table with or without
+/// [`flags::TAGGED`].
+pub fn slot_of_entry(e: u32, tagged: bool) -> Option<u32> {
+    let s = if tagged { e & ENTRY_SLOT_MASK } else { e };
+    s.checked_sub(1)
 }
 
 /// The bucket selector of a key (before masking): the splitmix64 finalizer of
@@ -136,5 +173,45 @@ mod tests {
                 "{name}: {one_choice_left_out}"
             );
         }
+    }
+
+    /// Tagged entries name their slot, and keys sharing a bucket rarely share a tag: in a
+    /// full table a probe loads the record of about one entry (its own), not of up to eight.
+    #[test]
+    fn tagged_entries_name_their_slot_and_tell_keys_apart() {
+        let k = BlockKey::from_u128(0xfeed);
+        for tagged in [false, true] {
+            for slot in [0, 1, 4095, TAGGED_MAX_SLOTS] {
+                let e = entry_of(slot, k, tagged);
+                assert_ne!(e, 0);
+                assert_eq!(slot_of_entry(e, tagged), Some(slot));
+            }
+            assert_eq!(slot_of_entry(0, tagged), None);
+        }
+        assert_eq!(entry_of(7, k, true) >> TAG_SHIFT, tag_of(bucket_of(k)));
+        // Every slot of a table of 2^16 used, keys in their first bucket: how often another
+        // key of the bucket has the probed key's tag (a record loaded for nothing).
+        let slots = 1u32 << 16;
+        let m = u64::from(buckets_for(slots) - 1);
+        let mut buckets = vec![Vec::new(); buckets_for(slots) as usize];
+        for i in 0..u128::from(slots) {
+            let h = bucket_of(BlockKey::from_u128(i));
+            buckets[(h & m) as usize].push(tag_of(h));
+        }
+        let (mut probes, mut wasted) = (0u64, 0u64);
+        for b in &buckets {
+            for (i, t) in b.iter().enumerate() {
+                probes += 1;
+                wasted += b
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, u)| *j != i && *u == t)
+                    .count() as u64;
+            }
+        }
+        assert!(
+            wasted * 50 < probes,
+            "{wasted} wasted record loads in {probes} probes"
+        );
     }
 }

@@ -139,6 +139,9 @@ pub struct Settings {
     pub blocks: Option<usize>,
     pub batch: usize,
     pub lookup_blocks: usize,
+    /// The lookup case's DRAM tier, in 4 KiB blocks, filled before the prefix is stored
+    /// (at least `lookup_blocks` + 64).
+    pub lookup_dram_blocks: usize,
     pub redis: RedisChoice,
     pub quick: bool,
     /// Local gets through pins (the path before the published slot table).

@@ -83,6 +83,7 @@ struct Defaults {
     clients: &'static [usize],
     blocks: Option<usize>,
     lookup_blocks: usize,
+    lookup_dram_blocks: usize,
 }
 
 const FULL: Defaults = Defaults {
@@ -94,6 +95,7 @@ const FULL: Defaults = Defaults {
     clients: &[1, 4],
     blocks: None,
     lookup_blocks: 4096,
+    lookup_dram_blocks: 1 << 18,
 };
 
 const QUICK: Defaults = Defaults {
@@ -105,6 +107,7 @@ const QUICK: Defaults = Defaults {
     clients: &[1],
     blocks: Some(8),
     lookup_blocks: 256,
+    lookup_dram_blocks: 1024,
 };
 
 #[derive(Args, Debug, Clone)]
@@ -177,6 +180,12 @@ pub struct TiersArgs {
     /// [default: 4096; --quick: 256]
     #[arg(long)]
     pub lookup_blocks: Option<usize>,
+    /// DRAM tier of the lookup case, in 4 KiB blocks, every one filled before the prefix
+    /// is stored (as a server's DRAM is in use: the published slot table and the store's
+    /// index as full as they get). At least --lookup-blocks + 64.
+    /// [default: 262144 (1 GiB); --quick: 1024]
+    #[arg(long)]
+    pub lookup_dram_blocks: Option<usize>,
     /// Skip the Redis reference (said so in the output).
     #[arg(long, conflicts_with = "redis")]
     pub no_redis: bool,
@@ -226,6 +235,18 @@ impl TiersArgs {
         if blocks == Some(0) {
             bail!("--blocks must be at least 1");
         }
+        let lookup_blocks = self.lookup_blocks.unwrap_or(d.lookup_blocks);
+        let lookup_dram_blocks = match self.lookup_dram_blocks {
+            Some(n) if lookup_blocks > 0 && n < lookup_blocks + 64 => bail!(
+                "--lookup-dram-blocks {n}: the lookup case needs at least --lookup-blocks + 64 ({})",
+                lookup_blocks + 64
+            ),
+            Some(n) => n,
+            None => d.lookup_dram_blocks.max(lookup_blocks + 64),
+        };
+        if u32::try_from(lookup_dram_blocks).is_err() {
+            bail!("--lookup-dram-blocks {lookup_dram_blocks}: too many slots");
+        }
         let parts = self
             .parts
             .as_ref()
@@ -263,7 +284,8 @@ impl TiersArgs {
                 .map_or_else(|| d.clients.to_vec(), Clone::clone),
             blocks,
             batch: self.batch,
-            lookup_blocks: self.lookup_blocks.unwrap_or(d.lookup_blocks),
+            lookup_blocks,
+            lookup_dram_blocks,
             redis,
             quick: self.quick,
             pin_gets: self.pin_gets,
@@ -1071,8 +1093,13 @@ mod tests {
         .settings(&[Part::Server], 1)
         .unwrap();
         assert_eq!(
-            (o.sizes.clone(), o.blocks, o.lookup_blocks),
-            (vec![256 << 10], Some(8), 256)
+            (
+                o.sizes.clone(),
+                o.blocks,
+                o.lookup_blocks,
+                o.lookup_dram_blocks
+            ),
+            (vec![256 << 10], Some(8), 256, 1 << 18)
         );
         let p = parse(&["--parts", "server,store,server", "--transports", "tcp"]).unwrap();
         let p = p.settings(&[Part::Store], 1).unwrap();
@@ -1098,6 +1125,10 @@ mod tests {
             "invalid value 'disk' for '--parts",
         );
         check(&["--transports", "unix,rdma"], "invalid value 'rdma'");
+        check(
+            &["--lookup-blocks", "100", "--lookup-dram-blocks", "150"],
+            "--lookup-dram-blocks 150: the lookup case needs at least --lookup-blocks + 64 (164)",
+        );
         check(&["--server-tiers", "dram,hbm"], "invalid value 'hbm'");
         check(
             &["--sizes", "64k,1000"],

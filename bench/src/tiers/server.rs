@@ -66,6 +66,8 @@ pub struct ServerSize {
 #[derive(Debug, Serialize)]
 pub struct LookupLatency {
     pub blocks: usize,
+    /// The DRAM tier the prefix was in, in 4 KiB blocks, all of them in use.
+    pub dram_blocks: usize,
     /// In process, on a store configured as the server child's, then over its Unix socket
     /// with 1 and with 4 clients at once, then the same request and reply bytes over a bare
     /// Unix socket pair (1 and 4 at once: the floor on this machine).
@@ -118,8 +120,9 @@ impl ServerInfo {
         if let Some(l) = &self.lookup {
             let mut t = Table::new(
                 format!(
-                    "held lookup of a cached {}-block prefix (target over the Unix socket: p99 <= 100 us, also with 4 clients; ping p50 {} us)",
+                    "held lookup of a cached {}-block prefix in a full DRAM tier of {} blocks (target over the Unix socket: p99 <= 100 us, also with 4 clients; ping p50 {} us)",
                     l.blocks,
+                    l.dram_blocks,
                     fmt_f(l.ping_us_p50, 1)
                 ),
                 &[
@@ -1218,14 +1221,32 @@ const LOOKUP_CLIENTS: usize = 4;
 /// answers them, faster than the server takes them.
 const LOOKUP_PACE: u32 = 1000;
 
-/// Lookup latency of a cached prefix of `lookup_blocks` 64 KiB blocks: in process (a held
-/// lookup and its release, on a store configured as the server child), then over the Unix
-/// socket with 1 and with [`LOOKUP_CLIENTS`] clients at once.
+/// Bytes of a block in the lookup case: a lookup's cost does not depend on it, and small
+/// blocks let a DRAM tier with as many slots as a server's fit this machine.
+const LOOKUP_BLOCK_BYTES: u64 = 4096;
+
+/// Blocks the DRAM tier of the lookup case holds besides the filler and the prefix.
+const LOOKUP_SPARE_BLOCKS: usize = 64;
+
+/// Lookup latency of a cached prefix of `lookup_blocks` blocks in a DRAM tier of
+/// `lookup_dram_blocks`, the rest of it filled first (as a server's DRAM is in use): in
+/// process (a held lookup and its release, on a store configured as the server child),
+/// then over the Unix socket with 1 and with [`LOOKUP_CLIENTS`] clients at once.
 fn lookup_latency(s: &Settings, rt: &tokio::runtime::Runtime) -> Result<LookupLatency> {
-    let small = layout_for(64 << 10)?;
-    let dram = (s.lookup_blocks as u64 + 64) * (64 << 10);
+    let small = layout_for(LOOKUP_BLOCK_BYTES)?;
+    let dram = s.lookup_dram_blocks as u64 * LOOKUP_BLOCK_BYTES;
     let k = keys(s.lookup_blocks, &small, sub_seed(s.seed, 2))?;
-    let mut cases = vec![lookup_in_process(s, &small, dram, &k)?];
+    // Distinct chains of 256 blocks, as many as fill DRAM but for the prefix and a margin.
+    let fill_blocks = s
+        .lookup_dram_blocks
+        .saturating_sub(s.lookup_blocks + LOOKUP_SPARE_BLOCKS);
+    let filler: Vec<Vec<BlockKey>> = (0..fill_blocks.div_ceil(256))
+        .map(|i| {
+            let n = (fill_blocks - i * 256).min(256);
+            keys(n, &small, sub_seed(s.seed, 1000 + i as u64))
+        })
+        .collect::<Result<_>>()?;
+    let mut cases = vec![lookup_in_process(s, &small, dram, &filler, &k)?];
     let srv = ServerChild::start_with(
         &small,
         dram,
@@ -1234,13 +1255,22 @@ fn lookup_latency(s: &Settings, rt: &tokio::runtime::Runtime) -> Result<LookupLa
     )?;
     rt.block_on(async {
         let c = srv.client(Transport::Unix).await?;
-        let zero = vec![0u8; 64 << 10];
-        for (n, chunk) in k.chunks(256).enumerate() {
-            let refs: Vec<&[u8]> = chunk.iter().map(|_| zero.as_slice()).collect();
-            let parent = (n * 256).checked_sub(1).map(|p| k[p]);
-            tokio::time::timeout(OP_TIMEOUT, c.put_chain(chunk, parent, &refs))
-                .await
-                .map_err(|_| anyhow!("a put took over {OP_TIMEOUT:?}"))?;
+        let zero = vec![0u8; LOOKUP_BLOCK_BYTES as usize];
+        for chain in filler.iter().chain([&k]) {
+            for (n, chunk) in chain.chunks(256).enumerate() {
+                let refs: Vec<&[u8]> = chunk.iter().map(|_| zero.as_slice()).collect();
+                let parent = (n * 256).checked_sub(1).map(|p| chain[p]);
+                let st = tokio::time::timeout(OP_TIMEOUT, c.put_chain(chunk, parent, &refs))
+                    .await
+                    .map_err(|_| anyhow!("a put took over {OP_TIMEOUT:?}"))?;
+                if st.cached() != chunk.len() {
+                    bail!(
+                        "the lookup case's DRAM took {} of {} blocks",
+                        st.cached(),
+                        chunk.len()
+                    );
+                }
+            }
         }
         if c.lookup(&k).await.tiers.len() != k.len() {
             bail!("the lookup prefix is not fully cached");
@@ -1311,6 +1341,7 @@ fn lookup_latency(s: &Settings, rt: &tokio::runtime::Runtime) -> Result<LookupLa
         }
         Ok(LookupLatency {
             blocks: s.lookup_blocks,
+            dram_blocks: s.lookup_dram_blocks,
             cases,
             ping_us_p50: pings.quantile_us(0.5),
         })
@@ -1443,6 +1474,7 @@ fn lookup_in_process(
     s: &Settings,
     layout: &KvLayout,
     dram: u64,
+    filler: &[Vec<BlockKey>],
     keys: &[BlockKey],
 ) -> Result<LookupCase> {
     let mut config = kvtier_server::StoreConfig::new(*layout, dram);
@@ -1450,8 +1482,10 @@ fn lookup_in_process(
     config.lookup_hold_max_blocks = LOOKUP_HOLD_BUDGET;
     let (store, _) = kvtier_server::TieredStore::open(config)?;
     let payload = vec![0u8; store.block_bytes()];
-    for (i, k) in keys.iter().enumerate() {
-        store.put(*k, i.checked_sub(1).map(|p| keys[p]), &payload)?;
+    for chain in filler.iter().map(Vec::as_slice).chain([keys]) {
+        for (i, k) in chain.iter().enumerate() {
+            store.put(*k, i.checked_sub(1).map(|p| chain[p]), &payload)?;
+        }
     }
     let mut lat = Latency::new();
     let t0 = Instant::now();

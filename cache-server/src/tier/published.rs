@@ -5,15 +5,17 @@
 //!
 //! * header, 64 bytes: `magic: u64 = "KVTSLOT1"`, `slots: u32`, `ways: u32 = 8`,
 //!   `buckets: u32` (a power of two), `_pad: u32`, `block_bytes: u64`, `slot_bytes: u64`,
-//!   `flags: u64` (`kvtier_core::slot_table::flags`: `TWO_CHOICE` always, `LOOKUPS` set by
-//!   [`Published::allow_lookups`] before any client maps the table), zeros up to 64;
+//!   `flags: u64` (`kvtier_core::slot_table::flags`: `TWO_CHOICE` always, `TAGGED` where
+//!   `slots` allows, `LOOKUPS` set by [`Published::allow_lookups`] before any client maps
+//!   the table), zeros up to 64;
 //! * slot table at 64: `slots` records of 32 bytes: `seq: u64, key_lo: u64, key_hi: u64,
 //!   _reserved: u64`. `seq` is a seqlock counter: **odd** while the slot holds no readable
 //!   block (empty, being written, retired), **even** while it holds the block whose key is
 //!   `key_lo | key_hi << 64` (`BlockKey::to_u128`), fully written, and not going to change
 //!   while `seq` keeps that value;
 //! * index at `64 + 32 * slots`: `buckets` buckets of `ways` `u32` entries, each `slot + 1`
-//!   (0 = empty). A key is indexed in whichever of its two buckets (`bucket_of`,
+//!   (0 = empty) with, under `TAGGED`, the key's 8-bit tag above it (`entry_of`). A key is
+//!   indexed in whichever of its two buckets (`bucket_of`,
 //!   `second_bucket_of`, masked) has more free entries, and looked for in both.
 //!
 //! The index is a hint: a key may be missing from it (its bucket was full, or a reader raced
@@ -36,8 +38,8 @@ use memmap2::MmapRaw;
 use super::SlotId;
 
 pub use kvtier_core::slot_table::{
-    FLAGS_OFFSET, HEADER_BYTES, MAGIC, PENDING_OFFSET, RECORD_BYTES, WAYS, bucket_of, buckets_for,
-    flags, second_bucket_of, table_bytes,
+    FLAGS_OFFSET, HEADER_BYTES, MAGIC, PENDING_OFFSET, RECORD_BYTES, TAGGED_MAX_SLOTS, WAYS,
+    bucket_of, buckets_for, entry_of, flags, second_bucket_of, slot_of_entry, table_bytes,
 };
 
 /// See the module documentation.
@@ -47,6 +49,8 @@ pub struct Published {
     map: MmapRaw,
     slots: u32,
     buckets: u32,
+    /// Index entries carry their key's tag (`flags::TAGGED`).
+    tagged: bool,
     /// Serializes index updates (slots' records need no lock: one writer per slot).
     index_lock: Mutex<()>,
 }
@@ -76,6 +80,7 @@ impl Published {
             map,
             slots,
             buckets: buckets_for(slots),
+            tagged: slots <= TAGGED_MAX_SLOTS,
             index_lock: Mutex::new(()),
         };
         // The memfd starts zeroed: every index entry empty; records need an odd seq.
@@ -85,8 +90,9 @@ impl Published {
         p.word32(16).store(p.buckets, Ordering::Relaxed);
         p.word64(24).store(block_bytes, Ordering::Relaxed);
         p.word64(32).store(slot_bytes, Ordering::Relaxed);
+        let tag = if p.tagged { flags::TAGGED } else { 0 };
         p.word64(FLAGS_OFFSET)
-            .store(flags::TWO_CHOICE, Ordering::Relaxed);
+            .store(flags::TWO_CHOICE | tag, Ordering::Relaxed);
         for s in 0..slots {
             p.seq(s).store(1, Ordering::Relaxed);
         }
@@ -206,7 +212,7 @@ impl Published {
         for w in 0..WAYS {
             let e = self.entry(b, w);
             if e.load(Ordering::Relaxed) == 0 {
-                e.store(s + 1, Ordering::Release);
+                e.store(entry_of(s, key, self.tagged), Ordering::Release);
                 return;
             }
         }
@@ -231,11 +237,13 @@ impl Published {
         let r = self.record(s);
         let k = u128::from(self.word64(r + 8).load(Ordering::Relaxed))
             | (u128::from(self.word64(r + 16).load(Ordering::Relaxed)) << 64);
+        let key = BlockKey::from_u128(k);
+        let mine = entry_of(s, key, self.tagged);
         let _g = self.index_lock.lock().unwrap_or_else(|p| p.into_inner());
-        for b in self.buckets_of(BlockKey::from_u128(k)) {
+        for b in self.buckets_of(key) {
             for w in 0..WAYS {
                 let e = self.entry(b, w);
-                if e.load(Ordering::Relaxed) == s + 1 {
+                if e.load(Ordering::Relaxed) == mine {
                     e.store(0, Ordering::Release);
                     return;
                 }
@@ -256,9 +264,10 @@ impl Published {
         self.buckets_of(key)
             .into_iter()
             .flat_map(|b| (0..WAYS).map(move |w| (b, w)))
-            .map(|(b, w)| self.entry(b, w).load(Ordering::Acquire))
-            .filter(|&e| e != 0)
-            .map(|e| SlotId(e - 1))
+            .filter_map(|(b, w)| {
+                slot_of_entry(self.entry(b, w).load(Ordering::Acquire), self.tagged)
+            })
+            .map(SlotId)
             .find(|&s| self.holds(s, key))
     }
 }
@@ -314,8 +323,9 @@ mod tests {
             p.unpublish(SlotId(i as u32));
         }
         assert!(first.iter().all(|k| p.find(*k).is_none()));
-        assert_eq!(p.flags(), flags::TWO_CHOICE);
+        let base = flags::TWO_CHOICE | flags::TAGGED;
+        assert_eq!(p.flags(), base);
         p.allow_lookups(true);
-        assert_eq!(p.flags(), flags::TWO_CHOICE | flags::LOOKUPS | flags::EXACT);
+        assert_eq!(p.flags(), base | flags::LOOKUPS | flags::EXACT);
     }
 }
