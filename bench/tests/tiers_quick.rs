@@ -138,6 +138,41 @@ fn tiers_quick_runs_every_path_and_says_redis_was_skipped() {
         ("raw unix socket, same bytes", 4, None),
     ]);
     assert_eq!(shape, want, "{lookup}");
+    assert_eq!(lookup["tenants"], false, "{lookup}");
+    assert_eq!(lookup["dram_blocks"], 1024, "{lookup}");
+
+    // In a tenant's namespace, on a DRAM tier of 400 slots: the local engine maps its keys
+    // as the server does, so its lookups are answered in place (the bench fails a run in
+    // which none is).
+    let (json, _) = bench(&[
+        "--json",
+        "tiers",
+        "--quick",
+        "--no-redis",
+        "--parts",
+        "server",
+        "--transports",
+        "unix",
+        "--server-tiers",
+        "dram",
+        "--lookup-tenants",
+        "--lookup-dram-blocks",
+        "400",
+        "--dir",
+        data.to_str().unwrap(),
+    ]);
+    let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let lookup = &doc["result"]["server"]["lookup"];
+    assert_eq!(lookup["tenants"], true, "{lookup}");
+    assert_eq!(lookup["dram_blocks"], 400, "{lookup}");
+    let in_place: u64 = lookup["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["path"] == "unix socket")
+        .map(|c| c["in_place"].as_u64().unwrap())
+        .sum();
+    assert!(in_place > 0, "{lookup}");
     // The prefix is all in DRAM: answered in place where the switch is on (every lookup:
     // nothing is being stored meanwhile), never where it is off.
     for c in cases {

@@ -930,7 +930,7 @@ fn local_lookups_are_allowed_only_where_no_tier_is_above_dram() {
     // A block the published table names must be in the fastest tier holding it, the tier a
     // lookup reply names: with an HBM tier above DRAM it may not be, so the flag stays off.
     // A key it does not name may be on a tier below: only with DRAM alone is it exact.
-    use kvtier_core::slot_table::flags::{EXACT, LOOKUPS, TAGGED, TWO_CHOICE};
+    use kvtier_core::slot_table::flags::{EXACT, KEYS_AES, LOOKUPS, TAGGED, TWO_CHOICE};
     for (tiers, want) in [
         (Tiers::Dram, LOOKUPS | EXACT),
         (Tiers::DramNvme, LOOKUPS),
@@ -947,7 +947,8 @@ fn local_lookups_are_allowed_only_where_no_tier_is_above_dram() {
             c.local_lookups_exact = exact;
             let (s, _) = TieredStore::open(c).unwrap();
             let flags = s.dram().published().flags();
-            assert_eq!(flags, want | TWO_CHOICE | TAGGED, "{tiers:?} {local} {exact}");
+            let always = TWO_CHOICE | TAGGED | KEYS_AES;
+            assert_eq!(flags, want | always, "{tiers:?} {local} {exact}");
         }
     }
 }

@@ -192,7 +192,7 @@ impl SlotView {
         let mapped: Vec<kvtier_core::BlockKey>;
         let keys = match &self.keys {
             Some(m) => {
-                mapped = keys.iter().map(|k| m.internal(*k)).collect();
+                mapped = m.internal_many(keys);
                 &mapped[..]
             }
             None => keys,
@@ -530,12 +530,12 @@ impl Conn {
             let mut fds = fds.into_iter();
             let (arena, staging) = (fds.next().expect("counted"), fds.next().expect("counted"));
             let table = match fds.next() {
-                Some(t) if cfg.fast_local_gets => Some(map_slot_table(
+                Some(t) if cfg.fast_local_gets => map_slot_table(
                     t,
                     hello.slot_table_bytes,
                     hello.arena_bytes,
                     hello.namespace_key.map(kvtier_core::KeyMap::from_bytes),
-                )?),
+                )?,
                 _ => None,
             };
             (
@@ -929,13 +929,15 @@ fn map_arena(fd: OwnedFd, bytes: u64) -> Result<Arena, ClientError> {
 }
 
 /// Maps the published slot table and checks its header against the arena it describes;
-/// `keys`: the namespace's key mapping, with tenants.
+/// `keys`: the namespace's key mapping, with tenants. `None`: a table this client cannot
+/// probe (with tenants, a server that maps keys otherwise: no `KEYS_AES`), so every read
+/// takes the ordinary path.
 fn map_slot_table(
     fd: OwnedFd,
     bytes: u64,
     arena_bytes: u64,
     keys: Option<kvtier_core::KeyMap>,
-) -> Result<SlotView, ClientError> {
+) -> Result<Option<SlotView>, ClientError> {
     use kvtier_core::slot_table::{FLAGS_OFFSET, MAGIC, WAYS, buckets_for, flags, table_bytes};
     let f = std::fs::File::from(fd);
     let len = f.metadata().map_err(ClientError::Io)?.len();
@@ -968,7 +970,11 @@ fn map_slot_table(
             "the slot table's header does not describe the arena".into(),
         ));
     }
-    Ok(SlotView {
+    let flag = |f: u64| u64_at(FLAGS_OFFSET) & f != 0;
+    if keys.is_some() && !flag(flags::KEYS_AES) {
+        return Ok(None);
+    }
+    Ok(Some(SlotView {
         map,
         slots,
         buckets,
@@ -977,8 +983,8 @@ fn map_slot_table(
         lookups: u64_at(FLAGS_OFFSET) & flags::LOOKUPS != 0,
         two_choice: u64_at(FLAGS_OFFSET) & flags::TWO_CHOICE != 0,
         exact: u64_at(FLAGS_OFFSET) & flags::EXACT != 0,
-        tagged: u64_at(FLAGS_OFFSET) & flags::TAGGED != 0,
-    })
+        tagged: flag(flags::TAGGED),
+    }))
 }
 
 fn map_staging(fd: OwnedFd, bytes: u64) -> Result<Staging, ClientError> {
@@ -1059,6 +1065,8 @@ mod tests {
             t.word(16)
                 .store(u64::from(buckets_for(1)), Ordering::Relaxed);
             t.word(32).store(SLOT as u64, Ordering::Relaxed);
+            t.word(kvtier_core::slot_table::FLAGS_OFFSET)
+                .store(kvtier_core::slot_table::flags::KEYS_AES, Ordering::Relaxed);
             // Index: bucket 0 (the only one), way 0 names slot 0.
             t.word(HEADER_BYTES + 32).store(1, Ordering::Relaxed);
             t.word(HEADER_BYTES).store(1, Ordering::Relaxed);
@@ -1098,8 +1106,9 @@ mod tests {
             None,
         );
         assert!(bad.is_err(), "a table describing more than the arena");
-        let view =
-            map_slot_table(tf.try_clone().unwrap(), tbytes as u64, SLOT as u64, None).unwrap();
+        let view = map_slot_table(tf.try_clone().unwrap(), tbytes as u64, SLOT as u64, None)
+            .unwrap()
+            .expect("a table without tenants is probed");
         let arena = map_arena(af.try_clone().unwrap(), SLOT as u64).unwrap();
         let keys = [BlockKey::from_u128(11), BlockKey::from_u128(22)];
         let stop = AtomicBool::new(false);
@@ -1173,24 +1182,37 @@ mod tests {
         // SAFETY: the arena mapping is SLOT bytes; nothing else touches it.
         unsafe { std::ptr::write_bytes(amap.as_mut_ptr(), 9, SLOT) };
         let arena = map_arena(t.af.try_clone().unwrap(), SLOT as u64).unwrap();
-        let view = |keys| map_slot_table(tf.try_clone().unwrap(), tbytes as u64, SLOT as u64, keys);
+        let view = |keys| {
+            map_slot_table(tf.try_clone().unwrap(), tbytes as u64, SLOT as u64, keys)
+                .unwrap()
+                .expect("a table with KEYS_AES is probed")
+        };
         let mut dst = vec![0u8; SLOT];
-        let given = view(Some(KeyMap::from_bytes(*mine.bytes()))).unwrap();
+        let given = view(Some(KeyMap::from_bytes(*mine.bytes())));
         assert!(given.read(&arena, key, &mut dst));
         assert!(dst.iter().all(|b| *b == 9));
         assert!(
             !given.read(&arena, internal, &mut dst),
             "an internal key as sent"
         );
-        let other = view(Some(KeyMap::derive(&[5; 32], "tenant:x"))).unwrap();
+        let other = view(Some(KeyMap::derive(&[5; 32], "tenant:x")));
         assert!(
             !other.read(&arena, key, &mut dst),
             "another namespace's mapping"
         );
+        assert!(!view(None).read(&arena, key, &mut dst), "no mapping");
+        // A server that maps keys another way (no KEYS_AES): its table is not probed with a
+        // namespace key (every probe would miss), and is without one.
+        t.word(kvtier_core::slot_table::FLAGS_OFFSET)
+            .store(0, Ordering::Relaxed);
+        let older =
+            |keys| map_slot_table(tf.try_clone().unwrap(), tbytes as u64, SLOT as u64, keys);
         assert!(
-            !view(None).unwrap().read(&arena, key, &mut dst),
-            "no mapping"
+            older(Some(KeyMap::from_bytes(*mine.bytes())))
+                .unwrap()
+                .is_none()
         );
+        assert!(older(None).unwrap().is_some());
     }
 
     fn tempfile_fd(len: u64) -> OwnedFd {
@@ -1264,7 +1286,8 @@ mod tests {
                 u64::from(slots) * 4096,
                 None,
             )
-            .unwrap();
+            .unwrap()
+            .expect("a table without tenants is probed");
             assert_eq!(view.tagged, tagged);
             let alone =
                 |ks: &[BlockKey]| ks.iter().take_while(|k| view.find(**k, |_| true)).count();

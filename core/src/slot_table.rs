@@ -55,6 +55,11 @@ pub mod flags {
     /// probe instead of up to eight). Set where `slots` leaves room for it
     /// ([`super::TAGGED_MAX_SLOTS`]).
     pub const TAGGED: u64 = 8;
+    /// With tenants, the table's keys are internal keys of the AES-256 mapping
+    /// (`crate::key_map`). A client given a namespace key probes only a table with this
+    /// flag: servers before it mapped keys another way (HMAC-SHA256), so its probes there
+    /// would all miss.
+    pub const KEYS_AES: u64 = 16;
 }
 
 /// Bits of an index entry below its tag ([`flags::TAGGED`]): the entry's `slot + 1`.

@@ -142,6 +142,9 @@ pub struct Settings {
     /// The lookup case's DRAM tier, in 4 KiB blocks, filled before the prefix is stored
     /// (at least `lookup_blocks` + 64).
     pub lookup_dram_blocks: usize,
+    /// The lookup case's server has `[tenants]`: the lookups are a tenant's (its Unix
+    /// client, trusted with the arena), whose keys the server and the client map.
+    pub lookup_tenants: bool,
     pub redis: RedisChoice,
     pub quick: bool,
     /// Local gets through pins (the path before the published slot table).

@@ -186,6 +186,11 @@ pub struct TiersArgs {
     /// [default: 262144 (1 GiB); --quick: 1024]
     #[arg(long)]
     pub lookup_dram_blocks: Option<usize>,
+    /// Run the lookup case in a tenant's namespace (a server with `[tenants]`, its one
+    /// tenant the local engine: `unix`, `local_arena`), so every key is mapped to the
+    /// store's on both sides.
+    #[arg(long)]
+    pub lookup_tenants: bool,
     /// Skip the Redis reference (said so in the output).
     #[arg(long, conflicts_with = "redis")]
     pub no_redis: bool,
@@ -286,6 +291,7 @@ impl TiersArgs {
             batch: self.batch,
             lookup_blocks,
             lookup_dram_blocks,
+            lookup_tenants: self.lookup_tenants,
             redis,
             quick: self.quick,
             pin_gets: self.pin_gets,

@@ -461,10 +461,10 @@ impl Tenants {
 
     /// The internal keys of a client's keys.
     pub fn keys(&self, ns: Ns, keys: &[BlockKey]) -> Vec<BlockKey> {
-        if self.multi.is_none() {
-            return keys.to_vec();
+        match &self.multi {
+            Some(m) => m.spaces[ns].map.internal_many(keys),
+            None => keys.to_vec(),
         }
-        keys.iter().map(|k| self.key(ns, *k)).collect()
     }
 
     /// Registers a put of `key` (the client's; `internal`, its internal key) in `ns`, within

@@ -5,7 +5,7 @@
 //!
 //! * header, 64 bytes: `magic: u64 = "KVTSLOT1"`, `slots: u32`, `ways: u32 = 8`,
 //!   `buckets: u32` (a power of two), `_pad: u32`, `block_bytes: u64`, `slot_bytes: u64`,
-//!   `flags: u64` (`kvtier_core::slot_table::flags`: `TWO_CHOICE` always, `TAGGED` where
+//!   `flags: u64` (`kvtier_core::slot_table::flags`: `TWO_CHOICE` and `KEYS_AES` always, `TAGGED` where
 //!   `slots` allows, `LOOKUPS` set by [`Published::allow_lookups`] before any client maps
 //!   the table), zeros up to 64;
 //! * slot table at 64: `slots` records of 32 bytes: `seq: u64, key_lo: u64, key_hi: u64,
@@ -92,7 +92,7 @@ impl Published {
         p.word64(32).store(slot_bytes, Ordering::Relaxed);
         let tag = if p.tagged { flags::TAGGED } else { 0 };
         p.word64(FLAGS_OFFSET)
-            .store(flags::TWO_CHOICE | tag, Ordering::Relaxed);
+            .store(flags::TWO_CHOICE | flags::KEYS_AES | tag, Ordering::Relaxed);
         for s in 0..slots {
             p.seq(s).store(1, Ordering::Relaxed);
         }
@@ -323,7 +323,7 @@ mod tests {
             p.unpublish(SlotId(i as u32));
         }
         assert!(first.iter().all(|k| p.find(*k).is_none()));
-        let base = flags::TWO_CHOICE | flags::TAGGED;
+        let base = flags::TWO_CHOICE | flags::TAGGED | flags::KEYS_AES;
         assert_eq!(p.flags(), base);
         p.allow_lookups(true);
         assert_eq!(p.flags(), base | flags::LOOKUPS | flags::EXACT);
