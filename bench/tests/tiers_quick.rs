@@ -24,6 +24,23 @@ fn bench(args: &[&str]) -> (String, String) {
     (f.stdout, f.stderr)
 }
 
+/// `kvtier-bench --json tiers --quick --no-redis --parts server` with `args`, its data in
+/// `data`: the JSON document.
+fn server_json(data: &std::path::Path, args: &[&str]) -> serde_json::Value {
+    let mut all = vec![
+        "--json",
+        "tiers",
+        "--quick",
+        "--no-redis",
+        "--parts",
+        "server",
+    ];
+    all.extend_from_slice(args);
+    all.extend(["--dir", data.to_str().unwrap()]);
+    let (json, _) = bench(&all);
+    serde_json::from_str(&json).unwrap()
+}
+
 #[test]
 fn tiers_quick_runs_every_path_and_says_redis_was_skipped() {
     let dir = tempfile::tempdir().unwrap();
@@ -76,19 +93,7 @@ fn tiers_quick_runs_every_path_and_says_redis_was_skipped() {
 
     // The same run as JSON: every kvtier row moved bytes and has latency percentiles, and
     // every comparison has a ratio.
-    let (json, _) = bench(&[
-        "--json",
-        "tiers",
-        "--quick",
-        "--no-redis",
-        "--parts",
-        "server",
-        "--transports",
-        "unix,tcp",
-        "--dir",
-        data.to_str().unwrap(),
-    ]);
-    let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let doc = server_json(&data, &["--transports", "unix,tcp"]);
     assert_eq!(doc["benchmark"], "tiers");
     assert!(doc["seed"].is_u64());
     assert_eq!(doc["result"]["redis"], "SKIPPED: --no-redis");
@@ -144,24 +149,18 @@ fn tiers_quick_runs_every_path_and_says_redis_was_skipped() {
     // In a tenant's namespace, on a DRAM tier of 400 slots: the local engine maps its keys
     // as the server does, so its lookups are answered in place (the bench fails a run in
     // which none is).
-    let (json, _) = bench(&[
-        "--json",
-        "tiers",
-        "--quick",
-        "--no-redis",
-        "--parts",
-        "server",
-        "--transports",
-        "unix",
-        "--server-tiers",
-        "dram",
-        "--lookup-tenants",
-        "--lookup-dram-blocks",
-        "400",
-        "--dir",
-        data.to_str().unwrap(),
-    ]);
-    let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let doc = server_json(
+        &data,
+        &[
+            "--transports",
+            "unix",
+            "--server-tiers",
+            "dram",
+            "--lookup-tenants",
+            "--lookup-dram-blocks",
+            "400",
+        ],
+    );
     let lookup = &doc["result"]["server"]["lookup"];
     assert_eq!(lookup["tenants"], true, "{lookup}");
     assert_eq!(lookup["dram_blocks"], 400, "{lookup}");

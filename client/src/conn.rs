@@ -225,20 +225,34 @@ impl SlotView {
     /// that has its tag (likely its slot), with the load of its record started; `None`
     /// without tags or without such an entry.
     fn tagged_candidate(&self, key: kvtier_core::BlockKey) -> Option<u32> {
-        use kvtier_core::slot_table::{TAG_SHIFT, WAYS, bucket_of, slot_of_entry, tag_of};
+        use kvtier_core::slot_table::{WAYS, bucket_of, tag_of};
         if !self.tagged {
             return None;
         }
         let h = bucket_of(key);
-        let base = self.bucket_offset((h & u64::from(self.buckets - 1)) as usize);
-        let tag = tag_of(h);
-        let slot = (0..WAYS)
-            .map(|w| self.word32(base + 4 * w).load(Ordering::Relaxed))
-            .find(|e| e >> TAG_SHIFT == tag && *e != 0)
-            .and_then(|e| slot_of_entry(e, true))
-            .filter(|s| *s < self.slots)?;
+        let base = self.bucket_offset(self.bucket_index(h));
+        let slot = (0..WAYS).find_map(|w| {
+            let e = self.word32(base + 4 * w).load(Ordering::Relaxed);
+            self.entry_slot(e, Some(tag_of(h)))
+        })?;
         self.prefetch(Self::record_offset(slot));
         Some(slot)
+    }
+
+    /// The slot index entry `e` names, if it may be the key's: not empty, inside the table,
+    /// and, in a tagged table (`tag`: the key's), with the key's tag.
+    fn entry_slot(&self, e: u32, tag: Option<u32>) -> Option<u32> {
+        use kvtier_core::slot_table::{TAG_SHIFT, slot_of_entry};
+        if tag.is_some_and(|t| e >> TAG_SHIFT != t) {
+            return None;
+        }
+        slot_of_entry(e, tag.is_some()).filter(|s| *s < self.slots)
+    }
+
+    /// The bucket selector `h` picks (`h`: [`kvtier_core::slot_table::bucket_of`] or
+    /// `second_bucket_of` of a key, before the mask).
+    fn bucket_index(&self, h: u64) -> usize {
+        (h & u64::from(self.buckets - 1)) as usize
     }
 
     /// The byte offset of slot `slot`'s record.
@@ -255,8 +269,7 @@ impl SlotView {
 
     /// Starts loading the cache line of internal key `key`'s first bucket.
     fn prefetch_bucket(&self, key: kvtier_core::BlockKey) {
-        let m = u64::from(self.buckets - 1);
-        let b = (kvtier_core::slot_table::bucket_of(key) & m) as usize;
+        let b = self.bucket_index(kvtier_core::slot_table::bucket_of(key));
         self.prefetch(self.bucket_offset(b));
     }
 
@@ -289,16 +302,15 @@ impl SlotView {
     fn find_internal(&self, key: kvtier_core::BlockKey, mut body: impl FnMut(u32) -> bool) -> bool {
         use kvtier_core::slot_table::{bucket_of, second_bucket_of, tag_of};
         let k = key.to_u128();
-        let m = u64::from(self.buckets - 1);
         let h = bucket_of(key);
         let tag = self.tagged.then(|| tag_of(h));
-        let first = (h & m) as usize;
+        let first = self.bucket_index(h);
         if let Some(found) = self.probe_bucket(first, k, tag, &mut body) {
             return found;
         }
         // The second bucket (hashed only when the first did not hold the key).
         if self.two_choice {
-            let second = (second_bucket_of(key) & m) as usize;
+            let second = self.bucket_index(second_bucket_of(key));
             if second != first {
                 return self
                     .probe_bucket(second, k, tag, &mut body)
@@ -318,14 +330,11 @@ impl SlotView {
         tag: Option<u32>,
         body: &mut impl FnMut(u32) -> bool,
     ) -> Option<bool> {
-        use kvtier_core::slot_table::{TAG_SHIFT, WAYS, slot_of_entry};
+        use kvtier_core::slot_table::WAYS;
         let base = self.bucket_offset(bucket);
         for w in 0..WAYS {
             let e = self.word32(base + 4 * w).load(Ordering::Acquire);
-            if tag.is_some_and(|t| e >> TAG_SHIFT != t) {
-                continue;
-            }
-            let Some(slot) = slot_of_entry(e, tag.is_some()).filter(|s| *s < self.slots) else {
+            let Some(slot) = self.entry_slot(e, tag) else {
                 continue;
             };
             if let Some(r) = self.check_slot(slot, k, body) {
@@ -980,9 +989,9 @@ fn map_slot_table(
         buckets,
         slot_bytes,
         keys,
-        lookups: u64_at(FLAGS_OFFSET) & flags::LOOKUPS != 0,
-        two_choice: u64_at(FLAGS_OFFSET) & flags::TWO_CHOICE != 0,
-        exact: u64_at(FLAGS_OFFSET) & flags::EXACT != 0,
+        lookups: flag(flags::LOOKUPS),
+        two_choice: flag(flags::TWO_CHOICE),
+        exact: flag(flags::EXACT),
         tagged: flag(flags::TAGGED),
     }))
 }
