@@ -230,10 +230,10 @@ impl SlotView {
             return None;
         }
         let h = bucket_of(key);
-        let base = self.bucket_offset(self.bucket_index(h));
+        let (base, tag) = (self.bucket_offset(self.bucket_index(h)), Some(tag_of(h)));
         let slot = (0..WAYS).find_map(|w| {
             let e = self.word32(base + 4 * w).load(Ordering::Relaxed);
-            self.entry_slot(e, Some(tag_of(h)))
+            self.entry_slot(e, tag)
         })?;
         self.prefetch(Self::record_offset(slot));
         Some(slot)
