@@ -67,3 +67,17 @@ pub enum WorkerError {
 }
 
 pub type Result<T, E = WorkerError> = std::result::Result<T, E>;
+
+/// A kernel's refusal as the worker reports it: a shape it cannot take is a configuration
+/// error (the model's matrices or its inputs), as it was before the kernels had a crate.
+impl From<kvtier_kernels::KernelError> for WorkerError {
+    fn from(e: kvtier_kernels::KernelError) -> Self {
+        match e {
+            kvtier_kernels::KernelError::Shape { what, reason } => WorkerError::Config {
+                field: what,
+                reason,
+            },
+            kvtier_kernels::KernelError::Candle(e) => WorkerError::Candle(e),
+        }
+    }
+}

@@ -8,14 +8,12 @@
 //! prefill/decode over kvtier-transfer ([`disagg`]). See `docs/worker.md`.
 
 pub mod api;
-mod attention;
 pub mod chat;
 pub mod config;
 pub mod disagg;
 pub mod engine;
 mod error;
 pub mod fetch;
-mod gemm;
 pub mod gguf;
 #[cfg(feature = "cuda")]
 pub mod gpu;
@@ -24,8 +22,9 @@ pub mod metrics;
 pub mod model;
 pub mod prefix_cache;
 pub mod prompt_side;
-mod qgemm;
-pub mod quant;
+/// The worker's Q4_1 / Q8_0 kernel (its own crate, `kvtier-kernels`, built optimized in
+/// debug builds too).
+pub use kvtier_kernels::quant;
 pub mod scheduler;
 pub mod serve;
 pub mod sidecar;

@@ -35,7 +35,7 @@ enum Proj {
     F32(Linear),
     Quant(QMatMul),
     /// Q4_1 or Q8_0 on the worker's kernel ([`crate::quant`]).
-    Kernel(crate::quant::QuantMatrix),
+    Kernel(kvtier_kernels::quant::QuantMatrix),
 }
 
 impl Proj {
@@ -318,10 +318,12 @@ impl Model {
             Ok(RmsNorm::new(t.dequantize(&Device::Cpu)?, eps))
         };
         let quant = |t: Arc<QTensor>| -> Result<Proj> {
-            Ok(match crate::quant::QuantMatrix::from_qtensor(&t)? {
-                Some(m) => Proj::Kernel(m),
-                None => Proj::Quant(QMatMul::from_arc(t)?),
-            })
+            Ok(
+                match kvtier_kernels::quant::QuantMatrix::from_qtensor(&t)? {
+                    Some(m) => Proj::Kernel(m),
+                    None => Proj::Quant(QMatMul::from_arc(t)?),
+                },
+            )
         };
         let embed = take("model.embed_tokens.weight".into())?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
@@ -527,7 +529,7 @@ impl Model {
         let sin = self.sin.narrow(0, start_pos, t)?;
         // Only candle's attention reads the mask ([`Model::attend`]).
         let (nh, nkv, hd) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
-        let mask = if crate::attention::runs(nh, nkv, hd) {
+        let mask = if kvtier_kernels::attention::runs(nh, nkv, hd) {
             None
         } else {
             causal_mask(t, start_pos, &self.device)?
@@ -680,7 +682,7 @@ impl Model {
         let (kc, vc) = cache.gather(table, layer, total)?;
         if t > 1 {
             // A prefill chunk: the blocked kernel where the CPU runs it.
-            let shape = crate::attention::Shape {
+            let shape = kvtier_kernels::attention::Shape {
                 heads: nh,
                 kv_heads: nkv,
                 head_dim: hd,
@@ -688,7 +690,7 @@ impl Model {
                 start_pos: total - t,
             };
             let qs = q.flatten_all()?.to_vec1::<f32>()?;
-            if let Some(out) = crate::attention::causal(&qs, &kc, &vc, shape) {
+            if let Some(out) = kvtier_kernels::attention::causal(&qs, &kc, &vc, shape) {
                 return Ok(Tensor::from_vec(out, (t, nh * hd), &self.device)?);
             }
         }
@@ -724,51 +726,15 @@ impl Model {
     /// The rest of a layer after attention: output projection and residual, then the MLP and
     /// its residual.
     ///
-    /// The residual adds and the SiLU gate run here on rayon's pool rather than as candle
-    /// ops: candle parallelizes element-wise ops over 64 Ki values on a second, spinning
-    /// thread pool of its own, which competes with rayon's (the projections' pool) for the
-    /// cores; on a busy machine its spin-waits took a fifth of a prefill's time.
+    /// The residual adds and the SiLU gate run on rayon's pool, not as candle ops
+    /// ([`kvtier_kernels::elementwise`] says why).
     fn finish_layer(&self, layer: &Layer, x: Tensor, att: &Tensor) -> Result<Tensor> {
+        use kvtier_kernels::elementwise::{add, silu_mul};
         let x = add(&x, &layer.o_proj.forward(att)?)?;
         let h = layer.post_norm.forward(&x)?;
         let gated = silu_mul(&layer.gate_proj.forward(&h)?, &layer.up_proj.forward(&h)?)?;
-        add(&x, &layer.down_proj.forward(&gated)?)
+        Ok(add(&x, &layer.down_proj.forward(&gated)?)?)
     }
-}
-
-/// Values per rayon work item of the element-wise ops below.
-const ELEMWISE_CHUNK: usize = 16 * 1024;
-
-/// `a + b`, two f32 tensors of one shape.
-fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    elementwise(a, b, |x, y| x + y)
-}
-
-/// `silu(g) * u = g / (1 + e^-g) * u` (SwiGLU's gate), two f32 tensors of one shape.
-fn silu_mul(g: &Tensor, u: &Tensor) -> Result<Tensor> {
-    elementwise(g, u, |g, u| g / (1.0 + (-g).exp()) * u)
-}
-
-/// `f` of each pair of elements of `a` and `b` (same shape), on rayon's pool (the CPU
-/// forward's; the GPU forward has its own kernels).
-fn elementwise(a: &Tensor, b: &Tensor, f: impl Fn(f32, f32) -> f32 + Sync) -> Result<Tensor> {
-    use rayon::prelude::*;
-    if a.shape() != b.shape() {
-        return Err(WorkerError::Config {
-            field: "(element-wise op)".to_owned(),
-            reason: format!("shapes {:?} and {:?}", a.shape(), b.shape()),
-        });
-    }
-    let mut xs = a.flatten_all()?.to_vec1::<f32>()?;
-    let ys = b.flatten_all()?.to_vec1::<f32>()?;
-    xs.par_chunks_mut(ELEMWISE_CHUNK)
-        .zip(ys.par_chunks(ELEMWISE_CHUNK))
-        .for_each(|(xs, ys)| {
-            for (x, &y) in xs.iter_mut().zip(ys) {
-                *x = f(*x, y);
-            }
-        });
-    Ok(Tensor::from_vec(xs, a.shape(), a.device())?)
 }
 
 /// `cos`/`sin` of `pos * theta^(-2i/head_dim)`, `[max_context_tokens][head_dim / 2]`, in the

@@ -17,7 +17,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use crate::error::{Result, WorkerError};
+use crate::{KernelError, Result};
 
 /// Values per quantized block (Q4_1, Q8_0 and the activations').
 const BLOCK: usize = 32;
@@ -98,8 +98,8 @@ impl QuantMatrix {
         let (rows, cols) = t.shape().dims2()?;
         let data = t.data()?;
         if !cols.is_multiple_of(BLOCK) || data.len() != rows * cols / BLOCK * block_bytes {
-            return Err(WorkerError::Config {
-                field: format!("({:?} tensor)", t.dtype()),
+            return Err(KernelError::Shape {
+                what: format!("({:?} tensor)", t.dtype()),
                 reason: format!("{rows}x{cols} does not match {} bytes", data.len()),
             });
         }
@@ -138,8 +138,8 @@ impl QuantMatrix {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (t, cols) = x.dims2()?;
         if cols != self.cols {
-            return Err(WorkerError::Config {
-                field: "(quantized matmul)".to_owned(),
+            return Err(KernelError::Shape {
+                what: "(quantized matmul)".to_owned(),
                 reason: format!("input has {cols} columns, the weights {}", self.cols),
             });
         }

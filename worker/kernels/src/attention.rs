@@ -26,7 +26,7 @@ const TILES_PER_GROUP: usize = 2;
 
 /// The shape of one chunk's attention.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Shape {
+pub struct Shape {
     /// Query heads.
     pub heads: usize,
     /// K/V heads (each serves `heads / kv_heads` query heads).
@@ -42,7 +42,7 @@ pub(crate) struct Shape {
 /// `[start_pos + queries][kv_heads][head_dim]`), query `i` seeing keys `0..=start_pos + i`;
 /// `[queries][heads * head_dim]`. `None` where the kernel does not run (no AVX-512, or a head
 /// dim other than 32, 64, 128).
-pub(crate) fn causal(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Option<Vec<f32>> {
+pub fn causal(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Option<Vec<f32>> {
     if !runs(s.heads, s.kv_heads, s.head_dim) {
         return None;
     }
@@ -68,7 +68,7 @@ pub(crate) fn causal(q: &[f32], k: &[f32], v: &[f32], s: Shape) -> Option<Vec<f3
 
 /// Whether [`causal`] computes attention of this shape here (the CPU has AVX-512, the head
 /// dim is 32, 64 or 128, and the heads split evenly over the K/V heads).
-pub(crate) fn runs(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
+pub fn runs(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
     crate::gemm::available()
         && kv_heads > 0
         && heads.is_multiple_of(kv_heads)
