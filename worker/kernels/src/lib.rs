@@ -4,8 +4,9 @@
 //!
 //! A crate of their own so that a debug build can optimize them alone: the worker's tests
 //! run the real model through these loops, and the root `Cargo.toml` builds this crate
-//! optimized in the dev profile while the worker's many test crates stay unoptimized (they
-//! build in a third of the time).
+//! optimized in the dev profile while the worker's many test crates stay unoptimized (the
+//! test build after a change to the worker: 63 s, against 155 s with the whole worker at
+//! opt-level 1).
 
 pub mod attention;
 pub mod elementwise;
