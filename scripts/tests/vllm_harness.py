@@ -88,6 +88,23 @@ def server_binary() -> Path:
     return release_binary("kvtier-server", "KVTIER_SERVER_BIN")
 
 
+def threads_stopped(pid: int) -> bool:
+    """Every thread of process ``pid`` is stopped (state ``T`` in ``/proc``)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False
+    for t in tasks:
+        try:
+            stat = Path(f"/proc/{pid}/task/{t}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that exited meanwhile
+        # The state follows the command name, which is in parentheses and may hold spaces.
+        if stat[stat.rindex(")") + 2] not in "Tt":
+            return False
+    return bool(tasks)
+
+
 @dataclass
 class KvtierServer:
     """A kvtier-server on a Unix socket in ``dir``; ``start`` again after ``kill`` or ``stop``
@@ -141,9 +158,17 @@ class KvtierServer:
         self.endpoints = found
 
     def pause(self) -> None:
-        """Freezes the server (SIGSTOP): it accepts nothing and answers nothing."""
+        """Freezes the server (SIGSTOP): it accepts nothing and answers nothing. Returns once
+        every thread of it has stopped: a process stops thread by thread, and on a busy
+        machine one of its threads answered a request after the signal was sent (a CI run
+        counted a lookup answered "not cached" 1 ms after the pause)."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10.0
+        while not threads_stopped(self.proc.pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError("kvtier-server did not stop within 10 s of SIGSTOP")
+            time.sleep(0.001)
 
     def resume(self) -> None:
         assert self.proc is not None
