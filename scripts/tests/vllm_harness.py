@@ -163,12 +163,14 @@ class KvtierServer:
         machine one of its threads answered a request after the signal was sent (a CI run
         counted a lookup answered "not cached" 1 ms after the pause)."""
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 10.0
-        while not threads_stopped(self.proc.pid):
-            if time.monotonic() > deadline:
-                raise RuntimeError("kvtier-server did not stop within 10 s of SIGSTOP")
-            time.sleep(0.001)
+        proc = self.proc
+        proc.send_signal(signal.SIGSTOP)
+        if not wait_until(
+            lambda: proc.poll() is not None or threads_stopped(proc.pid), 10.0, step=0.001
+        ):
+            raise RuntimeError("kvtier-server did not stop within 10 s of SIGSTOP")
+        if proc.returncode is not None:
+            raise RuntimeError(f"kvtier-server exited ({proc.returncode}) instead of pausing")
 
     def resume(self) -> None:
         assert self.proc is not None
