@@ -930,7 +930,7 @@ fn local_lookups_are_allowed_only_where_no_tier_is_above_dram() {
     // A block the published table names must be in the fastest tier holding it, the tier a
     // lookup reply names: with an HBM tier above DRAM it may not be, so the flag stays off.
     // A key it does not name may be on a tier below: only with DRAM alone is it exact.
-    use kvtier_core::slot_table::flags::{EXACT, KEYS_AES, LOOKUPS, TAGGED, TWO_CHOICE};
+    use kvtier_core::slot_table::flags::{CHAINED, EXACT, KEYS_AES, LOOKUPS, TAGGED, TWO_CHOICE};
     for (tiers, want) in [
         (Tiers::Dram, LOOKUPS | EXACT),
         (Tiers::DramNvme, LOOKUPS),
@@ -947,10 +947,52 @@ fn local_lookups_are_allowed_only_where_no_tier_is_above_dram() {
             c.local_lookups_exact = exact;
             let (s, _) = TieredStore::open(c).unwrap();
             let flags = s.dram().published().flags();
-            let always = TWO_CHOICE | TAGGED | KEYS_AES;
+            let always = TWO_CHOICE | TAGGED | KEYS_AES | CHAINED;
             assert_eq!(flags, want | always, "{tiers:?} {local} {exact}");
         }
     }
+}
+
+#[test]
+fn the_published_table_marks_chains_the_store_holds() {
+    // A chain put root first is marked to its end; evicting blocks to make room keeps every
+    // current mark true (`check_consistency` checks them); a lookup marks its run again.
+    let (s, _) = TieredStore::open(config(16, None)).unwrap();
+    let p = s.dram().published();
+    let data = vec![7u8; s.block_bytes()];
+    let chain: Vec<_> = (0..10).map(key).collect();
+    let mut parent = None;
+    for k in &chain {
+        assert!(matches!(
+            s.put(*k, parent, &data),
+            Ok(PutOutcome::Stored(_))
+        ));
+        parent = Some(*k);
+    }
+    assert!(chain.iter().all(|k| p.vouched(*k)));
+    s.check_consistency().unwrap();
+    // Another chain of 10 into 16 slots: blocks of the first make room.
+    let other: Vec<_> = (100..110).map(key).collect();
+    let mut parent = None;
+    for k in &other {
+        s.put(*k, parent, &data).unwrap();
+        parent = Some(*k);
+        s.check_consistency().unwrap();
+    }
+    assert_eq!(s.lookup(&other).len(), 10);
+    assert!(other.iter().all(|k| p.vouched(*k)));
+    // The first chain's root taken out while its child is still cached: the epoch voids
+    // every mark, the other chain's too.
+    assert!(s.contains(&chain[0]) && s.contains(&chain[1]));
+    let epoch = p.epoch();
+    assert!(s.remove(&chain[0]));
+    assert_eq!(p.epoch(), epoch + 1);
+    assert!(other.iter().all(|k| !p.vouched(*k)));
+    s.check_consistency().unwrap();
+    // A lookup of the other chain marks it again.
+    assert_eq!(s.lookup(&other).len(), 10);
+    assert!(other.iter().all(|k| p.vouched(*k)), "renewed by the lookup");
+    s.check_consistency().unwrap();
 }
 
 #[test]

@@ -131,6 +131,9 @@ pub(crate) struct SlotView {
     /// The header's `flags` has `slot_table::flags::TAGGED`: an index entry carries its
     /// key's tag, and only entries with the probed key's tag are looked at.
     tagged: bool,
+    /// The header's `flags` has `slot_table::flags::CHAINED`: records carry chain marks,
+    /// and [`SlotView::held_prefix`] binary-searches a list's keys on them first.
+    chained: bool,
 }
 
 /// Keys [`SlotView::held_prefix`] probes at once.
@@ -181,12 +184,9 @@ impl SlotView {
     /// with its `seq` unchanged around the reading of the key (a key not named means "ask
     /// the server": not indexed, not in DRAM, or changing).
     ///
-    /// The keys go [`PROBE_GROUP`] at a time, so that their cache misses overlap instead of
-    /// following one another: the next group's first buckets are prefetched; in a tagged
-    /// table each key's first bucket is searched for its tag and the record found there
-    /// prefetched; then each key is checked in order, through that record, or, where it
-    /// was not the key's, by the probe of both buckets a single key gets. What is decided
-    /// is what probing each key alone decides (a prefetch is a hint no load depends on).
+    /// In a table with chain marks ([`Self::chained_prefix`]) the leading keys the marks
+    /// vouch for are found by a binary search, and only the keys after them are probed one
+    /// by one (in the common case, the one key after a cached prefix).
     pub(crate) fn held_prefix(&self, keys: &[kvtier_core::BlockKey]) -> usize {
         // With tenants the table holds internal keys: map each key once.
         let mapped: Vec<kvtier_core::BlockKey>;
@@ -197,6 +197,79 @@ impl SlotView {
             }
             None => keys,
         };
+        let known = self.chained_prefix(keys);
+        known + self.probed_prefix(&keys[known..])
+    }
+
+    /// How many leading keys of `keys` (as the table holds them) chain marks show to be in
+    /// DRAM: with the epoch `e` read first, a binary search for the last key whose record
+    /// holds it with the mark `chain_mark(e, chain_fold of keys[..=i])`, then the epoch read
+    /// again (moved on: 0). Such a mark says the block's chain is exactly these keys and all
+    /// of it was in DRAM under epoch `e`; the server moves the epoch on before it takes out a
+    /// block that a mark's chain goes through, so if the epoch is still `e` here, every key up
+    /// to it was in DRAM at that moment. The keys of a prompt are a chain; for a list that is
+    /// not one, no mark matches and the answer is 0 (probe them all). The fingerprints are
+    /// folded over the whole list first (one multiply a key).
+    fn chained_prefix(&self, keys: &[kvtier_core::BlockKey]) -> usize {
+        use kvtier_core::slot_table::{
+            CHAIN_OFFSET, CHAIN_SEED, EPOCH_OFFSET, chain_fold, chain_mark,
+        };
+        if !self.chained || keys.is_empty() {
+            return 0;
+        }
+        let epoch = self.word64(EPOCH_OFFSET).load(Ordering::SeqCst);
+        let Ok(e) = u32::try_from(epoch) else {
+            return 0;
+        };
+        let mut prev = CHAIN_SEED;
+        let fps: Vec<u32> = keys
+            .iter()
+            .map(|k| {
+                prev = chain_fold(prev, *k);
+                prev
+            })
+            .collect();
+        let marked = |i: usize| {
+            let want = chain_mark(e, fps[i]);
+            self.find_internal(keys[i], |slot| {
+                let rec = Self::record_offset(slot);
+                self.word64(rec + CHAIN_OFFSET).load(Ordering::Relaxed) == want
+            })
+        };
+        let n = keys.len();
+        // Most often the whole list is cached: one probe.
+        let known = if marked(n - 1) {
+            n
+        } else {
+            // Invariant: keys[..lo] vouched for (by a mark at lo - 1), keys[hi] not.
+            let (mut lo, mut hi) = (0, n - 1);
+            while lo < hi {
+                let mid = lo + (hi - lo) / 2;
+                if marked(mid) {
+                    lo = mid + 1;
+                } else {
+                    hi = mid;
+                }
+            }
+            lo
+        };
+        // Orders the marks' loads before the epoch's second read.
+        std::sync::atomic::fence(Ordering::Acquire);
+        if self.word64(EPOCH_OFFSET).load(Ordering::SeqCst) != epoch {
+            return 0;
+        }
+        known
+    }
+
+    /// How many leading keys of `keys` (as the table holds them) probing each one finds.
+    ///
+    /// The keys go [`PROBE_GROUP`] at a time, so that their cache misses overlap instead of
+    /// following one another: the next group's first buckets are prefetched; in a tagged
+    /// table each key's first bucket is searched for its tag and the record found there
+    /// prefetched; then each key is checked in order, through that record, or, where it
+    /// was not the key's, by the probe of both buckets a single key gets. What is decided
+    /// is what probing each key alone decides (a prefetch is a hint no load depends on).
+    fn probed_prefix(&self, keys: &[kvtier_core::BlockKey]) -> usize {
         for k in keys.iter().take(PROBE_GROUP) {
             self.prefetch_bucket(*k);
         }
@@ -993,6 +1066,7 @@ fn map_slot_table(
         two_choice: flag(flags::TWO_CHOICE),
         exact: flag(flags::EXACT),
         tagged: flag(flags::TAGGED),
+        chained: flag(flags::CHAINED),
     }))
 }
 
@@ -1234,8 +1308,102 @@ mod tests {
         f.into()
     }
 
-    /// A full table built as the server builds one (each key in the emptier of its two
-    /// buckets), tagged and not: the prefix `held_prefix` names is the keys each probed
+    /// A slot table built by hand as the server builds one: every slot used, slot `s`
+    /// holding [`HandTable::key`]`(s)`, each key in the emptier of its two buckets.
+    struct HandTable {
+        fd: OwnedFd,
+        map: memmap2::MmapRaw,
+        slots: u32,
+        tagged: bool,
+    }
+
+    impl HandTable {
+        fn key(i: u32) -> kvtier_core::BlockKey {
+            kvtier_core::BlockKey::from_u128(u128::from(i) * 0x9e37_79b9_7f4a_7c15 + 5)
+        }
+
+        fn full(slots: u32, tagged: bool, more_flags: u64) -> Self {
+            use kvtier_core::slot_table::*;
+            let tbytes = table_bytes(slots);
+            let fd = tempfile_fd(tbytes as u64);
+            let map =
+                memmap2::MmapRaw::map_raw(&std::fs::File::from(fd.try_clone().unwrap())).unwrap();
+            let t = Self {
+                fd,
+                map,
+                slots,
+                tagged,
+            };
+            let buckets = buckets_for(slots);
+            t.w64(0).store(MAGIC, Ordering::Relaxed);
+            t.w64(8).store(
+                u64::from(WAYS as u32) << 32 | u64::from(slots),
+                Ordering::Relaxed,
+            );
+            t.w64(16).store(u64::from(buckets), Ordering::Relaxed);
+            t.w64(32).store(4096, Ordering::Relaxed);
+            let tag_flag = if tagged { flags::TAGGED } else { 0 };
+            t.w64(FLAGS_OFFSET)
+                .store(flags::TWO_CHOICE | tag_flag | more_flags, Ordering::Relaxed);
+            let m = u64::from(buckets - 1);
+            let free = |b: u64| {
+                (0..WAYS)
+                    .filter(|&w| t.entry(b, w).load(Ordering::Relaxed) == 0)
+                    .count()
+            };
+            for s in 0..slots {
+                let (k, r) = (Self::key(s), Self::rec(s));
+                t.w64(r + 8).store(k.to_u128() as u64, Ordering::Relaxed);
+                t.w64(r + 16)
+                    .store((k.to_u128() >> 64) as u64, Ordering::Relaxed);
+                t.w64(r).store(2, Ordering::Relaxed);
+                let (b1, b2) = (bucket_of(k) & m, second_bucket_of(k) & m);
+                let b = if free(b2) > free(b1) { b2 } else { b1 };
+                if let Some(w) = (0..WAYS).find(|&w| t.entry(b, w).load(Ordering::Relaxed) == 0) {
+                    t.entry(b, w)
+                        .store(entry_of(s, k, tagged), Ordering::Relaxed);
+                }
+            }
+            t
+        }
+
+        fn view(&self) -> SlotView {
+            let tbytes = kvtier_core::slot_table::table_bytes(self.slots);
+            let v = map_slot_table(
+                self.fd.try_clone().unwrap(),
+                tbytes as u64,
+                u64::from(self.slots) * 4096,
+                None,
+            )
+            .unwrap()
+            .expect("a table without tenants is probed");
+            assert_eq!(v.tagged, self.tagged);
+            v
+        }
+
+        fn rec(s: u32) -> usize {
+            use kvtier_core::slot_table::{HEADER_BYTES, RECORD_BYTES};
+            HEADER_BYTES + RECORD_BYTES * s as usize
+        }
+
+        fn w64(&self, off: usize) -> &AtomicU64 {
+            assert!(off.is_multiple_of(8) && off + 8 <= self.map.len());
+            // SAFETY: in bounds and aligned (asserted; the mapping is page aligned); the
+            // mapping lives as long as `self`, and is only accessed through atomics.
+            unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU64) }
+        }
+
+        fn entry(&self, b: u64, w: usize) -> &AtomicU32 {
+            use kvtier_core::slot_table::{HEADER_BYTES, RECORD_BYTES, WAYS};
+            let off =
+                HEADER_BYTES + RECORD_BYTES * self.slots as usize + 4 * (WAYS * b as usize + w);
+            assert!(off + 4 <= self.map.len());
+            // SAFETY: as in `w64`, 4-aligned (the index starts 8-aligned).
+            unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU32) }
+        }
+    }
+
+    /// A full table, tagged and not: the prefix `held_prefix` names is the keys each probed
     /// alone would name, up to the first that is withdrawn (odd `seq`) or never stored, and
     /// with tags a key whose entry names another key's slot is not taken for it.
     #[test]
@@ -1244,60 +1412,10 @@ mod tests {
         use kvtier_core::slot_table::*;
         let slots = 1u32 << 14;
         for tagged in [false, true] {
-            let tbytes = table_bytes(slots);
-            let tf = tempfile_fd(tbytes as u64);
-            let tmap =
-                memmap2::MmapRaw::map_raw(&std::fs::File::from(tf.try_clone().unwrap())).unwrap();
-            // SAFETY (both): in bounds and aligned (asserted; the mapping is page aligned);
-            // the mapping outlives the closures' uses, and is only accessed through atomics.
-            let w64 = |off: usize| {
-                assert!(off.is_multiple_of(8) && off + 8 <= tmap.len());
-                unsafe { &*(tmap.as_mut_ptr().add(off) as *const AtomicU64) }
-            };
-            let w32 = |off: usize| {
-                assert!(off.is_multiple_of(4) && off + 4 <= tmap.len());
-                unsafe { &*(tmap.as_mut_ptr().add(off) as *const AtomicU32) }
-            };
-            let buckets = buckets_for(slots);
-            w64(0).store(MAGIC, Ordering::Relaxed);
-            w64(8).store(
-                u64::from(WAYS as u32) << 32 | u64::from(slots),
-                Ordering::Relaxed,
-            );
-            w64(16).store(u64::from(buckets), Ordering::Relaxed);
-            w64(32).store(4096, Ordering::Relaxed);
-            let tag_flag = if tagged { flags::TAGGED } else { 0 };
-            w64(FLAGS_OFFSET).store(flags::TWO_CHOICE | tag_flag, Ordering::Relaxed);
-            let m = u64::from(buckets - 1);
-            let key = |i: u32| BlockKey::from_u128(u128::from(i) * 0x9e37_79b9_7f4a_7c15 + 5);
-            let idx = HEADER_BYTES + RECORD_BYTES * slots as usize;
-            let entry = |b: u64, w: usize| w32(idx + 4 * (WAYS * b as usize + w));
-            let free =
-                |b: u64| (0..WAYS).filter(move |&w| entry(b, w).load(Ordering::Relaxed) == 0);
-            for s in 0..slots {
-                let (k, r) = (key(s), HEADER_BYTES + RECORD_BYTES * s as usize);
-                w64(r + 8).store(k.to_u128() as u64, Ordering::Relaxed);
-                w64(r + 16).store((k.to_u128() >> 64) as u64, Ordering::Relaxed);
-                w64(r).store(2, Ordering::Relaxed);
-                let (b1, b2) = (bucket_of(k) & m, second_bucket_of(k) & m);
-                let b = if free(b2).count() > free(b1).count() {
-                    b2
-                } else {
-                    b1
-                };
-                if let Some(w) = free(b).next() {
-                    entry(b, w).store(entry_of(s, k, tagged), Ordering::Relaxed);
-                }
-            }
-            let view = map_slot_table(
-                tf.try_clone().unwrap(),
-                tbytes as u64,
-                u64::from(slots) * 4096,
-                None,
-            )
-            .unwrap()
-            .expect("a table without tenants is probed");
-            assert_eq!(view.tagged, tagged);
+            let t = HandTable::full(slots, tagged, 0);
+            let view = t.view();
+            let m = u64::from(buckets_for(slots) - 1);
+            let key = HandTable::key;
             let alone =
                 |ks: &[BlockKey]| ks.iter().take_while(|k| view.find(**k, |_| true)).count();
             let keys: Vec<BlockKey> = (0..slots).map(key).collect();
@@ -1305,11 +1423,11 @@ mod tests {
             assert_eq!(view.held_prefix(window), 4096, "tagged {tagged}");
             assert_eq!(alone(window), 4096);
             // Withdrawn: the slot of the window's key 1,000.
-            let r = HEADER_BYTES + RECORD_BYTES * 1100;
-            w64(r).store(3, Ordering::Relaxed);
+            let r = HandTable::rec(1100);
+            t.w64(r).store(3, Ordering::Relaxed);
             assert_eq!(view.held_prefix(window), 1000);
             assert_eq!(alone(window), 1000);
-            w64(r).store(4, Ordering::Relaxed);
+            t.w64(r).store(4, Ordering::Relaxed);
             // Never stored: a key in the middle, and an empty list.
             let mut with_new = window.to_vec();
             with_new[7] = key(slots + 1);
@@ -1320,13 +1438,77 @@ mod tests {
             let k0 = key(0);
             for b in [bucket_of(k0) & m, second_bucket_of(k0) & m] {
                 for w in 0..WAYS {
-                    if entry(b, w).load(Ordering::Relaxed) == entry_of(0, k0, tagged) {
-                        entry(b, w).store(entry_of(1, k0, tagged), Ordering::Relaxed);
+                    if t.entry(b, w).load(Ordering::Relaxed) == entry_of(0, k0, tagged) {
+                        t.entry(b, w)
+                            .store(entry_of(1, k0, tagged), Ordering::Relaxed);
                     }
                 }
             }
             assert_eq!(view.held_prefix(&keys[..2]), 0);
             assert_eq!(view.held_prefix(&keys[1..3]), 2);
         }
+    }
+
+    /// With chain marks (the table's slots one chain, slot `s`'s block the child of slot
+    /// `s - 1`'s): the binary search vouches for exactly the keys whose marks carry the
+    /// current epoch and their chain's fingerprint, and `held_prefix` still names what each
+    /// key probed alone names, whatever the marks say (current, stale, partial, or a list that
+    /// is not a chain).
+    #[test]
+    fn chain_marks_are_searched_and_agree_with_each_key_probed_alone() {
+        use kvtier_core::BlockKey;
+        use kvtier_core::slot_table::*;
+        let slots = 1u32 << 13;
+        let t = HandTable::full(slots, true, flags::CHAINED);
+        let keys: Vec<BlockKey> = (0..slots).map(HandTable::key).collect();
+        let mut fp = CHAIN_SEED;
+        let fps: Vec<u32> = keys
+            .iter()
+            .map(|k| {
+                fp = chain_fold(fp, *k);
+                fp
+            })
+            .collect();
+        let mark = |s: u32, epoch: u32| {
+            t.w64(HandTable::rec(s) + CHAIN_OFFSET)
+                .store(chain_mark(epoch, fps[s as usize]), Ordering::Relaxed)
+        };
+        (0..slots).for_each(|s| mark(s, 7));
+        t.w64(EPOCH_OFFSET).store(7, Ordering::Relaxed);
+        let view = t.view();
+        assert!(view.chained);
+        let alone = |ks: &[BlockKey]| ks.iter().take_while(|k| view.find(**k, |_| true)).count();
+        let agree = |ks: &[BlockKey], chained: usize, held: usize| {
+            assert_eq!(view.chained_prefix(ks), chained);
+            assert_eq!(view.held_prefix(ks), held);
+            assert_eq!(alone(ks), held);
+        };
+        let prompt = &keys[..4096];
+        agree(prompt, 4096, 4096);
+        agree(&prompt[..1], 1, 1);
+        agree(&[], 0, 0);
+        // Keys after the prompt's, never stored: vouched up to the last cached one.
+        let mut longer = prompt[..3000].to_vec();
+        longer.extend((0..500).map(|i| HandTable::key(slots + i)));
+        agree(&longer, 3000, 3000);
+        // Not from the chain's root: no mark matches (probed one by one).
+        agree(&keys[100..4196], 0, 4096);
+        // Not a chain: the same keys in another order.
+        let mut shuffled = prompt.to_vec();
+        shuffled.swap(10, 4000);
+        agree(&shuffled, 10, 4096);
+        // Marks from 2,000 on not renewed yet: vouched to there, the rest probed.
+        (2000..4096).for_each(|s| mark(s, 6));
+        agree(prompt, 2000, 4096);
+        // Withdrawn, the server having moved the epoch on: nothing vouched, the probe stops.
+        t.w64(HandTable::rec(1000)).store(3, Ordering::Relaxed);
+        t.w64(EPOCH_OFFSET).store(8, Ordering::Relaxed);
+        agree(prompt, 0, 1000);
+        // An epoch past 32 bits is not one a server writes: no mark is trusted.
+        t.w64(HandTable::rec(1000)).store(4, Ordering::Relaxed);
+        (0..slots).for_each(|s| mark(s, 8));
+        agree(prompt, 4096, 4096);
+        t.w64(EPOCH_OFFSET).store(1 << 40 | 8, Ordering::Relaxed);
+        agree(prompt, 0, 4096);
     }
 }

@@ -5,10 +5,11 @@
 //!   (a power of two), `_pad: u32`, `block_bytes: u64`, `slot_bytes: u64`, `flags: u64`
 //!   ([`FLAGS_OFFSET`], [`flags`]; 0 from servers before it), `pending: u64`
 //!   ([`PENDING_OFFSET`]: distinct keys being stored now, kept by servers that set
-//!   [`flags::EXACT`]), zeros up to 64;
+//!   [`flags::EXACT`]), `epoch: u64` ([`EPOCH_OFFSET`], with [`flags::CHAINED`]);
 //! * slot records at [`HEADER_BYTES`]: `slots` records of [`RECORD_BYTES`]:
-//!   `seq: u64, key_lo: u64, key_hi: u64, _reserved: u64` (a seqlock: `seq` odd = nothing
-//!   readable, even = the slot holds block `key_lo | key_hi << 64`, unchanged while `seq` is);
+//!   `seq: u64, key_lo: u64, key_hi: u64, chain: u64` (a seqlock: `seq` odd = nothing
+//!   readable, even = the slot holds block `key_lo | key_hi << 64`, unchanged while `seq` is;
+//!   `chain` with [`flags::CHAINED`], see [`chain_mark`]);
 //! * index after the records: `buckets * ways` `u32` entries (`slot + 1`, 0 = empty; with
 //!   [`flags::TAGGED`], `tag << TAG_SHIFT | (slot + 1)`, see [`entry_of`]); key `k` is looked
 //!   for in bucket `bucket_of(k) & (buckets - 1)`, and, where the header's flags have
@@ -29,6 +30,11 @@ pub const FLAGS_OFFSET: usize = 40;
 /// Offset of the header's `pending: u64`: how many distinct keys puts in flight are storing
 /// (raised before a put goes on, lowered once its keys are committed or withdrawn).
 pub const PENDING_OFFSET: usize = 48;
+/// Offset of the header's `epoch: u64` ([`flags::CHAINED`]): a record's chain mark counts
+/// only while it carries this value (1 to `u32::MAX`; 0 is never current).
+pub const EPOCH_OFFSET: usize = 56;
+/// Offset of the chain mark in a slot record ([`flags::CHAINED`]).
+pub const CHAIN_OFFSET: usize = 24;
 
 /// Bits of the header's `flags`.
 pub mod flags {
@@ -60,6 +66,37 @@ pub mod flags {
     /// flag: servers before it mapped keys another way (HMAC-SHA256), so its probes there
     /// would all miss.
     pub const KEYS_AES: u64 = 16;
+    /// Records carry chain marks ([`super::chain_mark`]): a record whose mark holds the
+    /// header's current `epoch` ([`super::EPOCH_OFFSET`]) and the chain fingerprint of a
+    /// key list's first `i + 1` keys ([`super::chain_fold`]) says that those keys are the
+    /// block's chain, every one of them in DRAM. A client may then find the cached prefix
+    /// of a list by a binary search over its keys instead of probing each one.
+    pub const CHAINED: u64 = 32;
+}
+
+/// The chain fingerprint before any key ([`chain_fold`]).
+pub const CHAIN_SEED: u32 = 0x6b76_7431;
+
+/// The chain fingerprint of a key list's keys up to `key`, given that of the keys before
+/// it (`prev`; [`CHAIN_SEED`] for a chain's first block): the high 32 bits of `(prev ^
+/// key_lo ^ rotl(key_hi, 17)) * 0x9e3779b97f4a7c15` (wrapping). One multiply a key: a client
+/// folds a whole prompt's keys before its search. A fingerprint, not a proof: two chains
+/// share one about once in 2^32 (a wrong "cached" from it costs a miss at the load, as any
+/// stale lookup does).
+pub fn chain_fold(prev: u32, key: BlockKey) -> u32 {
+    let k = key.to_u128();
+    let x = u64::from(prev) ^ (k as u64) ^ ((k >> 64) as u64).rotate_left(17);
+    (x.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as u32
+}
+
+/// A record's chain mark ([`flags::CHAINED`]): `epoch << 32 | fingerprint`, where
+/// `fingerprint` is the [`chain_fold`] of the block's chain (its put's parent's, that
+/// parent's, ... to a block stored with no parent, then the block's own key). The server
+/// writes it only while every block of that chain is in DRAM, and it counts only while the
+/// header's epoch is `epoch`: the server moves the epoch on before it takes out of DRAM a
+/// block that a marked block's chain may go through. 0: no mark.
+pub fn chain_mark(epoch: u32, fingerprint: u32) -> u64 {
+    u64::from(epoch) << 32 | u64::from(fingerprint)
 }
 
 /// Bits of an index entry below its tag ([`flags::TAGGED`]): the entry's `slot + 1`.

@@ -86,6 +86,6 @@ impl Inner {
                 }
             }
         }
-        Ok(())
+        self.dram.published().check_chains()
     }
 }

@@ -11,6 +11,7 @@ use kvtier_core::BlockKey;
 
 use crate::policy::PromotionPolicy;
 use crate::stats::TierCounters;
+use crate::tier::published::Parent;
 use crate::tier::{SlotId, TierError};
 
 use super::events::StoreEventKind;
@@ -125,7 +126,7 @@ impl Inner {
                     if let Some(ts) = stored {
                         if e.loc[to] == NONE {
                             e.loc[to] = ts;
-                            self.placed(to, ts, key);
+                            self.placed(to, ts, key, parent.map_or(Parent::Unknown, Parent::Key));
                             self.emit(StoreEventKind::Stored, to, key);
                         } else {
                             orphan = Some(ts);
@@ -346,7 +347,8 @@ impl Inner {
                     match shard.get_mut(&key) {
                         Some(e) if e.loc[to] == NONE => {
                             e.loc[to] = ts;
-                            self.placed(to, ts, key);
+                            let parent = parent.map_or(Parent::Unknown, |(k, _)| Parent::Key(k));
+                            self.placed(to, ts, key, parent);
                             self.emit(StoreEventKind::Stored, to, key);
                             true
                         }

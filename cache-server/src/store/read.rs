@@ -212,9 +212,14 @@ impl Inner {
                 rest: &keys[hits.len()..],
                 now_ms: now,
             });
-            if t == h && matches!(held, LookupHold::Held { .. }) {
-                drop(st);
-                held = self.file_hold(hits.clone());
+            drop(st);
+            if t == h {
+                // Chain marks the epoch voided come back for this run (local clients
+                // binary-search on them); O(log n) where they are current.
+                self.dram.published().renew(&hits, keys);
+                if matches!(held, LookupHold::Held { .. }) {
+                    held = self.file_hold(hits.clone());
+                }
             }
         }
         out.truncate(reported);

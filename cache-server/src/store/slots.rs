@@ -11,6 +11,7 @@ use kvtier_core::BlockKey;
 
 use crate::policy::{ChainAwareTuning, EvictionKind, EvictionPolicy};
 use crate::stats::{StoreStats, TierCounters, TierStats};
+use crate::tier::published::Parent;
 use crate::tier::{SlotId, Tier, TierKind};
 
 use super::index::Entry;
@@ -191,8 +192,9 @@ pub(super) fn tier_stats(slots: &Slots) -> TierStats {
         TierKind::Nvme => 4,
         _ => 32,
     };
-    // The host tier's hold count (4) and guest flag and queue entry (1 + 4).
-    let host_only = 9 * st.held.len().min(1);
+    // The host tier's hold count (4), guest flag and queue entry (1 + 4), and the
+    // published table's chain link (24).
+    let host_only = 33 * st.held.len().min(1);
     s.metadata_bytes_per_slot =
         (16 + 4 + 4 + host_only + st.policy.bytes_per_slot() + tier_table) as u64;
     s.guest_slots = st.guests.live() as u64;
@@ -262,10 +264,11 @@ impl Inner {
     }
 
     /// The index now names `slot` of tier `t` for `key` (its bytes are in place): local
-    /// clients may read it without a message. Call under the key's shard lock.
-    pub(super) fn placed(&self, t: usize, slot: u32, key: BlockKey) {
+    /// clients may read it without a message. `parent`: the one its put named, for the
+    /// table's chain marks. Call under the key's shard lock.
+    pub(super) fn placed(&self, t: usize, slot: u32, key: BlockKey, parent: Parent) {
         if t == self.host {
-            self.dram.published().publish(SlotId(slot), key);
+            self.dram.published().publish(SlotId(slot), key, parent);
         }
     }
 

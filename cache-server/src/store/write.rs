@@ -5,6 +5,7 @@ use crate::policy::Admission;
 use crate::policy::admission::RejectReason;
 use crate::stats::TierCounters;
 use crate::tier::SlotId;
+use crate::tier::published::Parent;
 use kvtier_core::BlockKey;
 use std::sync::Arc;
 
@@ -121,7 +122,7 @@ impl Inner {
                 return Ok(PutOutcome::Rejected(RejectReason::OrphanBlock));
             }
             shard.insert(key, Entry::at(h, slot));
-            self.placed(h, slot, key);
+            self.placed(h, slot, key, parent.map_or(Parent::Root, Parent::Key));
             self.emit(StoreEventKind::Stored, h, key);
         }
         TierCounters::add(&c.bytes_in, self.block_bytes as u64);
