@@ -134,6 +134,9 @@ pub(crate) struct SlotView {
     /// The header's `flags` has `slot_table::flags::CHAINED`: records carry chain marks,
     /// and [`SlotView::held_prefix`] binary-searches a list's keys on them first.
     chained: bool,
+    /// The chain fingerprints of the last list searched, kept for the next (a buffer a call
+    /// costs page faults).
+    fingerprints: std::sync::Mutex<Vec<u32>>,
 }
 
 /// Keys [`SlotView::held_prefix`] probes at once.
@@ -218,17 +221,18 @@ impl SlotView {
             return 0;
         }
         let epoch = self.word64(EPOCH_OFFSET).load(Ordering::SeqCst);
-        let Ok(e) = u32::try_from(epoch) else {
-            return 0;
+        let e = match u32::try_from(epoch) {
+            Ok(e) if e > 0 => e,
+            _ => return 0,
         };
+        // Another lookup holding the buffer meanwhile leaves this one a new one.
+        let mut fps = std::mem::take(&mut *lock(&self.fingerprints));
+        fps.clear();
         let mut prev = CHAIN_SEED;
-        let fps: Vec<u32> = keys
-            .iter()
-            .map(|k| {
-                prev = chain_fold(prev, *k);
-                prev
-            })
-            .collect();
+        fps.extend(keys.iter().map(|k| {
+            prev = chain_fold(prev, *k);
+            prev
+        }));
         let marked = |i: usize| {
             let want = chain_mark(e, fps[i]);
             self.find_internal(keys[i], |slot| {
@@ -253,6 +257,7 @@ impl SlotView {
             }
             lo
         };
+        *lock(&self.fingerprints) = fps;
         // Orders the marks' loads before the epoch's second read.
         std::sync::atomic::fence(Ordering::Acquire);
         if self.word64(EPOCH_OFFSET).load(Ordering::SeqCst) != epoch {
@@ -488,6 +493,9 @@ fn check_range(
 
 pub(crate) struct Conn {
     writer: tokio::sync::Mutex<BoxWrite>,
+    /// The frame buffer of one-way key-list requests (local lookups), kept between calls:
+    /// a prompt's keys are 64 KiB, and a fresh buffer each call costs page faults.
+    key_frame: Mutex<Vec<u8>>,
     pending: Mutex<HashMap<u64, oneshot::Sender<Reply>>>,
     subs: Mutex<HashMap<u64, mpsc::Sender<Events>>>,
     next_id: AtomicU64,
@@ -635,6 +643,7 @@ impl Conn {
         };
         let conn = Arc::new(Conn {
             writer: tokio::sync::Mutex::new(wr),
+            key_frame: Mutex::new(Vec::new()),
             pending: Mutex::new(HashMap::new()),
             subs: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
@@ -700,6 +709,29 @@ impl Conn {
             .map_err(|_| ClientError::Timeout)?
     }
 
+    /// Sends key-list request `op` (`Lookup`: the local lookups) of borrowed `keys` one way
+    /// ([`flags::NO_REPLY`]): the frame [`Self::send_no_reply`] would write for it, built in
+    /// this connection's kept buffer instead of three new ones.
+    pub(crate) async fn send_keys_no_reply(
+        &self,
+        op: kvtier_core::protocol::Opcode,
+        keys: &[kvtier_core::BlockKey],
+        timeout: Duration,
+    ) -> Result<(), ClientError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        // Another call on this connection holding the buffer meanwhile gets a new one.
+        let mut buf = std::mem::take(&mut *lock(&self.key_frame));
+        buf.clear();
+        buf.resize(HEADER_BYTES, 0);
+        kvtier_core::protocol::append_key_list_meta(keys, &mut buf);
+        let mut h = Header::request(op, id, buf.len() - HEADER_BYTES, 0);
+        h.flags = flags::NO_REPLY;
+        buf[..HEADER_BYTES].copy_from_slice(&h.encode());
+        let r = tokio::time::timeout(timeout, self.send_frame(&buf, &[])).await;
+        *lock(&self.key_frame) = buf;
+        r.map_err(|_| ClientError::Timeout)?
+    }
+
     /// Registers an event subscription under a new id and sends the subscribe request.
     pub(crate) async fn subscribe(
         &self,
@@ -737,11 +769,16 @@ impl Conn {
         payload: &[&[u8]],
         fl: u8,
     ) -> Result<(), ClientError> {
+        let len: u64 = payload.iter().map(|p| p.len() as u64).sum();
+        self.send_frame(&frame(req, id, len, fl), payload).await
+    }
+
+    /// Writes a request's header and metadata (`head`), then its payload.
+    async fn send_frame(&self, head: &[u8], payload: &[&[u8]]) -> Result<(), ClientError> {
         if self.is_dead() {
             return Err(ClientError::Disconnected);
         }
         let len: u64 = payload.iter().map(|p| p.len() as u64).sum();
-        let head = frame(req, id, len, fl);
         // The server closes a connection that sends more than it stated at hello: refuse
         // here instead (the callers chunk by these limits, so this is a last guard).
         let meta = (head.len() - HEADER_BYTES) as u64;
@@ -754,7 +791,7 @@ impl Conn {
         }
         let mut w = self.writer.lock().await;
         let r = async {
-            w.write_all(&head).await?;
+            w.write_all(head).await?;
             for p in payload {
                 w.write_all(p).await?;
             }
@@ -1067,6 +1104,7 @@ fn map_slot_table(
         exact: flag(flags::EXACT),
         tagged: flag(flags::TAGGED),
         chained: flag(flags::CHAINED),
+        fingerprints: std::sync::Mutex::new(Vec::new()),
     }))
 }
 

@@ -76,7 +76,7 @@ pub use kvtier_core::protocol::{
     BlockEvent, ErrorCode, EventKind, MAX_RETAIN_PRIORITY, MAX_RETAIN_RETURN_MS, PutEntry,
     PutStatus, RetainStatus, TierCode,
 };
-use kvtier_core::protocol::{Events, KeyList, MissCode, Request, Response, RetainHint};
+use kvtier_core::protocol::{Events, KeyList, MissCode, Opcode, Request, Response, RetainHint};
 use tokio::sync::mpsc;
 
 use conn::Conn;
@@ -664,12 +664,10 @@ impl Client {
         if n < keys.len() && !(table.exact && table.pending() == 0) {
             return Ok(None);
         }
-        let req = Request::Lookup(KeyList {
-            keys: keys.to_vec(),
-        });
         // One way: written before this returns, so the server sees this connection's requests
         // in the order they were made (a queue written later measured no faster here).
-        c.send_no_reply(&req, self.timeout()).await?;
+        c.send_keys_no_reply(Opcode::Lookup, keys, self.timeout())
+            .await?;
         self.inner
             .fast_lookups
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);

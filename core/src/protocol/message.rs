@@ -315,6 +315,15 @@ where
     wincode::config::serialize(v, ENCODE).expect("wincode serialization into a Vec")
 }
 
+/// Appends the metadata of a key-list request (`Lookup`, `Get`, `Fetch`, `Prefetch`,
+/// `Remove`) of `keys` to `out`: the bytes [`Request::encode_meta`] gives for it, from a
+/// borrowed list, with no buffer of its own (a local lookup sends a prompt's keys one way,
+/// and three 64 KiB buffers a call cost more than the lookup).
+pub fn append_key_list_meta(keys: &[BlockKey], out: &mut Vec<u8>) {
+    // Serializing an in-memory value into a Vec fails only on allocation failure.
+    wincode::config::serialize_into(out, keys, ENCODE).expect("wincode serialization into a Vec")
+}
+
 type EncodeConfig =
     wincode::config::Configuration<true, { wincode::config::PREALLOCATION_SIZE_LIMIT_DISABLED }>;
 const ENCODE: EncodeConfig =

@@ -41,7 +41,8 @@ pub use message::{
     BlockEvent, BlockSource, BlockSum, ErrorCode, ErrorReply, EventKind, Events, FetchReply, Hello,
     HelloReply, KeyList, LocateReply, MAX_NODE_BYTES, MAX_RETAIN_PRIORITY, MAX_RETAIN_RETURN_MS,
     MissCode, PinReply, PinnedSlot, PutEntry, PutReply, PutStatus, Request, ReserveReply,
-    ReservedSlot, Response, RetainHint, RetainReply, RetainStatus, TierCode, block_sum,
+    ReservedSlot, Response, RetainHint, RetainReply, RetainStatus, TierCode, append_key_list_meta,
+    block_sum,
 };
 
 use thiserror::Error;

@@ -882,3 +882,17 @@ fn block_sum_binds_key_and_bytes() {
     assert_ne!(a, block_sum(&k(1), b"blocK"));
     assert_ne!(a, block_sum(&k(1), b"bloc"));
 }
+
+/// A key list's metadata appended from a borrowed list is byte for byte the metadata of the
+/// request that owns it, after whatever the buffer held.
+#[test]
+fn key_list_meta_appended_is_the_requests() {
+    for n in [0u128, 1, 2, 4096] {
+        let keys: Vec<BlockKey> = (0..n).map(|i| k(i * 0x9e37_79b9 + 1)).collect();
+        let mut out = b"head".to_vec();
+        append_key_list_meta(&keys, &mut out);
+        let want = Request::Lookup(KeyList { keys }).encode_meta();
+        assert_eq!(&out[..4], b"head");
+        assert_eq!(out[4..], want[..], "{n} keys");
+    }
+}
