@@ -240,23 +240,8 @@ impl SlotView {
                 self.word64(rec + CHAIN_OFFSET).load(Ordering::Relaxed) == want
             })
         };
-        let n = keys.len();
         // Most often the whole list is cached: one probe.
-        let known = if marked(n - 1) {
-            n
-        } else {
-            // Invariant: keys[..lo] vouched for (by a mark at lo - 1), keys[hi] not.
-            let (mut lo, mut hi) = (0, n - 1);
-            while lo < hi {
-                let mid = lo + (hi - lo) / 2;
-                if marked(mid) {
-                    lo = mid + 1;
-                } else {
-                    hi = mid;
-                }
-            }
-            lo
-        };
+        let known = kvtier_core::slot_table::marked_prefix(keys.len(), marked);
         *lock(&self.fingerprints) = fps;
         // Orders the marks' loads before the epoch's second read.
         std::sync::atomic::fence(Ordering::Acquire);

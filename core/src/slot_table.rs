@@ -89,6 +89,26 @@ pub fn chain_fold(prev: u32, key: BlockKey) -> u32 {
     (x.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as u32
 }
 
+/// How many leading items of `0..n` a monotone `marked` vouches for (`marked(i)` true means
+/// items `0..=i` are): the last item first (one call when all are), else a binary search for
+/// the first unmarked one. Shared by the client's search and the server's renewal.
+pub fn marked_prefix(n: usize, mut marked: impl FnMut(usize) -> bool) -> usize {
+    if n == 0 || marked(n - 1) {
+        return n;
+    }
+    // Invariant: items 0..lo vouched for (by a mark at lo - 1), item hi not.
+    let (mut lo, mut hi) = (0, n - 1);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if marked(mid) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
 /// A record's chain mark ([`flags::CHAINED`]): `epoch << 32 | fingerprint`, where
 /// `fingerprint` is the [`chain_fold`] of the block's chain (its put's parent's, that
 /// parent's, ... to a block stored with no parent, then the block's own key). The server

@@ -47,6 +47,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 
 use kvtier_core::BlockKey;
+use kvtier_core::slot_table::marked_prefix;
 use memmap2::MmapRaw;
 
 use super::SlotId;
@@ -362,15 +363,7 @@ impl Published {
         let marked =
             |i: usize| self.holds(SlotId(slots[i]), keys[i]) && self.current(slots[i], epoch);
         // The first of the run not marked, if marks run from its start.
-        let (mut lo, mut hi) = (0, n - 1);
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if marked(mid) {
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
-        }
+        let lo = marked_prefix(n, marked);
         for i in lo..n {
             let (s, key) = (slots[i], keys[i]);
             if !self.holds(SlotId(s), key) {
